@@ -1,0 +1,298 @@
+//! The one definition of every map key, value and counter that shunt's eBPF programs
+//! and its userspace share. `#[repr(C)]` with explicit padding fields so the layout
+//! (and the BTF that bpftool pretty-prints) is the same on both sides.
+#![no_std]
+
+/// Address families as the kernel numbers them.
+pub const AF_INET: u32 = 2;
+pub const AF_INET6: u32 = 10;
+
+/// `getsockopt(SOL_IP, SO_ORIGINAL_DST)`: netfilter's original-destination query.
+pub const SOL_IP: i32 = 0;
+pub const SOL_IPV6: i32 = 41;
+pub const SO_ORIGINAL_DST: i32 = 80;
+pub const IP6T_SO_ORIGINAL_DST: i32 = 80;
+
+/// Istio's inbound passthrough source (`upstream_bind_config` of
+/// InboundPassthroughClusterIpv4/6): 127.0.0.6 and ::6.
+pub const INBOUND_PASSTHROUGH_V4: [u8; 4] = [127, 0, 0, 6];
+pub const INBOUND_PASSTHROUGH_V6: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6];
+
+/// Pin names under the bpffs root (default `/sys/fs/bpf/shunt`). bpffs refuses '.'.
+pub mod pins {
+    pub const POD_CONFIG: &str = "POD_CONFIG";
+    pub const POD_ADDRS: &str = "POD_ADDRS";
+    pub const POD_PORTS: &str = "POD_PORTS";
+    pub const CIDR_V4: &str = "CIDR_V4";
+    pub const CIDR_V6: &str = "CIDR_V6";
+    pub const ORIG_DST_COOKIE: &str = "ORIG_DST_COOKIE";
+    pub const ORIG_DST_TUPLE: &str = "ORIG_DST_TUPLE";
+    pub const LISTENERS: &str = "LISTENERS";
+    pub const COUNTERS: &str = "COUNTERS";
+    /// Every map, in the order userspace pins and removes them.
+    pub const MAPS: [&str; 9] = [
+        POD_CONFIG,
+        POD_ADDRS,
+        POD_PORTS,
+        CIDR_V4,
+        CIDR_V6,
+        ORIG_DST_COOKIE,
+        ORIG_DST_TUPLE,
+        LISTENERS,
+        COUNTERS,
+    ];
+}
+
+/// An IP address as the kernel's socket contexts carry it: four 32-bit words, each in
+/// network byte order; IPv4 uses word 0 and leaves the rest zero.
+pub type Addr = [u32; 4];
+
+/// `PodConfig::flags`.
+pub mod flags {
+    /// `-i '*'` for IPv4: every destination not excluded is captured.
+    pub const OUTBOUND_ALL_V4: u32 = 1 << 0;
+    /// `-i '*'` for IPv6.
+    pub const OUTBOUND_ALL_V6: u32 = 1 << 1;
+    /// Inbound capture is on (`-b` not empty).
+    pub const INBOUND: u32 = 1 << 2;
+    /// `-b '*'`: every inbound port but the excluded ones; otherwise only listed ports.
+    pub const INBOUND_ALL_PORTS: u32 = 1 << 3;
+}
+
+/// Capture settings of one pod, keyed by its network namespace cookie (`POD_CONFIG`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodConfig {
+    /// The pod's id in the other maps: its network namespace inode number.
+    pub pod_id: u32,
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    /// Host byte order.
+    pub outbound_port: u16,
+    /// Host byte order.
+    pub inbound_port: u16,
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// `POD_ADDRS` key: one of a pod's own addresses. Value: that pod's `PodConfig`, so `sk_lookup`
+/// (which has no network namespace cookie to go by) finds the pod from the destination.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AddrKey {
+    pub addr: Addr,
+    pub family: u32,
+}
+
+/// `LISTENERS` key: a pod's inbound listener socket for one address family (an IPv6-only
+/// socket cannot take IPv4 connections, so each family has its own).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    pub pod_id: u32,
+    pub family: u32,
+}
+
+/// `POD_PORTS` kinds.
+pub mod port_kind {
+    /// `-d` (and 22 when `-b '*'`): inbound port that bypasses the proxy.
+    pub const INBOUND_EXCLUDE: u16 = 1;
+    /// `-b PORTS`: inbound port that is captured.
+    pub const INBOUND_INCLUDE: u16 = 2;
+    /// `-o`: outbound destination port that bypasses the proxy.
+    pub const OUTBOUND_EXCLUDE: u16 = 3;
+}
+
+/// `POD_PORTS` key; the value is a `u8` set to 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortKey {
+    pub pod_id: u32,
+    /// Host byte order.
+    pub port: u16,
+    pub kind: u16,
+}
+
+/// `CIDR_V4`/`CIDR_V6` kinds: `-x` exclusions are checked before `-i` inclusions,
+/// whatever their prefix lengths, as istio-iptables orders its rules.
+pub mod cidr_kind {
+    pub const EXCLUDE: u32 = 1;
+    pub const INCLUDE: u32 = 2;
+}
+
+/// LPM-trie data for `CIDR_V4`: `pod_id` and `kind` are always matched whole (the
+/// prefix length is 64 + the CIDR's), so one trie serves every pod.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cidr4 {
+    pub pod_id: u32,
+    pub kind: u32,
+    pub addr: u32,
+}
+
+/// LPM-trie data for `CIDR_V6`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cidr6 {
+    pub pod_id: u32,
+    pub kind: u32,
+    pub addr: Addr,
+}
+
+/// Prefix bits taken by `pod_id` and `kind` ahead of the address in the CIDR tries.
+pub const CIDR_KEY_PREFIX_BITS: u32 = 64;
+
+/// Where a captured connection was going. Value of `ORIG_DST_COOKIE` (by the
+/// connecting socket's cookie, written at connect) and `ORIG_DST_TUPLE`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OriginalDst {
+    pub addr: Addr,
+    /// Network byte order, as in `sockaddr_in`.
+    pub port: u16,
+    pub _pad: u16,
+    pub family: u32,
+    pub pod_id: u32,
+    /// `direction::OUTBOUND` or `direction::INBOUND`.
+    pub direction: u32,
+}
+
+pub mod direction {
+    pub const OUTBOUND: u32 = 1;
+    /// The proxy calling its own pod address, sent to the inbound port (rules 16/19).
+    pub const INBOUND: u32 = 2;
+}
+
+/// `ORIG_DST_TUPLE` key: a redirected connection as its client sees it, in its
+/// network namespace. The proxy's accepted socket looks itself up with source and
+/// destination swapped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockTuple {
+    pub netns: u64,
+    pub src: Addr,
+    pub dst: Addr,
+    /// Host byte order.
+    pub src_port: u16,
+    /// Host byte order.
+    pub dst_port: u16,
+    pub family: u32,
+}
+
+/// Every decision the programs take has a counter: index into `COUNTERS`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// connect(): sent to the outbound port (rule 23).
+    OutboundRedirected = 0,
+    /// connect(): the proxy calling its own pod address, sent to the inbound port (16/19).
+    InboundRedirectedLocal,
+    /// connect(): the socket's network namespace has no capture.
+    SkipNotEnrolled,
+    /// connect(): not TCP.
+    SkipNotTcp,
+    /// connect(): source 127.0.0.6/::6 over lo (rule 15).
+    SkipInboundPassthrough,
+    /// connect(): the proxy's own traffic by uid (18).
+    SkipProxyUid,
+    /// connect(): the proxy's own traffic by gid (21).
+    SkipProxyGid,
+    /// connect(): the app calling a local address, its own pod IP or loopback (17/20).
+    SkipAppLocal,
+    /// connect(): destination 127.0.0.1/::1 (22).
+    SkipLoopback,
+    /// connect(): destination in an excluded CIDR (`-x`).
+    SkipExcludedCidr,
+    /// connect(): destination not in an included CIDR (`-i` not `*`).
+    SkipNotIncludedCidr,
+    /// connect(): destination port excluded (`-o`).
+    SkipExcludedPort,
+    /// sk_lookup: inbound connection steered to the inbound listener (13).
+    InboundSteered,
+    /// sk_lookup: inbound port excluded (9-12, `-d`) or not included (`-b PORTS`).
+    InboundSkipPort,
+    /// sk_lookup: the source is local (the pod itself); the connect hook decided.
+    InboundSkipLocalSource,
+    /// sk_lookup: captured port but no inbound listener registered: dropped (fail closed).
+    InboundNoListener,
+    /// sockops: a redirected connection's original destination recorded by 4-tuple.
+    OrigDstRecorded,
+    /// getsockopt: SO_ORIGINAL_DST answered from the tuple map.
+    OrigDstAnswered,
+    /// sockops: a redirected connection closed; its tuple entry removed.
+    OrigDstRemoved,
+    /// sockops: a pod's inbound listener registered for sk_lookup.
+    ListenerRegistered,
+    /// sk_lookup: the destination is not one of a pod's addresses.
+    InboundSkipNotPod,
+}
+
+impl Decision {
+    pub const COUNT: u32 = 21;
+    pub const ALL: [Decision; Self::COUNT as usize] = [
+        Decision::OutboundRedirected,
+        Decision::InboundRedirectedLocal,
+        Decision::SkipNotEnrolled,
+        Decision::SkipNotTcp,
+        Decision::SkipInboundPassthrough,
+        Decision::SkipProxyUid,
+        Decision::SkipProxyGid,
+        Decision::SkipAppLocal,
+        Decision::SkipLoopback,
+        Decision::SkipExcludedCidr,
+        Decision::SkipNotIncludedCidr,
+        Decision::SkipExcludedPort,
+        Decision::InboundSteered,
+        Decision::InboundSkipPort,
+        Decision::InboundSkipLocalSource,
+        Decision::InboundNoListener,
+        Decision::OrigDstRecorded,
+        Decision::OrigDstAnswered,
+        Decision::OrigDstRemoved,
+        Decision::ListenerRegistered,
+        Decision::InboundSkipNotPod,
+    ];
+
+    /// The counter's name in `shunt` output and the demo.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Decision::OutboundRedirected => "outbound_redirected",
+            Decision::InboundRedirectedLocal => "inbound_redirected_local",
+            Decision::SkipNotEnrolled => "skip_not_enrolled",
+            Decision::SkipNotTcp => "skip_not_tcp",
+            Decision::SkipInboundPassthrough => "skip_inbound_passthrough_source",
+            Decision::SkipProxyUid => "skip_proxy_uid",
+            Decision::SkipProxyGid => "skip_proxy_gid",
+            Decision::SkipAppLocal => "skip_app_local",
+            Decision::SkipLoopback => "skip_loopback",
+            Decision::SkipExcludedCidr => "skip_excluded_cidr",
+            Decision::SkipNotIncludedCidr => "skip_not_included_cidr",
+            Decision::SkipExcludedPort => "skip_excluded_port",
+            Decision::InboundSteered => "inbound_steered",
+            Decision::InboundSkipPort => "inbound_skip_port",
+            Decision::InboundSkipLocalSource => "inbound_skip_local_source",
+            Decision::InboundNoListener => "inbound_no_listener",
+            Decision::OrigDstRecorded => "orig_dst_recorded",
+            Decision::OrigDstAnswered => "orig_dst_answered",
+            Decision::OrigDstRemoved => "orig_dst_removed",
+            Decision::ListenerRegistered => "listener_registered",
+            Decision::InboundSkipNotPod => "inbound_skip_not_pod",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: all are #[repr(C)], made only of integers, with explicit padding fields.
+    unsafe impl aya::Pod for PodConfig {}
+    unsafe impl aya::Pod for AddrKey {}
+    unsafe impl aya::Pod for PortKey {}
+    unsafe impl aya::Pod for Cidr4 {}
+    unsafe impl aya::Pod for Cidr6 {}
+    unsafe impl aya::Pod for OriginalDst {}
+    unsafe impl aya::Pod for SockTuple {}
+    unsafe impl aya::Pod for ListenerKey {}
+}
+
+pub mod outbound;

@@ -1,0 +1,135 @@
+//! istio-iptables' ISTIO_OUTPUT chain as one pure function, so the connect hooks and
+//! the host tests share the exact rule order (SEEDS.md section 2, rules 14-23, plus
+//! the `-o` port and `-x`/`-i` CIDR rules istio-iptables adds around them).
+
+use crate::Decision;
+
+/// What the connect hook knows about one `connect()`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConnectFacts {
+    pub uid: u32,
+    pub gid: u32,
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    /// The destination port is in `-o`.
+    pub port_excluded: bool,
+    /// The socket is bound to 127.0.0.6 / ::6 (Envoy's inbound passthrough).
+    pub src_inbound_passthrough: bool,
+    /// The route goes out `lo`: loopback range, unspecified, or one of the pod's addresses.
+    pub via_lo: bool,
+    /// The destination is exactly 127.0.0.1 / ::1.
+    pub dst_localhost: bool,
+    /// The destination is in a `-x` CIDR.
+    pub cidr_excluded: bool,
+    /// `-i '*'`, or the destination is in an `-i` CIDR.
+    pub cidr_included: bool,
+}
+
+/// The chain walked top to bottom; the first rule that matches decides.
+#[inline(always)]
+pub fn decide(f: &ConnectFacts) -> Decision {
+    // `-p tcp --dport P -j RETURN`, before everything else.
+    if f.port_excluded {
+        return Decision::SkipExcludedPort;
+    }
+    // 15: -o lo -s 127.0.0.6/32 -j RETURN
+    if f.via_lo && f.src_inbound_passthrough {
+        return Decision::SkipInboundPassthrough;
+    }
+    // 16: -o lo ! -d 127.0.0.1/32 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
+    if f.via_lo && !f.dst_localhost && f.uid == f.proxy_uid {
+        return Decision::InboundRedirectedLocal;
+    }
+    // 17: -o lo -m owner ! --uid-owner 1337 -j RETURN
+    if f.via_lo && f.uid != f.proxy_uid {
+        return Decision::SkipAppLocal;
+    }
+    // 18: -m owner --uid-owner 1337 -j RETURN
+    if f.uid == f.proxy_uid {
+        return Decision::SkipProxyUid;
+    }
+    // 19: -o lo ! -d 127.0.0.1/32 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+    if f.via_lo && !f.dst_localhost && f.gid == f.proxy_gid {
+        return Decision::InboundRedirectedLocal;
+    }
+    // 20: -o lo -m owner ! --gid-owner 1337 -j RETURN
+    if f.via_lo && f.gid != f.proxy_gid {
+        return Decision::SkipAppLocal;
+    }
+    // 21: -m owner --gid-owner 1337 -j RETURN
+    if f.gid == f.proxy_gid {
+        return Decision::SkipProxyGid;
+    }
+    // 22: -d 127.0.0.1/32 -j RETURN
+    if f.dst_localhost {
+        return Decision::SkipLoopback;
+    }
+    // -d EXCLUDED_CIDR -j RETURN (before inclusions)
+    if f.cidr_excluded {
+        return Decision::SkipExcludedCidr;
+    }
+    // 23: -j ISTIO_REDIRECT (or -d INCLUDED_CIDR -j ISTIO_REDIRECT)
+    if f.cidr_included {
+        Decision::OutboundRedirected
+    } else {
+        Decision::SkipNotIncludedCidr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn app() -> ConnectFacts {
+        ConnectFacts {
+            uid: 1000,
+            gid: 1000,
+            proxy_uid: 1337,
+            proxy_gid: 1337,
+            cidr_included: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn app_to_remote_is_redirected_outbound() {
+        assert_eq!(decide(&app()), Decision::OutboundRedirected);
+    }
+
+    #[test]
+    fn proxy_to_remote_is_not_captured() {
+        let f = ConnectFacts { uid: 1337, ..app() };
+        assert_eq!(decide(&f), Decision::SkipProxyUid);
+        let f = ConnectFacts { gid: 1337, ..app() };
+        assert_eq!(decide(&f), Decision::SkipProxyGid);
+    }
+
+    #[test]
+    fn proxy_to_own_pod_ip_goes_inbound_but_not_from_passthrough_source() {
+        let f = ConnectFacts { uid: 1337, via_lo: true, ..app() };
+        assert_eq!(decide(&f), Decision::InboundRedirectedLocal);
+        let f = ConnectFacts { src_inbound_passthrough: true, ..f };
+        assert_eq!(decide(&f), Decision::SkipInboundPassthrough);
+        let f = ConnectFacts { uid: 1337, via_lo: true, dst_localhost: true, ..app() };
+        assert_eq!(decide(&f), Decision::SkipProxyUid);
+    }
+
+    #[test]
+    fn app_local_calls_are_not_captured() {
+        let f = ConnectFacts { via_lo: true, ..app() };
+        assert_eq!(decide(&f), Decision::SkipAppLocal);
+        // gid 1337 but another uid: rule 17 returns first, as in iptables.
+        let f = ConnectFacts { via_lo: true, gid: 1337, ..app() };
+        assert_eq!(decide(&f), Decision::SkipAppLocal);
+    }
+
+    #[test]
+    fn exclusions_win_over_inclusions() {
+        let f = ConnectFacts { cidr_excluded: true, ..app() };
+        assert_eq!(decide(&f), Decision::SkipExcludedCidr);
+        let f = ConnectFacts { cidr_included: false, ..app() };
+        assert_eq!(decide(&f), Decision::SkipNotIncludedCidr);
+        let f = ConnectFacts { port_excluded: true, uid: 1337, via_lo: true, ..app() };
+        assert_eq!(decide(&f), Decision::SkipExcludedPort);
+    }
+}

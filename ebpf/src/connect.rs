@@ -1,0 +1,199 @@
+//! `cgroup/connect4|6`: istio-iptables' OUTPUT/ISTIO_OUTPUT chain at connect time.
+//! A captured connect is rewritten to the proxy's port on loopback (what REDIRECT does
+//! to locally generated packets) and its original destination is kept by socket
+//! cookie until sockops learns the 4-tuple. The connect itself is always allowed.
+
+use core::ptr::write_volatile;
+
+use aya_ebpf::{
+    EbpfContext,
+    btf_maps::lpm_trie::Key,
+    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use shunt_common::{
+    AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, OriginalDst,
+    PodConfig, PortKey, cidr_kind, direction, flags,
+    outbound::{ConnectFacts, decide},
+    port_kind,
+};
+
+use crate::{
+    addr::{
+        LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, map_v4, read6,
+        unmap_v4, v4,
+    },
+    maps::{CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, count, is_pod_addr},
+};
+
+const IPPROTO_TCP: u32 = 6;
+const ALLOW: i32 = 1;
+
+#[cgroup_sock_addr(connect4)]
+pub fn capture_connect4(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, false);
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn capture_connect6(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, true);
+    ALLOW
+}
+
+/// One connect as the rules see it: IPv4 also when a dual-stack socket dials `::ffff:a.b.c.d`.
+struct Dial {
+    family: u32,
+    dst: Addr,
+    src: Addr,
+    v4_mapped: bool,
+}
+
+#[inline(always)]
+fn capture(ctx: &SockAddrContext, v6: bool) {
+    let sa = ctx.sock_addr;
+    // SAFETY: `sa` is this program's context; `sk` is always set for connect hooks.
+    let protocol = unsafe { (*sa).protocol };
+    if protocol != IPPROTO_TCP {
+        count(Decision::SkipNotTcp);
+        return;
+    }
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
+        count(Decision::SkipNotEnrolled);
+        return;
+    };
+    // SAFETY: a value pointer from a successful lookup.
+    let cfg = unsafe { *cfg };
+    let sk = unsafe { (*sa).__bindgen_anon_1.sk };
+    let dial = if v6 {
+        let dst = read6(unsafe { &raw const (*sa).user_ip6 });
+        let src = read6(unsafe { &raw const (*sk).src_ip6 });
+        match unmap_v4(&dst) {
+            Some(dst4) => Dial {
+                family: AF_INET,
+                dst: v4(dst4),
+                src: v4(unmap_v4(&src).unwrap_or(0)),
+                v4_mapped: true,
+            },
+            None => Dial {
+                family: AF_INET6,
+                dst,
+                src,
+                v4_mapped: false,
+            },
+        }
+    } else {
+        Dial {
+            family: AF_INET,
+            dst: v4(unsafe { (*sa).user_ip4 }),
+            src: v4(unsafe { (*sk).src_ip4 }),
+            v4_mapped: false,
+        }
+    };
+    let port_be = unsafe { (*sa).user_port } as u16;
+    let decision = decide(&facts(&cfg, &dial, u16::from_be(port_be)));
+    let (to_port, direction) = match decision {
+        Decision::OutboundRedirected => (cfg.outbound_port, direction::OUTBOUND),
+        Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
+        skipped => {
+            count(skipped);
+            return;
+        }
+    };
+    let original = OriginalDst {
+        addr: dial.dst,
+        port: port_be,
+        _pad: 0,
+        family: dial.family,
+        pod_id: cfg.pod_id,
+        direction,
+    };
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if ORIG_DST_COOKIE.insert(&cookie, &original, 0).is_err() {
+        // Without the record the proxy could not tell where to go: leave it uncaptured.
+        count(Decision::SkipNotEnrolled);
+        return;
+    }
+    count(decision);
+    // SAFETY: context fields writable by connect hooks, one 32-bit store each.
+    unsafe {
+        if !v6 {
+            write_volatile(&raw mut (*sa).user_ip4, LOCALHOST4);
+        } else {
+            let to = if dial.v4_mapped {
+                map_v4(LOCALHOST4)
+            } else {
+                LOCALHOST6
+            };
+            let p = (&raw mut (*sa).user_ip6) as *mut u32;
+            write_volatile(p, to[0]);
+            write_volatile(p.add(1), to[1]);
+            write_volatile(p.add(2), to[2]);
+            write_volatile(p.add(3), to[3]);
+        }
+        write_volatile(&raw mut (*sa).user_port, u32::from(to_port.to_be()));
+    }
+}
+
+#[inline(always)]
+fn facts(cfg: &PodConfig, dial: &Dial, port: u16) -> ConnectFacts {
+    let uid_gid = bpf_get_current_uid_gid();
+    let v4 = dial.family == AF_INET;
+    let all = if v4 {
+        cfg.flags & flags::OUTBOUND_ALL_V4 != 0
+    } else {
+        cfg.flags & flags::OUTBOUND_ALL_V6 != 0
+    };
+    ConnectFacts {
+        uid: uid_gid as u32,
+        gid: (uid_gid >> 32) as u32,
+        proxy_uid: cfg.proxy_uid,
+        proxy_gid: cfg.proxy_gid,
+        port_excluded: POD_PORTS
+            .get_ptr(&PortKey {
+                pod_id: cfg.pod_id,
+                port,
+                kind: port_kind::OUTBOUND_EXCLUDE,
+            })
+            .is_some(),
+        src_inbound_passthrough: if v4 {
+            dial.src[0] == PASSTHROUGH4
+        } else {
+            eq6(&dial.src, &PASSTHROUGH6)
+        },
+        via_lo: is_loopback(&dial.dst, dial.family)
+            || is_pod_addr(dial.dst, dial.family, cfg.pod_id),
+        dst_localhost: if v4 {
+            dial.dst[0] == LOCALHOST4
+        } else {
+            eq6(&dial.dst, &LOCALHOST6)
+        },
+        cidr_excluded: in_cidr(cfg.pod_id, cidr_kind::EXCLUDE, &dial.dst, dial.family),
+        cidr_included: all || in_cidr(cfg.pod_id, cidr_kind::INCLUDE, &dial.dst, dial.family),
+    }
+}
+
+#[inline(always)]
+fn in_cidr(pod_id: u32, kind: u32, dst: &Addr, family: u32) -> bool {
+    if family == AF_INET {
+        let data = Cidr4 {
+            pod_id,
+            kind,
+            addr: dst[0],
+        };
+        CIDR_V4
+            .get(&Key::new(CIDR_KEY_PREFIX_BITS + 32, data))
+            .is_some()
+    } else {
+        let data = Cidr6 {
+            pod_id,
+            kind,
+            addr: *dst,
+        };
+        CIDR_V6
+            .get(&Key::new(CIDR_KEY_PREFIX_BITS + 128, data))
+            .is_some()
+    }
+}

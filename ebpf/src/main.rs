@@ -1,0 +1,27 @@
+//! shunt's kernel side: one program per hook, each small and branch-light.
+//!
+//! - `connect.rs`: `cgroup/connect4|6` decide capture (istio-iptables' ISTIO_OUTPUT) and
+//!   rewrite the destination to the proxy, remembering the original by socket cookie.
+//! - `original_dst.rs`: `sockops` moves that record to the connection's 4-tuple, and
+//!   `cgroup/getsockopt` answers `SO_ORIGINAL_DST` from it; `sockops` also registers each
+//!   pod's inbound listener for `sk_lookup`.
+//! - `inbound.rs`: `sk_lookup` steers connections for a pod's addresses to its inbound
+//!   listener (ISTIO_INBOUND), without rewriting packets.
+#![no_std]
+#![no_main]
+
+mod addr;
+mod connect;
+mod inbound;
+mod maps;
+mod original_dst;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

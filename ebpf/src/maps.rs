@@ -1,0 +1,64 @@
+//! Every map, BTF-defined so `bpftool map dump` pretty-prints keys and values.
+//! Userspace pins them under the bpffs root so all pods share one set.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, SockHash},
+    macros::btf_map,
+};
+use shunt_common::{
+    AddrKey, Cidr4, Cidr6, Decision, ListenerKey, OriginalDst, PodConfig, PortKey, SockTuple,
+};
+
+/// Network namespace cookie → the pod's capture settings.
+#[btf_map]
+pub static POD_CONFIG: HashMap<u64, PodConfig, 4096> = HashMap::new();
+
+/// A pod's own address → its settings (self-call detection and `sk_lookup`).
+#[btf_map]
+pub static POD_ADDRS: HashMap<AddrKey, PodConfig, 16384> = HashMap::new();
+
+/// Excluded/included ports per pod (value unused, 1).
+#[btf_map]
+pub static POD_PORTS: HashMap<PortKey, u8, 65536> = HashMap::new();
+
+#[btf_map]
+pub static CIDR_V4: LpmTrie<Cidr4, u8, 16384> = LpmTrie::new();
+
+#[btf_map]
+pub static CIDR_V6: LpmTrie<Cidr6, u8, 16384> = LpmTrie::new();
+
+/// Written at connect (the 4-tuple is not known yet), moved to `ORIG_DST_TUPLE` by
+/// sockops. LRU so a socket that never reaches the TCP layer cannot leak an entry.
+#[btf_map]
+pub static ORIG_DST_COOKIE: LruHashMap<u64, OriginalDst, 65536> = LruHashMap::new();
+
+/// Redirected connection (as its client sees it) → original destination.
+#[btf_map]
+pub static ORIG_DST_TUPLE: LruHashMap<SockTuple, OriginalDst, 65536> = LruHashMap::new();
+
+/// Each pod's inbound listener, per family, for `sk_lookup` to assign.
+#[btf_map]
+pub static LISTENERS: SockHash<ListenerKey, 8192> = SockHash::new();
+
+/// One counter per `Decision`.
+#[btf_map]
+pub static COUNTERS: PerCpuArray<u64, { Decision::COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count(decision: Decision) {
+    if let Some(counter) = COUNTERS.get_ptr_mut(decision as u32) {
+        // SAFETY: per-CPU slot, and programs do not migrate CPUs mid-run.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// Whether `addr` is one of the pod's own addresses.
+#[inline(always)]
+pub fn is_pod_addr(addr: shunt_common::Addr, family: u32, pod_id: u32) -> bool {
+    let key = AddrKey { addr, family };
+    match POD_ADDRS.get_ptr(&key) {
+        // SAFETY: a map value pointer from a successful lookup.
+        Some(cfg) => unsafe { (*cfg).pod_id == pod_id },
+        None => false,
+    }
+}

@@ -1,0 +1,1 @@
+//! One access log line per connection.

@@ -1,0 +1,41 @@
+//! `shunt`: an eBPF-accelerated transparent proxy for service meshes.
+//!
+//! `shunt capture` replaces istio-init (eBPF, or istio-iptables' exact rules as the
+//! fallback); `shunt proxy` is the proxy that captured traffic lands in.
+
+mod access_log;
+mod capture;
+mod listener;
+mod tcp;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "shunt", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install (or remove) traffic capture in the current network namespace, as istio-init.
+    Capture(capture::CaptureArgs),
+    /// Run the proxy: outbound (15001) and inbound (15006) listeners.
+    Proxy(listener::ProxyArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Capture(args) => capture::run(args),
+        Command::Proxy(args) => listener::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("shunt: error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

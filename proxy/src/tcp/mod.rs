@@ -1,0 +1,1 @@
+//! TCP proxying (`tcp_proxy`).
