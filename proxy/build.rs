@@ -18,7 +18,12 @@ fn main() {
 }
 
 fn build() -> Result<(), String> {
-    for input in ["../ebpf/src", "../ebpf/Cargo.toml", "../common/src", "../common/Cargo.toml"] {
+    for input in [
+        "../ebpf/src",
+        "../ebpf/Cargo.toml",
+        "../common/src",
+        "../common/Cargo.toml",
+    ] {
         println!("cargo:rerun-if-changed={input}");
     }
     println!("cargo:rerun-if-env-changed=SHUNT_BPF_LINKER_DIR");
@@ -39,14 +44,26 @@ fn build() -> Result<(), String> {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir("../ebpf")
-        .args(["build", "--release", "--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .args([
+            "build",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+        ])
         .arg("--target-dir")
         .arg(&target_dir)
         .env("PATH", env::join_paths(paths).map_err(|e| e.to_string())?)
         .env("RUSTC_BOOTSTRAP", "1")
         .env(
             "CARGO_ENCODED_RUSTFLAGS",
-            ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+            [
+                "--cfg=bpf_target_arch=\"x86_64\"",
+                "-Cdebuginfo=2",
+                "-Clink-arg=--btf",
+            ]
+            .join("\x1f"),
         )
         // The outer build's compiler settings are for the host, not for BPF.
         .env_remove("RUSTC")

@@ -106,30 +106,60 @@ mod tests {
 
     #[test]
     fn proxy_to_own_pod_ip_goes_inbound_but_not_from_passthrough_source() {
-        let f = ConnectFacts { uid: 1337, via_lo: true, ..app() };
+        let f = ConnectFacts {
+            uid: 1337,
+            via_lo: true,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::InboundRedirectedLocal);
-        let f = ConnectFacts { src_inbound_passthrough: true, ..f };
+        let f = ConnectFacts {
+            src_inbound_passthrough: true,
+            ..f
+        };
         assert_eq!(decide(&f), Decision::SkipInboundPassthrough);
-        let f = ConnectFacts { uid: 1337, via_lo: true, dst_localhost: true, ..app() };
+        let f = ConnectFacts {
+            uid: 1337,
+            via_lo: true,
+            dst_localhost: true,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipProxyUid);
     }
 
     #[test]
     fn app_local_calls_are_not_captured() {
-        let f = ConnectFacts { via_lo: true, ..app() };
+        let f = ConnectFacts {
+            via_lo: true,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipAppLocal);
         // gid 1337 but another uid: rule 17 returns first, as in iptables.
-        let f = ConnectFacts { via_lo: true, gid: 1337, ..app() };
+        let f = ConnectFacts {
+            via_lo: true,
+            gid: 1337,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipAppLocal);
     }
 
     #[test]
     fn exclusions_win_over_inclusions() {
-        let f = ConnectFacts { cidr_excluded: true, ..app() };
+        let f = ConnectFacts {
+            cidr_excluded: true,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipExcludedCidr);
-        let f = ConnectFacts { cidr_included: false, ..app() };
+        let f = ConnectFacts {
+            cidr_included: false,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipNotIncludedCidr);
-        let f = ConnectFacts { port_excluded: true, uid: 1337, via_lo: true, ..app() };
+        let f = ConnectFacts {
+            port_excluded: true,
+            uid: 1337,
+            via_lo: true,
+            ..app()
+        };
         assert_eq!(decide(&f), Decision::SkipExcludedPort);
     }
 }

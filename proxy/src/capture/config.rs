@@ -1,0 +1,181 @@
+//! istio-iptables' flags, parsed and validated once into a `CaptureConfig` that both
+//! backends render from. Every error names the flag and the bad value.
+
+use std::{fmt, net::IpAddr, str::FromStr};
+
+/// An IP prefix such as `10.0.0.0/8` or `fd00::/8` (a bare address is a /32 or /128).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix_len: u8,
+}
+
+impl Cidr {
+    pub fn is_v4(&self) -> bool {
+        self.addr.is_ipv4()
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (addr, len) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("'{s}' is not an IP address or CIDR"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix_len = match len {
+            None => max,
+            Some(l) => match l.parse::<u8>() {
+                Ok(n) if n <= max => n,
+                _ => return Err(format!("'{s}': prefix length must be 0..={max}")),
+            },
+        };
+        Ok(Cidr { addr, prefix_len })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix_len)
+    }
+}
+
+/// `-i`: `*` (everything) or a list of CIDRs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CidrSet {
+    All,
+    Only(Vec<Cidr>),
+}
+
+/// `-b`: `*` (every port but the excluded ones) or a list of ports (empty: no inbound capture).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortSet {
+    All,
+    Only(Vec<u16>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "UPPER")]
+pub enum InterceptionMode {
+    Redirect,
+    Tproxy,
+}
+
+/// What to capture, from istio-iptables' flags.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaptureConfig {
+    pub proxy_port: u16,
+    pub inbound_capture_port: u16,
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    pub mode: InterceptionMode,
+    pub outbound_include: CidrSet,
+    pub outbound_exclude: Vec<Cidr>,
+    pub inbound_include: PortSet,
+    pub inbound_exclude: Vec<u16>,
+    pub outbound_ports_exclude: Vec<u16>,
+}
+
+/// istio-iptables adds SSH to the inbound exclusions when every port is captured.
+pub const SSH_PORT: u16 = 22;
+
+impl CaptureConfig {
+    /// Inbound ports that bypass the proxy, in istio-iptables' rule order.
+    pub fn inbound_exclusions(&self) -> Vec<u16> {
+        let mut ports = Vec::new();
+        if self.inbound_include == PortSet::All {
+            ports.push(SSH_PORT);
+        }
+        for &p in &self.inbound_exclude {
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+        ports
+    }
+}
+
+pub fn parse_port(flag: &str, s: &str) -> Result<u16, String> {
+    match s.trim().parse::<u16>() {
+        Ok(p) if p != 0 => Ok(p),
+        _ => Err(format!("{flag}: '{s}' is not a port (1-65535)")),
+    }
+}
+
+/// A comma-separated port list; empty means none.
+pub fn parse_ports(flag: &str, s: &str) -> Result<Vec<u16>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| parse_port(flag, p))
+        .collect()
+}
+
+pub fn parse_port_set(flag: &str, s: &str) -> Result<PortSet, String> {
+    if s.trim() == "*" {
+        Ok(PortSet::All)
+    } else {
+        parse_ports(flag, s).map(PortSet::Only)
+    }
+}
+
+pub fn parse_cidrs(flag: &str, s: &str) -> Result<Vec<Cidr>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(|c| c.parse::<Cidr>().map_err(|e| format!("{flag}: {e}")))
+        .collect()
+}
+
+pub fn parse_cidr_set(flag: &str, s: &str) -> Result<CidrSet, String> {
+    if s.trim() == "*" {
+        Ok(CidrSet::All)
+    } else {
+        parse_cidrs(flag, s).map(CidrSet::Only)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_parse_and_reject_with_the_flag_named() {
+        assert_eq!(
+            parse_cidrs("-x", "10.0.0.0/8, 1.2.3.4").unwrap(),
+            vec![
+                Cidr {
+                    addr: "10.0.0.0".parse().unwrap(),
+                    prefix_len: 8
+                },
+                Cidr {
+                    addr: "1.2.3.4".parse().unwrap(),
+                    prefix_len: 32
+                }
+            ]
+        );
+        assert_eq!(parse_cidr_set("-i", "*").unwrap(), CidrSet::All);
+        let err = parse_cidrs("-x", "10.0.0.0/33").unwrap_err();
+        assert!(err.starts_with("-x:") && err.contains("0..=32"), "{err}");
+        let err = parse_cidrs("-i", "10.0.0/8").unwrap_err();
+        assert!(err.contains("'10.0.0/8'"), "{err}");
+        assert!(parse_cidrs("-x", "fd00::/129").is_err());
+    }
+
+    #[test]
+    fn ports_parse_and_reject() {
+        assert_eq!(
+            parse_ports("-d", "15090,15021, 15020").unwrap(),
+            vec![15090, 15021, 15020]
+        );
+        assert_eq!(parse_ports("-o", "").unwrap(), Vec::<u16>::new());
+        assert_eq!(parse_port_set("-b", "*").unwrap(), PortSet::All);
+        assert!(parse_ports("-d", "80,http").unwrap_err().contains("'http'"));
+        assert!(parse_ports("-d", "70000").is_err());
+        assert!(parse_ports("-d", "0").is_err());
+    }
+}

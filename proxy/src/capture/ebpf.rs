@@ -1,0 +1,514 @@
+//! The eBPF backend: loads shunt's programs, pins the shared maps under the bpffs root,
+//! writes the pod's settings, attaches connect4/6, getsockopt and sockops to the pod's
+//! cgroup and sk_lookup to its network namespace, pinning each link under
+//! `<root>/pods/pod_<netns inode>/` so capture outlives this process. Anything that
+//! fails part-way is rolled back.
+
+use std::{
+    fs::File,
+    net::IpAddr,
+    os::fd::{AsFd, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, bail};
+use aya::{
+    Ebpf, EbpfLoader, Pod,
+    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, SockHash, lpm_trie::Key},
+};
+use shunt_common::{
+    AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, ListenerKey,
+    OriginalDst, PodConfig, PortKey, SockTuple, cidr_kind, flags, pins, port_kind,
+};
+
+use super::{
+    config::{CaptureConfig, Cidr, CidrSet, PortSet},
+    link, netns,
+};
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/shunt-ebpf.o"));
+
+/// Program name (the fn in ebpf/) and where it attaches.
+const CGROUP_PROGRAMS: [(&str, u32); 4] = [
+    ("capture_connect4", link::BPF_CGROUP_INET4_CONNECT),
+    ("capture_connect6", link::BPF_CGROUP_INET6_CONNECT),
+    ("original_dst", link::BPF_CGROUP_GETSOCKOPT),
+    ("track_sockets", link::BPF_CGROUP_SOCK_OPS),
+];
+const NETNS_PROGRAM: &str = "steer_inbound";
+
+/// The pod `shunt capture` runs in.
+#[derive(Debug, Clone)]
+pub struct PodIdentity {
+    pub id: u32,
+    pub netns_cookie: u64,
+    pub addresses: Vec<IpAddr>,
+}
+
+impl PodIdentity {
+    pub fn current() -> anyhow::Result<Self> {
+        Ok(PodIdentity {
+            id: netns::netns_inode().context("reading /proc/self/ns/net")?,
+            netns_cookie: netns::netns_cookie()
+                .context("SO_NETNS_COOKIE (needs Linux 5.14 or later)")?,
+            addresses: netns::pod_addresses().context("listing this namespace's addresses")?,
+        })
+    }
+}
+
+pub fn pod_dir(root: &Path, pod_id: u32) -> PathBuf {
+    root.join("pods").join(format!("pod_{pod_id}"))
+}
+
+pub fn addr_words(ip: &IpAddr) -> (Addr, u32) {
+    match ip {
+        IpAddr::V4(v4) => ([u32::from_ne_bytes(v4.octets()), 0, 0, 0], AF_INET),
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            let w = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            ([w(0), w(4), w(8), w(12)], AF_INET6)
+        }
+    }
+}
+
+pub fn words_addr(addr: &Addr, family: u32) -> IpAddr {
+    if family == AF_INET {
+        IpAddr::from(addr[0].to_ne_bytes())
+    } else {
+        let mut o = [0u8; 16];
+        for (i, w) in addr.iter().enumerate() {
+            o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        IpAddr::from(o)
+    }
+}
+
+fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
+    let mut f = 0;
+    if cfg.outbound_include == CidrSet::All {
+        f |= flags::OUTBOUND_ALL_V4 | flags::OUTBOUND_ALL_V6;
+    }
+    match &cfg.inbound_include {
+        PortSet::All => f |= flags::INBOUND | flags::INBOUND_ALL_PORTS,
+        PortSet::Only(p) if !p.is_empty() => f |= flags::INBOUND,
+        PortSet::Only(_) => {}
+    }
+    PodConfig {
+        pod_id: pod.id,
+        proxy_uid: cfg.proxy_uid,
+        proxy_gid: cfg.proxy_gid,
+        outbound_port: cfg.proxy_port,
+        inbound_port: cfg.inbound_capture_port,
+        flags: f,
+        _pad: 0,
+    }
+}
+
+/// What `--dry-run` prints for this backend.
+pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::Result<String> {
+    let pod = PodIdentity::current()?;
+    let pc = pod_config(cfg, &pod);
+    let mut out = String::new();
+    out.push_str(&format!(
+        "# eBPF capture for pod_{} (netns cookie {})\n",
+        pod.id, pod.netns_cookie
+    ));
+    let cg = cgroup.map_or("<--cgroup required>".into(), |c| c.display().to_string());
+    for (prog, _) in CGROUP_PROGRAMS {
+        out.push_str(&format!("attach {prog} to cgroup {cg}\n"));
+    }
+    out.push_str(&format!(
+        "attach {NETNS_PROGRAM} to this network namespace\n"
+    ));
+    out.push_str(&format!(
+        "pin maps under {} and links under {}\n",
+        root.display(),
+        pod_dir(root, pod.id).display()
+    ));
+    out.push_str(&format!("POD_CONFIG[{}] = {pc:?}\n", pod.netns_cookie));
+    for a in &pod.addresses {
+        out.push_str(&format!("POD_ADDRS[{a}] = pod_{}\n", pod.id));
+    }
+    for p in cfg
+        .inbound_exclusions()
+        .iter()
+        .filter(|_| matches!(cfg.inbound_include, PortSet::All))
+    {
+        out.push_str(&format!("POD_PORTS[{p}] = inbound exclude\n"));
+    }
+    if let PortSet::Only(ports) = &cfg.inbound_include {
+        for p in ports {
+            out.push_str(&format!("POD_PORTS[{p}] = inbound include\n"));
+        }
+    }
+    for p in &cfg.outbound_ports_exclude {
+        out.push_str(&format!("POD_PORTS[{p}] = outbound exclude\n"));
+    }
+    for c in &cfg.outbound_exclude {
+        out.push_str(&format!("CIDR[{c}] = exclude\n"));
+    }
+    if let CidrSet::Only(cidrs) = &cfg.outbound_include {
+        for c in cidrs {
+            out.push_str(&format!("CIDR[{c}] = include\n"));
+        }
+    }
+    Ok(out)
+}
+
+/// Installs capture for the current network namespace, or leaves nothing behind.
+pub fn install(cfg: &CaptureConfig, cgroup: &Path, root: &Path) -> anyhow::Result<PodIdentity> {
+    if !cgroup.is_dir() {
+        bail!("--cgroup {}: no such directory", cgroup.display());
+    }
+    if !netns::is_cgroup2_dir(cgroup) {
+        let hint = netns::cgroup2_mount().map_or("no cgroup2 mount found".into(), |m| {
+            format!("cgroup2 is mounted at {}", m.display())
+        });
+        bail!(
+            "--cgroup {}: not a cgroup v2 directory ({hint})",
+            cgroup.display()
+        );
+    }
+    netns::ensure_bpffs(root)?;
+    let pod = PodIdentity::current()?;
+    let dir = pod_dir(root, pod.id);
+    if dir.exists() {
+        bail!(
+            "capture is already installed for this network namespace ({}); run `shunt capture --cleanup` first",
+            dir.display()
+        );
+    }
+    let result = install_pod(cfg, cgroup, root, &pod);
+    if let Err(err) = result {
+        let _ = cleanup_pod(root, &pod);
+        return Err(err.context("eBPF capture rolled back"));
+    }
+    Ok(pod)
+}
+
+fn install_pod(
+    cfg: &CaptureConfig,
+    cgroup: &Path,
+    root: &Path,
+    pod: &PodIdentity,
+) -> anyhow::Result<()> {
+    let dir = pod_dir(root, pod.id);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut bpf = load(root)?;
+    write_config(root, cfg, pod)?;
+    let cgroup_fd = File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
+    let netns_fd = File::open("/proc/self/ns/net")?;
+    for (name, attach_type) in CGROUP_PROGRAMS {
+        let prog_fd = load_program(&mut bpf, name)?;
+        let link = link::create(prog_fd.as_fd(), cgroup_fd.as_fd(), attach_type)
+            .with_context(|| format!("attaching {name} to cgroup {}", cgroup.display()))?;
+        link::pin(&link, &dir.join(name)).with_context(|| format!("pinning link {name}"))?;
+    }
+    let prog_fd = load_program(&mut bpf, NETNS_PROGRAM)?;
+    let link = link::create(prog_fd.as_fd(), netns_fd.as_fd(), link::BPF_SK_LOOKUP)
+        .context("attaching sk_lookup to this network namespace")?;
+    link::pin(&link, &dir.join(NETNS_PROGRAM)).context("pinning the sk_lookup link")?;
+    Ok(())
+}
+
+/// Loads one program into the kernel (the verifier runs here) and returns its fd.
+fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
+    use aya::programs::Program;
+    let prog = bpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?;
+    let refused = || {
+        format!(
+            "the kernel refused to load program {name} (needs CAP_BPF + CAP_NET_ADMIN and Linux 5.15+)"
+        )
+    };
+    let fd = match prog {
+        Program::CgroupSockAddr(p) => {
+            p.load().with_context(refused)?;
+            p.fd()?.as_fd().try_clone_to_owned()?
+        }
+        Program::CgroupSockopt(p) => {
+            p.load().with_context(refused)?;
+            p.fd()?.as_fd().try_clone_to_owned()?
+        }
+        Program::SockOps(p) => {
+            p.load().with_context(refused)?;
+            p.fd()?.as_fd().try_clone_to_owned()?
+        }
+        Program::SkLookup(p) => {
+            p.load().with_context(refused)?;
+            p.fd()?.as_fd().try_clone_to_owned()?
+        }
+        other => bail!("program {name} has unexpected type {:?}", other.prog_type()),
+    };
+    Ok(fd)
+}
+
+/// Loads the object; maps already pinned under `root` are reused, so every pod shares them.
+fn load(root: &Path) -> anyhow::Result<Ebpf> {
+    std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
+    let paths: Vec<(&str, PathBuf)> = pins::MAPS.iter().map(|m| (*m, root.join(m))).collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader.load(OBJECT).map_err(|e| {
+        let hint = if format!("{e:?}").contains("PermissionDenied")
+            || format!("{e:?}").contains("EPERM")
+        {
+            " (needs CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN, or root)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!(
+            "loading the eBPF object and its maps under {}{hint}: {e}",
+            root.display()
+        )
+    })
+}
+
+/// The shared maps, opened from their pins.
+struct Maps<'a> {
+    root: &'a Path,
+}
+
+impl Maps<'_> {
+    fn map(&self, name: &str) -> anyhow::Result<Map> {
+        let path = self.root.join(name);
+        let data = MapData::from_pin(&path)
+            .with_context(|| format!("opening pinned map {}", path.display()))?;
+        Ok(Map::from_map_data(data)?)
+    }
+    fn hash<K: Pod, V: Pod>(&self, name: &str) -> anyhow::Result<HashMap<MapData, K, V>> {
+        Ok(HashMap::try_from(self.map(name)?)?)
+    }
+    fn lpm<K: Pod, V: Pod>(&self, name: &str) -> anyhow::Result<LpmTrie<MapData, K, V>> {
+        Ok(LpmTrie::try_from(self.map(name)?)?)
+    }
+}
+
+fn masked(cidr: &Cidr) -> Addr {
+    let (words, _) = addr_words(&cidr.addr);
+    let mut out = [0u32; 4];
+    for (i, w) in words.iter().enumerate() {
+        let bits_before = i as u32 * 32;
+        let keep = u32::from(cidr.prefix_len)
+            .saturating_sub(bits_before)
+            .min(32);
+        let mask = if keep == 0 {
+            0
+        } else {
+            u32::MAX << (32 - keep)
+        };
+        out[i] = (u32::from_be(*w) & mask).to_be();
+    }
+    out
+}
+
+fn write_config(root: &Path, cfg: &CaptureConfig, pod: &PodIdentity) -> anyhow::Result<()> {
+    let maps = Maps { root };
+    let pc = pod_config(cfg, pod);
+    let mut addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
+    for ip in &pod.addresses {
+        let (addr, family) = addr_words(ip);
+        addrs
+            .insert(AddrKey { addr, family }, pc, 0)
+            .with_context(|| format!("POD_ADDRS[{ip}]"))?;
+    }
+    let mut ports = maps.hash::<PortKey, u8>(pins::POD_PORTS)?;
+    let mut put_port = |port: u16, kind: u16| {
+        ports
+            .insert(
+                PortKey {
+                    pod_id: pod.id,
+                    port,
+                    kind,
+                },
+                1,
+                0,
+            )
+            .with_context(|| format!("POD_PORTS[{port}]"))
+    };
+    match &cfg.inbound_include {
+        PortSet::All => {
+            for p in cfg.inbound_exclusions() {
+                put_port(p, port_kind::INBOUND_EXCLUDE)?;
+            }
+        }
+        PortSet::Only(list) => {
+            for &p in list {
+                put_port(p, port_kind::INBOUND_INCLUDE)?;
+            }
+        }
+    }
+    for &p in &cfg.outbound_ports_exclude {
+        put_port(p, port_kind::OUTBOUND_EXCLUDE)?;
+    }
+    let mut v4 = maps.lpm::<Cidr4, u8>(pins::CIDR_V4)?;
+    let mut v6 = maps.lpm::<Cidr6, u8>(pins::CIDR_V6)?;
+    let included = match &cfg.outbound_include {
+        CidrSet::All => vec![],
+        CidrSet::Only(c) => c.clone(),
+    };
+    let entries = cfg
+        .outbound_exclude
+        .iter()
+        .map(|c| (c, cidr_kind::EXCLUDE))
+        .chain(included.iter().map(|c| (c, cidr_kind::INCLUDE)));
+    for (cidr, kind) in entries {
+        let addr = masked(cidr);
+        let len = CIDR_KEY_PREFIX_BITS + u32::from(cidr.prefix_len);
+        if cidr.is_v4() {
+            let key = Key::new(
+                len,
+                Cidr4 {
+                    pod_id: pod.id,
+                    kind,
+                    addr: addr[0],
+                },
+            );
+            v4.insert(&key, 1, 0)
+                .with_context(|| format!("CIDR_V4[{cidr}]"))?;
+        } else {
+            let key = Key::new(
+                len,
+                Cidr6 {
+                    pod_id: pod.id,
+                    kind,
+                    addr,
+                },
+            );
+            v6.insert(&key, 1, 0)
+                .with_context(|| format!("CIDR_V6[{cidr}]"))?;
+        }
+    }
+    // Last: this entry enrols the namespace; until now the programs ignored it.
+    let mut config = maps.hash::<u64, PodConfig>(pins::POD_CONFIG)?;
+    config
+        .insert(pod.netns_cookie, pc, 0)
+        .context("POD_CONFIG")?;
+    Ok(())
+}
+
+/// Removes the current namespace's capture. Returns whether anything was installed.
+pub fn cleanup(root: &Path) -> anyhow::Result<bool> {
+    let pod = PodIdentity::current()?;
+    cleanup_pod(root, &pod)
+}
+
+fn retain_other_pods<K: Pod, V: Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    belongs: impl Fn(&K, &V) -> bool,
+) -> usize {
+    let doomed: Vec<K> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| belongs(k, v))
+        .map(|(k, _)| k)
+        .collect();
+    doomed.iter().filter(|k| map.remove(k).is_ok()).count()
+}
+
+fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
+    let mut found = false;
+    let dir = pod_dir(root, pod.id);
+    if dir.exists() {
+        found = true;
+        // Removing a link's last pin detaches it.
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        }
+        std::fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    let maps = Maps { root };
+    let id = pod.id;
+    if let Ok(mut m) = maps.hash::<u64, PodConfig>(pins::POD_CONFIG) {
+        found |= retain_other_pods(&mut m, |k, v| *k == pod.netns_cookie || v.pod_id == id) > 0;
+    }
+    if let Ok(mut m) = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS) {
+        retain_other_pods(&mut m, |_, v| v.pod_id == id);
+    }
+    if let Ok(mut m) = maps.hash::<PortKey, u8>(pins::POD_PORTS) {
+        retain_other_pods(&mut m, |k, _| k.pod_id == id);
+    }
+    if let Ok(mut m) = maps.hash::<u64, OriginalDst>(pins::ORIG_DST_COOKIE) {
+        retain_other_pods(&mut m, |_, v| v.pod_id == id);
+    }
+    if let Ok(mut m) = maps.hash::<SockTuple, OriginalDst>(pins::ORIG_DST_TUPLE) {
+        retain_other_pods(&mut m, |_, v| v.pod_id == id);
+    }
+    if let Ok(mut m) = maps.lpm::<Cidr4, u8>(pins::CIDR_V4) {
+        let doomed: Vec<_> = m
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.data().pod_id == id)
+            .collect();
+        for k in doomed {
+            let _ = m.remove(&k);
+        }
+    }
+    if let Ok(mut m) = maps.lpm::<Cidr6, u8>(pins::CIDR_V6) {
+        let doomed: Vec<_> = m
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.data().pod_id == id)
+            .collect();
+        for k in doomed {
+            let _ = m.remove(&k);
+        }
+    }
+    if let Ok(map) = maps.map(pins::LISTENERS) {
+        if let Ok(mut m) = SockHash::<MapData, ListenerKey>::try_from(map) {
+            let doomed: Vec<_> = m
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.pod_id == id)
+                .collect();
+            for k in doomed {
+                let _ = m.remove(&k);
+            }
+        }
+    }
+    remove_root_if_unused(root)?;
+    Ok(found)
+}
+
+/// With no pod left, the maps' pins go too, and with them the maps.
+fn remove_root_if_unused(root: &Path) -> anyhow::Result<()> {
+    let pods = root.join("pods");
+    let any_pod = std::fs::read_dir(&pods)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    if any_pod {
+        return Ok(());
+    }
+    let _ = std::fs::remove_dir(&pods);
+    for name in pins::MAPS {
+        let path = root.join(name);
+        if path.exists() {
+            std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        }
+    }
+    if root.exists() {
+        std::fs::remove_dir(root)
+            .with_context(|| format!("removing {} (not empty?)", root.display()))?;
+    }
+    Ok(())
+}
+
+/// Every decision counter, summed over CPUs; `None` when nothing is installed.
+pub fn counters(root: &Path) -> anyhow::Result<Option<Vec<(Decision, u64)>>> {
+    let path = root.join(pins::COUNTERS);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let maps = Maps { root };
+    let arr: PerCpuArray<MapData, u64> = PerCpuArray::try_from(maps.map(pins::COUNTERS)?)?;
+    let mut out = Vec::new();
+    for d in Decision::ALL {
+        let v = arr.get(&(d as u32), 0)?;
+        out.push((d, v.iter().sum()));
+    }
+    Ok(Some(out))
+}

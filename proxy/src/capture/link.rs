@@ -1,0 +1,82 @@
+//! bpf(2) link creation and pinning. aya loads the programs; links are made here so
+//! every hook (including cgroup getsockopt, which aya cannot turn into an `FdLink`)
+//! is attached and pinned the same way: a pinned link outlives `shunt capture` and is
+//! detached by removing its pin.
+
+use std::{
+    ffi::CString,
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    path::Path,
+};
+
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_LINK_CREATE: libc::c_long = 28;
+
+/// Attach types (uapi `enum bpf_attach_type`).
+pub const BPF_CGROUP_SOCK_OPS: u32 = 3;
+pub const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+pub const BPF_CGROUP_INET6_CONNECT: u32 = 11;
+pub const BPF_CGROUP_GETSOCKOPT: u32 = 21;
+pub const BPF_SK_LOOKUP: u32 = 36;
+
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    _rest: [u64; 12],
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ObjPinAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+    path_fd: i32,
+    _pad: u32,
+}
+
+fn bpf(cmd: libc::c_long, attr: *mut libc::c_void, size: usize) -> io::Result<i64> {
+    // SAFETY: `attr` points at a live, zero-padded attribute struct of `size` bytes.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// Attaches `prog` to `target` (a cgroup directory or a network namespace fd).
+pub fn create(
+    prog: BorrowedFd<'_>,
+    target: BorrowedFd<'_>,
+    attach_type: u32,
+) -> io::Result<OwnedFd> {
+    let mut attr = LinkCreateAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: target.as_raw_fd() as u32,
+        attach_type,
+        ..Default::default()
+    };
+    let fd = bpf(
+        BPF_LINK_CREATE,
+        (&raw mut attr).cast(),
+        size_of::<LinkCreateAttr>(),
+    )?;
+    // SAFETY: the kernel returned a new fd we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+pub fn pin(fd: impl AsFd, path: &Path) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
+    let mut attr = ObjPinAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: fd.as_fd().as_raw_fd() as u32,
+        ..Default::default()
+    };
+    bpf(BPF_OBJ_PIN, (&raw mut attr).cast(), size_of::<ObjPinAttr>()).map(|_| ())
+}
