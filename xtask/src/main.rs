@@ -1,1 +1,69 @@
-fn main() {}
+//! `cargo xtask`: the project's set-up, test, demo and benchmark commands.
+//!
+//! Every command first runs `setup`, which installs what is missing (Debian packages,
+//! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM),
+//! caches it under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
+
+mod setup;
+
+use std::process::{Command, ExitCode};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what is missing (idempotent, cached).
+    Setup,
+    /// Build everything and run every test (unit, integration with real namespaces).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Setup => setup::run(),
+        Cmd::Test { args } => setup::run().and_then(|()| test(&args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().map_err(|e| anyhow::anyhow!("cannot run {cmd:?}: {e}"))?;
+    if !status.success() {
+        anyhow::bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn test(extra: &[String]) -> anyhow::Result<()> {
+    // The integration tests start these binaries inside pods.
+    run_checked(cargo().args(["build", "--bins", "-p", "shunt", "-p", "shunt-tests"]))?;
+    run_checked(cargo().args(["test", "--workspace"]).args(extra))
+}

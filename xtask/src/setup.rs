@@ -1,0 +1,156 @@
+//! `cargo xtask setup`: what a fresh Debian machine needs, installed once and cached.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, bail};
+
+use crate::run_checked;
+
+/// Debian packages the tests, demo and benchmarks start for real.
+const PACKAGES: &[(&str, &str)] = &[
+    ("iproute2", "ip"),
+    ("iptables", "iptables"),
+    ("bpftool", "bpftool"),
+    ("util-linux", "nsenter"),
+    ("libcap2-bin", "capsh"),
+    ("curl", "curl"),
+    ("socat", "socat"),
+    ("iperf3", "iperf3"),
+    ("procps", "ps"),
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn cache_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/root".into());
+    home.join(".cache/shunt")
+}
+
+pub fn run() -> anyhow::Result<()> {
+    debian_packages()?;
+    rust_src()?;
+    bpf_linker()?;
+    bpffs()?;
+    let cg = cgroup2_mount().context("no cgroup2 file system is mounted (see /proc/self/mountinfo)")?;
+    eprintln!("xtask setup: ready (cgroup2 at {}, bpffs at /sys/fs/bpf)", cg.display());
+    Ok(())
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .any(|d| d.join(program).exists())
+}
+
+fn debian_packages() -> anyhow::Result<()> {
+    let missing: Vec<&str> = PACKAGES.iter().filter(|(_, bin)| !on_path(bin)).map(|(pkg, _)| *pkg).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask setup: installing {}", missing.join(" "));
+    let apt = |args: &[&str]| {
+        Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    let mut install = vec!["install", "-y", "-q", "--no-install-recommends"];
+    install.extend(&missing);
+    if !apt(&install) {
+        // A fresh machine has no package lists yet.
+        if !apt(&["update", "-q"]) || !apt(&install) {
+            bail!("apt-get install {} failed", missing.join(" "));
+        }
+    }
+    Ok(())
+}
+
+fn sysroot() -> anyhow::Result<PathBuf> {
+    let out = Command::new("rustc").args(["--print", "sysroot"]).output().context("running rustc")?;
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+fn rust_src() -> anyhow::Result<()> {
+    if sysroot()?.join("lib/rustlib/src/rust/library/core").is_dir() {
+        return Ok(());
+    }
+    eprintln!("xtask setup: rustup component add rust-src");
+    run_checked(Command::new("rustup").args(["component", "add", "rust-src"]))
+}
+
+/// bpf-linker must link against the same LLVM the toolchain's rustc uses.
+fn bpf_linker() -> anyhow::Result<()> {
+    let lib_dir = sysroot()?.join("lib");
+    let libllvm = std::fs::read_dir(&lib_dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so.") && n.contains("-rust-"))
+        .with_context(|| format!("no libLLVM.so.*-rust-* in {}", lib_dir.display()))?;
+    let major: String = libllvm.trim_start_matches("libLLVM.so.").chars().take_while(char::is_ascii_digit).collect();
+    let root = cache_dir().join("bpf-linker");
+    let stamp = root.join("built-against");
+    let binary = root.join("bin/bpf-linker");
+    let wanted = format!("{BPF_LINKER_VERSION} {libllvm}");
+    if binary.exists() && std::fs::read_to_string(&stamp).is_ok_and(|s| s.trim() == wanted) {
+        return Ok(());
+    }
+    eprintln!("xtask setup: building bpf-linker {BPF_LINKER_VERSION} against {libllvm} (about a minute)");
+    let prefix = cache_dir().join("llvm");
+    let prefix_lib = prefix.join("lib");
+    std::fs::create_dir_all(&prefix_lib)?;
+    for name in ["libLLVM.so", libllvm.as_str()] {
+        let link = prefix_lib.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(lib_dir.join(&libllvm), &link)?;
+    }
+    run_checked(
+        Command::new("cargo")
+            .args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--locked", "--no-default-features"])
+            .args(["--features", &format!("llvm-{major}"), "--root"])
+            .arg(&root)
+            .env("LLVM_PREFIX", &prefix)
+            .current_dir(std::env::temp_dir()),
+    )
+    .or_else(|_| {
+        // --locked can fail if the lock file pins an unavailable crate; retry unlocked.
+        run_checked(
+            Command::new("cargo")
+                .args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--no-default-features"])
+                .args(["--features", &format!("llvm-{major}"), "--root"])
+                .arg(&root)
+                .env("LLVM_PREFIX", &prefix)
+                .current_dir(std::env::temp_dir()),
+        )
+    })?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(())
+}
+
+fn bpffs() -> anyhow::Result<()> {
+    let mounted = std::fs::read_to_string("/proc/self/mounts")?
+        .lines()
+        .any(|l| l.split_whitespace().nth(2) == Some("bpf") && l.split_whitespace().nth(1) == Some("/sys/fs/bpf"));
+    if !mounted {
+        eprintln!("xtask setup: mounting bpffs at /sys/fs/bpf");
+        std::fs::create_dir_all("/sys/fs/bpf")?;
+        run_checked(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))?;
+    }
+    Ok(())
+}
+
+pub fn cgroup2_mount() -> Option<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        if post.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        pre.split_whitespace().nth(4).map(|p| Path::new(p).to_path_buf())
+    })
+}
