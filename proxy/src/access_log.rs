@@ -1,1 +1,250 @@
-//! One access log line per connection.
+//! One access log line per connection, as JSON on stdout, in Envoy's vocabulary.
+//!
+//! The line is written when the connection ends, so it carries the byte counts, the
+//! duration and the response flags. Field names follow Envoy's command operators
+//! (`%DOWNSTREAM_REMOTE_ADDRESS%` becomes `downstream_remote_address`); a value that is
+//! not known (no upstream was chosen, say) is `null`, as in Envoy's JSON format.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+/// Which listener accepted the connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    /// Captured on the outbound port (15001): the app is the client.
+    Outbound,
+    /// Captured on the inbound port (15006): the app is the server.
+    Inbound,
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Outbound => "outbound",
+            Self::Inbound => "inbound",
+        })
+    }
+}
+
+/// Envoy's response flags that a TCP passthrough can raise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseFlag {
+    /// `UF`: upstream connection failure (refused, unreachable or timed out).
+    UpstreamConnectionFailure,
+    /// `UH`: no healthy upstream; we raise it where Istio's BlackHoleCluster would, for
+    /// a destination that would loop back into the proxy.
+    NoHealthyUpstream,
+    /// `NR`: no route; the connection had no original destination to pass through to.
+    NoRouteFound,
+    /// `UR`: the upstream reset the connection (or failed while bytes were flowing).
+    UpstreamRemoteReset,
+    /// `DR`: the downstream reset the connection (or failed while bytes were flowing).
+    DownstreamRemoteReset,
+}
+
+impl ResponseFlag {
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::UpstreamConnectionFailure => "UF",
+            Self::NoHealthyUpstream => "UH",
+            Self::NoRouteFound => "NR",
+            Self::UpstreamRemoteReset => "UR",
+            Self::DownstreamRemoteReset => "DR",
+        }
+    }
+}
+
+/// What one connection did, gathered while it runs and written once when it ends.
+#[derive(Debug)]
+pub struct Entry {
+    start_wall: SystemTime,
+    start: Instant,
+    pub direction: Direction,
+    pub downstream_remote_address: SocketAddr,
+    pub downstream_local_address: SocketAddr,
+    pub original_dst: Option<SocketAddr>,
+    pub upstream_cluster: Option<&'static str>,
+    pub upstream_host: Option<SocketAddr>,
+    pub upstream_local_address: Option<SocketAddr>,
+    pub bytes_received: u64,
+    pub bytes_sent: u64,
+    pub response_flags: Vec<ResponseFlag>,
+}
+
+/// The line as serialized: field order here is the order on the wire.
+#[derive(Serialize)]
+struct Line<'a> {
+    start_time: String,
+    direction: Direction,
+    downstream_remote_address: SocketAddr,
+    downstream_local_address: SocketAddr,
+    original_dst: Option<SocketAddr>,
+    upstream_cluster: Option<&'a str>,
+    upstream_host: Option<SocketAddr>,
+    upstream_local_address: Option<SocketAddr>,
+    bytes_received: u64,
+    bytes_sent: u64,
+    duration_ms: u64,
+    response_flags: String,
+}
+
+impl Entry {
+    /// Starts the clock for a connection just accepted.
+    pub fn start(direction: Direction, remote: SocketAddr, local: SocketAddr) -> Self {
+        Self {
+            start_wall: SystemTime::now(),
+            start: Instant::now(),
+            direction,
+            downstream_remote_address: remote,
+            downstream_local_address: local,
+            original_dst: None,
+            upstream_cluster: None,
+            upstream_host: None,
+            upstream_local_address: None,
+            bytes_received: 0,
+            bytes_sent: 0,
+            response_flags: Vec::new(),
+        }
+    }
+
+    pub fn flag(&mut self, flag: ResponseFlag) {
+        if !self.response_flags.contains(&flag) {
+            self.response_flags.push(flag);
+        }
+    }
+
+    /// Renders the entry as one JSON line (with its newline), taking the duration now.
+    pub fn to_line(&self) -> Vec<u8> {
+        let duration = self.start.elapsed();
+        let line = Line {
+            start_time: rfc3339_millis(self.start_wall),
+            direction: self.direction,
+            downstream_remote_address: self.downstream_remote_address,
+            downstream_local_address: self.downstream_local_address,
+            original_dst: self.original_dst,
+            upstream_cluster: self.upstream_cluster,
+            upstream_host: self.upstream_host,
+            upstream_local_address: self.upstream_local_address,
+            bytes_received: self.bytes_received,
+            bytes_sent: self.bytes_sent,
+            duration_ms: u64::try_from(duration.as_millis()).unwrap_or(u64::MAX),
+            response_flags: flags_string(&self.response_flags),
+        };
+        // Serializing plain strings and numbers into a Vec cannot fail.
+        let mut out = serde_json::to_vec(&line).unwrap_or_default();
+        out.push(b'\n');
+        out
+    }
+
+    /// Writes the line to stdout and flushes it, so a reader sees each connection as
+    /// soon as it ends. One `write_all` under the lock keeps lines from interleaving.
+    pub fn emit(&self) {
+        let line = self.to_line();
+        let mut out = std::io::stdout().lock();
+        if let Err(err) = out.write_all(&line).and_then(|()| out.flush()) {
+            tracing::debug!(%err, "access log write failed");
+        }
+    }
+}
+
+/// Envoy joins several flags with commas and writes `-` for none.
+fn flags_string(flags: &[ResponseFlag]) -> String {
+    if flags.is_empty() {
+        return "-".to_owned();
+    }
+    flags
+        .iter()
+        .map(|flag| flag.code())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `2024-05-01T12:34:56.789Z`, the form Envoy's `%START_TIME%` takes.
+fn rfc3339_millis(time: SystemTime) -> String {
+    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since_epoch.as_secs();
+    let (year, month, day) = civil_from_days((secs / 86_400) as i64);
+    let day_secs = secs % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        day_secs / 3600,
+        day_secs / 60 % 60,
+        day_secs % 60,
+        since_epoch.subsec_millis()
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn start_time_is_rfc3339_utc_with_millis() {
+        assert_eq!(rfc3339_millis(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let leap_day = UNIX_EPOCH + Duration::from_millis(951_782_400_123 + 3_723_000);
+        assert_eq!(rfc3339_millis(leap_day), "2000-02-29T01:02:03.123Z");
+        let new_year = UNIX_EPOCH + Duration::from_secs(1_735_689_599);
+        assert_eq!(rfc3339_millis(new_year), "2024-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn a_failed_outbound_connection_logs_one_json_line_with_envoy_names() {
+        let mut entry = Entry::start(
+            Direction::Outbound,
+            "10.0.0.5:40000".parse().unwrap(),
+            "127.0.0.1:15001".parse().unwrap(),
+        );
+        entry.original_dst = Some("[2001:db8::1]:80".parse().unwrap());
+        entry.upstream_cluster = Some("PassthroughCluster");
+        entry.upstream_host = entry.original_dst;
+        entry.flag(ResponseFlag::UpstreamConnectionFailure);
+        entry.flag(ResponseFlag::UpstreamConnectionFailure);
+
+        let line = entry.to_line();
+        assert_eq!(line.last(), Some(&b'\n'));
+        assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+        let json: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(json["direction"], "outbound");
+        assert_eq!(json["downstream_remote_address"], "10.0.0.5:40000");
+        assert_eq!(json["downstream_local_address"], "127.0.0.1:15001");
+        assert_eq!(json["original_dst"], "[2001:db8::1]:80");
+        assert_eq!(json["upstream_cluster"], "PassthroughCluster");
+        assert_eq!(json["upstream_host"], "[2001:db8::1]:80");
+        assert!(json["upstream_local_address"].is_null());
+        assert_eq!(json["bytes_received"], 0);
+        assert_eq!(json["bytes_sent"], 0);
+        assert!(json["duration_ms"].is_u64());
+        assert_eq!(json["response_flags"], "UF");
+    }
+
+    #[test]
+    fn no_flags_is_a_dash_and_several_are_comma_separated() {
+        assert_eq!(flags_string(&[]), "-");
+        assert_eq!(
+            flags_string(&[
+                ResponseFlag::UpstreamConnectionFailure,
+                ResponseFlag::NoHealthyUpstream
+            ]),
+            "UF,UH"
+        );
+    }
+}

@@ -5,6 +5,7 @@
 
 mod access_log;
 mod capture;
+mod inspect;
 mod listener;
 mod tcp;
 
@@ -23,6 +24,8 @@ enum Command {
     Capture(capture::CaptureArgs),
     /// Run the proxy: outbound (15001) and inbound (15006) listeners.
     Proxy(listener::ProxyArgs),
+    /// Show what capture installed: pods, links, decision counters, live redirections.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,6 +33,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Capture(args) => capture::run(args),
         Command::Proxy(args) => listener::run(args),
+        Command::Inspect(args) => inspect::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -458,8 +458,10 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
             let _ = m.remove(&k);
         }
     }
-    if let Ok(map) = maps.map(pins::LISTENERS) {
-        if let Ok(mut m) = SockHash::<MapData, ListenerKey>::try_from(map) {
+    if let Ok(map) = maps.map(pins::LISTENERS)
+        && let Ok(mut m) = SockHash::<MapData, ListenerKey>::try_from(map)
+    {
+        {
             let doomed: Vec<_> = m
                 .keys()
                 .filter_map(Result::ok)
@@ -511,4 +513,113 @@ pub fn counters(root: &Path) -> anyhow::Result<Option<Vec<(Decision, u64)>>> {
         out.push((d, v.iter().sum()));
     }
     Ok(Some(out))
+}
+
+/// One captured pod as the maps describe it.
+#[derive(Debug, serde::Serialize)]
+pub struct PodState {
+    pub pod: String,
+    pub netns_cookie: u64,
+    pub outbound_port: u16,
+    pub inbound_port: u16,
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    pub addresses: Vec<String>,
+    pub links: Vec<String>,
+    pub inbound_listeners: Vec<String>,
+}
+
+/// A live redirected connection and where it was going.
+#[derive(Debug, serde::Serialize)]
+pub struct RedirectedConnection {
+    pub pod: String,
+    pub client: String,
+    pub proxy_listener: String,
+    pub original_dst: String,
+    pub direction: &'static str,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct State {
+    pub bpffs: String,
+    pub pods: Vec<PodState>,
+    pub counters: Vec<(String, u64)>,
+    pub connections: Vec<RedirectedConnection>,
+}
+
+fn sockaddr(addr: &Addr, family: u32, port: u16) -> String {
+    std::net::SocketAddr::new(words_addr(addr, family), port).to_string()
+}
+
+/// Everything the pinned maps say, for `shunt inspect`.
+pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
+    let Some(counters) = counters(root)? else {
+        return Ok(None);
+    };
+    let maps = Maps { root };
+    let config = maps.hash::<u64, PodConfig>(pins::POD_CONFIG)?;
+    let addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
+    let listeners = SockHash::<MapData, ListenerKey>::try_from(maps.map(pins::LISTENERS)?)?;
+    let listener_keys: Vec<ListenerKey> = listeners.keys().filter_map(Result::ok).collect();
+    let mut pods = Vec::new();
+    for (cookie, pc) in config.iter().filter_map(Result::ok) {
+        let links = std::fs::read_dir(pod_dir(root, pc.pod_id))
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        pods.push(PodState {
+            pod: format!("pod_{}", pc.pod_id),
+            netns_cookie: cookie,
+            outbound_port: pc.outbound_port,
+            inbound_port: pc.inbound_port,
+            proxy_uid: pc.proxy_uid,
+            proxy_gid: pc.proxy_gid,
+            addresses: addrs
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| v.pod_id == pc.pod_id)
+                .map(|(k, _)| words_addr(&k.addr, k.family).to_string())
+                .collect(),
+            links,
+            inbound_listeners: listener_keys
+                .iter()
+                .filter(|k| k.pod_id == pc.pod_id)
+                .map(|k| {
+                    if k.family == AF_INET {
+                        "ipv4".into()
+                    } else {
+                        "ipv6".into()
+                    }
+                })
+                .collect(),
+        });
+    }
+    let tuples = maps.hash::<SockTuple, OriginalDst>(pins::ORIG_DST_TUPLE)?;
+    let connections = tuples
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(t, o)| RedirectedConnection {
+            pod: format!("pod_{}", o.pod_id),
+            client: sockaddr(&t.src, t.family, t.src_port),
+            proxy_listener: sockaddr(&t.dst, t.family, t.dst_port),
+            original_dst: sockaddr(&o.addr, o.family, u16::from_be(o.port)),
+            direction: if o.direction == shunt_common::direction::INBOUND {
+                "inbound"
+            } else {
+                "outbound"
+            },
+        })
+        .collect();
+    Ok(Some(State {
+        bpffs: root.display().to_string(),
+        pods,
+        counters: counters
+            .into_iter()
+            .map(|(d, n)| (d.name().to_string(), n))
+            .collect(),
+        connections,
+    }))
 }

@@ -151,7 +151,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         print!("{text}");
         return Ok(());
     }
-    match (args.backend, cgroup) {
+    let installed = match (args.backend, cgroup) {
         (Backend::Iptables, _) => install_iptables(&cfg),
         (Backend::Ebpf, None) => {
             bail!("--backend ebpf needs --cgroup (the pod's cgroup v2 directory)")
@@ -172,7 +172,12 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
                 install_iptables(&cfg)
             }
         },
+    };
+    installed?;
+    if !netns::add_inbound_passthrough_v6() {
+        eprintln!("shunt capture: IPv6 is off in this network namespace; IPv4 only");
     }
+    Ok(())
 }
 
 fn install_ebpf(
@@ -215,6 +220,7 @@ fn cleanup(args: &CaptureArgs) -> anyhow::Result<()> {
     if matches!(args.backend, Backend::Iptables | Backend::Auto) && iptables::cleanup()? {
         removed.push("iptables");
     }
+    netns::remove_inbound_passthrough_v6();
     if removed.is_empty() {
         println!("shunt capture: nothing to clean up in this network namespace");
     } else {

@@ -139,3 +139,27 @@ pub fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Envoy's IPv6 inbound passthrough binds ::6; like istio-iptables, put it on `lo` so
+/// the app's replies to it route back. Returns false when IPv6 is off in this namespace.
+pub fn add_inbound_passthrough_v6() -> bool {
+    if std::fs::read_to_string("/proc/net/if_inet6").is_err() {
+        return false;
+    }
+    let present = std::process::Command::new("ip")
+        .args(["-6", "addr", "show", "dev", "lo"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("inet6 ::6/128"));
+    present
+        || std::process::Command::new("ip")
+            .args(["-6", "addr", "add", "::6/128", "dev", "lo", "nodad"])
+            .status()
+            .is_ok_and(|s| s.success())
+}
+
+pub fn remove_inbound_passthrough_v6() {
+    let _ = std::process::Command::new("ip")
+        .args(["-6", "addr", "del", "::6/128", "dev", "lo"])
+        .stderr(std::process::Stdio::null())
+        .status();
+}

@@ -1,0 +1,64 @@
+//! `shunt inspect`: what capture installed, for a person (or `--json` for machines):
+//! the pods and their links, the decision counters, live redirected connections.
+
+use std::path::PathBuf;
+
+use crate::capture::ebpf;
+
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// Where capture pinned its maps and links.
+    #[arg(long, env = "SHUNT_BPFFS", default_value = "/sys/fs/bpf/shunt")]
+    bpffs: PathBuf,
+    /// One JSON document instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let Some(state) = ebpf::state(&args.bpffs)? else {
+        if args.json {
+            println!("null");
+        } else {
+            println!("no eBPF capture installed under {}", args.bpffs.display());
+        }
+        return Ok(());
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&state)?);
+        return Ok(());
+    }
+    println!("eBPF capture under {}", state.bpffs);
+    for pod in &state.pods {
+        println!(
+            "  {} [{}] outbound :{} inbound :{} proxy uid/gid {}/{}; links: {}; inbound listener registered: {}",
+            pod.pod,
+            pod.addresses.join(", "),
+            pod.outbound_port,
+            pod.inbound_port,
+            pod.proxy_uid,
+            pod.proxy_gid,
+            pod.links.join(" "),
+            if pod.inbound_listeners.is_empty() {
+                "none".into()
+            } else {
+                pod.inbound_listeners.join("+")
+            }
+        );
+    }
+    println!("decisions:");
+    for (name, n) in state.counters.iter().filter(|(_, n)| *n > 0) {
+        println!("  {name:<34} {n}");
+    }
+    println!(
+        "redirected connections open now: {}",
+        state.connections.len()
+    );
+    for c in &state.connections {
+        println!(
+            "  {} {} {} -> {} (original destination {})",
+            c.pod, c.direction, c.client, c.proxy_listener, c.original_dst
+        );
+    }
+    Ok(())
+}

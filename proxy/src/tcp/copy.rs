@@ -1,0 +1,495 @@
+//! Moves bytes between a downstream and an upstream socket until both directions end.
+//!
+//! TCP's semantics pass through unchanged, so neither end can tell a proxy sits between:
+//! - a half-close (FIN) from one side becomes `shutdown(Write)` on the other, and the
+//!   opposite direction keeps flowing until it ends too;
+//! - a reset, or any other failure, on one side aborts the other with `SO_LINGER=0`, so
+//!   its peer sees RST rather than a clean FIN that would pass a truncated stream off as
+//!   complete.
+//!
+//! Each direction takes one 64 KiB buffer when its first bytes arrive and keeps it for
+//! the connection's life: no allocation per read, none for a connection that stays idle,
+//! and backpressure is TCP's own (we stop reading while a write is blocked).
+
+use std::io;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+
+const BUFFER_SIZE: usize = 64 * 1024;
+
+/// Which socket of the pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Downstream,
+    Upstream,
+}
+
+/// How a proxied connection ended.
+#[derive(Debug)]
+pub enum End {
+    /// Both directions reached EOF and were half-closed in turn.
+    Closed,
+    /// `side` failed (reset, broken pipe, timeout...); the other side was aborted.
+    Failed { side: Side, error: io::Error },
+}
+
+/// What one connection moved, in Envoy's terms.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Bytes read from the downstream.
+    pub bytes_received: u64,
+    /// Bytes written to the downstream.
+    pub bytes_sent: u64,
+    pub end: End,
+}
+
+/// Copies both ways until both directions end or one side fails, then closes both
+/// sockets: gracefully after two EOFs, with RST to the surviving side after a failure.
+pub async fn copy_bidirectional(mut downstream: TcpStream, mut upstream: TcpStream) -> Outcome {
+    let mut counts = Counts::default();
+    let end = {
+        let (mut down_read, mut down_write) = downstream.split();
+        let (mut up_read, mut up_write) = upstream.split();
+        let mut to_upstream = std::pin::pin!(pump(
+            &mut down_read,
+            &mut up_write,
+            &mut counts.received,
+            &mut counts.forwarded,
+        ));
+        let mut to_downstream = std::pin::pin!(pump(
+            &mut up_read,
+            &mut down_write,
+            &mut counts.fetched,
+            &mut counts.sent,
+        ));
+        // A failure belongs to the socket it happened on: a direction's source when
+        // reading, its sink when writing.
+        let to_upstream_side = |at: At| match at {
+            At::Read => Side::Downstream,
+            At::Write => Side::Upstream,
+        };
+        let to_downstream_side = |at: At| match at {
+            At::Read => Side::Upstream,
+            At::Write => Side::Downstream,
+        };
+        let first = tokio::select! {
+            done = &mut to_upstream => First::ToUpstream(done),
+            done = &mut to_downstream => First::ToDownstream(done),
+        };
+        // One direction has ended. If it ended cleanly the other keeps flowing; if it
+        // failed, the other is abandoned here, mid-read or mid-write.
+        let failure = match first {
+            First::ToUpstream(Ok(())) => to_downstream
+                .await
+                .map_err(|(at, error)| (to_downstream_side(at), error)),
+            First::ToDownstream(Ok(())) => to_upstream
+                .await
+                .map_err(|(at, error)| (to_upstream_side(at), error)),
+            First::ToUpstream(Err((at, error))) => Err((to_upstream_side(at), error)),
+            First::ToDownstream(Err((at, error))) => Err((to_downstream_side(at), error)),
+        };
+        match failure {
+            Ok(()) => End::Closed,
+            Err((side, error)) => End::Failed { side, error },
+        }
+    };
+    if let End::Failed { side, .. } = &end {
+        let survivor = match side {
+            Side::Downstream => &upstream,
+            Side::Upstream => &downstream,
+        };
+        abort(survivor);
+    }
+    Outcome {
+        bytes_received: counts.received,
+        bytes_sent: counts.sent,
+        end,
+    }
+}
+
+/// Makes the coming close send RST instead of FIN. The socket is closed when dropped.
+pub fn abort(stream: &TcpStream) {
+    if let Err(err) = stream.set_zero_linger() {
+        tracing::debug!(%err, "setting SO_LINGER=0 failed; the peer will see FIN");
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    /// Read from downstream.
+    received: u64,
+    /// Written to upstream.
+    forwarded: u64,
+    /// Read from upstream.
+    fetched: u64,
+    /// Written to downstream.
+    sent: u64,
+}
+
+enum First {
+    ToUpstream(Result<(), (At, io::Error)>),
+    ToDownstream(Result<(), (At, io::Error)>),
+}
+
+/// Which half of a one-way copy failed: reading its source or writing its sink.
+#[derive(Clone, Copy, Debug)]
+enum At {
+    Read,
+    Write,
+}
+
+/// Copies `from` to `to` until EOF, then half-closes `to`. The counters live outside
+/// the future so they survive its cancellation when the other direction fails.
+async fn pump(
+    from: &mut ReadHalf<'_>,
+    to: &mut WriteHalf<'_>,
+    read: &mut u64,
+    written: &mut u64,
+) -> Result<(), (At, io::Error)> {
+    // An idle connection holds no buffer: take it only once there is something to read
+    // (data, EOF or an error all count).
+    from.readable().await.map_err(|e| (At::Read, e))?;
+    let mut buf = vec![0u8; BUFFER_SIZE].into_boxed_slice();
+    loop {
+        let n = from.read(&mut buf).await.map_err(|e| (At::Read, e))?;
+        if n == 0 {
+            break;
+        }
+        *read += n as u64;
+        let mut chunk = &buf[..n];
+        while !chunk.is_empty() {
+            let w = to.write(chunk).await.map_err(|e| (At::Write, e))?;
+            if w == 0 {
+                return Err((At::Write, io::ErrorKind::WriteZero.into()));
+            }
+            *written += w as u64;
+            chunk = &chunk[w..];
+        }
+    }
+    match to.shutdown().await {
+        // The sink is already fully closed; if that was a reset, the other direction
+        // reports it when it reads.
+        Err(e) if e.kind() != io::ErrorKind::NotConnected => Err((At::Write, e)),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncRead, AsyncWrite};
+    use tokio::net::TcpListener;
+    use tokio::time::timeout;
+
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    /// A client connected through `copy_bidirectional` to a server: the two streams the
+    /// test drives, and the copy's outcome once it ends.
+    struct Proxied {
+        client: TcpStream,
+        server: TcpStream,
+        outcome: tokio::task::JoinHandle<Outcome>,
+    }
+
+    async fn proxied() -> Proxied {
+        let backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let backend_addr = backend.local_addr().unwrap();
+        let front_addr = front.local_addr().unwrap();
+        // Both legs are established before the copy starts, so a test can reset either
+        // end at once without racing the proxy's own connect.
+        let client = TcpStream::connect(front_addr).await.unwrap();
+        let (downstream, _) = front.accept().await.unwrap();
+        let upstream = TcpStream::connect(backend_addr).await.unwrap();
+        let (server, _) = backend.accept().await.unwrap();
+        let proxy = tokio::spawn(copy_bidirectional(downstream, upstream));
+        Proxied {
+            client,
+            server,
+            outcome: proxy,
+        }
+    }
+
+    /// Deterministic, non-repeating test data: block `i` of a stream seeded with `seed`.
+    fn block(seed: u64, i: u64, out: &mut [u8]) {
+        let mut x = seed ^ (i.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for chunk in out.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+    }
+
+    fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+        for &b in bytes {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        hash
+    }
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+    /// Sends `blocks` MiB of seeded data, then half-closes; returns the data's hash.
+    async fn send_stream(mut to: impl AsyncWrite + Unpin, seed: u64, blocks: u64) -> u64 {
+        let mut buf = vec![0u8; 1 << 20];
+        let mut hash = FNV_OFFSET;
+        for i in 0..blocks {
+            block(seed, i, &mut buf);
+            hash = fnv1a(hash, &buf);
+            to.write_all(&buf).await.unwrap();
+        }
+        to.shutdown().await.unwrap();
+        hash
+    }
+
+    /// Reads to EOF; returns the byte count and hash.
+    async fn receive_stream(mut from: impl AsyncRead + Unpin) -> (u64, u64) {
+        let mut buf = vec![0u8; 256 * 1024];
+        let (mut total, mut hash) = (0u64, FNV_OFFSET);
+        loop {
+            let n = from.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return (total, hash);
+            }
+            total += n as u64;
+            hash = fnv1a(hash, &buf[..n]);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn thirty_two_mib_cross_intact_in_both_directions_at_once() {
+        const MIB: u64 = 32;
+        let Proxied {
+            client,
+            server,
+            outcome,
+        } = proxied().await;
+        let (client_read, client_write) = client.into_split();
+        let (server_read, server_write) = server.into_split();
+
+        let work = async {
+            tokio::join!(
+                send_stream(client_write, 1, MIB),
+                receive_stream(server_read),
+                send_stream(server_write, 2, MIB),
+                receive_stream(client_read),
+            )
+        };
+        let (up_sent, (up_len, up_got), down_sent, (down_len, down_got)) =
+            timeout(PATIENCE, work).await.expect("transfer stalled");
+
+        assert_eq!(up_len, MIB << 20);
+        assert_eq!(up_got, up_sent, "client to server bytes differ");
+        assert_eq!(down_len, MIB << 20);
+        assert_eq!(down_got, down_sent, "server to client bytes differ");
+        let outcome = outcome.await.unwrap();
+        assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
+        assert_eq!(outcome.bytes_received, MIB << 20);
+        assert_eq!(outcome.bytes_sent, MIB << 20);
+    }
+
+    #[tokio::test]
+    async fn client_half_close_still_receives_the_servers_later_reply() {
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied().await;
+
+        client.write_all(b"request").await.unwrap();
+        client.shutdown().await.unwrap();
+        // The server sees the request and then EOF: the FIN passed through.
+        let mut request = Vec::new();
+        timeout(PATIENCE, server.read_to_end(&mut request))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(request, b"request");
+
+        // Only after that does it answer, on the direction still open.
+        server.write_all(b"late reply").await.unwrap();
+        server.shutdown().await.unwrap();
+        let mut reply = Vec::new();
+        timeout(PATIENCE, client.read_to_end(&mut reply))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(reply, b"late reply");
+
+        let outcome = outcome.await.unwrap();
+        assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
+        assert_eq!((outcome.bytes_received, outcome.bytes_sent), (7, 10));
+    }
+
+    #[tokio::test]
+    async fn server_half_close_still_receives_the_clients_later_data() {
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied().await;
+
+        server.write_all(b"banner").await.unwrap();
+        server.shutdown().await.unwrap();
+        let mut banner = Vec::new();
+        timeout(PATIENCE, client.read_to_end(&mut banner))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(banner, b"banner");
+
+        client.write_all(b"after the server's FIN").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut late = Vec::new();
+        timeout(PATIENCE, server.read_to_end(&mut late))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(late, b"after the server's FIN");
+
+        let outcome = outcome.await.unwrap();
+        assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
+    }
+
+    /// Closes `stream` with RST instead of FIN.
+    fn reset(stream: TcpStream) {
+        stream.set_zero_linger().unwrap();
+        drop(stream);
+    }
+
+    async fn read_error(stream: &mut TcpStream) -> io::ErrorKind {
+        let mut buf = [0u8; 64];
+        match timeout(PATIENCE, stream.read(&mut buf)).await.unwrap() {
+            Ok(n) => panic!("expected a reset, read {n} bytes (0 is a FIN)"),
+            Err(e) => e.kind(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_server_reset_reaches_the_client_as_a_reset() {
+        let Proxied {
+            mut client,
+            server,
+            outcome,
+        } = proxied().await;
+        reset(server);
+        assert_eq!(
+            read_error(&mut client).await,
+            io::ErrorKind::ConnectionReset
+        );
+        let outcome = outcome.await.unwrap();
+        assert!(
+            matches!(
+                outcome.end,
+                End::Failed {
+                    side: Side::Upstream,
+                    ..
+                }
+            ),
+            "{:?}",
+            outcome.end
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_reset_reaches_the_server_as_a_reset() {
+        let Proxied {
+            client,
+            mut server,
+            outcome,
+        } = proxied().await;
+        reset(client);
+        assert_eq!(
+            read_error(&mut server).await,
+            io::ErrorKind::ConnectionReset
+        );
+        let outcome = outcome.await.unwrap();
+        assert!(
+            matches!(
+                outcome.end,
+                End::Failed {
+                    side: Side::Downstream,
+                    ..
+                }
+            ),
+            "{:?}",
+            outcome.end
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reset_after_a_half_close_still_reaches_the_other_side() {
+        let Proxied {
+            mut client,
+            server,
+            outcome,
+        } = proxied().await;
+        client.shutdown().await.unwrap();
+        // Let the FIN through before the server resets, so the reset arrives on the
+        // one direction still open.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        reset(server);
+        assert_eq!(
+            read_error(&mut client).await,
+            io::ErrorKind::ConnectionReset
+        );
+        outcome.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_that_stops_reading_does_not_stall_another_connection() {
+        // The stalled connection: the server floods, the client never reads, so the
+        // copy ends up blocked writing to the client.
+        let stalled = proxied().await;
+        let mut flooding_server = stalled.server;
+        let flood = tokio::spawn(async move {
+            let chunk = vec![7u8; 1 << 20];
+            loop {
+                if flooding_server.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        });
+        // Give the flood time to fill every buffer on the way.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!flood.is_finished());
+
+        // Meanwhile another connection through another copy works end to end.
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied().await;
+        let echo = async {
+            client.write_all(b"ping").await.unwrap();
+            client.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            server.read_to_end(&mut got).await.unwrap();
+            server.write_all(&got).await.unwrap();
+            server.shutdown().await.unwrap();
+            let mut back = Vec::new();
+            client.read_to_end(&mut back).await.unwrap();
+            back
+        };
+        let back = timeout(Duration::from_secs(5), echo)
+            .await
+            .expect("a second connection stalled behind a slow reader");
+        assert_eq!(back, b"ping");
+        outcome.await.unwrap();
+
+        flood.abort();
+        drop(stalled.client);
+    }
+
+    #[test]
+    fn the_test_data_does_not_repeat_between_blocks() {
+        let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+        block(1, 0, &mut a);
+        block(1, 1, &mut b);
+        assert_ne!(a, b);
+    }
+}
