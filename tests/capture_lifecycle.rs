@@ -1,0 +1,312 @@
+//! `shunt capture` as an operator meets it: the seed's rules in a dry run, bad input
+//! refused with the flag named and nothing installed, the auto backend falling back
+//! and saying why, and `--cleanup` leaving no program attached and no pin behind.
+
+mod support;
+
+use std::path::Path;
+
+use harness::{Node, Pod, shunt_bin};
+use serde_json::Value;
+use support::*;
+
+/// The `-A` rules of SEEDS.md section 2, normalised; the checked-in copy when the
+/// shared folder is not beside the repository.
+fn seed_rules() -> Vec<String> {
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/SEEDS.md");
+    let text = std::fs::read_to_string(&shared).map_or_else(
+        |_| include_str!("fixtures/istio-iptables-seed.rules").to_string(),
+        |seeds| {
+            seeds
+                .split("## 2.")
+                .nth(1)
+                .expect("section 2")
+                .split("```")
+                .nth(1)
+                .expect("rule block")
+                .to_string()
+        },
+    );
+    text.lines()
+        .map(|l| {
+            l.trim()
+                .trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim()
+        })
+        .filter(|l| l.starts_with("-A"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect()
+}
+
+#[test]
+fn dry_run_with_seed_flags_prints_the_seed_rules() {
+    let out = std::process::Command::new(shunt_bin())
+        .args(["capture", "--backend", "iptables", "--dry-run"])
+        .args([
+            "-p",
+            "15001",
+            "-z",
+            "15006",
+            "-u",
+            "1337",
+            "-m",
+            "REDIRECT",
+            "-i",
+            "*",
+            "-x",
+            "",
+            "-b",
+            "*",
+            "-d",
+            "15090,15021,15020",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let v4 = text.split("# ip6tables-restore").next().unwrap();
+    let rules: Vec<String> = v4
+        .lines()
+        .filter(|l| l.starts_with("-A"))
+        .map(String::from)
+        .collect();
+    assert_eq!(rules, seed_rules());
+    assert!(
+        text.contains("-A ISTIO_OUTPUT -o lo -s ::6/128 -j RETURN"),
+        "IPv6 rules follow"
+    );
+}
+
+fn capture_in(pod: &Pod, bpffs: &Path, args: &[&str]) -> std::process::Output {
+    pod.command(shunt_bin())
+        .arg("capture")
+        .arg("--bpffs")
+        .arg(bpffs)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn iptables_chains(pod: &Pod) -> String {
+    run_ok(pod.command("iptables").args(["-w", "-t", "nat", "-S"]))
+        + &run_ok(pod.command("ip6tables").args(["-w", "-t", "nat", "-S"]))
+}
+
+fn cgroup_programs(pod: &Pod) -> Vec<Value> {
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "cgroup", "show"])
+        .arg(pod.cgroup_path())
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_default()
+}
+
+fn sk_lookup_links_for(pod: &Pod) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(pod.netns_path()).unwrap().ino();
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "link", "show"])
+        .output()
+        .unwrap();
+    let links: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    links
+        .iter()
+        .filter(|l| l["netns_ino"].as_u64() == Some(ino))
+        .count()
+}
+
+#[test]
+fn bad_input_is_refused_naming_the_problem_and_installs_nothing() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("a").unwrap();
+    let bpffs = bpffs_root("bad-input");
+    let cg = pod.cgroup_path();
+    let cg = cg.to_str().unwrap();
+    let cases: [(&[&str], &[&str]); 7] = [
+        (
+            &["--backend", "ebpf", "--cgroup", cg, "-x", "10.0.0.0/33"],
+            &["-x", "10.0.0.0/33", "0..=32"],
+        ),
+        (
+            &["--backend", "auto", "--cgroup", cg, "-i", "10.0.0/8"],
+            &["-i", "'10.0.0/8'"],
+        ),
+        (
+            &["--backend", "iptables", "-d", "15090,http"],
+            &["-d", "'http'"],
+        ),
+        (
+            &["--backend", "ebpf", "--cgroup", cg, "-p", "70000"],
+            &["-p", "'70000'"],
+        ),
+        (
+            &["--backend", "auto", "--cgroup", "/nonexistent/pod"],
+            &["--cgroup /nonexistent/pod", "no such directory"],
+        ),
+        (
+            &["--backend", "ebpf", "--cgroup", "/tmp"],
+            &[
+                "--cgroup /tmp",
+                "not a cgroup v2 directory",
+                "cgroup2 is mounted at",
+            ],
+        ),
+        (&["--backend", "ebpf"], &["--backend ebpf needs --cgroup"]),
+    ];
+    for (args, expected) in cases {
+        let out = capture_in(&pod, &bpffs, args);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?} should fail");
+        for needle in expected {
+            assert!(
+                err.contains(needle),
+                "{args:?}: error should mention {needle:?}: {err}"
+            );
+        }
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!bpffs.exists(), "{args:?} left pins behind");
+        assert!(
+            cgroup_programs(&pod).is_empty(),
+            "{args:?} left programs attached"
+        );
+        assert!(
+            !iptables_chains(&pod).contains("ISTIO_"),
+            "{args:?} left iptables rules"
+        );
+    }
+}
+
+#[test]
+fn without_cap_bpf_ebpf_fails_clearly_and_auto_falls_back_to_iptables() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("a").unwrap();
+    let bpffs = bpffs_root("nocap");
+    let _guard = Capture {
+        backend: "auto",
+        bpffs: bpffs.clone(),
+    };
+    let without_bpf_caps = |backend: &str| {
+        let inner = format!(
+            "exec {} capture --backend {backend} --bpffs {} --cgroup {}",
+            shunt_bin().display(),
+            bpffs.display(),
+            pod.cgroup_path().display()
+        );
+        pod.command("capsh")
+            .args([
+                "--drop=cap_bpf,cap_sys_admin,cap_perfmon",
+                "--",
+                "-c",
+                &inner,
+            ])
+            .output()
+            .unwrap()
+    };
+
+    let out = without_bpf_caps("ebpf");
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("CAP_BPF"),
+        "names the missing capability: {err}"
+    );
+    assert!(
+        err.contains("rolled back") || !bpffs.join("pods").exists(),
+        "{err}"
+    );
+    assert!(cgroup_programs(&pod).is_empty());
+    assert!(
+        !bpffs.join("pods").exists()
+            || std::fs::read_dir(bpffs.join("pods"))
+                .unwrap()
+                .next()
+                .is_none()
+    );
+
+    let out = without_bpf_caps("auto");
+    let err = stderr(&out);
+    assert!(out.status.success(), "auto should fall back: {err}");
+    assert!(
+        err.contains("eBPF capture unavailable") && err.contains("falling back to iptables"),
+        "{err}"
+    );
+    assert!(iptables_chains(&pod).contains("-A ISTIO_OUTPUT -j ISTIO_REDIRECT"));
+
+    let out = capture_in(&pod, &bpffs, &["--cleanup"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!iptables_chains(&pod).contains("ISTIO_"));
+}
+
+#[test]
+fn ebpf_install_is_visible_to_bpftool_and_cleanup_leaves_nothing() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("a").unwrap();
+    let capture = Capture::new("ebpf", "lifecycle");
+    capture.install(&pod, &[]);
+
+    let attached: Vec<String> = cgroup_programs(&pod)
+        .iter()
+        .filter_map(|p| p["name"].as_str().map(String::from))
+        .collect();
+    for name in [
+        "capture_connect4",
+        "capture_connect6",
+        "original_dst",
+        "track_sockets",
+    ] {
+        assert!(
+            attached.iter().any(|a| a == name),
+            "{name} not attached: {attached:?}"
+        );
+    }
+    assert_eq!(
+        sk_lookup_links_for(&pod),
+        1,
+        "sk_lookup attached to the pod's netns"
+    );
+
+    // Maps pretty-print through BTF: field names, not hex.
+    let dump = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(capture.bpffs.join("POD_CONFIG"))
+        .output()
+        .unwrap();
+    let entries: Vec<Value> = serde_json::from_slice(&dump.stdout).unwrap();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0]["formatted"]["value"]["outbound_port"], 15001);
+    assert_eq!(entries[0]["formatted"]["value"]["proxy_uid"], 1337);
+
+    // A second install in the same namespace is refused and the first keeps working.
+    let again = capture.command(&pod, &[]).output().unwrap();
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("already installed"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(sk_lookup_links_for(&pod), 1);
+
+    capture.cleanup(&pod);
+    assert!(
+        cgroup_programs(&pod).is_empty(),
+        "programs still attached after cleanup"
+    );
+    assert_eq!(
+        sk_lookup_links_for(&pod),
+        0,
+        "sk_lookup still attached after cleanup"
+    );
+    assert!(
+        !capture.bpffs.exists(),
+        "pins left under {}",
+        capture.bpffs.display()
+    );
+}

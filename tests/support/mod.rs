@@ -1,0 +1,244 @@
+//! Test-side plumbing shared by the integration tests: starting `shunt capture`,
+//! `shunt proxy` and `testapp` in pods, and reading what they report. The assertions
+//! stay in the tests.
+#![allow(dead_code)]
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use harness::{Pod, PodProcess, shunt_bin, testapp_bin, wait_for_port};
+use serde_json::Value;
+
+pub const APP_UID: u32 = 1000;
+pub const PROXY_UID: u32 = 1337;
+
+/// A bpffs root of this test's own, so tests never share pins.
+pub fn bpffs_root(tag: &str) -> PathBuf {
+    PathBuf::from(format!(
+        "/sys/fs/bpf/shunt-test-{}-{tag}",
+        std::process::id()
+    ))
+}
+
+pub struct Capture {
+    pub backend: &'static str,
+    pub bpffs: PathBuf,
+}
+
+impl Capture {
+    pub fn new(backend: &'static str, tag: &str) -> Self {
+        Capture {
+            backend,
+            bpffs: bpffs_root(tag),
+        }
+    }
+
+    pub fn command(&self, pod: &Pod, flags: &[&str]) -> harness::PodCommand {
+        let mut cmd = pod.command(shunt_bin());
+        cmd = cmd
+            .arg("capture")
+            .arg("--backend")
+            .arg(self.backend)
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .arg("--cgroup")
+            .arg(pod.cgroup_path());
+        cmd.args(flags)
+    }
+
+    /// Installs capture in `pod`; fails the test with shunt's own message if it fails.
+    pub fn install(&self, pod: &Pod, flags: &[&str]) {
+        let out = self
+            .command(pod, flags)
+            .output()
+            .expect("run shunt capture");
+        assert!(
+            out.status.success(),
+            "shunt capture --backend {} failed: {}{}",
+            self.backend,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    pub fn cleanup(&self, pod: &Pod) {
+        let out = self
+            .command(pod, &["--cleanup"])
+            .output()
+            .expect("run shunt capture --cleanup");
+        assert!(
+            out.status.success(),
+            "cleanup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        // Pins outlive processes: make sure a failed test leaves none (links detach with them).
+        let _ = std::process::Command::new("rm")
+            .arg("-rf")
+            .arg(&self.bpffs)
+            .status();
+    }
+}
+
+pub fn start_proxy(pod: &Pod) -> PodProcess {
+    let proxy = pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "2"])
+        .spawn()
+        .expect("start shunt proxy");
+    for port in [15001, 15006] {
+        wait_for_port(
+            pod,
+            SocketAddr::new("127.0.0.1".parse().unwrap(), port),
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "shunt proxy did not listen on {port}: {e}\n{}",
+                proxy.stderr_text()
+            )
+        });
+    }
+    proxy
+}
+
+/// `testapp serve` on 0.0.0.0 and [::] for each port.
+pub fn start_app(pod: &Pod, ports: &[u16]) -> PodProcess {
+    let mut cmd = pod.command(testapp_bin()).arg("serve");
+    for p in ports {
+        cmd = cmd
+            .arg("--listen")
+            .arg(format!("0.0.0.0:{p}"))
+            .arg("--listen")
+            .arg(format!("[::]:{p}"));
+    }
+    let app = cmd.spawn().expect("start testapp serve");
+    for p in ports {
+        wait_for_port(
+            pod,
+            SocketAddr::new("127.0.0.1".parse().unwrap(), *p),
+            Duration::from_secs(10),
+        )
+        .expect("app listening");
+    }
+    app
+}
+
+/// What `testapp call` reports.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub server_peer: SocketAddr,
+    pub server_local: SocketAddr,
+    pub client_local: SocketAddr,
+    pub bytes: u64,
+}
+
+pub struct Caller<'a> {
+    pub pod: &'a Pod,
+    pub uid: u32,
+    pub gid: u32,
+    pub bind: Option<IpAddr>,
+    pub bytes: usize,
+}
+
+impl<'a> Caller<'a> {
+    pub fn app(pod: &'a Pod) -> Self {
+        Caller {
+            pod,
+            uid: APP_UID,
+            gid: APP_UID,
+            bind: None,
+            bytes: 4096,
+        }
+    }
+
+    pub fn call(&self, target: SocketAddr) -> anyhow::Result<Call> {
+        let mut cmd = self
+            .pod
+            .command(testapp_bin())
+            .uid(self.uid)
+            .gid(self.gid)
+            .arg("call")
+            .arg(target.to_string())
+            .arg("--bytes")
+            .arg(self.bytes.to_string());
+        if let Some(bind) = self.bind {
+            cmd = cmd.arg("--bind").arg(bind.to_string());
+        }
+        let out = cmd.output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Value = serde_json::from_str(text.trim()).with_context(|| {
+            format!(
+                "testapp call output: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+        if v["ok"] != Value::Bool(true) {
+            bail!("call to {target} failed: {}", v["error"]);
+        }
+        let addr = |k: &str| -> anyhow::Result<SocketAddr> {
+            v[k].as_str()
+                .with_context(|| format!("{k} missing"))?
+                .parse()
+                .with_context(|| format!("{k}"))
+        };
+        Ok(Call {
+            server_peer: addr("server_peer")?,
+            server_local: addr("server_local")?,
+            client_local: addr("client_local")?,
+            bytes: v["bytes"].as_u64().unwrap_or(0),
+        })
+    }
+}
+
+/// The proxy's access-log entries so far (one JSON object per line on stdout).
+pub fn access_log(proxy: &PodProcess) -> Vec<Value> {
+    proxy
+        .stdout_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("direction").is_some())
+        .collect()
+}
+
+/// The entry for the connection whose downstream end is `client`, waiting up to 5 s.
+pub fn log_entry_for(proxy: &PodProcess, client: SocketAddr) -> Option<Value> {
+    let key = client.to_string();
+    let line = proxy
+        .wait_for_stdout(
+            |l| {
+                serde_json::from_str::<Value>(l)
+                    .is_ok_and(|v| v["downstream_remote_address"] == key.as_str())
+            },
+            Duration::from_secs(5),
+        )
+        .ok()?;
+    serde_json::from_str(&line).ok()
+}
+
+/// Asserts that no entry names `client` (after giving a late one time to appear).
+pub fn no_log_entry_for(proxy: &PodProcess, client: SocketAddr) -> bool {
+    std::thread::sleep(Duration::from_millis(300));
+    let key = client.to_string();
+    !access_log(proxy)
+        .iter()
+        .any(|v| v["downstream_remote_address"] == key.as_str())
+}
+
+pub fn run_ok(cmd: harness::PodCommand) -> String {
+    let out = cmd.output().expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
