@@ -396,3 +396,31 @@ fn ebpf_capture_matches_istio_iptables_rules() {
 fn iptables_capture_matches_istio_iptables_rules() {
     parity("iptables");
 }
+
+/// With capture installed but the proxy not running, inbound connections are refused
+/// (iptables: REDIRECT to a closed port; eBPF: sk_lookup's SK_DROP refuses the SYN),
+/// without reaching the app around its proxy.
+fn inbound_without_proxy_is_refused(backend: &'static str) {
+    let w = world();
+    let capture = Capture::new(backend, &format!("down-{backend}"));
+    capture.install(&w.a, &[]);
+    let err = Caller::app(&w.b)
+        .call(v4(&w.a, APP_PORT))
+        .expect_err("must not reach the app");
+    // "refused", not a connect timeout: the SYN was answered with a reset.
+    assert!(
+        format!("{err:#}").to_lowercase().contains("refused"),
+        "[{backend}] {err:#}"
+    );
+    capture.cleanup(&w.a);
+}
+
+#[test]
+fn ebpf_refuses_inbound_while_the_proxy_is_down() {
+    inbound_without_proxy_is_refused("ebpf");
+}
+
+#[test]
+fn iptables_refuses_inbound_while_the_proxy_is_down() {
+    inbound_without_proxy_is_refused("iptables");
+}

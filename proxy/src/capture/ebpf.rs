@@ -157,18 +157,7 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
 
 /// Installs capture for the current network namespace, or leaves nothing behind.
 pub fn install(cfg: &CaptureConfig, cgroup: &Path, root: &Path) -> anyhow::Result<PodIdentity> {
-    if !cgroup.is_dir() {
-        bail!("--cgroup {}: no such directory", cgroup.display());
-    }
-    if !netns::is_cgroup2_dir(cgroup) {
-        let hint = netns::cgroup2_mount().map_or("no cgroup2 mount found".into(), |m| {
-            format!("cgroup2 is mounted at {}", m.display())
-        });
-        bail!(
-            "--cgroup {}: not a cgroup v2 directory ({hint})",
-            cgroup.display()
-        );
-    }
+    netns::check_cgroup2_dir(cgroup)?;
     netns::ensure_bpffs(root)?;
     let pod = PodIdentity::current()?;
     let dir = pod_dir(root, pod.id);
@@ -439,24 +428,10 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
         retain_other_pods(&mut m, |_, v| v.pod_id == id);
     }
     if let Ok(mut m) = maps.lpm::<Cidr4, u8>(pins::CIDR_V4) {
-        let doomed: Vec<_> = m
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.data().pod_id == id)
-            .collect();
-        for k in doomed {
-            let _ = m.remove(&k);
-        }
+        remove_pod_cidrs(&mut m, |d| d.pod_id == id);
     }
     if let Ok(mut m) = maps.lpm::<Cidr6, u8>(pins::CIDR_V6) {
-        let doomed: Vec<_> = m
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.data().pod_id == id)
-            .collect();
-        for k in doomed {
-            let _ = m.remove(&k);
-        }
+        remove_pod_cidrs(&mut m, |d| d.pod_id == id);
     }
     if let Ok(map) = maps.map(pins::LISTENERS)
         && let Ok(mut m) = SockHash::<MapData, ListenerKey>::try_from(map)
@@ -474,6 +449,17 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
     }
     remove_root_if_unused(root)?;
     Ok(found)
+}
+
+fn remove_pod_cidrs<K: Pod>(trie: &mut LpmTrie<MapData, K, u8>, belongs: impl Fn(&K) -> bool) {
+    let doomed: Vec<_> = trie
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| belongs(&k.data()))
+        .collect();
+    for key in doomed {
+        let _ = trie.remove(&key);
+    }
 }
 
 /// With no pod left, the maps' pins go too, and with them the maps.

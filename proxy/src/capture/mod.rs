@@ -121,18 +121,7 @@ impl CaptureArgs {
         let Some(cg) = &self.cgroup else {
             return Ok(None);
         };
-        if !cg.is_dir() {
-            bail!("--cgroup {}: no such directory", cg.display());
-        }
-        if !netns::is_cgroup2_dir(cg) {
-            let hint = netns::cgroup2_mount().map_or("no cgroup2 mount found".into(), |m| {
-                format!("cgroup2 is mounted at {}", m.display())
-            });
-            bail!(
-                "--cgroup {}: not a cgroup v2 directory ({hint})",
-                cg.display()
-            );
-        }
+        netns::check_cgroup2_dir(cg)?;
         Ok(Some(cg.clone()))
     }
 }

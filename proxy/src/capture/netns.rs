@@ -94,8 +94,21 @@ fn fs_magic(path: &Path) -> io::Result<i64> {
     }
 }
 
-pub fn is_cgroup2_dir(path: &Path) -> bool {
-    fs_magic(path).is_ok_and(|m| m == CGROUP2_SUPER_MAGIC)
+/// `--cgroup` must be a cgroup v2 directory; the error says where cgroup2 really is.
+pub fn check_cgroup2_dir(path: &Path) -> anyhow::Result<()> {
+    if !path.is_dir() {
+        anyhow::bail!("--cgroup {}: no such directory", path.display());
+    }
+    if !fs_magic(path).is_ok_and(|m| m == CGROUP2_SUPER_MAGIC) {
+        let hint = cgroup2_mount().map_or("no cgroup2 mount found".into(), |m| {
+            format!("cgroup2 is mounted at {}", m.display())
+        });
+        anyhow::bail!(
+            "--cgroup {}: not a cgroup v2 directory ({hint})",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Where cgroup v2 is mounted (hybrid layouts put it at /sys/fs/cgroup/unified).
