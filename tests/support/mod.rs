@@ -188,7 +188,7 @@ impl<'a> Caller<'a> {
             v[k].as_str()
                 .with_context(|| format!("{k} missing"))?
                 .parse()
-                .with_context(|| format!("{k}"))
+                .with_context(|| k.to_string())
         };
         Ok(Call {
             server_peer: addr("server_peer")?,
