@@ -4,6 +4,9 @@
 //! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM),
 //! caches it under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
 
+mod bench;
+mod demo;
+mod pods;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -27,6 +30,17 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build, start a small node of pods, capture and proxy their traffic, show it, clean up.
+    Demo {
+        /// How `shunt capture` captures: eBPF, or istio-iptables' own rules.
+        #[arg(long, value_enum, default_value = "ebpf")]
+        backend: pods::Backend,
+    },
+    /// Benchmarks on a node of pods, with release builds (results under target/bench/).
+    Bench {
+        #[command(subcommand)]
+        which: bench::Which,
+    },
 }
 
 fn main() -> ExitCode {
@@ -34,6 +48,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Cmd::Setup => setup::run(),
         Cmd::Test { args } => setup::run().and_then(|()| test(&args)),
+        Cmd::Demo { backend } => setup::run().and_then(|()| demo::run(backend)),
+        Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,11 +67,16 @@ pub fn cargo() -> Command {
 }
 
 pub fn workspace_root() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
 }
 
 pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
-    let status = cmd.status().map_err(|e| anyhow::anyhow!("cannot run {cmd:?}: {e}"))?;
+    let status = cmd
+        .status()
+        .map_err(|e| anyhow::anyhow!("cannot run {cmd:?}: {e}"))?;
     if !status.success() {
         anyhow::bail!("{cmd:?} failed: {status}");
     }

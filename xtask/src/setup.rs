@@ -25,7 +25,9 @@ const PACKAGES: &[(&str, &str)] = &[
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn cache_dir() -> PathBuf {
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/root".into());
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/root".into());
     home.join(".cache/shunt")
 }
 
@@ -34,8 +36,12 @@ pub fn run() -> anyhow::Result<()> {
     rust_src()?;
     bpf_linker()?;
     bpffs()?;
-    let cg = cgroup2_mount().context("no cgroup2 file system is mounted (see /proc/self/mountinfo)")?;
-    eprintln!("xtask setup: ready (cgroup2 at {}, bpffs at /sys/fs/bpf)", cg.display());
+    let cg =
+        cgroup2_mount().context("no cgroup2 file system is mounted (see /proc/self/mountinfo)")?;
+    eprintln!(
+        "xtask setup: ready (cgroup2 at {}, bpffs at /sys/fs/bpf)",
+        cg.display()
+    );
     Ok(())
 }
 
@@ -46,7 +52,11 @@ fn on_path(program: &str) -> bool {
 }
 
 fn debian_packages() -> anyhow::Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().filter(|(_, bin)| !on_path(bin)).map(|(pkg, _)| *pkg).collect();
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(_, bin)| !on_path(bin))
+        .map(|(pkg, _)| *pkg)
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -72,12 +82,18 @@ fn debian_packages() -> anyhow::Result<()> {
 }
 
 fn sysroot() -> anyhow::Result<PathBuf> {
-    let out = Command::new("rustc").args(["--print", "sysroot"]).output().context("running rustc")?;
+    let out = Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .context("running rustc")?;
     Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
 
 fn rust_src() -> anyhow::Result<()> {
-    if sysroot()?.join("lib/rustlib/src/rust/library/core").is_dir() {
+    if sysroot()?
+        .join("lib/rustlib/src/rust/library/core")
+        .is_dir()
+    {
         return Ok(());
     }
     eprintln!("xtask setup: rustup component add rust-src");
@@ -92,7 +108,11 @@ fn bpf_linker() -> anyhow::Result<()> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .find(|n| n.starts_with("libLLVM.so.") && n.contains("-rust-"))
         .with_context(|| format!("no libLLVM.so.*-rust-* in {}", lib_dir.display()))?;
-    let major: String = libllvm.trim_start_matches("libLLVM.so.").chars().take_while(char::is_ascii_digit).collect();
+    let major: String = libllvm
+        .trim_start_matches("libLLVM.so.")
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
     let root = cache_dir().join("bpf-linker");
     let stamp = root.join("built-against");
     let binary = root.join("bin/bpf-linker");
@@ -100,7 +120,9 @@ fn bpf_linker() -> anyhow::Result<()> {
     if binary.exists() && std::fs::read_to_string(&stamp).is_ok_and(|s| s.trim() == wanted) {
         return Ok(());
     }
-    eprintln!("xtask setup: building bpf-linker {BPF_LINKER_VERSION} against {libllvm} (about a minute)");
+    eprintln!(
+        "xtask setup: building bpf-linker {BPF_LINKER_VERSION} against {libllvm} (about a minute)"
+    );
     let prefix = cache_dir().join("llvm");
     let prefix_lib = prefix.join("lib");
     std::fs::create_dir_all(&prefix_lib)?;
@@ -111,7 +133,12 @@ fn bpf_linker() -> anyhow::Result<()> {
     }
     run_checked(
         Command::new("cargo")
-            .args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--locked", "--no-default-features"])
+            .args([
+                "install",
+                &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+                "--locked",
+                "--no-default-features",
+            ])
             .args(["--features", &format!("llvm-{major}"), "--root"])
             .arg(&root)
             .env("LLVM_PREFIX", &prefix)
@@ -121,7 +148,11 @@ fn bpf_linker() -> anyhow::Result<()> {
         // --locked can fail if the lock file pins an unavailable crate; retry unlocked.
         run_checked(
             Command::new("cargo")
-                .args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--no-default-features"])
+                .args([
+                    "install",
+                    &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+                    "--no-default-features",
+                ])
                 .args(["--features", &format!("llvm-{major}"), "--root"])
                 .arg(&root)
                 .env("LLVM_PREFIX", &prefix)
@@ -135,7 +166,10 @@ fn bpf_linker() -> anyhow::Result<()> {
 fn bpffs() -> anyhow::Result<()> {
     let mounted = std::fs::read_to_string("/proc/self/mounts")?
         .lines()
-        .any(|l| l.split_whitespace().nth(2) == Some("bpf") && l.split_whitespace().nth(1) == Some("/sys/fs/bpf"));
+        .any(|l| {
+            l.split_whitespace().nth(2) == Some("bpf")
+                && l.split_whitespace().nth(1) == Some("/sys/fs/bpf")
+        });
     if !mounted {
         eprintln!("xtask setup: mounting bpffs at /sys/fs/bpf");
         std::fs::create_dir_all("/sys/fs/bpf")?;
@@ -151,6 +185,8 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
         if post.split_whitespace().next()? != "cgroup2" {
             return None;
         }
-        pre.split_whitespace().nth(4).map(|p| Path::new(p).to_path_buf())
+        pre.split_whitespace()
+            .nth(4)
+            .map(|p| Path::new(p).to_path_buf())
     })
 }

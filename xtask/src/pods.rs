@@ -1,0 +1,264 @@
+//! What the demo and the benchmarks share: the binaries, capture that is always removed
+//! again (a guard), and starting `shunt proxy` and `testapp` in the harness's pods.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result, bail, ensure};
+use harness::{Pod, PodCommand, PodProcess, wait_for_port};
+use serde_json::Value;
+
+/// The app's uid and gid: captured.
+pub const APP_UID: u32 = 1000;
+/// The proxy's uid and gid (istio-iptables `-u`/`-g`): never captured outbound.
+pub const PROXY_UID: u32 = 1337;
+
+/// The `shunt` and `testapp` binaries to start in pods.
+pub struct Bins {
+    pub shunt: PathBuf,
+    pub testapp: PathBuf,
+}
+
+impl Bins {
+    /// The debug build next to xtask (or `$SHUNT_BIN` / `$TESTAPP_BIN`), as the harness finds them.
+    pub fn debug() -> Result<Bins> {
+        Ok(Bins {
+            shunt: harness::try_shunt_bin()?,
+            testapp: harness::try_testapp_bin()?,
+        })
+    }
+
+    /// `<target>/release/{shunt,testapp}`.
+    pub fn release() -> Result<Bins> {
+        let dir = target_dir().join("release");
+        let bins = Bins {
+            shunt: dir.join("shunt"),
+            testapp: dir.join("testapp"),
+        };
+        for bin in [&bins.shunt, &bins.testapp] {
+            ensure!(bin.is_file(), "{} was not built", bin.display());
+        }
+        Ok(bins)
+    }
+}
+
+/// The shared target directory: `$CARGO_TARGET_DIR`, else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::workspace_root().join("target"))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    Ebpf,
+    Iptables,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Ebpf => "ebpf",
+            Backend::Iptables => "iptables",
+        }
+    }
+
+    /// As a person writes it.
+    pub fn title(self) -> &'static str {
+        match self {
+            Backend::Ebpf => "eBPF",
+            Backend::Iptables => "iptables",
+        }
+    }
+}
+
+/// `shunt capture` in some pods. Dropping it runs `--cleanup` in every pod still
+/// captured and removes the pin directory, so a failing demo or bench leaves nothing.
+pub struct Capture {
+    shunt: PathBuf,
+    pub backend: Backend,
+    pub bpffs: PathBuf,
+    captured: Vec<Pod>,
+}
+
+impl Capture {
+    /// `bpffs` must be a pin root of the caller's own: what is left there is removed.
+    pub fn new(bins: &Bins, backend: Backend, bpffs: &str) -> Capture {
+        let bpffs = PathBuf::from(bpffs);
+        // A demo or bench killed before its guards ran may have left pins behind.
+        let _ = std::fs::remove_dir_all(&bpffs);
+        Capture {
+            shunt: bins.shunt.clone(),
+            backend,
+            bpffs,
+            captured: Vec::new(),
+        }
+    }
+
+    /// `capture --backend B [--bpffs DIR --cgroup POD-CGROUP] [extra]` (the eBPF
+    /// backend's pin root and attach point; iptables needs neither).
+    pub fn args(&self, pod: &Pod, extra: &[&str]) -> Vec<String> {
+        let mut args = vec!["capture", "--backend", self.backend.name()]
+            .into_iter()
+            .map(str::to_owned)
+            .collect::<Vec<_>>();
+        if self.backend == Backend::Ebpf {
+            args.extend([
+                "--bpffs".to_owned(),
+                self.bpffs.display().to_string(),
+                "--cgroup".to_owned(),
+                pod.cgroup_path().display().to_string(),
+            ]);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// Runs `shunt capture ... extra` in the pod; returns what shunt printed.
+    pub fn run(&self, pod: &Pod, extra: &[&str]) -> Result<String> {
+        run(pod.command(&self.shunt).args(self.args(pod, extra)))
+    }
+
+    pub fn install(&mut self, pod: &Pod) -> Result<String> {
+        self.captured.push(pod.clone());
+        self.run(pod, &[])
+            .with_context(|| format!("capturing pod {}", pod.name()))
+    }
+
+    /// `--cleanup` in every captured pod (all of them, even after a failure); returns
+    /// (pod, shunt's output) for each.
+    pub fn cleanup(&mut self) -> Result<Vec<(Pod, String)>> {
+        let mut said = Vec::new();
+        let mut failed = None;
+        for pod in std::mem::take(&mut self.captured) {
+            match self.run(&pod, &["--cleanup"]) {
+                Ok(out) => said.push((pod, out)),
+                Err(e) => {
+                    failed.get_or_insert(e.context(format!("cleaning up pod {}", pod.name())));
+                }
+            }
+        }
+        failed.map_or(Ok(said), Err)
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if let Err(e) = self.cleanup() {
+            eprintln!("xtask: {e:#}");
+        }
+        if self.backend == Backend::Ebpf && self.bpffs.exists() {
+            let _ = std::fs::remove_dir_all(&self.bpffs);
+        }
+    }
+}
+
+/// Runs to completion; returns stdout followed by stderr, or an error showing both.
+pub fn run(cmd: PodCommand) -> Result<String> {
+    let desc = cmd.description();
+    let out = cmd.output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        bail!("{desc} failed ({}):\n{}", out.status, text.trim_end());
+    }
+    Ok(text)
+}
+
+/// `shunt proxy` (it drops to uid 1337 itself), once both listeners are up.
+pub fn start_proxy(bins: &Bins, pod: &Pod) -> Result<PodProcess> {
+    let proxy = pod
+        .command(&bins.shunt)
+        .args(["proxy", "--concurrency", "2"])
+        .spawn()?;
+    for port in [15001, 15006] {
+        wait_for_port(pod, SocketAddr::from(([127, 0, 0, 1], port)), secs(10))
+            .with_context(|| format!("shunt proxy in {}:\n{}", pod.name(), proxy.stderr_text()))?;
+    }
+    Ok(proxy)
+}
+
+/// `testapp serve` on 0.0.0.0:port and [::]:port, once both listen.
+pub fn start_app(bins: &Bins, pod: &Pod, port: u16) -> Result<PodProcess> {
+    let app = pod
+        .command(&bins.testapp)
+        .args(["serve", "--listen"])
+        .arg(format!("0.0.0.0:{port}"))
+        .arg("--listen")
+        .arg(format!("[::]:{port}"))
+        .spawn()?;
+    for addr in [format!("0.0.0.0:{port}"), format!("[::]:{port}")] {
+        wait_for_port(pod, addr.parse()?, secs(10))
+            .with_context(|| format!("testapp serve in {}", pod.name()))?;
+    }
+    Ok(app)
+}
+
+/// What `testapp call` reports: both ends of the connection as each side saw them.
+pub struct Call {
+    pub client_local: SocketAddr,
+    pub server_peer: SocketAddr,
+    pub server_local: SocketAddr,
+    pub bytes: u64,
+}
+
+/// `testapp call TARGET --bytes N` as `uid` (and the same gid) in `pod`.
+pub fn call(bins: &Bins, pod: &Pod, uid: u32, target: SocketAddr, bytes: u64) -> Result<Call> {
+    let cmd = pod.command(&bins.testapp).uid(uid).gid(uid).args([
+        "call",
+        &target.to_string(),
+        "--bytes",
+        &bytes.to_string(),
+    ]);
+    let desc = cmd.description();
+    let out = cmd.output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value =
+        serde_json::from_str(text.trim()).with_context(|| format!("{desc} printed {text:?}"))?;
+    if v["ok"] != true {
+        bail!("{desc} failed: {}", v["error"]);
+    }
+    let addr = |k: &str| -> Result<SocketAddr> {
+        v[k].as_str()
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("{desc}: no {k} in {v}"))
+    };
+    Ok(Call {
+        client_local: addr("client_local")?,
+        server_peer: addr("server_peer")?,
+        server_local: addr("server_local")?,
+        bytes: v["bytes"].as_u64().unwrap_or(0),
+    })
+}
+
+/// The proxy's access log so far: one JSON object per connection.
+pub fn access_log(proxy: &PodProcess) -> Vec<Value> {
+    proxy
+        .stdout_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("direction").is_some())
+        .collect()
+}
+
+/// The access-log entry whose downstream is `client`, once the proxy has written it
+/// (the line comes when the connection ends).
+pub fn log_entry(proxy: &PodProcess, client: SocketAddr) -> Option<Value> {
+    let key = client.to_string();
+    let line = proxy
+        .wait_for_stdout(
+            |l| {
+                serde_json::from_str::<Value>(l)
+                    .is_ok_and(|v| v["downstream_remote_address"] == key.as_str())
+            },
+            secs(5),
+        )
+        .ok()?;
+    serde_json::from_str(&line).ok()
+}
+
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
