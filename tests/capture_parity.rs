@@ -1,7 +1,7 @@
 //! The parity matrix: every case of istio-iptables' rules (SEEDS.md section 2), run
 //! under `--backend ebpf` and under `--backend iptables`, must come out the same:
 //! captured or not, to which listener (outbound 15001 / inbound 15006), the original
-//! destination the proxy saw, and the source address the app saw.
+//! destination and the caller's address the proxy saw, and the source the app saw.
 //!
 //! The node: pod `a` is captured and runs `shunt proxy`; pods `b` and `c` are plain
 //! peers. Every pod runs `testapp serve`, which reports the peer it sees.

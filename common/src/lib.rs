@@ -72,7 +72,12 @@ pub struct PodConfig {
     /// Host byte order.
     pub inbound_port: u16,
     pub flags: u32,
-    pub _pad: u32,
+    /// Where captured connects are sent: the pod's own IPv4 address (network order),
+    /// so the kernel picks it as the source and the proxy sees the app's pod IP as
+    /// iptables' REDIRECT shows it; 0 means 127.0.0.1.
+    pub addr_v4: u32,
+    /// The same for IPv6 (`::1` when zero).
+    pub addr_v6: Addr,
 }
 
 /// `POD_ADDRS` key: one of a pod's own addresses. Value: that pod's `PodConfig`, so `sk_lookup`

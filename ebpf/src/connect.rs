@@ -1,7 +1,8 @@
 //! `cgroup/connect4|6`: istio-iptables' OUTPUT/ISTIO_OUTPUT chain at connect time.
-//! A captured connect is rewritten to the proxy's port on loopback (what REDIRECT does
-//! to locally generated packets) and its original destination is kept by socket
-//! cookie until sockops learns the 4-tuple. The connect itself is always allowed.
+//! A captured connect is rewritten to the proxy's port on the pod's own address (a
+//! local route, like REDIRECT's loopback, but the source the kernel then picks is the
+//! pod address, exactly what the proxy sees under iptables), and its original
+//! destination is kept by socket cookie until sockops learns the 4-tuple. The connect itself is always allowed.
 
 use core::ptr::write_volatile;
 
@@ -21,8 +22,8 @@ use shunt_common::{
 
 use crate::{
     addr::{
-        LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, map_v4, read6,
-        unmap_v4, v4,
+        LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, is_unspecified6,
+        map_v4, read6, unmap_v4, v4,
     },
     maps::{CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, count, is_pod_addr},
 };
@@ -117,15 +118,20 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         return;
     }
     count(decision);
+    // To the pod's own address (loopback if it has none): routed over lo, with the pod
+    // address as source, so the proxy sees the app where iptables' REDIRECT shows it.
+    let to4 = if cfg.addr_v4 != 0 { cfg.addr_v4 } else { LOCALHOST4 };
     // SAFETY: context fields writable by connect hooks, one 32-bit store each.
     unsafe {
         if !v6 {
-            write_volatile(&raw mut (*sa).user_ip4, LOCALHOST4);
+            write_volatile(&raw mut (*sa).user_ip4, to4);
         } else {
             let to = if dial.v4_mapped {
-                map_v4(LOCALHOST4)
-            } else {
+                map_v4(to4)
+            } else if is_unspecified6(&cfg.addr_v6) {
                 LOCALHOST6
+            } else {
+                cfg.addr_v6
             };
             let p = (&raw mut (*sa).user_ip6) as *mut u32;
             write_volatile(p, to[0]);

@@ -93,6 +93,12 @@ fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
         PortSet::Only(p) if !p.is_empty() => f |= flags::INBOUND,
         PortSet::Only(_) => {}
     }
+    // The pod's primary addresses (link-local IPv6 is not a usable source for the app).
+    let v4 = pod.addresses.iter().find(|a| a.is_ipv4());
+    let v6 = pod.addresses.iter().find(|a| match a {
+        IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) != 0xfe80,
+        IpAddr::V4(_) => false,
+    });
     PodConfig {
         pod_id: pod.id,
         proxy_uid: cfg.proxy_uid,
@@ -100,7 +106,8 @@ fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
         outbound_port: cfg.proxy_port,
         inbound_port: cfg.inbound_capture_port,
         flags: f,
-        _pad: 0,
+        addr_v4: v4.map_or(0, |a| addr_words(a).0[0]),
+        addr_v6: v6.map_or([0; 4], |a| addr_words(a).0),
     }
 }
 
