@@ -31,6 +31,7 @@ mod node;
 mod pod;
 mod ports;
 mod process;
+mod report;
 
 pub use bins::{shunt_bin, testapp_bin, try_shunt_bin, try_testapp_bin};
 pub use cgroup::cgroup2_mount;
@@ -39,3 +40,4 @@ pub use node::Node;
 pub use pod::Pod;
 pub use ports::{tcp_listeners, wait_for_port};
 pub use process::{PodCommand, PodProcess};
+pub use report::{Call, access_log, access_log_entry};

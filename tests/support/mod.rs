@@ -9,7 +9,6 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, bail};
 use harness::{Pod, PodProcess, shunt_bin, testapp_bin, wait_for_port};
 use serde_json::Value;
 
@@ -132,14 +131,7 @@ pub fn start_app(pod: &Pod, ports: &[u16]) -> PodProcess {
     app
 }
 
-/// What `testapp call` reports.
-#[derive(Debug, Clone)]
-pub struct Call {
-    pub server_peer: SocketAddr,
-    pub server_local: SocketAddr,
-    pub client_local: SocketAddr,
-    pub bytes: u64,
-}
+pub use harness::{Call, access_log};
 
 pub struct Caller<'a> {
     pub pod: &'a Pod,
@@ -173,55 +165,15 @@ impl<'a> Caller<'a> {
         if let Some(bind) = self.bind {
             cmd = cmd.arg("--bind").arg(bind.to_string());
         }
+        let what = cmd.description();
         let out = cmd.output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Value = serde_json::from_str(text.trim()).with_context(|| {
-            format!(
-                "testapp call output: {text} {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-        if v["ok"] != Value::Bool(true) {
-            bail!("call to {target} failed: {}", v["error"]);
-        }
-        let addr = |k: &str| -> anyhow::Result<SocketAddr> {
-            v[k].as_str()
-                .with_context(|| format!("{k} missing"))?
-                .parse()
-                .with_context(|| k.to_string())
-        };
-        Ok(Call {
-            server_peer: addr("server_peer")?,
-            server_local: addr("server_local")?,
-            client_local: addr("client_local")?,
-            bytes: v["bytes"].as_u64().unwrap_or(0),
-        })
+        Call::parse(&String::from_utf8_lossy(&out.stdout), &what)
     }
-}
-
-/// The proxy's access-log entries so far (one JSON object per line on stdout).
-pub fn access_log(proxy: &PodProcess) -> Vec<Value> {
-    proxy
-        .stdout_text()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v.get("direction").is_some())
-        .collect()
 }
 
 /// The entry for the connection whose downstream end is `client`, waiting up to 5 s.
 pub fn log_entry_for(proxy: &PodProcess, client: SocketAddr) -> Option<Value> {
-    let key = client.to_string();
-    let line = proxy
-        .wait_for_stdout(
-            |l| {
-                serde_json::from_str::<Value>(l)
-                    .is_ok_and(|v| v["downstream_remote_address"] == key.as_str())
-            },
-            Duration::from_secs(5),
-        )
-        .ok()?;
-    serde_json::from_str(&line).ok()
+    harness::access_log_entry(proxy, client, Duration::from_secs(5))
 }
 
 /// Asserts that no entry names `client` (after giving a late one time to appear).

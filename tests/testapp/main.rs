@@ -468,6 +468,9 @@ struct ConnectReport {
     p90_us: u64,
     p99_us: u64,
     max_us: u64,
+    /// connect() alone (SYN, SYN-ACK: through the capture path, before the proxy acts).
+    connect_p50_us: u64,
+    connect_p99_us: u64,
     first_error: Option<String>,
 }
 
@@ -501,17 +504,23 @@ fn bench_connect(argv: &[String]) -> ExitCode {
             let payload = payload.clone();
             thread::spawn(move || {
                 let mut latencies = Vec::new();
+                let mut connects = Vec::new();
                 let mut errors = 0u64;
                 let mut first_error = None;
                 let mut buf = vec![0u8; payload.len()];
                 while Instant::now() < deadline {
                     let t0 = Instant::now();
                     let result = connect(target, None, timeout).and_then(|mut s| {
+                        // connect() alone: what the capture path itself costs.
+                        let connected = t0.elapsed();
                         read_hello(&mut s)?;
-                        round_trip(&mut s, &payload, &mut buf)
+                        round_trip(&mut s, &payload, &mut buf).map(|()| connected)
                     });
                     match result {
-                        Ok(()) => latencies.push(t0.elapsed().as_micros() as u64),
+                        Ok(connected) => {
+                            latencies.push(t0.elapsed().as_micros() as u64);
+                            connects.push(connected.as_micros() as u64);
+                        }
                         Err(e) => {
                             errors += 1;
                             first_error.get_or_insert(e);
@@ -519,16 +528,18 @@ fn bench_connect(argv: &[String]) -> ExitCode {
                         }
                     }
                 }
-                (latencies, errors, first_error)
+                (latencies, connects, errors, first_error)
             })
         })
         .collect();
     let mut latencies = Vec::new();
+    let mut connects = Vec::new();
     let mut errors = 0;
     let mut first_error = None;
     for w in workers {
-        let (l, e, f) = w.join().expect("worker panicked");
+        let (l, c, e, f) = w.join().expect("worker panicked");
         latencies.extend(l);
+        connects.extend(c);
         errors += e;
         if first_error.is_none() {
             first_error = f;
@@ -536,7 +547,10 @@ fn bench_connect(argv: &[String]) -> ExitCode {
     }
     let seconds = start.elapsed().as_secs_f64();
     latencies.sort_unstable();
+    connects.sort_unstable();
     print_json(&ConnectReport {
+        connect_p50_us: percentile(&connects, 50.0),
+        connect_p99_us: percentile(&connects, 99.0),
         connections: latencies.len() as u64,
         errors,
         seconds,

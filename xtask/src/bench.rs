@@ -116,6 +116,16 @@ const METRICS: &[Metric] = &[
         get: |r| num(&r.connect, "conn_per_sec"),
     },
     Metric {
+        key: "connect_only_p50_us",
+        label: "  connect() alone p50 (us)",
+        get: |r| num(&r.connect, "connect_p50_us"),
+    },
+    Metric {
+        key: "connect_only_p99_us",
+        label: "  connect() alone p99 (us)",
+        get: |r| num(&r.connect, "connect_p99_us"),
+    },
+    Metric {
         key: "connect_p50_us",
         label: "  connect + echo p50 (us)",
         get: |r| num(&r.connect, "p50_us"),

@@ -4,6 +4,7 @@
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context, Result, bail, ensure};
+pub use harness::{Call, access_log};
 use harness::{Pod, PodCommand, PodProcess, wait_for_port};
 use serde_json::Value;
 
@@ -196,14 +197,6 @@ pub fn start_app(bins: &Bins, pod: &Pod, port: u16) -> Result<PodProcess> {
     Ok(app)
 }
 
-/// What `testapp call` reports: both ends of the connection as each side saw them.
-pub struct Call {
-    pub client_local: SocketAddr,
-    pub server_peer: SocketAddr,
-    pub server_local: SocketAddr,
-    pub bytes: u64,
-}
-
 /// `testapp call TARGET --bytes N` as `uid` (and the same gid) in `pod`.
 pub fn call(bins: &Bins, pod: &Pod, uid: u32, target: SocketAddr, bytes: u64) -> Result<Call> {
     let cmd = pod.command(&bins.testapp).uid(uid).gid(uid).args([
@@ -214,49 +207,12 @@ pub fn call(bins: &Bins, pod: &Pod, uid: u32, target: SocketAddr, bytes: u64) ->
     ]);
     let desc = cmd.description();
     let out = cmd.output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value =
-        serde_json::from_str(text.trim()).with_context(|| format!("{desc} printed {text:?}"))?;
-    if v["ok"] != true {
-        bail!("{desc} failed: {}", v["error"]);
-    }
-    let addr = |k: &str| -> Result<SocketAddr> {
-        v[k].as_str()
-            .and_then(|s| s.parse().ok())
-            .with_context(|| format!("{desc}: no {k} in {v}"))
-    };
-    Ok(Call {
-        client_local: addr("client_local")?,
-        server_peer: addr("server_peer")?,
-        server_local: addr("server_local")?,
-        bytes: v["bytes"].as_u64().unwrap_or(0),
-    })
+    Call::parse(&String::from_utf8_lossy(&out.stdout), &desc)
 }
 
-/// The proxy's access log so far: one JSON object per connection.
-pub fn access_log(proxy: &PodProcess) -> Vec<Value> {
-    proxy
-        .stdout_text()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v.get("direction").is_some())
-        .collect()
-}
-
-/// The access-log entry whose downstream is `client`, once the proxy has written it
-/// (the line comes when the connection ends).
+/// The access-log entry whose downstream is `client`, once the proxy has written it.
 pub fn log_entry(proxy: &PodProcess, client: SocketAddr) -> Option<Value> {
-    let key = client.to_string();
-    let line = proxy
-        .wait_for_stdout(
-            |l| {
-                serde_json::from_str::<Value>(l)
-                    .is_ok_and(|v| v["downstream_remote_address"] == key.as_str())
-            },
-            secs(5),
-        )
-        .ok()?;
-    serde_json::from_str(&line).ok()
+    harness::access_log_entry(proxy, client, secs(5))
 }
 
 pub fn secs(n: u64) -> Duration {
