@@ -5,6 +5,7 @@
 
 mod access_log;
 mod capture;
+mod config;
 mod inspect;
 mod listener;
 mod tcp;

@@ -53,10 +53,47 @@ pub struct ProxyArgs {
     /// tracing directives. The access log always goes to stdout.
     #[arg(long, default_value = "info", value_name = "FILTER")]
     pub log_level: String,
+    /// Envoy v3 bootstrap file, JSON or YAML (by extension, else by content).
+    #[arg(short = 'c', long, value_name = "FILE")]
+    pub config_path: Option<std::path::PathBuf>,
+    /// Bootstrap as YAML, merged over --config-path as Envoy merges it.
+    #[arg(long, value_name = "YAML")]
+    pub config_yaml: Option<String>,
+    /// Sets the bootstrap's node.id.
+    #[arg(long, value_name = "ID")]
+    pub service_node: Option<String>,
+    /// Sets the bootstrap's node.cluster.
+    #[arg(long, value_name = "CLUSTER")]
+    pub service_cluster: Option<String>,
+    /// Time to drain connections on shutdown or listener removal.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub drain_time_s: u64,
+    /// Time before a hot-restarted parent is shut down.
+    #[arg(long, default_value_t = 900, value_name = "SECONDS")]
+    pub parent_shutdown_time_s: u64,
+    /// serve: run the proxy; validate: check the bootstrap, print a summary and exit
+    /// (non-zero if it is invalid).
+    #[arg(long, value_enum, default_value_t = crate::config::Mode::Serve)]
+    pub mode: crate::config::Mode,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     init_logging(&args.log_level)?;
+    let bootstrap = crate::config::Options {
+        config_path: args.config_path.clone(),
+        config_yaml: args.config_yaml.clone(),
+        service_node: args.service_node.clone(),
+        service_cluster: args.service_cluster.clone(),
+        drain_time: Duration::from_secs(args.drain_time_s),
+        parent_shutdown_time: Duration::from_secs(args.parent_shutdown_time_s),
+    };
+    match args.mode {
+        crate::config::Mode::Validate => return crate::config::validate_mode(&bootstrap),
+        crate::config::Mode::Serve if bootstrap.has_bootstrap() => {
+            return crate::config::serve_bootstrap(&bootstrap);
+        }
+        crate::config::Mode::Serve => {}
+    }
     if args.outbound_port != 0 && args.outbound_port == args.inbound_port {
         anyhow::bail!(
             "--outbound-port and --inbound-port are both {}",

@@ -1,0 +1,116 @@
+//! Configuration: Envoy v3 bootstraps in, checked Envoy types out.
+//!
+//! A bootstrap (`-c FILE`, `--config-yaml`) is read as proto3 JSON or YAML into
+//! envoy-types' `Bootstrap` ([`load`]), through a descriptor pool ([`pool`]) so that
+//! `Any` fields resolve by `@type`, with every error naming the file and the JSON path
+//! ([`json`]). Validation ([`validate`]) then reports what shunt cannot serve as written,
+//! notably extensions it does not implement ([`extensions`], the one list of them).
+//!
+//! The next step builds an immutable compiled snapshot (listeners, routes, clusters,
+//! secrets) from these types; xDS resources will come through the same pool.
+
+mod extensions;
+mod json;
+mod load;
+mod pool;
+mod validate;
+
+use std::io::Write;
+
+use anyhow::Context;
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+
+pub use load::{Loaded, Options};
+pub use validate::Report;
+
+/// What `shunt proxy` does with a bootstrap (Envoy's `--mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Mode {
+    /// Run the proxy.
+    #[default]
+    Serve,
+    /// Load and check the bootstrap, print a summary, and exit: 0 if it is valid.
+    Validate,
+}
+
+/// The bootstrap as proto3 JSON with `@type` in every `Any` and proto field names, the
+/// form of Envoy's `/config_dump`.
+#[cfg_attr(
+    not(test),
+    allow(dead_code, reason = "admin /config_dump is its first caller")
+)]
+pub fn to_json(bootstrap: &Bootstrap) -> Result<serde_json::Value, json::JsonError> {
+    json::to_json(bootstrap)
+}
+
+/// Loads and validates the bootstrap the options name.
+pub fn check(options: &Options) -> anyhow::Result<(Loaded, Report)> {
+    let loaded = load::load(options)?;
+    let report = validate::validate(&loaded.bootstrap, options, loaded.findings.clone())?;
+    Ok((loaded, report))
+}
+
+/// `--mode validate`: report on the bootstrap to stdout; an error if it is not valid.
+pub fn validate_mode(options: &Options) -> anyhow::Result<()> {
+    let (loaded, report) = check(options)?;
+    let mut out = std::io::stdout().lock();
+    print_report(&mut out, options, &loaded.bootstrap, &report).context("writing the report")?;
+    let errors = report.errors().count();
+    if errors > 0 {
+        anyhow::bail!("{}: invalid, {}", options.origin(), count(errors, "error"));
+    }
+    Ok(())
+}
+
+fn print_report(
+    out: &mut impl Write,
+    options: &Options,
+    bootstrap: &Bootstrap,
+    report: &Report,
+) -> std::io::Result<()> {
+    writeln!(out, "bootstrap: {}", options.origin())?;
+    writeln!(out, "{}", validate::Summary { bootstrap, options })?;
+    for finding in &report.findings {
+        writeln!(out, "{finding}")?;
+    }
+    let (errors, warnings) = (report.errors().count(), report.warnings().count());
+    if report.is_valid() {
+        writeln!(out, "OK: valid, {}", count(warnings, "warning"))
+    } else {
+        writeln!(
+            out,
+            "INVALID: {}, {}",
+            count(errors, "error"),
+            count(warnings, "warning")
+        )
+    }
+}
+
+fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// `--mode serve` with a bootstrap: checked, then refused, because serving a bootstrap's
+/// listeners and clusters is the next step and not built yet.
+pub fn serve_bootstrap(options: &Options) -> anyhow::Result<()> {
+    let (_, report) = check(options)?;
+    for finding in &report.findings {
+        match finding.severity {
+            validate::Severity::Warning => tracing::warn!("{finding}"),
+            validate::Severity::Error => tracing::error!("{finding}"),
+        }
+    }
+    anyhow::bail!(
+        "{}: serving a bootstrap's listeners and clusters is not implemented yet; \
+         use --mode validate to check it, or run `shunt proxy` without -c/--config-yaml \
+         for the transparent passthrough proxy",
+        options.origin()
+    )
+}
+
+#[cfg(test)]
+mod tests;
