@@ -29,8 +29,11 @@ pub mod pins {
     pub const ORIG_DST_TUPLE: &str = "ORIG_DST_TUPLE";
     pub const LISTENERS: &str = "LISTENERS";
     pub const COUNTERS: &str = "COUNTERS";
+    pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
+    pub const PAIR_STATE: &str = "PAIR_STATE";
+    pub const PROXY_SOCKS: &str = "PROXY_SOCKS";
     /// Every map, in the order userspace pins and removes them.
-    pub const MAPS: [&str; 9] = [
+    pub const MAPS: [&str; 12] = [
         POD_CONFIG,
         POD_ADDRS,
         POD_PORTS,
@@ -40,6 +43,9 @@ pub mod pins {
         ORIG_DST_TUPLE,
         LISTENERS,
         COUNTERS,
+        SOCK_PAIRS,
+        PAIR_STATE,
+        PROXY_SOCKS,
     ];
 }
 
@@ -57,6 +63,8 @@ pub mod flags {
     pub const INBOUND: u32 = 1 << 2;
     /// `-b '*'`: every inbound port but the excluded ones; otherwise only listed ports.
     pub const INBOUND_ALL_PORTS: u32 = 1 << 3;
+    /// Local socket pairs of this pod skip the TCP/IP stack (off with `--no-sockmap`).
+    pub const SOCKMAP: u32 = 1 << 4;
 }
 
 /// Capture settings of one pod, keyed by its network namespace cookie (`POD_CONFIG`).
@@ -142,6 +150,16 @@ pub struct Cidr6 {
     pub pod_id: u32,
     pub kind: u32,
     pub addr: Addr,
+}
+
+/// `PAIR_STATE` values: what a short-circuited socket's sends do. The first message
+/// decides, and the only change allowed later is to `FALLBACK`: bytes redirected to the
+/// peer's ingress are read before its TCP receive queue, so going from TCP to redirect
+/// mid-stream could reorder them, while going from redirect to TCP cannot.
+pub mod pair_state {
+    pub const UNDECIDED: u32 = 0;
+    pub const REDIRECT: u32 = 1;
+    pub const FALLBACK: u32 = 2;
 }
 
 /// Prefix bits taken by `pod_id` and `kind` ahead of the address in the CIDR tries.
@@ -230,10 +248,20 @@ pub enum Decision {
     ListenerRegistered,
     /// sk_lookup: the destination is not one of a pod's addresses.
     InboundSkipNotPod,
+    /// sockops: a local socket joined the short-circuit map.
+    PairAdded,
+    /// sockops: a short-circuited socket closed.
+    PairRemoved,
+    /// sk_msg: a send went straight to the peer's receive queue.
+    MsgRedirected,
+    /// sk_msg: bytes that went straight to the peer (added per message).
+    BytesRedirected,
+    /// sk_msg: the peer was not in the map; this socket uses TCP from now on.
+    MsgFallback,
 }
 
 impl Decision {
-    pub const COUNT: u32 = 21;
+    pub const COUNT: u32 = 26;
     pub const ALL: [Decision; Self::COUNT as usize] = [
         Decision::OutboundRedirected,
         Decision::InboundRedirectedLocal,
@@ -256,6 +284,11 @@ impl Decision {
         Decision::OrigDstRemoved,
         Decision::ListenerRegistered,
         Decision::InboundSkipNotPod,
+        Decision::PairAdded,
+        Decision::PairRemoved,
+        Decision::MsgRedirected,
+        Decision::BytesRedirected,
+        Decision::MsgFallback,
     ];
 
     /// The counter's name in `shunt` output and the demo.
@@ -282,6 +315,11 @@ impl Decision {
             Decision::OrigDstRemoved => "orig_dst_removed",
             Decision::ListenerRegistered => "listener_registered",
             Decision::InboundSkipNotPod => "inbound_skip_not_pod",
+            Decision::PairAdded => "sockmap_pair_added",
+            Decision::PairRemoved => "sockmap_pair_removed",
+            Decision::MsgRedirected => "sockmap_msg_redirected",
+            Decision::BytesRedirected => "sockmap_bytes_redirected",
+            Decision::MsgFallback => "sockmap_fallback",
         }
     }
 }

@@ -68,4 +68,3 @@ pub fn is_loopback(addr: &Addr, family: u32) -> bool {
         eq6(addr, &LOCALHOST6) || is_unspecified6(addr)
     }
 }
-

@@ -14,8 +14,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use shunt_common::{
-    AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, OriginalDst,
-    PodConfig, PortKey, cidr_kind, direction, flags,
+    AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, OriginalDst, PodConfig,
+    PortKey, cidr_kind, direction, flags,
     outbound::{ConnectFacts, decide},
     port_kind,
 };
@@ -25,7 +25,9 @@ use crate::{
         LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, is_unspecified6,
         map_v4, read6, unmap_v4, v4,
     },
-    maps::{CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, count, is_pod_addr},
+    maps::{
+        CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, PROXY_SOCKS, count, is_pod_addr,
+    },
 };
 
 const IPPROTO_TCP: u32 = 6;
@@ -100,6 +102,13 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
         skipped => {
             count(skipped);
+            if matches!(skipped, Decision::SkipProxyUid | Decision::SkipProxyGid)
+                && cfg.flags & flags::SOCKMAP != 0
+            {
+                // The proxy's own upstream connection: may pair with a proxy in another pod.
+                let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+                let _ = PROXY_SOCKS.insert(&cookie, &1, 0);
+            }
             return;
         }
     };
@@ -120,7 +129,11 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     count(decision);
     // To the pod's own address (loopback if it has none): routed over lo, with the pod
     // address as source, so the proxy sees the app where iptables' REDIRECT shows it.
-    let to4 = if cfg.addr_v4 != 0 { cfg.addr_v4 } else { LOCALHOST4 };
+    let to4 = if cfg.addr_v4 != 0 {
+        cfg.addr_v4
+    } else {
+        LOCALHOST4
+    };
     // SAFETY: context fields writable by connect hooks, one 32-bit store each.
     unsafe {
         if !v6 {

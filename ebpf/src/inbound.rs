@@ -3,7 +3,7 @@
 //! listener; the accepted socket's local address stays the original destination.
 
 use aya_ebpf::{macros::sk_lookup, programs::SkLookupContext};
-use shunt_common::{AF_INET, AddrKey, Decision, ListenerKey, PortKey, flags, port_kind};
+use shunt_common::{AF_INET, AddrKey, Decision, ListenerKey, PodConfig, PortKey, flags, port_kind};
 
 use crate::{
     addr::{is_loopback, read6, v4},
@@ -46,22 +46,13 @@ fn steer(ctx: &SkLookupContext) -> u32 {
     };
     // SAFETY: value pointer from a successful lookup.
     let cfg = unsafe { *cfg };
-    if cfg.flags & flags::INBOUND == 0 {
-        count(Decision::InboundSkipPort);
-        return SK_PASS;
-    }
     // Locally generated connections never see PREROUTING's NAT: the connect hook decided.
     if is_loopback(&remote, family) || is_pod_addr(remote, family, cfg.pod_id) {
         count(Decision::InboundSkipLocalSource);
         return SK_PASS;
     }
     let port = unsafe { (*l).local_port } as u16;
-    let captured = if cfg.flags & flags::INBOUND_ALL_PORTS != 0 {
-        !has_port(cfg.pod_id, port, port_kind::INBOUND_EXCLUDE)
-    } else {
-        has_port(cfg.pod_id, port, port_kind::INBOUND_INCLUDE)
-    };
-    if !captured {
+    if !captures_port(&cfg, port) {
         count(Decision::InboundSkipPort);
         return SK_PASS;
     }
@@ -82,9 +73,19 @@ fn steer(ctx: &SkLookupContext) -> u32 {
     }
 }
 
+/// ISTIO_INBOUND's port rules: `-b '*'` minus exclusions, or only the listed ports.
+#[inline(always)]
+pub fn captures_port(cfg: &PodConfig, port: u16) -> bool {
+    if cfg.flags & flags::INBOUND == 0 {
+        false
+    } else if cfg.flags & flags::INBOUND_ALL_PORTS != 0 {
+        !has_port(cfg.pod_id, port, port_kind::INBOUND_EXCLUDE)
+    } else {
+        has_port(cfg.pod_id, port, port_kind::INBOUND_INCLUDE)
+    }
+}
+
 #[inline(always)]
 fn has_port(pod_id: u32, port: u16, kind: u16) -> bool {
-    POD_PORTS
-        .get_ptr(&PortKey { pod_id, port, kind })
-        .is_some()
+    POD_PORTS.get_ptr(&PortKey { pod_id, port, kind }).is_some()
 }

@@ -7,6 +7,8 @@
 //!   pod's inbound listener for `sk_lookup`.
 //! - `inbound.rs`: `sk_lookup` steers connections for a pod's addresses to its inbound
 //!   listener (ISTIO_INBOUND), without rewriting packets.
+//! - `shortcircuit.rs`: `sk_msg` hands sends between local socket pairs straight to the
+//!   peer, skipping the TCP/IP stack.
 #![no_std]
 #![no_main]
 
@@ -15,6 +17,7 @@ mod connect;
 mod inbound;
 mod maps;
 mod original_dst;
+mod shortcircuit;
 
 #[cfg(not(test))]
 #[panic_handler]

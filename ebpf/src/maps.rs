@@ -44,11 +44,30 @@ pub static LISTENERS: SockHash<ListenerKey, 8192> = SockHash::new();
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { Decision::COUNT as usize }> = PerCpuArray::new();
 
+/// Local sockets that skip the TCP/IP stack, each under its own 4-tuple (see
+/// `shortcircuit.rs`); the `sk_msg` program is attached to this map.
+#[btf_map]
+pub static SOCK_PAIRS: SockHash<SockTuple, 65536> = SockHash::new();
+
+/// Short-circuited socket (its own 4-tuple) → `pair_state`.
+#[btf_map]
+pub static PAIR_STATE: LruHashMap<SockTuple, u32, 65536> = LruHashMap::new();
+
+/// Cookies of sockets the proxy connected (uid/gid exempt): candidates for proxy-to-proxy
+/// short-circuit across pods.
+#[btf_map]
+pub static PROXY_SOCKS: LruHashMap<u64, u32, 65536> = LruHashMap::new();
+
 #[inline(always)]
 pub fn count(decision: Decision) {
+    count_n(decision, 1);
+}
+
+#[inline(always)]
+pub fn count_n(decision: Decision, n: u64) {
     if let Some(counter) = COUNTERS.get_ptr_mut(decision as u32) {
         // SAFETY: per-CPU slot, and programs do not migrate CPUs mid-run.
-        unsafe { *counter += 1 };
+        unsafe { *counter += n };
     }
 }
 

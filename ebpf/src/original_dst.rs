@@ -6,14 +6,17 @@
 //! `cgroup/getsockopt`. The entry lives until the proxy's side closes (a client that
 //! connects, writes and closes at once must not take it away before the proxy asks),
 //! or until the client's connect fails.
+//!
+//! `track_sockets` is the one sockops program; it also feeds the short-circuit.
 
 use core::ptr::write_volatile;
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TCP_LISTEN_CB,
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_SOCK_OPS_TCP_LISTEN_CB,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sockopt, sock_ops},
@@ -27,6 +30,7 @@ use shunt_common::{
 use crate::{
     addr::{read6, unmap_v4, v4},
     maps::{LISTENERS, ORIG_DST_COOKIE, ORIG_DST_TUPLE, POD_CONFIG, count},
+    shortcircuit,
 };
 
 const TCP_SYN_SENT: u32 = 2;
@@ -36,6 +40,11 @@ const TCP_CLOSE: u32 = 7;
 pub fn track_sockets(ctx: SockOpsContext) -> u32 {
     match ctx.op() {
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
+            if let Some(t) = tuple(&ctx) {
+                shortcircuit::on_established(&ctx, &t, true);
+            }
+        }
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => on_passive_established(&ctx),
         BPF_SOCK_OPS_STATE_CB => on_state_change(&ctx),
         BPF_SOCK_OPS_TCP_LISTEN_CB => on_listen(&ctx),
@@ -51,7 +60,11 @@ fn tuple(ctx: &SockOpsContext) -> Option<SockTuple> {
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // remote_port holds the network-order port, shifted left 16 on little-endian kernels.
     let raw = ctx.remote_port();
-    let remote_port = u16::from_be(if raw > 0xffff { (raw >> 16) as u16 } else { raw as u16 });
+    let remote_port = u16::from_be(if raw > 0xffff {
+        (raw >> 16) as u16
+    } else {
+        raw as u16
+    });
     let local_port = ctx.local_port() as u16;
     let family = ctx.family();
     let (family, src, dst) = if family == AF_INET {
@@ -107,6 +120,7 @@ fn on_connect(ctx: &SockOpsContext) {
 
 fn on_passive_established(ctx: &SockOpsContext) {
     let Some(local) = tuple(ctx) else { return };
+    shortcircuit::on_established(ctx, &local, false);
     if ORIG_DST_TUPLE.get_ptr(&swapped(&local)).is_some() {
         // The proxy's side of a redirected connection: its close ends the entry.
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
@@ -118,6 +132,7 @@ fn on_state_change(ctx: &SockOpsContext) {
         return;
     }
     let Some(local) = tuple(ctx) else { return };
+    shortcircuit::on_close(&local);
     if ORIG_DST_TUPLE.remove(&swapped(&local)).is_ok() {
         count(Decision::OrigDstRemoved);
     } else if ctx.arg(0) == TCP_SYN_SENT && ORIG_DST_TUPLE.remove(&local).is_ok() {
@@ -141,7 +156,10 @@ fn on_listen(ctx: &SockOpsContext) {
         family: ctx.family(),
     };
     // SAFETY: the context is the kernel's bpf_sock_ops for this socket.
-    if LISTENERS.update(&mut key, unsafe { &mut *ctx.ops }, 0).is_ok() {
+    if LISTENERS
+        .update(&mut key, unsafe { &mut *ctx.ops }, 0)
+        .is_ok()
+    {
         count(Decision::ListenerRegistered);
     }
 }

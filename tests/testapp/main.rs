@@ -45,6 +45,8 @@ fn main() -> ExitCode {
         "bench-connect" => bench_connect(rest),
         "bench-rr" => bench_rr(rest),
         "probe" => probe(rest),
+        "many" => report(many(rest)),
+        "half-close" => report(half_close(rest)),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -153,10 +155,17 @@ fn print_json(value: &impl Serialize) {
 // ---------------------------------------------------------------- serve
 
 fn serve(argv: &[String]) -> ExitCode {
-    let args = match Args::parse(argv, &["listen"]) {
+    let args = match Args::parse(argv, &["listen", "mode"]) {
         Ok(a) => a,
         Err(e) => return usage_error("serve", &e),
     };
+    match args.all("mode").collect::<Vec<_>>().as_slice() {
+        [] | ["echo"] => {}
+        ["half-close"] => {
+            HALF_CLOSE.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        other => return usage_error("serve", &format!("--mode {other:?}: echo or half-close")),
+    }
     if !args.positional.is_empty() {
         return usage_error("serve", &format!("unexpected {:?}", args.positional));
     }
@@ -170,6 +179,7 @@ fn serve(argv: &[String]) -> ExitCode {
     if addrs.is_empty() {
         return usage_error("serve", "at least one --listen ADDR:PORT is needed");
     }
+    sock::raise_open_files_limit();
     let mut listeners = Vec::new();
     for addr in addrs {
         match sock::listen(addr) {
@@ -219,7 +229,20 @@ fn serve_conn(mut stream: TcpStream) {
     };
     say(&format!("ACCEPT peer={peer} local={local}"));
     let _ = stream.set_nodelay(true);
-    if let Err(e) = echo(&mut stream, peer, local) {
+    let mut received = 0u64;
+    let result = if HALF_CLOSE.load(std::sync::atomic::Ordering::Relaxed) {
+        speak_then_listen(&mut stream, peer, local, &mut received)
+    } else {
+        echo(&mut stream, peer, local, &mut received)
+    };
+    // How the connection ended, for tests: a clean EOF or a reset, and what arrived.
+    let end = match &result {
+        Ok(()) => "eof".to_string(),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionReset => "reset".to_string(),
+        Err(e) => format!("error:{}", e.kind()),
+    };
+    say(&format!("END peer={peer} received={received} result={end}"));
+    if let Err(e) = result {
         let quiet = matches!(
             e.kind(),
             io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
@@ -230,7 +253,37 @@ fn serve_conn(mut stream: TcpStream) {
     }
 }
 
-fn echo(stream: &mut TcpStream, peer: SocketAddr, local: SocketAddr) -> io::Result<()> {
+/// `serve --half-close`: the server speaks first and closes its side first.
+static HALF_CLOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// What a `--half-close` server sends before shutting down its write side.
+const HALF_CLOSE_BYTES: usize = 1 << 20;
+
+fn speak_then_listen(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    local: SocketAddr,
+    received: &mut u64,
+) -> io::Result<()> {
+    stream.write_all(format!("HELLO peer={peer} local={local}\n").as_bytes())?;
+    stream.write_all(&pseudo_random(HALF_CLOSE_BYTES, 11))?;
+    stream.shutdown(Shutdown::Write)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => *received += n as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn echo(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    local: SocketAddr,
+    received: &mut u64,
+) -> io::Result<()> {
     stream.write_all(format!("HELLO peer={peer} local={local}\n").as_bytes())?;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -242,6 +295,7 @@ fn echo(stream: &mut TcpStream, peer: SocketAddr, local: SocketAddr) -> io::Resu
         if n == 0 {
             return stream.shutdown(Shutdown::Write);
         }
+        *received += n as u64;
         stream.write_all(&buf[..n])?;
     }
 }
@@ -362,12 +416,26 @@ fn call(argv: &[String]) -> ExitCode {
 }
 
 fn call_inner(argv: &[String]) -> Result<CallOk, String> {
-    let args = Args::parse(argv, &["bind", "bytes", "timeout-ms", "seed"])?;
+    let args = Args::parse(
+        argv,
+        &[
+            "bind",
+            "bytes",
+            "timeout-ms",
+            "seed",
+            "read-delay-ms",
+            "abort-after",
+        ],
+    )?;
     let target = args.target()?;
     let bind: Option<IpAddr> = args.get("bind")?;
     let len: usize = args.num("bytes", 1024)?;
     let timeout = args.millis("timeout-ms", 5000)?;
     let seed: u64 = args.num("seed", 1)?;
+    // A slow reader: pause this long after every read.
+    let read_delay = args.millis("read-delay-ms", 0)?;
+    // Reset the connection (SO_LINGER 0) after sending this many bytes.
+    let abort_after: Option<usize> = args.get("abort-after")?;
 
     let mut stream = connect(target, bind, timeout)?;
     let client_local = stream
@@ -376,6 +444,21 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
     let (server_peer, server_local) = read_hello(&mut stream)?;
 
     let data = pseudo_random(len, seed);
+    if let Some(k) = abort_after {
+        stream
+            .write_all(&data[..k.min(len)])
+            .map_err(|e| format!("sending before the abort: {e}"))?;
+        // Let the bytes get through before the reset overtakes them.
+        thread::sleep(Duration::from_millis(200));
+        sock::abort(stream).map_err(|e| format!("abort: {e}"))?;
+        return Ok(CallOk {
+            ok: true,
+            server_peer,
+            server_local,
+            client_local: client_local.to_string(),
+            bytes: k.min(len),
+        });
+    }
     let mut expected = Fnv::new();
     expected.update(&data);
     // Write from another thread: with big payloads, writing everything before reading
@@ -397,6 +480,9 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
             Ok(n) => {
                 got.update(&buf[..n]);
                 received += n;
+                if !read_delay.is_zero() {
+                    thread::sleep(read_delay);
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
@@ -429,6 +515,86 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
         client_local: client_local.to_string(),
         bytes: len,
     })
+}
+
+/// Prints a command's JSON result, `{"ok":false,"error":..}` on failure.
+fn report(result: Result<serde_json::Value, String>) -> ExitCode {
+    match result {
+        Ok(v) => {
+            print_json(&v);
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            print_json(&CallErr { ok: false, error });
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `many ADDR --connections N --bytes B`: N connections open at once, each echoing B
+/// bytes (checked), then all closed with a clean EOF.
+fn many(argv: &[String]) -> Result<serde_json::Value, String> {
+    sock::raise_open_files_limit();
+    let args = Args::parse(argv, &["connections", "bytes", "timeout-ms"])?;
+    let target = args.target()?;
+    let n: usize = args.num("connections", 1000)?;
+    let len: usize = args.num("bytes", 4096)?;
+    let timeout = args.millis("timeout-ms", 10000)?;
+    let mut streams = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut s = connect(target, None, timeout).map_err(|e| format!("connection {i}: {e}"))?;
+        read_hello(&mut s).map_err(|e| format!("connection {i}: {e}"))?;
+        streams.push(s);
+    }
+    let mut buf = vec![0u8; len];
+    for (i, s) in streams.iter_mut().enumerate() {
+        let data = pseudo_random(len, i as u64 + 1);
+        s.write_all(&data)
+            .map_err(|e| format!("connection {i}: write: {e}"))?;
+        s.read_exact(&mut buf)
+            .map_err(|e| format!("connection {i}: read: {e}"))?;
+        if buf != data {
+            return Err(format!("connection {i}: echoed bytes differ"));
+        }
+    }
+    for (i, s) in streams.iter_mut().enumerate() {
+        s.shutdown(Shutdown::Write)
+            .map_err(|e| format!("connection {i}: shutdown: {e}"))?;
+        match s.read(&mut buf) {
+            Ok(0) => {}
+            other => return Err(format!("connection {i}: expected EOF, got {other:?}")),
+        }
+    }
+    Ok(serde_json::json!({"ok": true, "connections": n, "bytes": len}))
+}
+
+/// `half-close ADDR --bytes B` against `serve --mode half-close`: the server sends
+/// 1 MiB and closes its side first; we read to EOF, then still send B bytes and close.
+fn half_close(argv: &[String]) -> Result<serde_json::Value, String> {
+    let args = Args::parse(argv, &["bytes", "timeout-ms"])?;
+    let target = args.target()?;
+    let len: usize = args.num("bytes", 4096)?;
+    let timeout = args.millis("timeout-ms", 10000)?;
+    let mut s = connect(target, None, timeout)?;
+    let client_local = s.local_addr().map_err(|e| format!("getsockname: {e}"))?;
+    let (server_peer, _) = read_hello(&mut s)?;
+    let mut got = Vec::new();
+    s.read_to_end(&mut got)
+        .map_err(|e| format!("reading until the server's FIN: {e}"))?;
+    if got != pseudo_random(HALF_CLOSE_BYTES, 11) {
+        return Err(format!(
+            "{} bytes before the server's FIN, not its 1 MiB",
+            got.len()
+        ));
+    }
+    s.write_all(&pseudo_random(len, 5))
+        .map_err(|e| format!("writing after the server's FIN: {e}"))?;
+    s.shutdown(Shutdown::Write)
+        .map_err(|e| format!("shutdown: {e}"))?;
+    Ok(serde_json::json!({
+        "ok": true, "received": got.len(), "sent": len,
+        "server_peer": server_peer, "client_local": client_local.to_string(),
+    }))
 }
 
 // ---------------------------------------------------------------- benchmarks

@@ -78,6 +78,8 @@ pub struct CaptureConfig {
     pub inbound_include: PortSet,
     pub inbound_exclude: Vec<u16>,
     pub outbound_ports_exclude: Vec<u16>,
+    /// Short-circuit local socket pairs through the sockmap (eBPF backend).
+    pub sockmap: bool,
 }
 
 /// istio-iptables adds SSH to the inbound exclusions when every port is captured.

@@ -36,6 +36,7 @@ const CGROUP_PROGRAMS: [(&str, u32); 4] = [
     ("track_sockets", link::BPF_CGROUP_SOCK_OPS),
 ];
 const NETNS_PROGRAM: &str = "steer_inbound";
+const SK_MSG_PROGRAM: &str = "short_circuit";
 
 /// The pod `shunt capture` runs in.
 #[derive(Debug, Clone)]
@@ -85,6 +86,9 @@ pub fn words_addr(addr: &Addr, family: u32) -> IpAddr {
 
 fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
     let mut f = 0;
+    if cfg.sockmap {
+        f |= flags::SOCKMAP;
+    }
     if cfg.outbound_include == CidrSet::All {
         f |= flags::OUTBOUND_ALL_V4 | flags::OUTBOUND_ALL_V6;
     }
@@ -200,6 +204,12 @@ fn install_pod(
             .with_context(|| format!("attaching {name} to cgroup {}", cgroup.display()))?;
         link::pin(&link, &dir.join(name)).with_context(|| format!("pinning link {name}"))?;
     }
+    // Attached to the shared map whatever this pod's setting: the per-pod SOCKMAP flag
+    // decides which sockets join, so the runtime switch needs no reload.
+    let prog_fd = load_program(&mut bpf, SK_MSG_PROGRAM)?;
+    let map = MapData::from_pin(root.join(pins::SOCK_PAIRS)).context("opening SOCK_PAIRS")?;
+    link::attach_to_map(prog_fd.as_fd(), map.fd().as_fd(), link::BPF_SK_MSG_VERDICT)
+        .context("attaching the sk_msg program to SOCK_PAIRS")?;
     let prog_fd = load_program(&mut bpf, NETNS_PROGRAM)?;
     let link = link::create(prog_fd.as_fd(), netns_fd.as_fd(), link::BPF_SK_LOOKUP)
         .context("attaching sk_lookup to this network namespace")?;
@@ -232,6 +242,10 @@ fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
             p.fd()?.as_fd().try_clone_to_owned()?
         }
         Program::SkLookup(p) => {
+            p.load().with_context(refused)?;
+            p.fd()?.as_fd().try_clone_to_owned()?
+        }
+        Program::SkMsg(p) => {
             p.load().with_context(refused)?;
             p.fd()?.as_fd().try_clone_to_owned()?
         }
@@ -434,6 +448,10 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
     if let Ok(mut m) = maps.hash::<SockTuple, OriginalDst>(pins::ORIG_DST_TUPLE) {
         retain_other_pods(&mut m, |_, v| v.pod_id == id);
     }
+    if let Ok(mut m) = maps.hash::<SockTuple, u32>(pins::PAIR_STATE) {
+        // Sockets still open fall back to TCP (a missing state means TCP).
+        retain_other_pods(&mut m, |k, _| pair_of_pod(k, pod));
+    }
     if let Ok(mut m) = maps.lpm::<Cidr4, u8>(pins::CIDR_V4) {
         remove_pod_cidrs(&mut m, |d| d.pod_id == id);
     }
@@ -456,6 +474,48 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
     }
     remove_root_if_unused(root)?;
     Ok(found)
+}
+
+/// Whether a short-circuit key belongs to `pod`: its namespace, or one of its addresses.
+fn pair_of_pod(key: &SockTuple, pod: &PodIdentity) -> bool {
+    key.netns == pod.netns_cookie
+        || pod.addresses.iter().any(|ip| {
+            let (addr, family) = addr_words(ip);
+            family == key.family && addr == key.src
+        })
+}
+
+/// The runtime switch: turns the current pod's short-circuit on or off. Off sends every
+/// open pair back to TCP (the one switch that cannot reorder bytes); on takes effect
+/// for connections established from now on.
+pub fn set_sockmap(root: &Path, on: bool) -> anyhow::Result<PodIdentity> {
+    let pod = PodIdentity::current()?;
+    let maps = Maps { root };
+    let mut config = maps.hash::<u64, PodConfig>(pins::POD_CONFIG)?;
+    let Ok(mut pc) = config.get(&pod.netns_cookie, 0) else {
+        bail!("no eBPF capture is installed for this network namespace (pod_{})", pod.id);
+    };
+    if on {
+        pc.flags |= flags::SOCKMAP;
+    } else {
+        pc.flags &= !flags::SOCKMAP;
+    }
+    config.insert(pod.netns_cookie, pc, 0)?;
+    let mut addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
+    let keys: Vec<AddrKey> = addrs.keys().filter_map(Result::ok).collect();
+    for key in keys {
+        if addrs.get(&key, 0).is_ok_and(|v| v.pod_id == pod.id) {
+            addrs.insert(key, pc, 0)?;
+        }
+    }
+    if !on {
+        let mut state = maps.hash::<SockTuple, u32>(pins::PAIR_STATE)?;
+        let keys: Vec<SockTuple> = state.keys().filter_map(Result::ok).filter(|k| pair_of_pod(k, &pod)).collect();
+        for key in keys {
+            state.insert(key, shunt_common::pair_state::FALLBACK, 0)?;
+        }
+    }
+    Ok(pod)
 }
 
 fn remove_pod_cidrs<K: Pod>(trie: &mut LpmTrie<MapData, K, u8>, belongs: impl Fn(&K) -> bool) {
@@ -532,12 +592,24 @@ pub struct RedirectedConnection {
     pub direction: &'static str,
 }
 
+/// A socket short-circuited right now, as its sends see the pair.
+#[derive(Debug, serde::Serialize)]
+pub struct ShortCircuitedSocket {
+    pub local: String,
+    pub remote: String,
+    /// `undecided` (nothing sent yet), `redirect` or `fallback` (TCP).
+    pub state: &'static str,
+}
+
 #[derive(Debug, serde::Serialize)]
 pub struct State {
     pub bpffs: String,
     pub pods: Vec<PodState>,
     pub counters: Vec<(String, u64)>,
     pub connections: Vec<RedirectedConnection>,
+    /// Sockets in SOCK_PAIRS (bpftool cannot dump a SOCKHASH, so shunt counts them).
+    pub sockmap_sockets: usize,
+    pub short_circuited: Vec<ShortCircuitedSocket>,
 }
 
 fn sockaddr(addr: &Addr, family: u32, port: u16) -> String {
@@ -606,6 +678,22 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
             },
         })
         .collect();
+    let sock_pairs = SockHash::<MapData, SockTuple>::try_from(maps.map(pins::SOCK_PAIRS)?)?;
+    let sockmap_sockets = sock_pairs.keys().filter(Result::is_ok).count();
+    let states = maps.hash::<SockTuple, u32>(pins::PAIR_STATE)?;
+    let short_circuited = states
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, s)| ShortCircuitedSocket {
+            local: sockaddr(&k.src, k.family, k.src_port),
+            remote: sockaddr(&k.dst, k.family, k.dst_port),
+            state: match s {
+                shunt_common::pair_state::REDIRECT => "redirect",
+                shunt_common::pair_state::FALLBACK => "fallback",
+                _ => "undecided",
+            },
+        })
+        .collect();
     Ok(Some(State {
         bpffs: root.display().to_string(),
         pods,
@@ -614,5 +702,7 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
             .map(|(d, n)| (d.name().to_string(), n))
             .collect(),
         connections,
+        sockmap_sockets,
+        short_circuited,
     }))
 }

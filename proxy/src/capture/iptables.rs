@@ -262,6 +262,7 @@ mod tests {
             inbound_include: PortSet::All,
             inbound_exclude: vec![15090, 15021, 15020],
             outbound_ports_exclude: vec![],
+            sockmap: true,
         }
     }
 

@@ -11,6 +11,7 @@ use std::{
 };
 
 const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_PROG_ATTACH: libc::c_long = 8;
 const BPF_LINK_CREATE: libc::c_long = 28;
 
 /// Attach types (uapi `enum bpf_attach_type`).
@@ -19,6 +20,7 @@ pub const BPF_CGROUP_INET4_CONNECT: u32 = 10;
 pub const BPF_CGROUP_INET6_CONNECT: u32 = 11;
 pub const BPF_CGROUP_GETSOCKOPT: u32 = 21;
 pub const BPF_SK_LOOKUP: u32 = 36;
+pub const BPF_SK_MSG_VERDICT: u32 = 7;
 
 #[repr(C)]
 #[derive(Default)]
@@ -79,4 +81,27 @@ pub fn pin(fd: impl AsFd, path: &Path) -> io::Result<()> {
         ..Default::default()
     };
     bpf(BPF_OBJ_PIN, (&raw mut attr).cast(), size_of::<ObjPinAttr>()).map(|_| ())
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ProgAttachAttr {
+    target_fd: u32,
+    attach_bpf_fd: u32,
+    attach_type: u32,
+    attach_flags: u32,
+    replace_bpf_fd: u32,
+    _rest: [u32; 11],
+}
+
+/// Attaches `prog` to a map (sk_msg verdict on a SOCKHASH). The attachment lives as
+/// long as the map, which is pinned; attaching again replaces the program.
+pub fn attach_to_map(prog: BorrowedFd<'_>, map: BorrowedFd<'_>, attach_type: u32) -> io::Result<()> {
+    let mut attr = ProgAttachAttr {
+        target_fd: map.as_raw_fd() as u32,
+        attach_bpf_fd: prog.as_raw_fd() as u32,
+        attach_type,
+        ..Default::default()
+    };
+    bpf(BPF_PROG_ATTACH, (&raw mut attr).cast(), size_of::<ProgAttachAttr>()).map(|_| ())
 }

@@ -92,6 +92,12 @@ pub struct CaptureArgs {
     /// Remove everything capture installed in this network namespace.
     #[arg(long)]
     cleanup: bool,
+    /// Do not short-circuit local socket pairs through the sockmap (eBPF backend).
+    #[arg(long)]
+    no_sockmap: bool,
+    /// Runtime switch for an installed pod: turn the short-circuit on or off.
+    #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
+    set_sockmap: Option<String>,
     /// Where the eBPF maps and links are pinned.
     #[arg(long, env = "SHUNT_BPFFS", default_value = "/sys/fs/bpf/shunt")]
     bpffs: PathBuf,
@@ -111,6 +117,7 @@ impl CaptureArgs {
                 inbound_include: config::parse_port_set("-b", &self.inbound_ports_include)?,
                 inbound_exclude: config::parse_ports("-d", &self.inbound_ports_exclude)?,
                 outbound_ports_exclude: config::parse_ports("-o", &self.outbound_ports_exclude)?,
+                sockmap: !self.no_sockmap,
             })
         };
         c().map_err(|e| anyhow::anyhow!("invalid flag {e}"))
@@ -131,6 +138,11 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     let cgroup = args.checked_cgroup()?;
     if args.cleanup {
         return cleanup(&args);
+    }
+    if let Some(state) = &args.set_sockmap {
+        let pod = ebpf::set_sockmap(&args.bpffs, state == "on")?;
+        println!("shunt capture: short-circuit {state} for pod_{}", pod.id);
+        return Ok(());
     }
     if args.dry_run {
         let text = match (args.backend, &cgroup) {
@@ -181,11 +193,12 @@ fn install_ebpf(
         InterceptionMode::Tproxy => "TPROXY",
     };
     println!(
-        "shunt capture: eBPF capture installed for pod_{} [{}]: outbound to :{}, inbound to :{} ({mode}; sk_lookup keeps the original destination); cgroup {}; pinned under {}",
+        "shunt capture: eBPF capture installed for pod_{} [{}]: outbound to :{}, inbound to :{} ({mode}; sk_lookup keeps the original destination); short-circuit {}; cgroup {}; pinned under {}",
         pod.id,
         addrs.join(", "),
         cfg.proxy_port,
         cfg.inbound_capture_port,
+        if cfg.sockmap { "on" } else { "off" },
         cgroup.display(),
         ebpf::pod_dir(&args.bpffs, pod.id).display()
     );
