@@ -79,6 +79,7 @@ pub struct ProxyArgs {
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     init_logging(&args.log_level)?;
+    user::raise_open_files_limit();
     let bootstrap = crate::config::Options {
         config_path: args.config_path.clone(),
         config_yaml: args.config_yaml.clone(),
