@@ -394,6 +394,8 @@ struct CallOk {
     server_local: String,
     client_local: String,
     bytes: usize,
+    /// From the first payload byte sent to the last echoed byte received.
+    elapsed_us: u64,
 }
 
 #[derive(Serialize)]
@@ -457,6 +459,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
             server_local,
             client_local: client_local.to_string(),
             bytes: k.min(len),
+            elapsed_us: 0,
         });
     }
     let mut expected = Fnv::new();
@@ -464,6 +467,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
     // Write from another thread: with big payloads, writing everything before reading
     // would fill both directions' buffers and deadlock against the echo.
     let mut writer = stream.try_clone().map_err(|e| format!("dup socket: {e}"))?;
+    let started = Instant::now();
     let sender = thread::spawn(move || writer.write_all(&data));
 
     let mut got = Fnv::new();
@@ -497,6 +501,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
         Ok(Err(e)) => return Err(format!("sending {len} bytes: {e}")),
         Err(_) => return Err("sender thread panicked".into()),
     }
+    let elapsed_us = started.elapsed().as_micros() as u64;
     if got != expected {
         return Err(format!("the {len} echoed bytes differ from the bytes sent"));
     }
@@ -514,6 +519,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
         server_local,
         client_local: client_local.to_string(),
         bytes: len,
+        elapsed_us,
     })
 }
 

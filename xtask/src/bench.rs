@@ -21,6 +21,8 @@ use crate::pods::{
 pub enum Which {
     /// direct vs iptables vs eBPF capture (with shunt proxy): connections/s, latency, CPU.
     Capture(CaptureArgs),
+    /// Pod-to-pod through both proxies: iptables vs eBPF without and with the sockmap.
+    Sockmap(crate::bench_sockmap::SockmapArgs),
 }
 
 #[derive(clap::Args)]
@@ -46,6 +48,7 @@ pub fn run(which: Which) -> Result<()> {
     let bins = Bins::release()?;
     match which {
         Which::Capture(args) => capture(&bins, &args),
+        Which::Sockmap(args) => crate::bench_sockmap::run(&bins, &args),
     }
 }
 

@@ -5,6 +5,7 @@
 //! caches it under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
 
 mod bench;
+mod bench_sockmap;
 mod demo;
 mod pods;
 mod setup;

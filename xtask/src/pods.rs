@@ -120,8 +120,13 @@ impl Capture {
     }
 
     pub fn install(&mut self, pod: &Pod) -> Result<String> {
+        self.install_with(pod, &[])
+    }
+
+    /// `install` with extra `shunt capture` flags (e.g. `--no-sockmap`).
+    pub fn install_with(&mut self, pod: &Pod, extra: &[&str]) -> Result<String> {
         self.captured.push(pod.clone());
-        self.run(pod, &[])
+        self.run(pod, extra)
             .with_context(|| format!("capturing pod {}", pod.name()))
     }
 
