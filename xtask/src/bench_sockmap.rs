@@ -205,6 +205,9 @@ fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Va
     Ok(v)
 }
 
+/// A table row: its label and how to read it from a sample.
+type Metric = (&'static str, fn(&Sample) -> f64);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
@@ -220,7 +223,7 @@ fn report(samples: &[(Scenario, Sample)], args: &SockmapArgs) -> Result<()> {
                 .collect(),
         )
     };
-    let metrics: [(&str, fn(&Sample) -> f64); 4] = [
+    let metrics: [Metric; 4] = [
         ("64 B round trip p50 (us)", |s| s.rtt_p50),
         ("64 B round trip p99 (us)", |s| s.rtt_p99),
         ("64 B round trips/s", |s| s.rtt_per_sec),
