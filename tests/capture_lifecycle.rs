@@ -284,6 +284,28 @@ fn ebpf_install_is_visible_to_bpftool_and_cleanup_leaves_nothing() {
     assert_eq!(entries[0]["formatted"]["value"]["outbound_port"], 15001);
     assert_eq!(entries[0]["formatted"]["value"]["proxy_uid"], 1337);
 
+    // shunt inspect asks the kernel where each link is attached.
+    let out = std::process::Command::new(shunt_bin())
+        .args(["inspect", "--json", "--bpffs"])
+        .arg(&capture.bpffs)
+        .output()
+        .unwrap();
+    let state: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let links: Vec<String> = state["pods"][0]["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap().to_string())
+        .collect();
+    let cg = pod.cgroup_path();
+    assert!(links.contains(&format!("capture_connect4 -> cgroup {}", cg.display())), "{links:?}");
+    assert!(links.contains(&format!("track_sockets -> cgroup {}", cg.display())), "{links:?}");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(pod.netns_path()).unwrap().ino();
+        assert!(links.contains(&format!("steer_inbound -> netns {ino}")), "{links:?}");
+    }
+
     // A second install in the same namespace is refused and the first keeps working.
     let again = capture.command(&pod, &[]).output().unwrap();
     assert!(!again.status.success());

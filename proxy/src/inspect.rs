@@ -31,24 +31,34 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     println!("eBPF capture under {}", state.bpffs);
     for pod in &state.pods {
         println!(
-            "  {} [{}] outbound :{} inbound :{} proxy uid/gid {}/{}; links: {}; inbound listener registered: {}",
+            "  {} [{}] outbound :{} inbound :{} proxy uid/gid {}/{}; inbound listener registered: {}",
             pod.pod,
             pod.addresses.join(", "),
             pod.outbound_port,
             pod.inbound_port,
             pod.proxy_uid,
             pod.proxy_gid,
-            pod.links.join(" "),
             if pod.inbound_listeners.is_empty() {
                 "none".into()
             } else {
                 pod.inbound_listeners.join("+")
             }
         );
+        for link in &pod.links {
+            println!("    {link}");
+        }
     }
     println!("decisions:");
     for (name, n) in state.counters.iter().filter(|(_, n)| *n > 0) {
         println!("  {name:<34} {n}");
+    }
+    println!(
+        "short-circuited sockets now: {} in SOCK_PAIRS, {} with a send state",
+        state.sockmap_sockets,
+        state.short_circuited.len()
+    );
+    for p in &state.short_circuited {
+        println!("  {} -> {} ({})", p.local, p.remote, p.state);
     }
     println!(
         "redirected connections open now: {}",

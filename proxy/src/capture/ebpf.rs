@@ -493,7 +493,10 @@ pub fn set_sockmap(root: &Path, on: bool) -> anyhow::Result<PodIdentity> {
     let maps = Maps { root };
     let mut config = maps.hash::<u64, PodConfig>(pins::POD_CONFIG)?;
     let Ok(mut pc) = config.get(&pod.netns_cookie, 0) else {
-        bail!("no eBPF capture is installed for this network namespace (pod_{})", pod.id);
+        bail!(
+            "no eBPF capture is installed for this network namespace (pod_{})",
+            pod.id
+        );
     };
     if on {
         pc.flags |= flags::SOCKMAP;
@@ -510,7 +513,11 @@ pub fn set_sockmap(root: &Path, on: bool) -> anyhow::Result<PodIdentity> {
     }
     if !on {
         let mut state = maps.hash::<SockTuple, u32>(pins::PAIR_STATE)?;
-        let keys: Vec<SockTuple> = state.keys().filter_map(Result::ok).filter(|k| pair_of_pod(k, &pod)).collect();
+        let keys: Vec<SockTuple> = state
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| pair_of_pod(k, &pod))
+            .collect();
         for key in keys {
             state.insert(key, shunt_common::pair_state::FALLBACK, 0)?;
         }
@@ -578,6 +585,7 @@ pub struct PodState {
     pub proxy_uid: u32,
     pub proxy_gid: u32,
     pub addresses: Vec<String>,
+    /// Each pinned link: the program and where it is attached.
     pub links: Vec<String>,
     pub inbound_listeners: Vec<String>,
 }
@@ -612,6 +620,51 @@ pub struct State {
     pub short_circuited: Vec<ShortCircuitedSocket>,
 }
 
+/// "program → where" for every link pinned in a pod's folder, asked of the kernel.
+fn attached_links(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut links: Vec<String> = entries
+        .filter_map(Result::ok)
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let target = match link::pinned_target(&e.path()) {
+                Ok(link::Target::Cgroup(id)) => cgroup_path(id).map_or_else(
+                    || format!("cgroup id {id}"),
+                    |p| format!("cgroup {}", p.display()),
+                ),
+                Ok(link::Target::Netns(ino)) => format!("netns {ino}"),
+                Ok(link::Target::Other) => "?".into(),
+                Err(err) => format!("unreadable: {err}"),
+            };
+            format!("{name} -> {target}")
+        })
+        .collect();
+    links.sort();
+    links
+}
+
+/// The cgroup v2 directory whose inode number is `id` (that is what a cgroup id is).
+fn cgroup_path(id: u64) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut stack = vec![netns::cgroup2_mount()?];
+    while let Some(dir) = stack.pop() {
+        if std::fs::metadata(&dir).is_ok_and(|m| m.ino() == id) {
+            return Some(dir);
+        }
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            stack.extend(
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    None
+}
+
 fn sockaddr(addr: &Addr, family: u32, port: u16) -> String {
     std::net::SocketAddr::new(words_addr(addr, family), port).to_string()
 }
@@ -628,13 +681,7 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
     let listener_keys: Vec<ListenerKey> = listeners.keys().filter_map(Result::ok).collect();
     let mut pods = Vec::new();
     for (cookie, pc) in config.iter().filter_map(Result::ok) {
-        let links = std::fs::read_dir(pod_dir(root, pc.pod_id))
-            .map(|d| {
-                d.filter_map(Result::ok)
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
+        let links = attached_links(&pod_dir(root, pc.pod_id));
         pods.push(PodState {
             pod: format!("pod_{}", pc.pod_id),
             netns_cookie: cookie,

@@ -96,12 +96,83 @@ struct ProgAttachAttr {
 
 /// Attaches `prog` to a map (sk_msg verdict on a SOCKHASH). The attachment lives as
 /// long as the map, which is pinned; attaching again replaces the program.
-pub fn attach_to_map(prog: BorrowedFd<'_>, map: BorrowedFd<'_>, attach_type: u32) -> io::Result<()> {
+pub fn attach_to_map(
+    prog: BorrowedFd<'_>,
+    map: BorrowedFd<'_>,
+    attach_type: u32,
+) -> io::Result<()> {
     let mut attr = ProgAttachAttr {
         target_fd: map.as_raw_fd() as u32,
         attach_bpf_fd: prog.as_raw_fd() as u32,
         attach_type,
         ..Default::default()
     };
-    bpf(BPF_PROG_ATTACH, (&raw mut attr).cast(), size_of::<ProgAttachAttr>()).map(|_| ())
+    bpf(
+        BPF_PROG_ATTACH,
+        (&raw mut attr).cast(),
+        size_of::<ProgAttachAttr>(),
+    )
+    .map(|_| ())
+}
+
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+
+/// What a pinned link is attached to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// A cgroup, by id (the cgroup v2 directory's inode number).
+    Cgroup(u64),
+    /// A network namespace, by inode number.
+    Netns(u32),
+    Other,
+}
+
+/// `struct bpf_link_info`, up to the union's first 16 bytes (cgroup and netns members).
+#[repr(C)]
+#[derive(Default)]
+struct LinkInfo {
+    link_type: u32,
+    id: u32,
+    prog_id: u32,
+    _pad: u32,
+    union: [u64; 2],
+    _rest: [u64; 8],
+}
+
+const BPF_LINK_TYPE_CGROUP: u32 = 3;
+const BPF_LINK_TYPE_NETNS: u32 = 5;
+
+/// Opens a pinned link and asks the kernel what it is attached to.
+pub fn pinned_target(path: &Path) -> io::Result<Target> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
+    let mut get = ObjPinAttr {
+        pathname: c.as_ptr() as u64,
+        ..Default::default()
+    };
+    let fd = bpf(BPF_OBJ_GET, (&raw mut get).cast(), size_of::<ObjPinAttr>())?;
+    // SAFETY: the kernel returned a new fd we now own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = LinkInfo::default();
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut attr = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<LinkInfo>() as u32,
+        info: (&raw mut info) as u64,
+    };
+    bpf(
+        BPF_OBJ_GET_INFO_BY_FD,
+        (&raw mut attr).cast(),
+        size_of::<InfoAttr>(),
+    )?;
+    Ok(match info.link_type {
+        BPF_LINK_TYPE_CGROUP => Target::Cgroup(info.union[0]),
+        BPF_LINK_TYPE_NETNS => Target::Netns(info.union[0] as u32),
+        _ => Target::Other,
+    })
 }

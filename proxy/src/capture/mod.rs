@@ -5,7 +5,7 @@
 pub mod config;
 pub mod ebpf;
 pub mod iptables;
-mod link;
+pub mod link;
 pub mod netns;
 
 use std::path::PathBuf;
