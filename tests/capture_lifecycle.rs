@@ -298,12 +298,21 @@ fn ebpf_install_is_visible_to_bpftool_and_cleanup_leaves_nothing() {
         .map(|l| l.as_str().unwrap().to_string())
         .collect();
     let cg = pod.cgroup_path();
-    assert!(links.contains(&format!("capture_connect4 -> cgroup {}", cg.display())), "{links:?}");
-    assert!(links.contains(&format!("track_sockets -> cgroup {}", cg.display())), "{links:?}");
+    assert!(
+        links.contains(&format!("capture_connect4 -> cgroup {}", cg.display())),
+        "{links:?}"
+    );
+    assert!(
+        links.contains(&format!("track_sockets -> cgroup {}", cg.display())),
+        "{links:?}"
+    );
     {
         use std::os::unix::fs::MetadataExt;
         let ino = std::fs::metadata(pod.netns_path()).unwrap().ino();
-        assert!(links.contains(&format!("steer_inbound -> netns {ino}")), "{links:?}");
+        assert!(
+            links.contains(&format!("steer_inbound -> netns {ino}")),
+            "{links:?}"
+        );
     }
 
     // A second install in the same namespace is refused and the first keeps working.

@@ -80,8 +80,46 @@ fn across_two_captured_pods(backend: &'static str) {
         assert_eq!(from.ip(), a_ip);
         assert_eq!(inbound["bytes_received"], 8 << 20);
     }
+    if backend == "ebpf" {
+        // Per-pod counters: a redirected two outbound connects, b steered them inbound.
+        let a_counts = pod_counters(&capture, &a);
+        let b_counts = pod_counters(&capture, &b);
+        assert!(
+            a_counts.get("outbound_redirected").copied().unwrap_or(0) >= 2,
+            "{a_counts:?}"
+        );
+        assert!(
+            b_counts.get("inbound_steered").copied().unwrap_or(0) >= 2,
+            "{b_counts:?}"
+        );
+        assert_eq!(b_counts.get("outbound_redirected"), None, "{b_counts:?}");
+    }
     capture.cleanup(&a);
     capture.cleanup(&b);
+}
+
+/// `shunt inspect --json`'s counters for one pod (named after its netns inode).
+fn pod_counters(capture: &Capture, pod: &harness::Pod) -> std::collections::HashMap<String, u64> {
+    use std::os::unix::fs::MetadataExt;
+    let name = format!("pod_{}", std::fs::metadata(pod.netns_path()).unwrap().ino());
+    let out = std::process::Command::new(harness::shunt_bin())
+        .args(["inspect", "--json", "--bpffs"])
+        .arg(&capture.bpffs)
+        .output()
+        .unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entry = state["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pod"] == name.as_str())
+        .cloned();
+    entry.expect("pod in inspect")["counters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c[0].as_str().unwrap().to_string(), c[1].as_u64().unwrap()))
+        .collect()
 }
 
 /// The `HELLO peer=.. local=..` line testapp's server sends first.

@@ -32,8 +32,9 @@ pub mod pins {
     pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
     pub const PAIR_STATE: &str = "PAIR_STATE";
     pub const PROXY_SOCKS: &str = "PROXY_SOCKS";
+    pub const POD_COUNTERS: &str = "POD_COUNTERS";
     /// Every map, in the order userspace pins and removes them.
-    pub const MAPS: [&str; 12] = [
+    pub const MAPS: [&str; 13] = [
         POD_CONFIG,
         POD_ADDRS,
         POD_PORTS,
@@ -46,6 +47,7 @@ pub mod pins {
         SOCK_PAIRS,
         PAIR_STATE,
         PROXY_SOCKS,
+        POD_COUNTERS,
     ];
 }
 
@@ -202,6 +204,14 @@ pub struct SockTuple {
     pub family: u32,
 }
 
+/// `POD_COUNTERS` key: one pod's count of one decision (a per-CPU value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PodCounterKey {
+    pub pod_id: u32,
+    pub decision: u32,
+}
+
 /// Every decision the programs take has a counter: index into `COUNTERS`.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -336,6 +346,7 @@ mod user {
     unsafe impl aya::Pod for OriginalDst {}
     unsafe impl aya::Pod for SockTuple {}
     unsafe impl aya::Pod for ListenerKey {}
+    unsafe impl aya::Pod for PodCounterKey {}
 }
 
 pub mod outbound;

@@ -26,7 +26,8 @@ use crate::{
         map_v4, read6, unmap_v4, v4,
     },
     maps::{
-        CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, PROXY_SOCKS, count, is_pod_addr,
+        CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, PROXY_SOCKS, count, count_pod,
+        is_pod_addr,
     },
 };
 
@@ -101,7 +102,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         Decision::OutboundRedirected => (cfg.outbound_port, direction::OUTBOUND),
         Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
         skipped => {
-            count(skipped);
+            count_pod(cfg.pod_id, skipped);
             if matches!(skipped, Decision::SkipProxyUid | Decision::SkipProxyGid)
                 && cfg.flags & flags::SOCKMAP != 0
             {
@@ -126,7 +127,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         count(Decision::SkipNotEnrolled);
         return;
     }
-    count(decision);
+    count_pod(cfg.pod_id, decision);
     // To the pod's own address (loopback if it has none): routed over lo, with the pod
     // address as source, so the proxy sees the app where iptables' REDIRECT shows it.
     let to4 = if cfg.addr_v4 != 0 {

@@ -7,7 +7,7 @@ use shunt_common::{AF_INET, AddrKey, Decision, ListenerKey, PodConfig, PortKey, 
 
 use crate::{
     addr::{is_loopback, read6, v4},
-    maps::{LISTENERS, POD_ADDRS, POD_PORTS, count, is_pod_addr},
+    maps::{LISTENERS, POD_ADDRS, POD_PORTS, count, count_pod, is_pod_addr},
 };
 
 const IPPROTO_TCP: u32 = 6;
@@ -48,12 +48,12 @@ fn steer(ctx: &SkLookupContext) -> u32 {
     let cfg = unsafe { *cfg };
     // Locally generated connections never see PREROUTING's NAT: the connect hook decided.
     if is_loopback(&remote, family) || is_pod_addr(remote, family, cfg.pod_id) {
-        count(Decision::InboundSkipLocalSource);
+        count_pod(cfg.pod_id, Decision::InboundSkipLocalSource);
         return SK_PASS;
     }
     let port = unsafe { (*l).local_port } as u16;
     if !captures_port(&cfg, port) {
-        count(Decision::InboundSkipPort);
+        count_pod(cfg.pod_id, Decision::InboundSkipPort);
         return SK_PASS;
     }
     let key = ListenerKey {
@@ -62,12 +62,12 @@ fn steer(ctx: &SkLookupContext) -> u32 {
     };
     match LISTENERS.redirect_sk_lookup(ctx, key, 0) {
         Ok(()) => {
-            count(Decision::InboundSteered);
+            count_pod(cfg.pod_id, Decision::InboundSteered);
             SK_PASS
         }
         Err(_) => {
             // As with iptables, nothing reaches the app around its proxy (fail closed).
-            count(Decision::InboundNoListener);
+            count_pod(cfg.pod_id, Decision::InboundNoListener);
             SK_DROP
         }
     }

@@ -2,11 +2,12 @@
 //! Userspace pins them under the bpffs root so all pods share one set.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, SockHash},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
     macros::btf_map,
 };
 use shunt_common::{
-    AddrKey, Cidr4, Cidr6, Decision, ListenerKey, OriginalDst, PodConfig, PortKey, SockTuple,
+    AddrKey, Cidr4, Cidr6, Decision, ListenerKey, OriginalDst, PodConfig, PodCounterKey, PortKey,
+    SockTuple,
 };
 
 /// Network namespace cookie → the pod's capture settings.
@@ -57,6 +58,27 @@ pub static PAIR_STATE: LruHashMap<SockTuple, u32, 65536> = LruHashMap::new();
 /// short-circuit across pods.
 #[btf_map]
 pub static PROXY_SOCKS: LruHashMap<u64, u32, 65536> = LruHashMap::new();
+
+/// The same counters per pod, where the program knows the pod (not per message).
+#[btf_map]
+pub static POD_COUNTERS: PerCpuHashMap<PodCounterKey, u64, 65536> = PerCpuHashMap::new();
+
+/// Counts `decision` globally and for `pod_id`.
+#[inline(always)]
+pub fn count_pod(pod_id: u32, decision: Decision) {
+    count(decision);
+    let key = PodCounterKey {
+        pod_id,
+        decision: decision as u32,
+    };
+    match POD_COUNTERS.get_ptr_mut(&key) {
+        // SAFETY: this CPU's slot of a per-CPU value.
+        Some(n) => unsafe { *n += 1 },
+        None => {
+            let _ = POD_COUNTERS.insert(&key, &1, 0);
+        }
+    }
+}
 
 #[inline(always)]
 pub fn count(decision: Decision) {

@@ -29,7 +29,7 @@ use shunt_common::{
 
 use crate::{
     addr::{read6, unmap_v4, v4},
-    maps::{LISTENERS, ORIG_DST_COOKIE, ORIG_DST_TUPLE, POD_CONFIG, count},
+    maps::{LISTENERS, ORIG_DST_COOKIE, ORIG_DST_TUPLE, POD_CONFIG, count, count_pod},
     shortcircuit,
 };
 
@@ -111,7 +111,7 @@ fn on_connect(ctx: &SockOpsContext) {
     let original = unsafe { *original };
     let Some(key) = tuple(ctx) else { return };
     if ORIG_DST_TUPLE.insert(&key, &original, 0).is_ok() {
-        count(Decision::OrigDstRecorded);
+        count_pod(original.pod_id, Decision::OrigDstRecorded);
         // Told on close, so a failed connect can take its entry back.
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
     }
@@ -160,7 +160,7 @@ fn on_listen(ctx: &SockOpsContext) {
         .update(&mut key, unsafe { &mut *ctx.ops }, 0)
         .is_ok()
     {
-        count(Decision::ListenerRegistered);
+        count_pod(pod_id, Decision::ListenerRegistered);
     }
 }
 
@@ -261,5 +261,5 @@ fn answer_original_dst(ctx: &SockoptContext) {
         write_volatile(&raw mut (*so).optlen, len as i32);
         write_volatile(&raw mut (*so).retval, 0);
     }
-    count(Decision::OrigDstAnswered);
+    count_pod(original.pod_id, Decision::OrigDstAnswered);
 }

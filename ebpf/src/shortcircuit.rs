@@ -20,7 +20,8 @@ use crate::{
     addr::{is_loopback, read6, unmap_v4, v4},
     inbound::captures_port,
     maps::{
-        PAIR_STATE, POD_ADDRS, POD_CONFIG, PROXY_SOCKS, SOCK_PAIRS, count, count_n, is_pod_addr,
+        PAIR_STATE, POD_ADDRS, POD_CONFIG, PROXY_SOCKS, SOCK_PAIRS, count, count_n, count_pod,
+        is_pod_addr,
     },
 };
 
@@ -94,7 +95,7 @@ pub fn on_established(ctx: &SockOpsContext, t: &SockTuple, active: bool) {
     }
     let _ = PAIR_STATE.insert(&key, &pair_state::UNDECIDED, 0);
     let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
-    count(Decision::PairAdded);
+    count_pod(cfg.pod_id, Decision::PairAdded);
 }
 
 /// sockops, closed: the kernel drops the socket from `SOCK_PAIRS` itself.

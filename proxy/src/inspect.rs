@@ -47,6 +47,12 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         for link in &pod.links {
             println!("    {link}");
         }
+        let counts: Vec<String> = pod
+            .counters
+            .iter()
+            .map(|(n, c)| format!("{n} {c}"))
+            .collect();
+        println!("    decisions: {}", counts.join(", "));
     }
     println!("decisions:");
     for (name, n) in state.counters.iter().filter(|(_, n)| *n > 0) {

@@ -14,11 +14,11 @@ use std::{
 use anyhow::{Context, bail};
 use aya::{
     Ebpf, EbpfLoader, Pod,
-    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, SockHash, lpm_trie::Key},
+    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap, SockHash, lpm_trie::Key},
 };
 use shunt_common::{
     AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, ListenerKey,
-    OriginalDst, PodConfig, PortKey, SockTuple, cidr_kind, flags, pins, port_kind,
+    OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind, flags, pins, port_kind,
 };
 
 use super::{
@@ -452,6 +452,18 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
         // Sockets still open fall back to TCP (a missing state means TCP).
         retain_other_pods(&mut m, |k, _| pair_of_pod(k, pod));
     }
+    if let Ok(map) = maps.map(pins::POD_COUNTERS)
+        && let Ok(mut m) = PerCpuHashMap::<MapData, PodCounterKey, u64>::try_from(map)
+    {
+        let doomed: Vec<_> = m
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.pod_id == id)
+            .collect();
+        for k in doomed {
+            let _ = m.remove(&k);
+        }
+    }
     if let Ok(mut m) = maps.lpm::<Cidr4, u8>(pins::CIDR_V4) {
         remove_pod_cidrs(&mut m, |d| d.pod_id == id);
     }
@@ -588,6 +600,8 @@ pub struct PodState {
     /// Each pinned link: the program and where it is attached.
     pub links: Vec<String>,
     pub inbound_listeners: Vec<String>,
+    /// This pod's non-zero decision counters (all but the per-message sk_msg ones).
+    pub counters: Vec<(String, u64)>,
 }
 
 /// A live redirected connection and where it was going.
@@ -618,6 +632,26 @@ pub struct State {
     /// Sockets in SOCK_PAIRS (bpftool cannot dump a SOCKHASH, so shunt counts them).
     pub sockmap_sockets: usize,
     pub short_circuited: Vec<ShortCircuitedSocket>,
+}
+
+fn pod_counters(maps: &Maps<'_>, pod_id: u32) -> Vec<(String, u64)> {
+    let Ok(map) = maps.map(pins::POD_COUNTERS) else {
+        return Vec::new();
+    };
+    let Ok(per_pod) = PerCpuHashMap::<MapData, PodCounterKey, u64>::try_from(map) else {
+        return Vec::new();
+    };
+    Decision::ALL
+        .iter()
+        .filter_map(|d| {
+            let key = PodCounterKey {
+                pod_id,
+                decision: *d as u32,
+            };
+            let n: u64 = per_pod.get(&key, 0).ok()?.iter().sum();
+            (n > 0).then(|| (d.name().to_string(), n))
+        })
+        .collect()
 }
 
 /// "program → where" for every link pinned in a pod's folder, asked of the kernel.
@@ -696,6 +730,7 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
                 .map(|(k, _)| words_addr(&k.addr, k.family).to_string())
                 .collect(),
             links,
+            counters: pod_counters(&maps, pc.pod_id),
             inbound_listeners: listener_keys
                 .iter()
                 .filter(|k| k.pod_id == pc.pod_id)
