@@ -54,6 +54,13 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
             .collect();
         println!("    decisions: {}", counts.join(", "));
     }
+    println!("pinned maps:");
+    for m in &state.maps {
+        println!(
+            "  {:<44} id {:<6} {:<22} max {}",
+            m.pin, m.id, m.kind, m.max_entries
+        );
+    }
     println!("decisions:");
     for (name, n) in state.counters.iter().filter(|(_, n)| *n > 0) {
         println!("  {name:<34} {n}");

@@ -623,9 +623,19 @@ pub struct ShortCircuitedSocket {
     pub state: &'static str,
 }
 
+/// A pinned map as the kernel describes it.
+#[derive(Debug, serde::Serialize)]
+pub struct PinnedMap {
+    pub pin: String,
+    pub id: u32,
+    pub kind: String,
+    pub max_entries: u32,
+}
+
 #[derive(Debug, serde::Serialize)]
 pub struct State {
     pub bpffs: String,
+    pub maps: Vec<PinnedMap>,
     pub pods: Vec<PodState>,
     pub counters: Vec<(String, u64)>,
     pub connections: Vec<RedirectedConnection>,
@@ -776,8 +786,24 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
             },
         })
         .collect();
+    let pinned = pins::MAPS
+        .iter()
+        .filter_map(|name| {
+            let path = root.join(name);
+            let info = aya::maps::MapInfo::from_pin(&path).ok()?;
+            Some(PinnedMap {
+                pin: path.display().to_string(),
+                id: info.id(),
+                kind: info
+                    .map_type()
+                    .map_or_else(|e| e.to_string(), |t| format!("{t:?}")),
+                max_entries: info.max_entries(),
+            })
+        })
+        .collect();
     Ok(Some(State {
         bpffs: root.display().to_string(),
+        maps: pinned,
         pods,
         counters: counters
             .into_iter()
