@@ -7,6 +7,8 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -19,6 +21,8 @@ pub enum Direction {
     Outbound,
     /// Captured on the inbound port (15006): the app is the server.
     Inbound,
+    /// A bootstrap listener without `traffic_direction`.
+    Unspecified,
 }
 
 impl std::fmt::Display for Direction {
@@ -26,6 +30,7 @@ impl std::fmt::Display for Direction {
         f.write_str(match self {
             Self::Outbound => "outbound",
             Self::Inbound => "inbound",
+            Self::Unspecified => "unspecified",
         })
     }
 }
@@ -44,6 +49,10 @@ pub enum ResponseFlag {
     UpstreamRemoteReset,
     /// `DR`: the downstream reset the connection (or failed while bytes were flowing).
     DownstreamRemoteReset,
+    /// `UO`: upstream overflow; the cluster's circuit breaker refused the connection.
+    UpstreamOverflow,
+    /// `NC`: the cluster the filter names does not exist.
+    NoClusterFound,
 }
 
 impl ResponseFlag {
@@ -54,6 +63,8 @@ impl ResponseFlag {
             Self::NoRouteFound => "NR",
             Self::UpstreamRemoteReset => "UR",
             Self::DownstreamRemoteReset => "DR",
+            Self::UpstreamOverflow => "UO",
+            Self::NoClusterFound => "NC",
         }
     }
 }
@@ -67,7 +78,7 @@ pub struct Entry {
     pub downstream_remote_address: SocketAddr,
     pub downstream_local_address: SocketAddr,
     pub original_dst: Option<SocketAddr>,
-    pub upstream_cluster: Option<&'static str>,
+    pub upstream_cluster: Option<Arc<str>>,
     pub upstream_host: Option<SocketAddr>,
     pub upstream_local_address: Option<SocketAddr>,
     pub bytes_received: u64,
@@ -126,7 +137,7 @@ impl Entry {
             downstream_remote_address: self.downstream_remote_address,
             downstream_local_address: self.downstream_local_address,
             original_dst: self.original_dst,
-            upstream_cluster: self.upstream_cluster,
+            upstream_cluster: self.upstream_cluster.as_deref(),
             upstream_host: self.upstream_host,
             upstream_local_address: self.upstream_local_address,
             bytes_received: self.bytes_received,
@@ -143,10 +154,77 @@ impl Entry {
     /// Writes the line to stdout and flushes it, so a reader sees each connection as
     /// soon as it ends. One `write_all` under the lock keeps lines from interleaving.
     pub fn emit(&self) {
+        Sink::Stdout.write(&self.to_line());
+    }
+
+    /// Writes the line to each of a filter's configured access logs (none: no line).
+    pub fn emit_to(&self, sinks: &[Sink]) {
+        if sinks.is_empty() {
+            return;
+        }
         let line = self.to_line();
-        let mut out = std::io::stdout().lock();
-        if let Err(err) = out.write_all(&line).and_then(|()| out.flush()) {
-            tracing::debug!(%err, "access log write failed");
+        for sink in sinks {
+            sink.write(&line);
+        }
+    }
+}
+
+/// Where a configured access log goes: Envoy's `StdoutAccessLog` / `StderrAccessLog`, or
+/// a `FileAccessLog` path. The line is always ours (the JSON above), whatever format the
+/// config asks for.
+#[derive(Debug, Clone)]
+pub enum Sink {
+    Stdout,
+    Stderr,
+    File(Arc<FileSink>),
+}
+
+#[derive(Debug)]
+pub struct FileSink {
+    pub path: PathBuf,
+    file: Mutex<std::fs::File>,
+}
+
+impl Sink {
+    /// Opens `path` for appending; `/dev/stdout` and `/dev/stderr` are the streams.
+    pub fn open(path: &Path) -> std::io::Result<Sink> {
+        if path == Path::new("/dev/stdout") {
+            return Ok(Sink::Stdout);
+        }
+        if path == Path::new("/dev/stderr") {
+            return Ok(Sink::Stderr);
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Sink::File(Arc::new(FileSink {
+            path: path.to_owned(),
+            file: Mutex::new(file),
+        })))
+    }
+
+    fn write(&self, line: &[u8]) {
+        let result = match self {
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(line).and_then(|()| out.flush())
+            }
+            Sink::Stderr => std::io::stderr().lock().write_all(line),
+            // O_APPEND and one write per line: lines never interleave.
+            Sink::File(file) => file
+                .file
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .write_all(line),
+        };
+        if let Err(err) = result {
+            match self {
+                Sink::File(file) => {
+                    tracing::debug!(path = %file.path.display(), %err, "access log write failed");
+                }
+                _ => tracing::debug!(%err, "access log write failed"),
+            }
         }
     }
 }
@@ -214,7 +292,7 @@ mod tests {
             "127.0.0.1:15001".parse().unwrap(),
         );
         entry.original_dst = Some("[2001:db8::1]:80".parse().unwrap());
-        entry.upstream_cluster = Some("PassthroughCluster");
+        entry.upstream_cluster = Some("PassthroughCluster".into());
         entry.upstream_host = entry.original_dst;
         entry.flag(ResponseFlag::UpstreamConnectionFailure);
         entry.flag(ResponseFlag::UpstreamConnectionFailure);

@@ -43,6 +43,28 @@ pub fn to_json(bootstrap: &Bootstrap) -> Result<serde_json::Value, json::JsonErr
     json::to_json(bootstrap)
 }
 
+/// Any Envoy message as proto3 JSON, written as [`to_json`] writes the bootstrap: what the
+/// admin API answers (`/config_dump`, `/clusters?format=json`, `/server_info`).
+pub fn message_to_json<M: prost::Message + prost::Name>(
+    message: &M,
+) -> Result<serde_json::Value, json::JsonError> {
+    json::to_json(message)
+}
+
+/// Proto3 JSON read as message `M` through the same pool (`@type` resolved).
+#[cfg_attr(not(test), allow(dead_code, reason = "tests read admin output back"))]
+pub fn message_from_json<M: prost::Message + prost::Name + Default>(
+    value: serde_json::Value,
+) -> Result<M, json::JsonError> {
+    json::from_json(value).map(|(message, _)| message)
+}
+
+/// The descriptor pool behind the JSON conversions, for reflection over Envoy's types
+/// (the admin API's redaction of sensitive fields and its field masks).
+pub fn descriptor_pool() -> Result<&'static prost_reflect::DescriptorPool, pool::PoolError> {
+    pool::pool()
+}
+
 /// Loads and validates the bootstrap the options name.
 pub fn check(options: &Options) -> anyhow::Result<(Loaded, Report)> {
     let loaded = load::load(options)?;
@@ -92,24 +114,6 @@ fn count(n: usize, noun: &str) -> String {
     } else {
         format!("{n} {noun}s")
     }
-}
-
-/// `--mode serve` with a bootstrap: checked, then refused, because serving a bootstrap's
-/// listeners and clusters is the next step and not built yet.
-pub fn serve_bootstrap(options: &Options) -> anyhow::Result<()> {
-    let (_, report) = check(options)?;
-    for finding in &report.findings {
-        match finding.severity {
-            validate::Severity::Warning => tracing::warn!("{finding}"),
-            validate::Severity::Error => tracing::error!("{finding}"),
-        }
-    }
-    anyhow::bail!(
-        "{}: serving a bootstrap's listeners and clusters is not implemented yet; \
-         use --mode validate to check it, or run `shunt proxy` without -c/--config-yaml \
-         for the transparent passthrough proxy",
-        options.origin()
-    )
 }
 
 #[cfg(test)]

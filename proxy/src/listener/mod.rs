@@ -6,8 +6,18 @@
 //! then start the data-plane runtime's worker threads. Every accepted connection gets
 //! its own task: the original destination is read (Envoy's `original_dst` listener
 //! filter) and the connection is handed to [`crate::tcp`].
+//!
+//! With a bootstrap (`-c`, `--config-yaml`) the listeners are the bootstrap's instead
+//! ([`bootstrap`]): compiled into a snapshot, matched by filter chain
+//! ([`filter_chain`]), inspected ([`inspector`]) and served per connection
+//! ([`connection_handler`]).
 
 mod bind;
+mod bootstrap;
+pub mod config;
+mod connection_handler;
+pub mod filter_chain;
+mod inspector;
 mod original_dst;
 mod user;
 
@@ -91,7 +101,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     match args.mode {
         crate::config::Mode::Validate => return crate::config::validate_mode(&bootstrap),
         crate::config::Mode::Serve if bootstrap.has_bootstrap() => {
-            return crate::config::serve_bootstrap(&bootstrap);
+            return bootstrap::run(&args, &bootstrap);
         }
         crate::config::Mode::Serve => {}
     }
@@ -110,6 +120,20 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         warn_if_inbound_source_v6_missing();
     }
 
+    drop_privileges(&args)?;
+    let runtime = data_plane_runtime(args.concurrency)?;
+    let settings = Arc::new(tcp::Settings {
+        connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+        own_ports,
+    });
+    let result = runtime.block_on(serve(listeners, settings));
+    // Connections still open are dropped with the runtime: shutdown is prompt, not a drain.
+    runtime.shutdown_background();
+    result
+}
+
+/// Drops to --uid/--gid once the listeners are bound (unless --keep-user).
+fn drop_privileges(args: &ProxyArgs) -> anyhow::Result<()> {
     if args.keep_user {
         tracing::info!("--keep-user: not changing user");
     } else if user::is_root() {
@@ -124,25 +148,21 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
             args.gid
         );
     }
+    Ok(())
+}
 
-    let workers = match args.concurrency {
+/// The multi-threaded runtime connections run on; 0 workers means one per CPU.
+fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let workers = match concurrency {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .thread_name("shunt-worker")
         .enable_all()
         .build()
-        .context("starting the data-plane runtime")?;
-    let settings = Arc::new(tcp::Settings {
-        connect_timeout: Duration::from_millis(args.connect_timeout_ms),
-        own_ports,
-    });
-    let result = runtime.block_on(serve(listeners, settings));
-    // Connections still open are dropped with the runtime: shutdown is prompt, not a drain.
-    runtime.shutdown_background();
-    result
+        .context("starting the data-plane runtime")
 }
 
 /// Inbound IPv6 passthrough connects from ::6, which FREEBIND lets us bind but only an

@@ -41,13 +41,19 @@ fn check(rc: libc::c_int) -> std::io::Result<()> {
 /// Raises the soft open-files limit to the hard one, as ztunnel does: each proxied
 /// connection holds two sockets, so the usual soft limit of 1024 caps a proxy at ~500.
 pub fn raise_open_files_limit() {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit with a valid struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
             lim.rlim_cur = lim.rlim_max;
             if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                tracing::warn!("cannot raise the open files limit: {}", std::io::Error::last_os_error());
+                tracing::warn!(
+                    "cannot raise the open files limit: {}",
+                    std::io::Error::last_os_error()
+                );
             }
         }
     }

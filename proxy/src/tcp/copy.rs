@@ -12,6 +12,8 @@
 //! and backpressure is TCP's own (we stop reading while a write is blocked).
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -33,6 +35,41 @@ pub enum End {
     Closed,
     /// `side` failed (reset, broken pipe, timeout...); the other side was aborted.
     Failed { side: Side, error: io::Error },
+    /// Nothing moved for the idle timeout; both sides were closed.
+    IdleTimeout,
+}
+
+/// When bytes last moved, for the idle timeout: milliseconds since the copy started,
+/// stored by either direction without a lock.
+struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing has moved for `idle`.
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+            let deadline = self.start + last + idle;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline.into()).await;
+        }
+    }
 }
 
 /// What one connection moved, in Envoy's terms.
@@ -47,9 +84,21 @@ pub struct Outcome {
 
 /// Copies both ways until both directions end or one side fails, then closes both
 /// sockets: gracefully after two EOFs, with RST to the surviving side after a failure.
-pub async fn copy_bidirectional(mut downstream: TcpStream, mut upstream: TcpStream) -> Outcome {
+pub async fn copy_bidirectional(downstream: TcpStream, upstream: TcpStream) -> Outcome {
+    copy_with_idle_timeout(downstream, upstream, None).await
+}
+
+/// As [`copy_bidirectional`], and if no byte moves either way for `idle_timeout`
+/// (tcp_proxy's `idle_timeout`), closes both sockets with FIN and ends as
+/// [`End::IdleTimeout`].
+pub async fn copy_with_idle_timeout(
+    mut downstream: TcpStream,
+    mut upstream: TcpStream,
+    idle_timeout: Option<Duration>,
+) -> Outcome {
     let mut counts = Counts::default();
-    let end = {
+    let activity = Activity::new();
+    let work = async {
         let (mut down_read, mut down_write) = downstream.split();
         let (mut up_read, mut up_write) = upstream.split();
         let mut to_upstream = std::pin::pin!(pump(
@@ -57,12 +106,14 @@ pub async fn copy_bidirectional(mut downstream: TcpStream, mut upstream: TcpStre
             &mut up_write,
             &mut counts.received,
             &mut counts.forwarded,
+            &activity,
         ));
         let mut to_downstream = std::pin::pin!(pump(
             &mut up_read,
             &mut down_write,
             &mut counts.fetched,
             &mut counts.sent,
+            &activity,
         ));
         // A failure belongs to the socket it happened on: a direction's source when
         // reading, its sink when writing.
@@ -94,6 +145,13 @@ pub async fn copy_bidirectional(mut downstream: TcpStream, mut upstream: TcpStre
             Ok(()) => End::Closed,
             Err((side, error)) => End::Failed { side, error },
         }
+    };
+    let end = match idle_timeout {
+        None => work.await,
+        Some(idle) => tokio::select! {
+            end = work => end,
+            () = activity.idle_for(idle) => End::IdleTimeout,
+        },
     };
     if let End::Failed { side, .. } = &end {
         let survivor = match side {
@@ -147,6 +205,7 @@ async fn pump(
     to: &mut WriteHalf<'_>,
     read: &mut u64,
     written: &mut u64,
+    activity: &Activity,
 ) -> Result<(), (At, io::Error)> {
     // An idle connection holds no buffer: take it only once there is something to read
     // (data, EOF or an error all count).
@@ -158,6 +217,7 @@ async fn pump(
             break;
         }
         *read += n as u64;
+        activity.touch();
         let mut chunk = &buf[..n];
         while !chunk.is_empty() {
             let w = to.write(chunk).await.map_err(|e| (At::Write, e))?;
@@ -165,6 +225,7 @@ async fn pump(
                 return Err((At::Write, io::ErrorKind::WriteZero.into()));
             }
             *written += w as u64;
+            activity.touch();
             chunk = &chunk[w..];
         }
     }

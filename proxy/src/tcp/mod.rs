@@ -3,14 +3,13 @@
 //! [`copy`]. Every connection ends in exactly one access log line.
 
 pub mod copy;
+pub mod filter;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use socket2::{Domain, Protocol, Socket, Type};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::TcpStream;
 
 use crate::access_log::{Direction, Entry, ResponseFlag};
 
@@ -42,7 +41,7 @@ pub struct Route {
 /// original port, from 127.0.0.6 / ::6 (`InboundPassthroughClusterIpv4` / `Ipv6`).
 pub fn route(direction: Direction, original_dst: SocketAddr) -> Route {
     match direction {
-        Direction::Outbound => Route {
+        Direction::Outbound | Direction::Unspecified => Route {
             cluster: "PassthroughCluster",
             host: original_dst,
             bind: None,
@@ -106,11 +105,11 @@ async fn serve(
             upstream = %route.host,
             "refusing a connection whose destination is the proxy itself"
         );
-        entry.upstream_cluster = Some("BlackHoleCluster");
+        entry.upstream_cluster = Some("BlackHoleCluster".into());
         entry.flag(ResponseFlag::NoHealthyUpstream);
         return;
     }
-    entry.upstream_cluster = Some(route.cluster);
+    entry.upstream_cluster = Some(route.cluster.into());
     entry.upstream_host = Some(route.host);
 
     let upstream = match connect(route, settings.connect_timeout).await {
@@ -153,50 +152,8 @@ async fn serve(
 
 /// Connects to `route.host`, from `route.bind` if set, within `timeout`.
 async fn connect(route: Route, timeout: Duration) -> io::Result<TcpStream> {
-    let socket = Socket::new(
-        Domain::for_address(route.host),
-        Type::STREAM,
-        Some(Protocol::TCP),
-    )?;
-    socket.set_nonblocking(true)?;
-    socket.set_nodelay(true)?;
-    if let Some(source) = route.bind {
-        // FREEBIND: ::6 need not be configured on lo for the bind to succeed.
-        match source {
-            IpAddr::V4(_) => socket.set_freebind(true)?,
-            IpAddr::V6(_) => socket.set_freebind_ipv6(true)?,
-        }
-        // Let connect() pick the port, so the 4-tuple, not the source port alone, must
-        // be unique: without it every inbound connection holds one of 127.0.0.6's ports.
-        set_bind_address_no_port(&socket);
-        socket.bind(&SocketAddr::new(source, 0).into())?;
-    }
-    let socket = TcpSocket::from_std_stream(socket.into());
-    match tokio::time::timeout(timeout, socket.connect(route.host)).await {
-        Ok(connected) => connected,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("connect timed out after {} ms", timeout.as_millis()),
-        )),
-    }
-}
-
-fn set_bind_address_no_port(socket: &Socket) {
-    let one: libc::c_int = 1;
-    let fd = socket.as_raw_fd();
-    // SAFETY: a valid fd, and an option value of the size we pass.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_IP,
-            libc::IP_BIND_ADDRESS_NO_PORT,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        tracing::debug!(err = %io::Error::last_os_error(), "IP_BIND_ADDRESS_NO_PORT failed");
-    }
+    let source = route.bind.map(|ip| SocketAddr::new(ip, 0));
+    crate::upstream::connect::connect(route.host, source, timeout).await
 }
 
 #[cfg(test)]

@@ -1,0 +1,398 @@
+//! The in-memory stats store: counters, gauges and histograms by their Envoy names
+//! (`cluster.<stat_name>.upstream_cx_total`, `listener.0.0.0.0_15001.downstream_cx_total`,
+//! ...), which the data plane updates and the admin API reads.
+//!
+//! Names are created once (when a snapshot is compiled, say) and the handles kept: updating
+//! a handle is one relaxed atomic operation, with no lock and no lookup, so the data path
+//! never waits for a scrape. Only creating a name takes the store's lock. Tags (Prometheus
+//! labels) are not stored: the admin API extracts them from the names as Envoy does, with
+//! the bootstrap's `stats_config` (see [`super::tags`]).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// One stat's value when read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatValue {
+    Counter(u64),
+    Gauge(u64),
+    Histogram(HistogramSummary),
+}
+
+/// A stat as the admin API reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stat {
+    /// The full Envoy name, tags included: `cluster.agent.upstream_cx_total`.
+    pub name: String,
+    pub value: StatValue,
+    /// Whether it was ever written (Envoy's `usedonly`).
+    pub used: bool,
+}
+
+impl Stat {
+    pub fn counter(name: impl Into<String>, value: u64) -> Self {
+        Stat {
+            name: name.into(),
+            value: StatValue::Counter(value),
+            used: value > 0,
+        }
+    }
+
+    pub fn gauge(name: impl Into<String>, value: u64) -> Self {
+        Stat {
+            name: name.into(),
+            value: StatValue::Gauge(value),
+            used: true,
+        }
+    }
+}
+
+/// Envoy's default histogram buckets (`stats_config.histogram_bucket_settings` unset), in
+/// the unit the histogram records (milliseconds for `*_ms`).
+pub const DEFAULT_BUCKETS: &[f64] = &[
+    0.5, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
+    60000.0, 300000.0, 600000.0, 1800000.0, 3600000.0,
+];
+
+/// Envoy's supported quantiles, as fractions.
+pub const QUANTILES: &[f64] = &[0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0];
+
+/// A histogram's cumulative state: what Prometheus and `/stats` show.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistogramSummary {
+    /// `(upper bound, samples <= bound)`, ascending, cumulative like Prometheus buckets.
+    pub buckets: Vec<(f64, u64)>,
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl HistogramSummary {
+    /// The value below which fraction `q` of the samples fall, interpolated linearly inside
+    /// the bucket that holds it (Envoy computes from finer buckets: this is an estimate of
+    /// the same thing). `None` when nothing was recorded.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = q * self.count as f64;
+        let mut lower = (0.0, 0u64);
+        for &(bound, cumulative) in &self.buckets {
+            if cumulative as f64 >= rank && cumulative > 0 {
+                let in_bucket = (cumulative - lower.1) as f64;
+                let position = if in_bucket > 0.0 {
+                    (rank - lower.1 as f64).max(0.0) / in_bucket
+                } else {
+                    1.0
+                };
+                return Some(lower.0 + (bound - lower.0) * position);
+            }
+            lower = (bound, cumulative);
+        }
+        // Beyond the last bound: the mean of what is left is the best we know.
+        Some(lower.0.max(self.sum / self.count as f64))
+    }
+}
+
+/// A monotonically increasing count.
+#[derive(Debug, Clone, Default)]
+pub struct Counter(Arc<AtomicU64>);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn value(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down (Envoy's gauges are unsigned: every `dec` pairs an `inc`).
+#[derive(Debug, Clone, Default)]
+pub struct Gauge(Arc<GaugeCell>);
+
+#[derive(Debug, Default)]
+struct GaugeCell {
+    value: AtomicU64,
+    used: AtomicBool,
+}
+
+impl Gauge {
+    pub fn set(&self, value: u64) {
+        self.0.value.store(value, Ordering::Relaxed);
+        self.mark_used();
+    }
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn dec(&self) {
+        self.sub(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.value.fetch_add(n, Ordering::Relaxed);
+        self.mark_used();
+    }
+    pub fn sub(&self, n: u64) {
+        self.0.value.fetch_sub(n, Ordering::Relaxed);
+        self.mark_used();
+    }
+    pub fn value(&self) -> u64 {
+        self.0.value.load(Ordering::Relaxed)
+    }
+    fn mark_used(&self) {
+        if !self.0.used.load(Ordering::Relaxed) {
+            self.0.used.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A distribution of recorded values over [`DEFAULT_BUCKETS`].
+#[derive(Debug, Clone)]
+pub struct Histogram(Arc<HistogramCell>);
+
+#[derive(Debug)]
+struct HistogramCell {
+    /// Disjoint counts: `[i]` holds samples in `(bound[i-1], bound[i]]`; one more for the
+    /// overflow.
+    counts: Vec<AtomicU64>,
+    count: AtomicU64,
+    /// The sum as f64 bits, updated by compare-and-swap: recording is rare next to the
+    /// counters (once per connection or request), so the retry loop costs nothing.
+    sum_bits: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram(Arc::new(HistogramCell {
+            counts: (0..=DEFAULT_BUCKETS.len())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            count: AtomicU64::new(0),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+        }))
+    }
+}
+
+impl Histogram {
+    pub fn record(&self, value: f64) {
+        let index = DEFAULT_BUCKETS.partition_point(|&bound| bound < value);
+        self.0.counts[index].fetch_add(1, Ordering::Relaxed);
+        self.0.count.fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .0
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + value).to_bits())
+            });
+    }
+
+    pub fn summary(&self) -> HistogramSummary {
+        let mut cumulative = 0;
+        let buckets = DEFAULT_BUCKETS
+            .iter()
+            .zip(&self.0.counts)
+            .map(|(&bound, count)| {
+                cumulative += count.load(Ordering::Relaxed);
+                (bound, cumulative)
+            })
+            .collect();
+        HistogramSummary {
+            buckets,
+            count: self.0.count.load(Ordering::Relaxed),
+            sum: f64::from_bits(self.0.sum_bits.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Metric {
+    Counter(Counter),
+    Gauge(Gauge),
+    Histogram(Histogram),
+}
+
+/// Every stat of the process by name. Cloning shares the store.
+#[derive(Debug, Clone, Default)]
+pub struct Store {
+    metrics: Arc<RwLock<BTreeMap<String, Metric>>>,
+    /// Names asked for as two different kinds, reported once each.
+    conflicts: Arc<Mutex<Vec<String>>>,
+}
+
+impl Store {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The counter of that name, created at zero on first use.
+    pub fn counter(&self, name: &str) -> Counter {
+        match self.get_or_insert(name, || Metric::Counter(Counter::default())) {
+            Metric::Counter(counter) => counter,
+            _ => {
+                self.conflict(name, "counter");
+                Counter::default()
+            }
+        }
+    }
+
+    /// The gauge of that name, created at zero on first use.
+    pub fn gauge(&self, name: &str) -> Gauge {
+        match self.get_or_insert(name, || Metric::Gauge(Gauge::default())) {
+            Metric::Gauge(gauge) => gauge,
+            _ => {
+                self.conflict(name, "gauge");
+                Gauge::default()
+            }
+        }
+    }
+
+    /// The histogram of that name, created empty on first use.
+    pub fn histogram(&self, name: &str) -> Histogram {
+        match self.get_or_insert(name, || Metric::Histogram(Histogram::default())) {
+            Metric::Histogram(histogram) => histogram,
+            _ => {
+                self.conflict(name, "histogram");
+                Histogram::default()
+            }
+        }
+    }
+
+    /// Every stat, sorted by name.
+    pub fn snapshot(&self) -> Vec<Stat> {
+        let metrics = self.metrics.read().unwrap_or_else(|e| e.into_inner());
+        metrics
+            .iter()
+            .map(|(name, metric)| match metric {
+                Metric::Counter(counter) => Stat::counter(name.clone(), counter.value()),
+                Metric::Gauge(gauge) => Stat {
+                    name: name.clone(),
+                    value: StatValue::Gauge(gauge.value()),
+                    used: gauge.0.used.load(Ordering::Relaxed),
+                },
+                Metric::Histogram(histogram) => {
+                    let summary = histogram.summary();
+                    Stat {
+                        name: name.clone(),
+                        used: summary.count > 0,
+                        value: StatValue::Histogram(summary),
+                    }
+                }
+            })
+            .collect()
+    }
+
+    fn get_or_insert(&self, name: &str, new: impl FnOnce() -> Metric) -> Metric {
+        if let Some(metric) = self
+            .metrics
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
+            return metric.clone();
+        }
+        self.metrics
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_owned())
+            .or_insert_with(new)
+            .clone()
+    }
+
+    fn conflict(&self, name: &str, wanted: &str) {
+        let mut conflicts = self.conflicts.lock().unwrap_or_else(|e| e.into_inner());
+        if !conflicts.iter().any(|seen| seen == name) {
+            conflicts.push(name.to_owned());
+            tracing::warn!(
+                stat = name,
+                "stat asked for as a {wanted} but exists as another kind; updates are dropped"
+            );
+        }
+    }
+}
+
+/// `cluster.<stat_name>.<stat>`, where `stat_name` is the cluster's `alt_stat_name` if it
+/// has one, else its name (Envoy's observability name).
+pub fn cluster_stat(stat_name: &str, stat: &str) -> String {
+    format!("cluster.{stat_name}.{stat}")
+}
+
+/// `listener.<address>.<stat>`, the address as Envoy writes it in stat names:
+/// `0.0.0.0_15001`, `[__]_15001` (every `:` becomes `_`).
+pub fn listener_stat(address: &SocketAddr, stat: &str) -> String {
+    format!("listener.{}.{stat}", listener_stat_prefix(address))
+}
+
+/// The address part of a listener's stat names (see [`listener_stat`]).
+pub fn listener_stat_prefix(address: &SocketAddr) -> String {
+    address.to_string().replace(':', "_")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_share_one_value_per_name() {
+        let store = Store::new();
+        let a = store.counter("cluster.c.upstream_cx_total");
+        let b = store.counter("cluster.c.upstream_cx_total");
+        a.inc();
+        b.add(2);
+        let gauge = store.gauge("server.live");
+        gauge.add(3);
+        gauge.inc();
+        gauge.sub(2);
+        gauge.dec();
+        assert_eq!(gauge.value(), 1);
+        let stats = store.snapshot();
+        assert_eq!(
+            stats,
+            vec![
+                Stat::counter("cluster.c.upstream_cx_total", 3),
+                Stat::gauge("server.live", 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_name_keeps_its_first_kind() {
+        let store = Store::new();
+        store.counter("x").inc();
+        store.gauge("x").set(7);
+        assert_eq!(store.snapshot(), vec![Stat::counter("x", 1)]);
+    }
+
+    #[test]
+    fn histograms_bucket_cumulatively_and_estimate_quantiles() {
+        let histogram = Histogram::default();
+        for value in [0.2, 3.0, 3.0, 7.0] {
+            histogram.record(value);
+        }
+        let summary = histogram.summary();
+        assert_eq!(summary.count, 4);
+        assert_eq!(summary.sum, 13.2);
+        assert_eq!(
+            &summary.buckets[..4],
+            &[(0.5, 1), (1.0, 1), (5.0, 3), (10.0, 4)]
+        );
+        assert_eq!(summary.quantile(1.0), Some(10.0));
+        let median = summary.quantile(0.5).unwrap();
+        assert!((1.0..=5.0).contains(&median), "{median}");
+        assert_eq!(Histogram::default().summary().quantile(0.5), None);
+    }
+
+    #[test]
+    fn listener_addresses_are_written_as_envoy_writes_them() {
+        let v4: SocketAddr = "0.0.0.0:15001".parse().unwrap();
+        let v6: SocketAddr = "[::]:15001".parse().unwrap();
+        assert_eq!(
+            listener_stat(&v4, "downstream_cx_total"),
+            "listener.0.0.0.0_15001.downstream_cx_total"
+        );
+        assert_eq!(listener_stat_prefix(&v6), "[__]_15001");
+    }
+}

@@ -1,0 +1,66 @@
+//! A listener as compiled from Envoy's `Listener`: where it listens, which listener
+//! filters run on an accepted connection, and its filter chains. Immutable; held by the
+//! snapshot.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::filter_chain::FilterChains;
+use crate::access_log::{Direction, Sink};
+use crate::tcp::filter::TcpProxy;
+
+/// Envoy's default `listener_filters_timeout`.
+pub const DEFAULT_LISTENER_FILTERS_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Debug)]
+pub struct Listener {
+    pub name: Arc<str>,
+    /// `address`, then `additional_addresses`.
+    pub addresses: Vec<SocketAddr>,
+    /// False: never bound; the listener only takes connections handed off to it.
+    pub bind_to_port: bool,
+    /// Hands connections whose original destination was restored to the listener for
+    /// that destination (Istio's virtualOutbound 15001).
+    pub use_original_dst: bool,
+    pub transparent: bool,
+    pub freebind: bool,
+    pub direction: Direction,
+    pub listener_filters: ListenerFilters,
+    pub filter_chains: FilterChains<Arc<FilterChain>>,
+    /// Listener-level access logs: connections that never reached a filter chain.
+    pub access_log: Vec<Sink>,
+}
+
+/// The listener filters shunt implements, as flags: they run in this order whatever
+/// order the config lists them in, which gives the same result since each only adds a
+/// fact (the destination, the SNI/ALPN, the HTTP protocol) the others do not read,
+/// except `http_inspector`, which skips TLS connections as Envoy's does.
+#[derive(Debug, Clone, Default)]
+pub struct ListenerFilters {
+    pub original_dst: bool,
+    pub tls_inspector: bool,
+    pub http_inspector: bool,
+    /// `None` when configured as 0s (no timeout).
+    pub timeout: Option<Duration>,
+    pub continue_on_timeout: bool,
+}
+
+impl ListenerFilters {
+    pub fn inspects(&self) -> bool {
+        self.tls_inspector || self.http_inspector
+    }
+}
+
+#[derive(Debug)]
+pub struct FilterChain {
+    /// The chain's `name`, or `filter_chains[i]` when unnamed.
+    pub name: String,
+    pub network: NetworkFilter,
+}
+
+/// The terminal network filter of a chain.
+#[derive(Debug)]
+pub enum NetworkFilter {
+    TcpProxy(TcpProxy),
+}

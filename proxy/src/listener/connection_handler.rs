@@ -1,0 +1,279 @@
+//! What happens to a connection accepted on a bootstrap listener, in Envoy's order:
+//! listener filters (original destination, then the inspectors, all within
+//! `listener_filters_timeout`), the `use_original_dst` hand-off to the listener for the
+//! restored destination (which then runs its own listener filters), filter chain
+//! matching, and the chain's network filter. The connection keeps the snapshot it was
+//! accepted under until it ends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+
+use super::config::{Listener, ListenerFilters, NetworkFilter};
+use super::filter_chain::ConnectionInfo;
+use super::inspector::{self, HttpVerdict, TlsVerdict};
+use super::original_dst;
+use crate::access_log::{Entry, ResponseFlag};
+use crate::snapshot::{Snapshot, Store};
+use crate::tcp::filter::Upstreams;
+
+/// What every connection of a serving proxy shares.
+#[derive(Debug)]
+pub struct Context {
+    pub store: Arc<Store>,
+    /// Ports the proxy listens on (ORIGINAL_DST loop protection).
+    pub own_ports: Vec<u16>,
+}
+
+/// What listener filters learned about a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Facts {
+    /// The local address, or the original destination once restored.
+    pub destination: SocketAddr,
+    /// Whether `original_dst` restored a destination (the hand-off condition).
+    pub restored: bool,
+    pub server_name: Option<String>,
+    pub transport_protocol: &'static str,
+    pub application_protocols: Vec<String>,
+}
+
+impl Facts {
+    pub fn new(local: SocketAddr) -> Self {
+        Facts {
+            destination: local,
+            restored: false,
+            server_name: None,
+            transport_protocol: "raw_buffer",
+            application_protocols: Vec::new(),
+        }
+    }
+}
+
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// Serves one connection accepted by `listener_name` on its socket bound to `bound`.
+pub async fn handle(
+    stream: TcpStream,
+    peer: SocketAddr,
+    listener_name: Arc<str>,
+    bound: SocketAddr,
+    ctx: Arc<Context>,
+) {
+    let snapshot = ctx.store.load();
+    let Some(accepting) = snapshot.listener(&listener_name).cloned() else {
+        // The listener left the config after this socket was bound.
+        return;
+    };
+    let local = match stream.local_addr() {
+        Ok(local) => canonical(local),
+        Err(err) => {
+            tracing::warn!(%peer, %err, "accepted connection has no local address; closing");
+            return;
+        }
+    };
+    let remote = canonical(peer);
+    let mut facts = Facts::new(local);
+    if !run_listener_filters(
+        &accepting.listener_filters,
+        &stream,
+        bound.port(),
+        &mut facts,
+    )
+    .await
+    {
+        return;
+    }
+    let listener = match hand_off_target(&snapshot, &accepting, &facts) {
+        Some(target) => {
+            tracing::debug!(from = %accepting.name, to = %target.name, destination = %facts.destination, "hand-off");
+            let target = target.clone();
+            if !run_listener_filters(&target.listener_filters, &stream, bound.port(), &mut facts)
+                .await
+            {
+                return;
+            }
+            target
+        }
+        None => accepting,
+    };
+
+    let mut entry = Entry::start(listener.direction, remote, local);
+    if facts.restored {
+        entry.original_dst = Some(facts.destination);
+    }
+    let info = ConnectionInfo {
+        destination: facts.destination,
+        source: remote,
+        direct_source: remote,
+        server_name: facts.server_name.as_deref(),
+        transport_protocol: facts.transport_protocol,
+        application_protocols: &facts.application_protocols,
+    };
+    let Some(chain) = listener.filter_chains.select(&info) else {
+        tracing::debug!(listener = %listener.name, %remote, destination = %facts.destination, "no filter chain matches; closing");
+        entry.flag(ResponseFlag::NoRouteFound);
+        entry.emit_to(&listener.access_log);
+        return;
+    };
+    tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
+    match &chain.network {
+        NetworkFilter::TcpProxy(proxy) => {
+            let upstreams = Upstreams {
+                clusters: &snapshot.clusters,
+                own_ports: &ctx.own_ports,
+            };
+            proxy
+                .serve(&upstreams, stream, facts.destination, &mut entry)
+                .await;
+            entry.emit_to(&proxy.access_log);
+        }
+    }
+}
+
+/// The listener a connection is handed to: only from a `use_original_dst` listener,
+/// only once a destination was restored, and never to itself.
+pub fn hand_off_target<'a>(
+    snapshot: &'a Snapshot,
+    accepting: &Arc<Listener>,
+    facts: &Facts,
+) -> Option<&'a Arc<Listener>> {
+    if !accepting.use_original_dst || !facts.restored {
+        return None;
+    }
+    snapshot
+        .listener_for_address(facts.destination)
+        .filter(|target| !Arc::ptr_eq(target, accepting))
+}
+
+/// Runs the listener filters; false if the connection must be closed (timeout).
+async fn run_listener_filters(
+    filters: &ListenerFilters,
+    stream: &TcpStream,
+    listener_port: u16,
+    facts: &mut Facts,
+) -> bool {
+    if filters.original_dst
+        && !facts.restored
+        && let Ok(dst) = original_dst::original_dst(stream, facts.destination, listener_port)
+    {
+        facts.destination = dst;
+        facts.restored = true;
+    }
+    if !filters.inspects() {
+        return true;
+    }
+    let inspect = inspect(filters, stream, facts);
+    match filters.timeout {
+        None => {
+            inspect.await;
+            true
+        }
+        Some(timeout) => match tokio::time::timeout(timeout, inspect).await {
+            Ok(()) => true,
+            Err(_) if filters.continue_on_timeout => true,
+            Err(_) => {
+                tracing::debug!("listener filters timed out; closing");
+                false
+            }
+        },
+    }
+}
+
+/// `tls_inspector`, then `http_inspector` unless the connection is TLS.
+async fn inspect(filters: &ListenerFilters, stream: &TcpStream, facts: &mut Facts) {
+    if filters.tls_inspector {
+        let hello = inspector::peek_until(stream, inspector::MAX_CLIENT_HELLO, |buf, complete| {
+            match inspector::parse_client_hello(buf) {
+                TlsVerdict::NeedMore if !complete => None,
+                TlsVerdict::ClientHello(hello) => Some(Some(hello)),
+                _ => Some(None),
+            }
+        })
+        .await;
+        if let Ok(Some(hello)) = hello {
+            facts.transport_protocol = "tls";
+            facts.server_name = hello.server_name;
+            facts.application_protocols = hello.alpn;
+        }
+    }
+    if filters.http_inspector && facts.transport_protocol != "tls" {
+        let protocol =
+            inspector::peek_until(stream, inspector::MAX_HTTP_INSPECT, |buf, complete| {
+                match inspector::inspect_http(buf) {
+                    HttpVerdict::NeedMore if !complete => None,
+                    HttpVerdict::Protocol(protocol) => Some(Some(protocol)),
+                    _ => Some(None),
+                }
+            })
+            .await;
+        if let Ok(Some(protocol)) = protocol {
+            facts.application_protocols = vec![protocol.to_owned()];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LISTENERS: &str = r#"
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15001}}
+    use_original_dst: true
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  - name: plain
+    address: {socket_address: {address: 0.0.0.0, port_value: 15002}}
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  - name: 10.96.0.10_80
+    address: {socket_address: {address: 10.96.0.10, port_value: 80}}
+    bind_to_port: false
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  clusters: [{name: PassthroughCluster, type: ORIGINAL_DST, lb_policy: CLUSTER_PROVIDED}]
+"#;
+
+    fn snapshot() -> Snapshot {
+        let options = crate::config::Options {
+            config_yaml: Some(LISTENERS.to_owned()),
+            ..Default::default()
+        };
+        let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
+        crate::snapshot::compile(&bootstrap).unwrap().snapshot
+    }
+
+    fn restored(destination: &str) -> Facts {
+        Facts {
+            restored: true,
+            ..Facts::new(destination.parse().unwrap())
+        }
+    }
+
+    #[test]
+    fn a_restored_destination_is_handed_to_its_listener_else_stays() {
+        let snapshot = snapshot();
+        let outbound = snapshot.listener("virtualOutbound").unwrap();
+        let target =
+            |facts: &Facts| hand_off_target(&snapshot, outbound, facts).map(|l| l.name.to_string());
+        assert_eq!(
+            target(&restored("10.96.0.10:80")).as_deref(),
+            Some("10.96.0.10_80")
+        );
+        // No listener for it: stays on virtualOutbound's own (passthrough) chains.
+        assert_eq!(target(&restored("10.96.0.11:80")), None);
+        // A destination on the listener's own port is not handed to itself.
+        assert_eq!(target(&restored("10.0.0.5:15001")), None);
+        // Without a restored destination, nothing moves.
+        assert_eq!(target(&Facts::new("10.96.0.10:80".parse().unwrap())), None);
+    }
+
+    #[test]
+    fn only_use_original_dst_listeners_hand_off() {
+        let snapshot = snapshot();
+        let plain = snapshot.listener("plain").unwrap();
+        assert!(hand_off_target(&snapshot, plain, &restored("10.96.0.10:80")).is_none());
+    }
+}

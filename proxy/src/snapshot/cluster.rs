@@ -1,0 +1,627 @@
+//! Compiling `static_resources.clusters` into [`Cluster`]s: discovery type, endpoints,
+//! `lb_policy` and its config, `connect_timeout`, `upstream_bind_config`, circuit
+//! breakers, outlier detection and active health checks. What shunt cannot honour is an
+//! error when it changes where traffic goes, a warning when it only changes how well.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3::{
+    Cluster as EnvoyCluster, OutlierDetection as EnvoyOutlier,
+    cluster::{
+        ClusterDiscoveryType, DiscoveryType, DnsLookupFamily, LbConfig, LbPolicy as EnvoyLbPolicy,
+    },
+};
+use envoy_types::pb::envoy::config::core::v3::{
+    HealthCheck as EnvoyHealthCheck, HealthStatus, RoutingPriority,
+    health_check::{HealthChecker, Payload, payload},
+};
+use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+
+use super::convert::{self, duration_or};
+use super::problems::Problems;
+use crate::upstream::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
+use crate::upstream::dns::{DnsTarget, LookupFamily};
+use crate::upstream::health_check::{Checker, HealthCheck};
+use crate::upstream::host::{FAILED_EDS_HEALTH, Host};
+use crate::upstream::load_balancer::{
+    DEFAULT_MAGLEV_TABLE_SIZE, DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, LbPolicy,
+};
+use crate::upstream::outlier::OutlierDetection;
+use crate::upstream::{Cluster, ClusterConfig, Discovery};
+
+pub fn compile_all(
+    clusters: &[EnvoyCluster],
+    problems: &mut Problems,
+) -> HashMap<String, Arc<Cluster>> {
+    let mut compiled = HashMap::new();
+    for (i, cluster) in clusters.iter().enumerate() {
+        let path = format!("static_resources.clusters[{i}]");
+        if cluster.name.is_empty() {
+            problems.error(format!("{path}.name"), "a cluster needs a name");
+            continue;
+        }
+        if compiled.contains_key(&cluster.name) {
+            problems.error(
+                format!("{path}.name"),
+                format!("a second cluster named {:?}", cluster.name),
+            );
+            continue;
+        }
+        if let Some(c) = compile(cluster, &path, problems) {
+            compiled.insert(cluster.name.clone(), c);
+        }
+    }
+    compiled
+}
+
+/// One endpoint as written, before DNS.
+struct Endpoint {
+    host: String,
+    port: u16,
+    weight: u32,
+    priority: u32,
+    unhealthy: bool,
+}
+
+pub fn compile(
+    cluster: &EnvoyCluster,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<Arc<Cluster>> {
+    let errors_before = problems.errors.len();
+    let mut config = ClusterConfig::new(cluster.name.clone());
+
+    let kind = match &cluster.cluster_discovery_type {
+        None => DiscoveryType::Static,
+        Some(ClusterDiscoveryType::Type(t)) => DiscoveryType::try_from(*t).unwrap_or_else(|_| {
+            problems.error(format!("{path}.type"), format!("unknown cluster type {t}"));
+            DiscoveryType::Static
+        }),
+        Some(ClusterDiscoveryType::ClusterType(custom)) => {
+            problems.error(
+                format!("{path}.cluster_type"),
+                format!(
+                    "custom cluster type {:?} is not implemented yet",
+                    custom.name
+                ),
+            );
+            return None;
+        }
+    };
+
+    config.connect_timeout = duration_or(
+        cluster.connect_timeout.as_ref(),
+        DEFAULT_CONNECT_TIMEOUT,
+        &format!("{path}.connect_timeout"),
+        problems,
+    );
+    config.lb_policy = lb_policy(cluster, kind, path, problems);
+    let endpoints = endpoints(cluster, kind, path, problems);
+
+    let family = match DnsLookupFamily::try_from(cluster.dns_lookup_family) {
+        Ok(DnsLookupFamily::V4Only) => LookupFamily::V4Only,
+        Ok(DnsLookupFamily::V6Only) => LookupFamily::V6Only,
+        Ok(DnsLookupFamily::V4Preferred) => LookupFamily::V4Preferred,
+        Ok(DnsLookupFamily::All) => LookupFamily::All,
+        _ => LookupFamily::Auto,
+    };
+    #[allow(
+        deprecated,
+        reason = "Envoy still reads dns_refresh_rate, and bootstraps use it"
+    )]
+    let refresh_rate = cluster.dns_refresh_rate.as_ref();
+    let refresh = duration_or(
+        refresh_rate,
+        DEFAULT_DNS_REFRESH_RATE,
+        &format!("{path}.dns_refresh_rate"),
+        problems,
+    );
+    if refresh.is_zero() {
+        problems.error(
+            format!("{path}.dns_refresh_rate"),
+            "must be greater than 0s",
+        );
+    }
+    let target = |e: &Endpoint| DnsTarget {
+        name: e.host.clone(),
+        port: e.port,
+        weight: e.weight,
+        priority: e.priority,
+    };
+    let mut hosts = Vec::new();
+    config.discovery = match kind {
+        DiscoveryType::Static | DiscoveryType::Eds => {
+            for (endpoint, endpoint_path) in &endpoints {
+                match endpoint.host.parse::<std::net::IpAddr>() {
+                    Ok(ip) => hosts.push(
+                        Host::new(std::net::SocketAddr::new(ip, endpoint.port))
+                            .with_weight(endpoint.weight)
+                            .with_priority(endpoint.priority)
+                            .with_health_flags(if endpoint.unhealthy {
+                                FAILED_EDS_HEALTH
+                            } else {
+                                0
+                            }),
+                    ),
+                    Err(_) => problems.error(
+                        format!("{endpoint_path}.address"),
+                        format!(
+                            "{:?} is not an IP address; a {} cluster needs IP endpoints \
+                             (use STRICT_DNS or LOGICAL_DNS for names)",
+                            endpoint.host,
+                            kind.as_str_name()
+                        ),
+                    ),
+                }
+            }
+            if kind == DiscoveryType::Eds {
+                if cluster.load_assignment.is_none() {
+                    problems.warning(
+                        format!("{path}.eds_cluster_config"),
+                        "EDS over xDS is not implemented yet and there is no load_assignment: \
+                         the cluster has no endpoints",
+                    );
+                }
+                Discovery::Eds
+            } else {
+                Discovery::Static
+            }
+        }
+        DiscoveryType::StrictDns => Discovery::StrictDns {
+            targets: endpoints.iter().map(|(e, _)| target(e)).collect(),
+            refresh,
+            family,
+        },
+        DiscoveryType::LogicalDns => {
+            if endpoints.len() != 1 {
+                problems.error(
+                    format!("{path}.load_assignment"),
+                    format!(
+                        "LOGICAL_DNS needs exactly one endpoint, not {}",
+                        endpoints.len()
+                    ),
+                );
+                return None;
+            }
+            Discovery::LogicalDns {
+                target: target(&endpoints[0].0),
+                refresh,
+                family,
+            }
+        }
+        DiscoveryType::OriginalDst => {
+            if !endpoints.is_empty() {
+                problems.error(
+                    format!("{path}.load_assignment"),
+                    "an ORIGINAL_DST cluster has no endpoints of its own",
+                );
+            }
+            Discovery::OriginalDst
+        }
+    };
+
+    if let Some(bind) = &cluster.upstream_bind_config {
+        let bind_path = format!("{path}.upstream_bind_config.source_address");
+        if let Some(source) = &bind.source_address {
+            let address = envoy_types::pb::envoy::config::core::v3::Address {
+                address: Some(
+                    envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(
+                        source.clone(),
+                    ),
+                ),
+            };
+            let mut inner = Problems::default();
+            config.source_address = convert::ip_socket_addr(Some(&address), &bind_path, &mut inner);
+            for p in inner.errors {
+                // Paths from the helper name `.socket_address`, which this field has not.
+                problems.error(p.path.replace(".socket_address", ""), p.message);
+            }
+        }
+    }
+
+    if let Some(breakers) = &cluster.circuit_breakers {
+        for threshold in &breakers.thresholds {
+            // HIGH priority applies to requests routed with that priority; tcp_proxy
+            // connections are always DEFAULT, as in Envoy.
+            if threshold.priority == RoutingPriority::Default as i32
+                && let Some(max) = threshold.max_connections
+            {
+                config.max_connections = u64::from(max.value);
+            }
+        }
+        if !breakers.per_host_thresholds.is_empty() {
+            problems.warning(
+                format!("{path}.circuit_breakers.per_host_thresholds"),
+                "per-host circuit breakers are not implemented yet; ignored",
+            );
+        }
+    }
+
+    if let Some(outlier) = &cluster.outlier_detection {
+        config.outlier_detection = Some(outlier_detection(
+            outlier,
+            &format!("{path}.outlier_detection"),
+            problems,
+        ));
+    }
+    for (i, check) in cluster.health_checks.iter().enumerate() {
+        if let Some(check) = health_check(check, &format!("{path}.health_checks[{i}]"), problems) {
+            config.health_checks.push(check);
+        }
+    }
+    if let Some(common) = &cluster.common_lb_config
+        && let Some(threshold) = &common.healthy_panic_threshold
+    {
+        config.panic_threshold = threshold.value.clamp(0.0, 100.0);
+    }
+    if let Some(socket) = &cluster.transport_socket {
+        let type_name = socket
+            .config_type
+            .as_ref()
+            .map(|envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(any)| convert::type_name(any).to_owned())
+            .unwrap_or_default();
+        if type_name != "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"
+            && !type_name.is_empty()
+        {
+            problems.error(
+                format!("{path}.transport_socket"),
+                format!("upstream transport socket {type_name} (TLS) is not implemented yet"),
+            );
+        }
+    }
+    if !cluster.transport_socket_matches.is_empty() {
+        problems.error(
+            format!("{path}.transport_socket_matches"),
+            "transport socket matches (mTLS to upstreams) are not implemented yet",
+        );
+    }
+    if cluster.load_balancing_policy.is_some() {
+        problems.error(
+            format!("{path}.load_balancing_policy"),
+            "load_balancing_policy extensions are not implemented yet; use lb_policy",
+        );
+    }
+
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(Cluster::new(config, hosts))
+}
+
+fn lb_policy(
+    cluster: &EnvoyCluster,
+    kind: DiscoveryType,
+    path: &str,
+    problems: &mut Problems,
+) -> LbPolicy {
+    let policy_path = format!("{path}.lb_policy");
+    let policy = EnvoyLbPolicy::try_from(cluster.lb_policy).unwrap_or_else(|_| {
+        problems.error(
+            &policy_path,
+            format!("unknown lb_policy {}", cluster.lb_policy),
+        );
+        EnvoyLbPolicy::RoundRobin
+    });
+    match policy {
+        EnvoyLbPolicy::ClusterProvided if kind == DiscoveryType::OriginalDst => {
+            LbPolicy::RoundRobin
+        }
+        // An ORIGINAL_DST cluster has one possible host per connection: any policy will do.
+        _ if kind == DiscoveryType::OriginalDst => LbPolicy::RoundRobin,
+        EnvoyLbPolicy::RoundRobin => LbPolicy::RoundRobin,
+        EnvoyLbPolicy::Random => LbPolicy::Random,
+        EnvoyLbPolicy::LeastRequest => {
+            let choice_count = match &cluster.lb_config {
+                Some(LbConfig::LeastRequestLbConfig(c)) => c.choice_count.map_or(2, |c| c.value),
+                _ => 2,
+            };
+            if choice_count < 2 {
+                problems.error(
+                    format!("{path}.least_request_lb_config.choice_count"),
+                    "must be at least 2",
+                );
+            }
+            LbPolicy::LeastRequest { choice_count }
+        }
+        EnvoyLbPolicy::RingHash => {
+            let (mut min, mut max) = (DEFAULT_MIN_RING_SIZE, DEFAULT_MAX_RING_SIZE);
+            if let Some(LbConfig::RingHashLbConfig(c)) = &cluster.lb_config {
+                min = c.minimum_ring_size.map_or(min, |v| v.value);
+                max = c.maximum_ring_size.map_or(max, |v| v.value);
+            }
+            if min == 0 || min > max || max > DEFAULT_MAX_RING_SIZE {
+                problems.error(
+                    format!("{path}.ring_hash_lb_config"),
+                    format!("ring sizes must satisfy 0 < minimum ({min}) <= maximum ({max}) <= 8M"),
+                );
+            }
+            LbPolicy::RingHash {
+                min_ring_size: min,
+                max_ring_size: max,
+            }
+        }
+        EnvoyLbPolicy::Maglev => {
+            let table_size = match &cluster.lb_config {
+                Some(LbConfig::MaglevLbConfig(c)) => {
+                    c.table_size.map_or(DEFAULT_MAGLEV_TABLE_SIZE, |v| v.value)
+                }
+                _ => DEFAULT_MAGLEV_TABLE_SIZE,
+            };
+            if !is_prime(table_size) || table_size > 5_000_011 {
+                problems.error(
+                    format!("{path}.maglev_lb_config.table_size"),
+                    format!("{table_size} must be a prime no larger than 5000011"),
+                );
+            }
+            LbPolicy::Maglev { table_size }
+        }
+        EnvoyLbPolicy::ClusterProvided => {
+            problems.error(
+                &policy_path,
+                "CLUSTER_PROVIDED is only valid for ORIGINAL_DST clusters",
+            );
+            LbPolicy::RoundRobin
+        }
+        EnvoyLbPolicy::LoadBalancingPolicyConfig => {
+            problems.error(
+                &policy_path,
+                "LOAD_BALANCING_POLICY_CONFIG is not implemented yet",
+            );
+            LbPolicy::RoundRobin
+        }
+    }
+}
+
+fn is_prime(n: u64) -> bool {
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
+}
+
+/// The endpoints of `load_assignment` with the path of each.
+fn endpoints(
+    cluster: &EnvoyCluster,
+    kind: DiscoveryType,
+    path: &str,
+    problems: &mut Problems,
+) -> Vec<(Endpoint, String)> {
+    let mut out = Vec::new();
+    let Some(assignment) = &cluster.load_assignment else {
+        return out;
+    };
+    for (l, locality) in assignment.endpoints.iter().enumerate() {
+        for (e, lb_endpoint) in locality.lb_endpoints.iter().enumerate() {
+            let endpoint_path = format!("{path}.load_assignment.endpoints[{l}].lb_endpoints[{e}]");
+            let endpoint = match &lb_endpoint.host_identifier {
+                Some(HostIdentifier::Endpoint(endpoint)) => endpoint,
+                Some(HostIdentifier::EndpointName(name)) => {
+                    problems.error(
+                        format!("{endpoint_path}.endpoint_name"),
+                        format!("named endpoint {name:?} is not implemented yet"),
+                    );
+                    continue;
+                }
+                None => {
+                    problems.error(&endpoint_path, "an endpoint needs an address");
+                    continue;
+                }
+            };
+            let address_path = format!("{endpoint_path}.endpoint.address");
+            let Some(socket) =
+                convert::socket_address(endpoint.address.as_ref(), &address_path, problems)
+            else {
+                continue;
+            };
+            let socket_path = format!("{address_path}.socket_address");
+            let Some(port) = convert::port(socket, &socket_path, problems) else {
+                continue;
+            };
+            if port == 0 && kind != DiscoveryType::OriginalDst {
+                problems.error(
+                    format!("{socket_path}.port_value"),
+                    "an endpoint needs a port",
+                );
+                continue;
+            }
+            let unhealthy = matches!(
+                HealthStatus::try_from(lb_endpoint.health_status),
+                Ok(HealthStatus::Unhealthy | HealthStatus::Draining | HealthStatus::Timeout)
+            );
+            out.push((
+                Endpoint {
+                    host: socket.address.clone(),
+                    port,
+                    weight: lb_endpoint
+                        .load_balancing_weight
+                        .map_or(1, |w| w.value.max(1)),
+                    priority: locality.priority,
+                    unhealthy,
+                },
+                socket_path,
+            ));
+        }
+    }
+    out
+}
+
+fn outlier_detection(
+    outlier: &EnvoyOutlier,
+    path: &str,
+    problems: &mut Problems,
+) -> OutlierDetection {
+    let defaults = OutlierDetection::default();
+    let value = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>, default: u32| {
+        v.map_or(default, |v| v.value)
+    };
+    let (consecutive, enforcing) = if outlier.split_external_local_origin_errors {
+        (
+            value(outlier.consecutive_local_origin_failure, 5),
+            value(outlier.enforcing_consecutive_local_origin_failure, 100),
+        )
+    } else {
+        // Envoy maps a connect failure to a 5xx when local and external errors are not split.
+        (
+            value(outlier.consecutive_5xx, 5),
+            value(outlier.enforcing_consecutive_5xx, 100),
+        )
+    };
+    if outlier.success_rate_stdev_factor.is_some() || outlier.failure_percentage_threshold.is_some()
+    {
+        problems.warning(
+            path,
+            "success rate and failure percentage ejection are not implemented; only consecutive failures eject",
+        );
+    }
+    let base = duration_or(
+        outlier.base_ejection_time.as_ref(),
+        defaults.base_ejection_time,
+        &format!("{path}.base_ejection_time"),
+        problems,
+    );
+    OutlierDetection {
+        consecutive: consecutive.max(1),
+        enforcing: enforcing.min(100),
+        base_ejection_time: base,
+        max_ejection_time: duration_or(
+            outlier.max_ejection_time.as_ref(),
+            defaults.max_ejection_time.max(base),
+            &format!("{path}.max_ejection_time"),
+            problems,
+        ),
+        max_ejection_percent: value(outlier.max_ejection_percent, defaults.max_ejection_percent)
+            .min(100),
+    }
+}
+
+fn health_check(
+    check: &EnvoyHealthCheck,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<HealthCheck> {
+    let required = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
+                    field: &str,
+                    problems: &mut Problems|
+     -> Option<Duration> {
+        let field_path = format!("{path}.{field}");
+        match d {
+            None => {
+                problems.error(field_path, "is required");
+                None
+            }
+            Some(d) => convert::duration(d, &field_path, problems).filter(|d| {
+                let ok = !d.is_zero();
+                if !ok {
+                    problems.error(format!("{path}.{field}"), "must be greater than 0s");
+                }
+                ok
+            }),
+        }
+    };
+    let timeout = required(check.timeout.as_ref(), "timeout", problems);
+    let interval = required(check.interval.as_ref(), "interval", problems);
+    let threshold = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>,
+                     field: &str,
+                     problems: &mut Problems| {
+        let value = v.map(|v| v.value);
+        if value.is_none() {
+            problems.error(format!("{path}.{field}"), "is required");
+        }
+        value.unwrap_or(1).max(1)
+    };
+    let unhealthy_threshold = threshold(check.unhealthy_threshold, "unhealthy_threshold", problems);
+    let healthy_threshold = threshold(check.healthy_threshold, "healthy_threshold", problems);
+    let checker = match &check.health_checker {
+        Some(HealthChecker::TcpHealthCheck(tcp)) => Checker::Tcp {
+            send: tcp
+                .send
+                .as_ref()
+                .and_then(|p| payload_bytes(p, &format!("{path}.tcp_health_check.send"), problems)),
+            receive: tcp
+                .receive
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| {
+                    payload_bytes(
+                        p,
+                        &format!("{path}.tcp_health_check.receive[{i}]"),
+                        problems,
+                    )
+                })
+                .collect(),
+        },
+        Some(HealthChecker::HttpHealthCheck(http)) => {
+            if http.path.is_empty() {
+                problems.error(format!("{path}.http_health_check.path"), "is required");
+            }
+            let mut expected: Vec<_> = http
+                .expected_statuses
+                .iter()
+                .filter_map(|r| Some(u16::try_from(r.start).ok()?..u16::try_from(r.end).ok()?))
+                .collect();
+            if expected.is_empty() {
+                expected.push(200..201);
+            }
+            Checker::Http {
+                host: http.host.clone(),
+                path: http.path.clone(),
+                expected_statuses: expected,
+            }
+        }
+        Some(HealthChecker::GrpcHealthCheck(_)) => {
+            problems.error(
+                format!("{path}.grpc_health_check"),
+                "gRPC health checks are not implemented yet",
+            );
+            return None;
+        }
+        Some(HealthChecker::CustomHealthCheck(custom)) => {
+            problems.error(
+                format!("{path}.custom_health_check"),
+                format!(
+                    "custom health checker {:?} is not implemented yet",
+                    custom.name
+                ),
+            );
+            return None;
+        }
+        None => {
+            problems.error(
+                path,
+                "a health check needs a health checker (tcp_health_check or http_health_check)",
+            );
+            return None;
+        }
+    };
+    Some(HealthCheck {
+        timeout: timeout?,
+        interval: interval?,
+        unhealthy_threshold,
+        healthy_threshold,
+        checker,
+    })
+}
+
+/// A health check payload: `text` is hex in Envoy's API.
+fn payload_bytes(p: &Payload, path: &str, problems: &mut Problems) -> Option<Vec<u8>> {
+    match &p.payload {
+        Some(payload::Payload::Binary(bytes)) => Some(bytes.clone()),
+        Some(payload::Payload::Text(hex)) => {
+            let decoded: Option<Vec<u8>> = (hex.len() % 2 == 0)
+                .then(|| {
+                    (0..hex.len())
+                        .step_by(2)
+                        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+                        .collect()
+                })
+                .flatten();
+            if decoded.is_none() {
+                problems.error(format!("{path}.text"), format!("{hex:?} is not hex"));
+            }
+            decoded
+        }
+        None => None,
+    }
+}

@@ -1,0 +1,405 @@
+//! Compiling `static_resources.listeners`: addresses, listener filters, filter chains
+//! (their matches and network filters), the default chain and listener access logs.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{TrafficDirection, transport_socket};
+use envoy_types::pb::envoy::config::listener::v3::{
+    FilterChain as EnvoyFilterChain, FilterChainMatch as EnvoyMatch, Listener as EnvoyListener,
+    filter, filter_chain_match::ConnectionSourceType, listener::ListenerSpecifier, listener_filter,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy as EnvoyTcpProxy;
+
+use super::convert::{self, decode, duration_or};
+use super::problems::Problems;
+use super::tcp_proxy;
+use crate::access_log::Direction;
+use crate::listener::config::{
+    DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
+};
+use crate::listener::filter_chain::{FilterChainMatch, FilterChains, SourceType};
+use crate::upstream::Cluster;
+
+const ORIGINAL_DST: &str = "envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
+const TLS_INSPECTOR: &str = "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector";
+const HTTP_INSPECTOR: &str = "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector";
+const TCP_PROXY: &str = "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
+const HCM: &str =
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
+
+pub fn compile_all(
+    listeners: &[EnvoyListener],
+    clusters: &HashMap<String, Arc<Cluster>>,
+    problems: &mut Problems,
+) -> Vec<Arc<Listener>> {
+    let mut compiled: Vec<Arc<Listener>> = Vec::new();
+    let mut names = HashSet::new();
+    let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
+    for (i, listener) in listeners.iter().enumerate() {
+        let path = format!("static_resources.listeners[{i}]");
+        let name = if listener.name.is_empty() {
+            path.clone()
+        } else {
+            listener.name.clone()
+        };
+        if !names.insert(name.clone()) {
+            problems.error(
+                format!("{path}.name"),
+                format!("a second listener named {name:?}"),
+            );
+            continue;
+        }
+        let Some(compiled_listener) = compile(listener, name, clusters, &path, problems) else {
+            continue;
+        };
+        for addr in &compiled_listener.addresses {
+            // Port 0 asks the kernel for a port: such listeners cannot clash.
+            if addr.port() == 0 {
+                continue;
+            }
+            if let Some(other) = addresses.insert(*addr, compiled_listener.name.to_string()) {
+                problems.error(
+                    format!("{path}.address"),
+                    format!("{addr} is already the address of listener {other:?}"),
+                );
+            }
+        }
+        compiled.push(Arc::new(compiled_listener));
+    }
+    compiled
+}
+
+fn compile(
+    listener: &EnvoyListener,
+    name: String,
+    clusters: &HashMap<String, Arc<Cluster>>,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<Listener> {
+    let errors_before = problems.errors.len();
+    if listener.api_listener.is_some() {
+        problems.error(
+            format!("{path}.api_listener"),
+            "API listeners are not implemented yet",
+        );
+        return None;
+    }
+    if let Some(ListenerSpecifier::InternalListener(_)) = &listener.listener_specifier {
+        problems.error(
+            format!("{path}.internal_listener"),
+            "internal listeners are not implemented yet",
+        );
+        return None;
+    }
+    let mut addresses = Vec::new();
+    if let Some(addr) = convert::ip_socket_addr(
+        listener.address.as_ref(),
+        &format!("{path}.address"),
+        problems,
+    ) {
+        addresses.push(addr);
+    }
+    for (j, additional) in listener.additional_addresses.iter().enumerate() {
+        let a_path = format!("{path}.additional_addresses[{j}].address");
+        if let Some(addr) = convert::ip_socket_addr(additional.address.as_ref(), &a_path, problems)
+        {
+            addresses.push(addr);
+        }
+    }
+
+    let mut filters = ListenerFilters {
+        timeout: Some(DEFAULT_LISTENER_FILTERS_TIMEOUT),
+        continue_on_timeout: listener.continue_on_listener_filters_timeout,
+        ..Default::default()
+    };
+    if let Some(timeout) = &listener.listener_filters_timeout {
+        let t = duration_or(
+            Some(timeout),
+            DEFAULT_LISTENER_FILTERS_TIMEOUT,
+            &format!("{path}.listener_filters_timeout"),
+            problems,
+        );
+        // 0s disables the timeout, as in Envoy.
+        filters.timeout = (!t.is_zero()).then_some(t);
+    }
+    for (j, filter) in listener.listener_filters.iter().enumerate() {
+        let f_path = format!("{path}.listener_filters[{j}]");
+        if filter.filter_disabled.is_some() {
+            problems.warning(
+                format!("{f_path}.filter_disabled"),
+                "not implemented; the filter always runs",
+            );
+        }
+        match &filter.config_type {
+            Some(listener_filter::ConfigType::TypedConfig(any)) => match convert::type_name(any) {
+                ORIGINAL_DST => filters.original_dst = true,
+                TLS_INSPECTOR => filters.tls_inspector = true,
+                HTTP_INSPECTOR => filters.http_inspector = true,
+                other => problems.error(
+                    format!("{f_path}.typed_config"),
+                    format!("listener filter {other} is not implemented yet"),
+                ),
+            },
+            Some(listener_filter::ConfigType::ConfigDiscovery(_)) => problems.error(
+                format!("{f_path}.config_discovery"),
+                "listener filters over ECDS are not implemented yet",
+            ),
+            None => problems.error(
+                &f_path,
+                format!("listener filter {:?} has no typed_config", filter.name),
+            ),
+        }
+    }
+    if listener.filter_chain_matcher.is_some() {
+        problems.error(
+            format!("{path}.filter_chain_matcher"),
+            "the filter_chain_matcher API is not implemented yet; use filter_chain_match",
+        );
+    }
+
+    let mut chains = Vec::new();
+    // The config index of each compiled chain: a chain that failed to compile is absent.
+    let mut config_index = Vec::new();
+    for (j, chain) in listener.filter_chains.iter().enumerate() {
+        let c_path = format!("{path}.filter_chains[{j}]");
+        let errors_before = problems.errors.len();
+        let matcher = chain_match(
+            chain.filter_chain_match.as_ref(),
+            &format!("{c_path}.filter_chain_match"),
+            problems,
+        );
+        // A match with a bad criterion would match more than it says: leave it out.
+        let match_ok = problems.errors.len() == errors_before;
+        let compiled = compile_chain(
+            chain,
+            &format!("filter_chains[{j}]"),
+            clusters,
+            &c_path,
+            problems,
+        );
+        if let Some(compiled) = compiled
+            && match_ok
+        {
+            chains.push((matcher, Arc::new(compiled)));
+            config_index.push(j);
+        }
+    }
+    let default = listener.default_filter_chain.as_ref().and_then(|chain| {
+        let c_path = format!("{path}.default_filter_chain");
+        compile_chain(chain, "default_filter_chain", clusters, &c_path, problems).map(Arc::new)
+    });
+    let filter_chains = FilterChains::new(chains, default);
+    if let Some((a, b)) = filter_chains.first_overlap() {
+        let (a, b) = (config_index[a], config_index[b]);
+        problems.error(
+            format!("{path}.filter_chains[{b}].filter_chain_match"),
+            format!(
+                "matches the same connections as filter_chains[{a}]; Envoy rejects such listeners"
+            ),
+        );
+    }
+    if listener.filter_chains.is_empty() && listener.default_filter_chain.is_none() {
+        problems.error(
+            format!("{path}.filter_chains"),
+            "a listener needs a filter chain or a default_filter_chain",
+        );
+    }
+    let uses_tls_facts = listener.filter_chains.iter().any(|c| {
+        c.filter_chain_match
+            .as_ref()
+            .is_some_and(|m| !m.server_names.is_empty() || m.transport_protocol == "tls")
+    });
+    if uses_tls_facts && !filters.tls_inspector {
+        problems.warning(
+            format!("{path}.listener_filters"),
+            "chains match on server_names or transport_protocol tls, but there is no tls_inspector: they never match",
+        );
+    }
+
+    let direction = match TrafficDirection::try_from(listener.traffic_direction) {
+        Ok(TrafficDirection::Inbound) => Direction::Inbound,
+        Ok(TrafficDirection::Outbound) => Direction::Outbound,
+        _ => Direction::Unspecified,
+    };
+    let access_log = tcp_proxy::access_logs(
+        &listener.access_log,
+        &format!("{path}.access_log"),
+        problems,
+    );
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(Listener {
+        name: name.into(),
+        addresses,
+        bind_to_port: listener.bind_to_port.is_none_or(|b| b.value),
+        use_original_dst: listener.use_original_dst.is_some_and(|b| b.value),
+        transparent: listener.transparent.is_some_and(|b| b.value),
+        freebind: listener.freebind.is_some_and(|b| b.value),
+        direction,
+        listener_filters: filters,
+        filter_chains,
+        access_log,
+    })
+}
+
+fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> FilterChainMatch {
+    let Some(m) = m else {
+        return FilterChainMatch::default();
+    };
+    let cidrs = |ranges: &[envoy_types::pb::envoy::config::core::v3::CidrRange],
+                 field: &str,
+                 problems: &mut Problems| {
+        ranges
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| convert::cidr(r, &format!("{path}.{field}[{i}]"), problems))
+            .collect::<Vec<_>>()
+    };
+    let destination_port = m
+        .destination_port
+        .and_then(|p| match u16::try_from(p.value) {
+            Ok(port) if port > 0 => Some(port),
+            _ => {
+                problems.error(
+                    format!("{path}.destination_port"),
+                    format!("{} is not a TCP port", p.value),
+                );
+                None
+            }
+        });
+    let source_ports = m
+        .source_ports
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &p)| match u16::try_from(p) {
+            Ok(port) if port > 0 => Some(port),
+            _ => {
+                problems.error(
+                    format!("{path}.source_ports[{i}]"),
+                    format!("{p} is not a TCP port"),
+                );
+                None
+            }
+        })
+        .collect();
+    for (i, name) in m.server_names.iter().enumerate() {
+        if name.contains('*') && !(name.starts_with("*.") && name[1..].find('*').is_none()) {
+            problems.error(
+                format!("{path}.server_names[{i}]"),
+                format!("{name:?}: a wildcard must be a leading \"*.\""),
+            );
+        }
+    }
+    FilterChainMatch {
+        destination_port,
+        prefix_ranges: cidrs(&m.prefix_ranges, "prefix_ranges", problems),
+        server_names: m
+            .server_names
+            .iter()
+            .map(|s| s.to_ascii_lowercase())
+            .collect(),
+        transport_protocol: m.transport_protocol.clone(),
+        application_protocols: m.application_protocols.clone(),
+        direct_source_prefix_ranges: cidrs(
+            &m.direct_source_prefix_ranges,
+            "direct_source_prefix_ranges",
+            problems,
+        ),
+        source_type: match ConnectionSourceType::try_from(m.source_type) {
+            Ok(ConnectionSourceType::SameIpOrLoopback) => SourceType::SameIpOrLoopback,
+            Ok(ConnectionSourceType::External) => SourceType::External,
+            _ => SourceType::Any,
+        },
+        source_prefix_ranges: cidrs(&m.source_prefix_ranges, "source_prefix_ranges", problems),
+        source_ports,
+    }
+}
+
+fn compile_chain(
+    chain: &EnvoyFilterChain,
+    default_name: &str,
+    clusters: &HashMap<String, Arc<Cluster>>,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<FilterChain> {
+    if let Some(socket) = &chain.transport_socket {
+        let type_name = match &socket.config_type {
+            Some(transport_socket::ConfigType::TypedConfig(any)) => convert::type_name(any),
+            None => "",
+        };
+        if !type_name.is_empty() && type_name != RAW_BUFFER {
+            problems.error(
+                format!("{path}.transport_socket"),
+                format!("downstream transport socket {type_name} (terminating TLS) is not implemented yet"),
+            );
+            return None;
+        }
+    }
+    let mut network = None;
+    for (k, f) in chain.filters.iter().enumerate() {
+        let f_path = format!("{path}.filters[{k}]");
+        if network.is_some() {
+            problems.error(&f_path, "comes after the terminal filter tcp_proxy");
+            return None;
+        }
+        let any = match &f.config_type {
+            Some(filter::ConfigType::TypedConfig(any)) => any,
+            Some(filter::ConfigType::ConfigDiscovery(_)) => {
+                problems.error(
+                    format!("{f_path}.config_discovery"),
+                    "network filters over ECDS are not implemented yet",
+                );
+                return None;
+            }
+            None => {
+                problems.error(
+                    &f_path,
+                    format!("network filter {:?} has no typed_config", f.name),
+                );
+                return None;
+            }
+        };
+        let typed_path = format!("{f_path}.typed_config");
+        match convert::type_name(any) {
+            TCP_PROXY => {
+                let config = decode::<EnvoyTcpProxy>(any, &typed_path, problems)?;
+                network = Some(NetworkFilter::TcpProxy(tcp_proxy::compile(
+                    &config,
+                    clusters,
+                    &typed_path,
+                    problems,
+                )?));
+            }
+            HCM => {
+                problems.error(&f_path, "http_connection_manager is not implemented yet");
+                return None;
+            }
+            other => {
+                problems.error(
+                    &typed_path,
+                    format!("network filter {other} is not implemented yet"),
+                );
+                return None;
+            }
+        }
+    }
+    let Some(network) = network else {
+        problems.error(
+            format!("{path}.filters"),
+            "a filter chain needs a terminal network filter (tcp_proxy)",
+        );
+        return None;
+    };
+    Some(FilterChain {
+        name: if chain.name.is_empty() {
+            default_name.to_owned()
+        } else {
+            chain.name.clone()
+        },
+        network,
+    })
+}

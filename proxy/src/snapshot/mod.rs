@@ -1,0 +1,140 @@
+//! The compiled snapshot: one immutable picture of the listeners and clusters a proxy
+//! serves, built from Envoy types and checked once ([`compile`]), then read by every
+//! connection without further validation.
+//!
+//! A [`Store`] holds the current snapshot behind one pointer. Swapping it is atomic; each
+//! accepted connection takes the `Arc` current when it was accepted and keeps it to its
+//! end, so a new snapshot never changes a connection in flight. Clusters carry run-time
+//! state (health, DNS answers, counters) inside their `Arc`, so a later snapshot that
+//! keeps a cluster can share it.
+
+mod cluster;
+mod convert;
+mod listener;
+mod problems;
+mod tcp_proxy;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, RwLock};
+
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+
+pub use problems::{CompileError, Problem};
+
+use crate::listener::config::Listener;
+use crate::upstream::Cluster;
+
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// In bootstrap order.
+    pub listeners: Vec<Arc<Listener>>,
+    pub clusters: HashMap<String, Arc<Cluster>>,
+    /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
+    by_address: HashMap<SocketAddr, usize>,
+}
+
+impl Snapshot {
+    pub fn new(listeners: Vec<Arc<Listener>>, clusters: HashMap<String, Arc<Cluster>>) -> Self {
+        let mut by_address = HashMap::new();
+        for (index, listener) in listeners.iter().enumerate() {
+            for addr in &listener.addresses {
+                by_address.entry(*addr).or_insert(index);
+            }
+        }
+        Snapshot {
+            listeners,
+            clusters,
+            by_address,
+        }
+    }
+
+    pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
+        self.listeners.iter().find(|l| &*l.name == name)
+    }
+
+    /// The listener a connection restored to `destination` is handed to: the one with
+    /// exactly that address, else the wildcard address of its family on that port
+    /// (Envoy's `getBalancedHandlerByAddress`).
+    pub fn listener_for_address(&self, destination: SocketAddr) -> Option<&Arc<Listener>> {
+        let wildcard: IpAddr = match destination {
+            SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+            SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+        };
+        self.by_address
+            .get(&destination)
+            .or_else(|| {
+                self.by_address
+                    .get(&SocketAddr::new(wildcard, destination.port()))
+            })
+            .map(|&index| &self.listeners[index])
+    }
+}
+
+/// The current snapshot, swapped whole.
+#[derive(Debug, Default)]
+pub struct Store {
+    current: RwLock<Arc<Snapshot>>,
+}
+
+impl Store {
+    pub fn new(snapshot: Snapshot) -> Self {
+        Store {
+            current: RwLock::new(Arc::new(snapshot)),
+        }
+    }
+
+    /// The snapshot to serve a new connection with.
+    pub fn load(&self) -> Arc<Snapshot> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Installs `snapshot` for new connections; returns the one it replaced.
+    #[cfg_attr(not(test), allow(dead_code, reason = "xDS and file reloads will swap"))]
+    pub fn swap(&self, snapshot: Arc<Snapshot>) -> Arc<Snapshot> {
+        std::mem::replace(
+            &mut *self.current.write().unwrap_or_else(|e| e.into_inner()),
+            snapshot,
+        )
+    }
+}
+
+/// A compiled snapshot and what compiling it warned about.
+#[derive(Debug)]
+pub struct Compiled {
+    pub snapshot: Snapshot,
+    pub warnings: Vec<Problem>,
+}
+
+/// Compiles a bootstrap's `static_resources`; every error names its JSON path.
+pub fn compile(bootstrap: &Bootstrap) -> Result<Compiled, CompileError> {
+    let mut problems = problems::Problems::default();
+    if let Some(dynamic) = &bootstrap.dynamic_resources {
+        let asks = dynamic.lds_config.is_some()
+            || dynamic.cds_config.is_some()
+            || dynamic.ads_config.is_some()
+            || !dynamic.lds_resources_locator.is_empty()
+            || !dynamic.cds_resources_locator.is_empty();
+        if asks {
+            problems.error(
+                "dynamic_resources",
+                "LDS, CDS and ADS (xDS) are not implemented yet; serve a bootstrap with \
+                 static_resources only",
+            );
+        }
+    }
+    let resources = bootstrap.static_resources.clone().unwrap_or_default();
+    let clusters = cluster::compile_all(&resources.clusters, &mut problems);
+    let listeners = listener::compile_all(&resources.listeners, &clusters, &mut problems);
+    problems.finish()?;
+    Ok(Compiled {
+        snapshot: Snapshot::new(listeners, clusters),
+        warnings: problems.warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,294 @@
+//! Compiling bootstraps: what a served config becomes, and how a config shunt cannot
+//! serve is refused, with every error at its JSON path.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::config::Options;
+use crate::listener::config::NetworkFilter;
+use crate::tcp::filter::ClusterSpecifier;
+use crate::upstream::Discovery;
+use crate::upstream::load_balancer::LbPolicy;
+
+fn bootstrap(yaml: &str) -> Bootstrap {
+    let options = Options {
+        config_yaml: Some(yaml.to_owned()),
+        ..Default::default()
+    };
+    crate::config::check(&options)
+        .expect("a loadable bootstrap")
+        .0
+        .bootstrap
+}
+
+fn compiled(yaml: &str) -> Compiled {
+    compile(&bootstrap(yaml)).unwrap_or_else(|err| panic!("{err}"))
+}
+
+fn errors(yaml: &str) -> Vec<String> {
+    compile(&bootstrap(yaml))
+        .expect_err("the bootstrap should not compile")
+        .errors
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+/// Istio's outbound shape: virtualOutbound hands off by original destination to a
+/// per-service listener that is not bound, else passes through.
+const ISTIO_LIKE: &str = r#"
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15001}}
+    use_original_dst: true
+    traffic_direction: OUTBOUND
+    listener_filters:
+    - name: envoy.filters.listener.original_dst
+      typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst}
+    filter_chains:
+    - name: PassthroughFilterChain
+      filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: PassthroughCluster
+          cluster: PassthroughCluster
+  - name: 10.84.30.227_9092
+    address: {socket_address: {address: 10.84.30.227, port_value: 9092}}
+    bind_to_port: false
+    traffic_direction: OUTBOUND
+    listener_filters:
+    - name: envoy.filters.listener.tls_inspector
+      typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector}
+    - name: envoy.filters.listener.http_inspector
+      typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3.HttpInspector}
+    listener_filters_timeout: 0.1s
+    continue_on_listener_filters_timeout: true
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: outbound|9092||kafka.default.svc.cluster.local
+          cluster: kafka
+          idle_timeout: 0s
+          max_connect_attempts: 3
+  - name: 0.0.0.0_8080
+    address: {socket_address: {address: 0.0.0.0, port_value: 8080}}
+    bind_to_port: false
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: blackhole
+          cluster: BlackHoleCluster
+  clusters:
+  - name: PassthroughCluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 10s
+  - name: InboundPassthroughClusterIpv4
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    upstream_bind_config: {source_address: {address: 127.0.0.6, port_value: 0}}
+  - name: BlackHoleCluster
+    type: STATIC
+  - name: kafka
+    type: STRICT_DNS
+    dns_lookup_family: V4_ONLY
+    lb_policy: MAGLEV
+    circuit_breakers: {thresholds: [{max_connections: 7}, {priority: HIGH, max_connections: 9}]}
+    outlier_detection: {consecutive_local_origin_failure: 2, split_external_local_origin_errors: true, base_ejection_time: 1s}
+    health_checks:
+    - timeout: 1s
+      interval: 5s
+      unhealthy_threshold: 3
+      healthy_threshold: 2
+      http_health_check: {path: /healthz}
+    load_assignment:
+      cluster_name: kafka
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {socket_address: {address: localhost, port_value: 9092}}}
+"#;
+
+#[test]
+fn an_istio_shaped_bootstrap_compiles_to_listeners_and_clusters() {
+    let Compiled { snapshot, warnings } = compiled(ISTIO_LIKE);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(snapshot.listeners.len(), 3);
+
+    let outbound = snapshot.listener("virtualOutbound").unwrap();
+    assert!(outbound.use_original_dst && outbound.bind_to_port);
+    assert!(outbound.listener_filters.original_dst);
+    assert_eq!(outbound.direction, crate::access_log::Direction::Outbound);
+
+    let kafka = snapshot.listener("10.84.30.227_9092").unwrap();
+    assert!(!kafka.bind_to_port);
+    let filters = &kafka.listener_filters;
+    assert!(filters.tls_inspector && filters.http_inspector && filters.continue_on_timeout);
+    assert_eq!(filters.timeout, Some(std::time::Duration::from_millis(100)));
+
+    let passthrough = &snapshot.clusters["PassthroughCluster"];
+    assert_eq!(passthrough.discovery, Discovery::OriginalDst);
+    assert_eq!(
+        passthrough.connect_timeout,
+        std::time::Duration::from_secs(10)
+    );
+    let inbound = &snapshot.clusters["InboundPassthroughClusterIpv4"];
+    assert_eq!(inbound.source_address, Some("127.0.0.6:0".parse().unwrap()));
+    assert_eq!(inbound.connect_timeout, std::time::Duration::from_secs(5));
+    assert!(snapshot.clusters["BlackHoleCluster"].hosts().is_empty());
+
+    let kafka = &snapshot.clusters["kafka"];
+    assert!(
+        matches!(&kafka.discovery, Discovery::StrictDns { targets, .. } if targets[0].name == "localhost")
+    );
+    assert_eq!(kafka.lb_policy, LbPolicy::Maglev { table_size: 65_537 });
+    assert_eq!(kafka.circuit_breaker.max_connections(), 7);
+    let outlier = kafka.outlier_detection.as_ref().unwrap();
+    assert_eq!(
+        (outlier.consecutive, outlier.base_ejection_time),
+        (2, std::time::Duration::from_secs(1))
+    );
+    assert_eq!(kafka.health_checks.len(), 1);
+}
+
+#[test]
+fn tcp_proxy_settings_carry_envoys_defaults() {
+    let snapshot = compiled(ISTIO_LIKE).snapshot;
+    let chain_of = |listener: &str| {
+        let listener = snapshot.listener(listener).unwrap();
+        let info = crate::listener::filter_chain::ConnectionInfo {
+            destination: "10.84.30.227:9092".parse().unwrap(),
+            source: "10.0.0.1:1".parse().unwrap(),
+            direct_source: "10.0.0.1:1".parse().unwrap(),
+            server_name: None,
+            transport_protocol: "raw_buffer",
+            application_protocols: &[],
+        };
+        let NetworkFilter::TcpProxy(proxy) = &listener.filter_chains.select(&info).unwrap().network;
+        let ClusterSpecifier::Cluster(cluster) = &proxy.clusters else {
+            panic!()
+        };
+        (
+            cluster.to_string(),
+            proxy.idle_timeout,
+            proxy.max_connect_attempts,
+        )
+    };
+    assert_eq!(
+        chain_of("virtualOutbound"),
+        (
+            "PassthroughCluster".into(),
+            Some(std::time::Duration::from_secs(3600)),
+            1
+        )
+    );
+    // idle_timeout: 0s turns the timeout off.
+    assert_eq!(chain_of("10.84.30.227_9092"), ("kafka".into(), None, 3));
+}
+
+#[test]
+fn hand_off_finds_the_exact_address_then_the_wildcard_port() {
+    let snapshot = compiled(ISTIO_LIKE).snapshot;
+    let name = |addr: &str| {
+        snapshot
+            .listener_for_address(addr.parse().unwrap())
+            .map(|l| l.name.to_string())
+    };
+    assert_eq!(
+        name("10.84.30.227:9092").as_deref(),
+        Some("10.84.30.227_9092")
+    );
+    assert_eq!(name("10.1.1.1:8080").as_deref(), Some("0.0.0.0_8080"));
+    assert_eq!(name("10.84.30.227:9093"), None);
+    // An IPv6 destination does not match an IPv4 wildcard.
+    assert_eq!(name("[fd00::1]:8080"), None);
+}
+
+#[test]
+fn a_connection_keeps_the_snapshot_it_started_with() {
+    let store = Store::new(compiled(ISTIO_LIKE).snapshot);
+    let in_flight = store.load();
+    let old = store.swap(Arc::new(Snapshot::default()));
+    assert!(Arc::ptr_eq(&old, &in_flight));
+    assert!(store.load().listeners.is_empty());
+    assert_eq!(in_flight.listeners.len(), 3);
+}
+
+const LISTENER_HEAD: &str = r#"
+static_resources:
+  clusters: [{name: c, load_assignment: {cluster_name: c, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1}}}}]}]}}]
+  listeners:
+  - name: l
+    address: {socket_address: {address: 127.0.0.1, port_value: 0}}
+"#;
+
+const TCP_PROXY_TO_C: &str = r#"{name: envoy.filters.network.tcp_proxy, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: s, cluster: c}}"#;
+
+#[test]
+fn an_http_connection_manager_chain_is_not_implemented_yet() {
+    let yaml = format!(
+        "{LISTENER_HEAD}    filter_chains:\n    - filters: [{{name: hcm, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, stat_prefix: h, route_config: {{}}, http_filters: [{{name: r, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}}}]}}}}]\n"
+    );
+    assert_eq!(
+        errors(&yaml),
+        [
+            "static_resources.listeners[0].filter_chains[0].filters[0]: http_connection_manager is not implemented yet"
+        ]
+    );
+}
+
+#[test]
+fn every_error_is_reported_at_its_path() {
+    let yaml = format!(
+        "{LISTENER_HEAD}    filter_chains:\n    - filters: [{TCP_PROXY_TO_C}]\n    - filters: [{TCP_PROXY_TO_C}]\n      transport_socket: {{name: tls, typed_config: {{'@type': type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext}}}}\n    - filter_chain_match: {{prefix_ranges: [{{address_prefix: 10.0.0.0, prefix_len: 40}}]}}\n      filters: [{TCP_PROXY_TO_C}]\n    - filters: [{TCP_PROXY_TO_C}]\n"
+    );
+    let yaml = yaml.replace(
+        "  clusters: [",
+        "  clusters: [{name: m, lb_policy: MAGLEV, maglev_lb_config: {table_size: 100}}, {name: s, type: STATIC, load_assignment: {cluster_name: s, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: db.local, port_value: 5432}}}}]}]}}, ",
+    );
+    assert_eq!(
+        errors(&yaml),
+        [
+            "static_resources.clusters[0].maglev_lb_config.table_size: 100 must be a prime no larger than 5000011",
+            "static_resources.clusters[1].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address: \"db.local\" is not an IP address; a STATIC cluster needs IP endpoints (use STRICT_DNS or LOGICAL_DNS for names)",
+            "static_resources.listeners[0].filter_chains[1].transport_socket: downstream transport socket envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext (terminating TLS) is not implemented yet",
+            "static_resources.listeners[0].filter_chains[2].filter_chain_match.prefix_ranges[0].prefix_len: 40 is too long for 10.0.0.0",
+            "static_resources.listeners[0].filter_chains[3].filter_chain_match: matches the same connections as filter_chains[0]; Envoy rejects such listeners",
+        ]
+    );
+}
+
+#[test]
+fn xds_is_not_implemented_yet() {
+    let yaml = "dynamic_resources: {lds_config: {ads: {}}, ads_config: {api_type: GRPC, grpc_services: [{envoy_grpc: {cluster_name: x}}]}}\nstatic_resources: {clusters: [{name: x}]}";
+    let errors = errors(yaml);
+    assert_eq!(errors.len(), 1);
+    assert!(
+        errors[0].starts_with("dynamic_resources: LDS, CDS and ADS (xDS) are not implemented yet"),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn an_unknown_cluster_is_a_warning_as_it_may_come_later() {
+    let yaml = format!(
+        "{LISTENER_HEAD}    filter_chains:\n    - filters: [{}]\n",
+        TCP_PROXY_TO_C.replace("cluster: c", "cluster: nope")
+    );
+    let warnings: Vec<_> = compiled(&yaml)
+        .warnings
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        warnings,
+        [
+            "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.cluster: no cluster named \"nope\": its connections will be closed (NC)"
+        ]
+    );
+}

@@ -1,0 +1,186 @@
+//! Envoy's `tcp_proxy` network filter as a bootstrap configures it: pick the cluster
+//! (`cluster`, or `weighted_clusters` at random by weight), take a slot from its circuit
+//! breaker, let its load balancer choose a host, connect (up to `max_connect_attempts`
+//! times, each to a host not tried yet), then copy bytes until both sides close or
+//! nothing moves for `idle_timeout`. The connection's access log line goes to the
+//! filter's own `access_log` sinks.
+//!
+//! Each failure closes the downstream and raises Envoy's flag: `NC` no such cluster,
+//! `UO` circuit breaker overflow, `UH` no host (BlackHoleCluster), `UF` every connect
+//! attempt failed (the downstream gets a reset, as the passthrough gives one).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use super::copy;
+use crate::access_log::{Entry, ResponseFlag, Sink};
+use crate::upstream::load_balancer::hash_key;
+use crate::upstream::{Cluster, LbContext};
+
+/// Envoy's default `idle_timeout`: one hour.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+#[derive(Debug)]
+pub struct TcpProxy {
+    pub stat_prefix: String,
+    pub clusters: ClusterSpecifier,
+    /// `None` when configured as 0s: no idle timeout.
+    pub idle_timeout: Option<Duration>,
+    pub max_connect_attempts: u32,
+    pub access_log: Vec<Sink>,
+}
+
+#[derive(Debug)]
+pub enum ClusterSpecifier {
+    Cluster(Arc<str>),
+    /// Names and weights; at least one weight is positive.
+    Weighted(Vec<(Arc<str>, u32)>),
+}
+
+impl ClusterSpecifier {
+    /// The cluster for one connection.
+    pub fn pick(&self) -> &Arc<str> {
+        match self {
+            ClusterSpecifier::Cluster(name) => name,
+            ClusterSpecifier::Weighted(clusters) => {
+                let total: u64 = clusters.iter().map(|(_, w)| u64::from(*w)).sum();
+                let mut point = crate::upstream::random::below(total.max(1));
+                for (name, weight) in clusters {
+                    if point < u64::from(*weight) {
+                        return name;
+                    }
+                    point -= u64::from(*weight);
+                }
+                &clusters[0].0
+            }
+        }
+    }
+}
+
+/// What the filter needs from its surroundings.
+pub struct Upstreams<'a> {
+    pub clusters: &'a HashMap<String, Arc<Cluster>>,
+    /// The ports the proxy listens on: an ORIGINAL_DST host on one of them is a loop.
+    pub own_ports: &'a [u16],
+}
+
+impl TcpProxy {
+    /// Proxies one connection whose destination (original or local) is `destination`,
+    /// filling `entry`; the caller writes the access log.
+    pub async fn serve(
+        &self,
+        upstreams: &Upstreams<'_>,
+        downstream: TcpStream,
+        destination: SocketAddr,
+        entry: &mut Entry,
+    ) {
+        let name = self.clusters.pick();
+        entry.upstream_cluster = Some(name.clone());
+        let Some(cluster) = upstreams.clusters.get(&**name) else {
+            tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
+            entry.flag(ResponseFlag::NoClusterFound);
+            return;
+        };
+        let Some(_slot) = cluster.circuit_breaker.try_acquire() else {
+            tracing::debug!(cluster = %name, max_connections = cluster.circuit_breaker.max_connections(), "circuit breaker open");
+            entry.flag(ResponseFlag::UpstreamOverflow);
+            return;
+        };
+        // Without a hash policy, hash the downstream IP (Envoy's `source_ip` policy), so a
+        // client sticks to one host under RING_HASH and MAGLEV.
+        let hash = Some(hash_key(
+            entry.downstream_remote_address.ip().to_string().as_bytes(),
+        ));
+        let mut tried = Vec::new();
+        let mut connected = None;
+        for _ in 0..self.max_connect_attempts.max(1) {
+            let ctx = LbContext {
+                hash,
+                tried: &tried,
+            };
+            let Some(host) = cluster.choose_host(&ctx, Some(destination)) else {
+                entry.flag(ResponseFlag::NoHealthyUpstream);
+                return;
+            };
+            if super::loops_back(
+                host.address,
+                entry.downstream_local_address,
+                upstreams.own_ports,
+            ) {
+                tracing::warn!(downstream = %entry.downstream_remote_address, upstream = %host.address, "refusing a connection whose destination is the proxy itself");
+                entry.flag(ResponseFlag::NoHealthyUpstream);
+                return;
+            }
+            entry.upstream_host = Some(host.address);
+            let active = host.track_connection();
+            match crate::upstream::connect::connect(
+                host.address,
+                cluster.source_address,
+                cluster.connect_timeout,
+            )
+            .await
+            {
+                Ok(stream) => {
+                    cluster.report_connect(&host, true);
+                    connected = Some((stream, active));
+                    break;
+                }
+                Err(err) => {
+                    tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "upstream connection failed");
+                    cluster.report_connect(&host, false);
+                    tried.push(host.address);
+                }
+            }
+        }
+        let Some((upstream, _active)) = connected else {
+            entry.flag(ResponseFlag::UpstreamConnectionFailure);
+            copy::abort(&downstream);
+            return;
+        };
+        entry.upstream_local_address = upstream.local_addr().ok();
+        if let Err(err) = downstream.set_nodelay(true) {
+            tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
+        }
+        let outcome = copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await;
+        entry.bytes_received = outcome.bytes_received;
+        entry.bytes_sent = outcome.bytes_sent;
+        match outcome.end {
+            copy::End::Failed { side, error } => {
+                tracing::debug!(downstream = %entry.downstream_remote_address, ?side, %error, "connection ended abnormally");
+                entry.flag(match side {
+                    copy::Side::Upstream => ResponseFlag::UpstreamRemoteReset,
+                    copy::Side::Downstream => ResponseFlag::DownstreamRemoteReset,
+                });
+            }
+            copy::End::IdleTimeout => {
+                tracing::debug!(downstream = %entry.downstream_remote_address, "tcp_proxy idle timeout");
+            }
+            copy::End::Closed => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weighted_clusters_split_by_weight() {
+        let spec =
+            ClusterSpecifier::Weighted(vec![("a".into(), 1), ("b".into(), 3), ("never".into(), 0)]);
+        let mut a = 0;
+        for _ in 0..4000 {
+            match &**spec.pick() {
+                "a" => a += 1,
+                "b" => {}
+                other => panic!("picked {other}"),
+            }
+        }
+        // Expected 1000; 800 and 1200 are over 7 standard deviations away.
+        assert!((800..1200).contains(&a), "{a}");
+    }
+}

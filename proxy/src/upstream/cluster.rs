@@ -1,0 +1,400 @@
+//! A cluster (Envoy's `Cluster`): a named set of upstream hosts, how they are found
+//! ([`Discovery`]), how one is chosen ([`Balancer`]), and the guards around them (circuit
+//! breaker, outlier detection, active health checks).
+//!
+//! The compiled settings are immutable; what changes at run time is the host list (DNS
+//! re-resolution) and each host's health. Either change rebuilds [`Members`], the hosts
+//! load balancing may use plus the balancer over them, and publishes it with one pointer
+//! swap, so choosing a host takes a read lock and an `Arc` clone and never waits for a
+//! rebuild.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use super::circuit_breaker::CircuitBreaker;
+use super::dns::{self, DnsTarget, LookupFamily};
+use super::health_check::{self, HealthCheck};
+use super::host::{self, Host};
+use super::load_balancer::{Balancer, LbContext, LbPolicy};
+use super::outlier::OutlierDetection;
+
+/// Envoy's default `connect_timeout`.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Envoy's default `dns_refresh_rate`.
+pub const DEFAULT_DNS_REFRESH_RATE: Duration = Duration::from_secs(5);
+/// Envoy's default `common_lb_config.healthy_panic_threshold`, in percent.
+pub const DEFAULT_PANIC_THRESHOLD: f64 = 50.0;
+
+/// How a cluster finds its hosts (Envoy's discovery `type`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The endpoints in `load_assignment`, as written.
+    Static,
+    /// Every address of every endpoint's DNS name, re-resolved every `refresh`.
+    StrictDns {
+        targets: Vec<DnsTarget>,
+        refresh: Duration,
+        family: LookupFamily,
+    },
+    /// One host: the first address the name resolves to, re-resolved every `refresh`.
+    LogicalDns {
+        target: DnsTarget,
+        refresh: Duration,
+        family: LookupFamily,
+    },
+    /// Endpoints from EDS; until xDS exists, the bootstrap's `load_assignment`.
+    Eds,
+    /// No hosts of its own: each connection goes to its original destination.
+    OriginalDst,
+}
+
+impl Discovery {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Discovery::Static => "STATIC",
+            Discovery::StrictDns { .. } => "STRICT_DNS",
+            Discovery::LogicalDns { .. } => "LOGICAL_DNS",
+            Discovery::Eds => "EDS",
+            Discovery::OriginalDst => "ORIGINAL_DST",
+        }
+    }
+}
+
+/// Everything a cluster is compiled from.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub name: String,
+    pub discovery: Discovery,
+    pub lb_policy: LbPolicy,
+    pub connect_timeout: Duration,
+    /// `upstream_bind_config.source_address`.
+    pub source_address: Option<SocketAddr>,
+    pub max_connections: u64,
+    pub outlier_detection: Option<OutlierDetection>,
+    pub health_checks: Vec<HealthCheck>,
+    /// Percent of healthy hosts under which all hosts are used anyway; 0 disables.
+    pub panic_threshold: f64,
+}
+
+impl ClusterConfig {
+    /// A STATIC, round-robin cluster with Envoy's defaults.
+    pub fn new(name: impl Into<String>) -> Self {
+        ClusterConfig {
+            name: name.into(),
+            discovery: Discovery::Static,
+            lb_policy: LbPolicy::RoundRobin,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            source_address: None,
+            max_connections: super::circuit_breaker::DEFAULT_MAX_CONNECTIONS,
+            outlier_detection: None,
+            health_checks: Vec::new(),
+            panic_threshold: DEFAULT_PANIC_THRESHOLD,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Cluster {
+    pub name: Arc<str>,
+    pub discovery: Discovery,
+    pub lb_policy: LbPolicy,
+    pub connect_timeout: Duration,
+    pub source_address: Option<SocketAddr>,
+    pub circuit_breaker: CircuitBreaker,
+    pub outlier_detection: Option<OutlierDetection>,
+    pub health_checks: Vec<HealthCheck>,
+    panic_threshold: f64,
+    members: RwLock<Arc<Members>>,
+}
+
+/// Every host of the cluster, and the balancer over those load balancing may use now.
+#[derive(Debug)]
+struct Members {
+    hosts: Vec<Arc<Host>>,
+    balancer: Balancer,
+}
+
+impl Cluster {
+    /// A cluster with `hosts` (for DNS clusters, none until [`Cluster::start`] resolves).
+    pub fn new(config: ClusterConfig, hosts: Vec<Host>) -> Arc<Cluster> {
+        let cluster = Cluster {
+            name: config.name.into(),
+            discovery: config.discovery,
+            lb_policy: config.lb_policy,
+            connect_timeout: config.connect_timeout,
+            source_address: config.source_address,
+            circuit_breaker: CircuitBreaker::new(config.max_connections),
+            outlier_detection: config.outlier_detection,
+            health_checks: config.health_checks,
+            panic_threshold: config.panic_threshold,
+            members: RwLock::new(Arc::new(Members {
+                hosts: Vec::new(),
+                balancer: Balancer::new(&LbPolicy::RoundRobin, Vec::new()),
+            })),
+        };
+        cluster.set_hosts(hosts);
+        Arc::new(cluster)
+    }
+
+    /// Every host, healthy or not.
+    pub fn hosts(&self) -> Vec<Arc<Host>> {
+        self.members().hosts.clone()
+    }
+
+    /// The hosts load balancing chooses from now.
+    #[cfg_attr(not(test), allow(dead_code, reason = "admin /clusters will show it"))]
+    pub fn routable_hosts(&self) -> Vec<Arc<Host>> {
+        self.members().balancer.hosts().to_vec()
+    }
+
+    fn members(&self) -> Arc<Members> {
+        self.members
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Chooses the host for a connection. An ORIGINAL_DST cluster's host is the
+    /// connection's `original_dst`; `None` means no host (flag `UH`).
+    pub fn choose_host(
+        &self,
+        ctx: &LbContext<'_>,
+        original_dst: Option<SocketAddr>,
+    ) -> Option<Arc<Host>> {
+        match self.discovery {
+            Discovery::OriginalDst => original_dst.map(|dst| Arc::new(Host::new(dst))),
+            _ => self.members().balancer.choose(ctx),
+        }
+    }
+
+    /// Replaces the host list, keeping the state (health, counters) of hosts whose
+    /// address stays, and rebuilds the balancer.
+    pub fn set_hosts(&self, hosts: Vec<Host>) {
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let old = &members.hosts;
+        let hosts: Vec<Arc<Host>> = hosts
+            .into_iter()
+            .map(|host| {
+                old.iter()
+                    .find(|o| {
+                        o.address == host.address
+                            && o.weight == host.weight
+                            && o.priority == host.priority
+                    })
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        // A new host has not passed a health check yet (Envoy's
+                        // PENDING_ACTIVE_HC): it takes traffic only in panic.
+                        if !self.health_checks.is_empty() {
+                            host.set_flag(host::FAILED_ACTIVE_HC, true);
+                        }
+                        Arc::new(host)
+                    })
+            })
+            .collect();
+        *members = Arc::new(self.build(hosts));
+    }
+
+    /// Rebuilds the balancer after a host's health changed.
+    pub fn refresh(&self) {
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let hosts = members.hosts.clone();
+        *members = Arc::new(self.build(hosts));
+    }
+
+    fn build(&self, hosts: Vec<Arc<Host>>) -> Members {
+        let routable = routable(&hosts, self.panic_threshold);
+        Members {
+            balancer: Balancer::new(&self.lb_policy, routable),
+            hosts,
+        }
+    }
+
+    /// Feeds a connect result to outlier detection, ejecting the host if it is one
+    /// failure too many and scheduling its return.
+    pub fn report_connect(self: &Arc<Self>, host: &Arc<Host>, succeeded: bool) {
+        let Some(outlier) = &self.outlier_detection else {
+            return;
+        };
+        if matches!(self.discovery, Discovery::OriginalDst) {
+            return;
+        }
+        if succeeded {
+            outlier.on_success(host);
+            return;
+        }
+        let hosts = self.hosts();
+        let ejected = hosts
+            .iter()
+            .filter(|h| h.has_flag(host::FAILED_OUTLIER_CHECK))
+            .count();
+        let Some(time) = outlier.on_failure(host, ejected, hosts.len()) else {
+            return;
+        };
+        tracing::info!(cluster = %self.name, host = %host.address, ejection_time_ms = time.as_millis() as u64, "outlier detection ejected a host");
+        host.set_flag(host::FAILED_OUTLIER_CHECK, true);
+        self.refresh();
+        let cluster = Arc::downgrade(self);
+        let host = host.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(time).await;
+            if let Some(cluster) = cluster.upgrade()
+                && host.set_flag(host::FAILED_OUTLIER_CHECK, false)
+            {
+                tracing::info!(cluster = %cluster.name, host = %host.address, "ejected host returns");
+                cluster.refresh();
+            }
+        });
+    }
+
+    /// Resolves DNS clusters once (bounded) and starts their re-resolution and every
+    /// active health checker. Background tasks hold only a weak reference and end with
+    /// the cluster.
+    pub async fn start(self: &Arc<Self>) {
+        tracing::debug!(cluster = %self.name, r#type = self.discovery.name(), lb_policy = self.lb_policy.name(), "starting cluster");
+        match &self.discovery {
+            Discovery::StrictDns {
+                refresh, family, ..
+            }
+            | Discovery::LogicalDns {
+                refresh, family, ..
+            } => {
+                let (refresh, family) = (*refresh, *family);
+                dns::resolve_into(self, family).await;
+                tokio::spawn(dns::refresh_loop(Arc::downgrade(self), refresh, family));
+            }
+            _ => {}
+        }
+        for index in 0..self.health_checks.len() {
+            tokio::spawn(health_check::run(Arc::downgrade(self), index));
+        }
+    }
+}
+
+/// The hosts load balancing uses: the first priority level with a healthy host, its
+/// healthy hosts only, unless fewer than `panic_threshold` percent of that level are
+/// healthy (Envoy's panic mode: better to try every host than to refuse all traffic).
+/// With no healthy host anywhere, every host of the first level, unless panic is off.
+///
+/// Envoy spreads load across levels by their health with an overprovisioning factor;
+/// here a level takes all the load while it has any healthy host.
+fn routable(hosts: &[Arc<Host>], panic_threshold: f64) -> Vec<Arc<Host>> {
+    let mut levels: BTreeMap<u32, Vec<Arc<Host>>> = BTreeMap::new();
+    for host in hosts {
+        levels.entry(host.priority).or_default().push(host.clone());
+    }
+    for level in levels.values() {
+        let healthy: Vec<_> = level.iter().filter(|h| h.healthy()).cloned().collect();
+        if healthy.is_empty() {
+            continue;
+        }
+        if (healthy.len() as f64) * 100.0 < panic_threshold * level.len() as f64 {
+            return level.clone();
+        }
+        return healthy;
+    }
+    match levels.into_values().next() {
+        Some(first) if panic_threshold > 0.0 => first,
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(last: u8, priority: u32) -> Host {
+        Host::new(SocketAddr::from(([10, 0, 0, last], 80))).with_priority(priority)
+    }
+
+    fn addrs(hosts: &[Arc<Host>]) -> Vec<u8> {
+        hosts
+            .iter()
+            .map(|h| match h.address.ip() {
+                std::net::IpAddr::V4(ip) => ip.octets()[3],
+                std::net::IpAddr::V6(_) => 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn unhealthy_hosts_leave_the_rotation_until_panic() {
+        let cluster = Cluster::new(
+            ClusterConfig::new("c"),
+            vec![host(1, 0), host(2, 0), host(3, 0), host(4, 0)],
+        );
+        let hosts = cluster.hosts();
+        hosts[0].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        hosts[1].set_flag(host::FAILED_ACTIVE_HC, true);
+        cluster.refresh();
+        assert_eq!(addrs(&cluster.routable_hosts()), [3, 4]);
+        // 1 of 4 healthy is under the 50% panic threshold: every host takes traffic.
+        hosts[2].set_flag(host::FAILED_EDS_HEALTH, true);
+        cluster.refresh();
+        assert_eq!(addrs(&cluster.routable_hosts()), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_lower_priority_serves_only_when_the_first_has_no_healthy_host() {
+        let cluster = Cluster::new(ClusterConfig::new("c"), vec![host(1, 0), host(2, 1)]);
+        assert_eq!(addrs(&cluster.routable_hosts()), [1]);
+        cluster.hosts()[0].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        cluster.refresh();
+        assert_eq!(addrs(&cluster.routable_hosts()), [2]);
+    }
+
+    #[test]
+    fn new_hosts_wait_for_a_health_check_and_kept_hosts_keep_their_state() {
+        let mut config = ClusterConfig::new("c");
+        config.health_checks.push(HealthCheck::tcp_for_tests());
+        let cluster = Cluster::new(config, vec![host(1, 0), host(2, 0)]);
+        assert!(cluster.hosts().iter().all(|h| !h.healthy()));
+        cluster.hosts()[0].set_flag(host::FAILED_ACTIVE_HC, false);
+        cluster.set_hosts(vec![host(1, 0), host(3, 0)]);
+        let hosts = cluster.hosts();
+        assert!(hosts[0].healthy());
+        assert!(!hosts[1].healthy());
+        assert_eq!(addrs(&cluster.routable_hosts()), [1]);
+    }
+
+    #[test]
+    fn an_original_dst_cluster_goes_where_the_connection_was_going() {
+        let mut config = ClusterConfig::new("PassthroughCluster");
+        config.discovery = Discovery::OriginalDst;
+        let cluster = Cluster::new(config, Vec::new());
+        let dst: SocketAddr = "10.96.0.10:443".parse().unwrap();
+        let ctx = LbContext::default();
+        assert_eq!(cluster.choose_host(&ctx, Some(dst)).unwrap().address, dst);
+        assert!(cluster.choose_host(&ctx, None).is_none());
+    }
+
+    #[test]
+    fn a_cluster_without_endpoints_has_no_host() {
+        let cluster = Cluster::new(ClusterConfig::new("BlackHoleCluster"), Vec::new());
+        assert!(cluster.choose_host(&LbContext::default(), None).is_none());
+    }
+
+    #[tokio::test]
+    async fn consecutive_connect_failures_eject_until_the_ejection_time_is_up() {
+        let mut config = ClusterConfig::new("c");
+        config.outlier_detection = Some(OutlierDetection {
+            consecutive: 2,
+            base_ejection_time: Duration::from_millis(50),
+            max_ejection_percent: 100,
+            ..Default::default()
+        });
+        let cluster = Cluster::new(config, vec![host(1, 0), host(2, 0)]);
+        let bad = cluster.hosts()[0].clone();
+        cluster.report_connect(&bad, false);
+        assert_eq!(addrs(&cluster.routable_hosts()), [1, 2]);
+        cluster.report_connect(&bad, false);
+        assert_eq!(addrs(&cluster.routable_hosts()), [2]);
+        // It comes back on its own once its ejection time has passed.
+        while !bad.healthy() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(addrs(&cluster.routable_hosts()), [1, 2]);
+    }
+}

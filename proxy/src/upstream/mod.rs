@@ -1,0 +1,19 @@
+//! Upstreams: clusters, their hosts, and everything that decides which host a connection
+//! goes to and whether it may go at all. Named after Envoy's pieces so an Envoy user
+//! finds them: [`cluster`] (discovery types, host sets), [`load_balancer`] (`lb_policy`),
+//! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
+//! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS) and [`connect`] (the connect
+//! itself, with `upstream_bind_config` and `connect_timeout`).
+
+pub mod circuit_breaker;
+pub mod cluster;
+pub mod connect;
+pub mod dns;
+pub mod health_check;
+pub mod host;
+pub mod load_balancer;
+pub mod outlier;
+pub mod random;
+
+pub use cluster::{Cluster, ClusterConfig, Discovery};
+pub use load_balancer::LbContext;
