@@ -220,7 +220,9 @@ async fn pump(
         activity.touch();
         let mut chunk = &buf[..n];
         while !chunk.is_empty() {
-            let w = to.write(chunk).await.map_err(|e| (At::Write, e))?;
+            let w = write_retrying_enomem(to, chunk)
+                .await
+                .map_err(|e| (At::Write, e))?;
             if w == 0 {
                 return Err((At::Write, io::ErrorKind::WriteZero.into()));
             }
@@ -237,8 +239,66 @@ async fn pump(
     }
 }
 
+/// How long a write that fails with ENOMEM is retried before the connection is given
+/// up: the kernel's sockmap path (`sk_msg` redirect into the peer's receive queue)
+/// fails a send with ENOMEM under memory pressure where TCP would just block, and
+/// nothing was written, so retrying loses no byte.
+const ENOMEM_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// Backoff between ENOMEM retries: 1 ms doubling to 100 ms, `None` once `budget` is spent.
+pub fn enomem_backoff(attempt: u32, waited: Duration, budget: Duration) -> Option<Duration> {
+    if waited >= budget {
+        return None;
+    }
+    let step = Duration::from_millis(1u64 << attempt.min(7)).min(Duration::from_millis(100));
+    Some(step.min(budget - waited))
+}
+
+async fn write_retrying_enomem(to: &mut WriteHalf<'_>, chunk: &[u8]) -> io::Result<usize> {
+    let mut attempt = 0;
+    let mut waited = Duration::ZERO;
+    loop {
+        match to.write(chunk).await {
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                let Some(pause) = enomem_backoff(attempt, waited, ENOMEM_RETRY_FOR) else {
+                    return Err(e);
+                };
+                tracing::debug!(
+                    "write failed with ENOMEM (sockmap back-pressure); retrying in {pause:?}"
+                );
+                tokio::time::sleep(pause).await;
+                waited += pause;
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn enomem_backoff_grows_then_gives_up_at_the_budget() {
+        let budget = Duration::from_millis(300);
+        let mut waited = Duration::ZERO;
+        let mut pauses = Vec::new();
+        for attempt in 0.. {
+            match super::enomem_backoff(attempt, waited, budget) {
+                Some(p) => {
+                    pauses.push(p);
+                    waited += p;
+                }
+                None => break,
+            }
+        }
+        assert_eq!(&pauses[..4], &[1, 2, 4, 8].map(Duration::from_millis));
+        assert!(pauses.iter().all(|p| *p <= Duration::from_millis(100)));
+        assert_eq!(
+            waited, budget,
+            "retries stop exactly when the budget is spent"
+        );
+    }
     use super::*;
     use std::time::Duration;
     use tokio::io::{AsyncRead, AsyncWrite};
