@@ -341,3 +341,46 @@ fn ebpf_install_is_visible_to_bpftool_and_cleanup_leaves_nothing() {
         capture.bpffs.display()
     );
 }
+
+#[test]
+fn maps_pinned_by_an_incompatible_build_are_refused_and_left_alone() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("a").unwrap();
+    let capture = Capture::new("ebpf", "incompatible");
+    std::fs::create_dir_all(&capture.bpffs).unwrap();
+    // An older layout: POD_CONFIG with a 24-byte value.
+    let foreign = capture.bpffs.join("POD_CONFIG");
+    let made = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&foreign)
+        .args([
+            "type",
+            "hash",
+            "key",
+            "8",
+            "value",
+            "24",
+            "entries",
+            "16",
+            "name",
+            "POD_CONFIG",
+        ])
+        .status()
+        .unwrap();
+    assert!(made.success());
+
+    let out = capture.command(&pod, &[]).output().unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("incompatible shunt") && err.contains("value 24 B"),
+        "{err}"
+    );
+    assert!(cgroup_programs(&pod).is_empty(), "nothing attached");
+    assert_eq!(sk_lookup_links_for(&pod), 0);
+    assert!(
+        foreign.exists(),
+        "the other build's map is not ours to remove"
+    );
+    assert!(!capture.bpffs.join("pods").exists());
+}

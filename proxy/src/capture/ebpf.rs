@@ -170,6 +170,7 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
 pub fn install(cfg: &CaptureConfig, cgroup: &Path, root: &Path) -> anyhow::Result<PodIdentity> {
     netns::check_cgroup2_dir(cgroup)?;
     netns::ensure_bpffs(root)?;
+    check_pinned_maps(root)?;
     let pod = PodIdentity::current()?;
     let dir = pod_dir(root, pod.id);
     if dir.exists() {
@@ -252,6 +253,51 @@ fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
         other => bail!("program {name} has unexpected type {:?}", other.prog_type()),
     };
     Ok(fd)
+}
+
+/// Key and value sizes of every map, as this build defines them (LPM keys carry a 4-byte
+/// prefix length; SOCKHASH values are socket fds).
+fn expected_map_sizes() -> [(&'static str, usize, usize); 13] {
+    use std::mem::size_of as sz;
+    [
+        (pins::POD_CONFIG, sz::<u64>(), sz::<PodConfig>()),
+        (pins::POD_ADDRS, sz::<AddrKey>(), sz::<PodConfig>()),
+        (pins::POD_PORTS, sz::<PortKey>(), 1),
+        (pins::CIDR_V4, 4 + sz::<Cidr4>(), 1),
+        (pins::CIDR_V6, 4 + sz::<Cidr6>(), 1),
+        (pins::ORIG_DST_COOKIE, sz::<u64>(), sz::<OriginalDst>()),
+        (pins::ORIG_DST_TUPLE, sz::<SockTuple>(), sz::<OriginalDst>()),
+        (pins::LISTENERS, sz::<ListenerKey>(), 4),
+        (pins::COUNTERS, 4, 8),
+        (pins::SOCK_PAIRS, sz::<SockTuple>(), 4),
+        (pins::PAIR_STATE, sz::<SockTuple>(), 4),
+        (pins::PROXY_SOCKS, 8, 4),
+        (pins::POD_COUNTERS, sz::<PodCounterKey>(), 8),
+    ]
+}
+
+/// Maps pinned by another shunt build with other layouts would be reused silently and
+/// misread: refuse, before anything is installed, and say how to recover.
+fn check_pinned_maps(root: &Path) -> anyhow::Result<()> {
+    for (name, key, value) in expected_map_sizes() {
+        let path = root.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&path)
+            .with_context(|| format!("reading pinned map {}", path.display()))?;
+        let (k, v) = (info.key_size() as usize, info.value_size() as usize);
+        if (k, v) != (key, value) {
+            bail!(
+                "{} was pinned by an incompatible shunt (key {k} B, value {v} B; this build \
+                 expects {key} B and {value} B): run `shunt capture --cleanup` with the old \
+                 version in every pod, or remove {}",
+                path.display(),
+                root.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Loads the object; maps already pinned under `root` are reused, so every pod shares them.
