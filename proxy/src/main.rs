@@ -4,8 +4,6 @@
 //! fallback); `shunt proxy` is the proxy that captured traffic lands in.
 
 mod access_log;
-// Not called yet: serve mode starts it once the data plane exists (see admin::start).
-#[cfg_attr(not(test), allow(dead_code, reason = "wired into serve mode next"))]
 mod admin;
 mod capture;
 mod config;

@@ -70,6 +70,7 @@ impl LogControl {
     }
 
     /// Whether levels can be changed (a reload closure was given).
+    #[cfg(test)]
     pub fn can_change(&self) -> bool {
         self.reload.is_some()
     }

@@ -2,26 +2,29 @@
 //! and Istio's two health ports (15090 Prometheus, 15021 readiness) until the HTTP router
 //! can serve them as the listeners they are ([`health_ports`]).
 //!
-//! Threading: [`start`] binds every socket on the calling thread (errors surface there,
+//! Threading: [`start_with`] binds every socket on the calling thread (errors surface there,
 //! and before privileges are dropped), then serves on its own thread with a small
 //! current-thread tokio runtime, apart from the data-plane runtime, so that a slow scrape
 //! or a large `/config_dump` never holds up a data-plane worker (ztunnel does the same).
 //!
 //! The proxy is reached through one trait, [`ProxyState`]: the config tracker
-//! (`resources()`), stats, readiness, drain and shutdown. [`BootstrapOnly`] implements it
-//! from the bootstrap alone; the data plane implements it with its live snapshot. Stats
-//! live in a [`stats::Store`] whose handles the data plane updates lock-free.
+//! (`resources()`), stats, readiness, drain and shutdown. The data plane implements it with
+//! its live snapshot ([`crate::snapshot::live::Live`]); the admin API's own tests use
+//! `BootstrapOnly`, built from the bootstrap alone. Stats live in a [`stats::Store`] whose
+//! handles the data plane updates lock-free.
 //!
 //! The admin API itself owns the health-check state (`/healthcheck/fail`), the server
 //! state (`LIVE`, `DRAINING`, `INITIALIZING`) and the `server.*` stats.
 
+#[cfg(test)]
+mod bootstrap_only;
 mod config_dump;
 mod handlers;
 pub mod health_ports;
 pub mod logging;
 mod prometheus;
 mod server;
-mod state;
+pub mod state;
 pub mod stats;
 mod tags;
 
@@ -38,20 +41,12 @@ use envoy_types::pb::envoy::admin::v3::{CommandLineOptions, command_line_options
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use tokio::sync::watch;
 
+#[cfg(test)]
+pub use bootstrap_only::BootstrapOnly;
 pub use health_ports::HealthListener;
 pub use logging::LogControl;
-pub use state::ProxyState;
-#[allow(
-    unused_imports,
-    reason = "the API serve mode and the data plane will use"
-)]
-pub use state::{BootstrapOnly, Drain, Resources, Tracked};
+pub use state::{Drain, ProxyState, Resources};
 pub use stats::Stat;
-#[allow(
-    unused_imports,
-    reason = "the API serve mode and the data plane will use"
-)]
-pub use stats::StatValue;
 
 /// What the admin API needs besides the bootstrap and the proxy.
 #[derive(Clone)]
@@ -107,11 +102,6 @@ impl Options {
 
 /// Starts the admin API for `bootstrap` (on `admin.address`, if it has one) and the health
 /// ports among its static listeners. Sockets are bound before this returns.
-pub fn start(bootstrap: &Bootstrap, state: Arc<dyn ProxyState>) -> anyhow::Result<AdminHandle> {
-    start_with(bootstrap, state, Options::default())
-}
-
-/// [`start`] with explicit [`Options`].
 pub fn start_with(
     bootstrap: &Bootstrap,
     state: Arc<dyn ProxyState>,
@@ -218,6 +208,7 @@ impl AdminHandle {
     }
 
     /// Whether the server has stopped (after `/quitquitquit`, say).
+    #[cfg(test)]
     pub fn is_finished(&self) -> bool {
         self.thread.as_ref().is_none_or(|t| t.is_finished())
     }

@@ -1,14 +1,12 @@
 //! What the admin API asks of the proxy: the [`ProxyState`] trait, the data plane's side
-//! of the contract, and [`BootstrapOnly`], the implementation for a proxy that has only
-//! its bootstrap's static resources.
+//! of the contract, and the helpers that answer it from configuration (`/clusters` and
+//! `/listeners` before any traffic, the endpoints `/config_dump` shows).
 //!
 //! The trait is called from the admin thread, never from a data-plane worker, and each
 //! call should be a cheap read (clone an `Arc`ed snapshot, load atomics): a scrape must
 //! not take a lock that the data path holds.
 
 use std::net::SocketAddr;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 use envoy_types::pb::envoy::admin::v3::{ClusterStatus, HostHealthStatus, HostStatus, ListenerStatus, SimpleMetric, simple_metric};
@@ -30,12 +28,11 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::google::protobuf::UInt32Value;
 use prost::{Message, Name};
-use tokio::sync::watch;
 
-use super::stats::{self, Stat, Store};
+use super::stats::Stat;
 
-/// The proxy as the admin API sees it. Implemented by the data plane; [`BootstrapOnly`]
-/// until then.
+/// The proxy as the admin API sees it. Implemented by the data plane
+/// ([`crate::snapshot::live::Live`]).
 pub trait ProxyState: Send + Sync + 'static {
     /// The bootstrap the proxy was started with (`/config_dump`'s BootstrapConfigDump,
     /// `/server_info`'s node).
@@ -400,117 +397,5 @@ pub fn address_text(address: &Address) -> String {
         Some(AddressKind::Pipe(pipe)) => pipe.path.clone(),
         Some(AddressKind::EnvoyInternalAddress(internal)) => format!("envoy://{internal:?}"),
         None => String::new(),
-    }
-}
-
-/// A proxy that has only its bootstrap: static listeners and clusters, and a stats store
-/// holding the per-cluster and per-listener stats at zero. Until the data plane
-/// implements [`ProxyState`], this is what the admin API serves; its store is where the
-/// data plane's counters can already go.
-pub struct BootstrapOnly {
-    bootstrap: Bootstrap,
-    resources: Resources,
-    store: Store,
-    ready: AtomicBool,
-    drains: Mutex<Vec<Drain>>,
-    shutdown: watch::Sender<bool>,
-}
-
-impl BootstrapOnly {
-    pub fn new(bootstrap: Bootstrap) -> Self {
-        let resources = Resources::from_bootstrap(&bootstrap, SystemTime::now());
-        let store = Store::new();
-        for tracked in &resources.clusters {
-            let name = observability_name(&tracked.resource);
-            store.counter(&stats::cluster_stat(name, "upstream_cx_total"));
-            store.gauge(&stats::cluster_stat(name, "upstream_cx_active"));
-            let hosts: usize = endpoints_of(&tracked.resource)
-                .endpoints
-                .iter()
-                .map(|locality| locality.lb_endpoints.len())
-                .sum();
-            for membership in ["membership_total", "membership_healthy"] {
-                store
-                    .gauge(&stats::cluster_stat(name, membership))
-                    .set(hosts as u64);
-            }
-        }
-        for tracked in &resources.listeners {
-            let listener = &tracked.resource;
-            let prefix = if !listener.stat_prefix.is_empty() {
-                listener.stat_prefix.clone()
-            } else if let Some(addr) = listener.address.as_ref().and_then(socket_addr) {
-                stats::listener_stat_prefix(&addr)
-            } else {
-                continue;
-            };
-            store.counter(&format!("listener.{prefix}.downstream_cx_total"));
-            store.gauge(&format!("listener.{prefix}.downstream_cx_active"));
-        }
-        store
-            .gauge("cluster_manager.active_clusters")
-            .set(resources.clusters.len() as u64);
-        store
-            .gauge("listener_manager.total_listeners_active")
-            .set(resources.listeners.len() as u64);
-        BootstrapOnly {
-            bootstrap,
-            resources,
-            store,
-            ready: AtomicBool::new(true),
-            drains: Mutex::new(Vec::new()),
-            shutdown: watch::channel(false).0,
-        }
-    }
-
-    /// The stats store: the data plane's counters go here.
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
-    pub fn set_ready(&self, ready: bool) {
-        self.ready.store(ready, Ordering::Relaxed);
-    }
-
-    /// The `/drain_listeners` requests received so far.
-    pub fn drains(&self) -> Vec<Drain> {
-        self.drains
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Becomes `true` on `/quitquitquit`.
-    pub fn shutdown_requested(&self) -> watch::Receiver<bool> {
-        self.shutdown.subscribe()
-    }
-}
-
-impl ProxyState for BootstrapOnly {
-    fn bootstrap(&self) -> Bootstrap {
-        self.bootstrap.clone()
-    }
-
-    fn resources(&self) -> Resources {
-        self.resources.clone()
-    }
-
-    fn stats(&self) -> Vec<Stat> {
-        self.store.snapshot()
-    }
-
-    fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
-    }
-
-    fn drain_listeners(&self, drain: Drain) {
-        self.drains
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(drain);
-    }
-
-    fn shutdown(&self) {
-        self.shutdown.send_replace(true);
     }
 }

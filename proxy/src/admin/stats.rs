@@ -320,13 +320,9 @@ pub fn cluster_stat(stat_name: &str, stat: &str) -> String {
     format!("cluster.{stat_name}.{stat}")
 }
 
-/// `listener.<address>.<stat>`, the address as Envoy writes it in stat names:
-/// `0.0.0.0_15001`, `[__]_15001` (every `:` becomes `_`).
-pub fn listener_stat(address: &SocketAddr, stat: &str) -> String {
-    format!("listener.{}.{stat}", listener_stat_prefix(address))
-}
-
-/// The address part of a listener's stat names (see [`listener_stat`]).
+/// The address part of a listener's stat names (`listener.<address>.<stat>`) when it has
+/// no `stat_prefix`: the address as Envoy writes it in stat names, `0.0.0.0_15001`,
+/// `[__]_15001` (every `:` becomes `_`).
 pub fn listener_stat_prefix(address: &SocketAddr) -> String {
     address.to_string().replace(':', "_")
 }
@@ -389,10 +385,7 @@ mod tests {
     fn listener_addresses_are_written_as_envoy_writes_them() {
         let v4: SocketAddr = "0.0.0.0:15001".parse().unwrap();
         let v6: SocketAddr = "[::]:15001".parse().unwrap();
-        assert_eq!(
-            listener_stat(&v4, "downstream_cx_total"),
-            "listener.0.0.0.0_15001.downstream_cx_total"
-        );
+        assert_eq!(listener_stat_prefix(&v4), "0.0.0.0_15001");
         assert_eq!(listener_stat_prefix(&v6), "[__]_15001");
     }
 }

@@ -1029,7 +1029,7 @@ fn a_bootstrap_without_admin_serves_only_its_health_ports() {
     let mut bootstrap = on_ephemeral_ports(istio_bootstrap());
     bootstrap.admin = None;
     let proxy = Arc::new(BootstrapOnly::new(bootstrap.clone()));
-    let handle = start(&bootstrap, proxy).unwrap();
+    let handle = start_with(&bootstrap, proxy, Options::default()).unwrap();
     assert_eq!(handle.admin_address(), None);
     assert_eq!(handle.health_listeners().len(), 2);
     handle.stop();

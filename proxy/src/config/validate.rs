@@ -15,6 +15,10 @@ use envoy_types::pb::envoy::config::core::v3::{
     socket_address::PortSpecifier,
 };
 
+use envoy_types::pb::envoy::config::metrics::v3::stats_matcher::StatsMatcher;
+use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue;
+use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
+
 use super::extensions;
 use super::load::Options;
 use super::pool::PoolError;
@@ -86,6 +90,35 @@ impl Report {
 
     pub fn is_valid(&self) -> bool {
         self.errors().next().is_none()
+    }
+
+    /// Adds what compiling the bootstrap into a snapshot found (shunt's own limits, at
+    /// their JSON paths), leaving out what validation already reported at the same
+    /// path: an error there, or any finding when compiling only warns.
+    pub fn add_compiled(
+        &mut self,
+        errors: &[crate::snapshot::Problem],
+        warnings: &[crate::snapshot::Problem],
+    ) {
+        let problems = errors
+            .iter()
+            .map(|p| (Severity::Error, p))
+            .chain(warnings.iter().map(|p| (Severity::Warning, p)));
+        let mut added = Vec::new();
+        for (severity, problem) in problems {
+            let known = self.findings.iter().any(|f| {
+                f.path == problem.path
+                    && (f.severity == Severity::Error || severity == Severity::Warning)
+            });
+            if !known {
+                added.push(Finding {
+                    severity,
+                    path: problem.path.clone(),
+                    message: problem.message.clone(),
+                });
+            }
+        }
+        self.findings.extend(added);
     }
 }
 
@@ -215,26 +248,70 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
     }
 }
 
-/// Stats options shunt does not act on yet: tagging and filtering stat names.
+/// Stats options the admin API cannot honour as written: tag and matcher regexes its
+/// regex engine (RE2 syntax, as Envoy's `safe_regex`) refuses, such as the lookaheads
+/// Envoy's older std::regex took, and custom matchers.
 fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
     let Some(stats) = &bootstrap.stats_config else {
         return;
     };
-    if !stats.stats_tags.is_empty() {
-        findings.push(Finding::warning(
-            "stats_config.stats_tags",
-            format!(
-                "{} stats tags: tag extraction is not implemented by shunt; ignored",
-                stats.stats_tags.len()
-            ),
-        ));
+    for (i, tag) in stats.stats_tags.iter().enumerate() {
+        if let Some(TagValue::Regex(pattern)) = &tag.tag_value
+            && let Err(err) = regex::Regex::new(pattern)
+        {
+            findings.push(Finding::warning(
+                &format!("stats_config.stats_tags[{i}].regex"),
+                format!(
+                    "tag {:?}: shunt cannot run this regex ({}); the tag is not extracted",
+                    tag.tag_name,
+                    first_line(&err.to_string())
+                ),
+            ));
+        }
     }
-    if stats.stats_matcher.is_some() {
-        findings.push(Finding::warning(
-            "stats_config.stats_matcher",
-            "stats matching is not implemented by shunt; ignored (every stat is kept)",
-        ));
+    let patterns = match stats
+        .stats_matcher
+        .as_ref()
+        .and_then(|m| m.stats_matcher.as_ref())
+    {
+        Some(StatsMatcher::InclusionList(list)) => Some(("inclusion_list", &list.patterns)),
+        Some(StatsMatcher::ExclusionList(list)) => Some(("exclusion_list", &list.patterns)),
+        _ => None,
+    };
+    if let Some((list, patterns)) = patterns {
+        for (i, pattern) in patterns.iter().enumerate() {
+            let path = format!("stats_config.stats_matcher.{list}.patterns[{i}]");
+            match &pattern.match_pattern {
+                Some(MatchPattern::SafeRegex(regex)) => {
+                    if let Err(err) = regex::Regex::new(&regex.regex) {
+                        findings.push(Finding::warning(
+                            &format!("{path}.safe_regex.regex"),
+                            format!(
+                                "invalid regex ({}); it matches no stat",
+                                first_line(&err.to_string())
+                            ),
+                        ));
+                    }
+                }
+                Some(MatchPattern::Custom(_)) => findings.push(Finding::warning(
+                    &format!("{path}.custom"),
+                    "custom string matchers are not implemented; it matches no stat",
+                )),
+                _ => {}
+            }
+        }
     }
+}
+
+/// The regex crate's errors span lines (the pattern, a caret, the reason): the reason.
+fn first_line(message: &str) -> &str {
+    message
+        .lines()
+        .rev()
+        .find(|line| line.trim_start().starts_with("error:"))
+        .map_or(message, |line| {
+            line.trim_start().trim_start_matches("error:").trim()
+        })
 }
 
 /// The short account of a bootstrap `--mode validate` prints.

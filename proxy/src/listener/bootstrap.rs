@@ -1,29 +1,38 @@
 //! `shunt proxy -c bootstrap.yaml`: serving a bootstrap's static listeners and clusters.
 //!
 //! The order is the passthrough's: load, validate and compile the bootstrap (so a bad
-//! config fails before anything is bound), bind every `bind_to_port` listener address
-//! while still root, drop privileges, then start the runtime: resolve DNS clusters once
-//! and start health checks (Envoy's cluster warming, so the first connections find
-//! hosts), and accept. Each accepted connection runs in its own task through
-//! [`super::connection_handler`].
+//! config fails before anything is bound), start the admin API (its address and Istio's
+//! health ports, which the data plane leaves to it), bind every other `bind_to_port`
+//! listener address while still root, drop privileges, then start the runtime: resolve
+//! DNS clusters once and start health checks (Envoy's cluster warming, so the first
+//! connections find hosts), become ready (`/ready`, 15021) and accept. Each accepted
+//! connection runs in its own task through [`super::connection_handler`].
+//!
+//! Serving ends on SIGTERM, SIGINT or `/quitquitquit`; `/drain_listeners` closes
+//! listening sockets (all, or the INBOUND ones) while open connections carry on.
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
 use super::ProxyArgs;
 use super::config::Listener;
 use super::connection_handler::{self, Context};
+use crate::access_log::Direction;
+use crate::admin::{self, Drain};
+use crate::snapshot::live::{Live, Requests};
 use crate::snapshot::{self, Store};
 
 /// One bound socket of a listener.
 struct Bound {
     listener: Arc<str>,
+    direction: Direction,
     addr: SocketAddr,
     socket: StdListener,
 }
@@ -43,42 +52,66 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
             report.errors().count()
         );
     }
-    let compiled = snapshot::compile(&loaded.bootstrap)
+    let bootstrap = loaded.bootstrap;
+    let stats = admin::stats::Store::new();
+    let compiled = snapshot::compile(&bootstrap, &stats)
         .map_err(|err| anyhow::anyhow!("{}: {err}", options.origin()))?;
     for warning in &compiled.warnings {
         tracing::warn!("{warning}");
     }
+    // Istio's 15090 and 15021: the admin API answers them, the data plane binds neither.
+    let health = admin::health_ports::find(&bootstrap);
+    let store = Arc::new(Store::new(compiled.snapshot));
+    let (live, requests) = Live::new(bootstrap.clone(), store.clone(), stats);
+    let live = Arc::new(live);
+    let admin = admin::start_with(
+        &bootstrap,
+        live.clone(),
+        admin::Options::from_command_line(options, &args.log_level, args.concurrency),
+    )?;
+    if let Some(address) = admin.admin_address() {
+        tracing::info!(addr = %address, "admin API listening");
+    }
+    for port in admin.health_listeners() {
+        live.set_bound(&port.listener.name, vec![port.local_address]);
+    }
+
     let mut bound = Vec::new();
-    for listener in compiled
-        .snapshot
-        .listeners
-        .iter()
-        .filter(|l| l.bind_to_port)
-    {
+    let snapshot = store.load();
+    for listener in snapshot.listeners.iter().filter(|l| l.bind_to_port) {
+        // Compiling already left them out; never bind one twice.
+        if health.iter().any(|h| *h.name == *listener.name) {
+            continue;
+        }
+        let mut addresses = Vec::new();
         for addr in &listener.addresses {
             let socket = bind(listener, *addr).with_context(|| {
                 format!("listener {:?}: cannot listen on {addr}", listener.name)
             })?;
             let addr = socket.local_addr().context("reading a bound address")?;
+            addresses.push(addr);
             bound.push(Bound {
                 listener: listener.name.clone(),
+                direction: listener.direction,
                 addr,
                 socket,
             });
         }
+        live.set_bound(&listener.name, addresses);
     }
+    drop(snapshot);
     let mut own_ports: Vec<u16> = bound.iter().map(|b| b.addr.port()).collect();
     own_ports.sort_unstable();
     own_ports.dedup();
 
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
-    let context = Arc::new(Context {
-        store: Arc::new(Store::new(compiled.snapshot)),
-        own_ports,
-    });
-    let result = runtime.block_on(serve(bound, context));
+    let context = Arc::new(Context { store, own_ports });
+    let drain_time = options.drain_time;
+    let result = runtime.block_on(serve(bound, context, live, requests, drain_time));
     runtime.shutdown_background();
+    // After /quitquitquit the admin API has stopped by itself once it answered.
+    admin.stop();
     result
 }
 
@@ -129,7 +162,21 @@ fn set_ipv6_transparent(socket: &Socket) -> std::io::Result<()> {
     }
 }
 
-async fn serve(bound: Vec<Bound>, context: Arc<Context>) -> anyhow::Result<()> {
+/// A listening socket's accept loop, for `/drain_listeners`.
+struct AcceptLoop {
+    listener: Arc<str>,
+    direction: Direction,
+    addr: SocketAddr,
+    handle: AbortHandle,
+}
+
+async fn serve(
+    bound: Vec<Bound>,
+    context: Arc<Context>,
+    live: Arc<Live>,
+    mut requests: Requests,
+    drain_time: Duration,
+) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
 
@@ -144,21 +191,90 @@ async fn serve(bound: Vec<Bound>, context: Arc<Context>) -> anyhow::Result<()> {
     drop(snapshot);
 
     let mut accepting = JoinSet::new();
+    let mut loops = Vec::new();
     for b in bound {
         let listener = TcpListener::from_std(b.socket)
             .with_context(|| format!("registering listener {:?} on {}", b.listener, b.addr))?;
         tracing::info!(listener = %b.listener, addr = %b.addr, "listening");
-        accepting.spawn(accept_loop(listener, b.listener, b.addr, context.clone()));
+        let handle = accepting.spawn(accept_loop(
+            listener,
+            b.listener.clone(),
+            b.addr,
+            context.clone(),
+        ));
+        loops.push(AcceptLoop {
+            listener: b.listener,
+            direction: b.direction,
+            addr: b.addr,
+            handle,
+        });
     }
-    tokio::select! {
-        _ = sigterm.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = sigint.recv() => tracing::info!("SIGINT: stopping"),
-        Some(ended) = accepting.join_next() => {
-            anyhow::bail!("an accept loop ended unexpectedly: {ended:?}");
+    live.set_ready();
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => {
+                tracing::info!("SIGTERM: stopping");
+                break;
+            }
+            _ = sigint.recv() => {
+                tracing::info!("SIGINT: stopping");
+                break;
+            }
+            _ = requests.shutdown.wait_for(|quit| *quit) => {
+                tracing::info!("/quitquitquit: stopping");
+                break;
+            }
+            Some(drain) = requests.drains.recv() => {
+                drain_listeners(drain, &mut loops, &live, drain_time);
+            }
+            Some(ended) = accepting.join_next() => match ended {
+                // Closed by /drain_listeners.
+                Err(err) if err.is_cancelled() => {}
+                ended => anyhow::bail!("an accept loop ended unexpectedly: {ended:?}"),
+            },
         }
     }
+    // Dropping the accept loops closes the listening sockets: no new connections.
     accepting.abort_all();
     Ok(())
+}
+
+/// Envoy's `/drain_listeners`: close the listening sockets (every one, or those of
+/// INBOUND listeners) now, or with `graceful` once the drain time is over (and not at
+/// all with `skip_exit`). Connections already accepted carry on either way.
+fn drain_listeners(
+    drain: Drain,
+    loops: &mut Vec<AcceptLoop>,
+    live: &Arc<Live>,
+    drain_time: Duration,
+) {
+    if drain.graceful {
+        tracing::info!(
+            drain_time_s = drain_time.as_secs(),
+            inbound_only = drain.inbound_only,
+            skip_exit = drain.skip_exit,
+            "draining listeners"
+        );
+        if !drain.skip_exit {
+            let live = live.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(drain_time).await;
+                live.request_drain(Drain {
+                    graceful: false,
+                    ..drain
+                });
+            });
+        }
+        return;
+    }
+    loops.retain(|accept| {
+        let close = !drain.inbound_only || accept.direction == Direction::Inbound;
+        if close {
+            accept.handle.abort();
+            tracing::info!(listener = %accept.listener, addr = %accept.addr, "drained: no longer accepting");
+        }
+        !close
+    });
 }
 
 async fn accept_loop(

@@ -112,12 +112,19 @@ pub async fn handle(
         transport_protocol: facts.transport_protocol,
         application_protocols: &facts.application_protocols,
     };
+    // The listener that serves the connection counts it (after a hand-off, the target).
+    let stats = snapshot
+        .listener_stats(&listener)
+        .cloned()
+        .unwrap_or_default();
     let Some(chain) = listener.filter_chains.select(&info) else {
         tracing::debug!(listener = %listener.name, %remote, destination = %facts.destination, "no filter chain matches; closing");
+        stats.no_filter_chain_match.inc();
         entry.flag(ResponseFlag::NoRouteFound);
         entry.emit_to(&listener.access_log);
         return;
     };
+    let _active = stats.connection();
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     match &chain.network {
         NetworkFilter::TcpProxy(proxy) => {
@@ -242,7 +249,9 @@ static_resources:
             ..Default::default()
         };
         let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
-        crate::snapshot::compile(&bootstrap).unwrap().snapshot
+        crate::snapshot::compile(&bootstrap, &Default::default())
+            .unwrap()
+            .snapshot
     }
 
     fn restored(destination: &str) -> Facts {

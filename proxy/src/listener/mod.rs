@@ -21,7 +21,6 @@ mod inspector;
 mod original_dst;
 mod user;
 
-use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -182,17 +181,12 @@ fn warn_if_inbound_source_v6_missing() {
     }
 }
 
+/// Installs the stderr logger, reloadable from the admin API's `/logging`.
 fn init_logging(filter: &str) -> anyhow::Result<()> {
     // The parse error repeats its cause in its own message: show it once.
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+    tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|err| anyhow::anyhow!("invalid --log-level {filter:?}: {err}"))?;
-    // Ignore a second initialization; only tests could cause one.
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(filter)
-        .try_init();
-    Ok(())
+    crate::admin::logging::init(filter)
 }
 
 /// Accepts on every listener until SIGTERM or SIGINT.

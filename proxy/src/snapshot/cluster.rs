@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::config::cluster::v3::{
         ClusterDiscoveryType, DiscoveryType, DnsLookupFamily, LbConfig, LbPolicy as EnvoyLbPolicy,
     },
 };
+use envoy_types::pb::envoy::config::core::v3::address::Address;
 use envoy_types::pb::envoy::config::core::v3::{
     HealthCheck as EnvoyHealthCheck, HealthStatus, RoutingPriority,
     health_check::{HealthChecker, Payload, payload},
@@ -21,6 +22,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 
 use super::convert::{self, duration_or};
 use super::problems::Problems;
+use crate::admin::stats::Store;
 use crate::upstream::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
 use crate::upstream::dns::{DnsTarget, LookupFamily};
 use crate::upstream::health_check::{Checker, HealthCheck};
@@ -29,13 +31,21 @@ use crate::upstream::load_balancer::{
     DEFAULT_MAGLEV_TABLE_SIZE, DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, LbPolicy,
 };
 use crate::upstream::outlier::OutlierDetection;
+use crate::upstream::stats::ClusterStats;
 use crate::upstream::{Cluster, ClusterConfig, Discovery};
 
-pub fn compile_all(
-    clusters: &[EnvoyCluster],
-    problems: &mut Problems,
-) -> HashMap<String, Arc<Cluster>> {
+/// The compiled clusters, and the endpoints left out of them for being Unix domain
+/// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether leaving them out matters
+/// depends on whether a served listener routes to the cluster (see [`super::compile`]).
+#[derive(Default)]
+pub struct Compiled {
+    pub clusters: HashMap<String, Arc<Cluster>>,
+    pub pipe_endpoints: Vec<(String, Vec<String>)>,
+}
+
+pub fn compile_all(clusters: &[EnvoyCluster], stats: &Store, problems: &mut Problems) -> Compiled {
     let mut compiled = HashMap::new();
+    let mut pipe_endpoints = Vec::new();
     for (i, cluster) in clusters.iter().enumerate() {
         let path = format!("static_resources.clusters[{i}]");
         if cluster.name.is_empty() {
@@ -49,11 +59,18 @@ pub fn compile_all(
             );
             continue;
         }
-        if let Some(c) = compile(cluster, &path, problems) {
+        let mut pipes = Vec::new();
+        if let Some(c) = compile(cluster, &path, stats, &mut pipes, problems) {
             compiled.insert(cluster.name.clone(), c);
         }
+        if !pipes.is_empty() {
+            pipe_endpoints.push((cluster.name.clone(), pipes));
+        }
     }
-    compiled
+    Compiled {
+        clusters: compiled,
+        pipe_endpoints,
+    }
 }
 
 /// One endpoint as written, before DNS.
@@ -65,13 +82,23 @@ struct Endpoint {
     unhealthy: bool,
 }
 
+/// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
+/// go to `pipes`.
 pub fn compile(
     cluster: &EnvoyCluster,
     path: &str,
+    stats: &Store,
+    pipes: &mut Vec<String>,
     problems: &mut Problems,
 ) -> Option<Arc<Cluster>> {
     let errors_before = problems.errors.len();
     let mut config = ClusterConfig::new(cluster.name.clone());
+    let observability_name = if cluster.alt_stat_name.is_empty() {
+        &cluster.name
+    } else {
+        &cluster.alt_stat_name
+    };
+    config.stats = ClusterStats::new(stats, observability_name);
 
     let kind = match &cluster.cluster_discovery_type {
         None => DiscoveryType::Static,
@@ -98,7 +125,7 @@ pub fn compile(
         problems,
     );
     config.lb_policy = lb_policy(cluster, kind, path, problems);
-    let endpoints = endpoints(cluster, kind, path, problems);
+    let endpoints = endpoints(cluster, kind, path, pipes, problems);
 
     let family = match DnsLookupFamily::try_from(cluster.dns_lookup_family) {
         Ok(DnsLookupFamily::V4Only) => LookupFamily::V4Only,
@@ -381,11 +408,13 @@ fn is_prime(n: u64) -> bool {
             .all(|d| !n.is_multiple_of(d))
 }
 
-/// The endpoints of `load_assignment` with the path of each.
+/// The endpoints of `load_assignment` with the path of each; Unix domain socket
+/// endpoints are left out, their paths pushed to `pipes`.
 fn endpoints(
     cluster: &EnvoyCluster,
     kind: DiscoveryType,
     path: &str,
+    pipes: &mut Vec<String>,
     problems: &mut Problems,
 ) -> Vec<(Endpoint, String)> {
     let mut out = Vec::new();
@@ -410,6 +439,12 @@ fn endpoints(
                 }
             };
             let address_path = format!("{endpoint_path}.endpoint.address");
+            if let Some(Address::Pipe(_)) =
+                endpoint.address.as_ref().and_then(|a| a.address.as_ref())
+            {
+                pipes.push(format!("{address_path}.pipe"));
+                continue;
+            }
             let Some(socket) =
                 convert::socket_address(endpoint.address.as_ref(), &address_path, problems)
             else {

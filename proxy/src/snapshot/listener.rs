@@ -4,18 +4,22 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{TrafficDirection, transport_socket};
 use envoy_types::pb::envoy::config::listener::v3::{
     FilterChain as EnvoyFilterChain, FilterChainMatch as EnvoyMatch, Listener as EnvoyListener,
     filter, filter_chain_match::ConnectionSourceType, listener::ListenerSpecifier, listener_filter,
 };
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy as EnvoyTcpProxy;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
+    TcpProxy as EnvoyTcpProxy, tcp_proxy::ClusterSpecifier as EnvoySpecifier,
+};
 
 use super::convert::{self, decode, duration_or};
 use super::problems::Problems;
 use super::tcp_proxy;
 use crate::access_log::Direction;
+use crate::admin::stats::{self, Counter, Gauge, Histogram, Store};
 use crate::listener::config::{
     DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
 };
@@ -30,12 +34,77 @@ const HCM: &str =
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
 
+/// A listener's `listener.<stat_prefix or address>.*` stats.
+#[derive(Debug, Clone, Default)]
+pub struct ListenerStats {
+    pub downstream_cx_total: Counter,
+    pub downstream_cx_active: Gauge,
+    /// Connections closed because no filter chain matched.
+    pub no_filter_chain_match: Counter,
+    /// How long connections lasted, from the hand-over to the filter chain to the end.
+    pub downstream_cx_length_ms: Histogram,
+}
+
+impl ListenerStats {
+    /// The stats of `listener`: named by its `stat_prefix`, else by its configured
+    /// address as Envoy writes it (`0.0.0.0_15001`; port 0 stays 0, as in Envoy).
+    pub fn new(store: &Store, listener: &EnvoyListener, address: Option<SocketAddr>) -> Self {
+        let prefix = if !listener.stat_prefix.is_empty() {
+            listener.stat_prefix.clone()
+        } else if let Some(address) = address {
+            stats::listener_stat_prefix(&address)
+        } else {
+            return ListenerStats::default();
+        };
+        let name = |stat: &str| format!("listener.{prefix}.{stat}");
+        ListenerStats {
+            downstream_cx_total: store.counter(&name("downstream_cx_total")),
+            downstream_cx_active: store.gauge(&name("downstream_cx_active")),
+            no_filter_chain_match: store.counter(&name("no_filter_chain_match")),
+            downstream_cx_length_ms: store.histogram(&name("downstream_cx_length_ms")),
+        }
+    }
+
+    /// Counts a connection the listener serves, active until the guard drops.
+    pub fn connection(&self) -> ActiveDownstream {
+        self.downstream_cx_total.inc();
+        self.downstream_cx_active.inc();
+        ActiveDownstream {
+            active: self.downstream_cx_active.clone(),
+            length: self.downstream_cx_length_ms.clone(),
+            since: Instant::now(),
+        }
+    }
+}
+
+/// One downstream connection counted in its listener's `downstream_cx_active`.
+#[derive(Debug)]
+pub struct ActiveDownstream {
+    active: Gauge,
+    length: Histogram,
+    since: Instant,
+}
+
+impl Drop for ActiveDownstream {
+    fn drop(&mut self) {
+        self.active.dec();
+        self.length
+            .record(self.since.elapsed().as_secs_f64() * 1000.0);
+    }
+}
+
+/// Compiles every listener but those named in `skip` (served elsewhere: the admin API's
+/// health ports), keeping each one's path in the bootstrap. Returns the listeners and
+/// their stats, in the same order.
 pub fn compile_all(
     listeners: &[EnvoyListener],
+    skip: &HashSet<String>,
     clusters: &HashMap<String, Arc<Cluster>>,
+    stats: &Store,
     problems: &mut Problems,
-) -> Vec<Arc<Listener>> {
+) -> (Vec<Arc<Listener>>, Vec<ListenerStats>) {
     let mut compiled: Vec<Arc<Listener>> = Vec::new();
+    let mut listener_stats = Vec::new();
     let mut names = HashSet::new();
     let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
     for (i, listener) in listeners.iter().enumerate() {
@@ -52,7 +121,11 @@ pub fn compile_all(
             );
             continue;
         }
-        let Some(compiled_listener) = compile(listener, name, clusters, &path, problems) else {
+        if skip.contains(&name) {
+            continue;
+        }
+        let Some(compiled_listener) = compile(listener, name, clusters, stats, &path, problems)
+        else {
             continue;
         };
         for addr in &compiled_listener.addresses {
@@ -67,15 +140,59 @@ pub fn compile_all(
                 );
             }
         }
+        listener_stats.push(ListenerStats::new(
+            stats,
+            listener,
+            compiled_listener.addresses.first().copied(),
+        ));
         compiled.push(Arc::new(compiled_listener));
     }
-    compiled
+    (compiled, listener_stats)
+}
+
+/// The clusters the `tcp_proxy` filters of the listeners (but those in `skip`) route
+/// to, each with the first listener that routes there.
+pub fn routed_clusters(
+    listeners: &[EnvoyListener],
+    skip: &HashSet<String>,
+) -> HashMap<String, String> {
+    let mut routed = HashMap::new();
+    for listener in listeners.iter().filter(|l| !skip.contains(&l.name)) {
+        let filters = listener
+            .filter_chains
+            .iter()
+            .chain(&listener.default_filter_chain)
+            .flat_map(|chain| &chain.filters);
+        for filter in filters {
+            let Some(filter::ConfigType::TypedConfig(any)) = &filter.config_type else {
+                continue;
+            };
+            if convert::type_name(any) != TCP_PROXY {
+                continue;
+            }
+            let Ok(proxy) = <EnvoyTcpProxy as prost::Message>::decode(any.value.as_slice()) else {
+                continue;
+            };
+            let names: Vec<String> = match proxy.cluster_specifier {
+                Some(EnvoySpecifier::Cluster(name)) => vec![name],
+                Some(EnvoySpecifier::WeightedClusters(weighted)) => {
+                    weighted.clusters.into_iter().map(|c| c.name).collect()
+                }
+                None => Vec::new(),
+            };
+            for name in names {
+                routed.entry(name).or_insert_with(|| listener.name.clone());
+            }
+        }
+    }
+    routed
 }
 
 fn compile(
     listener: &EnvoyListener,
     name: String,
     clusters: &HashMap<String, Arc<Cluster>>,
+    stats: &Store,
     path: &str,
     problems: &mut Problems,
 ) -> Option<Listener> {
@@ -153,6 +270,11 @@ fn compile(
             ),
         }
     }
+    // Envoy adds the original_dst listener filter itself to a `use_original_dst`
+    // listener: Istio's virtualOutbound lists no listener filters and relies on it.
+    if listener.use_original_dst.is_some_and(|b| b.value) {
+        filters.original_dst = true;
+    }
     if listener.filter_chain_matcher.is_some() {
         problems.error(
             format!("{path}.filter_chain_matcher"),
@@ -177,6 +299,7 @@ fn compile(
             chain,
             &format!("filter_chains[{j}]"),
             clusters,
+            stats,
             &c_path,
             problems,
         );
@@ -189,7 +312,15 @@ fn compile(
     }
     let default = listener.default_filter_chain.as_ref().and_then(|chain| {
         let c_path = format!("{path}.default_filter_chain");
-        compile_chain(chain, "default_filter_chain", clusters, &c_path, problems).map(Arc::new)
+        compile_chain(
+            chain,
+            "default_filter_chain",
+            clusters,
+            stats,
+            &c_path,
+            problems,
+        )
+        .map(Arc::new)
     });
     let filter_chains = FilterChains::new(chains, default);
     if let Some((a, b)) = filter_chains.first_overlap() {
@@ -323,6 +454,7 @@ fn compile_chain(
     chain: &EnvoyFilterChain,
     default_name: &str,
     clusters: &HashMap<String, Arc<Cluster>>,
+    stats: &Store,
     path: &str,
     problems: &mut Problems,
 ) -> Option<FilterChain> {
@@ -370,6 +502,7 @@ fn compile_chain(
                 network = Some(NetworkFilter::TcpProxy(tcp_proxy::compile(
                     &config,
                     clusters,
+                    stats,
                     &typed_path,
                     problems,
                 )?));

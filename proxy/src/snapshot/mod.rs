@@ -11,17 +11,22 @@
 mod cluster;
 mod convert;
 mod listener;
+pub mod live;
 mod problems;
 mod tcp_proxy;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
+pub use listener::ListenerStats;
 pub use problems::{CompileError, Problem};
 
+use crate::admin::Resources;
+use crate::admin::stats::Store as StatsStore;
 use crate::listener::config::Listener;
 use crate::upstream::Cluster;
 
@@ -32,6 +37,11 @@ pub struct Snapshot {
     pub clusters: HashMap<String, Arc<Cluster>>,
     /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
     by_address: HashMap<SocketAddr, usize>,
+    /// Each listener's stats, by listener name.
+    listener_stats: HashMap<Arc<str>, ListenerStats>,
+    /// The Envoy resources this snapshot was compiled from, as `/config_dump` shows them
+    /// (listeners served by the admin API's health ports too).
+    pub resources: Resources,
 }
 
 impl Snapshot {
@@ -43,14 +53,21 @@ impl Snapshot {
             }
         }
         Snapshot {
+            listener_stats: HashMap::new(),
             listeners,
             clusters,
             by_address,
+            resources: Resources::default(),
         }
     }
 
     pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
         self.listeners.iter().find(|l| &*l.name == name)
+    }
+
+    /// The stats of `listener` (one of this snapshot's).
+    pub fn listener_stats(&self, listener: &Listener) -> Option<&ListenerStats> {
+        self.listener_stats.get(&listener.name)
     }
 
     /// The listener a connection restored to `destination` is handed to: the one with
@@ -109,8 +126,13 @@ pub struct Compiled {
     pub warnings: Vec<Problem>,
 }
 
-/// Compiles a bootstrap's `static_resources`; every error names its JSON path.
-pub fn compile(bootstrap: &Bootstrap) -> Result<Compiled, CompileError> {
+/// Compiles a bootstrap's `static_resources`, with the stats of its listeners, clusters
+/// and filters created in `stats`; every error names its JSON path.
+///
+/// The listeners the admin API serves as Istio's health ports
+/// ([`crate::admin::health_ports::find`]) are left to it: they are HTTP listeners shunt
+/// answers itself until it has an HTTP router.
+pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, CompileError> {
     let mut problems = problems::Problems::default();
     if let Some(dynamic) = &bootstrap.dynamic_resources {
         let asks = dynamic.lds_config.is_some()
@@ -127,11 +149,50 @@ pub fn compile(bootstrap: &Bootstrap) -> Result<Compiled, CompileError> {
         }
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
-    let clusters = cluster::compile_all(&resources.clusters, &mut problems);
-    let listeners = listener::compile_all(&resources.listeners, &clusters, &mut problems);
+    let health: HashSet<String> = crate::admin::health_ports::find(bootstrap)
+        .into_iter()
+        .map(|listener| listener.name)
+        .collect();
+    let clusters = cluster::compile_all(&resources.clusters, stats, &mut problems);
+    let (listeners, listener_stats) = listener::compile_all(
+        &resources.listeners,
+        &health,
+        &clusters.clusters,
+        stats,
+        &mut problems,
+    );
+    let routed = listener::routed_clusters(&resources.listeners, &health);
+    for (name, paths) in &clusters.pipe_endpoints {
+        for path in paths {
+            match routed.get(name) {
+                Some(listener) => problems.error(
+                    path,
+                    format!(
+                        "Unix domain socket endpoints are not implemented yet, and listener \
+                         {listener:?} routes to cluster {name:?}"
+                    ),
+                ),
+                None => problems.warning(
+                    path,
+                    format!(
+                        "Unix domain socket endpoints are not implemented yet; no listener \
+                         routes to cluster {name:?}, which is kept without this endpoint"
+                    ),
+                ),
+            }
+        }
+    }
     problems.finish()?;
+    let mut snapshot = Snapshot::new(listeners, clusters.clusters);
+    snapshot.listener_stats = snapshot
+        .listeners
+        .iter()
+        .map(|l| l.name.clone())
+        .zip(listener_stats)
+        .collect();
+    snapshot.resources = Resources::from_bootstrap(bootstrap, SystemTime::now());
     Ok(Compiled {
-        snapshot: Snapshot::new(listeners, clusters),
+        snapshot,
         warnings: problems.warnings,
     })
 }

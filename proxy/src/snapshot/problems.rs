@@ -20,6 +20,8 @@ impl fmt::Display for Problem {
 #[derive(Debug, thiserror::Error)]
 pub struct CompileError {
     pub errors: Vec<Problem>,
+    /// What compiling also warned about (not part of the message).
+    pub warnings: Vec<Problem>,
 }
 
 impl fmt::Display for CompileError {
@@ -64,6 +66,7 @@ impl Problems {
         } else {
             Err(CompileError {
                 errors: std::mem::take(&mut self.errors),
+                warnings: std::mem::take(&mut self.warnings),
             })
         }
     }

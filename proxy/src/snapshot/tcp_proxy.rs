@@ -15,12 +15,14 @@ use envoy_types::pb::envoy::r#type::v3::hash_policy::PolicySpecifier;
 use super::convert::{self, decode, duration_or};
 use super::problems::Problems;
 use crate::access_log::Sink;
-use crate::tcp::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy};
+use crate::admin::stats::Store;
+use crate::tcp::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
 use crate::upstream::Cluster;
 
 pub fn compile(
     proxy: &EnvoyTcpProxy,
     clusters: &HashMap<String, Arc<Cluster>>,
+    stats: &Store,
     path: &str,
     problems: &mut Problems,
 ) -> Option<TcpProxy> {
@@ -125,6 +127,7 @@ pub fn compile(
         idle_timeout: (!idle.is_zero()).then_some(idle),
         max_connect_attempts,
         access_log,
+        stats: TcpProxyStats::new(stats, &proxy.stat_prefix),
     })
 }
 

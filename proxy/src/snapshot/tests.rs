@@ -22,11 +22,11 @@ fn bootstrap(yaml: &str) -> Bootstrap {
 }
 
 fn compiled(yaml: &str) -> Compiled {
-    compile(&bootstrap(yaml)).unwrap_or_else(|err| panic!("{err}"))
+    compile(&bootstrap(yaml), &Default::default()).unwrap_or_else(|err| panic!("{err}"))
 }
 
 fn errors(yaml: &str) -> Vec<String> {
-    compile(&bootstrap(yaml))
+    compile(&bootstrap(yaml), &Default::default())
         .expect_err("the bootstrap should not compile")
         .errors
         .iter()
@@ -290,5 +290,124 @@ fn an_unknown_cluster_is_a_warning_as_it_may_come_later() {
         [
             "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.cluster: no cluster named \"nope\": its connections will be closed (NC)"
         ]
+    );
+}
+
+#[test]
+fn use_original_dst_restores_the_destination_without_a_listed_filter() {
+    // Istio's virtualOutbound lists no listener filters: Envoy adds original_dst itself.
+    let yaml = format!(
+        "{}    use_original_dst: true\n    filter_chains:\n    - filters: [{TCP_PROXY_TO_C}]\n",
+        LISTENER_HEAD
+    );
+    let snapshot = compiled(&yaml).snapshot;
+    assert!(
+        snapshot
+            .listener("l")
+            .unwrap()
+            .listener_filters
+            .original_dst
+    );
+}
+
+const PIPE_CLUSTER: &str = "{name: p, load_assignment: {cluster_name: p, endpoints: [{lb_endpoints: [{endpoint: {address: {pipe: {path: /tmp/p.sock}}}}]}]}}";
+
+#[test]
+fn unix_socket_endpoints_are_left_out_unless_a_listener_routes_there() {
+    let unrouted = format!(
+        "{}    filter_chains:\n    - filters: [{TCP_PROXY_TO_C}]\n",
+        LISTENER_HEAD.replace(
+            "clusters: [{name: c,",
+            &format!("clusters: [{PIPE_CLUSTER}, {{name: c,")
+        )
+    );
+    let Compiled { snapshot, warnings } = compiled(&unrouted);
+    assert!(snapshot.clusters["p"].hosts().is_empty());
+    let warnings: Vec<String> = warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "static_resources.clusters[0].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.pipe: \
+          Unix domain socket endpoints are not implemented yet; no listener routes to cluster \"p\", \
+          which is kept without this endpoint"
+        ]
+    );
+
+    let routed = unrouted.replace("cluster: c}", "cluster: p}");
+    assert_eq!(
+        errors(&routed),
+        [
+            "static_resources.clusters[0].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.pipe: \
+          Unix domain socket endpoints are not implemented yet, and listener \"l\" routes to cluster \"p\""
+        ]
+    );
+}
+
+#[test]
+fn istios_health_listeners_are_left_to_the_admin_api() {
+    let options = Options {
+        config_path: Some(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("src/config/testdata/istio-default_golden.json"),
+        ),
+        ..Default::default()
+    };
+    let mut bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
+    bootstrap.dynamic_resources = None;
+    let compiled = compile(&bootstrap, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+    // 15090 and 15021 are HTTP listeners shunt answers in the admin API.
+    assert!(compiled.snapshot.listeners.is_empty());
+    assert_eq!(compiled.snapshot.clusters.len(), 4);
+    // The config dump still shows them.
+    assert_eq!(compiled.snapshot.resources.listeners.len(), 2);
+}
+
+#[test]
+fn stats_are_created_under_envoys_names() {
+    let yaml = format!(
+        "{}    stat_prefix: front\n    filter_chains:\n    - filters: [{TCP_PROXY_TO_C}]\n  - name: m\n    \
+         address: {{socket_address: {{address: 127.0.0.1, port_value: 7000}}}}\n    \
+         filter_chains:\n    - filters: [{}]\n",
+        LISTENER_HEAD.replace("{name: c,", "{name: c, alt_stat_name: c_alt,"),
+        TCP_PROXY_TO_C.replace("stat_prefix: s", "stat_prefix: t"),
+    );
+    let stats = crate::admin::stats::Store::new();
+    let snapshot = compile(&bootstrap(&yaml), &stats)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .snapshot;
+    let names: Vec<String> = stats.snapshot().into_iter().map(|s| s.name).collect();
+    for name in [
+        "cluster.c_alt.upstream_cx_total",
+        "cluster.c_alt.upstream_cx_overflow",
+        "cluster.c_alt.membership_total",
+        "listener.front.downstream_cx_total",
+        "listener.127.0.0.1_7000.downstream_cx_active",
+        "tcp.s.downstream_cx_total",
+        "tcp.t.downstream_cx_total",
+    ] {
+        assert!(names.iter().any(|n| n == name), "{name} not in {names:#?}");
+    }
+    let front = snapshot.listener("l").unwrap();
+    let guard = snapshot.listener_stats(front).unwrap().connection();
+    let value = |name: &str| {
+        stats
+            .snapshot()
+            .into_iter()
+            .find(|s| s.name == name)
+            .map(|s| s.value)
+    };
+    use crate::admin::stats::StatValue;
+    assert_eq!(
+        value("listener.front.downstream_cx_active"),
+        Some(StatValue::Gauge(1))
+    );
+    drop(guard);
+    assert_eq!(
+        value("listener.front.downstream_cx_active"),
+        Some(StatValue::Gauge(0))
+    );
+    assert_eq!(
+        value("listener.front.downstream_cx_total"),
+        Some(StatValue::Counter(1))
     );
 }

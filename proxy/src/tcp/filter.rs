@@ -18,6 +18,7 @@ use tokio::net::TcpStream;
 
 use super::copy;
 use crate::access_log::{Entry, ResponseFlag, Sink};
+use crate::admin::stats::{Counter, Store};
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::{Cluster, LbContext};
 
@@ -32,6 +33,25 @@ pub struct TcpProxy {
     pub idle_timeout: Option<Duration>,
     pub max_connect_attempts: u32,
     pub access_log: Vec<Sink>,
+    pub stats: TcpProxyStats,
+}
+
+/// The filter's `tcp.<stat_prefix>.*` stats.
+#[derive(Debug, Clone, Default)]
+pub struct TcpProxyStats {
+    pub downstream_cx_total: Counter,
+    /// Connections whose cluster does not exist (flag NC).
+    pub downstream_cx_no_route: Counter,
+}
+
+impl TcpProxyStats {
+    pub fn new(store: &Store, stat_prefix: &str) -> Self {
+        TcpProxyStats {
+            downstream_cx_total: store.counter(&format!("tcp.{stat_prefix}.downstream_cx_total")),
+            downstream_cx_no_route: store
+                .counter(&format!("tcp.{stat_prefix}.downstream_cx_no_route")),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -78,10 +98,12 @@ impl TcpProxy {
         destination: SocketAddr,
         entry: &mut Entry,
     ) {
+        self.stats.downstream_cx_total.inc();
         let name = self.clusters.pick();
         entry.upstream_cluster = Some(name.clone());
         let Some(cluster) = upstreams.clusters.get(&**name) else {
             tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
+            self.stats.downstream_cx_no_route.inc();
             entry.flag(ResponseFlag::NoClusterFound);
             return;
         };
@@ -116,22 +138,13 @@ impl TcpProxy {
                 return;
             }
             entry.upstream_host = Some(host.address);
-            let active = host.track_connection();
-            match crate::upstream::connect::connect(
-                host.address,
-                cluster.source_address,
-                cluster.connect_timeout,
-            )
-            .await
-            {
-                Ok(stream) => {
-                    cluster.report_connect(&host, true);
-                    connected = Some((stream, active));
+            match cluster.connect(&host).await {
+                Ok(connection) => {
+                    connected = Some(connection);
                     break;
                 }
                 Err(err) => {
                     tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "upstream connection failed");
-                    cluster.report_connect(&host, false);
                     tried.push(host.address);
                 }
             }

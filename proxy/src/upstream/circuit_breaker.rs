@@ -5,6 +5,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::admin::stats::Counter;
+
 /// Envoy's default `max_connections`.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 
@@ -12,13 +14,21 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 pub struct CircuitBreaker {
     max_connections: u64,
     open: AtomicU64,
+    /// `upstream_cx_overflow`: connections refused for being over the limit.
+    overflow: Counter,
 }
 
 impl CircuitBreaker {
     pub fn new(max_connections: u64) -> Self {
+        CircuitBreaker::counting(max_connections, Counter::default())
+    }
+
+    /// A breaker that counts each refusal on `overflow`.
+    pub fn counting(max_connections: u64, overflow: Counter) -> Self {
         CircuitBreaker {
             max_connections,
             open: AtomicU64::new(0),
+            overflow,
         }
     }
 
@@ -29,15 +39,20 @@ impl CircuitBreaker {
     /// A slot for one upstream connection, held until the guard drops; `None` when the
     /// cluster is at its limit.
     pub fn try_acquire(&self) -> Option<ConnectionSlot<'_>> {
-        self.open
+        let slot = self
+            .open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
                 (open < self.max_connections).then_some(open + 1)
             })
             .ok()
-            .map(|_| ConnectionSlot { breaker: self })
+            .map(|_| ConnectionSlot { breaker: self });
+        if slot.is_none() {
+            self.overflow.inc();
+        }
+        slot
     }
 
-    #[cfg_attr(not(test), allow(dead_code, reason = "admin stats will read it"))]
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by tests"))]
     pub fn open_connections(&self) -> u64 {
         self.open.load(Ordering::Acquire)
     }
@@ -74,6 +89,16 @@ mod tests {
         assert_eq!(breaker.open_connections(), 2);
         drop(a);
         assert!(breaker.try_acquire().is_some());
+    }
+
+    #[test]
+    fn each_refusal_is_counted_as_an_overflow() {
+        let overflow = Counter::default();
+        let breaker = CircuitBreaker::counting(1, overflow.clone());
+        let _held = breaker.try_acquire().unwrap();
+        assert!(breaker.try_acquire().is_none());
+        assert!(breaker.try_acquire().is_none());
+        assert_eq!(overflow.value(), 2);
     }
 
     #[test]

@@ -9,16 +9,21 @@
 //! rebuild.
 
 use std::collections::BTreeMap;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpStream;
 
 use super::circuit_breaker::CircuitBreaker;
 use super::dns::{self, DnsTarget, LookupFamily};
 use super::health_check::{self, HealthCheck};
-use super::host::{self, Host};
+use super::host::{self, ActiveConnection, Host};
 use super::load_balancer::{Balancer, LbContext, LbPolicy};
 use super::outlier::OutlierDetection;
+use super::stats::ClusterStats;
+use crate::admin::stats::{Gauge, Histogram};
 
 /// Envoy's default `connect_timeout`.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -76,6 +81,8 @@ pub struct ClusterConfig {
     pub health_checks: Vec<HealthCheck>,
     /// Percent of healthy hosts under which all hosts are used anyway; 0 disables.
     pub panic_threshold: f64,
+    /// Where the cluster's `cluster.<name>.*` stats go.
+    pub stats: ClusterStats,
 }
 
 impl ClusterConfig {
@@ -91,6 +98,7 @@ impl ClusterConfig {
             outlier_detection: None,
             health_checks: Vec::new(),
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
+            stats: ClusterStats::default(),
         }
     }
 }
@@ -105,6 +113,7 @@ pub struct Cluster {
     pub circuit_breaker: CircuitBreaker,
     pub outlier_detection: Option<OutlierDetection>,
     pub health_checks: Vec<HealthCheck>,
+    pub stats: ClusterStats,
     panic_threshold: f64,
     members: RwLock<Arc<Members>>,
 }
@@ -125,9 +134,13 @@ impl Cluster {
             lb_policy: config.lb_policy,
             connect_timeout: config.connect_timeout,
             source_address: config.source_address,
-            circuit_breaker: CircuitBreaker::new(config.max_connections),
+            circuit_breaker: CircuitBreaker::counting(
+                config.max_connections,
+                config.stats.upstream_cx_overflow.clone(),
+            ),
             outlier_detection: config.outlier_detection,
             health_checks: config.health_checks,
+            stats: config.stats,
             panic_threshold: config.panic_threshold,
             members: RwLock::new(Arc::new(Members {
                 hosts: Vec::new(),
@@ -144,7 +157,7 @@ impl Cluster {
     }
 
     /// The hosts load balancing chooses from now.
-    #[cfg_attr(not(test), allow(dead_code, reason = "admin /clusters will show it"))]
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by tests"))]
     pub fn routable_hosts(&self) -> Vec<Arc<Host>> {
         self.members().balancer.hosts().to_vec()
     }
@@ -163,9 +176,50 @@ impl Cluster {
         ctx: &LbContext<'_>,
         original_dst: Option<SocketAddr>,
     ) -> Option<Arc<Host>> {
-        match self.discovery {
+        let host = match self.discovery {
             Discovery::OriginalDst => original_dst.map(|dst| Arc::new(Host::new(dst))),
             _ => self.members().balancer.choose(ctx),
+        };
+        if host.is_none() {
+            self.stats.upstream_cx_none_healthy.inc();
+        }
+        host
+    }
+
+    /// Opens a connection to `host` (from `upstream_bind_config`'s source, within
+    /// `connect_timeout`), counted in the cluster's and the host's stats for as long as
+    /// the returned guard lives, and reports the result to outlier detection.
+    pub async fn connect(
+        self: &Arc<Self>,
+        host: &Arc<Host>,
+    ) -> io::Result<(TcpStream, UpstreamConnection)> {
+        self.stats.upstream_cx_total.inc();
+        let started = Instant::now();
+        let mut guard = UpstreamConnection {
+            _host: host.track_connection(),
+            cluster_active: self.stats.upstream_cx_active.clone(),
+            connected: None,
+        };
+        guard.cluster_active.inc();
+        match super::connect::connect(host.address, self.source_address, self.connect_timeout).await
+        {
+            Ok(stream) => {
+                self.stats
+                    .upstream_cx_connect_ms
+                    .record(millis(started.elapsed()));
+                guard.connected = Some((Instant::now(), self.stats.upstream_cx_length_ms.clone()));
+                self.report_connect(host, true);
+                Ok((stream, guard))
+            }
+            Err(err) => {
+                self.stats.upstream_cx_connect_fail.inc();
+                if err.kind() == io::ErrorKind::TimedOut {
+                    self.stats.upstream_cx_connect_timeout.inc();
+                }
+                host.count_connect_failure();
+                self.report_connect(host, false);
+                Err(err)
+            }
         }
     }
 
@@ -205,6 +259,10 @@ impl Cluster {
     }
 
     fn build(&self, hosts: Vec<Arc<Host>>) -> Members {
+        self.stats.membership_total.set(hosts.len() as u64);
+        self.stats
+            .membership_healthy
+            .set(hosts.iter().filter(|h| h.healthy()).count() as u64);
         let routable = routable(&hosts, self.panic_threshold);
         Members {
             balancer: Balancer::new(&self.lb_policy, routable),
@@ -271,6 +329,30 @@ impl Cluster {
             tokio::spawn(health_check::run(Arc::downgrade(self), index));
         }
     }
+}
+
+/// One upstream connection, counted in `upstream_cx_active` and its host's `cx_active`
+/// until dropped.
+#[derive(Debug)]
+pub struct UpstreamConnection {
+    _host: ActiveConnection,
+    cluster_active: Gauge,
+    /// Once connected: when, and where its length goes (`upstream_cx_length_ms`).
+    connected: Option<(Instant, Histogram)>,
+}
+
+impl Drop for UpstreamConnection {
+    fn drop(&mut self) {
+        self.cluster_active.dec();
+        if let Some((since, length)) = &self.connected {
+            length.record(millis(since.elapsed()));
+        }
+    }
+}
+
+/// A duration in (fractional) milliseconds, the unit of Envoy's `*_ms` histograms.
+fn millis(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
 }
 
 /// The hosts load balancing uses: the first priority level with a healthy host, its
@@ -396,5 +478,54 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(addrs(&cluster.routable_hosts()), [1, 2]);
+    }
+
+    #[tokio::test]
+    async fn connects_are_counted_for_the_cluster_and_the_host() {
+        let store = crate::admin::stats::Store::new();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let open = listener.local_addr().unwrap();
+        let refused = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let mut config = ClusterConfig::new("c");
+        config.stats = ClusterStats::new(&store, "c");
+        let cluster = Cluster::new(config, vec![Host::new(open), Host::new(refused)]);
+        let hosts = cluster.hosts();
+
+        let (_stream, guard) = cluster.connect(&hosts[0]).await.unwrap();
+        assert!(cluster.connect(&hosts[1]).await.is_err());
+        let stats = &cluster.stats;
+        assert_eq!(stats.upstream_cx_total.value(), 2);
+        assert_eq!(stats.upstream_cx_active.value(), 1);
+        assert_eq!(stats.upstream_cx_connect_fail.value(), 1);
+        assert_eq!(stats.upstream_cx_connect_timeout.value(), 0);
+        assert_eq!(stats.upstream_cx_connect_ms.summary().count, 1);
+        assert_eq!(
+            (hosts[0].total_connections(), hosts[0].active_connections()),
+            (1, 1)
+        );
+        assert_eq!(
+            (hosts[1].total_connections(), hosts[1].connect_failures()),
+            (1, 1)
+        );
+        drop(guard);
+        assert_eq!(stats.upstream_cx_active.value(), 0);
+        assert_eq!(hosts[0].active_connections(), 0);
+        assert_eq!(stats.upstream_cx_length_ms.summary().count, 1);
+        assert_eq!(stats.membership_total.value(), 2);
+        assert_eq!(stats.membership_healthy.value(), 2);
+    }
+
+    #[test]
+    fn no_host_and_overflow_are_counted() {
+        let mut config = ClusterConfig::new("BlackHoleCluster");
+        config.max_connections = 0;
+        let cluster = Cluster::new(config, Vec::new());
+        assert!(cluster.choose_host(&LbContext::default(), None).is_none());
+        assert!(cluster.circuit_breaker.try_acquire().is_none());
+        assert_eq!(cluster.stats.upstream_cx_none_healthy.value(), 1);
+        assert_eq!(cluster.stats.upstream_cx_overflow.value(), 1);
     }
 }

@@ -33,8 +33,10 @@ pub struct Host {
     pub(super) consecutive_failures: AtomicU32,
     /// Outlier detection: how many times this host was ejected (ejection time multiplier).
     pub(super) ejections: AtomicU32,
-    /// Total connections made, for tests and future stats.
+    /// Connections attempted (`cx_total` in `/clusters`).
     connections: AtomicU64,
+    /// Connect attempts that failed (`cx_connect_fail`).
+    connect_failures: AtomicU64,
 }
 
 impl Host {
@@ -49,6 +51,7 @@ impl Host {
             consecutive_failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             connections: AtomicU64::new(0),
+            connect_failures: AtomicU64::new(0),
         }
     }
 
@@ -101,12 +104,21 @@ impl Host {
         ActiveConnection { host: self.clone() }
     }
 
-    #[cfg_attr(
-        not(test),
-        allow(dead_code, reason = "read by tests; admin stats next")
-    )]
     pub fn total_connections(&self) -> u64 {
         self.connections.load(Ordering::Relaxed)
+    }
+
+    pub fn connect_failures(&self) -> u64 {
+        self.connect_failures.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn count_connect_failure(&self) {
+        self.connect_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The health flags set now (`FAILED_*`).
+    pub fn health_flags(&self) -> u8 {
+        self.health.load(Ordering::Acquire)
     }
 
     /// The key Ring hash and Maglev hash this host by: Envoy's `address:port` string.

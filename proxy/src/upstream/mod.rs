@@ -2,8 +2,9 @@
 //! goes to and whether it may go at all. Named after Envoy's pieces so an Envoy user
 //! finds them: [`cluster`] (discovery types, host sets), [`load_balancer`] (`lb_policy`),
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
-//! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS) and [`connect`] (the connect
-//! itself, with `upstream_bind_config` and `connect_timeout`).
+//! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS), [`connect`] (the connect
+//! itself, with `upstream_bind_config` and `connect_timeout`) and [`stats`] (the
+//! `cluster.<name>.*` stats the admin API shows).
 
 pub mod circuit_breaker;
 pub mod cluster;
@@ -14,6 +15,7 @@ pub mod host;
 pub mod load_balancer;
 pub mod outlier;
 pub mod random;
+pub mod stats;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
 pub use load_balancer::LbContext;

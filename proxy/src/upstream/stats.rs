@@ -1,0 +1,77 @@
+//! A cluster's stats by their Envoy names (`cluster.<observability name>.<stat>`), as
+//! handles into the admin API's [`Store`]: created once when the cluster is compiled,
+//! then each update is one relaxed atomic operation on the data path.
+//!
+//! A cluster compiled without a store (tests, `--mode validate`) gets handles that belong
+//! to no store: they count, and nobody reads them.
+
+use crate::admin::stats::{self, Counter, Gauge, Histogram, Store};
+
+#[derive(Debug, Clone, Default)]
+pub struct ClusterStats {
+    /// Upstream connections opened (attempted), successful or not.
+    pub upstream_cx_total: Counter,
+    /// Upstream connections open now (connecting or connected).
+    pub upstream_cx_active: Gauge,
+    /// Connect attempts that failed, timeouts included.
+    pub upstream_cx_connect_fail: Counter,
+    /// Connect attempts that ran out of `connect_timeout`.
+    pub upstream_cx_connect_timeout: Counter,
+    /// Connections refused because the circuit breaker's `max_connections` was reached.
+    pub upstream_cx_overflow: Counter,
+    /// Connections for which load balancing found no host (flag UH).
+    pub upstream_cx_none_healthy: Counter,
+    /// How long successful connects took.
+    pub upstream_cx_connect_ms: Histogram,
+    /// How long upstream connections lasted, from connect to close.
+    pub upstream_cx_length_ms: Histogram,
+    /// Hosts in the cluster, and those of them that are healthy.
+    pub membership_total: Gauge,
+    pub membership_healthy: Gauge,
+}
+
+impl ClusterStats {
+    /// The stats of the cluster whose observability name (`alt_stat_name`, else its
+    /// name) is `name`, in `store`.
+    pub fn new(store: &Store, name: &str) -> Self {
+        let counter = |stat: &str| store.counter(&stats::cluster_stat(name, stat));
+        let gauge = |stat: &str| store.gauge(&stats::cluster_stat(name, stat));
+        ClusterStats {
+            upstream_cx_total: counter("upstream_cx_total"),
+            upstream_cx_active: gauge("upstream_cx_active"),
+            upstream_cx_connect_fail: counter("upstream_cx_connect_fail"),
+            upstream_cx_connect_timeout: counter("upstream_cx_connect_timeout"),
+            upstream_cx_overflow: counter("upstream_cx_overflow"),
+            upstream_cx_none_healthy: counter("upstream_cx_none_healthy"),
+            upstream_cx_connect_ms: store
+                .histogram(&stats::cluster_stat(name, "upstream_cx_connect_ms")),
+            upstream_cx_length_ms: store
+                .histogram(&stats::cluster_stat(name, "upstream_cx_length_ms")),
+            membership_total: gauge("membership_total"),
+            membership_healthy: gauge("membership_healthy"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::Stat;
+
+    #[test]
+    fn stats_are_named_after_the_cluster() {
+        let store = Store::new();
+        let stats = ClusterStats::new(&store, "outbound|8080||b");
+        stats.upstream_cx_total.inc();
+        stats.upstream_cx_active.inc();
+        let snapshot = store.snapshot();
+        assert!(snapshot.contains(&Stat::counter(
+            "cluster.outbound|8080||b.upstream_cx_total",
+            1
+        )));
+        assert!(snapshot.contains(&Stat::gauge(
+            "cluster.outbound|8080||b.upstream_cx_active",
+            1
+        )));
+    }
+}
