@@ -125,6 +125,25 @@ impl Mesh {
     fn app(&self) -> Caller<'_> {
         Caller::app(&self.a)
     }
+
+    /// Runs testapp as a's app (uid 1000) and parses the JSON line it prints.
+    fn testapp(&self, args: &[&str]) -> Value {
+        let out = self
+            .a
+            .command(testapp_bin())
+            .uid(APP_UID)
+            .gid(APP_UID)
+            .timeout(Duration::from_secs(120))
+            .args(args)
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "testapp {args:?}: {e}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
 }
 
 fn drained(state: &Value) -> bool {
@@ -200,19 +219,12 @@ fn half_close_works_in_each_direction() {
     assert_eq!(call.bytes, 8 << 20);
 
     // Server closes first: it sends 1 MiB and shuts its side; the client then sends 3 MiB.
-    let out =
-        m.a.command(testapp_bin())
-            .uid(APP_UID)
-            .gid(APP_UID)
-            .args([
-                "half-close",
-                &m.b4(HALF_CLOSE).to_string(),
-                "--bytes",
-                &(3 << 20).to_string(),
-            ])
-            .output()
-            .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("half-close JSON");
+    let v = m.testapp(&[
+        "half-close",
+        &m.b4(HALF_CLOSE).to_string(),
+        "--bytes",
+        &(3 << 20).to_string(),
+    ]);
     assert_eq!(v["ok"], true, "{v}");
     assert_eq!(v["received"], 1 << 20);
     let peer = v["server_peer"].as_str().unwrap().to_string();
@@ -233,26 +245,15 @@ fn half_close_works_in_each_direction() {
 #[test]
 fn a_reset_mid_stream_reaches_the_other_app() {
     let m = mesh("sockmap-reset");
-    let caller = Caller {
-        bytes: 10 << 20,
-        ..m.app()
-    };
-    let out = caller
-        .pod
-        .command(testapp_bin())
-        .uid(APP_UID)
-        .gid(APP_UID)
-        .args([
-            "call",
-            &m.b4(ECHO).to_string(),
-            "--bytes",
-            "10485760",
-            "--abort-after",
-            "300000",
-        ])
-        .output()
-        .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("call JSON");
+    // 10 MiB to send, but reset after the first 300 000 bytes.
+    let v = m.testapp(&[
+        "call",
+        &m.b4(ECHO).to_string(),
+        "--bytes",
+        "10485760",
+        "--abort-after",
+        "300000",
+    ]);
     assert_eq!(v["ok"], true, "{v}");
     let peer = v["server_peer"].as_str().unwrap().to_string();
     let end = m
@@ -273,28 +274,15 @@ fn a_reset_mid_stream_reaches_the_other_app() {
 fn a_thousand_concurrent_connections() {
     let m = mesh("sockmap-many");
     let before = m.counters();
-    let out =
-        m.a.command(testapp_bin())
-            .uid(APP_UID)
-            .gid(APP_UID)
-            .timeout(Duration::from_secs(120))
-            .args([
-                "many",
-                &m.b4(ECHO).to_string(),
-                "--connections",
-                "1000",
-                "--bytes",
-                "4096",
-            ])
-            .output()
-            .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("many JSON");
-    assert_eq!(
-        v["ok"],
-        true,
-        "{v} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let v = m.testapp(&[
+        "many",
+        &m.b4(ECHO).to_string(),
+        "--connections",
+        "1000",
+        "--bytes",
+        "4096",
+    ]);
+    assert_eq!(v["ok"], true, "{v}");
     let after = m.counters();
     assert!(
         grew(&before, &after, "sockmap_pair_added") >= 2000,
@@ -308,26 +296,15 @@ fn a_slow_reader_behind_a_fast_writer_loses_nothing() {
     let m = mesh("sockmap-slow");
     // The echo comes back faster than a's app reads it (2 ms pause per read): the bytes
     // pile up on a's side of the short-circuit, and must neither be lost nor fail a write.
-    let call = Caller {
-        bytes: 32 << 20,
-        ..m.app()
-    };
-    let out =
-        m.a.command(testapp_bin())
-            .uid(APP_UID)
-            .gid(APP_UID)
-            .timeout(Duration::from_secs(120))
-            .args([
-                "call",
-                &m.b4(ECHO).to_string(),
-                "--bytes",
-                &call.bytes.to_string(),
-                "--read-delay-ms",
-                "2",
-            ])
-            .output()
-            .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("call JSON");
+    let bytes = (32 << 20).to_string();
+    let v = m.testapp(&[
+        "call",
+        &m.b4(ECHO).to_string(),
+        "--bytes",
+        &bytes,
+        "--read-delay-ms",
+        "2",
+    ]);
     assert_eq!(v["ok"], true, "{v}");
     assert_eq!(v["bytes"], 32 << 20);
     m.assert_nothing_left();
