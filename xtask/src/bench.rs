@@ -3,7 +3,8 @@
 //! `bench capture` puts the three ways a client pod's connection can leave side by
 //! side: `direct` (no capture, no proxy), `iptables` and `ebpf` (the client pod captured
 //! with that backend, `shunt proxy` in it). Scenarios run in rounds, in alternating
-//! order, and the medians are reported. Room for more: `bench sockmap`, `bench l4`.
+//! order, and the medians are reported. `bench sockmap` (bench_sockmap.rs) puts the
+//! proxy-to-proxy short-circuit side by side, `bench l4` (bench_l4.rs) shunt and Envoy.
 
 use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
@@ -23,6 +24,9 @@ pub enum Which {
     Capture(CaptureArgs),
     /// Pod-to-pod through both proxies: iptables vs eBPF without and with the sockmap.
     Sockmap(crate::bench_sockmap::SockmapArgs),
+    /// shunt vs Envoy on one static tcp_proxy bootstrap: throughput, connections/s,
+    /// latency, RSS idle and with connections open.
+    L4(crate::bench_l4::L4Args),
 }
 
 #[derive(clap::Args)]
@@ -49,6 +53,7 @@ pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Capture(args) => capture(&bins, &args),
         Which::Sockmap(args) => crate::bench_sockmap::run(&bins, &args),
+        Which::L4(args) => crate::bench_l4::run(bins, &args),
     }
 }
 
@@ -338,7 +343,7 @@ fn measure(
 }
 
 /// TIME_WAIT sockets in the pod's network namespace (the `tw` of its sockstat).
-fn time_wait(pod: &Pod) -> Result<u64> {
+pub(crate) fn time_wait(pod: &Pod) -> Result<u64> {
     let stat = pod.run_in_netns(|| std::fs::read_to_string("/proc/thread-self/net/sockstat"))??;
     stat.lines()
         .find_map(|l| l.strip_prefix("TCP: "))
@@ -407,7 +412,7 @@ impl CpuTimes {
 }
 
 /// How busy the machine is with nothing of ours running, in percent (over one second).
-fn background_busy() -> Result<f64> {
+pub(crate) fn background_busy() -> Result<f64> {
     let before = CpuTimes::now()?;
     std::thread::sleep(Duration::from_secs(1));
     let busy = CpuTimes::now()?.since(&before).busy as f64;
@@ -525,7 +530,7 @@ impl Report {
     }
 }
 
-fn fmt_value(v: f64) -> String {
+pub(crate) fn fmt_value(v: f64) -> String {
     if !v.is_finite() {
         "-".into()
     } else if v >= 100.0 || v.fract() == 0.0 {
@@ -535,12 +540,12 @@ fn fmt_value(v: f64) -> String {
     }
 }
 
-fn kernel() -> String {
+pub(crate) fn kernel() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_owned())
         .unwrap_or_default()
 }
 
-fn cpus() -> usize {
+pub(crate) fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

