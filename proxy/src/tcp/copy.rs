@@ -15,7 +15,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
@@ -207,12 +207,16 @@ async fn pump(
     written: &mut u64,
     activity: &Activity,
 ) -> Result<(), (At, io::Error)> {
-    // An idle connection holds no buffer: take it only once there is something to read
-    // (data, EOF or an error all count).
-    from.readable().await.map_err(|e| (At::Read, e))?;
-    let mut buf = vec![0u8; BUFFER_SIZE].into_boxed_slice();
     loop {
-        let n = from.read(&mut buf).await.map_err(|e| (At::Read, e))?;
+        // A connection holds a buffer only while bytes are in flight: wait for something
+        // to read (data, EOF or an error) with none, take one, hand it back once written.
+        from.readable().await.map_err(|e| (At::Read, e))?;
+        let mut buf = buffers::Buffer::take();
+        let n = match from.try_read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err((At::Read, e)),
+        };
         if n == 0 {
             break;
         }
@@ -236,6 +240,58 @@ async fn pump(
         // reports it when it reads.
         Err(e) if e.kind() != io::ErrorKind::NotConnected => Err((At::Write, e)),
         _ => Ok(()),
+    }
+}
+
+/// Copy buffers kept per worker thread between uses, so idle connections cost no buffer
+/// and busy ones do not allocate per read.
+mod buffers {
+    use std::cell::RefCell;
+    use std::ops::{Deref, DerefMut};
+
+    /// Free buffers kept per thread; more are freed.
+    const KEEP: usize = 32;
+
+    thread_local! {
+        static FREE: RefCell<Vec<Box<[u8]>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A buffer on loan; going out of scope (even when the copy is cancelled) returns it.
+    pub struct Buffer(Option<Box<[u8]>>);
+
+    impl Buffer {
+        pub fn take() -> Buffer {
+            let reused = FREE.with(|f| f.borrow_mut().pop());
+            Buffer(Some(reused.unwrap_or_else(|| {
+                vec![0u8; super::BUFFER_SIZE].into_boxed_slice()
+            })))
+        }
+    }
+
+    impl Drop for Buffer {
+        fn drop(&mut self) {
+            if let Some(buf) = self.0.take() {
+                let _ = FREE.try_with(|f| {
+                    let mut free = f.borrow_mut();
+                    if free.len() < KEEP {
+                        free.push(buf);
+                    }
+                });
+            }
+        }
+    }
+
+    impl Deref for Buffer {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            self.0.as_deref().unwrap_or_default()
+        }
+    }
+
+    impl DerefMut for Buffer {
+        fn deref_mut(&mut self) -> &mut [u8] {
+            self.0.as_deref_mut().unwrap_or_default()
+        }
     }
 }
 
@@ -277,6 +333,7 @@ async fn write_retrying_enomem(to: &mut WriteHalf<'_>, chunk: &[u8]) -> io::Resu
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::AsyncReadExt;
 
     #[test]
     fn enomem_backoff_grows_then_gives_up_at_the_budget() {
