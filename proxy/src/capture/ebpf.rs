@@ -229,29 +229,17 @@ fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
             "the kernel refused to load program {name} (needs CAP_BPF + CAP_NET_ADMIN and Linux 5.15+)"
         )
     };
-    let fd = match prog {
-        Program::CgroupSockAddr(p) => {
-            p.load().with_context(refused)?;
-            p.fd()?.as_fd().try_clone_to_owned()?
-        }
-        Program::CgroupSockopt(p) => {
-            p.load().with_context(refused)?;
-            p.fd()?.as_fd().try_clone_to_owned()?
-        }
-        Program::SockOps(p) => {
-            p.load().with_context(refused)?;
-            p.fd()?.as_fd().try_clone_to_owned()?
-        }
-        Program::SkLookup(p) => {
-            p.load().with_context(refused)?;
-            p.fd()?.as_fd().try_clone_to_owned()?
-        }
-        Program::SkMsg(p) => {
-            p.load().with_context(refused)?;
-            p.fd()?.as_fd().try_clone_to_owned()?
-        }
+    // Only the load is per type; the fd comes from the program whatever its type.
+    match prog {
+        Program::CgroupSockAddr(p) => p.load(),
+        Program::CgroupSockopt(p) => p.load(),
+        Program::SockOps(p) => p.load(),
+        Program::SkLookup(p) => p.load(),
+        Program::SkMsg(p) => p.load(),
         other => bail!("program {name} has unexpected type {:?}", other.prog_type()),
-    };
+    }
+    .with_context(refused)?;
+    let fd = prog.fd()?.as_fd().try_clone_to_owned()?;
     Ok(fd)
 }
 
