@@ -26,6 +26,7 @@
 
 mod bins;
 mod cgroup;
+mod limits;
 mod netns;
 mod node;
 mod pod;
@@ -35,6 +36,7 @@ mod report;
 
 pub use bins::{shunt_bin, testapp_bin, try_shunt_bin, try_testapp_bin};
 pub use cgroup::cgroup2_mount;
+pub use limits::raise_open_files_limit;
 pub use netns::run_in_netns;
 pub use node::Node;
 pub use pod::Pod;

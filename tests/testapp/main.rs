@@ -179,7 +179,7 @@ fn serve(argv: &[String]) -> ExitCode {
     if addrs.is_empty() {
         return usage_error("serve", "at least one --listen ADDR:PORT is needed");
     }
-    sock::raise_open_files_limit();
+    harness::raise_open_files_limit();
     let mut listeners = Vec::new();
     for addr in addrs {
         match sock::listen(addr) {
@@ -540,7 +540,7 @@ fn report(result: Result<serde_json::Value, String>) -> ExitCode {
 /// `many ADDR --connections N --bytes B`: N connections open at once, each echoing B
 /// bytes (checked), then all closed with a clean EOF.
 fn many(argv: &[String]) -> Result<serde_json::Value, String> {
-    sock::raise_open_files_limit();
+    harness::raise_open_files_limit();
     let args = Args::parse(argv, &["connections", "bytes", "timeout-ms"])?;
     let target = args.target()?;
     let n: usize = args.num("connections", 1000)?;

@@ -40,16 +40,7 @@ pub struct CaptureArgs {
 }
 
 pub fn run(which: Which) -> Result<()> {
-    crate::run_checked(crate::cargo().args([
-        "build",
-        "--release",
-        "--bins",
-        "-p",
-        "shunt",
-        "-p",
-        "shunt-tests",
-    ]))?;
-    let bins = Bins::release()?;
+    let bins = Bins::build(true)?;
     match which {
         Which::Capture(args) => capture(&bins, &args),
         Which::Sockmap(args) => crate::bench_sockmap::run(&bins, &args),
@@ -357,7 +348,7 @@ pub(crate) fn time_wait(pod: &Pod) -> Result<u64> {
 }
 
 /// A testapp bench command as the app (uid/gid 1000) in `pod`; its JSON report.
-fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Value> {
+pub(crate) fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Value> {
     let out = crate::pods::run(
         pod.command(&bins.testapp)
             .uid(APP_UID)

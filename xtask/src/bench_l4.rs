@@ -310,7 +310,7 @@ pub fn run(bins: Bins, args: &L4Args) -> Result<()> {
     let envoy = crate::setup::envoy()?;
     let envoy_version = envoy_version(&envoy)?;
     // The held connections are file descriptors of this process.
-    raise_open_files_limit();
+    harness::raise_open_files_limit();
 
     let mut node = Node::new()?;
     let client = node.add_pod("client")?;
@@ -508,21 +508,6 @@ fn tune_client_pod(client: &Pod) -> Result<()> {
         }
         Ok(())
     })?
-}
-
-/// The open-files soft limit up to the hard one (the held connections are ours).
-fn raise_open_files_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit with a valid struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
 }
 
 /// One scenario: the echo phase (path, warm-up, idle RSS, bench-connect, bench-rr,

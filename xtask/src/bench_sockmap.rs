@@ -3,7 +3,7 @@
 //! short-circuit off (`--no-sockmap`) and on. 64-byte ping-pong round trips (p50/p99)
 //! and bulk echo throughput; rounds in alternating order, medians reported.
 
-use std::{fmt::Write as _, net::SocketAddr, time::Duration};
+use std::{fmt::Write as _, net::SocketAddr};
 
 use anyhow::{Context, Result, bail};
 use harness::{Node, Pod};
@@ -189,17 +189,10 @@ fn redirected(bins: &Bins, scenario: Scenario) -> Result<u64> {
         .unwrap_or(0))
 }
 
+/// The benches' testapp runner; here any error voids the run.
 fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Value> {
-    let out = pod
-        .command(&bins.testapp)
-        .uid(APP_UID)
-        .gid(APP_UID)
-        .timeout(Duration::from_millis(duration_ms + 30_000))
-        .args(args)
-        .output()?;
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("testapp {args:?}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    if v.get("ok") == Some(&Value::Bool(false)) || v["errors"].as_u64().unwrap_or(0) > 0 {
+    let v = crate::bench::testapp(bins, pod, args, duration_ms)?;
+    if v["errors"].as_u64().unwrap_or(0) > 0 {
         bail!("testapp {args:?}: {v}");
     }
     Ok(v)

@@ -23,15 +23,7 @@ const PIN_ROOT: &str = "/sys/fs/bpf/shunt-demo";
 const PORT: u16 = 8080;
 
 pub fn run(backend: Backend) -> Result<()> {
-    crate::run_checked(crate::cargo().args([
-        "build",
-        "--bins",
-        "-p",
-        "shunt",
-        "-p",
-        "shunt-tests",
-    ]))?;
-    let bins = Bins::debug()?;
+    let bins = Bins::build(false)?;
 
     heading(1, "A node with two pods: sleep and httpbin");
     let mut node = Node::new()?;

@@ -88,6 +88,6 @@ pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
 
 fn test(extra: &[String]) -> anyhow::Result<()> {
     // The integration tests start these binaries inside pods.
-    run_checked(cargo().args(["build", "--bins", "-p", "shunt", "-p", "shunt-tests"]))?;
+    pods::Bins::build(false)?;
     run_checked(cargo().args(["test", "--workspace"]).args(extra))
 }

@@ -20,6 +20,20 @@ pub struct Bins {
 }
 
 impl Bins {
+    /// Builds `shunt` and `testapp` (release or debug) and returns them.
+    pub fn build(release: bool) -> Result<Bins> {
+        let mut args = vec!["build", "--bins", "-p", "shunt", "-p", "shunt-tests"];
+        if release {
+            args.push("--release");
+        }
+        crate::run_checked(crate::cargo().args(args))?;
+        if release {
+            Bins::release()
+        } else {
+            Bins::debug()
+        }
+    }
+
     /// The debug build next to xtask (or `$SHUNT_BIN` / `$TESTAPP_BIN`), as the harness finds them.
     pub fn debug() -> Result<Bins> {
         Ok(Bins {
