@@ -630,16 +630,35 @@ fn round_trip(stream: &mut TcpStream, payload: &[u8], buf: &mut [u8]) -> Result<
     Ok(())
 }
 
+/// Latency percentiles in microseconds, shared by the bench reports.
+#[derive(Serialize)]
+struct Latency {
+    p50_us: u64,
+    p90_us: u64,
+    p99_us: u64,
+    max_us: u64,
+}
+
+impl Latency {
+    /// From latencies sorted ascending.
+    fn of(sorted: &[u64]) -> Latency {
+        Latency {
+            p50_us: percentile(sorted, 50.0),
+            p90_us: percentile(sorted, 90.0),
+            p99_us: percentile(sorted, 99.0),
+            max_us: sorted.last().copied().unwrap_or(0),
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct ConnectReport {
     connections: u64,
     errors: u64,
     seconds: f64,
     conn_per_sec: f64,
-    p50_us: u64,
-    p90_us: u64,
-    p99_us: u64,
-    max_us: u64,
+    #[serde(flatten)]
+    latency: Latency,
     /// connect() alone (SYN, SYN-ACK: through the capture path, before the proxy acts).
     connect_p50_us: u64,
     connect_p99_us: u64,
@@ -727,10 +746,7 @@ fn bench_connect(argv: &[String]) -> ExitCode {
         errors,
         seconds,
         conn_per_sec: latencies.len() as f64 / seconds,
-        p50_us: percentile(&latencies, 50.0),
-        p90_us: percentile(&latencies, 90.0),
-        p99_us: percentile(&latencies, 99.0),
-        max_us: latencies.last().copied().unwrap_or(0),
+        latency: Latency::of(&latencies),
         first_error,
     });
     ExitCode::SUCCESS
@@ -742,10 +758,8 @@ struct RrReport {
     errors: u64,
     seconds: f64,
     rtt_per_sec: f64,
-    p50_us: u64,
-    p90_us: u64,
-    p99_us: u64,
-    max_us: u64,
+    #[serde(flatten)]
+    latency: Latency,
     first_error: Option<String>,
 }
 
@@ -808,10 +822,7 @@ fn bench_rr(argv: &[String]) -> ExitCode {
         errors,
         seconds,
         rtt_per_sec: latencies.len() as f64 / seconds,
-        p50_us: percentile(&latencies, 50.0),
-        p90_us: percentile(&latencies, 90.0),
-        p99_us: percentile(&latencies, 99.0),
-        max_us: latencies.last().copied().unwrap_or(0),
+        latency: Latency::of(&latencies),
         first_error,
     });
     ExitCode::SUCCESS
