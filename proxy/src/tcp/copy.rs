@@ -470,6 +470,16 @@ mod tests {
         assert_eq!(outcome.bytes_sent, MIB << 20);
     }
 
+    /// Everything until the peer's FIN.
+    async fn read_to_eof(stream: &mut TcpStream) -> Vec<u8> {
+        let mut all = Vec::new();
+        timeout(PATIENCE, stream.read_to_end(&mut all))
+            .await
+            .unwrap()
+            .unwrap();
+        all
+    }
+
     #[tokio::test]
     async fn client_half_close_still_receives_the_servers_later_reply() {
         let Proxied {
@@ -481,21 +491,13 @@ mod tests {
         client.write_all(b"request").await.unwrap();
         client.shutdown().await.unwrap();
         // The server sees the request and then EOF: the FIN passed through.
-        let mut request = Vec::new();
-        timeout(PATIENCE, server.read_to_end(&mut request))
-            .await
-            .unwrap()
-            .unwrap();
+        let request = read_to_eof(&mut server).await;
         assert_eq!(request, b"request");
 
         // Only after that does it answer, on the direction still open.
         server.write_all(b"late reply").await.unwrap();
         server.shutdown().await.unwrap();
-        let mut reply = Vec::new();
-        timeout(PATIENCE, client.read_to_end(&mut reply))
-            .await
-            .unwrap()
-            .unwrap();
+        let reply = read_to_eof(&mut client).await;
         assert_eq!(reply, b"late reply");
 
         let outcome = outcome.await.unwrap();
@@ -513,20 +515,12 @@ mod tests {
 
         server.write_all(b"banner").await.unwrap();
         server.shutdown().await.unwrap();
-        let mut banner = Vec::new();
-        timeout(PATIENCE, client.read_to_end(&mut banner))
-            .await
-            .unwrap()
-            .unwrap();
+        let banner = read_to_eof(&mut client).await;
         assert_eq!(banner, b"banner");
 
         client.write_all(b"after the server's FIN").await.unwrap();
         client.shutdown().await.unwrap();
-        let mut late = Vec::new();
-        timeout(PATIENCE, server.read_to_end(&mut late))
-            .await
-            .unwrap()
-            .unwrap();
+        let late = read_to_eof(&mut server).await;
         assert_eq!(late, b"after the server's FIN");
 
         let outcome = outcome.await.unwrap();
