@@ -130,23 +130,6 @@ fn prefixed_listener(name: &str, stat_prefix: &str, direction: &str, tcp_proxy: 
 
 const ADMIN: &str = "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}\n";
 
-/// A listener whose accept queue is full: Linux drops further SYNs, so a connect to it
-/// hangs until the cluster's `connect_timeout`. Keep the returned sockets alive.
-fn stalled_upstream() -> (SocketAddr, Vec<TcpStream>, socket2::Socket) {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket
-        .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-        .unwrap();
-    socket.listen(0).unwrap();
-    let stalled = socket.local_addr().unwrap().as_socket().unwrap();
-    let mut filling = Vec::new();
-    while let Ok(stream) = TcpStream::connect_timeout(&stalled, Duration::from_millis(300)) {
-        filling.push(stream);
-        assert!(filling.len() < 64, "the accept queue never filled");
-    }
-    (stalled, filling, socket)
-}
-
 fn host_stat(host: &HostStatus, name: &str) -> u64 {
     host.stats.iter().find(|s| s.name == name).unwrap().value
 }

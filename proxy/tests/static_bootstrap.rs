@@ -93,19 +93,8 @@ fn a_refused_connect_fails_over_to_the_next_host() {
 
 #[test]
 fn a_connect_timeout_fails_over_to_the_next_host() {
-    // A listener whose accept queue is full: Linux drops further SYNs, so a connect to
-    // it hangs until the cluster's connect_timeout.
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket
-        .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-        .unwrap();
-    socket.listen(0).unwrap();
-    let stalled = socket.local_addr().unwrap().as_socket().unwrap();
-    let mut filling = Vec::new();
-    while let Ok(stream) = TcpStream::connect_timeout(&stalled, Duration::from_millis(300)) {
-        filling.push(stream);
-        assert!(filling.len() < 64, "the accept queue never filled");
-    }
+    // A host whose connects hang until the cluster's connect_timeout.
+    let (stalled, _filling, _socket) = stalled_upstream();
     let a = echo("A");
     let mut shunt = Shunt::start(&bootstrap(
         &[listener("front", "cluster: slow, max_connect_attempts: 2")],

@@ -348,3 +348,20 @@ pub fn call(proxy: SocketAddr) -> (Option<String>, SocketAddr) {
     reader.read_to_end(&mut rest).unwrap();
     (Some(greeting.trim().to_owned()), client)
 }
+
+/// A listener whose accept queue is full: Linux drops further SYNs, so a connect to it
+/// hangs until the cluster's `connect_timeout`. Keep the returned sockets alive.
+pub fn stalled_upstream() -> (SocketAddr, Vec<TcpStream>, socket2::Socket) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    socket.listen(0).unwrap();
+    let stalled = socket.local_addr().unwrap().as_socket().unwrap();
+    let mut filling = Vec::new();
+    while let Ok(stream) = TcpStream::connect_timeout(&stalled, Duration::from_millis(300)) {
+        filling.push(stream);
+        assert!(filling.len() < 64, "the accept queue never filled");
+    }
+    (stalled, filling, socket)
+}
