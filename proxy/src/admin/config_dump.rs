@@ -58,7 +58,7 @@ pub fn config_dump(
     started: SystemTime,
     params: &Params,
 ) -> Result<serde_json::Value, Failure> {
-    let pool = crate::config::descriptor_pool().map_err(internal)?;
+    let pool = &crate::config::descriptor_pool().map_err(internal)?;
     let names = NameFilter::new(params.name_regex.as_deref())?;
     let configs = configs(state, started, &names, params.include_eds, pool)?;
     let mut packed = match &params.resource {
@@ -597,7 +597,7 @@ mod tests {
 
     #[test]
     fn envoys_sensitive_fields_are_known() {
-        let pool = crate::config::descriptor_pool().unwrap();
+        let pool = &crate::config::descriptor_pool().unwrap();
         let fields = sensitive_fields(pool);
         for name in [
             "envoy.extensions.transport_sockets.tls.v3.TlsCertificate.private_key",
@@ -614,7 +614,7 @@ mod tests {
 
     #[test]
     fn a_mask_keeps_only_its_paths() {
-        let pool = crate::config::descriptor_pool().unwrap();
+        let pool = &crate::config::descriptor_pool().unwrap();
         let dump = BootstrapConfigDump {
             bootstrap: Some(envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap {
                 node: Some(envoy_types::pb::envoy::config::core::v3::Node {

@@ -166,7 +166,7 @@ impl Role {
 
 /// Reports every extension in `bootstrap` that shunt does not implement.
 pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) -> Result<(), PoolError> {
-    let pool = pool()?;
+    let pool = &pool()?;
     let desc = pool
         .get_message_by_name(&Bootstrap::full_name())
         .ok_or_else(|| PoolError::missing(&Bootstrap::full_name()))?;

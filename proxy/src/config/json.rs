@@ -53,7 +53,7 @@ pub struct Leniency {
 pub fn from_json<M: Message + Name + Default>(
     mut value: Value,
 ) -> Result<(M, Vec<Leniency>), JsonError> {
-    let pool = pool()?;
+    let pool = &pool()?;
     let desc = message_descriptor(pool, &M::full_name())?;
     let mut leniencies = Vec::new();
     wrap_single_values(
@@ -80,7 +80,7 @@ pub fn from_json<M: Message + Name + Default>(
 /// Writes `message` as proto3 JSON the way Envoy's `/config_dump` does: proto field
 /// names, default values left out, `Any` with `@type`, integral doubles without `.0`.
 pub fn to_json<M: Message + Name>(message: &M) -> Result<Value, JsonError> {
-    let pool = pool()?;
+    let pool = &pool()?;
     let desc = message_descriptor(pool, &M::full_name())?;
     let dynamic = DynamicMessage::decode(desc, message.encode_to_vec().as_slice())
         .map_err(|err| JsonError::at(&Path::default(), err.to_string()))?;

@@ -65,8 +65,13 @@ pub fn message_from_json<M: prost::Message + prost::Name + Default>(
 
 /// The descriptor pool behind the JSON conversions, for reflection over Envoy's types
 /// (the admin API's redaction of sensitive fields and its field masks).
-pub fn descriptor_pool() -> Result<&'static prost_reflect::DescriptorPool, pool::PoolError> {
+pub fn descriptor_pool() -> Result<prost_reflect::DescriptorPool, pool::PoolError> {
     pool::pool()
+}
+
+/// Drops the descriptor pool once unused for `idle` (see [`pool::release_if_idle`]).
+pub fn release_idle_pool(idle: std::time::Duration) -> bool {
+    pool::release_if_idle(idle)
 }
 
 /// Loads and validates the bootstrap the options name.

@@ -18,7 +18,8 @@
 //!   build step) and linked by prost-reflect against the envoy-types files they import.
 //!   To add a type: add a `.proto` under `protos/` and list it in [`EXTRA_PROTOS`].
 
-use std::sync::OnceLock;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use prost_reflect::DescriptorPool;
 
@@ -66,10 +67,54 @@ impl PoolError {
     }
 }
 
-/// The process-wide pool, built on first use.
-pub fn pool() -> Result<&'static DescriptorPool, PoolError> {
-    static POOL: OnceLock<Result<DescriptorPool, PoolError>> = OnceLock::new();
-    POOL.get_or_init(build).as_ref().map_err(Clone::clone)
+/// The pool, kept between uses until [`release_if_idle`] drops it.
+struct Cached {
+    pool: DescriptorPool,
+    last_used: Instant,
+}
+
+static CACHE: Mutex<Option<Cached>> = Mutex::new(None);
+
+/// The process-wide pool, built on first use. A `DescriptorPool` is a shared handle:
+/// cloning it is cheap, and its memory goes once the cache and every clone are dropped.
+pub fn pool() -> Result<DescriptorPool, PoolError> {
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(cached) = cache.as_mut() {
+        cached.last_used = Instant::now();
+        return Ok(cached.pool.clone());
+    }
+    let pool = build()?;
+    *cache = Some(Cached {
+        pool: pool.clone(),
+        last_used: Instant::now(),
+    });
+    Ok(pool)
+}
+
+/// Drops the cached pool if nothing asked for it for `idle`, and hands the freed heap
+/// back to the kernel. Why: Envoy's whole API as descriptors is about 15 MiB of heap, which
+/// a serving proxy only needs to read JSON (at start) and write it (`/config_dump`);
+/// the next use builds it again, in tens of milliseconds. Returns whether it dropped it.
+pub fn release_if_idle(idle: Duration) -> bool {
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let stale = cache
+        .as_ref()
+        .is_some_and(|cached| cached.last_used.elapsed() >= idle);
+    if stale {
+        *cache = None;
+        drop(cache);
+        trim_heap();
+    }
+    stale
+}
+
+/// Returns free heap pages to the kernel (glibc keeps them otherwise).
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 fn build() -> Result<DescriptorPool, PoolError> {

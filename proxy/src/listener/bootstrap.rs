@@ -162,6 +162,10 @@ fn set_ipv6_transparent(socket: &Socket) -> std::io::Result<()> {
     }
 }
 
+/// How long the configuration's descriptor pool is kept unused before it is dropped:
+/// after start-up it serves only `/config_dump` (and xDS JSON), and costs ~15 MiB.
+const POOL_IDLE: Duration = Duration::from_secs(5);
+
 /// A listening socket's accept loop, for `/drain_listeners`.
 struct AcceptLoop {
     listener: Arc<str>,
@@ -210,8 +214,16 @@ async fn serve(
         });
     }
     live.set_ready();
+    // Start-up was the pool's last planned use.
+    crate::config::release_idle_pool(Duration::ZERO);
+    let mut pool_check = tokio::time::interval(POOL_IDLE);
     loop {
         tokio::select! {
+            _ = pool_check.tick() => {
+                if crate::config::release_idle_pool(POOL_IDLE) {
+                    tracing::debug!("descriptor pool released while idle");
+                }
+            }
             _ = sigterm.recv() => {
                 tracing::info!("SIGTERM: stopping");
                 break;
