@@ -12,6 +12,7 @@ mod listener;
 mod snapshot;
 mod tcp;
 mod upstream;
+mod xds;
 
 use clap::{Parser, Subcommand};
 

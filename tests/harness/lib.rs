@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod ads;
 mod bins;
 mod cgroup;
 mod limits;

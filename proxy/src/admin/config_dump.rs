@@ -23,9 +23,10 @@ use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use envoy_types::pb::envoy::admin::v3::{
-    BootstrapConfigDump, ClustersConfigDump, ConfigDump, EndpointsConfigDump, ListenersConfigDump,
-    RoutesConfigDump, ScopedRoutesConfigDump, SecretsConfigDump, clusters_config_dump,
-    endpoints_config_dump, listeners_config_dump, routes_config_dump, secrets_config_dump,
+    BootstrapConfigDump, ClientResourceStatus, ClustersConfigDump, ConfigDump, EndpointsConfigDump,
+    ListenersConfigDump, RoutesConfigDump, ScopedRoutesConfigDump, SecretsConfigDump,
+    UpdateFailureState, clusters_config_dump, endpoints_config_dump, listeners_config_dump,
+    routes_config_dump, secrets_config_dump,
 };
 use envoy_types::pb::google::protobuf::{Any, Timestamp};
 use hyper::StatusCode;
@@ -35,7 +36,7 @@ use prost_reflect::{
 };
 use regex::Regex;
 
-use super::state::{ProxyState, Resources};
+use super::state::{ProxyState, Resources, UpdateFailure};
 
 /// The query parameters of `/config_dump`.
 #[derive(Debug, Clone, Default)]
@@ -117,7 +118,15 @@ fn configs(
         mut endpoints,
         listeners_version,
         clusters_version,
+        warming_clusters,
+        errors,
     } = state.resources();
+    let error_state = |type_url: &str, name: &str| {
+        errors
+            .iter()
+            .find(|e| e.type_url.ends_with(type_url) && e.name == name)
+            .map(failure_state)
+    };
     // Envoy keeps clusters in a map by name; listeners and routes in the order added.
     clusters.sort_by(|a, b| a.resource.name.cmp(&b.resource.name));
     endpoints.sort_by(|a, b| a.resource.cluster_name.cmp(&b.resource.cluster_name));
@@ -148,9 +157,37 @@ fn configs(
                         version_info: version.clone(),
                         cluster,
                         last_updated,
-                        ..Default::default()
+                        error_state: error_state(CLUSTER, &tracked.resource.name),
+                        client_status: ClientResourceStatus::Acked as i32,
                     })
             }
+        }
+    }
+    for tracked in warming_clusters
+        .iter()
+        .filter(|c| names.keeps(&c.resource.name))
+    {
+        clusters_dump
+            .dynamic_warming_clusters
+            .push(clusters_config_dump::DynamicCluster {
+                version_info: tracked.version_info.clone().unwrap_or_default(),
+                cluster: Some(any(&tracked.resource)),
+                last_updated: Some(timestamp(tracked.last_updated)),
+                error_state: None,
+                client_status: ClientResourceStatus::Acked as i32,
+            });
+    }
+    // A refused cluster that has no accepted version shows as its error alone.
+    for error in errors.iter().filter(|e| e.type_url.ends_with(CLUSTER)) {
+        let known = clusters.iter().any(|c| c.resource.name == error.name);
+        if !known && names.keeps(&error.name) {
+            clusters_dump
+                .dynamic_active_clusters
+                .push(clusters_config_dump::DynamicCluster {
+                    error_state: Some(failure_state(error)),
+                    client_status: ClientResourceStatus::Nacked as i32,
+                    ..Default::default()
+                });
         }
     }
 
@@ -200,9 +237,24 @@ fn configs(
                             listener,
                             last_updated,
                         }),
+                        error_state: error_state(LISTENER, &tracked.resource.name),
+                        client_status: ClientResourceStatus::Acked as i32,
                         ..Default::default()
                     })
             }
+        }
+    }
+    for error in errors.iter().filter(|e| e.type_url.ends_with(LISTENER)) {
+        let known = listeners.iter().any(|l| l.resource.name == error.name);
+        if !known && names.keeps(&error.name) {
+            listeners_dump
+                .dynamic_listeners
+                .push(listeners_config_dump::DynamicListener {
+                    name: error.name.clone(),
+                    error_state: Some(failure_state(error)),
+                    client_status: ClientResourceStatus::Nacked as i32,
+                    ..Default::default()
+                });
         }
     }
 
@@ -272,6 +324,18 @@ fn configs(
         dynamic(&secrets_dump, pool)?,
     ]);
     Ok(configs)
+}
+
+const CLUSTER: &str = "envoy.config.cluster.v3.Cluster";
+const LISTENER: &str = "envoy.config.listener.v3.Listener";
+
+fn failure_state(failure: &UpdateFailure) -> UpdateFailureState {
+    UpdateFailureState {
+        failed_configuration: failure.failed_configuration.clone(),
+        last_update_attempt: Some(timestamp(failure.last_update_attempt)),
+        details: failure.details.clone(),
+        version_info: failure.version_info.clone(),
+    }
 }
 
 /// A timestamp in milliseconds, as Envoy's dumps show them.

@@ -45,7 +45,7 @@ use tokio::sync::watch;
 pub use bootstrap_only::BootstrapOnly;
 pub use health_ports::HealthListener;
 pub use logging::LogControl;
-pub use state::{Drain, ProxyState, Resources};
+pub use state::{Drain, ProxyState, Resources, Tracked, UpdateFailure};
 pub use stats::Stat;
 
 /// What the admin API needs besides the bootstrap and the proxy.

@@ -119,6 +119,24 @@ pub struct Resources {
     /// The last version accepted over LDS and CDS (empty without xDS).
     pub listeners_version: String,
     pub clusters_version: String,
+    /// CDS clusters waiting for their endpoints (`dynamic_warming_clusters`).
+    pub warming_clusters: Vec<Tracked<Cluster>>,
+    /// Resources whose last xDS update was refused, with why (their `error_state`).
+    pub errors: Vec<UpdateFailure>,
+}
+
+/// A refused (NACKed) xDS update of one resource: Envoy's `UpdateFailureState`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpdateFailure {
+    /// The resource's type URL (`type.googleapis.com/envoy.config.cluster.v3.Cluster`).
+    pub type_url: String,
+    pub name: String,
+    /// The refused resource as it came.
+    pub failed_configuration: Option<envoy_types::pb::google::protobuf::Any>,
+    pub details: String,
+    /// The version of the refused update.
+    pub version_info: String,
+    pub last_update_attempt: SystemTime,
 }
 
 impl Resources {
@@ -158,7 +176,31 @@ impl Resources {
             endpoints,
             listeners_version: String::new(),
             clusters_version: String::new(),
+            warming_clusters: Vec::new(),
+            errors: Vec::new(),
         }
+    }
+
+    /// These (static) resources with the dynamic ones accepted over xDS added after them.
+    pub fn with_dynamic(mut self, dynamic: &crate::snapshot::DynamicResources) -> Self {
+        self.listeners.extend(dynamic.listeners.iter().cloned());
+        self.clusters.extend(dynamic.clusters.iter().map(|tracked| {
+            // The config as CDS sent it: EDS endpoints are shown as endpoints.
+            let mut tracked = tracked.clone();
+            if tracked.resource.eds_cluster_config.is_some() {
+                tracked.resource.load_assignment = None;
+            }
+            tracked
+        }));
+        self.route_configs
+            .extend(dynamic.route_configs.iter().cloned());
+        self.secrets.extend(dynamic.secrets.iter().cloned());
+        self.endpoints.extend(dynamic.endpoints.iter().cloned());
+        self.warming_clusters = dynamic.warming_clusters.clone();
+        self.errors = dynamic.errors.clone();
+        self.listeners_version = dynamic.listeners_version.clone();
+        self.clusters_version = dynamic.clusters_version.clone();
+        self
     }
 }
 

@@ -28,6 +28,7 @@ use crate::access_log::Direction;
 use crate::admin::{self, Drain};
 use crate::snapshot::live::{Live, Requests};
 use crate::snapshot::{self, Store};
+use crate::xds::manager::ListenerChange;
 
 /// One bound socket of a listener.
 struct Bound {
@@ -53,6 +54,8 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         );
     }
     let bootstrap = loaded.bootstrap;
+    let xds = crate::xds::source::plan(&bootstrap)
+        .map_err(|err| anyhow::anyhow!("{}: {err:#}", options.origin()))?;
     let stats = admin::stats::Store::new();
     let compiled = snapshot::compile(&bootstrap, &stats)
         .map_err(|err| anyhow::anyhow!("{}: {err}", options.origin()))?;
@@ -106,13 +109,28 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
 
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
-    let context = Arc::new(Context { store, own_ports });
+    let context = Arc::new(Context {
+        store,
+        own_ports: std::sync::RwLock::new(own_ports.into()),
+    });
     let drain_time = options.drain_time;
-    let result = runtime.block_on(serve(bound, context, live, requests, drain_time));
+    let xds = xds.map(|plan| Xds {
+        plan,
+        bootstrap,
+        stats: live.stats_store().clone(),
+    });
+    let result = runtime.block_on(serve(bound, context, live, requests, drain_time, xds));
     runtime.shutdown_background();
     // After /quitquitquit the admin API has stopped by itself once it answered.
     admin.stop();
     result
+}
+
+/// What the serve loop needs to start the xDS manager.
+struct Xds {
+    plan: crate::xds::source::Plan,
+    bootstrap: envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+    stats: admin::stats::Store,
 }
 
 /// Binds one listener address as Envoy does: SO_REUSEADDR, IPV6_V6ONLY on IPv6, and
@@ -180,6 +198,7 @@ async fn serve(
     live: Arc<Live>,
     mut requests: Requests,
     drain_time: Duration,
+    xds: Option<Xds>,
 ) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
@@ -213,7 +232,25 @@ async fn serve(
             handle,
         });
     }
-    live.set_ready();
+    // With xDS, ready comes once the first listeners and clusters are applied.
+    let mut changes = match xds {
+        Some(xds) => {
+            let bound = loops.iter().map(|l| (l.listener.clone(), l.addr));
+            Some(crate::xds::Manager::start(
+                xds.bootstrap,
+                xds.plan,
+                context.store.clone(),
+                xds.stats,
+                live.clone(),
+                bind,
+                bound,
+            ))
+        }
+        None => {
+            live.set_ready();
+            None
+        }
+    };
     // Start-up was the pool's last planned use.
     crate::config::release_idle_pool(Duration::ZERO);
     let mut pool_check = tokio::time::interval(POOL_IDLE);
@@ -239,6 +276,9 @@ async fn serve(
             Some(drain) = requests.drains.recv() => {
                 drain_listeners(drain, &mut loops, &live, drain_time);
             }
+            Some(change) = recv_change(&mut changes) => {
+                apply_listener_change(change, &mut loops, &mut accepting, &context, &live, drain_time);
+            }
             Some(ended) = accepting.join_next() => match ended {
                 // Closed by /drain_listeners.
                 Err(err) if err.is_cancelled() => {}
@@ -249,6 +289,80 @@ async fn serve(
     // Dropping the accept loops closes the listening sockets: no new connections.
     accepting.abort_all();
     Ok(())
+}
+
+async fn recv_change(
+    changes: &mut Option<tokio::sync::mpsc::UnboundedReceiver<ListenerChange>>,
+) -> Option<ListenerChange> {
+    match changes {
+        Some(changes) => changes.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// An xDS update's listener changes: accept on the new sockets, close the removed ones,
+/// and close the connections of replaced or removed listeners after the drain time.
+fn apply_listener_change(
+    change: ListenerChange,
+    loops: &mut Vec<AcceptLoop>,
+    accepting: &mut JoinSet<()>,
+    context: &Arc<Context>,
+    live: &Arc<Live>,
+    drain_time: Duration,
+) {
+    for (name, addr) in &change.unbound {
+        loops.retain(|l| {
+            let gone = l.listener == *name && l.addr == *addr;
+            if gone {
+                l.handle.abort();
+                tracing::info!(listener = %name, %addr, "listener removed: no longer accepting");
+            }
+            !gone
+        });
+        live.remove_bound(name, *addr);
+    }
+    let mut ports: Vec<u16> = context
+        .own_ports
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .to_vec();
+    for b in change.bound {
+        let listener = match TcpListener::from_std(b.socket) {
+            Ok(listener) => listener,
+            Err(err) => {
+                tracing::error!(listener = %b.listener, addr = %b.addr, %err, "registering a listener failed");
+                continue;
+            }
+        };
+        let addr = listener.local_addr().unwrap_or(b.addr);
+        tracing::info!(listener = %b.listener, %addr, "listening");
+        live.set_bound(&b.listener, vec![addr]);
+        ports.push(addr.port());
+        let handle = accepting.spawn(accept_loop(
+            listener,
+            b.listener.clone(),
+            addr,
+            context.clone(),
+        ));
+        loops.push(AcceptLoop {
+            listener: b.listener,
+            direction: b.direction,
+            addr: b.addr,
+            handle,
+        });
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    *context.own_ports.write().unwrap_or_else(|e| e.into_inner()) = ports.into();
+    if !change.retired.is_empty() {
+        let retired = change.retired;
+        tokio::spawn(async move {
+            tokio::time::sleep(drain_time).await;
+            for listener in retired {
+                listener.draining.close_connections();
+            }
+        });
+    }
 }
 
 /// Envoy's `/drain_listeners`: close the listening sockets (every one, or those of

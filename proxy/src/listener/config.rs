@@ -30,6 +30,33 @@ pub struct Listener {
     pub filter_chains: FilterChains<Arc<FilterChain>>,
     /// Listener-level access logs: connections that never reached a filter chain.
     pub access_log: Vec<Sink>,
+    /// Set once an update removed or replaced this listener and the drain time passed:
+    /// its remaining connections close.
+    pub draining: Draining,
+}
+
+/// The end of a listener's drain: its connections wait on it.
+#[derive(Debug)]
+pub struct Draining(tokio::sync::watch::Sender<bool>);
+
+impl Default for Draining {
+    fn default() -> Self {
+        Draining(tokio::sync::watch::Sender::new(false))
+    }
+}
+
+impl Draining {
+    /// Closes every connection still served under this listener.
+    pub fn close_connections(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Resolves once [`Draining::close_connections`] was called.
+    pub async fn closed(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives as long as `self`, so this cannot fail while we wait.
+        let _ = rx.wait_for(|closed| *closed).await;
+    }
 }
 
 /// The listener filters shunt implements, as flags: they run in this order whatever

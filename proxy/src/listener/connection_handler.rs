@@ -22,8 +22,8 @@ use crate::tcp::filter::Upstreams;
 #[derive(Debug)]
 pub struct Context {
     pub store: Arc<Store>,
-    /// Ports the proxy listens on (ORIGINAL_DST loop protection).
-    pub own_ports: Vec<u16>,
+    /// Ports the proxy listens on (ORIGINAL_DST loop protection); xDS adds to them.
+    pub own_ports: std::sync::RwLock<Arc<[u16]>>,
 }
 
 /// What listener filters learned about a connection.
@@ -128,13 +128,22 @@ pub async fn handle(
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     match &chain.network {
         NetworkFilter::TcpProxy(proxy) => {
+            let own_ports = ctx
+                .own_ports
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             let upstreams = Upstreams {
                 clusters: &snapshot.clusters,
-                own_ports: &ctx.own_ports,
+                own_ports: &own_ports,
             };
-            proxy
-                .serve(&upstreams, stream, facts.destination, &mut entry)
-                .await;
+            tokio::select! {
+                () = proxy.serve(&upstreams, stream, facts.destination, &mut entry) => {}
+                // An xDS update removed or replaced the listener and its drain time passed.
+                () = listener.draining.closed() => {
+                    tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
+                }
+            }
             entry.emit_to(&proxy.access_log);
         }
     }

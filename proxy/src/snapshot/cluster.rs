@@ -40,14 +40,25 @@ use crate::upstream::{Cluster, ClusterConfig, Discovery};
 #[derive(Default)]
 pub struct Compiled {
     pub clusters: HashMap<String, Arc<Cluster>>,
+    /// Each cluster's config digest, to recognise it unchanged in the next update.
+    pub digests: HashMap<String, u64>,
     pub pipe_endpoints: Vec<(String, Vec<String>)>,
 }
 
-pub fn compile_all(clusters: &[EnvoyCluster], stats: &Store, problems: &mut Problems) -> Compiled {
+/// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
+/// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
+/// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
+/// connection counts carry over an update.
+pub fn compile_all(
+    clusters: &[(String, &EnvoyCluster)],
+    previous: Option<&super::Snapshot>,
+    stats: &Store,
+    problems: &mut Problems,
+) -> Compiled {
     let mut compiled = HashMap::new();
+    let mut digests = HashMap::new();
     let mut pipe_endpoints = Vec::new();
-    for (i, cluster) in clusters.iter().enumerate() {
-        let path = format!("static_resources.clusters[{i}]");
+    for (path, cluster) in clusters {
         if cluster.name.is_empty() {
             problems.error(format!("{path}.name"), "a cluster needs a name");
             continue;
@@ -59,9 +70,16 @@ pub fn compile_all(clusters: &[EnvoyCluster], stats: &Store, problems: &mut Prob
             );
             continue;
         }
+        let digest = super::digest(*cluster);
+        let kept = previous.and_then(|p| p.kept_cluster(&cluster.name, digest));
         let mut pipes = Vec::new();
-        if let Some(c) = compile(cluster, &path, stats, &mut pipes, problems) {
+        let built = match kept {
+            Some(kept) => Some(kept),
+            None => compile(cluster, path, stats, &mut pipes, problems),
+        };
+        if let Some(c) = built {
             compiled.insert(cluster.name.clone(), c);
+            digests.insert(cluster.name.clone(), digest);
         }
         if !pipes.is_empty() {
             pipe_endpoints.push((cluster.name.clone(), pipes));
@@ -69,11 +87,11 @@ pub fn compile_all(clusters: &[EnvoyCluster], stats: &Store, problems: &mut Prob
     }
     Compiled {
         clusters: compiled,
+        digests,
         pipe_endpoints,
     }
 }
 
-/// One endpoint as written, before DNS.
 struct Endpoint {
     host: String,
     port: u16,

@@ -94,21 +94,24 @@ impl Drop for ActiveDownstream {
 }
 
 /// Compiles every listener but those named in `skip` (served elsewhere: the admin API's
-/// health ports), keeping each one's path in the bootstrap. Returns the listeners and
-/// their stats, in the same order.
+/// health ports), each at its JSON path. Returns the listeners, their stats and config
+/// digests, in the same order. A listener whose config is the same as in `previous`
+/// keeps its compiled `Arc`: an update does not touch its connections.
 pub fn compile_all(
-    listeners: &[EnvoyListener],
+    listeners: &[(String, &EnvoyListener)],
     skip: &HashSet<String>,
     clusters: &HashMap<String, Arc<Cluster>>,
+    previous: Option<&super::Snapshot>,
     stats: &Store,
     problems: &mut Problems,
-) -> (Vec<Arc<Listener>>, Vec<ListenerStats>) {
+) -> (Vec<Arc<Listener>>, Vec<ListenerStats>, Vec<u64>) {
     let mut compiled: Vec<Arc<Listener>> = Vec::new();
     let mut listener_stats = Vec::new();
+    let mut digests = Vec::new();
     let mut names = HashSet::new();
     let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
-    for (i, listener) in listeners.iter().enumerate() {
-        let path = format!("static_resources.listeners[{i}]");
+    for (path, listener) in listeners {
+        let (path, listener) = (path.clone(), *listener);
         let name = if listener.name.is_empty() {
             path.clone()
         } else {
@@ -124,9 +127,13 @@ pub fn compile_all(
         if skip.contains(&name) {
             continue;
         }
-        let Some(compiled_listener) = compile(listener, name, clusters, stats, &path, problems)
-        else {
-            continue;
+        let digest = super::digest(listener);
+        let compiled_listener = match previous.and_then(|p| p.kept_listener(&name, digest)) {
+            Some(kept) => kept,
+            None => match compile(listener, name, clusters, stats, &path, problems) {
+                Some(fresh) => Arc::new(fresh),
+                None => continue,
+            },
         };
         for addr in &compiled_listener.addresses {
             // Port 0 asks the kernel for a port: such listeners cannot clash.
@@ -145,19 +152,20 @@ pub fn compile_all(
             listener,
             compiled_listener.addresses.first().copied(),
         ));
-        compiled.push(Arc::new(compiled_listener));
+        compiled.push(compiled_listener);
+        digests.push(digest);
     }
-    (compiled, listener_stats)
+    (compiled, listener_stats, digests)
 }
 
 /// The clusters the `tcp_proxy` filters of the listeners (but those in `skip`) route
 /// to, each with the first listener that routes there.
 pub fn routed_clusters(
-    listeners: &[EnvoyListener],
+    listeners: &[(String, &EnvoyListener)],
     skip: &HashSet<String>,
 ) -> HashMap<String, String> {
     let mut routed = HashMap::new();
-    for listener in listeners.iter().filter(|l| !skip.contains(&l.name)) {
+    for (_, listener) in listeners.iter().filter(|(_, l)| !skip.contains(&l.name)) {
         let filters = listener
             .filter_chains
             .iter()
@@ -374,6 +382,7 @@ fn compile(
         listener_filters: filters,
         filter_chains,
         access_log,
+        draining: Default::default(),
     })
 }
 

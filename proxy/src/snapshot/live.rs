@@ -90,6 +90,22 @@ impl Live {
         }
     }
 
+    /// The stats store the data plane counts in.
+    pub fn stats_store(&self) -> &StatsStore {
+        &self.stats
+    }
+
+    /// Forgets that listener `name` is bound to `addr` (an xDS update removed it).
+    pub fn remove_bound(&self, name: &str, addr: SocketAddr) {
+        let mut bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
+        for (n, addresses) in bound.iter_mut() {
+            if n == name {
+                addresses.retain(|a| *a != addr);
+            }
+        }
+        bound.retain(|(_, addresses)| !addresses.is_empty());
+    }
+
     /// Sends a drain to the serve loop as if `/drain_listeners` had asked for it.
     pub fn request_drain(&self, drain: Drain) {
         // The serve loop gone means nothing is accepting any more: nothing to drain.

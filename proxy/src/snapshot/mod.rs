@@ -25,8 +25,14 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 pub use listener::ListenerStats;
 pub use problems::{CompileError, Problem};
 
-use crate::admin::Resources;
+use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+
 use crate::admin::stats::Store as StatsStore;
+use crate::admin::{Resources, Tracked, UpdateFailure};
 use crate::listener::config::Listener;
 use crate::upstream::Cluster;
 
@@ -42,6 +48,12 @@ pub struct Snapshot {
     /// The Envoy resources this snapshot was compiled from, as `/config_dump` shows them
     /// (listeners served by the admin API's health ports too).
     pub resources: Resources,
+    /// Config digests of the compiled clusters and listeners, by name: what the next
+    /// update compares against to keep unchanged ones.
+    cluster_digests: HashMap<String, u64>,
+    listener_digests: HashMap<Arc<str>, u64>,
+    /// When the bootstrap's static resources were loaded (kept across updates).
+    loaded_at: Option<SystemTime>,
 }
 
 impl Snapshot {
@@ -58,7 +70,24 @@ impl Snapshot {
             clusters,
             by_address,
             resources: Resources::default(),
+            cluster_digests: HashMap::new(),
+            listener_digests: HashMap::new(),
+            loaded_at: None,
         }
+    }
+
+    /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
+    fn kept_cluster(&self, name: &str, digest: u64) -> Option<Arc<Cluster>> {
+        (self.cluster_digests.get(name) == Some(&digest))
+            .then(|| self.clusters.get(name).cloned())
+            .flatten()
+    }
+
+    /// This snapshot's listener `name`, if it was compiled from the config with `digest`.
+    fn kept_listener(&self, name: &str, digest: u64) -> Option<Arc<Listener>> {
+        (self.listener_digests.get(name) == Some(&digest))
+            .then(|| self.listener(name).cloned())
+            .flatten()
     }
 
     pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
@@ -126,6 +155,31 @@ pub struct Compiled {
     pub warnings: Vec<Problem>,
 }
 
+/// What a proxy serves besides the bootstrap's `static_resources`: the resources accepted
+/// over xDS so far ([`crate::xds`]). Empty without a control plane.
+#[derive(Debug, Clone, Default)]
+pub struct DynamicResources {
+    pub listeners: Vec<Tracked<EnvoyListener>>,
+    /// Active clusters; an EDS cluster with its endpoints filled into `load_assignment`.
+    pub clusters: Vec<Tracked<EnvoyCluster>>,
+    /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
+    pub warming_clusters: Vec<Tracked<EnvoyCluster>>,
+    /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
+    pub endpoints: Vec<Tracked<ClusterLoadAssignment>>,
+    pub route_configs: Vec<Tracked<RouteConfiguration>>,
+    pub secrets: Vec<Tracked<Secret>>,
+    /// The last versions accepted over LDS and CDS.
+    pub listeners_version: String,
+    pub clusters_version: String,
+    /// Resources whose last update was refused (NACKed), for `/config_dump`'s error state.
+    pub errors: Vec<UpdateFailure>,
+}
+
+/// A config digest, to tell an unchanged resource from a changed one cheaply.
+pub fn digest<M: prost::Message>(message: &M) -> u64 {
+    xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
+}
+
 /// Compiles a bootstrap's `static_resources`, with the stats of its listeners, clusters
 /// and filters created in `stats`; every error names its JSON path.
 ///
@@ -133,18 +187,24 @@ pub struct Compiled {
 /// ([`crate::admin::health_ports::find`]) are left to it: they are HTTP listeners shunt
 /// answers itself until it has an HTTP router.
 pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, CompileError> {
+    compile_with(bootstrap, &DynamicResources::default(), None, stats)
+}
+
+/// Compiles the bootstrap's static resources together with `dynamic` ones (from xDS,
+/// whose errors are at `Cluster "name"` / `Listener "name"` paths). Clusters and listeners
+/// unchanged since `previous` are kept as they are.
+pub fn compile_with(
+    bootstrap: &Bootstrap,
+    dynamic: &DynamicResources,
+    previous: Option<&Snapshot>,
+    stats: &StatsStore,
+) -> Result<Compiled, CompileError> {
     let mut problems = problems::Problems::default();
     if let Some(dynamic) = &bootstrap.dynamic_resources {
-        let asks = dynamic.lds_config.is_some()
-            || dynamic.cds_config.is_some()
-            || dynamic.ads_config.is_some()
-            || !dynamic.lds_resources_locator.is_empty()
-            || !dynamic.cds_resources_locator.is_empty();
-        if asks {
+        if !dynamic.lds_resources_locator.is_empty() || !dynamic.cds_resources_locator.is_empty() {
             problems.error(
                 "dynamic_resources",
-                "LDS, CDS and ADS (xDS) are not implemented yet; serve a bootstrap with \
-                 static_resources only",
+                "xDS-TP resource locators are not implemented; use lds_config / cds_config",
             );
         }
     }
@@ -153,15 +213,40 @@ pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, Co
         .into_iter()
         .map(|listener| listener.name)
         .collect();
-    let clusters = cluster::compile_all(&resources.clusters, stats, &mut problems);
-    let (listeners, listener_stats) = listener::compile_all(
-        &resources.listeners,
+    let cluster_sources: Vec<(String, &EnvoyCluster)> = resources
+        .clusters
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("static_resources.clusters[{i}]"), c))
+        .chain(
+            dynamic
+                .clusters
+                .iter()
+                .map(|t| (format!("Cluster {:?}", t.resource.name), &t.resource)),
+        )
+        .collect();
+    let listener_sources: Vec<(String, &EnvoyListener)> = resources
+        .listeners
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (format!("static_resources.listeners[{i}]"), l))
+        .chain(
+            dynamic
+                .listeners
+                .iter()
+                .map(|t| (format!("Listener {:?}", t.resource.name), &t.resource)),
+        )
+        .collect();
+    let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
+    let (listeners, listener_stats, listener_digests) = listener::compile_all(
+        &listener_sources,
         &health,
         &clusters.clusters,
+        previous,
         stats,
         &mut problems,
     );
-    let routed = listener::routed_clusters(&resources.listeners, &health);
+    let routed = listener::routed_clusters(&listener_sources, &health);
     for (name, paths) in &clusters.pipe_endpoints {
         for path in paths {
             match routed.get(name) {
@@ -184,13 +269,24 @@ pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, Co
     }
     problems.finish()?;
     let mut snapshot = Snapshot::new(listeners, clusters.clusters);
+    snapshot.cluster_digests = clusters.digests;
+    snapshot.listener_digests = snapshot
+        .listeners
+        .iter()
+        .map(|l| l.name.clone())
+        .zip(listener_digests)
+        .collect();
     snapshot.listener_stats = snapshot
         .listeners
         .iter()
         .map(|l| l.name.clone())
         .zip(listener_stats)
         .collect();
-    snapshot.resources = Resources::from_bootstrap(bootstrap, SystemTime::now());
+    let started = previous
+        .and_then(|p| p.loaded_at)
+        .unwrap_or_else(SystemTime::now);
+    snapshot.loaded_at = Some(started);
+    snapshot.resources = Resources::from_bootstrap(bootstrap, started).with_dynamic(dynamic);
     Ok(Compiled {
         snapshot,
         warnings: problems.warnings,

@@ -263,13 +263,64 @@ fn every_error_is_reported_at_its_path() {
     );
 }
 
+fn dynamic_cluster(
+    name: &str,
+    port: u32,
+    timeout: &str,
+) -> crate::admin::Tracked<envoy_types::pb::envoy::config::cluster::v3::Cluster> {
+    let cluster = crate::config::message_from_json(serde_json::json!({
+        "name": name, "type": "STATIC", "connect_timeout": timeout,
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}
+    }))
+    .unwrap();
+    crate::admin::Tracked {
+        resource: cluster,
+        version_info: Some("1".into()),
+        last_updated: std::time::SystemTime::now(),
+    }
+}
+
 #[test]
-fn xds_is_not_implemented_yet() {
-    let yaml = "dynamic_resources: {lds_config: {ads: {}}, ads_config: {api_type: GRPC, grpc_services: [{envoy_grpc: {cluster_name: x}}]}}\nstatic_resources: {clusters: [{name: x}]}";
-    let errors = errors(yaml);
-    assert_eq!(errors.len(), 1);
+fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kept() {
+    let bootstrap = bootstrap("static_resources: {clusters: [{name: s}]}");
+    let stats = Default::default();
+    let mut dynamic = super::DynamicResources {
+        clusters: vec![dynamic_cluster("a", 1, "1s"), dynamic_cluster("b", 2, "1s")],
+        ..Default::default()
+    };
+    let first = super::compile_with(&bootstrap, &dynamic, None, &stats)
+        .unwrap()
+        .snapshot;
+    assert_eq!(first.clusters.len(), 3);
+    dynamic.clusters[1] = dynamic_cluster("b", 3, "1s");
+    let second = super::compile_with(&bootstrap, &dynamic, Some(&first), &stats)
+        .unwrap()
+        .snapshot;
     assert!(
-        errors[0].starts_with("dynamic_resources: LDS, CDS and ADS (xDS) are not implemented yet"),
+        Arc::ptr_eq(&first.clusters["a"], &second.clusters["a"]),
+        "unchanged: kept"
+    );
+    assert!(
+        !Arc::ptr_eq(&first.clusters["b"], &second.clusters["b"]),
+        "changed: rebuilt"
+    );
+    assert!(Arc::ptr_eq(&first.clusters["s"], &second.clusters["s"]));
+    let dump = &second.resources;
+    assert_eq!(
+        dump.clusters
+            .iter()
+            .filter(|c| c.version_info.is_some())
+            .count(),
+        2
+    );
+
+    dynamic.clusters[0] = dynamic_cluster("a", 1, "-1s");
+    let err = super::compile_with(&bootstrap, &dynamic, Some(&second), &stats).unwrap_err();
+    let errors: Vec<String> = err.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with("Cluster \"a\".connect_timeout"),
         "{errors:?}"
     );
 }

@@ -1,0 +1,980 @@
+//! The xDS manager: the one owner of the resources accepted from the control plane.
+//!
+//! Every response, state of the world or Delta, is applied whole: its resources are
+//! decoded, merged into a candidate of their type's set, and compiled together with the
+//! bootstrap and every other type into a new snapshot ([`crate::snapshot::compile_with`],
+//! which keeps unchanged clusters and listeners as they are). Only if that compiles is
+//! the candidate kept, the snapshot swapped in and the response ACKed; otherwise it is
+//! NACKed with the errors (each at its `Cluster "name"` path) and nothing changes.
+//!
+//! Envoy's order is kept: clusters are asked for first; an EDS cluster is left out of the
+//! snapshot (warming) until its endpoints arrive or `initial_fetch_timeout` passes;
+//! listeners are asked for once the first clusters are warm; the proxy is ready once the
+//! first listeners are in. Endpoints and routes are subscribed by the names the accepted
+//! clusters and listeners use.
+//!
+//! Listener sockets are bound here, before the ACK, so a listener that cannot bind is
+//! NACKed; the serve loop gets the sockets to accept on ([`ListenerChange`]).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::net::TcpListener as StdListener;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::RouteSpecifier;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::google::rpc::Status;
+use prost::Message;
+use tokio::sync::mpsc;
+
+use super::TypeUrl;
+use super::source::{Plan, Stream};
+use super::stream::{self, Event, Outbound};
+use crate::access_log::Direction;
+use crate::admin::stats::Store as StatsStore;
+use crate::admin::{Tracked, UpdateFailure};
+use crate::listener::config::Listener;
+use crate::snapshot::live::Live;
+use crate::snapshot::{DynamicResources, Snapshot, Store};
+
+/// gRPC INVALID_ARGUMENT, the code Envoy NACKs with.
+const INVALID_ARGUMENT: i32 = 3;
+
+/// What the serve loop must do after an update: accept on new sockets, stop accepting on
+/// removed ones, and close the connections of replaced listeners once drained.
+#[derive(Debug, Default)]
+pub struct ListenerChange {
+    pub bound: Vec<BoundSocket>,
+    pub unbound: Vec<(Arc<str>, SocketAddr)>,
+    /// Listeners an update removed or replaced: their connections close after the drain
+    /// time.
+    pub retired: Vec<Arc<Listener>>,
+}
+
+/// A listening socket bound for a listener.
+#[derive(Debug)]
+pub struct BoundSocket {
+    pub listener: Arc<str>,
+    pub direction: Direction,
+    pub addr: SocketAddr,
+    pub socket: StdListener,
+}
+
+/// Binds a listener's address: the serve loop's binder, shared with the bootstrap's.
+pub type Binder = fn(&Listener, SocketAddr) -> std::io::Result<StdListener>;
+
+/// A decoded resource.
+#[derive(Debug, Clone, PartialEq)]
+enum Resource {
+    Listener(EnvoyListener),
+    Cluster(EnvoyCluster),
+    Endpoints(ClusterLoadAssignment),
+    Route(RouteConfiguration),
+    Secret(Secret),
+}
+
+impl Resource {
+    fn decode(kind: TypeUrl, any: &Any) -> Result<Resource, String> {
+        if any.type_url != kind.as_str() {
+            return Err(format!(
+                "a {} response carries a resource of type {}",
+                kind.short().to_uppercase(),
+                any.type_url
+            ));
+        }
+        let bytes = any.value.as_slice();
+        let decoded = match kind {
+            TypeUrl::Listener => EnvoyListener::decode(bytes).map(Resource::Listener),
+            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(Resource::Cluster),
+            TypeUrl::ClusterLoadAssignment => {
+                ClusterLoadAssignment::decode(bytes).map(Resource::Endpoints)
+            }
+            TypeUrl::RouteConfiguration => RouteConfiguration::decode(bytes).map(Resource::Route),
+            TypeUrl::Secret => Secret::decode(bytes).map(Resource::Secret),
+        };
+        decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Resource::Listener(r) => &r.name,
+            Resource::Cluster(r) => &r.name,
+            Resource::Endpoints(r) => &r.cluster_name,
+            Resource::Route(r) => &r.name,
+            Resource::Secret(r) => &r.name,
+        }
+    }
+
+    fn to_any(&self, kind: TypeUrl) -> Any {
+        let value = match self {
+            Resource::Listener(r) => r.encode_to_vec(),
+            Resource::Cluster(r) => r.encode_to_vec(),
+            Resource::Endpoints(r) => r.encode_to_vec(),
+            Resource::Route(r) => r.encode_to_vec(),
+            Resource::Secret(r) => r.encode_to_vec(),
+        };
+        Any {
+            type_url: kind.as_str().to_owned(),
+            value,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    resource: Resource,
+    /// The resource's version: Delta's own, or the SotW response's.
+    version: String,
+    last_updated: SystemTime,
+}
+
+impl Entry {
+    fn tracked<T>(&self, resource: T) -> Tracked<T> {
+        Tracked {
+            resource,
+            version_info: Some(self.version.clone()),
+            last_updated: self.last_updated,
+        }
+    }
+}
+
+/// One type's subscription and accepted resources.
+#[derive(Debug, Default)]
+struct TypeState {
+    /// Named subscriptions (not for wildcard types).
+    names: BTreeSet<String>,
+    resources: BTreeMap<String, Entry>,
+    /// The last accepted version (SotW `version_info`, Delta `system_version_info`).
+    version_info: String,
+    /// The nonce of the last response, echoed by the next request.
+    nonce: String,
+    /// Whether a request went out on the current stream.
+    subscribed: bool,
+    /// Whether a response was ever applied.
+    applied: bool,
+}
+
+#[derive(Debug)]
+struct StreamState {
+    config: Stream,
+    requests: Option<mpsc::UnboundedSender<Outbound>>,
+    node_sent: bool,
+}
+
+pub struct Manager {
+    bootstrap: Bootstrap,
+    node: Node,
+    plan: Plan,
+    store: Arc<Store>,
+    stats: StatsStore,
+    live: Arc<Live>,
+    binder: Binder,
+    changes: mpsc::UnboundedSender<ListenerChange>,
+    types: BTreeMap<TypeUrl, TypeState>,
+    streams: Vec<StreamState>,
+    /// EDS clusters waiting for endpoints, with when they stop waiting (`None`: never).
+    warming: HashMap<String, Option<Instant>>,
+    /// EDS clusters whose wait ended without endpoints.
+    timed_out: std::collections::HashSet<String>,
+    errors: Vec<UpdateFailure>,
+    /// Sockets bound for dynamic listeners, by listener and address.
+    bound: BTreeSet<(Arc<str>, SocketAddr)>,
+    listeners_requested: bool,
+    ready: bool,
+}
+
+impl Manager {
+    /// Starts the streams of `plan` and the manager on the current runtime. Listener
+    /// changes reach the serve loop through the returned channel.
+    pub fn start(
+        bootstrap: Bootstrap,
+        plan: Plan,
+        store: Arc<Store>,
+        stats: StatsStore,
+        live: Arc<Live>,
+        binder: Binder,
+        bound: impl IntoIterator<Item = (Arc<str>, SocketAddr)>,
+    ) -> mpsc::UnboundedReceiver<ListenerChange> {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (changes, changes_rx) = mpsc::unbounded_channel();
+        let mut node = bootstrap.node.clone().unwrap_or_default();
+        node.user_agent_name = "shunt".into();
+        node.user_agent_version_type = Some(
+            envoy_types::pb::envoy::config::core::v3::node::UserAgentVersionType::UserAgentVersion(
+                env!("CARGO_PKG_VERSION").into(),
+            ),
+        );
+        node.client_features
+            .push("envoy.lb.does_not_support_overprovisioning".into());
+        let streams = plan
+            .streams
+            .iter()
+            .map(|config| StreamState {
+                config: config.clone(),
+                requests: None,
+                node_sent: false,
+            })
+            .collect();
+        for (index, config) in plan.streams.iter().enumerate() {
+            tokio::spawn(stream::run(index, config.clone(), events_tx.clone()));
+        }
+        drop(events_tx);
+        let types = plan
+            .streams
+            .iter()
+            .flat_map(|s| s.types.iter().copied())
+            .map(|t| (t, TypeState::default()))
+            .collect();
+        let manager = Manager {
+            bootstrap,
+            node,
+            plan,
+            store,
+            stats,
+            live,
+            binder,
+            changes,
+            types,
+            streams,
+            warming: HashMap::new(),
+            timed_out: Default::default(),
+            errors: Vec::new(),
+            bound: bound.into_iter().collect(),
+            listeners_requested: false,
+            ready: false,
+        };
+        tokio::spawn(manager.run(events));
+        changes_rx
+    }
+
+    async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
+        // Without clusters over xDS, listeners are asked for at once.
+        self.listeners_requested = !self.types.contains_key(&TypeUrl::Cluster);
+        loop {
+            let deadline = self.warming.values().flatten().min().copied();
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(event) => self.on_event(event),
+                    None => return,
+                },
+                () = sleep_until(deadline), if deadline.is_some() => {
+                    // Clusters whose endpoints did not come in time are served without.
+                    tracing::warn!("initial_fetch_timeout passed for warming clusters");
+                    self.reapply();
+                }
+            }
+        }
+    }
+
+    fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Connected { stream, requests } => {
+                tracing::info!(target = %self.streams[stream].config.target, "xDS stream connected");
+                self.stats.gauge("control_plane.connected_state").set(1);
+                let state = &mut self.streams[stream];
+                state.requests = Some(requests);
+                state.node_sent = false;
+                for kind in state.config.types.clone() {
+                    if let Some(t) = self.types.get_mut(&kind) {
+                        t.subscribed = false;
+                    }
+                }
+                self.subscribe_all();
+            }
+            Event::Disconnected { stream, error } => {
+                tracing::debug!(%error, "xDS stream disconnected");
+                self.stats.gauge("control_plane.connected_state").set(0);
+                self.streams[stream].requests = None;
+            }
+            Event::Sotw { stream, response } => self.on_sotw(stream, response),
+            Event::Delta { stream, response } => self.on_delta(stream, response),
+        }
+    }
+
+    /// The stream carrying `kind`.
+    fn stream_of(&self, kind: TypeUrl) -> Option<usize> {
+        self.streams
+            .iter()
+            .position(|s| s.config.types.contains(&kind))
+    }
+
+    fn send(&mut self, kind: TypeUrl, request: Outbound) {
+        let Some(index) = self.stream_of(kind) else {
+            return;
+        };
+        let state = &mut self.streams[index];
+        let Some(requests) = &state.requests else {
+            return;
+        };
+        let node = (!state.node_sent || !state.config.set_node_on_first_message_only)
+            .then(|| self.node.clone());
+        state.node_sent = true;
+        let request = match request {
+            Outbound::Sotw(mut r) => {
+                r.node = node;
+                Outbound::Sotw(r)
+            }
+            Outbound::Delta(mut r) => {
+                r.node = node;
+                Outbound::Delta(r)
+            }
+        };
+        // A closed stream reconnects and subscribes afresh.
+        let _ = requests.send(request);
+    }
+
+    fn is_delta(&self, kind: TypeUrl) -> bool {
+        self.stream_of(kind)
+            .is_some_and(|i| self.streams[i].config.delta)
+    }
+
+    /// Whether `kind` should be asked for now.
+    fn wanted(&self, kind: TypeUrl) -> bool {
+        match kind {
+            TypeUrl::Cluster => true,
+            TypeUrl::Listener => self.listeners_requested,
+            _ => self.types.get(&kind).is_some_and(|t| !t.names.is_empty()),
+        }
+    }
+
+    /// Sends the first request of each wanted type not yet asked for on its stream:
+    /// with what is held (SotW's version, Delta's `initial_resource_versions`) so that
+    /// a reconnect does not make the server resend what did not change.
+    fn subscribe_all(&mut self) {
+        for kind in TypeUrl::ALL {
+            let Some(state) = self.types.get(&kind) else {
+                continue;
+            };
+            if state.subscribed || !self.wanted(kind) {
+                continue;
+            }
+            let Some(index) = self.stream_of(kind) else {
+                continue;
+            };
+            if self.streams[index].requests.is_none() {
+                continue;
+            }
+            let names: Vec<String> = if kind.is_wildcard() {
+                Vec::new()
+            } else {
+                state.names.iter().cloned().collect()
+            };
+            let request = if self.is_delta(kind) {
+                Outbound::Delta(DeltaDiscoveryRequest {
+                    type_url: kind.as_str().into(),
+                    resource_names_subscribe: names,
+                    initial_resource_versions: state
+                        .resources
+                        .iter()
+                        .map(|(name, entry)| (name.clone(), entry.version.clone()))
+                        .collect(),
+                    ..Default::default()
+                })
+            } else {
+                Outbound::Sotw(DiscoveryRequest {
+                    version_info: state.version_info.clone(),
+                    type_url: kind.as_str().into(),
+                    resource_names: names,
+                    ..Default::default()
+                })
+            };
+            tracing::debug!(kind = kind.short(), "subscribing");
+            self.send(kind, request);
+            if let Some(state) = self.types.get_mut(&kind) {
+                state.subscribed = true;
+            }
+        }
+    }
+
+    fn on_sotw(&mut self, _stream: usize, response: DiscoveryResponse) {
+        let Some(kind) = TypeUrl::parse(&response.type_url) else {
+            tracing::warn!(type_url = %response.type_url, "response of a type not asked for");
+            return;
+        };
+        let Some(state) = self.types.get_mut(&kind) else {
+            return;
+        };
+        state.nonce = response.nonce.clone();
+        let version = response.version_info.clone();
+        let decoded: Result<Vec<Resource>, (String, String)> = response
+            .resources
+            .iter()
+            .map(|any| Resource::decode(kind, any).map_err(|e| (String::new(), e)))
+            .collect();
+        let result = decoded.map_err(|e| vec![e]).and_then(|resources| {
+            let state = &self.types[&kind];
+            let mut candidate = if kind.is_wildcard() {
+                BTreeMap::new()
+            } else {
+                state.resources.clone()
+            };
+            for resource in resources {
+                let entry = keep_or_new(state.resources.get(resource.name()), resource, &version);
+                candidate.insert(entry.resource.name().to_owned(), entry);
+            }
+            self.apply(kind, candidate, &version)
+        });
+        let state = &self.types[&kind];
+        let mut request = DiscoveryRequest {
+            type_url: kind.as_str().into(),
+            response_nonce: response.nonce,
+            resource_names: if kind.is_wildcard() {
+                Vec::new()
+            } else {
+                state.names.iter().cloned().collect()
+            },
+            ..Default::default()
+        };
+        match result {
+            Ok(()) => request.version_info = version,
+            Err(errors) => {
+                request.version_info = state.version_info.clone();
+                request.error_detail = Some(nack_status(kind, &errors));
+            }
+        }
+        self.send(kind, Outbound::Sotw(request));
+        self.resubscribe();
+    }
+
+    fn on_delta(&mut self, _stream: usize, response: DeltaDiscoveryResponse) {
+        let Some(kind) = TypeUrl::parse(&response.type_url) else {
+            tracing::warn!(type_url = %response.type_url, "response of a type not asked for");
+            return;
+        };
+        let Some(state) = self.types.get_mut(&kind) else {
+            return;
+        };
+        state.nonce = response.nonce.clone();
+        let version = response.system_version_info.clone();
+        let mut candidate = state.resources.clone();
+        let mut errors = Vec::new();
+        for resource in &response.resources {
+            let Some(any) = &resource.resource else {
+                continue;
+            };
+            match Resource::decode(kind, any) {
+                Ok(decoded) => {
+                    let entry = Entry {
+                        resource: decoded,
+                        version: resource.version.clone(),
+                        last_updated: SystemTime::now(),
+                    };
+                    let name = if resource.name.is_empty() {
+                        entry.resource.name().to_owned()
+                    } else {
+                        resource.name.clone()
+                    };
+                    candidate.insert(name, entry);
+                }
+                Err(e) => errors.push((resource.name.clone(), e)),
+            }
+        }
+        for name in &response.removed_resources {
+            candidate.remove(name);
+        }
+        let result = if errors.is_empty() {
+            self.apply(kind, candidate, &version)
+        } else {
+            Err(errors)
+        };
+        let mut request = DeltaDiscoveryRequest {
+            type_url: kind.as_str().into(),
+            response_nonce: response.nonce,
+            ..Default::default()
+        };
+        if let Err(errors) = result {
+            request.error_detail = Some(nack_status(kind, &errors));
+        }
+        self.send(kind, Outbound::Delta(request));
+        self.resubscribe();
+    }
+
+    /// Applies `candidate` as the new set of `kind`: compiles, swaps, binds. On failure
+    /// nothing changes and the errors (resource name, message) are returned for the NACK.
+    fn apply(
+        &mut self,
+        kind: TypeUrl,
+        candidate: BTreeMap<String, Entry>,
+        version: &str,
+    ) -> Result<(), Vec<(String, String)>> {
+        let previous_set = self
+            .types
+            .get_mut(&kind)
+            .map(|state| std::mem::replace(&mut state.resources, candidate))
+            .unwrap_or_default();
+        let result = self.rebuild();
+        let state = self.types.get_mut(&kind).expect("a subscribed type");
+        match result {
+            Ok(()) => {
+                state.applied = true;
+                state.version_info = version.to_owned();
+                let names: BTreeSet<String> = state.resources.keys().cloned().collect();
+                self.errors
+                    .retain(|e| !(e.type_url == kind.as_str() && names.contains(&e.name)));
+                self.count(kind, "update_success");
+                tracing::info!(
+                    kind = kind.short(),
+                    version,
+                    resources = names.len(),
+                    "xDS update applied"
+                );
+                Ok(())
+            }
+            Err(errors) => {
+                let rejected = std::mem::replace(&mut state.resources, previous_set);
+                let now = SystemTime::now();
+                for (name, details) in &errors {
+                    self.errors
+                        .retain(|e| !(e.type_url == kind.as_str() && &e.name == name));
+                    self.errors.push(UpdateFailure {
+                        type_url: kind.as_str().into(),
+                        name: name.clone(),
+                        failed_configuration: rejected
+                            .get(name)
+                            .map(|entry| entry.resource.to_any(kind)),
+                        details: details.clone(),
+                        version_info: version.to_owned(),
+                        last_update_attempt: now,
+                    });
+                }
+                // Show the error state in /config_dump.
+                let _ = self.rebuild();
+                self.count(kind, "update_rejected");
+                tracing::warn!(
+                    kind = kind.short(),
+                    version,
+                    "xDS update rejected: {}",
+                    errors
+                        .iter()
+                        .map(|(n, e)| format!("{n}: {e}"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                );
+                Err(errors)
+            }
+        }
+    }
+
+    fn count(&self, kind: TypeUrl, what: &str) {
+        let prefix = match kind {
+            TypeUrl::Cluster => "cluster_manager.cds",
+            TypeUrl::Listener => "listener_manager.lds",
+            TypeUrl::ClusterLoadAssignment => "cluster_manager.eds",
+            TypeUrl::RouteConfiguration => "http.rds",
+            TypeUrl::Secret => "sds",
+        };
+        self.stats.counter(&format!("{prefix}.{what}")).inc();
+    }
+
+    /// Recompiles once warming clusters waited `initial_fetch_timeout` in vain: they are
+    /// served without endpoints.
+    fn reapply(&mut self) {
+        let now = Instant::now();
+        for (name, deadline) in &self.warming {
+            if deadline.is_some_and(|d| d <= now) {
+                self.timed_out.insert(name.clone());
+            }
+        }
+        if let Err(errors) = self.rebuild() {
+            tracing::warn!(?errors, "recompiling after warming timed out failed");
+        }
+        self.resubscribe();
+    }
+
+    /// Compiles the bootstrap with every accepted resource; on success swaps the snapshot
+    /// in, binds new listener sockets and tells the serve loop.
+    fn rebuild(&mut self) -> Result<(), Vec<(String, String)>> {
+        let dynamic = self.dynamic_resources();
+        let previous = self.store.load();
+        let compiled =
+            crate::snapshot::compile_with(&self.bootstrap, &dynamic, Some(&previous), &self.stats)
+                .map_err(|err| {
+                    err.errors
+                        .iter()
+                        .map(|p| (resource_name(&p.path), p.to_string()))
+                        .collect::<Vec<_>>()
+                })?;
+        for warning in &compiled.warnings {
+            tracing::debug!("{warning}");
+        }
+        let snapshot = compiled.snapshot;
+        let change = self.bind(&previous, &snapshot)?;
+        let snapshot = Arc::new(snapshot);
+        self.store.swap(snapshot.clone());
+        for (name, cluster) in &snapshot.clusters {
+            let kept = previous
+                .clusters
+                .get(name)
+                .is_some_and(|old| Arc::ptr_eq(old, cluster));
+            if !kept {
+                let cluster = cluster.clone();
+                tokio::spawn(async move { cluster.start().await });
+            }
+        }
+        self.stats
+            .gauge("cluster_manager.active_clusters")
+            .set(snapshot.clusters.len() as u64);
+        self.stats
+            .gauge("cluster_manager.warming_clusters")
+            .set(dynamic.warming_clusters.len() as u64);
+        self.stats
+            .gauge("listener_manager.total_listeners_active")
+            .set(snapshot.listeners.len() as u64);
+        let _ = self.changes.send(change);
+        self.check_progress(&dynamic);
+        Ok(())
+    }
+
+    /// Binds the addresses of new listeners (a failure refuses the update) and lists
+    /// what stops being listened on and which listeners retire.
+    fn bind(
+        &mut self,
+        previous: &Snapshot,
+        next: &Snapshot,
+    ) -> Result<ListenerChange, Vec<(String, String)>> {
+        let mut change = ListenerChange::default();
+        let mut wanted = BTreeSet::new();
+        for listener in next.listeners.iter().filter(|l| l.bind_to_port) {
+            for addr in &listener.addresses {
+                wanted.insert((listener.name.clone(), *addr));
+            }
+        }
+        let mut errors = Vec::new();
+        for (name, addr) in wanted.difference(&self.bound) {
+            let listener = next.listener(name).expect("a listener of the snapshot");
+            match (self.binder)(listener, *addr) {
+                Ok(socket) => change.bound.push(BoundSocket {
+                    listener: name.clone(),
+                    direction: listener.direction,
+                    addr: *addr,
+                    socket,
+                }),
+                Err(err) => errors.push((
+                    name.to_string(),
+                    format!("Listener {name:?}: cannot listen on {addr}: {err}"),
+                )),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        let static_names: BTreeSet<&str> = self
+            .bootstrap
+            .static_resources
+            .iter()
+            .flat_map(|r| &r.listeners)
+            .map(|l| l.name.as_str())
+            .collect();
+        change.unbound = self
+            .bound
+            .difference(&wanted)
+            .filter(|(name, _)| !static_names.contains(&**name))
+            .cloned()
+            .collect();
+        for bound in &change.bound {
+            self.bound.insert((bound.listener.clone(), bound.addr));
+        }
+        for gone in &change.unbound {
+            self.bound.remove(gone);
+        }
+        change.retired = previous
+            .listeners
+            .iter()
+            .filter(|old| {
+                next.listener(&old.name)
+                    .is_none_or(|new| !Arc::ptr_eq(new, old))
+            })
+            .cloned()
+            .collect();
+        Ok(change)
+    }
+
+    /// After an update: ask for listeners once the first clusters are warm, and be
+    /// ready once the first listeners are in.
+    fn check_progress(&mut self, dynamic: &DynamicResources) {
+        let clusters_done = self
+            .types
+            .get(&TypeUrl::Cluster)
+            .is_none_or(|t| t.applied || self.plan.initial_fetch_timeout.is_zero())
+            && dynamic.warming_clusters.is_empty();
+        if clusters_done && !self.listeners_requested {
+            self.listeners_requested = true;
+        }
+        let listeners_done = self.types.get(&TypeUrl::Listener).is_none_or(|t| t.applied);
+        if clusters_done && listeners_done && !self.ready {
+            self.ready = true;
+            self.live.set_ready();
+            tracing::info!("xDS initial configuration applied: ready");
+        }
+    }
+
+    /// Updates named subscriptions (endpoints of EDS clusters, routes of listeners) and
+    /// sends first requests of types that became wanted.
+    fn resubscribe(&mut self) {
+        let mut wanted: HashMap<TypeUrl, BTreeSet<String>> = HashMap::new();
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            wanted.insert(
+                TypeUrl::ClusterLoadAssignment,
+                clusters
+                    .resources
+                    .values()
+                    .filter_map(|e| match &e.resource {
+                        Resource::Cluster(c) => eds_service_name(c),
+                        _ => None,
+                    })
+                    .collect(),
+            );
+        }
+        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
+            wanted.insert(
+                TypeUrl::RouteConfiguration,
+                listeners
+                    .resources
+                    .values()
+                    .filter_map(|e| match &e.resource {
+                        Resource::Listener(l) => Some(rds_names(l)),
+                        _ => None,
+                    })
+                    .flatten()
+                    .collect(),
+            );
+        }
+        for (kind, names) in wanted {
+            let delta = self.is_delta(kind);
+            let Some(state) = self.types.get_mut(&kind) else {
+                continue;
+            };
+            if state.names == names {
+                continue;
+            }
+            let added: Vec<String> = names.difference(&state.names).cloned().collect();
+            let removed: Vec<String> = state.names.difference(&names).cloned().collect();
+            state.names = names;
+            // Unsubscribed resources are forgotten (Envoy drops them too).
+            for name in &removed {
+                state.resources.remove(name);
+            }
+            if !state.subscribed {
+                continue;
+            }
+            let request = if delta {
+                Outbound::Delta(DeltaDiscoveryRequest {
+                    type_url: kind.as_str().into(),
+                    resource_names_subscribe: added,
+                    resource_names_unsubscribe: removed,
+                    ..Default::default()
+                })
+            } else if state.names.is_empty() {
+                // An empty SotW request would read as a wildcard subscription.
+                continue;
+            } else {
+                Outbound::Sotw(DiscoveryRequest {
+                    version_info: state.version_info.clone(),
+                    response_nonce: state.nonce.clone(),
+                    type_url: kind.as_str().into(),
+                    resource_names: state.names.iter().cloned().collect(),
+                    ..Default::default()
+                })
+            };
+            self.send(kind, request);
+        }
+        self.subscribe_all();
+    }
+
+    /// Everything accepted, as the snapshot compiler takes it. EDS clusters without
+    /// endpoints are warming unless their wait is over (`expired`, or `warming` says so).
+    fn dynamic_resources(&mut self) -> DynamicResources {
+        let mut dynamic = DynamicResources {
+            errors: self.errors.clone(),
+            ..Default::default()
+        };
+        let endpoints: HashMap<&str, &Entry> = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| t.resources.iter().map(|(n, e)| (n.as_str(), e)).collect())
+            .unwrap_or_default();
+        let mut still_warming = HashMap::new();
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            dynamic.clusters_version = clusters.version_info.clone();
+            for entry in clusters.resources.values() {
+                let Resource::Cluster(cluster) = &entry.resource else {
+                    continue;
+                };
+                let Some(service) = eds_service_name(cluster) else {
+                    dynamic.clusters.push(entry.tracked(cluster.clone()));
+                    continue;
+                };
+                let mut cluster = cluster.clone();
+                match endpoints.get(service.as_str()) {
+                    Some(eds) => {
+                        if let Resource::Endpoints(cla) = &eds.resource {
+                            cluster.load_assignment = Some(cla.clone());
+                        }
+                        dynamic.clusters.push(entry.tracked(cluster));
+                    }
+                    // Its endpoints did not come within initial_fetch_timeout.
+                    None if self.timed_out.contains(&cluster.name) => {
+                        dynamic.clusters.push(entry.tracked(cluster));
+                    }
+                    None => {
+                        let deadline =
+                            self.warming.get(&cluster.name).copied().unwrap_or_else(|| {
+                                let timeout = self.plan.initial_fetch_timeout;
+                                (!timeout.is_zero()).then(|| Instant::now() + timeout)
+                            });
+                        still_warming.insert(cluster.name.clone(), deadline);
+                        dynamic.warming_clusters.push(entry.tracked(cluster));
+                    }
+                }
+            }
+        }
+        self.warming = still_warming;
+        let known: BTreeSet<&String> = self
+            .types
+            .get(&TypeUrl::Cluster)
+            .map(|t| t.resources.keys().collect())
+            .unwrap_or_default();
+        self.timed_out.retain(|name| known.contains(name));
+        for (name, entry) in &endpoints {
+            if let Resource::Endpoints(cla) = &entry.resource {
+                let mut cla = cla.clone();
+                if cla.cluster_name.is_empty() {
+                    cla.cluster_name = (*name).to_owned();
+                }
+                dynamic.endpoints.push(entry.tracked(cla));
+            }
+        }
+        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
+            dynamic.listeners_version = listeners.version_info.clone();
+            for entry in listeners.resources.values() {
+                if let Resource::Listener(l) = &entry.resource {
+                    dynamic.listeners.push(entry.tracked(l.clone()));
+                }
+            }
+        }
+        if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
+            for entry in routes.resources.values() {
+                if let Resource::Route(r) = &entry.resource {
+                    dynamic.route_configs.push(entry.tracked(r.clone()));
+                }
+            }
+        }
+        if let Some(secrets) = self.types.get(&TypeUrl::Secret) {
+            for entry in secrets.resources.values() {
+                if let Resource::Secret(s) = &entry.resource {
+                    dynamic.secrets.push(entry.tracked(s.clone()));
+                }
+            }
+        }
+        dynamic
+    }
+}
+
+/// The accepted entry if the resource did not change (its `last_updated` stays), else a
+/// new one at `version`.
+fn keep_or_new(old: Option<&Entry>, resource: Resource, version: &str) -> Entry {
+    match old {
+        Some(old) if old.resource == resource => Entry {
+            version: version.to_owned(),
+            ..old.clone()
+        },
+        _ => Entry {
+            resource,
+            version: version.to_owned(),
+            last_updated: SystemTime::now(),
+        },
+    }
+}
+
+/// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
+fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
+    let is_eds = matches!(
+        cluster.cluster_discovery_type,
+        Some(ClusterDiscoveryType::Type(t)) if t == DiscoveryType::Eds as i32
+    );
+    if !is_eds {
+        return None;
+    }
+    Some(
+        cluster
+            .eds_cluster_config
+            .as_ref()
+            .map(|eds| eds.service_name.clone())
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| cluster.name.clone()),
+    )
+}
+
+/// The RDS route configurations a listener's HTTP connection managers name.
+fn rds_names(listener: &EnvoyListener) -> Vec<String> {
+    crate::admin::state::http_connection_managers(listener)
+        .into_iter()
+        .filter_map(|hcm| match hcm.route_specifier {
+            Some(RouteSpecifier::Rds(rds)) => Some(rds.route_config_name),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The resource a compile error is about: `Cluster "name"...` / `Listener "name"...`.
+fn resource_name(path: &str) -> String {
+    let quoted = path
+        .strip_prefix("Cluster ")
+        .or_else(|| path.strip_prefix("Listener "));
+    quoted
+        .and_then(|rest| {
+            let mut de = serde_json::Deserializer::from_str(rest).into_iter::<String>();
+            de.next().and_then(Result::ok)
+        })
+        .unwrap_or_default()
+}
+
+fn nack_status(kind: TypeUrl, errors: &[(String, String)]) -> Status {
+    Status {
+        code: INVALID_ARGUMENT,
+        message: format!(
+            "{} update rejected: {}",
+            kind.short().to_uppercase(),
+            errors
+                .iter()
+                .map(|(_, e)| e.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        details: Vec::new(),
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compile_errors_name_their_resource() {
+        assert_eq!(
+            resource_name(r#"Cluster "outbound|80||a.b".connect_timeout"#),
+            "outbound|80||a.b"
+        );
+        assert_eq!(resource_name(r#"Listener "x\"y".address"#), "x\"y");
+        assert_eq!(resource_name("static_resources.clusters[0]"), "");
+    }
+}

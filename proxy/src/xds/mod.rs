@@ -1,0 +1,124 @@
+//! xDS: configuration from a control plane (istiod through its agent, or any Envoy v3
+//! management server), as Envoy takes it.
+//!
+//! - [`source`] reads the bootstrap's `dynamic_resources` into streams: one ADS stream,
+//!   or one per type, state of the world or Delta.
+//! - [`stream`] keeps each gRPC stream connected (TCP or Unix socket), reconnecting with
+//!   jittered exponential back-off, and hands responses to the manager.
+//! - [`manager`] owns the accepted resources. Each response is applied whole: the new
+//!   resources are compiled with everything else into a snapshot; if that works the
+//!   snapshot is swapped in and the response ACKed, else it is NACKed with the errors
+//!   and the last good snapshot keeps serving. It follows Envoy's order: clusters first,
+//!   an EDS cluster warms until its endpoints arrive (or `initial_fetch_timeout`), and
+//!   listeners are asked for once the first clusters are in.
+
+pub mod manager;
+pub mod source;
+mod stream;
+
+pub use manager::Manager;
+
+/// The resource types shunt subscribes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TypeUrl {
+    Cluster,
+    ClusterLoadAssignment,
+    Listener,
+    RouteConfiguration,
+    Secret,
+}
+
+impl TypeUrl {
+    pub const ALL: [TypeUrl; 5] = [
+        TypeUrl::Cluster,
+        TypeUrl::ClusterLoadAssignment,
+        TypeUrl::Listener,
+        TypeUrl::RouteConfiguration,
+        TypeUrl::Secret,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TypeUrl::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            TypeUrl::ClusterLoadAssignment => {
+                "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+            }
+            TypeUrl::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
+            TypeUrl::RouteConfiguration => {
+                "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+            }
+            TypeUrl::Secret => {
+                "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+            }
+        }
+    }
+
+    pub fn parse(url: &str) -> Option<TypeUrl> {
+        TypeUrl::ALL.into_iter().find(|t| t.as_str() == url)
+    }
+
+    /// Envoy's short name, for logs and stats.
+    pub fn short(self) -> &'static str {
+        match self {
+            TypeUrl::Cluster => "cds",
+            TypeUrl::ClusterLoadAssignment => "eds",
+            TypeUrl::Listener => "lds",
+            TypeUrl::RouteConfiguration => "rds",
+            TypeUrl::Secret => "sds",
+        }
+    }
+
+    /// Listeners and clusters are asked for whole (wildcard); the others by name, as the
+    /// accepted listeners and clusters reference them. In state of the world, only a
+    /// wildcard type's response is its complete set, so only there does omission remove.
+    pub fn is_wildcard(self) -> bool {
+        matches!(self, TypeUrl::Cluster | TypeUrl::Listener)
+    }
+
+    /// The gRPC method of a stream carrying only this type.
+    fn method(self, delta: bool) -> &'static str {
+        match (self, delta) {
+            (TypeUrl::Cluster, false) => {
+                "/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters"
+            }
+            (TypeUrl::Cluster, true) => {
+                "/envoy.service.cluster.v3.ClusterDiscoveryService/DeltaClusters"
+            }
+            (TypeUrl::ClusterLoadAssignment, false) => {
+                "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
+            }
+            (TypeUrl::ClusterLoadAssignment, true) => {
+                "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
+            }
+            (TypeUrl::Listener, false) => {
+                "/envoy.service.listener.v3.ListenerDiscoveryService/StreamListeners"
+            }
+            (TypeUrl::Listener, true) => {
+                "/envoy.service.listener.v3.ListenerDiscoveryService/DeltaListeners"
+            }
+            (TypeUrl::RouteConfiguration, false) => {
+                "/envoy.service.route.v3.RouteDiscoveryService/StreamRoutes"
+            }
+            (TypeUrl::RouteConfiguration, true) => {
+                "/envoy.service.route.v3.RouteDiscoveryService/DeltaRoutes"
+            }
+            (TypeUrl::Secret, false) => {
+                "/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets"
+            }
+            (TypeUrl::Secret, true) => {
+                "/envoy.service.secret.v3.SecretDiscoveryService/DeltaSecrets"
+            }
+        }
+    }
+}
+
+/// The gRPC method of a stream carrying `types`: ADS when it carries more than one.
+fn method(types: &[TypeUrl], delta: bool) -> &'static str {
+    match types {
+        [one] => one.method(delta),
+        _ if delta => {
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+        }
+        _ => "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+    }
+}

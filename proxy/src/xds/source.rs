@@ -1,0 +1,311 @@
+//! Where each resource type comes from, as the bootstrap's `dynamic_resources` says:
+//! one ADS stream (`ads_config`, used by every `ads: {}` source) or a stream of its own
+//! per type (`api_config_source`), each reaching its server through a static cluster
+//! (TCP, or a Unix socket `pipe` as Istio's agent listens) or a `google_grpc` target.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
+use envoy_types::pb::envoy::config::core::v3::api_config_source::ApiType;
+use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
+use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
+use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
+use envoy_types::pb::envoy::config::core::v3::{ApiConfigSource, ConfigSource};
+use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+
+use super::TypeUrl;
+
+/// Envoy's default `initial_fetch_timeout`.
+const DEFAULT_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How the xDS server is reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Tcp(addr) => write!(f, "{addr}"),
+            Target::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// One gRPC stream's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stream {
+    /// Delta (incremental) rather than state of the world.
+    pub delta: bool,
+    pub target: Target,
+    /// gRPC initial metadata (`grpc_services[0].initial_metadata`).
+    pub initial_metadata: Vec<(String, String)>,
+    /// Connect timeout (`grpc_services[0].timeout`).
+    pub timeout: Option<Duration>,
+    pub set_node_on_first_message_only: bool,
+    /// The types this stream carries: every ADS type, or one.
+    pub types: Vec<TypeUrl>,
+    /// The JSON path of its config, for messages.
+    pub path: String,
+}
+
+/// The bootstrap's xDS plan: its streams, and how long a type may take to arrive.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub streams: Vec<Stream>,
+    pub initial_fetch_timeout: Duration,
+}
+
+/// A bootstrap's xDS plan; `None` without `dynamic_resources` asking for LDS or CDS.
+pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
+    let Some(dynamic) = &bootstrap.dynamic_resources else {
+        return Ok(None);
+    };
+    let mut ads_types = Vec::new();
+    let mut streams = Vec::new();
+    let mut initial_fetch_timeout = None;
+    // Endpoints and routes follow their clusters' and listeners' sources; with ADS every
+    // type shares the one stream.
+    for (name, source, types) in [
+        (
+            "cds_config",
+            &dynamic.cds_config,
+            [TypeUrl::Cluster, TypeUrl::ClusterLoadAssignment],
+        ),
+        (
+            "lds_config",
+            &dynamic.lds_config,
+            [TypeUrl::Listener, TypeUrl::RouteConfiguration],
+        ),
+    ] {
+        let Some(source) = source else { continue };
+        let path = format!("dynamic_resources.{name}");
+        initial_fetch_timeout = initial_fetch_timeout.or_else(|| fetch_timeout(source));
+        match &source.config_source_specifier {
+            Some(ConfigSourceSpecifier::Ads(_)) => ads_types.extend(types),
+            Some(ConfigSourceSpecifier::ApiConfigSource(api)) => {
+                for kind in types {
+                    streams.push(stream(
+                        api,
+                        vec![kind],
+                        bootstrap,
+                        &format!("{path}.api_config_source"),
+                    )?);
+                }
+            }
+            Some(_) => anyhow::bail!(
+                "{path}: only ads and api_config_source (gRPC) config sources are implemented"
+            ),
+            None => anyhow::bail!("{path}: no config source"),
+        }
+    }
+    if !ads_types.is_empty() {
+        let ads = dynamic.ads_config.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("dynamic_resources: a source says ads, but ads_config is not set")
+        })?;
+        // Secrets come over ADS too when transport sockets name them.
+        ads_types.push(TypeUrl::Secret);
+        streams.insert(
+            0,
+            stream(ads, ads_types, bootstrap, "dynamic_resources.ads_config")?,
+        );
+    }
+    if streams.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Plan {
+        streams,
+        initial_fetch_timeout: initial_fetch_timeout.unwrap_or(DEFAULT_INITIAL_FETCH_TIMEOUT),
+    }))
+}
+
+fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
+    let t = source.initial_fetch_timeout.as_ref()?;
+    Some(Duration::new(
+        t.seconds.max(0) as u64,
+        t.nanos.clamp(0, 999_999_999) as u32,
+    ))
+}
+
+fn stream(
+    api: &ApiConfigSource,
+    types: Vec<TypeUrl>,
+    bootstrap: &Bootstrap,
+    path: &str,
+) -> anyhow::Result<Stream> {
+    let delta = match ApiType::try_from(api.api_type) {
+        Ok(ApiType::Grpc | ApiType::AggregatedGrpc) => false,
+        Ok(ApiType::DeltaGrpc | ApiType::AggregatedDeltaGrpc) => true,
+        Ok(other) => anyhow::bail!(
+            "{path}.api_type: {} is not implemented; use GRPC or DELTA_GRPC",
+            other.as_str_name()
+        ),
+        Err(_) => anyhow::bail!("{path}.api_type: unknown value {}", api.api_type),
+    };
+    let Some(service) = api.grpc_services.first() else {
+        anyhow::bail!("{path}.grpc_services: needs one gRPC service");
+    };
+    let target = match &service.target_specifier {
+        Some(TargetSpecifier::EnvoyGrpc(grpc)) => cluster_target(
+            bootstrap,
+            &grpc.cluster_name,
+            &format!("{path}.grpc_services[0].envoy_grpc.cluster_name"),
+        )?,
+        Some(TargetSpecifier::GoogleGrpc(grpc)) => uri_target(
+            &grpc.target_uri,
+            &format!("{path}.grpc_services[0].google_grpc.target_uri"),
+        )?,
+        None => anyhow::bail!("{path}.grpc_services[0]: no target"),
+    };
+    let timeout = service.timeout.as_ref().map(|t| {
+        Duration::new(
+            t.seconds.max(0) as u64,
+            t.nanos.clamp(0, 999_999_999) as u32,
+        )
+    });
+    Ok(Stream {
+        delta,
+        target,
+        initial_metadata: service
+            .initial_metadata
+            .iter()
+            .map(|h| (h.key.to_ascii_lowercase(), h.value.clone()))
+            .collect(),
+        timeout,
+        set_node_on_first_message_only: api.set_node_on_first_message_only,
+        types,
+        path: path.to_owned(),
+    })
+}
+
+/// The first endpoint of static cluster `name`: TLS to the xDS server is refused by name.
+fn cluster_target(bootstrap: &Bootstrap, name: &str, path: &str) -> anyhow::Result<Target> {
+    let cluster = bootstrap
+        .static_resources
+        .iter()
+        .flat_map(|r| &r.clusters)
+        .find(|c| c.name == name)
+        .ok_or_else(|| anyhow::anyhow!("{path}: {name:?} is not a static cluster"))?;
+    if let Some(socket) = &cluster.transport_socket
+        && !socket.name.contains("raw_buffer")
+    {
+        anyhow::bail!(
+            "{path}: cluster {name:?} reaches the xDS server with transport socket {:?}; \
+             TLS to the xDS server is not implemented yet (Istio's bootstrap uses a plaintext \
+             Unix socket to its agent)",
+            socket.name
+        );
+    }
+    let address = cluster
+        .load_assignment
+        .iter()
+        .flat_map(|a| &a.endpoints)
+        .flat_map(|l| &l.lb_endpoints)
+        .find_map(|e| match &e.host_identifier {
+            Some(HostIdentifier::Endpoint(endpoint)) => endpoint.address.as_ref(),
+            _ => None,
+        })
+        .and_then(|a| a.address.as_ref())
+        .ok_or_else(|| anyhow::anyhow!("{path}: cluster {name:?} has no endpoint"))?;
+    match address {
+        AddressKind::Pipe(pipe) => Ok(Target::Unix(PathBuf::from(&pipe.path))),
+        AddressKind::SocketAddress(socket) => {
+            let port = match socket.port_specifier {
+                Some(PortSpecifier::PortValue(port)) => port,
+                _ => anyhow::bail!("{path}: cluster {name:?}'s endpoint has no port"),
+            };
+            let ip: std::net::IpAddr = socket.address.parse().map_err(|_| {
+                anyhow::anyhow!(
+                    "{path}: cluster {name:?}'s endpoint {:?} is not an IP address",
+                    socket.address
+                )
+            })?;
+            let port = u16::try_from(port)
+                .map_err(|_| anyhow::anyhow!("{path}: port {port} is out of range"))?;
+            Ok(Target::Tcp(SocketAddr::new(ip, port)))
+        }
+        AddressKind::EnvoyInternalAddress(_) => {
+            anyhow::bail!("{path}: cluster {name:?} has an internal address")
+        }
+    }
+}
+
+/// A `google_grpc` target: `unix:PATH`, `unix://PATH` or `IP:PORT`.
+fn uri_target(uri: &str, path: &str) -> anyhow::Result<Target> {
+    if let Some(rest) = uri.strip_prefix("unix:") {
+        return Ok(Target::Unix(PathBuf::from(
+            rest.strip_prefix("//").unwrap_or(rest),
+        )));
+    }
+    uri.parse()
+        .map(Target::Tcp)
+        .map_err(|_| anyhow::anyhow!("{path}: {uri:?} is neither unix:PATH nor IP:PORT"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bootstrap(json: serde_json::Value) -> Bootstrap {
+        crate::config::message_from_json(json).unwrap()
+    }
+
+    #[test]
+    fn istio_style_delta_ads_over_a_pipe() {
+        let b = bootstrap(serde_json::json!({
+            "dynamic_resources": {
+                "lds_config": {"ads": {}, "initial_fetch_timeout": "0s"},
+                "cds_config": {"ads": {}},
+                "ads_config": {
+                    "api_type": "DELTA_GRPC",
+                    "set_node_on_first_message_only": true,
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"},
+                        "initial_metadata": [{"key": "X-Tenant", "value": "a"}]}]
+                }
+            },
+            "static_resources": {"clusters": [{"name": "xds-grpc", "type": "STATIC",
+                "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"pipe": {"path": "./etc/istio/proxy/XDS"}}}}]}]}}]}
+        }));
+        let planned = plan(&b).unwrap().unwrap();
+        assert_eq!(planned.streams.len(), 1);
+        let ads = &planned.streams[0];
+        assert!(ads.delta && ads.set_node_on_first_message_only);
+        assert_eq!(ads.target, Target::Unix("./etc/istio/proxy/XDS".into()));
+        assert_eq!(ads.initial_metadata, [("x-tenant".into(), "a".into())]);
+        assert_eq!(planned.initial_fetch_timeout, Duration::ZERO);
+        assert!(ads.types.contains(&TypeUrl::ClusterLoadAssignment));
+    }
+
+    #[test]
+    fn per_type_sources_get_a_stream_each_and_errors_name_the_path() {
+        let b = bootstrap(serde_json::json!({
+            "dynamic_resources": {
+                "cds_config": {"api_config_source": {"api_type": "GRPC",
+                    "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:18000", "stat_prefix": "x"}}]}}
+            }
+        }));
+        let streams = plan(&b).unwrap().unwrap().streams;
+        assert_eq!(streams.len(), 2);
+        assert_eq!(streams[0].types, [TypeUrl::Cluster]);
+        assert_eq!(
+            streams[0].target,
+            Target::Tcp("127.0.0.1:18000".parse().unwrap())
+        );
+
+        let b = bootstrap(serde_json::json!({
+            "dynamic_resources": {"cds_config": {"api_config_source": {"api_type": "REST",
+                "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:1", "stat_prefix": "x"}}]}}}
+        }));
+        let err = plan(&b).unwrap_err().to_string();
+        assert!(
+            err.starts_with("dynamic_resources.cds_config.api_config_source.api_type"),
+            "{err}"
+        );
+    }
+}

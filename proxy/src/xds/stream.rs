@@ -1,0 +1,250 @@
+//! One gRPC stream to an xDS server, kept up: connect (TCP or Unix socket, plaintext
+//! HTTP/2), tell the manager, forward every response to it, and when the stream ends
+//! reconnect after a jittered exponential back-off (Envoy's 500 ms base, 30 s cap),
+//! reset once a stream has delivered a response.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use hyper_util::rt::TokioIo;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use super::source::{Stream, Target};
+
+const BACKOFF_BASE: Duration = Duration::from_millis(500);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A request for the server, of the stream's kind.
+#[derive(Debug)]
+pub enum Outbound {
+    Sotw(DiscoveryRequest),
+    Delta(DeltaDiscoveryRequest),
+}
+
+/// What a stream tells the manager.
+#[derive(Debug)]
+pub enum Event {
+    /// Connected: send requests through `requests` (the initial ones first).
+    Connected {
+        stream: usize,
+        requests: mpsc::UnboundedSender<Outbound>,
+    },
+    Sotw {
+        stream: usize,
+        response: DiscoveryResponse,
+    },
+    Delta {
+        stream: usize,
+        response: DeltaDiscoveryResponse,
+    },
+    Disconnected {
+        stream: usize,
+        error: String,
+    },
+}
+
+/// Runs stream `index` until the manager goes away.
+pub async fn run(index: usize, config: Stream, events: mpsc::UnboundedSender<Event>) {
+    let path = super::method(&config.types, config.delta);
+    let mut attempt = 0u32;
+    loop {
+        let result = session(index, &config, path, &events).await;
+        if events.is_closed() {
+            return;
+        }
+        let (error, delivered) = match result {
+            Ok(delivered) => ("the server closed the stream".to_owned(), delivered),
+            Err((error, delivered)) => (error, delivered),
+        };
+        tracing::warn!(target = %config.target, %error, "xDS stream ended; reconnecting");
+        if events
+            .send(Event::Disconnected {
+                stream: index,
+                error,
+            })
+            .is_err()
+        {
+            return;
+        }
+        attempt = if delivered { 0 } else { attempt + 1 };
+        tokio::time::sleep(backoff(attempt)).await;
+    }
+}
+
+/// Full jitter: a random wait up to `base * 2^attempt`, capped.
+fn backoff(attempt: u32) -> Duration {
+    let ceiling = BACKOFF_BASE
+        .saturating_mul(1 << attempt.min(16))
+        .min(BACKOFF_MAX);
+    ceiling.mul_f64(fastrand_unit())
+}
+
+/// A number in [0.1, 1): enough randomness to spread reconnects, no crate needed.
+fn fastrand_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    0.1 + 0.9 * (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// One connected stream; returns whether any response arrived.
+async fn session(
+    index: usize,
+    config: &Stream,
+    path: &'static str,
+    events: &mpsc::UnboundedSender<Event>,
+) -> Result<bool, (String, bool)> {
+    let channel = connect(&config.target, config.timeout)
+        .await
+        .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| (format!("{}: {e}", config.target), false))?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (sotw_tx, sotw_rx) = mpsc::unbounded_channel::<DiscoveryRequest>();
+    let (delta_tx, delta_rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
+    // One typed request channel per kind; the manager speaks `Outbound`.
+    tokio::spawn(split(rx, sotw_tx, delta_tx));
+    if events
+        .send(Event::Connected {
+            stream: index,
+            requests: tx,
+        })
+        .is_err()
+    {
+        return Ok(false);
+    }
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+    let mut delivered = false;
+    let fail = |status: tonic::Status, delivered: bool| {
+        (
+            format!("gRPC status {:?}: {}", status.code(), status.message()),
+            delivered,
+        )
+    };
+    if config.delta {
+        let request = with_metadata(UnboundedReceiverStream::new(delta_rx), config)?;
+        let codec =
+            tonic_prost::ProstCodec::<DeltaDiscoveryRequest, DeltaDiscoveryResponse>::default();
+        let mut responses = grpc
+            .streaming(request, path, codec)
+            .await
+            .map_err(|s| fail(s, false))?
+            .into_inner();
+        while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
+            delivered = true;
+            if events
+                .send(Event::Delta {
+                    stream: index,
+                    response,
+                })
+                .is_err()
+            {
+                break;
+            }
+        }
+    } else {
+        let request = with_metadata(UnboundedReceiverStream::new(sotw_rx), config)?;
+        let codec = tonic_prost::ProstCodec::<DiscoveryRequest, DiscoveryResponse>::default();
+        let mut responses = grpc
+            .streaming(request, path, codec)
+            .await
+            .map_err(|s| fail(s, false))?
+            .into_inner();
+        while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
+            delivered = true;
+            if events
+                .send(Event::Sotw {
+                    stream: index,
+                    response,
+                })
+                .is_err()
+            {
+                break;
+            }
+        }
+    }
+    Ok(delivered)
+}
+
+async fn split(
+    mut rx: mpsc::UnboundedReceiver<Outbound>,
+    sotw: mpsc::UnboundedSender<DiscoveryRequest>,
+    delta: mpsc::UnboundedSender<DeltaDiscoveryRequest>,
+) {
+    while let Some(request) = rx.recv().await {
+        let sent = match request {
+            Outbound::Sotw(r) => sotw.send(r).is_ok(),
+            Outbound::Delta(r) => delta.send(r).is_ok(),
+        };
+        if !sent {
+            return;
+        }
+    }
+}
+
+fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (String, bool)> {
+    let mut request = tonic::Request::new(body);
+    for (key, value) in &config.initial_metadata {
+        let key = tonic::metadata::MetadataKey::from_bytes(key.as_bytes())
+            .map_err(|_| (format!("{}: bad metadata key {key:?}", config.path), false))?;
+        let value = value.parse().map_err(|_| {
+            (
+                format!("{}: bad metadata value {value:?}", config.path),
+                false,
+            )
+        })?;
+        request.metadata_mut().insert(key, value);
+    }
+    Ok(request)
+}
+
+async fn connect(target: &Target, timeout: Option<Duration>) -> Result<Channel, String> {
+    let timeout = timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    match target {
+        Target::Tcp(addr) => Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(timeout)
+            .connect()
+            .await
+            .map_err(|e| error_chain(&e)),
+        Target::Unix(path) => {
+            let path = path.clone();
+            let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(TokioIo::new(stream))
+                }
+            });
+            Endpoint::from_static("http://localhost")
+                .connect_timeout(timeout)
+                .connect_with_connector(connector)
+                .await
+                .map_err(|e| error_chain(&e))
+        }
+    }
+}
+
+/// An error with its causes, which tonic's transport errors hide.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,246 @@
+//! What outlives a server restart: the store, the logs, and the open streams (one
+//! lock, so a `set` pushes to every stream before it returns and logs stay ordered).
+
+use super::delta::DeltaStream;
+use super::sotw::SotwStream;
+use super::store::Store;
+use super::{Any, Received, Sent};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::Status;
+
+pub(crate) type SotwTx = UnboundedSender<Result<DiscoveryResponse, Status>>;
+pub(crate) type DeltaTx = UnboundedSender<Result<DeltaDiscoveryResponse, Status>>;
+
+/// Nonces are unique across all streams, which makes them unique per stream too.
+#[derive(Debug, Default)]
+pub(crate) struct Nonces(u64);
+
+impl Nonces {
+    pub fn next(&mut self) -> String {
+        self.0 += 1;
+        self.0.to_string()
+    }
+}
+
+#[derive(Debug)]
+enum Kind {
+    Sotw(SotwTx, SotwStream),
+    Delta(DeltaTx, DeltaStream),
+}
+
+#[derive(Debug)]
+struct Stream {
+    metadata: Vec<(String, String)>,
+    /// The latest node id the stream sent (clients usually send the node only once).
+    node_id: Option<String>,
+    kind: Kind,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    pub store: Store,
+    streams: HashMap<u64, Stream>,
+    next_stream: u64,
+    nonces: Nonces,
+    pub requests: Vec<Received>,
+    pub responses: Vec<Sent>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Signalled on every request and response, for the `wait_for*` helpers.
+    pub changed: Condvar,
+}
+
+impl Shared {
+    /// A panic elsewhere while holding the lock must not wedge the harness.
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn open_sotw(&self, metadata: Vec<(String, String)>, tx: SotwTx) -> u64 {
+        self.open(metadata, Kind::Sotw(tx, SotwStream::default()))
+    }
+
+    pub fn open_delta(&self, metadata: Vec<(String, String)>, tx: DeltaTx) -> u64 {
+        self.open(metadata, Kind::Delta(tx, DeltaStream::default()))
+    }
+
+    fn open(&self, metadata: Vec<(String, String)>, kind: Kind) -> u64 {
+        let mut st = self.lock();
+        st.next_stream += 1;
+        let id = st.next_stream;
+        let stream = Stream {
+            metadata,
+            node_id: None,
+            kind,
+        };
+        st.streams.insert(id, stream);
+        id
+    }
+
+    /// Dropping the sender ends the response stream (with OK unless `status` was sent).
+    pub fn close(&self, id: u64, status: Option<Status>) {
+        let Some(stream) = self.lock().streams.remove(&id) else {
+            return;
+        };
+        if let Some(status) = status {
+            // The receiver may be gone already; nothing to tell then.
+            match stream.kind {
+                Kind::Sotw(tx, _) => drop(tx.send(Err(status))),
+                Kind::Delta(tx, _) => drop(tx.send(Err(status))),
+            }
+        }
+    }
+
+    pub fn close_all(&self, status: Status) {
+        let ids: Vec<u64> = self.lock().streams.keys().copied().collect();
+        for id in ids {
+            self.close(id, Some(status.clone()));
+        }
+    }
+
+    pub fn stream_count(&self) -> usize {
+        self.lock().streams.len()
+    }
+
+    pub fn on_sotw(&self, id: u64, req: DiscoveryRequest) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let Some(stream) = st.streams.get_mut(&id) else {
+            return;
+        };
+        if let Some(node) = &req.node {
+            stream.node_id = Some(node.id.clone());
+        }
+        st.requests.push(Received {
+            stream: id,
+            delta: false,
+            at: Instant::now(),
+            type_url: req.type_url.clone(),
+            node_id: stream.node_id.clone(),
+            node: req.node.clone(),
+            version_info: req.version_info.clone(),
+            response_nonce: req.response_nonce.clone(),
+            resource_names: req.resource_names.clone(),
+            unsubscribe: Vec::new(),
+            initial_resource_versions: HashMap::new(),
+            error_detail: req
+                .error_detail
+                .as_ref()
+                .map(|s| (s.code, s.message.clone())),
+            metadata: stream.metadata.clone(),
+        });
+        if req.type_url.is_empty() {
+            eprintln!("ads: stream {id}: request without type_url ignored");
+        } else if let Kind::Sotw(tx, sotw) = &mut stream.kind
+            && let Some(reply) = sotw.on_request(&st.store, &mut st.nonces, &req)
+        {
+            send_sotw(&mut st.responses, id, tx, reply);
+        }
+        self.changed.notify_all();
+    }
+
+    pub fn on_delta(&self, id: u64, req: DeltaDiscoveryRequest) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let Some(stream) = st.streams.get_mut(&id) else {
+            return;
+        };
+        if let Some(node) = &req.node {
+            stream.node_id = Some(node.id.clone());
+        }
+        st.requests.push(Received {
+            stream: id,
+            delta: true,
+            at: Instant::now(),
+            type_url: req.type_url.clone(),
+            node_id: stream.node_id.clone(),
+            node: req.node.clone(),
+            version_info: String::new(),
+            response_nonce: req.response_nonce.clone(),
+            resource_names: req.resource_names_subscribe.clone(),
+            unsubscribe: req.resource_names_unsubscribe.clone(),
+            initial_resource_versions: req.initial_resource_versions.clone(),
+            error_detail: req
+                .error_detail
+                .as_ref()
+                .map(|s| (s.code, s.message.clone())),
+            metadata: stream.metadata.clone(),
+        });
+        if req.type_url.is_empty() {
+            eprintln!("ads: stream {id}: delta request without type_url ignored");
+        } else if let Kind::Delta(tx, delta) = &mut stream.kind
+            && let Some(resp) = delta.on_request(&st.store, &mut st.nonces, &req)
+        {
+            send_delta(&mut st.responses, id, tx, resp);
+        }
+        self.changed.notify_all();
+    }
+
+    pub fn set(&self, type_url: &str, version: &str, resources: Vec<(String, Any)>) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        st.store.set(type_url, version, resources);
+        let mut ids: Vec<u64> = st.streams.keys().copied().collect();
+        // Push in stream order, so the response log is deterministic.
+        ids.sort_unstable();
+        for id in ids {
+            let stream = st.streams.get_mut(&id).expect("id listed above");
+            match &mut stream.kind {
+                Kind::Sotw(tx, sotw) => {
+                    if let Some(reply) = sotw.on_set(&st.store, &mut st.nonces, type_url) {
+                        send_sotw(&mut st.responses, id, tx, reply);
+                    }
+                }
+                Kind::Delta(tx, delta) => {
+                    if let Some(resp) = delta.on_set(&st.store, &mut st.nonces, type_url) {
+                        send_delta(&mut st.responses, id, tx, resp);
+                    }
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+}
+
+fn send_sotw(
+    log: &mut Vec<Sent>,
+    stream: u64,
+    tx: &SotwTx,
+    (resp, names): (DiscoveryResponse, Vec<String>),
+) {
+    log.push(Sent {
+        stream,
+        delta: false,
+        at: Instant::now(),
+        type_url: resp.type_url.clone(),
+        version_info: resp.version_info.clone(),
+        nonce: resp.nonce.clone(),
+        names,
+        removed: Vec::new(),
+    });
+    // A closed receiver means the stream is ending; its reader task cleans up.
+    let _ = tx.send(Ok(resp));
+}
+
+fn send_delta(log: &mut Vec<Sent>, stream: u64, tx: &DeltaTx, resp: DeltaDiscoveryResponse) {
+    log.push(Sent {
+        stream,
+        delta: true,
+        at: Instant::now(),
+        type_url: resp.type_url.clone(),
+        version_info: resp.system_version_info.clone(),
+        nonce: resp.nonce.clone(),
+        names: resp.resources.iter().map(|r| r.name.clone()).collect(),
+        removed: resp.removed_resources.clone(),
+    });
+    let _ = tx.send(Ok(resp));
+}
