@@ -175,6 +175,32 @@ pub struct DynamicResources {
     pub errors: Vec<UpdateFailure>,
 }
 
+/// The static clusters the bootstrap's xDS sources reach their servers through.
+fn xds_clusters(bootstrap: &Bootstrap) -> HashSet<&str> {
+    use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
+    use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
+    let Some(dynamic) = &bootstrap.dynamic_resources else {
+        return HashSet::new();
+    };
+    let per_type = [&dynamic.lds_config, &dynamic.cds_config]
+        .into_iter()
+        .flatten()
+        .filter_map(|source| match &source.config_source_specifier {
+            Some(ConfigSourceSpecifier::ApiConfigSource(api)) => Some(api),
+            _ => None,
+        });
+    dynamic
+        .ads_config
+        .iter()
+        .chain(per_type)
+        .flat_map(|api| &api.grpc_services)
+        .filter_map(|service| match &service.target_specifier {
+            Some(TargetSpecifier::EnvoyGrpc(grpc)) => Some(grpc.cluster_name.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A config digest, to tell an unchanged resource from a changed one cheaply.
 pub fn digest<M: prost::Message>(message: &M) -> u64 {
     xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
@@ -200,13 +226,13 @@ pub fn compile_with(
     stats: &StatsStore,
 ) -> Result<Compiled, CompileError> {
     let mut problems = problems::Problems::default();
-    if let Some(dynamic) = &bootstrap.dynamic_resources {
-        if !dynamic.lds_resources_locator.is_empty() || !dynamic.cds_resources_locator.is_empty() {
-            problems.error(
-                "dynamic_resources",
-                "xDS-TP resource locators are not implemented; use lds_config / cds_config",
-            );
-        }
+    if let Some(dynamic) = &bootstrap.dynamic_resources
+        && (!dynamic.lds_resources_locator.is_empty() || !dynamic.cds_resources_locator.is_empty())
+    {
+        problems.error(
+            "dynamic_resources",
+            "xDS-TP resource locators are not implemented; use lds_config / cds_config",
+        );
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
     let health: HashSet<String> = crate::admin::health_ports::find(bootstrap)
@@ -247,7 +273,12 @@ pub fn compile_with(
         &mut problems,
     );
     let routed = listener::routed_clusters(&listener_sources, &health);
+    let xds_clusters = xds_clusters(bootstrap);
     for (name, paths) in &clusters.pipe_endpoints {
+        // The xDS client reaches its server through these itself.
+        if xds_clusters.contains(name.as_str()) {
+            continue;
+        }
         for path in paths {
             match routed.get(name) {
                 Some(listener) => problems.error(

@@ -78,8 +78,8 @@ pub type Binder = fn(&Listener, SocketAddr) -> std::io::Result<StdListener>;
 /// A decoded resource.
 #[derive(Debug, Clone, PartialEq)]
 enum Resource {
-    Listener(EnvoyListener),
-    Cluster(EnvoyCluster),
+    Listener(Box<EnvoyListener>),
+    Cluster(Box<EnvoyCluster>),
     Endpoints(ClusterLoadAssignment),
     Route(RouteConfiguration),
     Secret(Secret),
@@ -96,8 +96,10 @@ impl Resource {
         }
         let bytes = any.value.as_slice();
         let decoded = match kind {
-            TypeUrl::Listener => EnvoyListener::decode(bytes).map(Resource::Listener),
-            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(Resource::Cluster),
+            TypeUrl::Listener => {
+                EnvoyListener::decode(bytes).map(|l| Resource::Listener(Box::new(l)))
+            }
+            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(|c| Resource::Cluster(Box::new(c))),
             TypeUrl::ClusterLoadAssignment => {
                 ClusterLoadAssignment::decode(bytes).map(Resource::Endpoints)
             }
@@ -186,6 +188,8 @@ pub struct Manager {
     streams: Vec<StreamState>,
     /// EDS clusters waiting for endpoints, with when they stop waiting (`None`: never).
     warming: HashMap<String, Option<Instant>>,
+    /// How many clusters the current snapshot leaves warming.
+    warming_count: usize,
     /// EDS clusters whose wait ended without endpoints.
     timed_out: std::collections::HashSet<String>,
     errors: Vec<UpdateFailure>,
@@ -250,6 +254,7 @@ impl Manager {
             streams,
             warming: HashMap::new(),
             timed_out: Default::default(),
+            warming_count: 0,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
             listeners_requested: false,
@@ -530,6 +535,7 @@ impl Manager {
                     resources = names.len(),
                     "xDS update applied"
                 );
+                self.check_progress();
                 Ok(())
             }
             Err(errors) => {
@@ -590,6 +596,7 @@ impl Manager {
         if let Err(errors) = self.rebuild() {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
+        self.check_progress();
         self.resubscribe();
     }
 
@@ -633,7 +640,7 @@ impl Manager {
             .gauge("listener_manager.total_listeners_active")
             .set(snapshot.listeners.len() as u64);
         let _ = self.changes.send(change);
-        self.check_progress(&dynamic);
+        self.warming_count = dynamic.warming_clusters.len();
         Ok(())
     }
 
@@ -703,12 +710,9 @@ impl Manager {
 
     /// After an update: ask for listeners once the first clusters are warm, and be
     /// ready once the first listeners are in.
-    fn check_progress(&mut self, dynamic: &DynamicResources) {
-        let clusters_done = self
-            .types
-            .get(&TypeUrl::Cluster)
-            .is_none_or(|t| t.applied || self.plan.initial_fetch_timeout.is_zero())
-            && dynamic.warming_clusters.is_empty();
+    fn check_progress(&mut self) {
+        let clusters_done =
+            self.types.get(&TypeUrl::Cluster).is_none_or(|t| t.applied) && self.warming_count == 0;
         if clusters_done && !self.listeners_requested {
             self.listeners_requested = true;
         }
@@ -813,10 +817,10 @@ impl Manager {
                     continue;
                 };
                 let Some(service) = eds_service_name(cluster) else {
-                    dynamic.clusters.push(entry.tracked(cluster.clone()));
+                    dynamic.clusters.push(entry.tracked((**cluster).clone()));
                     continue;
                 };
-                let mut cluster = cluster.clone();
+                let mut cluster = (**cluster).clone();
                 match endpoints.get(service.as_str()) {
                     Some(eds) => {
                         if let Resource::Endpoints(cla) = &eds.resource {
@@ -860,7 +864,7 @@ impl Manager {
             dynamic.listeners_version = listeners.version_info.clone();
             for entry in listeners.resources.values() {
                 if let Resource::Listener(l) = &entry.resource {
-                    dynamic.listeners.push(entry.tracked(l.clone()));
+                    dynamic.listeners.push(entry.tracked((**l).clone()));
                 }
             }
         }

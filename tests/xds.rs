@@ -1,0 +1,455 @@
+//! xDS end to end: `shunt proxy` in a pod takes its listeners, clusters and endpoints from
+//! the in-process ADS test server ([`harness::ads`]) over a Unix socket, as Istio's
+//! sidecar reaches its agent, once with state of the world and once with Delta.
+//!
+//! Each run checks, with real connections through the proxy to two echo servers:
+//! the initial config serves; an endpoint update moves new connections while a
+//! connection opened before it keeps its bytes intact; a bad cluster is NACKed (the
+//! server sees `error_detail`, `/config_dump` shows the error state) and the last good
+//! config keeps serving; a cluster whose endpoints have not come is warming (no
+//! traffic reaches it) until they do; the control plane restarting makes the client
+//! reconnect (Delta says what it holds in `initial_resource_versions`); removing the
+//! listener closes its port. Needs root.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{
+    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
+};
+use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
+use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
+use envoy_types::pb::envoy::config::core::v3::{Address, SocketAddress};
+use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::config::listener::v3::{Filter, FilterChain, Listener, filter};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::tcp_proxy::ClusterSpecifier;
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use harness::ads::{AdsServer, Any, Listen, type_urls};
+use harness::{Node, Pod, PodProcess, shunt_bin};
+use serde_json::Value;
+use support::*;
+
+const ADMIN: &str = "127.0.0.1:15000";
+const LISTEN_PORT: u16 = 10000;
+const ECHO_A: u16 = 9001;
+const ECHO_B: u16 = 9002;
+
+fn address(port: u16) -> Address {
+    Address {
+        address: Some(AddressKind::SocketAddress(SocketAddress {
+            address: "127.0.0.1".into(),
+            port_specifier: Some(PortSpecifier::PortValue(port.into())),
+            ..Default::default()
+        })),
+    }
+}
+
+fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
+    let cluster = Cluster {
+        name: name.into(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+        eds_cluster_config: Some(EdsClusterConfig {
+            eds_config: Some(Default::default()),
+            service_name: String::new(),
+        }),
+        connect_timeout: Some(PbDuration {
+            seconds: connect_timeout_s,
+            nanos: 0,
+        }),
+        ..Default::default()
+    };
+    (name.into(), AdsServer::any(&cluster))
+}
+
+fn endpoints(name: &str, port: u16) -> (String, Any) {
+    let cla = ClusterLoadAssignment {
+        cluster_name: name.into(),
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints: vec![LbEndpoint {
+                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                    address: Some(address(port)),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    (name.into(), AdsServer::any(&cla))
+}
+
+fn listener(name: &str, port: u16, cluster: &str) -> (String, Any) {
+    let proxy = TcpProxy {
+        stat_prefix: name.into(),
+        cluster_specifier: Some(ClusterSpecifier::Cluster(cluster.into())),
+        ..Default::default()
+    };
+    let listener = Listener {
+        name: name.into(),
+        address: Some(address(port)),
+        filter_chains: vec![FilterChain {
+            filters: vec![Filter {
+                name: "envoy.filters.network.tcp_proxy".into(),
+                config_type: Some(filter::ConfigType::TypedConfig(AdsServer::any(&proxy))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    (name.into(), AdsServer::any(&listener))
+}
+
+/// Istio's shape: ADS over a Unix socket through a static cluster with a `pipe` endpoint.
+fn bootstrap(socket: &std::path::Path, delta: bool) -> Value {
+    serde_json::json!({
+        "node": {"id": "sidecar~10.0.0.1~p.default~default.svc.cluster.local", "cluster": "p.default",
+                 "metadata": {"ISTIO_VERSION": "1.24.0"}},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
+        "dynamic_resources": {
+            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "ads_config": {
+                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"},
+                                   "initial_metadata": [{"key": "x-shunt-test", "value": "yes"}]}]
+            }
+        },
+        "static_resources": {"clusters": [{
+            "name": "xds-grpc", "type": "STATIC", "connect_timeout": "1s",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+            "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
+        }]}
+    })
+}
+
+/// A temporary folder, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("shunt-xds-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The proxy runs as uid 1337, which Istio's agent serves its socket to.
+fn open_to_the_proxy(dir: &std::path::Path, socket: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for path in [dir, socket] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+}
+
+fn admin(pod: &Pod, path: &str) -> (u16, String) {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    pod.run_in_netns(move || -> std::io::Result<(u16, String)> {
+        let mut stream = TcpStream::connect(ADMIN)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        stream.write_all(request.as_bytes())?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        Ok((status, body.to_owned()))
+    })
+    .expect("entering the pod")
+    .unwrap_or((0, String::new()))
+}
+
+fn config_dump(pod: &Pod) -> Value {
+    let (status, body) = admin(pod, "/config_dump");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).expect("config_dump is JSON")
+}
+
+fn dump_section<'a>(dump: &'a Value, kind: &str) -> &'a Value {
+    dump["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["@type"].as_str().unwrap_or("").ends_with(kind))
+        .unwrap_or_else(|| panic!("no {kind} in {dump}"))
+}
+
+/// Polls `check` until it holds (20 s at most).
+fn eventually(what: &str, proxy: &PodProcess, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !check() {
+        assert!(
+            proxy.try_wait().is_none(),
+            "shunt proxy exited: {}",
+            proxy.stderr_text()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting: {what}\n{}",
+            proxy.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// Which echo server a new connection through the listener reaches, if any.
+fn reaches(pod: &Pod) -> Option<u16> {
+    let target: SocketAddr = format!("127.0.0.1:{LISTEN_PORT}").parse().unwrap();
+    Caller::app(pod)
+        .call(target)
+        .ok()
+        .map(|c| c.server_local.port())
+}
+
+fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
+    let sent: Vec<_> = server
+        .responses()
+        .into_iter()
+        .filter(|s| s.type_url == type_url && s.version_info == version)
+        .map(|s| s.nonce)
+        .collect();
+    server.requests().iter().any(|r| {
+        r.type_url == type_url
+            && r.is_ack()
+            && sent.contains(&r.response_nonce)
+            && (delta || r.version_info == version)
+    })
+}
+
+fn drives_the_proxy(delta: bool) {
+    let dir = TempDir::new(if delta { "delta" } else { "sotw" });
+    let socket = dir.0.join("XDS");
+    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
+    open_to_the_proxy(&dir.0, &socket);
+    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("backend", ECHO_A)],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![listener("l1", LISTEN_PORT, "backend")],
+    );
+
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    let _echo = start_app(&pod, &[ECHO_A, ECHO_B]);
+    let config = dir.0.join("bootstrap.json");
+    std::fs::write(
+        &config,
+        serde_json::to_vec(&bootstrap(&socket, delta)).unwrap(),
+    )
+    .unwrap();
+    let proxy = pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "2", "--drain-time-s", "1", "-c"])
+        .arg(&config)
+        .spawn()
+        .expect("start shunt proxy");
+
+    // Initial config: node and metadata on the stream, everything ACKed, traffic served.
+    eventually("ready", &proxy, || admin(&pod, "/ready").0 == 200);
+    let first = server.requests().into_iter().next().expect("a request");
+    assert_eq!(first.delta, delta);
+    assert_eq!(
+        first.node_id.as_deref(),
+        Some("sidecar~10.0.0.1~p.default~default.svc.cluster.local")
+    );
+    assert_eq!(first.metadata("x-shunt-test"), Some("yes"));
+    assert_eq!(
+        first.type_url,
+        type_urls::CLUSTER,
+        "clusters are asked for first"
+    );
+    for (t, v) in [
+        (type_urls::CLUSTER, "c1"),
+        (type_urls::ENDPOINT, "e1"),
+        (type_urls::LISTENER, "l1"),
+    ] {
+        assert!(acked(&server, t, v, delta), "{t} {v} not ACKed");
+    }
+    let eds = server
+        .requests()
+        .into_iter()
+        .find(|r| r.type_url == type_urls::ENDPOINT)
+        .unwrap();
+    assert_eq!(
+        eds.resource_names,
+        ["backend"],
+        "EDS asks for the EDS cluster's endpoints"
+    );
+    assert_eq!(reaches(&pod), Some(ECHO_A));
+    let dump = config_dump(&pod);
+    let clusters = dump_section(&dump, "ClustersConfigDump");
+    assert_eq!(clusters["version_info"], "c1");
+    assert_eq!(
+        clusters["dynamic_active_clusters"][0]["cluster"]["name"],
+        "backend"
+    );
+    let listeners = dump_section(&dump, "ListenersConfigDump");
+    assert_eq!(
+        listeners["dynamic_listeners"][0]["active_state"]["version_info"],
+        "l1"
+    );
+
+    // An open connection, then an endpoint update: new connections move, the old one's
+    // bytes stay intact.
+    let target: SocketAddr = format!("127.0.0.1:{LISTEN_PORT}").parse().unwrap();
+    let mut held = pod
+        .run_in_netns(|| TcpStream::connect(target))
+        .unwrap()
+        .unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // testapp's greeting line comes first.
+    let mut byte = [0u8; 1];
+    while held.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {}
+    let echo = |stream: &mut TcpStream, payload: &[u8]| {
+        stream.write_all(payload).unwrap();
+        let mut back = vec![0u8; payload.len()];
+        stream.read_exact(&mut back).unwrap();
+        assert_eq!(back, payload);
+    };
+    echo(&mut held, b"before the update");
+    server.set(
+        type_urls::ENDPOINT,
+        "e2",
+        vec![endpoints("backend", ECHO_B)],
+    );
+    eventually("EDS e2 applied", &proxy, || {
+        acked(&server, type_urls::ENDPOINT, "e2", delta)
+    });
+    assert_eq!(reaches(&pod), Some(ECHO_B));
+    echo(&mut held, &vec![7u8; 256 * 1024]);
+
+    // A bad cluster: NACKed with the reason, the last good config keeps serving.
+    server.set(type_urls::CLUSTER, "c2", vec![eds_cluster("backend", -1)]);
+    let nack = server
+        .wait_for(Duration::from_secs(10), |r| {
+            r.type_url == type_urls::CLUSTER && r.is_nack()
+        })
+        .expect("the bad cluster is NACKed");
+    let (_, message) = nack.error_detail.clone().unwrap();
+    assert!(
+        message.contains("Cluster \"backend\".connect_timeout"),
+        "{message}"
+    );
+    if !delta {
+        assert_eq!(
+            nack.version_info, "c1",
+            "a NACK names the last good version"
+        );
+    }
+    assert_eq!(reaches(&pod), Some(ECHO_B));
+    let dump = config_dump(&pod);
+    let clusters = dump_section(&dump, "ClustersConfigDump");
+    assert_eq!(clusters["version_info"], "c1");
+    let error = &clusters["dynamic_active_clusters"][0]["error_state"];
+    assert_eq!(error["version_info"], "c2", "{clusters}");
+    assert!(
+        error["details"]
+            .as_str()
+            .unwrap()
+            .contains("connect_timeout")
+    );
+
+    // A cluster whose endpoints have not come is warming: its listener gets nothing.
+    server.set(
+        type_urls::CLUSTER,
+        "c3",
+        vec![eds_cluster("backend", 1), eds_cluster("late", 1)],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l2",
+        vec![listener("l1", LISTEN_PORT, "late")],
+    );
+    eventually("LDS l2 applied", &proxy, || {
+        acked(&server, type_urls::LISTENER, "l2", delta)
+    });
+    let dump = config_dump(&pod);
+    let warming = &dump_section(&dump, "ClustersConfigDump")["dynamic_warming_clusters"];
+    assert_eq!(warming[0]["cluster"]["name"], "late", "{warming}");
+    assert_eq!(reaches(&pod), None, "no traffic to a warming cluster");
+    // The replaced listener's old connection closes after the drain time (1 s).
+    let mut buf = [0u8; 1];
+    held.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert!(
+        matches!(held.read(&mut buf), Ok(0) | Err(_)),
+        "drained connection closed"
+    );
+    server.set(
+        type_urls::ENDPOINT,
+        "e3",
+        vec![endpoints("backend", ECHO_B), endpoints("late", ECHO_A)],
+    );
+    eventually("late warmed", &proxy, || reaches(&pod) == Some(ECHO_A));
+
+    // The control plane restarts: the client reconnects and resubscribes.
+    let streams_before = server.requests().iter().map(|r| r.stream).max().unwrap();
+    server.restart().unwrap();
+    open_to_the_proxy(&dir.0, &socket);
+    let again = server
+        .wait_for(Duration::from_secs(40), |r| {
+            r.stream > streams_before && r.type_url == type_urls::CLUSTER
+        })
+        .expect("the client reconnects");
+    if delta {
+        assert_eq!(
+            again.initial_resource_versions.len(),
+            2,
+            "Delta resumes with what it holds: {:?}",
+            again.initial_resource_versions
+        );
+    } else {
+        assert_eq!(again.version_info, "c3", "SotW resumes from its version");
+    }
+    assert_eq!(reaches(&pod), Some(ECHO_A), "serving through the restart");
+
+    // Removal: the listener goes, its port closes.
+    server.set(type_urls::LISTENER, "l3", vec![]);
+    eventually("listener removed", &proxy, || {
+        pod.run_in_netns(|| TcpStream::connect(target).is_err())
+            .unwrap()
+    });
+    let dump = config_dump(&pod);
+    assert!(dump_section(&dump, "ListenersConfigDump")["dynamic_listeners"].is_null());
+    drop(proxy);
+}
+
+#[test]
+fn state_of_the_world_drives_the_proxy() {
+    drives_the_proxy(false);
+}
+
+#[test]
+fn delta_drives_the_proxy() {
+    drives_the_proxy(true);
+}
