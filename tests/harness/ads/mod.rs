@@ -2,10 +2,13 @@
 //!
 //! Serves both RPCs of AggregatedDiscoveryService (state of the world and Delta) over
 //! plaintext HTTP/2 on TCP or a Unix socket, from its own thread and tokio runtime, so
-//! tests stay synchronous. Resources are replaced per type with [`AdsServer::set`],
-//! which pushes to every subscribed stream before returning; every request and
-//! response is logged for assertions. The store and logs survive
-//! [`AdsServer::restart`].
+//! tests stay synchronous. The per-type services (Cluster, Endpoint, Listener, Route and
+//! Secret discovery, as an `api_config_source` uses them) are served on the same
+//! listener from the same store: such a stream is an ADS stream restricted to its one
+//! type, and each request and response names the [`methods`] it came on. Resources are
+//! replaced per type with [`AdsServer::set`], which pushes to every subscribed stream
+//! before returning; every request and response is logged for assertions. The store and
+//! logs survive [`AdsServer::restart`].
 //!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
@@ -50,6 +53,56 @@ pub mod type_urls {
     pub const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 }
 
+/// The gRPC methods served (full paths, as in [`Received::method`]).
+pub mod methods {
+    use super::type_urls;
+
+    pub const ADS: &str =
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+    pub const ADS_DELTA: &str =
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+    pub const CLUSTERS: &str = "/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters";
+    pub const CLUSTERS_DELTA: &str =
+        "/envoy.service.cluster.v3.ClusterDiscoveryService/DeltaClusters";
+    pub const ENDPOINTS: &str =
+        "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints";
+    pub const ENDPOINTS_DELTA: &str =
+        "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints";
+    pub const LISTENERS: &str =
+        "/envoy.service.listener.v3.ListenerDiscoveryService/StreamListeners";
+    pub const LISTENERS_DELTA: &str =
+        "/envoy.service.listener.v3.ListenerDiscoveryService/DeltaListeners";
+    pub const ROUTES: &str = "/envoy.service.route.v3.RouteDiscoveryService/StreamRoutes";
+    pub const ROUTES_DELTA: &str = "/envoy.service.route.v3.RouteDiscoveryService/DeltaRoutes";
+    pub const SECRETS: &str = "/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets";
+    pub const SECRETS_DELTA: &str = "/envoy.service.secret.v3.SecretDiscoveryService/DeltaSecrets";
+
+    /// (type, state-of-the-world method, Delta method) of each per-type service.
+    const PER_TYPE: [(&str, &str, &str); 5] = [
+        (type_urls::CLUSTER, CLUSTERS, CLUSTERS_DELTA),
+        (type_urls::ENDPOINT, ENDPOINTS, ENDPOINTS_DELTA),
+        (type_urls::LISTENER, LISTENERS, LISTENERS_DELTA),
+        (type_urls::ROUTE, ROUTES, ROUTES_DELTA),
+        (type_urls::SECRET, SECRETS, SECRETS_DELTA),
+    ];
+
+    /// The method of the per-type service carrying `type_url`, if there is one.
+    pub fn per_type(type_url: &str, delta: bool) -> Option<&'static str> {
+        PER_TYPE
+            .iter()
+            .find(|(t, _, _)| *t == type_url)
+            .map(|(_, sotw, d)| if delta { *d } else { *sotw })
+    }
+
+    /// The one type a per-type method carries; `None` for ADS, which carries any.
+    pub fn type_of(method: &str) -> Option<&'static str> {
+        PER_TYPE
+            .iter()
+            .find(|(_, sotw, delta)| *sotw == method || *delta == method)
+            .map(|(t, _, _)| *t)
+    }
+}
+
 /// Where the server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Listen {
@@ -64,9 +117,14 @@ pub enum Listen {
 pub struct Received {
     /// Stream id, unique across restarts.
     pub stream: u64,
-    /// DeltaAggregatedResources rather than StreamAggregatedResources.
+    /// The stream's gRPC method, one of [`methods`]: ADS or a per-type service.
+    pub method: &'static str,
+    /// Delta (DeltaAggregatedResources, DeltaClusters, ...) rather than state of the
+    /// world.
     pub delta: bool,
     pub at: Instant,
+    /// On a per-type stream a request may leave it empty (the spec makes it implicit
+    /// there); it is logged as the stream's type then.
     pub type_url: String,
     /// The id of the latest node this stream sent (clients usually send it once).
     pub node_id: Option<String>,
@@ -98,6 +156,11 @@ impl Received {
         self.error_detail.is_some()
     }
 
+    /// Came on an AggregatedDiscoveryService stream rather than a per-type one.
+    pub fn is_ads(&self) -> bool {
+        methods::type_of(self.method).is_none()
+    }
+
     /// The value of a metadata key (keys are lowercase in gRPC).
     pub fn metadata(&self, key: &str) -> Option<&str> {
         self.metadata
@@ -111,6 +174,8 @@ impl Received {
 #[derive(Debug, Clone)]
 pub struct Sent {
     pub stream: u64,
+    /// The stream's gRPC method, one of [`methods`].
+    pub method: &'static str,
     pub delta: bool,
     /// When it was queued to the stream.
     pub at: Instant,
@@ -359,9 +424,9 @@ fn describe_requests(logs: &Logs) -> String {
     for r in &logs.requests[skip..] {
         let _ = writeln!(
             out,
-            "  stream {}{} {} version={:?} nonce={:?} names={:?}{}{}",
+            "  stream {} {} {} version={:?} nonce={:?} names={:?}{}{}",
             r.stream,
-            if r.delta { " delta" } else { "" },
+            short(r.method),
             r.type_url,
             r.version_info,
             r.response_nonce,
@@ -392,9 +457,9 @@ fn describe_responses(logs: &Logs) -> String {
     for s in &logs.responses[skip..] {
         let _ = writeln!(
             out,
-            "  stream {}{} {} version={:?} nonce={:?} names={:?} removed={:?}",
+            "  stream {} {} {} version={:?} nonce={:?} names={:?} removed={:?}",
             s.stream,
-            if s.delta { " delta" } else { "" },
+            short(s.method),
             s.type_url,
             s.version_info,
             s.nonce,
@@ -406,6 +471,11 @@ fn describe_responses(logs: &Logs) -> String {
         out.push_str("  nothing\n");
     }
     out
+}
+
+/// A method's name without its service ("StreamClusters").
+fn short(method: &str) -> &str {
+    method.rsplit('/').next().unwrap_or(method)
 }
 
 #[cfg(test)]

@@ -1,20 +1,39 @@
 //! The gRPC side: a thread with its own tokio runtime serving AggregatedDiscoveryService
-//! on one listener until told to stop.
+//! and the per-type discovery services on one listener until told to stop.
 
-use super::Listen;
 use super::state::Shared;
+use super::{Listen, methods};
 use anyhow::{Context, Result, anyhow};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-    aggregated_discovery_service_server::{
-        AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+use envoy_types::pb::envoy::service::{
+    cluster::v3::cluster_discovery_service_server::{
+        self as cds, ClusterDiscoveryService, ClusterDiscoveryServiceServer,
+    },
+    discovery::v3::{
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+        aggregated_discovery_service_server::{
+            AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+        },
+    },
+    endpoint::v3::endpoint_discovery_service_server::{
+        self as eds, EndpointDiscoveryService, EndpointDiscoveryServiceServer,
+    },
+    listener::v3::listener_discovery_service_server::{
+        self as lds, ListenerDiscoveryService, ListenerDiscoveryServiceServer,
+    },
+    route::v3::route_discovery_service_server::{
+        self as rds, RouteDiscoveryService, RouteDiscoveryServiceServer,
+    },
+    secret::v3::secret_discovery_service_server::{
+        self as sds, SecretDiscoveryService, SecretDiscoveryServiceServer,
     },
 };
 use std::{
+    convert::Infallible,
     fs::File,
     net::SocketAddr,
     os::{fd::AsRawFd, unix::fs::MetadataExt},
     sync::{Arc, mpsc},
+    task::{Context as TaskContext, Poll},
     thread::{self, JoinHandle},
     time::Duration,
 };
@@ -22,6 +41,8 @@ use tokio::sync::{mpsc::unbounded_channel, watch};
 use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
 use tonic::{
     Request, Response, Status, Streaming,
+    body::Body,
+    codegen::{BoxFuture, Service, http},
     metadata::{KeyAndValueRef, MetadataMap},
     transport::{Server, server::TcpIncoming},
 };
@@ -118,13 +139,10 @@ async fn serve(
     stop: watch::Receiver<bool>,
     ready: mpsc::Sender<Result<Option<SocketAddr>>>,
 ) {
-    let service = AggregatedDiscoveryServiceServer::new(Ads {
+    let service = Services::new(Arc::new(Ads {
         shared,
         stop: stop.clone(),
-    })
-    // Large configurations (benchmarks) exceed tonic's 4 MiB default.
-    .max_decoding_message_size(usize::MAX)
-    .max_encoding_message_size(usize::MAX);
+    }));
     let signal = {
         let mut stop = stop.clone();
         async move {
@@ -192,19 +210,20 @@ struct Ads {
     stop: watch::Receiver<bool>,
 }
 
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for Ads {
-    type StreamAggregatedResourcesStream =
-        UnboundedReceiverStream<Result<DiscoveryResponse, Status>>;
-    type DeltaAggregatedResourcesStream =
-        UnboundedReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
+type SotwResponses = UnboundedReceiverStream<Result<DiscoveryResponse, Status>>;
+type DeltaResponses = UnboundedReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
 
-    async fn stream_aggregated_resources(
+impl Ads {
+    /// A state-of-the-world stream on `method`.
+    fn sotw(
         &self,
+        method: &'static str,
         request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+    ) -> Result<Response<SotwResponses>, Status> {
         let (tx, rx) = unbounded_channel();
-        let id = self.shared.open_sotw(metadata(request.metadata()), tx);
+        let id = self
+            .shared
+            .open_sotw(method, metadata(request.metadata()), tx);
         let shared = self.shared.clone();
         tokio::spawn(read(
             request.into_inner(),
@@ -216,12 +235,16 @@ impl AggregatedDiscoveryService for Ads {
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
-    async fn delta_aggregated_resources(
+    /// A Delta stream on `method`.
+    fn delta(
         &self,
+        method: &'static str,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+    ) -> Result<Response<DeltaResponses>, Status> {
         let (tx, rx) = unbounded_channel();
-        let id = self.shared.open_delta(metadata(request.metadata()), tx);
+        let id = self
+            .shared
+            .open_delta(method, metadata(request.metadata()), tx);
         let shared = self.shared.clone();
         tokio::spawn(read(
             request.into_inner(),
@@ -231,6 +254,176 @@ impl AggregatedDiscoveryService for Ads {
             move |req| shared.on_delta(id, req),
         ));
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = SotwResponses;
+    type DeltaAggregatedResourcesStream = DeltaResponses;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<SotwResponses>, Status> {
+        self.sotw(methods::ADS, request)
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<DeltaResponses>, Status> {
+        self.delta(methods::ADS_DELTA, request)
+    }
+}
+
+/// A per-type service: its two streams are ADS streams on their own method (which
+/// restricts them to the type); the unary Fetch is not served.
+macro_rules! per_type_service {
+    ($service:ident, $sotw_stream:ident, $sotw:ident, $sotw_method:expr,
+     $delta_stream:ident, $delta:ident, $delta_method:expr, $fetch:ident) => {
+        #[tonic::async_trait]
+        impl $service for Ads {
+            type $sotw_stream = SotwResponses;
+            type $delta_stream = DeltaResponses;
+
+            async fn $sotw(
+                &self,
+                request: Request<Streaming<DiscoveryRequest>>,
+            ) -> Result<Response<SotwResponses>, Status> {
+                self.sotw($sotw_method, request)
+            }
+
+            async fn $delta(
+                &self,
+                request: Request<Streaming<DeltaDiscoveryRequest>>,
+            ) -> Result<Response<DeltaResponses>, Status> {
+                self.delta($delta_method, request)
+            }
+
+            async fn $fetch(
+                &self,
+                _request: Request<DiscoveryRequest>,
+            ) -> Result<Response<DiscoveryResponse>, Status> {
+                Err(Status::unimplemented(concat!(
+                    stringify!($fetch),
+                    " is not served by the test server"
+                )))
+            }
+        }
+    };
+}
+
+per_type_service!(
+    ClusterDiscoveryService,
+    StreamClustersStream,
+    stream_clusters,
+    methods::CLUSTERS,
+    DeltaClustersStream,
+    delta_clusters,
+    methods::CLUSTERS_DELTA,
+    fetch_clusters
+);
+per_type_service!(
+    EndpointDiscoveryService,
+    StreamEndpointsStream,
+    stream_endpoints,
+    methods::ENDPOINTS,
+    DeltaEndpointsStream,
+    delta_endpoints,
+    methods::ENDPOINTS_DELTA,
+    fetch_endpoints
+);
+per_type_service!(
+    ListenerDiscoveryService,
+    StreamListenersStream,
+    stream_listeners,
+    methods::LISTENERS,
+    DeltaListenersStream,
+    delta_listeners,
+    methods::LISTENERS_DELTA,
+    fetch_listeners
+);
+per_type_service!(
+    RouteDiscoveryService,
+    StreamRoutesStream,
+    stream_routes,
+    methods::ROUTES,
+    DeltaRoutesStream,
+    delta_routes,
+    methods::ROUTES_DELTA,
+    fetch_routes
+);
+per_type_service!(
+    SecretDiscoveryService,
+    StreamSecretsStream,
+    stream_secrets,
+    methods::SECRETS,
+    DeltaSecretsStream,
+    delta_secrets,
+    methods::SECRETS_DELTA,
+    fetch_secrets
+);
+
+/// Every service on one listener, dispatched on the path's service name (tonic's own
+/// router needs axum). Anything else gets ADS's UNIMPLEMENTED.
+#[derive(Clone)]
+struct Services {
+    ads: AggregatedDiscoveryServiceServer<Ads>,
+    cds: ClusterDiscoveryServiceServer<Ads>,
+    eds: EndpointDiscoveryServiceServer<Ads>,
+    lds: ListenerDiscoveryServiceServer<Ads>,
+    rds: RouteDiscoveryServiceServer<Ads>,
+    sds: SecretDiscoveryServiceServer<Ads>,
+}
+
+/// Large configurations (benchmarks) exceed tonic's 4 MiB default.
+macro_rules! unlimited {
+    ($server:ident, $ads:expr) => {
+        $server::from_arc($ads.clone())
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX)
+    };
+}
+
+impl Services {
+    fn new(ads: Arc<Ads>) -> Services {
+        Services {
+            ads: unlimited!(AggregatedDiscoveryServiceServer, ads),
+            cds: unlimited!(ClusterDiscoveryServiceServer, ads),
+            eds: unlimited!(EndpointDiscoveryServiceServer, ads),
+            lds: unlimited!(ListenerDiscoveryServiceServer, ads),
+            rds: unlimited!(RouteDiscoveryServiceServer, ads),
+            sds: unlimited!(SecretDiscoveryServiceServer, ads),
+        }
+    }
+}
+
+impl Service<http::Request<Body>> for Services {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let service = req
+            .uri()
+            .path()
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .unwrap_or_default();
+        match service {
+            cds::SERVICE_NAME => self.cds.call(req),
+            eds::SERVICE_NAME => self.eds.call(req),
+            lds::SERVICE_NAME => self.lds.call(req),
+            rds::SERVICE_NAME => self.rds.call(req),
+            sds::SERVICE_NAME => self.sds.call(req),
+            _ => self.ads.call(req),
+        }
     }
 }
 

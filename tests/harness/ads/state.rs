@@ -4,7 +4,7 @@
 use super::delta::DeltaStream;
 use super::sotw::SotwStream;
 use super::store::Store;
-use super::{Any, Received, Sent};
+use super::{Any, Received, Sent, methods};
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
@@ -36,6 +36,8 @@ enum Kind {
 
 #[derive(Debug)]
 struct Stream {
+    /// The gRPC method it came on (ADS, or a per-type service).
+    method: &'static str,
     metadata: Vec<(String, String)>,
     /// The latest node id the stream sent (clients usually send the node only once).
     node_id: Option<String>,
@@ -65,19 +67,30 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn open_sotw(&self, metadata: Vec<(String, String)>, tx: SotwTx) -> u64 {
-        self.open(metadata, Kind::Sotw(tx, SotwStream::default()))
+    pub fn open_sotw(
+        &self,
+        method: &'static str,
+        metadata: Vec<(String, String)>,
+        tx: SotwTx,
+    ) -> u64 {
+        self.open(method, metadata, Kind::Sotw(tx, SotwStream::default()))
     }
 
-    pub fn open_delta(&self, metadata: Vec<(String, String)>, tx: DeltaTx) -> u64 {
-        self.open(metadata, Kind::Delta(tx, DeltaStream::default()))
+    pub fn open_delta(
+        &self,
+        method: &'static str,
+        metadata: Vec<(String, String)>,
+        tx: DeltaTx,
+    ) -> u64 {
+        self.open(method, metadata, Kind::Delta(tx, DeltaStream::default()))
     }
 
-    fn open(&self, metadata: Vec<(String, String)>, kind: Kind) -> u64 {
+    fn open(&self, method: &'static str, metadata: Vec<(String, String)>, kind: Kind) -> u64 {
         let mut st = self.lock();
         st.next_stream += 1;
         let id = st.next_stream;
         let stream = Stream {
+            method,
             metadata,
             node_id: None,
             kind,
@@ -111,7 +124,7 @@ impl Shared {
         self.lock().streams.len()
     }
 
-    pub fn on_sotw(&self, id: u64, req: DiscoveryRequest) {
+    pub fn on_sotw(&self, id: u64, mut req: DiscoveryRequest) {
         let mut guard = self.lock();
         let st = &mut *guard;
         let Some(stream) = st.streams.get_mut(&id) else {
@@ -120,8 +133,10 @@ impl Shared {
         if let Some(node) = &req.node {
             stream.node_id = Some(node.id.clone());
         }
+        let wrong_type = implicit_type(stream.method, &mut req.type_url);
         st.requests.push(Received {
             stream: id,
+            method: stream.method,
             delta: false,
             at: Instant::now(),
             type_url: req.type_url.clone(),
@@ -138,17 +153,19 @@ impl Shared {
                 .map(|s| (s.code, s.message.clone())),
             metadata: stream.metadata.clone(),
         });
-        if req.type_url.is_empty() {
+        if let Some(status) = wrong_type {
+            reject(st, id, status);
+        } else if req.type_url.is_empty() {
             eprintln!("ads: stream {id}: request without type_url ignored");
         } else if let Kind::Sotw(tx, sotw) = &mut stream.kind
             && let Some(reply) = sotw.on_request(&st.store, &mut st.nonces, &req)
         {
-            send_sotw(&mut st.responses, id, tx, reply);
+            send_sotw(&mut st.responses, id, stream.method, tx, reply);
         }
         self.changed.notify_all();
     }
 
-    pub fn on_delta(&self, id: u64, req: DeltaDiscoveryRequest) {
+    pub fn on_delta(&self, id: u64, mut req: DeltaDiscoveryRequest) {
         let mut guard = self.lock();
         let st = &mut *guard;
         let Some(stream) = st.streams.get_mut(&id) else {
@@ -157,8 +174,10 @@ impl Shared {
         if let Some(node) = &req.node {
             stream.node_id = Some(node.id.clone());
         }
+        let wrong_type = implicit_type(stream.method, &mut req.type_url);
         st.requests.push(Received {
             stream: id,
+            method: stream.method,
             delta: true,
             at: Instant::now(),
             type_url: req.type_url.clone(),
@@ -175,12 +194,14 @@ impl Shared {
                 .map(|s| (s.code, s.message.clone())),
             metadata: stream.metadata.clone(),
         });
-        if req.type_url.is_empty() {
+        if let Some(status) = wrong_type {
+            reject(st, id, status);
+        } else if req.type_url.is_empty() {
             eprintln!("ads: stream {id}: delta request without type_url ignored");
         } else if let Kind::Delta(tx, delta) = &mut stream.kind
             && let Some(resp) = delta.on_request(&st.store, &mut st.nonces, &req)
         {
-            send_delta(&mut st.responses, id, tx, resp);
+            send_delta(&mut st.responses, id, stream.method, tx, resp);
         }
         self.changed.notify_all();
     }
@@ -197,12 +218,12 @@ impl Shared {
             match &mut stream.kind {
                 Kind::Sotw(tx, sotw) => {
                     if let Some(reply) = sotw.on_set(&st.store, &mut st.nonces, type_url) {
-                        send_sotw(&mut st.responses, id, tx, reply);
+                        send_sotw(&mut st.responses, id, stream.method, tx, reply);
                     }
                 }
                 Kind::Delta(tx, delta) => {
                     if let Some(resp) = delta.on_set(&st.store, &mut st.nonces, type_url) {
-                        send_delta(&mut st.responses, id, tx, resp);
+                        send_delta(&mut st.responses, id, stream.method, tx, resp);
                     }
                 }
             }
@@ -211,14 +232,44 @@ impl Shared {
     }
 }
 
+/// A per-type stream carries its one type: a request may leave `type_url` empty (it is
+/// filled in), but one naming another type gets the stream closed, as
+/// go-control-plane does.
+fn implicit_type(method: &'static str, type_url: &mut String) -> Option<Status> {
+    let only = methods::type_of(method)?;
+    if type_url.is_empty() {
+        only.clone_into(type_url);
+        None
+    } else if type_url != only {
+        Some(Status::invalid_argument(format!(
+            "{method} carries {only}, not {type_url}"
+        )))
+    } else {
+        None
+    }
+}
+
+/// End stream `id` with `status` (under the lock, from a request handler).
+fn reject(st: &mut State, id: u64, status: Status) {
+    eprintln!("ads: stream {id}: {}", status.message());
+    if let Some(stream) = st.streams.remove(&id) {
+        match stream.kind {
+            Kind::Sotw(tx, _) => drop(tx.send(Err(status))),
+            Kind::Delta(tx, _) => drop(tx.send(Err(status))),
+        }
+    }
+}
+
 fn send_sotw(
     log: &mut Vec<Sent>,
     stream: u64,
+    method: &'static str,
     tx: &SotwTx,
     (resp, names): (DiscoveryResponse, Vec<String>),
 ) {
     log.push(Sent {
         stream,
+        method,
         delta: false,
         at: Instant::now(),
         type_url: resp.type_url.clone(),
@@ -231,9 +282,16 @@ fn send_sotw(
     let _ = tx.send(Ok(resp));
 }
 
-fn send_delta(log: &mut Vec<Sent>, stream: u64, tx: &DeltaTx, resp: DeltaDiscoveryResponse) {
+fn send_delta(
+    log: &mut Vec<Sent>,
+    stream: u64,
+    method: &'static str,
+    tx: &DeltaTx,
+    resp: DeltaDiscoveryResponse,
+) {
     log.push(Sent {
         stream,
+        method,
         delta: true,
         at: Instant::now(),
         type_url: resp.type_url.clone(),

@@ -2,7 +2,7 @@
 //! covers the wire.
 
 use super::state::Shared;
-use super::{AdsServer, Any};
+use super::{AdsServer, Any, methods};
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
@@ -53,7 +53,7 @@ fn sotw_names(r: &DiscoveryResponse) -> Vec<String> {
 fn sotw_wildcard_initial_ack_push() {
     let shared = Shared::default();
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_sotw(vec![("x-k".into(), "v".into())], tx);
+    let id = shared.open_sotw(methods::ADS, vec![("x-k".into(), "v".into())], tx);
 
     // Nothing set yet: the client waits.
     shared.on_sotw(id, sotw_req(T, &[], "", ""));
@@ -104,7 +104,7 @@ fn sotw_named_subscription() {
     let shared = Shared::default();
     shared.set(E, "1", res(&[("a", "a1"), ("b", "b1")]));
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_sotw(vec![], tx);
+    let id = shared.open_sotw(methods::ADS, vec![], tx);
 
     // None of the names exist: no response.
     shared.on_sotw(id, sotw_req(E, &["z"], "", ""));
@@ -138,7 +138,7 @@ fn sotw_legacy_wildcard_survives_empty_requests_and_star() {
     let shared = Shared::default();
     shared.set(T, "1", res(&[("a", "a1")]));
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_sotw(vec![], tx);
+    let id = shared.open_sotw(methods::ADS, vec![], tx);
     shared.on_sotw(id, sotw_req(T, &["*", "a"], "", ""));
     let r = drain(&mut rx);
     assert_eq!(sotw_names(&r[0]), ["a1"]);
@@ -178,7 +178,7 @@ fn delta_wildcard_initial_versions_and_removal() {
     shared.set(T, "1", res(&[("a", "a"), ("b", "b")]));
     shared.set(T, "2", res(&[("a", "a"), ("b", "b2"), ("c", "c")]));
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_delta(vec![], tx);
+    let id = shared.open_delta(methods::ADS_DELTA, vec![], tx);
 
     // The client has a@1 (current), b@1 (stale) and gone@1 (removed since).
     let mut first = delta_req(T, &[], &[], "");
@@ -214,7 +214,7 @@ fn delta_wildcard_initial_versions_and_removal() {
 fn delta_wildcard_gets_a_first_empty_response() {
     let shared = Shared::default();
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_delta(vec![], tx);
+    let id = shared.open_delta(methods::ADS_DELTA, vec![], tx);
     shared.on_delta(id, delta_req(T, &["*"], &[], ""));
     assert!(drain(&mut rx).is_empty());
     shared.set(T, "1", vec![]);
@@ -230,7 +230,7 @@ fn delta_named_subscribe_unsubscribe() {
     let shared = Shared::default();
     shared.set(E, "1", res(&[("a", "a"), ("b", "b")]));
     let (tx, mut rx) = unbounded_channel();
-    let id = shared.open_delta(vec![], tx);
+    let id = shared.open_delta(methods::ADS_DELTA, vec![], tx);
 
     let mut first = delta_req(E, &["a"], &[], "");
     first.initial_resource_versions = [("a".to_string(), "1".to_string())].into();
@@ -260,8 +260,8 @@ fn set_pushes_to_every_subscribed_stream_and_close_ends_them() {
     let shared = Shared::default();
     let (tx1, mut rx1) = unbounded_channel();
     let (tx2, mut rx2) = unbounded_channel();
-    let s1 = shared.open_sotw(vec![], tx1);
-    let s2 = shared.open_delta(vec![], tx2);
+    let s1 = shared.open_sotw(methods::ADS, vec![], tx1);
+    let s2 = shared.open_delta(methods::ADS_DELTA, vec![], tx2);
     shared.on_sotw(s1, sotw_req(T, &[], "", ""));
     shared.on_delta(s2, delta_req(T, &[], &[], ""));
     shared.set(T, "1", res(&[("a", "a")]));
@@ -295,4 +295,43 @@ fn any_uses_the_google_prefix() {
     let a = AdsServer::any(&cla);
     assert_eq!(a.type_url, E);
     assert_eq!(a.value, prost::Message::encode_to_vec(&cla));
+}
+
+#[test]
+fn per_type_streams_carry_their_one_type() {
+    assert_eq!(methods::per_type(E, true), Some(methods::ENDPOINTS_DELTA));
+    assert_eq!(methods::type_of(methods::CLUSTERS), Some(T));
+    assert_eq!(methods::type_of(methods::ADS), None);
+
+    let shared = Shared::default();
+    let (tx, mut rx) = unbounded_channel();
+    let id = shared.open_sotw(methods::CLUSTERS, vec![], tx);
+    shared.set(T, "1", res(&[("a", "a")]));
+    // The type is implicit on a per-type stream: an empty one is the stream's.
+    shared.on_sotw(id, sotw_req("", &[], "", ""));
+    let r = drain(&mut rx);
+    assert_eq!((r.len(), r[0].type_url.as_str()), (1, T));
+    {
+        let st = shared.lock();
+        assert_eq!(st.requests[0].type_url, T);
+        assert_eq!(st.requests[0].method, methods::CLUSTERS);
+        assert!(!st.requests[0].is_ads());
+        assert_eq!(st.responses[0].method, methods::CLUSTERS);
+    }
+    // Another type ends the stream.
+    shared.on_sotw(id, sotw_req(E, &["a"], "", ""));
+    assert_eq!(
+        rx.try_recv().unwrap().unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(shared.stream_count(), 0);
+    assert_eq!(shared.lock().requests[1].type_url, E, "logged as sent");
+
+    let (tx, mut rx) = unbounded_channel();
+    let id = shared.open_delta(methods::LISTENERS_DELTA, vec![], tx);
+    shared.on_delta(id, delta_req(T, &[], &[], ""));
+    assert_eq!(
+        rx.try_recv().unwrap().unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
 }
