@@ -95,16 +95,16 @@ fn a_valid_bootstrap_passes_with_a_summary() {
 }
 
 #[test]
-fn istios_bootstrap_with_ads_is_invalid_until_xds_exists() {
+fn istios_bootstrap_with_ads_is_valid() {
     let file = Path::new(TESTDATA).join("istio-default_golden.json");
     let out = shunt(&["--mode", "validate", "-c", file.to_str().unwrap()]);
     let stdout = text(&out.stdout);
-    assert!(!out.status.success(), "{stdout}");
+    assert!(out.status.success(), "{stdout}");
     assert!(
-        stdout.contains("ERROR dynamic_resources: LDS, CDS and ADS (xDS) are not implemented yet"),
-        "{stdout}"
+        stdout.contains("ADS "),
+        "the summary names the ADS source: {stdout}"
     );
-    assert!(stdout.contains("INVALID: 1 error,"), "{stdout}");
+    assert!(stdout.contains("OK: valid"), "{stdout}");
 }
 
 #[test]
@@ -182,13 +182,19 @@ fn a_malformed_bootstrap_names_file_and_path() {
 }
 
 #[test]
-fn serving_a_bootstrap_with_dynamic_resources_is_refused_until_xds_exists() {
-    let file = Path::new(TESTDATA).join("go-control-plane-bootstrap-xds.yaml");
-    let out = shunt(&["-c", file.to_str().unwrap()]);
+fn serving_an_xds_source_shunt_cannot_use_is_refused_at_its_path() {
+    let yaml =
+        std::fs::read_to_string(Path::new(TESTDATA).join("go-control-plane-bootstrap-xds.yaml"))
+            .unwrap()
+            .replacen("api_type: GRPC", "api_type: REST", 1);
+    let file = TempFile::new("rest-xds.yaml", &yaml);
+    let out = shunt(&["-c", file.path()]);
     let stderr = text(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        stderr.contains("dynamic_resources: LDS, CDS and ADS (xDS) are not implemented yet"),
+        stderr.contains(
+            "dynamic_resources.cds_config.api_config_source.api_type: REST is not implemented"
+        ),
         "{stderr}"
     );
 }

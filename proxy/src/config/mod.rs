@@ -8,7 +8,7 @@
 //!
 //! [`crate::snapshot::compile`] then builds the immutable snapshot a proxy serves from
 //! these types; `--mode validate` runs it too, so the report names everything shunt
-//! cannot serve. xDS resources will come through the same pool.
+//! cannot serve, and the xDS sources are checked as the client would open them.
 
 mod extensions;
 mod json;
@@ -90,6 +90,18 @@ pub fn validate_mode(options: &Options) -> anyhow::Result<()> {
     match crate::snapshot::compile(&loaded.bootstrap, &stats) {
         Ok(compiled) => report.add_compiled(&[], &compiled.warnings),
         Err(err) => report.add_compiled(&err.errors, &err.warnings),
+    }
+    // The xDS sources as the client would open them.
+    if let Err(err) = crate::xds::source::plan(&loaded.bootstrap) {
+        let text = format!("{err:#}");
+        let (path, message) = text
+            .split_once(": ")
+            .unwrap_or(("dynamic_resources", &text));
+        let problem = crate::snapshot::Problem {
+            path: path.to_owned(),
+            message: message.to_owned(),
+        };
+        report.add_compiled(&[problem], &[]);
     }
     let mut out = std::io::stdout().lock();
     print_report(&mut out, options, &loaded.bootstrap, &report).context("writing the report")?;

@@ -380,7 +380,24 @@ fn lb_policy(
                     "must be at least 2",
                 );
             }
-            LbPolicy::LeastRequest { choice_count }
+            // Envoy's default bias is 1.0; it reads runtime overrides we do not have.
+            let active_request_bias = match &cluster.lb_config {
+                Some(LbConfig::LeastRequestLbConfig(c)) => c
+                    .active_request_bias
+                    .as_ref()
+                    .map_or(1.0, |b| b.default_value),
+                _ => 1.0,
+            };
+            if !(0.0..=10.0).contains(&active_request_bias) {
+                problems.error(
+                    format!("{path}.least_request_lb_config.active_request_bias"),
+                    "must be between 0 and 10",
+                );
+            }
+            LbPolicy::LeastRequest {
+                choice_count,
+                active_request_bias,
+            }
         }
         EnvoyLbPolicy::RingHash => {
             let (mut min, mut max) = (DEFAULT_MIN_RING_SIZE, DEFAULT_MAX_RING_SIZE);

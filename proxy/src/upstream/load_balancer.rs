@@ -22,12 +22,14 @@ pub const DEFAULT_MIN_RING_SIZE: u64 = 1024;
 pub const DEFAULT_MAX_RING_SIZE: u64 = 8 * 1024 * 1024;
 pub const DEFAULT_MAGLEV_TABLE_SIZE: u64 = 65_537;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum LbPolicy {
     RoundRobin,
-    /// Power of `choice_count` choices on active connections.
+    /// Power of `choice_count` choices on active connections; with unequal weights,
+    /// weights scaled down by load, as Envoy does: `weight / (active + 1) ^ bias`.
     LeastRequest {
         choice_count: u32,
+        active_request_bias: f64,
     },
     Random,
     RingHash {
@@ -83,6 +85,12 @@ enum Kind {
     LeastRequest {
         choice_count: u32,
     },
+    /// Unequal weights: smooth weighted round robin over load-scaled weights, Envoy's
+    /// earliest-deadline-first schedule in effect.
+    WeightedLeastRequest {
+        bias: f64,
+        scores: Mutex<Vec<f64>>,
+    },
     Random,
     /// Sorted by hash; each entry names an index into `hosts`.
     RingHash {
@@ -104,9 +112,21 @@ impl Balancer {
                     .any(|h| h.weight != hosts[0].weight)
                     .then(|| Mutex::new(vec![0; hosts.len()])),
             },
-            LbPolicy::LeastRequest { choice_count } => Kind::LeastRequest {
-                choice_count: choice_count.max(2),
-            },
+            LbPolicy::LeastRequest {
+                choice_count,
+                active_request_bias,
+            } => {
+                if hosts.iter().any(|h| h.weight != hosts[0].weight) {
+                    Kind::WeightedLeastRequest {
+                        bias: active_request_bias,
+                        scores: Mutex::new(vec![0.0; hosts.len()]),
+                    }
+                } else {
+                    Kind::LeastRequest {
+                        choice_count: choice_count.max(2),
+                    }
+                }
+            }
             LbPolicy::Random => Kind::Random,
             LbPolicy::RingHash {
                 min_ring_size,
@@ -178,6 +198,26 @@ impl Balancer {
                     }
                 }
                 best
+            }
+            Kind::WeightedLeastRequest { bias, scores } => {
+                let mut scores = scores.lock().unwrap_or_else(|e| e.into_inner());
+                let effective: Vec<f64> = self
+                    .hosts
+                    .iter()
+                    .map(|h| {
+                        f64::from(h.weight) / (h.active_connections() as f64 + 1.0).powf(*bias)
+                    })
+                    .collect();
+                let total: f64 = effective.iter().sum();
+                let mut best = 0;
+                for (i, weight) in effective.iter().enumerate() {
+                    scores[i] += weight;
+                    if scores[i] > scores[best] {
+                        best = i;
+                    }
+                }
+                scores[best] -= total;
+                &self.hosts[best]
             }
             Kind::RingHash { ring } => {
                 // The first point at or after the hash, wrapping; a retry walks on.
@@ -353,7 +393,10 @@ mod tests {
         for policy in [
             LbPolicy::RoundRobin,
             LbPolicy::Random,
-            LbPolicy::LeastRequest { choice_count: 2 },
+            LbPolicy::LeastRequest {
+                choice_count: 2,
+                active_request_bias: 1.0,
+            },
             LbPolicy::RingHash {
                 min_ring_size: 64,
                 max_ring_size: 1024,
@@ -389,7 +432,13 @@ mod tests {
     fn least_request_avoids_the_busiest_host() {
         let hosts = hosts(3);
         let _busy: Vec<_> = (0..5).map(|_| hosts[0].track_connection()).collect();
-        let lb = Balancer::new(&LbPolicy::LeastRequest { choice_count: 2 }, hosts.clone());
+        let lb = Balancer::new(
+            &LbPolicy::LeastRequest {
+                choice_count: 2,
+                active_request_bias: 1.0,
+            },
+            hosts.clone(),
+        );
         let seen = counts(&lb, 3000, |_| None);
         // The busy host wins only when both choices land on it: 1/9 of the time.
         let busy = seen.get(&hosts[0].address).copied().unwrap_or(0);
@@ -401,11 +450,38 @@ mod tests {
     fn least_request_with_all_choices_picks_the_least_loaded() {
         let hosts = hosts(2);
         let _busy = hosts[0].track_connection();
-        let lb = Balancer::new(&LbPolicy::LeastRequest { choice_count: 2 }, hosts.clone());
+        let lb = Balancer::new(
+            &LbPolicy::LeastRequest {
+                choice_count: 2,
+                active_request_bias: 1.0,
+            },
+            hosts.clone(),
+        );
         // Two random choices among two hosts: whenever both are seen, host 1 wins, so
         // host 0 only ever gets picks where both choices were host 0.
         let seen = counts(&lb, 2000, |_| None);
         assert!(seen[&hosts[1].address] > 1200, "{seen:?}");
+    }
+
+    #[test]
+    fn weighted_least_request_follows_weights_and_load() {
+        let mut hosts = hosts(2);
+        hosts[0] = Arc::new(Host::new(hosts[0].address).with_weight(3));
+        let policy = LbPolicy::LeastRequest {
+            choice_count: 2,
+            active_request_bias: 1.0,
+        };
+        let lb = Balancer::new(&policy, hosts.clone());
+        let seen = counts(&lb, 400, |_| None);
+        assert_eq!(seen[&hosts[0].address], 300, "idle: by weight 3:1 {seen:?}");
+        // Three open connections on the heavy host: 3/(3+1) against 1/(0+1), 3:4.
+        let _busy: Vec<_> = (0..3).map(|_| hosts[0].track_connection()).collect();
+        let lb = Balancer::new(&policy, hosts.clone());
+        let seen = counts(&lb, 400, |_| None);
+        assert!(
+            (170..=172).contains(&seen[&hosts[0].address]),
+            "loaded: {seen:?}"
+        );
     }
 
     #[test]

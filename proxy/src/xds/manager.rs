@@ -286,7 +286,9 @@ impl Manager {
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Connected { stream, requests } => {
-                tracing::info!(target = %self.streams[stream].config.target, "xDS stream connected");
+                let config = &self.streams[stream].config;
+                let types: Vec<&str> = config.types.iter().map(|t| t.short()).collect();
+                tracing::info!(target = %config.target, types = %types.join(","), "xDS stream connected");
                 self.stats.gauge("control_plane.connected_state").set(1);
                 let state = &mut self.streams[stream];
                 state.requests = Some(requests);
