@@ -677,9 +677,19 @@ fn health_check(
             return None;
         }
     };
+    let optional = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
+                    field: &str,
+                    problems: &mut Problems| {
+        duration_or(d, Duration::ZERO, &format!("{path}.{field}"), problems)
+    };
+    let interval_jitter = optional(check.interval_jitter.as_ref(), "interval_jitter", problems);
+    let initial_jitter = optional(check.initial_jitter.as_ref(), "initial_jitter", problems);
     Some(HealthCheck {
         timeout: timeout?,
         interval: interval?,
+        interval_jitter,
+        interval_jitter_percent: check.interval_jitter_percent,
+        initial_jitter,
         unhealthy_threshold,
         healthy_threshold,
         checker,

@@ -24,6 +24,12 @@ use super::host::FAILED_ACTIVE_HC;
 pub struct HealthCheck {
     pub timeout: Duration,
     pub interval: Duration,
+    /// Envoy's `interval_jitter`: up to this much added to every interval.
+    pub interval_jitter: Duration,
+    /// Envoy's `interval_jitter_percent`: up to this share of `interval` added too.
+    pub interval_jitter_percent: u32,
+    /// Envoy's `initial_jitter`: up to this much wait before the first probe.
+    pub initial_jitter: Duration,
     pub unhealthy_threshold: u32,
     pub healthy_threshold: u32,
     pub checker: Checker,
@@ -45,11 +51,21 @@ pub enum Checker {
 }
 
 impl HealthCheck {
+    /// The wait before the next round: the interval plus both jitters, so that proxies
+    /// (and clusters) started together do not probe in lockstep.
+    pub fn next_interval(&self) -> Duration {
+        let percent = self.interval * self.interval_jitter_percent / 100;
+        self.interval + up_to(percent) + up_to(self.interval_jitter)
+    }
+
     #[cfg(test)]
     pub fn tcp_for_tests() -> Self {
         HealthCheck {
             timeout: Duration::from_secs(1),
             interval: Duration::from_secs(60),
+            interval_jitter: Duration::ZERO,
+            interval_jitter_percent: 0,
+            initial_jitter: Duration::ZERO,
             unhealthy_threshold: 2,
             healthy_threshold: 2,
             checker: Checker::Tcp {
@@ -102,9 +118,24 @@ impl Streak {
     }
 }
 
+/// A random duration in `[0, max)`.
+fn up_to(max: Duration) -> Duration {
+    let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+    if nanos == 0 {
+        return Duration::ZERO;
+    }
+    Duration::from_nanos(super::random::below(nanos))
+}
+
 /// Probes the cluster's hosts with its `index`th health check until the cluster is gone.
 pub async fn run(cluster: Weak<Cluster>, index: usize) {
     let mut streaks: HashMap<SocketAddr, Streak> = HashMap::new();
+    let initial = cluster
+        .upgrade()
+        .map(|c| up_to(c.health_checks[index].initial_jitter));
+    if let Some(initial) = initial.filter(|d| !d.is_zero()) {
+        tokio::time::sleep(initial).await;
+    }
     loop {
         let Some(strong) = cluster.upgrade() else {
             return;
@@ -137,7 +168,7 @@ pub async fn run(cluster: Weak<Cluster>, index: usize) {
             streaks.retain(|addr, _| cluster.hosts().iter().any(|h| h.address == *addr));
             cluster.refresh();
         }
-        tokio::time::sleep(check.interval).await;
+        tokio::time::sleep(check.next_interval()).await;
     }
 }
 
@@ -270,6 +301,28 @@ mod tests {
     }
 
     #[test]
+    fn intervals_carry_both_jitters() {
+        let check = HealthCheck {
+            interval: Duration::from_secs(1),
+            interval_jitter: Duration::from_millis(100),
+            interval_jitter_percent: 50,
+            ..HealthCheck::tcp_for_tests()
+        };
+        let waits: Vec<Duration> = (0..200).map(|_| check.next_interval()).collect();
+        let (min, max) = (waits.iter().min().unwrap(), waits.iter().max().unwrap());
+        assert!(*min >= Duration::from_secs(1) && *max < Duration::from_millis(1600));
+        assert!(
+            *max - *min > Duration::from_millis(100),
+            "jittered: {min:?}..{max:?}"
+        );
+        assert_eq!(
+            HealthCheck::tcp_for_tests().next_interval(),
+            Duration::from_secs(60),
+            "no jitter configured, none added"
+        );
+    }
+
+    #[test]
     fn thresholds_count_runs_and_the_first_success_counts_at_once() {
         let check = check(2, 3);
         let mut streak = Streak::default();
@@ -386,6 +439,9 @@ mod tests {
         let mut config = ClusterConfig::new("c");
         config.health_checks.push(HealthCheck {
             interval: Duration::from_millis(20),
+            interval_jitter: Duration::ZERO,
+            interval_jitter_percent: 0,
+            initial_jitter: Duration::ZERO,
             ..http_check()
         });
         config.panic_threshold = 0.0;
