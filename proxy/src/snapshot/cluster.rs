@@ -313,6 +313,20 @@ pub fn compile(
     {
         config.panic_threshold = threshold.value.clamp(0.0, 100.0);
     }
+    if let Some(factor) = cluster
+        .load_assignment
+        .as_ref()
+        .and_then(|a| a.policy.as_ref())
+        .and_then(|p| p.overprovisioning_factor)
+    {
+        if factor.value == 0 {
+            problems.error(
+                format!("{path}.load_assignment.policy.overprovisioning_factor"),
+                "must be greater than 0",
+            );
+        }
+        config.overprovisioning_factor = factor.value.max(1);
+    }
     if let Some(socket) = &cluster.transport_socket {
         let type_name = socket
             .config_type

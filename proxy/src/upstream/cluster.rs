@@ -81,6 +81,8 @@ pub struct ClusterConfig {
     pub health_checks: Vec<HealthCheck>,
     /// Percent of healthy hosts under which all hosts are used anyway; 0 disables.
     pub panic_threshold: f64,
+    /// The endpoints' `policy.overprovisioning_factor`, in percent (Envoy's 140).
+    pub overprovisioning_factor: u32,
     /// Where the cluster's `cluster.<name>.*` stats go.
     pub stats: ClusterStats,
 }
@@ -98,6 +100,7 @@ impl ClusterConfig {
             outlier_detection: None,
             health_checks: Vec::new(),
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
+            overprovisioning_factor: DEFAULT_OVERPROVISIONING_FACTOR,
             stats: ClusterStats::default(),
         }
     }
@@ -115,14 +118,20 @@ pub struct Cluster {
     pub health_checks: Vec<HealthCheck>,
     pub stats: ClusterStats,
     panic_threshold: f64,
+    overprovisioning_factor: u32,
     members: RwLock<Arc<Members>>,
 }
 
-/// Every host of the cluster, and the balancer over those load balancing may use now.
+/// Envoy's default `overprovisioning_factor`: a level with 1/1.4 of its hosts healthy
+/// still takes all the load it would take healthy.
+pub const DEFAULT_OVERPROVISIONING_FACTOR: u32 = 140;
+
+/// Every host of the cluster, and per priority level the share of new connections it
+/// takes now (percent, summing to 100) with the balancer over the hosts it may use.
 #[derive(Debug)]
 struct Members {
     hosts: Vec<Arc<Host>>,
-    balancer: Balancer,
+    levels: Vec<(u32, Balancer)>,
 }
 
 impl Cluster {
@@ -142,9 +151,10 @@ impl Cluster {
             health_checks: config.health_checks,
             stats: config.stats,
             panic_threshold: config.panic_threshold,
+            overprovisioning_factor: config.overprovisioning_factor,
             members: RwLock::new(Arc::new(Members {
                 hosts: Vec::new(),
-                balancer: Balancer::new(&LbPolicy::RoundRobin, Vec::new()),
+                levels: Vec::new(),
             })),
         };
         cluster.set_hosts(hosts);
@@ -159,7 +169,22 @@ impl Cluster {
     /// The hosts load balancing chooses from now.
     #[cfg_attr(not(test), allow(dead_code, reason = "read by tests"))]
     pub fn routable_hosts(&self) -> Vec<Arc<Host>> {
-        self.members().balancer.hosts().to_vec()
+        self.members()
+            .levels
+            .iter()
+            .filter(|(load, _)| *load > 0)
+            .flat_map(|(_, balancer)| balancer.hosts().to_vec())
+            .collect()
+    }
+
+    /// Each priority level's share of new connections now, in percent.
+    #[cfg(test)]
+    fn priority_loads(&self) -> Vec<u32> {
+        self.members()
+            .levels
+            .iter()
+            .map(|(load, _)| *load)
+            .collect()
     }
 
     fn members(&self) -> Arc<Members> {
@@ -178,7 +203,7 @@ impl Cluster {
     ) -> Option<Arc<Host>> {
         let host = match self.discovery {
             Discovery::OriginalDst => original_dst.map(|dst| Arc::new(Host::new(dst))),
-            _ => self.members().balancer.choose(ctx),
+            _ => self.members().choose(ctx),
         };
         if host.is_none() {
             self.stats.upstream_cx_none_healthy.inc();
@@ -263,11 +288,11 @@ impl Cluster {
         self.stats
             .membership_healthy
             .set(hosts.iter().filter(|h| h.healthy()).count() as u64);
-        let routable = routable(&hosts, self.panic_threshold);
-        Members {
-            balancer: Balancer::new(&self.lb_policy, routable),
-            hosts,
-        }
+        let levels = priority_levels(&hosts, self.panic_threshold, self.overprovisioning_factor)
+            .into_iter()
+            .map(|(load, hosts)| (load, Balancer::new(&self.lb_policy, hosts)))
+            .collect();
+        Members { levels, hosts }
     }
 
     /// Feeds a connect result to outlier detection, ejecting the host if it is one
@@ -355,32 +380,94 @@ fn millis(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
-/// The hosts load balancing uses: the first priority level with a healthy host, its
-/// healthy hosts only, unless fewer than `panic_threshold` percent of that level are
-/// healthy (Envoy's panic mode: better to try every host than to refuse all traffic).
-/// With no healthy host anywhere, every host of the first level, unless panic is off.
-///
-/// Envoy spreads load across levels by their health with an overprovisioning factor;
-/// here a level takes all the load while it has any healthy host.
-fn routable(hosts: &[Arc<Host>], panic_threshold: f64) -> Vec<Arc<Host>> {
-    let mut levels: BTreeMap<u32, Vec<Arc<Host>>> = BTreeMap::new();
+impl Members {
+    /// A level by its load (a random draw over the shares), then a host of it.
+    fn choose(&self, ctx: &LbContext<'_>) -> Option<Arc<Host>> {
+        if self.levels.len() > 1 {
+            let mut draw = super::random::below(100) as u32;
+            for (load, balancer) in &self.levels {
+                if draw < *load {
+                    return balancer.choose(ctx);
+                }
+                draw -= load;
+            }
+        }
+        self.levels
+            .iter()
+            .find(|(load, _)| *load > 0)
+            .and_then(|(_, balancer)| balancer.choose(ctx))
+    }
+}
+
+/// Envoy's priority load: each level's health is its healthy share of hosts times the
+/// overprovisioning factor, capped at 100%; level 0 takes its health in load, the next
+/// level what is left up to its own health, and so on. If the levels' health sums to
+/// under 100%, the loads are scaled up to 100%, and a level with fewer than
+/// `panic_threshold` percent of its hosts healthy panics: load balancing uses all its
+/// hosts (better to try every host than refuse traffic); otherwise its healthy ones. With no healthy host
+/// anywhere, level 0 takes everything, in panic, unless panic is off.
+fn priority_levels(
+    hosts: &[Arc<Host>],
+    panic_threshold: f64,
+    overprovisioning_factor: u32,
+) -> Vec<(u32, Vec<Arc<Host>>)> {
+    let mut by_priority: BTreeMap<u32, Vec<Arc<Host>>> = BTreeMap::new();
     for host in hosts {
-        levels.entry(host.priority).or_default().push(host.clone());
+        by_priority
+            .entry(host.priority)
+            .or_default()
+            .push(host.clone());
     }
-    for level in levels.values() {
-        let healthy: Vec<_> = level.iter().filter(|h| h.healthy()).cloned().collect();
-        if healthy.is_empty() {
-            continue;
+    let levels: Vec<Vec<Arc<Host>>> = by_priority.into_values().collect();
+    let health: Vec<u32> = levels
+        .iter()
+        .map(|level| {
+            let healthy = level.iter().filter(|h| h.healthy()).count() as u64;
+            let percent = healthy * 100 * u64::from(overprovisioning_factor) / 100;
+            (percent / level.len() as u64).min(100) as u32
+        })
+        .collect();
+    let total: u32 = health.iter().sum::<u32>().min(100);
+    let mut loads = vec![0u32; levels.len()];
+    if total == 0 {
+        if let Some(first) = loads.first_mut() {
+            *first = 100;
         }
-        if (healthy.len() as f64) * 100.0 < panic_threshold * level.len() as f64 {
-            return level.clone();
+    } else {
+        let mut left = 100u32;
+        for (load, h) in loads.iter_mut().zip(&health) {
+            // Scaled when the levels cannot carry all the load together.
+            let share = if total < 100 { h * 100 / total } else { *h };
+            *load = share.min(left);
+            left -= *load;
         }
-        return healthy;
+        // Rounding in the scaling: the remainder goes to the first level with health.
+        if left > 0
+            && let Some(i) = health.iter().position(|h| *h > 0)
+        {
+            loads[i] += left;
+        }
     }
-    match levels.into_values().next() {
-        Some(first) if panic_threshold > 0.0 => first,
-        _ => Vec::new(),
-    }
+    levels
+        .into_iter()
+        .zip(loads)
+        .map(|(level, load)| {
+            let healthy: Vec<_> = level.iter().filter(|h| h.healthy()).cloned().collect();
+            // As Envoy: no level panics while the levels together carry all the load.
+            let panic = total < 100
+                && (healthy.len() as f64) * 100.0 < panic_threshold * level.len() as f64;
+            let usable = if panic || healthy.is_empty() {
+                if panic_threshold > 0.0 {
+                    level
+                } else {
+                    healthy
+                }
+            } else {
+                healthy
+            };
+            (load, usable)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -416,6 +503,44 @@ mod tests {
         hosts[2].set_flag(host::FAILED_EDS_HEALTH, true);
         cluster.refresh();
         assert_eq!(addrs(&cluster.routable_hosts()), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn priority_load_spills_over_as_envoys_does() {
+        // Level 0: 4 hosts; level 1: 2 hosts. All healthy: level 0 takes everything.
+        let hosts = vec![
+            host(1, 0),
+            host(2, 0),
+            host(3, 0),
+            host(4, 0),
+            host(5, 1),
+            host(6, 1),
+        ];
+        let cluster = Cluster::new(ClusterConfig::new("c"), hosts);
+        assert_eq!(cluster.priority_loads(), [100, 0]);
+        // 3 of 4 healthy: 75% x 1.4 = 105%, still all of the load.
+        let all = cluster.hosts();
+        all[0].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        cluster.refresh();
+        assert_eq!(cluster.priority_loads(), [100, 0]);
+        // 2 of 4: 70% stays on level 0, 30% spills to level 1.
+        all[1].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        cluster.refresh();
+        assert_eq!(cluster.priority_loads(), [70, 30]);
+        // Spread as the loads say.
+        let picks = (0..4000)
+            .filter_map(|_| cluster.choose_host(&LbContext::default(), None))
+            .filter(|h| h.priority == 1)
+            .count();
+        assert!((1000..1400).contains(&picks), "{picks} of 4000 to level 1");
+        // Level 1 half down too: 70 + 70 > 100, level 1 capped by what is left.
+        all[4].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        cluster.refresh();
+        assert_eq!(cluster.priority_loads(), [70, 30]);
+        // Level 0 down to 1 of 4 (35%) and level 1 1 of 2 (70%): 105% in all.
+        all[2].set_flag(host::FAILED_OUTLIER_CHECK, true);
+        cluster.refresh();
+        assert_eq!(cluster.priority_loads(), [35, 65]);
     }
 
     #[test]

@@ -220,8 +220,6 @@ impl Manager {
                 env!("CARGO_PKG_VERSION").into(),
             ),
         );
-        node.client_features
-            .push("envoy.lb.does_not_support_overprovisioning".into());
         let streams = plan
             .streams
             .iter()
