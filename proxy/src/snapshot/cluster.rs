@@ -255,6 +255,12 @@ pub fn compile(
                     "an ORIGINAL_DST cluster has no endpoints of its own",
                 );
             }
+            config.cleanup_interval = duration_or(
+                cluster.cleanup_interval.as_ref(),
+                crate::upstream::cluster::DEFAULT_CLEANUP_INTERVAL,
+                &format!("{path}.cleanup_interval"),
+                problems,
+            );
             Discovery::OriginalDst
         }
     };

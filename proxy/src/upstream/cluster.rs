@@ -8,10 +8,10 @@
 //! swap, so choosing a host takes a read lock and an `Arc` clone and never waits for a
 //! rebuild.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
@@ -83,6 +83,8 @@ pub struct ClusterConfig {
     pub panic_threshold: f64,
     /// The endpoints' `policy.overprovisioning_factor`, in percent (Envoy's 140).
     pub overprovisioning_factor: u32,
+    /// ORIGINAL_DST: how long a destination's host outlives its last connection.
+    pub cleanup_interval: Duration,
     /// Where the cluster's `cluster.<name>.*` stats go.
     pub stats: ClusterStats,
 }
@@ -101,6 +103,7 @@ impl ClusterConfig {
             health_checks: Vec::new(),
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
             overprovisioning_factor: DEFAULT_OVERPROVISIONING_FACTOR,
+            cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
             stats: ClusterStats::default(),
         }
     }
@@ -120,7 +123,14 @@ pub struct Cluster {
     panic_threshold: f64,
     overprovisioning_factor: u32,
     members: RwLock<Arc<Members>>,
+    /// ORIGINAL_DST: a host per destination in use, with when it was last chosen, so
+    /// that `/clusters` lists them with their stats, as Envoy's.
+    original_dst_hosts: Mutex<HashMap<SocketAddr, (Arc<Host>, Instant)>>,
+    cleanup_interval: Duration,
 }
+
+/// Envoy's default ORIGINAL_DST `cleanup_interval`.
+pub const DEFAULT_CLEANUP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Envoy's default `overprovisioning_factor`: a level with 1/1.4 of its hosts healthy
 /// still takes all the load it would take healthy.
@@ -156,14 +166,50 @@ impl Cluster {
                 hosts: Vec::new(),
                 levels: Vec::new(),
             })),
+            original_dst_hosts: Mutex::new(HashMap::new()),
+            cleanup_interval: config.cleanup_interval,
         };
         cluster.set_hosts(hosts);
         Arc::new(cluster)
     }
 
-    /// Every host, healthy or not.
+    /// Every host, healthy or not (ORIGINAL_DST: the destinations in use, by address).
     pub fn hosts(&self) -> Vec<Arc<Host>> {
-        self.members().hosts.clone()
+        let mut hosts = self.members().hosts.clone();
+        if matches!(self.discovery, Discovery::OriginalDst) {
+            let dst = self
+                .original_dst_hosts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let mut dynamic: Vec<Arc<Host>> = dst.values().map(|(h, _)| h.clone()).collect();
+            dynamic.sort_by_key(|h| h.address);
+            hosts.extend(dynamic);
+        }
+        hosts
+    }
+
+    /// The host for destination `dst` of an ORIGINAL_DST cluster, made on first use.
+    fn original_dst_host(&self, dst: SocketAddr) -> Arc<Host> {
+        let mut hosts = self
+            .original_dst_hosts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let entry = hosts
+            .entry(dst)
+            .or_insert_with(|| (Arc::new(Host::new(dst)), Instant::now()));
+        entry.1 = Instant::now();
+        entry.0.clone()
+    }
+
+    /// Forgets ORIGINAL_DST hosts with no connection since `cleanup_interval`.
+    fn clean_up_original_dst_hosts(&self) {
+        let mut hosts = self
+            .original_dst_hosts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        hosts.retain(|_, (host, used)| {
+            host.active_connections() > 0 || used.elapsed() < self.cleanup_interval
+        });
     }
 
     /// The hosts load balancing chooses from now.
@@ -202,7 +248,7 @@ impl Cluster {
         original_dst: Option<SocketAddr>,
     ) -> Option<Arc<Host>> {
         let host = match self.discovery {
-            Discovery::OriginalDst => original_dst.map(|dst| Arc::new(Host::new(dst))),
+            Discovery::OriginalDst => original_dst.map(|dst| self.original_dst_host(dst)),
             _ => self.members().choose(ctx),
         };
         if host.is_none() {
@@ -347,6 +393,19 @@ impl Cluster {
                 let (refresh, family) = (*refresh, *family);
                 dns::resolve_into(self, family).await;
                 tokio::spawn(dns::refresh_loop(Arc::downgrade(self), refresh, family));
+            }
+            Discovery::OriginalDst => {
+                let cluster = Arc::downgrade(self);
+                let every = self.cleanup_interval.max(Duration::from_millis(100));
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(every).await;
+                        let Some(cluster) = cluster.upgrade() else {
+                            return;
+                        };
+                        cluster.clean_up_original_dst_hosts();
+                    }
+                });
             }
             _ => {}
         }
@@ -503,6 +562,35 @@ mod tests {
         hosts[2].set_flag(host::FAILED_EDS_HEALTH, true);
         cluster.refresh();
         assert_eq!(addrs(&cluster.routable_hosts()), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn original_dst_hosts_are_listed_while_in_use() {
+        let mut config = ClusterConfig::new("PassthroughCluster");
+        config.discovery = Discovery::OriginalDst;
+        config.cleanup_interval = Duration::from_millis(30);
+        let cluster = Cluster::new(config, Vec::new());
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:80".parse().unwrap(),
+            "10.0.0.2:80".parse().unwrap(),
+        );
+        let ctx = LbContext::default();
+        let first = cluster.choose_host(&ctx, Some(a)).unwrap();
+        assert!(Arc::ptr_eq(
+            &first,
+            &cluster.choose_host(&ctx, Some(a)).unwrap()
+        ));
+        let held = cluster
+            .choose_host(&ctx, Some(b))
+            .unwrap()
+            .track_connection();
+        let listed: Vec<SocketAddr> = cluster.hosts().iter().map(|h| h.address).collect();
+        assert_eq!(listed, [a, b]);
+        std::thread::sleep(Duration::from_millis(40));
+        cluster.clean_up_original_dst_hosts();
+        let listed: Vec<SocketAddr> = cluster.hosts().iter().map(|h| h.address).collect();
+        assert_eq!(listed, [b], "idle a is forgotten, b has a connection");
+        drop(held);
     }
 
     #[test]
