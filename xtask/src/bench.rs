@@ -4,7 +4,8 @@
 //! side: `direct` (no capture, no proxy), `iptables` and `ebpf` (the client pod captured
 //! with that backend, `shunt proxy` in it). Scenarios run in rounds, in alternating
 //! order, and the medians are reported. `bench sockmap` (bench_sockmap.rs) puts the
-//! proxy-to-proxy short-circuit side by side, `bench l4` (bench_l4.rs) shunt and Envoy.
+//! proxy-to-proxy short-circuit side by side, `bench l4` (bench_l4.rs) shunt and Envoy,
+//! `bench xds` (bench_xds.rs) shunt and Envoy taking a large config over ADS.
 
 use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
@@ -27,6 +28,9 @@ pub enum Which {
     /// shunt vs Envoy on one static tcp_proxy bootstrap: throughput, connections/s,
     /// latency, RSS idle and with connections open.
     L4(crate::bench_l4::L4Args),
+    /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
+    /// then incremental EDS updates; send-to-ACK times and RSS.
+    Xds(crate::bench_xds::XdsArgs),
 }
 
 #[derive(clap::Args)]
@@ -45,6 +49,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Capture(args) => capture(&bins, &args),
         Which::Sockmap(args) => crate::bench_sockmap::run(&bins, &args),
         Which::L4(args) => crate::bench_l4::run(bins, &args),
+        Which::Xds(args) => crate::bench_xds::run(bins, &args),
     }
 }
 
@@ -217,17 +222,20 @@ fn capture(bins: &Bins, args: &CaptureArgs) -> Result<()> {
     let report = Report::new(args, busy, runs);
     let text = report.table();
     print!("\n{text}");
+    save("capture", &text, &report.json())
+}
+
+/// Writes a bench's table and JSON report to `target/bench/NAME.txt` and `NAME.json`.
+pub(crate) fn save(name: &str, text: &str, json: &Value) -> Result<()> {
     let dir = target_dir().join("bench");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("capture.txt"), &text)?;
+    let table = dir.join(format!("{name}.txt"));
+    std::fs::write(&table, text)?;
     std::fs::write(
-        dir.join("capture.json"),
-        serde_json::to_string_pretty(&report.json())? + "\n",
+        dir.join(format!("{name}.json")),
+        serde_json::to_string_pretty(json)? + "\n",
     )?;
-    println!(
-        "saved {} and capture.json",
-        dir.join("capture.txt").display()
-    );
+    println!("saved {} and {name}.json", table.display());
     Ok(())
 }
 
@@ -518,6 +526,17 @@ impl Report {
             "ratios": RATIOS.iter().map(|(a, b)| (format!("{}/{}", a.name(), b.name()), ratio(*a, *b))).collect::<serde_json::Map<_, _>>(),
             "runs": self.runs,
         })
+    }
+}
+
+/// The median of the values that are numbers (NaN when none is).
+pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.into_iter().filter(|v| !v.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 

