@@ -183,20 +183,22 @@ impl Resources {
 
     /// These (static) resources with the dynamic ones accepted over xDS added after them.
     pub fn with_dynamic(mut self, dynamic: &crate::snapshot::DynamicResources) -> Self {
-        self.listeners.extend(dynamic.listeners.iter().cloned());
-        self.clusters.extend(dynamic.clusters.iter().map(|tracked| {
-            // The config as CDS sent it: EDS endpoints are shown as endpoints.
-            let mut tracked = tracked.clone();
-            if tracked.resource.eds_cluster_config.is_some() {
-                tracked.resource.load_assignment = None;
+        fn owned<T: Clone>(tracked: &Tracked<std::sync::Arc<T>>) -> Tracked<T> {
+            Tracked {
+                resource: (*tracked.resource).clone(),
+                version_info: tracked.version_info.clone(),
+                last_updated: tracked.last_updated,
             }
-            tracked
-        }));
+        }
+        self.listeners.extend(dynamic.listeners.iter().map(owned));
+        // The configs as CDS sent them: EDS endpoints are shown as endpoints.
+        self.clusters
+            .extend(dynamic.clusters.iter().map(|c| owned(&c.tracked)));
         self.route_configs
-            .extend(dynamic.route_configs.iter().cloned());
-        self.secrets.extend(dynamic.secrets.iter().cloned());
-        self.endpoints.extend(dynamic.endpoints.iter().cloned());
-        self.warming_clusters = dynamic.warming_clusters.clone();
+            .extend(dynamic.route_configs.iter().map(owned));
+        self.secrets.extend(dynamic.secrets.iter().map(owned));
+        self.endpoints.extend(dynamic.endpoints.iter().map(owned));
+        self.warming_clusters = dynamic.warming_clusters.iter().map(owned).collect();
         self.errors = dynamic.errors.clone();
         self.listeners_version = dynamic.listeners_version.clone();
         self.clusters_version = dynamic.clusters_version.clone();

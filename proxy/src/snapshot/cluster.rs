@@ -49,8 +49,11 @@ pub struct Compiled {
 /// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
 /// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
 /// connection counts carry over an update.
+/// A cluster to compile: its JSON path, its config and the config's digest.
+pub type Source<'a> = (String, &'a EnvoyCluster, u64);
+
 pub fn compile_all(
-    clusters: &[(String, &EnvoyCluster)],
+    clusters: &[Source<'_>],
     previous: Option<&super::Snapshot>,
     stats: &Store,
     problems: &mut Problems,
@@ -58,7 +61,8 @@ pub fn compile_all(
     let mut compiled = HashMap::new();
     let mut digests = HashMap::new();
     let mut pipe_endpoints = Vec::new();
-    for (path, cluster) in clusters {
+    for (path, cluster, digest) in clusters {
+        let digest = *digest;
         if cluster.name.is_empty() {
             problems.error(format!("{path}.name"), "a cluster needs a name");
             continue;
@@ -70,7 +74,6 @@ pub fn compile_all(
             );
             continue;
         }
-        let digest = super::digest(*cluster);
         let kept = previous.and_then(|p| p.kept_cluster(&cluster.name, digest));
         let mut pipes = Vec::new();
         let built = match kept {

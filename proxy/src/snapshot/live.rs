@@ -56,10 +56,10 @@ impl Live {
         let snapshot = store.load();
         stats
             .gauge("cluster_manager.active_clusters")
-            .set(snapshot.resources.clusters.len() as u64);
+            .set(snapshot.resources().clusters.len() as u64);
         stats
             .gauge("listener_manager.total_listeners_active")
-            .set(snapshot.resources.listeners.len() as u64);
+            .set(snapshot.resources().listeners.len() as u64);
         let live = Live {
             bootstrap,
             store,
@@ -127,14 +127,14 @@ impl ProxyState for Live {
     }
 
     fn resources(&self) -> Resources {
-        self.store.load().resources.clone()
+        self.store.load().resources()
     }
 
     /// The configured clusters, each with the hosts its load balancer has now (DNS
     /// answers included), their connection counters and health flags.
     fn clusters(&self) -> Vec<ClusterStatus> {
         let snapshot = self.store.load();
-        let mut statuses = cluster_statuses(&snapshot.resources);
+        let mut statuses = cluster_statuses(&snapshot.resources());
         for status in &mut statuses {
             let Some(cluster) = snapshot.clusters.get(&status.name) else {
                 continue;
@@ -152,9 +152,8 @@ impl ProxyState for Live {
     /// Each listener with the addresses it is bound to; a listener that binds no socket
     /// of its own (`bind_to_port: false`) with its configured address.
     fn listeners(&self) -> Vec<ListenerStatus> {
-        let snapshot = self.store.load();
-        snapshot
-            .resources
+        let resources = self.store.load().resources();
+        resources
             .listeners
             .iter()
             .map(|tracked| {

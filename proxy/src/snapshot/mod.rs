@@ -45,9 +45,11 @@ pub struct Snapshot {
     by_address: HashMap<SocketAddr, usize>,
     /// Each listener's stats, by listener name.
     listener_stats: HashMap<Arc<str>, ListenerStats>,
-    /// The Envoy resources this snapshot was compiled from, as `/config_dump` shows them
-    /// (listeners served by the admin API's health ports too).
-    pub resources: Resources,
+    /// The bootstrap's static resources as `/config_dump` shows them (listeners served
+    /// by the admin API's health ports too), shared by every snapshot.
+    static_resources: Arc<Resources>,
+    /// The xDS resources this snapshot was compiled from.
+    dynamic: Arc<DynamicResources>,
     /// Config digests of the compiled clusters and listeners, by name: what the next
     /// update compares against to keep unchanged ones.
     cluster_digests: HashMap<String, u64>,
@@ -69,11 +71,18 @@ impl Snapshot {
             listeners,
             clusters,
             by_address,
-            resources: Resources::default(),
+            static_resources: Arc::default(),
+            dynamic: Arc::default(),
             cluster_digests: HashMap::new(),
             listener_digests: HashMap::new(),
             loaded_at: None,
         }
+    }
+
+    /// Every resource this snapshot serves, static and dynamic, as `/config_dump` shows
+    /// them. Built on demand: an update does not pay for copies only the admin API reads.
+    pub fn resources(&self) -> Resources {
+        (*self.static_resources).clone().with_dynamic(&self.dynamic)
     }
 
     /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
@@ -156,23 +165,35 @@ pub struct Compiled {
 }
 
 /// What a proxy serves besides the bootstrap's `static_resources`: the resources accepted
-/// over xDS so far ([`crate::xds`]). Empty without a control plane.
+/// over xDS so far ([`crate::xds`]). Empty without a control plane. Resources are shared
+/// (`Arc`) with the xDS client's state, so building this for an update copies no config.
 #[derive(Debug, Clone, Default)]
 pub struct DynamicResources {
-    pub listeners: Vec<Tracked<EnvoyListener>>,
-    /// Active clusters; an EDS cluster with its endpoints filled into `load_assignment`.
-    pub clusters: Vec<Tracked<EnvoyCluster>>,
+    pub listeners: Vec<Tracked<Arc<EnvoyListener>>>,
+    /// Active clusters.
+    pub clusters: Vec<DynamicCluster>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
-    pub warming_clusters: Vec<Tracked<EnvoyCluster>>,
+    pub warming_clusters: Vec<Tracked<Arc<EnvoyCluster>>>,
     /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
-    pub endpoints: Vec<Tracked<ClusterLoadAssignment>>,
-    pub route_configs: Vec<Tracked<RouteConfiguration>>,
-    pub secrets: Vec<Tracked<Secret>>,
+    pub endpoints: Vec<Tracked<Arc<ClusterLoadAssignment>>>,
+    pub route_configs: Vec<Tracked<Arc<RouteConfiguration>>>,
+    pub secrets: Vec<Tracked<Arc<Secret>>>,
     /// The last versions accepted over LDS and CDS.
     pub listeners_version: String,
     pub clusters_version: String,
     /// Resources whose last update was refused (NACKed), for `/config_dump`'s error state.
     pub errors: Vec<UpdateFailure>,
+}
+
+/// An active CDS cluster.
+#[derive(Debug, Clone)]
+pub struct DynamicCluster {
+    /// As CDS sent it: what `/config_dump` shows.
+    pub tracked: Tracked<Arc<EnvoyCluster>>,
+    /// What is compiled: an EDS cluster with its endpoints in `load_assignment`.
+    pub effective: Arc<EnvoyCluster>,
+    /// `effective`'s config digest.
+    pub digest: u64,
 }
 
 /// The static clusters the bootstrap's xDS sources reach their servers through.
@@ -239,17 +260,15 @@ pub fn compile_with(
         .into_iter()
         .map(|listener| listener.name)
         .collect();
-    let cluster_sources: Vec<(String, &EnvoyCluster)> = resources
+    let cluster_sources: Vec<cluster::Source> = resources
         .clusters
         .iter()
         .enumerate()
-        .map(|(i, c)| (format!("static_resources.clusters[{i}]"), c))
-        .chain(
-            dynamic
-                .clusters
-                .iter()
-                .map(|t| (format!("Cluster {:?}", t.resource.name), &t.resource)),
-        )
+        .map(|(i, c)| (format!("static_resources.clusters[{i}]"), c, digest(c)))
+        .chain(dynamic.clusters.iter().map(|c| {
+            let path = format!("Cluster {:?}", c.effective.name);
+            (path, &*c.effective, c.digest)
+        }))
         .collect();
     let listener_sources: Vec<(String, &EnvoyListener)> = resources
         .listeners
@@ -260,7 +279,7 @@ pub fn compile_with(
             dynamic
                 .listeners
                 .iter()
-                .map(|t| (format!("Listener {:?}", t.resource.name), &t.resource)),
+                .map(|t| (format!("Listener {:?}", t.resource.name), &*t.resource)),
         )
         .collect();
     let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
@@ -313,11 +332,17 @@ pub fn compile_with(
         .map(|l| l.name.clone())
         .zip(listener_stats)
         .collect();
-    let started = previous
-        .and_then(|p| p.loaded_at)
-        .unwrap_or_else(SystemTime::now);
-    snapshot.loaded_at = Some(started);
-    snapshot.resources = Resources::from_bootstrap(bootstrap, started).with_dynamic(dynamic);
+    snapshot.static_resources = match previous {
+        Some(previous) if previous.loaded_at.is_some() => {
+            snapshot.loaded_at = previous.loaded_at;
+            previous.static_resources.clone()
+        }
+        _ => {
+            snapshot.loaded_at = Some(SystemTime::now());
+            Arc::new(Resources::from_bootstrap(bootstrap, SystemTime::now()))
+        }
+    };
+    snapshot.dynamic = Arc::new(dynamic.clone());
     Ok(Compiled {
         snapshot,
         warnings: problems.warnings,

@@ -263,21 +263,23 @@ fn every_error_is_reported_at_its_path() {
     );
 }
 
-fn dynamic_cluster(
-    name: &str,
-    port: u32,
-    timeout: &str,
-) -> crate::admin::Tracked<envoy_types::pb::envoy::config::cluster::v3::Cluster> {
-    let cluster = crate::config::message_from_json(serde_json::json!({
+fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluster {
+    let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
+        crate::config::message_from_json(serde_json::json!({
         "name": name, "type": "STATIC", "connect_timeout": timeout,
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}
     }))
     .unwrap();
-    crate::admin::Tracked {
-        resource: cluster,
-        version_info: Some("1".into()),
-        last_updated: std::time::SystemTime::now(),
+    let cluster = Arc::new(cluster);
+    super::DynamicCluster {
+        digest: digest(&*cluster),
+        effective: cluster.clone(),
+        tracked: crate::admin::Tracked {
+            resource: cluster,
+            version_info: Some("1".into()),
+            last_updated: std::time::SystemTime::now(),
+        },
     }
 }
 
@@ -306,7 +308,7 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
         "changed: rebuilt"
     );
     assert!(Arc::ptr_eq(&first.clusters["s"], &second.clusters["s"]));
-    let dump = &second.resources;
+    let dump = second.resources();
     assert_eq!(
         dump.clusters
             .iter()
@@ -410,7 +412,7 @@ fn istios_health_listeners_are_left_to_the_admin_api() {
     assert!(compiled.snapshot.listeners.is_empty());
     assert_eq!(compiled.snapshot.clusters.len(), 4);
     // The config dump still shows them.
-    assert_eq!(compiled.snapshot.resources.listeners.len(), 2);
+    assert_eq!(compiled.snapshot.resources().listeners.len(), 2);
 }
 
 #[test]

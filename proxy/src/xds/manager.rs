@@ -47,7 +47,7 @@ use crate::admin::stats::Store as StatsStore;
 use crate::admin::{Tracked, UpdateFailure};
 use crate::listener::config::Listener;
 use crate::snapshot::live::Live;
-use crate::snapshot::{DynamicResources, Snapshot, Store};
+use crate::snapshot::{DynamicCluster, DynamicResources, Snapshot, Store};
 
 /// gRPC INVALID_ARGUMENT, the code Envoy NACKs with.
 const INVALID_ARGUMENT: i32 = 3;
@@ -75,14 +75,14 @@ pub struct BoundSocket {
 /// Binds a listener's address: the serve loop's binder, shared with the bootstrap's.
 pub type Binder = fn(&Listener, SocketAddr) -> std::io::Result<StdListener>;
 
-/// A decoded resource.
-#[derive(Debug, Clone, PartialEq)]
+/// A decoded resource, shared with the snapshots built from it.
+#[derive(Debug, Clone)]
 enum Resource {
-    Listener(Box<EnvoyListener>),
-    Cluster(Box<EnvoyCluster>),
-    Endpoints(ClusterLoadAssignment),
-    Route(RouteConfiguration),
-    Secret(Secret),
+    Listener(Arc<EnvoyListener>),
+    Cluster(Arc<EnvoyCluster>),
+    Endpoints(Arc<ClusterLoadAssignment>),
+    Route(Arc<RouteConfiguration>),
+    Secret(Arc<Secret>),
 }
 
 impl Resource {
@@ -97,14 +97,16 @@ impl Resource {
         let bytes = any.value.as_slice();
         let decoded = match kind {
             TypeUrl::Listener => {
-                EnvoyListener::decode(bytes).map(|l| Resource::Listener(Box::new(l)))
+                EnvoyListener::decode(bytes).map(|r| Resource::Listener(Arc::new(r)))
             }
-            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(|c| Resource::Cluster(Box::new(c))),
+            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(|r| Resource::Cluster(Arc::new(r))),
             TypeUrl::ClusterLoadAssignment => {
-                ClusterLoadAssignment::decode(bytes).map(Resource::Endpoints)
+                ClusterLoadAssignment::decode(bytes).map(|r| Resource::Endpoints(Arc::new(r)))
             }
-            TypeUrl::RouteConfiguration => RouteConfiguration::decode(bytes).map(Resource::Route),
-            TypeUrl::Secret => Secret::decode(bytes).map(Resource::Secret),
+            TypeUrl::RouteConfiguration => {
+                RouteConfiguration::decode(bytes).map(|r| Resource::Route(Arc::new(r)))
+            }
+            TypeUrl::Secret => Secret::decode(bytes).map(|r| Resource::Secret(Arc::new(r))),
         };
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
@@ -137,19 +139,47 @@ impl Resource {
 #[derive(Debug, Clone)]
 struct Entry {
     resource: Resource,
+    /// Digest of the resource as it came on the wire: tells a changed one from a resent one.
+    digest: u64,
     /// The resource's version: Delta's own, or the SotW response's.
     version: String,
     last_updated: SystemTime,
 }
 
 impl Entry {
-    fn tracked<T>(&self, resource: T) -> Tracked<T> {
+    fn new(kind: TypeUrl, any: &Any, version: &str) -> Result<Entry, String> {
+        Ok(Entry {
+            resource: Resource::decode(kind, any)?,
+            digest: xxhash_rust::xxh64::xxh64(&any.value, 0),
+            version: version.to_owned(),
+            last_updated: SystemTime::now(),
+        })
+    }
+
+    fn tracked<T>(&self, resource: &Arc<T>) -> Tracked<Arc<T>> {
         Tracked {
-            resource,
+            resource: resource.clone(),
             version_info: Some(self.version.clone()),
             last_updated: self.last_updated,
         }
     }
+}
+
+/// How a response changes a type's accepted set.
+enum Change {
+    /// State of the world for a wildcard type: this is the whole set.
+    Replace(BTreeMap<String, Entry>),
+    /// These entries added or replaced, these names removed.
+    Patch {
+        upserts: Vec<(String, Entry)>,
+        removals: Vec<String>,
+    },
+}
+
+/// What undoes a [`Change`] applied in place.
+enum Undo {
+    Replace(BTreeMap<String, Entry>),
+    Patch(Vec<(String, Option<Entry>)>),
 }
 
 /// One type's subscription and accepted resources.
@@ -175,6 +205,10 @@ struct StreamState {
     node_sent: bool,
 }
 
+/// An EDS cluster with its endpoints filled in: the digests of the cluster and the
+/// endpoints it was made from, the result, and the result's digest.
+type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);
+
 pub struct Manager {
     bootstrap: Bootstrap,
     node: Node,
@@ -190,6 +224,9 @@ pub struct Manager {
     warming: HashMap<String, Option<Instant>>,
     /// How many clusters the current snapshot leaves warming.
     warming_count: usize,
+    /// Each active EDS cluster with its endpoints filled in, by name, with the digests
+    /// of the cluster and endpoints it was made from and its own digest.
+    effective: HashMap<String, Effective>,
     /// EDS clusters whose wait ended without endpoints.
     timed_out: std::collections::HashSet<String>,
     errors: Vec<UpdateFailure>,
@@ -252,6 +289,7 @@ impl Manager {
             streams,
             warming: HashMap::new(),
             timed_out: Default::default(),
+            effective: HashMap::new(),
             warming_count: 0,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
@@ -413,23 +451,34 @@ impl Manager {
         };
         state.nonce = response.nonce.clone();
         let version = response.version_info.clone();
-        let decoded: Result<Vec<Resource>, (String, String)> = response
+        let decoded: Result<Vec<Entry>, (String, String)> = response
             .resources
             .iter()
-            .map(|any| Resource::decode(kind, any).map_err(|e| (String::new(), e)))
+            .map(|any| Entry::new(kind, any, &version).map_err(|e| (String::new(), e)))
             .collect();
-        let result = decoded.map_err(|e| vec![e]).and_then(|resources| {
+        let result = decoded.map_err(|e| vec![e]).and_then(|entries| {
             let state = &self.types[&kind];
-            let mut candidate = if kind.is_wildcard() {
-                BTreeMap::new()
+            // A resource resent unchanged keeps its `last_updated`.
+            let entries = entries.into_iter().map(|entry| {
+                let name = entry.resource.name().to_owned();
+                let entry = match state.resources.get(&name) {
+                    Some(old) if old.digest == entry.digest => Entry {
+                        version: version.clone(),
+                        ..old.clone()
+                    },
+                    _ => entry,
+                };
+                (name, entry)
+            });
+            let change = if kind.is_wildcard() {
+                Change::Replace(entries.collect())
             } else {
-                state.resources.clone()
+                Change::Patch {
+                    upserts: entries.collect(),
+                    removals: Vec::new(),
+                }
             };
-            for resource in resources {
-                let entry = keep_or_new(state.resources.get(resource.name()), resource, &version);
-                candidate.insert(entry.resource.name().to_owned(), entry);
-            }
-            self.apply(kind, candidate, &version)
+            self.apply(kind, change, &version)
         });
         let state = &self.types[&kind];
         let mut request = DiscoveryRequest {
@@ -463,34 +512,30 @@ impl Manager {
         };
         state.nonce = response.nonce.clone();
         let version = response.system_version_info.clone();
-        let mut candidate = state.resources.clone();
+        let mut upserts = Vec::new();
         let mut errors = Vec::new();
         for resource in &response.resources {
             let Some(any) = &resource.resource else {
                 continue;
             };
-            match Resource::decode(kind, any) {
-                Ok(decoded) => {
-                    let entry = Entry {
-                        resource: decoded,
-                        version: resource.version.clone(),
-                        last_updated: SystemTime::now(),
-                    };
+            match Entry::new(kind, any, &resource.version) {
+                Ok(entry) => {
                     let name = if resource.name.is_empty() {
                         entry.resource.name().to_owned()
                     } else {
                         resource.name.clone()
                     };
-                    candidate.insert(name, entry);
+                    upserts.push((name, entry));
                 }
                 Err(e) => errors.push((resource.name.clone(), e)),
             }
         }
-        for name in &response.removed_resources {
-            candidate.remove(name);
-        }
+        let change = Change::Patch {
+            upserts,
+            removals: response.removed_resources.clone(),
+        };
         let result = if errors.is_empty() {
-            self.apply(kind, candidate, &version)
+            self.apply(kind, change, &version)
         } else {
             Err(errors)
         };
@@ -506,40 +551,80 @@ impl Manager {
         self.resubscribe();
     }
 
-    /// Applies `candidate` as the new set of `kind`: compiles, swaps, binds. On failure
-    /// nothing changes and the errors (resource name, message) are returned for the NACK.
+    /// Applies `change` to the set of `kind` in place: compiles, swaps, binds. On failure
+    /// the change is undone and the errors (resource name, message) are returned for the
+    /// NACK.
     fn apply(
         &mut self,
         kind: TypeUrl,
-        candidate: BTreeMap<String, Entry>,
+        change: Change,
         version: &str,
     ) -> Result<(), Vec<(String, String)>> {
-        let previous_set = self
-            .types
-            .get_mut(&kind)
-            .map(|state| std::mem::replace(&mut state.resources, candidate))
-            .unwrap_or_default();
+        let state = self.types.get_mut(&kind).expect("a subscribed type");
+        let (undo, touched): (Undo, Vec<String>) = match change {
+            Change::Replace(set) => {
+                let touched = set.keys().cloned().collect();
+                (
+                    Undo::Replace(std::mem::replace(&mut state.resources, set)),
+                    touched,
+                )
+            }
+            Change::Patch { upserts, removals } => {
+                let mut undo = Vec::new();
+                let mut touched = Vec::new();
+                for (name, entry) in upserts {
+                    touched.push(name.clone());
+                    undo.push((name.clone(), state.resources.insert(name, entry)));
+                }
+                for name in removals {
+                    if let Some(old) = state.resources.remove(&name) {
+                        undo.push((name, Some(old)));
+                    }
+                }
+                (Undo::Patch(undo), touched)
+            }
+        };
         let result = self.rebuild();
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         match result {
             Ok(()) => {
                 state.applied = true;
                 state.version_info = version.to_owned();
-                let names: BTreeSet<String> = state.resources.keys().cloned().collect();
+                let resources = state.resources.len();
+                let touched: BTreeSet<&String> = touched.iter().collect();
                 self.errors
-                    .retain(|e| !(e.type_url == kind.as_str() && names.contains(&e.name)));
+                    .retain(|e| !(e.type_url == kind.as_str() && touched.contains(&e.name)));
                 self.count(kind, "update_success");
                 tracing::info!(
                     kind = kind.short(),
                     version,
-                    resources = names.len(),
+                    resources,
+                    changed = touched.len(),
                     "xDS update applied"
                 );
                 self.check_progress();
                 Ok(())
             }
             Err(errors) => {
-                let rejected = std::mem::replace(&mut state.resources, previous_set);
+                let rejected: HashMap<String, Any> = errors
+                    .iter()
+                    .filter_map(|(name, _)| {
+                        let entry = state.resources.get(name)?;
+                        Some((name.clone(), entry.resource.to_any(kind)))
+                    })
+                    .collect();
+                match undo {
+                    Undo::Replace(set) => state.resources = set,
+                    Undo::Patch(undo) => {
+                        // In reverse, so a name touched twice ends as it began.
+                        for (name, old) in undo.into_iter().rev() {
+                            match old {
+                                Some(old) => state.resources.insert(name, old),
+                                None => state.resources.remove(&name),
+                            };
+                        }
+                    }
+                }
                 let now = SystemTime::now();
                 for (name, details) in &errors {
                     self.errors
@@ -547,9 +632,7 @@ impl Manager {
                     self.errors.push(UpdateFailure {
                         type_url: kind.as_str().into(),
                         name: name.clone(),
-                        failed_configuration: rejected
-                            .get(name)
-                            .map(|entry| entry.resource.to_any(kind)),
+                        failed_configuration: rejected.get(name).cloned(),
                         details: details.clone(),
                         version_info: version.to_owned(),
                         last_update_attempt: now,
@@ -810,40 +893,58 @@ impl Manager {
             .map(|t| t.resources.iter().map(|(n, e)| (n.as_str(), e)).collect())
             .unwrap_or_default();
         let mut still_warming = HashMap::new();
+        let mut effective = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             dynamic.clusters_version = clusters.version_info.clone();
             for entry in clusters.resources.values() {
                 let Resource::Cluster(cluster) = &entry.resource else {
                     continue;
                 };
+                let tracked = entry.tracked(cluster);
                 let Some(service) = eds_service_name(cluster) else {
-                    dynamic.clusters.push(entry.tracked((**cluster).clone()));
+                    dynamic.clusters.push(DynamicCluster {
+                        tracked,
+                        effective: cluster.clone(),
+                        digest: entry.digest,
+                    });
                     continue;
                 };
-                let mut cluster = (**cluster).clone();
-                match endpoints.get(service.as_str()) {
-                    Some(eds) => {
-                        if let Resource::Endpoints(cla) = &eds.resource {
-                            cluster.load_assignment = Some(cla.clone());
-                        }
-                        dynamic.clusters.push(entry.tracked(cluster));
-                    }
-                    // Its endpoints did not come within initial_fetch_timeout.
-                    None if self.timed_out.contains(&cluster.name) => {
-                        dynamic.clusters.push(entry.tracked(cluster));
-                    }
-                    None => {
-                        let deadline =
-                            self.warming.get(&cluster.name).copied().unwrap_or_else(|| {
-                                let timeout = self.plan.initial_fetch_timeout;
-                                (!timeout.is_zero()).then(|| Instant::now() + timeout)
-                            });
-                        still_warming.insert(cluster.name.clone(), deadline);
-                        dynamic.warming_clusters.push(entry.tracked(cluster));
-                    }
+                let eds = endpoints.get(service.as_str()).copied();
+                if eds.is_none() && !self.timed_out.contains(&cluster.name) {
+                    let deadline = self.warming.get(&cluster.name).copied().unwrap_or_else(|| {
+                        let timeout = self.plan.initial_fetch_timeout;
+                        (!timeout.is_zero()).then(|| Instant::now() + timeout)
+                    });
+                    still_warming.insert(cluster.name.clone(), deadline);
+                    dynamic.warming_clusters.push(tracked);
+                    continue;
                 }
+                // The cluster with its endpoints, made again only when either changed.
+                let eds_digest = eds.map_or(0, |e| e.digest);
+                let key = (entry.digest, eds_digest);
+                let made = match self.effective.get(&cluster.name) {
+                    Some((k, made, digest)) if *k == key => (made.clone(), *digest),
+                    _ => {
+                        let mut with_endpoints = (**cluster).clone();
+                        if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
+                            with_endpoints.load_assignment = Some((**cla).clone());
+                        }
+                        let digest = xxhash_rust::xxh64::xxh64(
+                            &[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(),
+                            0,
+                        );
+                        (Arc::new(with_endpoints), digest)
+                    }
+                };
+                effective.insert(cluster.name.clone(), (key, made.0.clone(), made.1));
+                dynamic.clusters.push(DynamicCluster {
+                    tracked,
+                    effective: made.0,
+                    digest: made.1,
+                });
             }
         }
+        self.effective = effective;
         self.warming = still_warming;
         let known: BTreeSet<&String> = self
             .types
@@ -851,12 +952,8 @@ impl Manager {
             .map(|t| t.resources.keys().collect())
             .unwrap_or_default();
         self.timed_out.retain(|name| known.contains(name));
-        for (name, entry) in &endpoints {
+        for entry in endpoints.values() {
             if let Resource::Endpoints(cla) = &entry.resource {
-                let mut cla = cla.clone();
-                if cla.cluster_name.is_empty() {
-                    cla.cluster_name = (*name).to_owned();
-                }
                 dynamic.endpoints.push(entry.tracked(cla));
             }
         }
@@ -864,41 +961,25 @@ impl Manager {
             dynamic.listeners_version = listeners.version_info.clone();
             for entry in listeners.resources.values() {
                 if let Resource::Listener(l) = &entry.resource {
-                    dynamic.listeners.push(entry.tracked((**l).clone()));
+                    dynamic.listeners.push(entry.tracked(l));
                 }
             }
         }
         if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
             for entry in routes.resources.values() {
                 if let Resource::Route(r) = &entry.resource {
-                    dynamic.route_configs.push(entry.tracked(r.clone()));
+                    dynamic.route_configs.push(entry.tracked(r));
                 }
             }
         }
         if let Some(secrets) = self.types.get(&TypeUrl::Secret) {
             for entry in secrets.resources.values() {
                 if let Resource::Secret(s) = &entry.resource {
-                    dynamic.secrets.push(entry.tracked(s.clone()));
+                    dynamic.secrets.push(entry.tracked(s));
                 }
             }
         }
         dynamic
-    }
-}
-
-/// The accepted entry if the resource did not change (its `last_updated` stays), else a
-/// new one at `version`.
-fn keep_or_new(old: Option<&Entry>, resource: Resource, version: &str) -> Entry {
-    match old {
-        Some(old) if old.resource == resource => Entry {
-            version: version.to_owned(),
-            ..old.clone()
-        },
-        _ => Entry {
-            resource,
-            version: version.to_owned(),
-            last_updated: SystemTime::now(),
-        },
     }
 }
 

@@ -107,7 +107,8 @@ async fn session(
     let channel = connect(&config.target, config.timeout)
         .await
         .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
-    let mut grpc = tonic::client::Grpc::new(channel);
+    // No 4 MiB cap on a response: a full push of a large mesh is bigger (Envoy has none).
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
     grpc.ready()
         .await
         .map_err(|e| (format!("{}: {e}", config.target), false))?;
