@@ -49,8 +49,18 @@ pub struct Compiled {
 /// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
 /// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
 /// connection counts carry over an update.
-/// A cluster to compile: its JSON path, its config and the config's digest.
-pub type Source<'a> = (String, &'a EnvoyCluster, u64);
+/// A cluster to compile: its index in `static_resources.clusters` (`None`: from CDS),
+/// its config and the config's digest.
+pub type Source<'a> = (Option<usize>, &'a EnvoyCluster, u64);
+
+/// A cluster's JSON path in messages, written only when needed: an update keeps most
+/// clusters as they are and names none of them.
+fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> String {
+    match index {
+        Some(i) => format!("static_resources.clusters[{i}]"),
+        None => format!("Cluster {:?}", cluster.name),
+    }
+}
 
 pub fn compile_all(
     clusters: &[Source<'_>],
@@ -61,13 +71,15 @@ pub fn compile_all(
     let mut compiled = HashMap::new();
     let mut digests = HashMap::new();
     let mut pipe_endpoints = Vec::new();
-    for (path, cluster, digest) in clusters {
+    for (index, cluster, digest) in clusters {
         let digest = *digest;
         if cluster.name.is_empty() {
+            let path = path_of(*index, cluster);
             problems.error(format!("{path}.name"), "a cluster needs a name");
             continue;
         }
         if compiled.contains_key(&cluster.name) {
+            let path = path_of(*index, cluster);
             problems.error(
                 format!("{path}.name"),
                 format!("a second cluster named {:?}", cluster.name),
@@ -78,7 +90,13 @@ pub fn compile_all(
         let mut pipes = Vec::new();
         let built = match kept {
             Some(kept) => Some(kept),
-            None => compile(cluster, path, stats, &mut pipes, problems),
+            None => compile(
+                cluster,
+                &path_of(*index, cluster),
+                stats,
+                &mut pipes,
+                problems,
+            ),
         };
         if let Some(c) = built {
             compiled.insert(cluster.name.clone(), c);

@@ -234,7 +234,7 @@ pub fn digest<M: prost::Message>(message: &M) -> u64 {
 /// ([`crate::admin::health_ports::find`]) are left to it: they are HTTP listeners shunt
 /// answers itself until it has an HTTP router.
 pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, CompileError> {
-    compile_with(bootstrap, &DynamicResources::default(), None, stats)
+    compile_with(bootstrap, Arc::default(), None, stats)
 }
 
 /// Compiles the bootstrap's static resources together with `dynamic` ones (from xDS,
@@ -242,7 +242,7 @@ pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, Co
 /// unchanged since `previous` are kept as they are.
 pub fn compile_with(
     bootstrap: &Bootstrap,
-    dynamic: &DynamicResources,
+    dynamic: Arc<DynamicResources>,
     previous: Option<&Snapshot>,
     stats: &StatsStore,
 ) -> Result<Compiled, CompileError> {
@@ -264,11 +264,13 @@ pub fn compile_with(
         .clusters
         .iter()
         .enumerate()
-        .map(|(i, c)| (format!("static_resources.clusters[{i}]"), c, digest(c)))
-        .chain(dynamic.clusters.iter().map(|c| {
-            let path = format!("Cluster {:?}", c.effective.name);
-            (path, &*c.effective, c.digest)
-        }))
+        .map(|(i, c)| (Some(i), c, digest(c)))
+        .chain(
+            dynamic
+                .clusters
+                .iter()
+                .map(|c| (None, &*c.effective, c.digest)),
+        )
         .collect();
     let listener_sources: Vec<(String, &EnvoyListener)> = resources
         .listeners
@@ -342,7 +344,7 @@ pub fn compile_with(
             Arc::new(Resources::from_bootstrap(bootstrap, SystemTime::now()))
         }
     };
-    snapshot.dynamic = Arc::new(dynamic.clone());
+    snapshot.dynamic = dynamic;
     Ok(Compiled {
         snapshot,
         warnings: problems.warnings,

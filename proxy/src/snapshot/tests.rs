@@ -291,12 +291,12 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
         clusters: vec![dynamic_cluster("a", 1, "1s"), dynamic_cluster("b", 2, "1s")],
         ..Default::default()
     };
-    let first = super::compile_with(&bootstrap, &dynamic, None, &stats)
+    let first = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), None, &stats)
         .unwrap()
         .snapshot;
     assert_eq!(first.clusters.len(), 3);
     dynamic.clusters[1] = dynamic_cluster("b", 3, "1s");
-    let second = super::compile_with(&bootstrap, &dynamic, Some(&first), &stats)
+    let second = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), Some(&first), &stats)
         .unwrap()
         .snapshot;
     assert!(
@@ -318,7 +318,8 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
     );
 
     dynamic.clusters[0] = dynamic_cluster("a", 1, "-1s");
-    let err = super::compile_with(&bootstrap, &dynamic, Some(&second), &stats).unwrap_err();
+    let err = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), Some(&second), &stats)
+        .unwrap_err();
     let errors: Vec<String> = err.errors.iter().map(ToString::to_string).collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(

@@ -499,7 +499,7 @@ impl Manager {
             }
         }
         self.send(kind, Outbound::Sotw(request));
-        self.resubscribe();
+        self.resubscribe(Some(kind));
     }
 
     fn on_delta(&mut self, _stream: usize, response: DeltaDiscoveryResponse) {
@@ -548,7 +548,7 @@ impl Manager {
             request.error_detail = Some(nack_status(kind, &errors));
         }
         self.send(kind, Outbound::Delta(request));
-        self.resubscribe();
+        self.resubscribe(Some(kind));
     }
 
     /// Applies `change` to the set of `kind` in place: compiles, swaps, binds. On failure
@@ -680,22 +680,26 @@ impl Manager {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
         self.check_progress();
-        self.resubscribe();
+        self.resubscribe(None);
     }
 
     /// Compiles the bootstrap with every accepted resource; on success swaps the snapshot
     /// in, binds new listener sockets and tells the serve loop.
     fn rebuild(&mut self) -> Result<(), Vec<(String, String)>> {
-        let dynamic = self.dynamic_resources();
+        let dynamic = Arc::new(self.dynamic_resources());
         let previous = self.store.load();
-        let compiled =
-            crate::snapshot::compile_with(&self.bootstrap, &dynamic, Some(&previous), &self.stats)
-                .map_err(|err| {
-                    err.errors
-                        .iter()
-                        .map(|p| (resource_name(&p.path), p.to_string()))
-                        .collect::<Vec<_>>()
-                })?;
+        let compiled = crate::snapshot::compile_with(
+            &self.bootstrap,
+            dynamic.clone(),
+            Some(&previous),
+            &self.stats,
+        )
+        .map_err(|err| {
+            err.errors
+                .iter()
+                .map(|p| (resource_name(&p.path), p.to_string()))
+                .collect::<Vec<_>>()
+        })?;
         for warning in &compiled.warnings {
             tracing::debug!("{warning}");
         }
@@ -809,9 +813,16 @@ impl Manager {
 
     /// Updates named subscriptions (endpoints of EDS clusters, routes of listeners) and
     /// sends first requests of types that became wanted.
-    fn resubscribe(&mut self) {
+    /// `changed`: the type just updated (`None`: any); only clusters and listeners name
+    /// what others subscribe to.
+    fn resubscribe(&mut self, changed: Option<TypeUrl>) {
         let mut wanted: HashMap<TypeUrl, BTreeSet<String>> = HashMap::new();
-        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+        let recompute = |kind: TypeUrl| changed.is_none_or(|c| c == kind);
+        if let Some(clusters) = self
+            .types
+            .get(&TypeUrl::Cluster)
+            .filter(|_| recompute(TypeUrl::Cluster))
+        {
             wanted.insert(
                 TypeUrl::ClusterLoadAssignment,
                 clusters
@@ -824,7 +835,11 @@ impl Manager {
                     .collect(),
             );
         }
-        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
+        if let Some(listeners) = self
+            .types
+            .get(&TypeUrl::Listener)
+            .filter(|_| recompute(TypeUrl::Listener))
+        {
             wanted.insert(
                 TypeUrl::RouteConfiguration,
                 listeners
