@@ -16,27 +16,13 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::cluster::v3::cluster::{
-    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
-};
-use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
-use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
-use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
-use envoy_types::pb::envoy::config::core::v3::{Address, ConfigSource, SocketAddress};
-use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
-use envoy_types::pb::envoy::config::endpoint::v3::{
-    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
-};
-use envoy_types::pb::envoy::config::listener::v3::{Filter, FilterChain, Listener, filter};
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::tcp_proxy::ClusterSpecifier;
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use harness::ads::resources::{self, ads_source, load_assignment, named, tcp_proxy_listener};
 use harness::ads::{AdsServer, Any, Listen, type_urls};
-use harness::{Node, Pod, PodProcess, shunt_bin};
+use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
+use support::xds::{self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy};
 use support::*;
 
 const ADMIN: &str = "127.0.0.1:15000";
@@ -44,73 +30,32 @@ const LISTEN_PORT: u16 = 10000;
 const ECHO_A: u16 = 9001;
 const ECHO_B: u16 = 9002;
 
-fn address(port: u16) -> Address {
-    Address {
-        address: Some(AddressKind::SocketAddress(SocketAddress {
-            address: "127.0.0.1".into(),
-            port_specifier: Some(PortSpecifier::PortValue(port.into())),
-            ..Default::default()
-        })),
-    }
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
-    let cluster = Cluster {
-        name: name.into(),
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
-        eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(ConfigSource {
-                config_source_specifier: Some(ConfigSourceSpecifier::Ads(Default::default())),
-                ..Default::default()
-            }),
-            service_name: String::new(),
-        }),
-        connect_timeout: Some(PbDuration {
-            seconds: connect_timeout_s,
-            nanos: 0,
-        }),
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&cluster))
+    named(
+        name,
+        &resources::eds_cluster(name, ads_source(), connect_timeout_s),
+    )
 }
 
 fn endpoints(name: &str, port: u16) -> (String, Any) {
-    let cla = ClusterLoadAssignment {
-        cluster_name: name.into(),
-        endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: vec![LbEndpoint {
-                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-                    address: Some(address(port)),
-                    ..Default::default()
-                })),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&cla))
+    named(name, &load_assignment(name, &[local(port)]))
 }
 
 fn listener(name: &str, port: u16, cluster: &str) -> (String, Any) {
-    let proxy = TcpProxy {
-        stat_prefix: name.into(),
-        cluster_specifier: Some(ClusterSpecifier::Cluster(cluster.into())),
-        ..Default::default()
-    };
-    let listener = Listener {
-        name: name.into(),
-        address: Some(address(port)),
-        filter_chains: vec![FilterChain {
-            filters: vec![Filter {
-                name: "envoy.filters.network.tcp_proxy".into(),
-                config_type: Some(filter::ConfigType::TypedConfig(AdsServer::any(&proxy))),
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&listener))
+    named(name, &tcp_proxy_listener(name, local(port), cluster))
+}
+
+/// Which echo server a new connection through the listener reaches, if any.
+fn reaches(pod: &Pod) -> Option<u16> {
+    xds::reaches(pod, local(LISTEN_PORT))
+}
+
+fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
+    xds::acked(server, type_url, version, delta, None)
 }
 
 /// Istio's shape: ADS over a Unix socket through a static cluster with a `pipe` endpoint.
@@ -141,136 +86,14 @@ fn bootstrap(socket: &std::path::Path, delta: bool) -> Value {
     })
 }
 
-/// A temporary folder, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("shunt-xds-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The proxy runs as uid 1337, which Istio's agent serves its socket to.
-fn open_to_the_proxy(dir: &std::path::Path, socket: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    for path in [dir, socket] {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
-    }
-}
-
 fn admin(pod: &Pod, path: &str) -> (u16, String) {
     admin_at(pod, ADMIN, path)
-}
-
-fn admin_at(pod: &Pod, address: &str, path: &str) -> (u16, String) {
-    let address = address.to_owned();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    pod.run_in_netns(move || -> std::io::Result<(u16, String)> {
-        let mut stream = TcpStream::connect(&address)?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        stream.write_all(request.as_bytes())?;
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw)?;
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let chunked = head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked");
-        Ok((
-            status,
-            if chunked {
-                dechunk(body)
-            } else {
-                body.to_owned()
-            },
-        ))
-    })
-    .expect("entering the pod")
-    .unwrap_or((0, String::new()))
-}
-
-/// An HTTP/1.1 chunked body, joined (Envoy's admin answers large bodies so).
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 fn config_dump(pod: &Pod) -> Value {
     let (status, body) = admin(pod, "/config_dump");
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).expect("config_dump is JSON")
-}
-
-fn dump_section<'a>(dump: &'a Value, kind: &str) -> &'a Value {
-    dump["configs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["@type"].as_str().unwrap_or("").ends_with(kind))
-        .unwrap_or_else(|| panic!("no {kind} in {dump}"))
-}
-
-/// Polls `check` until it holds (20 s at most).
-fn eventually(what: &str, proxy: &PodProcess, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !check() {
-        assert!(
-            proxy.try_wait().is_none(),
-            "shunt proxy exited: {}",
-            proxy.stderr_text()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting: {what}\n{}",
-            proxy.stderr_text()
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-/// Which echo server a new connection through the listener reaches, if any.
-fn reaches(pod: &Pod) -> Option<u16> {
-    let target: SocketAddr = format!("127.0.0.1:{LISTEN_PORT}").parse().unwrap();
-    Caller::app(pod)
-        .call(target)
-        .ok()
-        .map(|c| c.server_local.port())
-}
-
-fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
-    let sent: Vec<_> = server
-        .responses()
-        .into_iter()
-        .filter(|s| s.type_url == type_url && s.version_info == version)
-        .map(|s| s.nonce)
-        .collect();
-    server.requests().iter().any(|r| {
-        r.type_url == type_url
-            && r.is_ack()
-            && sent.contains(&r.response_nonce)
-            && (delta || r.version_info == version)
-    })
 }
 
 fn drives_the_proxy(delta: bool) {
@@ -307,7 +130,7 @@ fn drives_the_proxy(delta: bool) {
         .expect("start shunt proxy");
 
     // Initial config: node and metadata on the stream, everything ACKed, traffic served.
-    eventually("ready", &proxy, || admin(&pod, "/ready").0 == 200);
+    eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
     let first = server.requests().into_iter().next().expect("a request");
     assert_eq!(first.delta, delta);
     assert_eq!(
@@ -375,7 +198,7 @@ fn drives_the_proxy(delta: bool) {
         "e2",
         vec![endpoints("backend", ECHO_B)],
     );
-    eventually("EDS e2 applied", &proxy, || {
+    eventually("EDS e2 applied", &proxy, &server, || {
         acked(&server, type_urls::ENDPOINT, "e2", delta)
     });
     assert_eq!(reaches(&pod), Some(ECHO_B));
@@ -423,7 +246,7 @@ fn drives_the_proxy(delta: bool) {
         "l2",
         vec![listener("l1", LISTEN_PORT, "late")],
     );
-    eventually("LDS l2 applied", &proxy, || {
+    eventually("LDS l2 applied", &proxy, &server, || {
         acked(&server, type_urls::LISTENER, "l2", delta)
     });
     let dump = config_dump(&pod);
@@ -445,7 +268,9 @@ fn drives_the_proxy(delta: bool) {
         "e3",
         vec![endpoints("backend", ECHO_B), endpoints("late", ECHO_A)],
     );
-    eventually("late warmed", &proxy, || reaches(&pod) == Some(ECHO_A));
+    eventually("late warmed", &proxy, &server, || {
+        reaches(&pod) == Some(ECHO_A)
+    });
 
     // The control plane restarts: the client reconnects and resubscribes.
     let streams_before = server.requests().iter().map(|r| r.stream).max().unwrap();
@@ -470,7 +295,7 @@ fn drives_the_proxy(delta: bool) {
 
     // Removal: the listener goes, its port closes.
     server.set(type_urls::LISTENER, "l3", vec![]);
-    eventually("listener removed", &proxy, || {
+    eventually("listener removed", &proxy, &server, || {
         pod.run_in_netns(|| TcpStream::connect(target).is_err())
             .unwrap()
     });
@@ -592,14 +417,14 @@ fn envoy_and_shunt_reach_the_same_config() {
         .arg(&config)
         .spawn()
         .expect("start envoy");
-    eventually("shunt ready", &shunt, || {
+    eventually("shunt ready", &shunt, &server, || {
         admin(&shunt_pod, "/ready").0 == 200
     });
-    eventually("envoy ready", &envoy, || {
+    eventually("envoy ready", &envoy, &server, || {
         admin(&envoy_pod, "/ready").0 == 200
     });
     // Both ACKed the listeners before they are compared.
-    eventually("both ACK l1", &shunt, || {
+    eventually("both ACK l1", &shunt, &server, || {
         server
             .requests()
             .iter()
@@ -731,7 +556,7 @@ fn istio_bootstraps_drive_the_client() {
             .arg(file)
             .spawn()
             .expect("start shunt proxy");
-        eventually(&format!("{name}: ready"), &proxy, || {
+        eventually(&format!("{name}: ready"), &proxy, &server, || {
             admin_at(&pod, &admin_address, "/ready").0 == 200
         });
         let requests = server.requests();

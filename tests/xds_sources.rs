@@ -14,37 +14,24 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
 
-use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::cluster::v3::cluster::{
-    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
-};
-use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
 use envoy_types::pb::envoy::config::core::v3::api_config_source::ApiType;
 use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
 use envoy_types::pb::envoy::config::core::v3::grpc_service::{EnvoyGrpc, TargetSpecifier};
-use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
-use envoy_types::pb::envoy::config::core::v3::{
-    Address, ApiConfigSource, ConfigSource, GrpcService, SocketAddress,
-};
-use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
-use envoy_types::pb::envoy::config::endpoint::v3::{
-    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
-};
-use envoy_types::pb::envoy::config::listener::v3::{Filter, FilterChain, Listener, filter};
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::tcp_proxy::ClusterSpecifier;
+use envoy_types::pb::envoy::config::core::v3::{ApiConfigSource, ConfigSource, GrpcService};
 use envoy_types::pb::envoy::service::cluster::v3::cluster_discovery_service_client::ClusterDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient;
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use harness::ads::resources::{self, load_assignment, named, tcp_proxy_listener};
 use harness::ads::{AdsServer, Any, Listen, Received, methods, type_urls};
-use harness::{Node, Pod, PodProcess, shunt_bin};
+use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
+use support::xds::{
+    self, TempDir, admin_at, describe, dump_section, eventually, open_to_the_proxy,
+};
 use support::*;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -53,16 +40,6 @@ const LISTEN_PORT: u16 = 10000;
 const ECHO_A: u16 = 9001;
 const ECHO_B: u16 = 9002;
 const NODE_ID: &str = "sidecar~10.0.0.1~p.default~default.svc.cluster.local";
-
-fn address(port: u16) -> Address {
-    Address {
-        address: Some(AddressKind::SocketAddress(SocketAddress {
-            address: "127.0.0.1".into(),
-            port_specifier: Some(PortSpecifier::PortValue(port.into())),
-            ..Default::default()
-        })),
-    }
-}
 
 /// The source the bootstrap's `cds_config` uses, as Envoy wants an EDS cluster's
 /// `eds_config` without ADS.
@@ -87,60 +64,35 @@ fn api_source(delta: bool) -> ConfigSource {
     }
 }
 
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
 fn eds_cluster(name: &str, delta: bool) -> (String, Any) {
-    let cluster = Cluster {
-        name: name.into(),
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
-        eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(api_source(delta)),
-            service_name: String::new(),
-        }),
-        connect_timeout: Some(PbDuration {
-            seconds: 1,
-            nanos: 0,
-        }),
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&cluster))
+    named(name, &resources::eds_cluster(name, api_source(delta), 1))
 }
 
 fn endpoints(name: &str, port: u16) -> (String, Any) {
-    let cla = ClusterLoadAssignment {
-        cluster_name: name.into(),
-        endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: vec![LbEndpoint {
-                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-                    address: Some(address(port)),
-                    ..Default::default()
-                })),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&cla))
+    named(name, &load_assignment(name, &[local(port)]))
 }
 
 fn listener(name: &str, port: u16, cluster: &str) -> (String, Any) {
-    let proxy = TcpProxy {
-        stat_prefix: name.into(),
-        cluster_specifier: Some(ClusterSpecifier::Cluster(cluster.into())),
-        ..Default::default()
-    };
-    let listener = Listener {
-        name: name.into(),
-        address: Some(address(port)),
-        filter_chains: vec![FilterChain {
-            filters: vec![Filter {
-                name: "envoy.filters.network.tcp_proxy".into(),
-                config_type: Some(filter::ConfigType::TypedConfig(AdsServer::any(&proxy))),
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name.into(), AdsServer::any(&listener))
+    named(name, &tcp_proxy_listener(name, local(port), cluster))
+}
+
+fn admin(pod: &Pod, path: &str) -> (u16, String) {
+    admin_at(pod, ADMIN, path)
+}
+
+/// Which echo server a new connection through the listener reaches, if any.
+fn reaches(pod: &Pod) -> Option<u16> {
+    xds::reaches(pod, local(LISTEN_PORT))
+}
+
+/// Version `version` of `type_url` was sent and ACKed, on the type's own method.
+fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
+    let method = methods::per_type(type_url, delta).unwrap();
+    xds::acked(server, type_url, version, delta, Some(method))
 }
 
 /// CDS and LDS each from an `api_config_source` on the same server (a static cluster
@@ -169,150 +121,6 @@ fn bootstrap(socket: &Path, delta: bool) -> Value {
             "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
         }]}
-    })
-}
-
-/// A temporary folder, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("shunt-xds-src-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The proxy runs as uid 1337, which Istio's agent serves its socket to.
-fn open_to_the_proxy(dir: &Path, socket: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    for path in [dir, socket] {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
-    }
-}
-
-fn admin(pod: &Pod, path: &str) -> (u16, String) {
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    pod.run_in_netns(move || -> std::io::Result<(u16, String)> {
-        let mut stream = TcpStream::connect(ADMIN)?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        stream.write_all(request.as_bytes())?;
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw)?;
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let chunked = head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked");
-        Ok((
-            status,
-            if chunked {
-                dechunk(body)
-            } else {
-                body.to_owned()
-            },
-        ))
-    })
-    .expect("entering the pod")
-    .unwrap_or((0, String::new()))
-}
-
-/// An HTTP/1.1 chunked body, joined.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
-}
-
-fn dump_section(dump: &Value, kind: &str) -> Value {
-    dump["configs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["@type"].as_str().unwrap_or("").ends_with(kind))
-        .cloned()
-        .unwrap_or_else(|| panic!("no {kind} in {dump}"))
-}
-
-/// Polls `check` until it holds (20 s at most).
-fn eventually(what: &str, proxy: &PodProcess, server: &AdsServer, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !check() {
-        assert!(
-            proxy.try_wait().is_none(),
-            "shunt proxy exited: {}",
-            proxy.stderr_text()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting: {what}\nproxy stderr:\n{}\nserver received:\n{}",
-            proxy.stderr_text(),
-            describe(&server.requests())
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-fn describe(requests: &[Received]) -> String {
-    requests
-        .iter()
-        .map(|r| {
-            format!(
-                "  stream {} {} {} version={:?} nonce={:?} names={:?} nack={:?}\n",
-                r.stream,
-                r.method,
-                r.type_url,
-                r.version_info,
-                r.response_nonce,
-                r.resource_names,
-                r.error_detail
-            )
-        })
-        .collect()
-}
-
-/// Which echo server a new connection through the listener reaches, if any.
-fn reaches(pod: &Pod) -> Option<u16> {
-    let target: SocketAddr = format!("127.0.0.1:{LISTEN_PORT}").parse().unwrap();
-    Caller::app(pod)
-        .call(target)
-        .ok()
-        .map(|c| c.server_local.port())
-}
-
-/// Version `version` of `type_url` was sent and ACKed, on the type's own method.
-fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
-    let method = methods::per_type(type_url, delta).unwrap();
-    let sent: Vec<_> = server
-        .responses()
-        .into_iter()
-        .filter(|s| s.type_url == type_url && s.version_info == version && s.method == method)
-        .map(|s| (s.stream, s.nonce))
-        .collect();
-    server.requests().iter().any(|r| {
-        r.type_url == type_url
-            && r.method == method
-            && r.is_ack()
-            && sent.contains(&(r.stream, r.response_nonce.clone()))
-            && (delta || r.version_info == version)
     })
 }
 

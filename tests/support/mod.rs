@@ -3,6 +3,8 @@
 //! stay in the tests.
 #![allow(dead_code)]
 
+pub mod xds;
+
 use std::{
     net::{IpAddr, SocketAddr},
     path::PathBuf,

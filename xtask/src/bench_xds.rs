@@ -38,28 +38,13 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::cluster::v3::cluster::{
-    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
-};
-use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
-use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
-use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
-use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiVersion, ConfigSource, SocketAddress,
-};
-use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
-use envoy_types::pb::envoy::config::endpoint::v3::{
-    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
-};
-use envoy_types::pb::envoy::config::listener::v3::{Filter, FilterChain, Listener, filter};
 use envoy_types::pb::envoy::config::route::v3::{
     Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost, route, route_action,
     route_match,
 };
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::tcp_proxy::ClusterSpecifier;
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use harness::ads::resources::{
+    ads_source, eds_cluster, load_assignment, named, tcp_proxy_listener,
+};
 use harness::ads::{AdsServer, Any, Listen, Received, Sent, type_urls};
 use harness::{Node, Pod, PodProcess, tcp_listeners};
 use serde::Serialize;
@@ -188,84 +173,24 @@ fn listen_port(i: usize) -> u16 {
     FIRST_LISTEN_PORT + i as u16
 }
 
-fn socket_address(ip: IpAddr, port: u16) -> Address {
-    Address {
-        address: Some(AddressKind::SocketAddress(SocketAddress {
-            address: ip.to_string(),
-            port_specifier: Some(PortSpecifier::PortValue(port.into())),
-            ..Default::default()
-        })),
-    }
-}
-
-fn ads_source() -> ConfigSource {
-    ConfigSource {
-        config_source_specifier: Some(ConfigSourceSpecifier::Ads(AggregatedConfigSource {})),
-        resource_api_version: ApiVersion::V3 as i32,
-        ..Default::default()
-    }
-}
-
 fn cluster(i: usize) -> (String, Any) {
     let name = cluster_name(i);
-    let cluster = Cluster {
-        name: name.clone(),
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
-        eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(ads_source()),
-            service_name: String::new(),
-        }),
-        connect_timeout: Some(PbDuration {
-            seconds: 1,
-            nanos: 0,
-        }),
-        ..Default::default()
-    };
-    (name, AdsServer::any(&cluster))
+    named(&name, &eds_cluster(&name, ads_source(), 1))
 }
 
 fn assignment(i: usize, server: Ipv4Addr, ports: &[u16]) -> (String, Any) {
     let name = cluster_name(i);
-    let cla = ClusterLoadAssignment {
-        cluster_name: name.clone(),
-        endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: ports
-                .iter()
-                .map(|port| LbEndpoint {
-                    host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-                        address: Some(socket_address(server.into(), *port)),
-                        ..Default::default()
-                    })),
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name, AdsServer::any(&cla))
+    let endpoints: Vec<SocketAddr> = ports
+        .iter()
+        .map(|port| SocketAddr::new(server.into(), *port))
+        .collect();
+    named(&name, &load_assignment(&name, &endpoints))
 }
 
 fn listener(i: usize) -> (String, Any) {
     let name = format!("l{i:05}");
-    let proxy = TcpProxy {
-        stat_prefix: name.clone(),
-        cluster_specifier: Some(ClusterSpecifier::Cluster(cluster_name(i))),
-        ..Default::default()
-    };
-    let listener = Listener {
-        name: name.clone(),
-        address: Some(socket_address(Ipv4Addr::LOCALHOST.into(), listen_port(i))),
-        filter_chains: vec![FilterChain {
-            filters: vec![Filter {
-                name: "envoy.filters.network.tcp_proxy".into(),
-                config_type: Some(filter::ConfigType::TypedConfig(AdsServer::any(&proxy))),
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    (name, AdsServer::any(&listener))
+    let at = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen_port(i));
+    named(&name, &tcp_proxy_listener(&name, at, &cluster_name(i)))
 }
 
 fn route_config(i: usize) -> (String, Any) {

@@ -23,6 +23,7 @@
 //! ```
 
 mod delta;
+pub mod resources;
 mod server;
 mod sotw;
 mod state;

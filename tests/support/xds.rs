@@ -1,0 +1,170 @@
+//! What the xDS tests share: a scratch folder for the ADS socket and bootstrap, the
+//! admin API from inside a pod, waiting with context, and reading the server's log.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use harness::ads::{AdsServer, Received};
+use harness::{Pod, PodProcess};
+use serde_json::Value;
+
+/// A temporary folder, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("shunt-xds-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The proxy runs as uid 1337, which Istio's agent serves its socket to.
+pub fn open_to_the_proxy(dir: &Path, socket: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for path in [dir, socket] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+}
+
+/// One HTTP/1.1 GET to the admin API at `address` inside `pod`: status and body.
+pub fn admin_at(pod: &Pod, address: &str, path: &str) -> (u16, String) {
+    let address = address.to_owned();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    pod.run_in_netns(move || -> std::io::Result<(u16, String)> {
+        let mut stream = TcpStream::connect(&address)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        stream.write_all(request.as_bytes())?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        Ok((
+            status,
+            if chunked {
+                dechunk(body)
+            } else {
+                body.to_owned()
+            },
+        ))
+    })
+    .expect("entering the pod")
+    .unwrap_or((0, String::new()))
+}
+
+/// An HTTP/1.1 chunked body, joined (Envoy's admin answers large bodies so).
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// The `configs` entry of a `/config_dump` whose `@type` ends with `kind`.
+pub fn dump_section(dump: &Value, kind: &str) -> Value {
+    dump["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["@type"].as_str().unwrap_or("").ends_with(kind))
+        .cloned()
+        .unwrap_or_else(|| panic!("no {kind} in {dump}"))
+}
+
+/// Polls `check` until it holds (20 s at most); a failure shows the proxy's log and what
+/// the server received.
+pub fn eventually(
+    what: &str,
+    proxy: &PodProcess,
+    server: &AdsServer,
+    mut check: impl FnMut() -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !check() {
+        assert!(
+            proxy.try_wait().is_none(),
+            "shunt proxy exited: {}",
+            proxy.stderr_text()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting: {what}\nproxy stderr:\n{}\nserver received:\n{}",
+            proxy.stderr_text(),
+            describe(&server.requests())
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+pub fn describe(requests: &[Received]) -> String {
+    requests
+        .iter()
+        .map(|r| {
+            format!(
+                "  stream {} {} {} version={:?} nonce={:?} names={:?} nack={:?}\n",
+                r.stream,
+                r.method,
+                r.type_url,
+                r.version_info,
+                r.response_nonce,
+                r.resource_names,
+                r.error_detail
+            )
+        })
+        .collect()
+}
+
+/// Which echo server (its port) a new connection to `target` from `pod` reaches, if any.
+pub fn reaches(pod: &Pod, target: SocketAddr) -> Option<u16> {
+    super::Caller::app(pod)
+        .call(target)
+        .ok()
+        .map(|c| c.server_local.port())
+}
+
+/// Version `version` of `type_url` was sent and ACKed (on `method` when given; by
+/// nonce, and for state of the world by version too).
+pub fn acked(
+    server: &AdsServer,
+    type_url: &str,
+    version: &str,
+    delta: bool,
+    method: Option<&str>,
+) -> bool {
+    let on_method = |m: &str| method.is_none_or(|want| want == m);
+    let sent: Vec<_> = server
+        .responses()
+        .into_iter()
+        .filter(|s| s.type_url == type_url && s.version_info == version && on_method(s.method))
+        .map(|s| (s.stream, s.nonce))
+        .collect();
+    server.requests().iter().any(|r| {
+        r.type_url == type_url
+            && on_method(r.method)
+            && r.is_ack()
+            && sent.contains(&(r.stream, r.response_nonce.clone()))
+            && (delta || r.version_info == version)
+    })
+}
