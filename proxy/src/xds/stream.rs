@@ -127,53 +127,53 @@ async fn session(
         return Ok(false);
     }
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
-    let mut delivered = false;
+    if config.delta {
+        let wrap = |response| Event::Delta {
+            stream: index,
+            response,
+        };
+        exchange(&mut grpc, delta_rx, config, path, wrap, events).await
+    } else {
+        let wrap = |response| Event::Sotw {
+            stream: index,
+            response,
+        };
+        exchange(&mut grpc, sotw_rx, config, path, wrap, events).await
+    }
+}
+
+/// Streams `requests` to the server and hands every response to the manager, wrapped;
+/// returns whether any arrived.
+async fn exchange<Req, Resp>(
+    grpc: &mut tonic::client::Grpc<Channel>,
+    requests: mpsc::UnboundedReceiver<Req>,
+    config: &Stream,
+    path: tonic::codegen::http::uri::PathAndQuery,
+    wrap: impl Fn(Resp) -> Event,
+    events: &mpsc::UnboundedSender<Event>,
+) -> Result<bool, (String, bool)>
+where
+    Req: prost::Message + Send + 'static,
+    Resp: prost::Message + Default + Send + 'static,
+{
     let fail = |status: tonic::Status, delivered: bool| {
         (
             format!("gRPC status {:?}: {}", status.code(), status.message()),
             delivered,
         )
     };
-    if config.delta {
-        let request = with_metadata(UnboundedReceiverStream::new(delta_rx), config)?;
-        let codec =
-            tonic_prost::ProstCodec::<DeltaDiscoveryRequest, DeltaDiscoveryResponse>::default();
-        let mut responses = grpc
-            .streaming(request, path, codec)
-            .await
-            .map_err(|s| fail(s, false))?
-            .into_inner();
-        while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
-            delivered = true;
-            if events
-                .send(Event::Delta {
-                    stream: index,
-                    response,
-                })
-                .is_err()
-            {
-                break;
-            }
-        }
-    } else {
-        let request = with_metadata(UnboundedReceiverStream::new(sotw_rx), config)?;
-        let codec = tonic_prost::ProstCodec::<DiscoveryRequest, DiscoveryResponse>::default();
-        let mut responses = grpc
-            .streaming(request, path, codec)
-            .await
-            .map_err(|s| fail(s, false))?
-            .into_inner();
-        while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
-            delivered = true;
-            if events
-                .send(Event::Sotw {
-                    stream: index,
-                    response,
-                })
-                .is_err()
-            {
-                break;
-            }
+    let request = with_metadata(UnboundedReceiverStream::new(requests), config)?;
+    let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+    let mut responses = grpc
+        .streaming(request, path, codec)
+        .await
+        .map_err(|s| fail(s, false))?
+        .into_inner();
+    let mut delivered = false;
+    while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
+        delivered = true;
+        if events.send(wrap(response)).is_err() {
+            break;
         }
     }
     Ok(delivered)
