@@ -148,7 +148,10 @@ fn drives_the_proxy(delta: bool) {
         (type_urls::ENDPOINT, "e1"),
         (type_urls::LISTENER, "l1"),
     ] {
-        assert!(acked(&server, t, v, delta), "{t} {v} not ACKed");
+        // Ready comes when the listeners are applied; their ACK is on its way.
+        eventually(&format!("{t} {v} ACKed"), &proxy, &server, || {
+            acked(&server, t, v, delta)
+        });
     }
     let eds = server
         .requests()
