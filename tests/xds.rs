@@ -602,3 +602,118 @@ fn istio_bootstraps_drive_the_client() {
         served.len()
     );
 }
+
+/// The edges of applying updates: a cluster whose endpoints never come stops warming
+/// after `initial_fetch_timeout` and is served without hosts; a listener whose port is
+/// taken is NACKed while the others keep serving; a removed cluster lets its open
+/// connections finish while new ones find no cluster.
+#[test]
+fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
+    let dir = TempDir::new("edges");
+    let socket = dir.0.join("XDS");
+    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
+    open_to_the_proxy(&dir.0, &socket);
+    server.set(
+        type_urls::CLUSTER,
+        "c1",
+        vec![eds_cluster("backend", 1), eds_cluster("silent", 1)],
+    );
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("backend", ECHO_A)],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![
+            listener("l1", LISTEN_PORT, "backend"),
+            listener("silent", LISTEN_PORT + 1, "silent"),
+        ],
+    );
+    let mut bootstrap = bootstrap(&socket, false);
+    bootstrap["dynamic_resources"]["cds_config"]["initial_fetch_timeout"] = "1s".into();
+    let config = dir.0.join("bootstrap.json");
+    std::fs::write(&config, serde_json::to_vec(&bootstrap).unwrap()).unwrap();
+
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    // ECHO_B's port doubles as the port a listener will find taken.
+    let _echo = start_app(&pod, &[ECHO_A, ECHO_B]);
+    let started = std::time::Instant::now();
+    let proxy = pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "1", "-c"])
+        .arg(&config)
+        .spawn()
+        .expect("start shunt proxy");
+
+    // "silent" never gets endpoints: ready once its 1 s wait is over, served without hosts.
+    eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "ready before initial_fetch_timeout passed"
+    );
+    let dump = config_dump(&pod);
+    let clusters = dump_section(&dump, "ClustersConfigDump");
+    assert!(clusters["dynamic_warming_clusters"].is_null(), "{clusters}");
+    let active: Vec<&str> = clusters["dynamic_active_clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["cluster"]["name"].as_str())
+        .collect();
+    assert_eq!(active, ["backend", "silent"]);
+    assert_eq!(reaches(&pod), Some(ECHO_A));
+    assert_eq!(
+        xds::reaches(&pod, local(LISTEN_PORT + 1)),
+        None,
+        "no hosts: refused"
+    );
+
+    // A listener on a taken port: NACKed, the others keep serving.
+    server.set(
+        type_urls::LISTENER,
+        "l2",
+        vec![
+            listener("l1", LISTEN_PORT, "backend"),
+            listener("taken", ECHO_B, "backend"),
+        ],
+    );
+    let nack = server
+        .wait_for(Duration::from_secs(10), |r| {
+            r.type_url == type_urls::LISTENER && r.is_nack()
+        })
+        .expect("the unbindable listener is NACKed");
+    let (_, message) = nack.error_detail.clone().unwrap();
+    assert!(
+        message.contains(&format!("cannot listen on 127.0.0.1:{ECHO_B}")),
+        "{message}"
+    );
+    assert_eq!(reaches(&pod), Some(ECHO_A));
+    assert!(
+        pod.run_in_netns(|| TcpStream::connect(local(LISTEN_PORT + 1)).is_ok())
+            .unwrap(),
+        "l2 was refused whole: listener silent is still there"
+    );
+
+    // The cluster goes while a connection through it is open: that one finishes, new
+    // ones find no cluster.
+    let mut held = pod
+        .run_in_netns(|| TcpStream::connect(local(LISTEN_PORT)))
+        .unwrap()
+        .unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    while held.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {}
+    server.set(type_urls::CLUSTER, "c3", vec![eds_cluster("silent", 1)]);
+    eventually("CDS c3 applied", &proxy, &server, || {
+        acked(&server, type_urls::CLUSTER, "c3", false)
+    });
+    assert_eq!(reaches(&pod), None, "backend is gone");
+    held.write_all(b"still here").unwrap();
+    let mut back = [0u8; 10];
+    held.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"still here");
+}
