@@ -40,8 +40,8 @@ use crate::upstream::{Cluster, ClusterConfig, Discovery};
 #[derive(Default)]
 pub struct Compiled {
     pub clusters: HashMap<String, Arc<Cluster>>,
-    /// Each cluster's config digest, to recognise it unchanged in the next update.
-    pub digests: HashMap<String, u64>,
+    /// The clusters compiled afresh (not kept from the previous snapshot): they start.
+    pub fresh: Vec<Arc<Cluster>>,
     pub pipe_endpoints: Vec<(String, Vec<String>)>,
 }
 
@@ -69,7 +69,7 @@ pub fn compile_all(
     problems: &mut Problems,
 ) -> Compiled {
     let mut compiled = HashMap::new();
-    let mut digests = HashMap::new();
+    let mut fresh = Vec::new();
     let mut pipe_endpoints = Vec::new();
     for (index, cluster, digest) in clusters {
         let digest = *digest;
@@ -90,17 +90,15 @@ pub fn compile_all(
         let mut pipes = Vec::new();
         let built = match kept {
             Some(kept) => Some(kept),
-            None => compile(
-                cluster,
-                &path_of(*index, cluster),
-                stats,
-                &mut pipes,
-                problems,
-            ),
+            None => {
+                let path = path_of(*index, cluster);
+                let made = compile(cluster, &path, digest, stats, &mut pipes, problems);
+                fresh.extend(made.clone());
+                made
+            }
         };
         if let Some(c) = built {
             compiled.insert(cluster.name.clone(), c);
-            digests.insert(cluster.name.clone(), digest);
         }
         if !pipes.is_empty() {
             pipe_endpoints.push((cluster.name.clone(), pipes));
@@ -108,7 +106,7 @@ pub fn compile_all(
     }
     Compiled {
         clusters: compiled,
-        digests,
+        fresh,
         pipe_endpoints,
     }
 }
@@ -126,12 +124,14 @@ struct Endpoint {
 pub fn compile(
     cluster: &EnvoyCluster,
     path: &str,
+    digest: u64,
     stats: &Store,
     pipes: &mut Vec<String>,
     problems: &mut Problems,
 ) -> Option<Arc<Cluster>> {
     let errors_before = problems.errors.len();
     let mut config = ClusterConfig::new(cluster.name.clone());
+    config.config_digest = digest;
     let observability_name = if cluster.alt_stat_name.is_empty() {
         &cluster.name
     } else {

@@ -43,6 +43,8 @@ pub struct Snapshot {
     pub clusters: HashMap<String, Arc<Cluster>>,
     /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
     by_address: HashMap<SocketAddr, usize>,
+    /// Listener index by name: every accepted connection looks its listener up.
+    by_name: HashMap<Arc<str>, usize>,
     /// Each listener's stats, by listener name.
     listener_stats: HashMap<Arc<str>, ListenerStats>,
     /// The bootstrap's static resources as `/config_dump` shows them (listeners served
@@ -52,7 +54,6 @@ pub struct Snapshot {
     dynamic: Arc<DynamicResources>,
     /// Config digests of the compiled clusters and listeners, by name: what the next
     /// update compares against to keep unchanged ones.
-    cluster_digests: HashMap<String, u64>,
     listener_digests: HashMap<Arc<str>, u64>,
     /// When the bootstrap's static resources were loaded (kept across updates).
     loaded_at: Option<SystemTime>,
@@ -61,19 +62,21 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn new(listeners: Vec<Arc<Listener>>, clusters: HashMap<String, Arc<Cluster>>) -> Self {
         let mut by_address = HashMap::new();
+        let mut by_name = HashMap::new();
         for (index, listener) in listeners.iter().enumerate() {
             for addr in &listener.addresses {
                 by_address.entry(*addr).or_insert(index);
             }
+            by_name.entry(listener.name.clone()).or_insert(index);
         }
         Snapshot {
             listener_stats: HashMap::new(),
             listeners,
             clusters,
             by_address,
+            by_name,
             static_resources: Arc::default(),
             dynamic: Arc::default(),
-            cluster_digests: HashMap::new(),
             listener_digests: HashMap::new(),
             loaded_at: None,
         }
@@ -87,9 +90,10 @@ impl Snapshot {
 
     /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
     fn kept_cluster(&self, name: &str, digest: u64) -> Option<Arc<Cluster>> {
-        (self.cluster_digests.get(name) == Some(&digest))
-            .then(|| self.clusters.get(name).cloned())
-            .flatten()
+        self.clusters
+            .get(name)
+            .filter(|c| c.config_digest == digest)
+            .cloned()
     }
 
     /// This snapshot's listener `name`, if it was compiled from the config with `digest`.
@@ -100,7 +104,7 @@ impl Snapshot {
     }
 
     pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
-        self.listeners.iter().find(|l| &*l.name == name)
+        self.by_name.get(name).map(|&index| &self.listeners[index])
     }
 
     /// The stats of `listener` (one of this snapshot's).
@@ -162,6 +166,8 @@ impl Store {
 pub struct Compiled {
     pub snapshot: Snapshot,
     pub warnings: Vec<Problem>,
+    /// Its clusters that were not in the previous snapshot as they are: they start.
+    pub fresh_clusters: Vec<Arc<Cluster>>,
 }
 
 /// What a proxy serves besides the bootstrap's `static_resources`: the resources accepted
@@ -293,7 +299,12 @@ pub fn compile_with(
         stats,
         &mut problems,
     );
-    let routed = listener::routed_clusters(&listener_sources, &health);
+    // Only pipe endpoints need to know which listeners route where.
+    let routed = if clusters.pipe_endpoints.is_empty() {
+        HashMap::new()
+    } else {
+        listener::routed_clusters(&listener_sources, &health)
+    };
     let xds_clusters = xds_clusters(bootstrap);
     for (name, paths) in &clusters.pipe_endpoints {
         // The xDS client reaches its server through these itself.
@@ -321,7 +332,6 @@ pub fn compile_with(
     }
     problems.finish()?;
     let mut snapshot = Snapshot::new(listeners, clusters.clusters);
-    snapshot.cluster_digests = clusters.digests;
     snapshot.listener_digests = snapshot
         .listeners
         .iter()
@@ -348,6 +358,7 @@ pub fn compile_with(
     Ok(Compiled {
         snapshot,
         warnings: problems.warnings,
+        fresh_clusters: clusters.fresh,
     })
 }
 

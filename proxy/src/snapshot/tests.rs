@@ -116,7 +116,9 @@ static_resources:
 
 #[test]
 fn an_istio_shaped_bootstrap_compiles_to_listeners_and_clusters() {
-    let Compiled { snapshot, warnings } = compiled(ISTIO_LIKE);
+    let Compiled {
+        snapshot, warnings, ..
+    } = compiled(ISTIO_LIKE);
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(snapshot.listeners.len(), 3);
 
@@ -375,7 +377,9 @@ fn unix_socket_endpoints_are_left_out_unless_a_listener_routes_there() {
             &format!("clusters: [{PIPE_CLUSTER}, {{name: c,")
         )
     );
-    let Compiled { snapshot, warnings } = compiled(&unrouted);
+    let Compiled {
+        snapshot, warnings, ..
+    } = compiled(&unrouted);
     assert!(snapshot.clusters["p"].hosts().is_empty());
     let warnings: Vec<String> = warnings.iter().map(ToString::to_string).collect();
     assert_eq!(

@@ -85,6 +85,9 @@ pub struct ClusterConfig {
     pub overprovisioning_factor: u32,
     /// ORIGINAL_DST: how long a destination's host outlives its last connection.
     pub cleanup_interval: Duration,
+    /// The digest of the Envoy config this was compiled from (0 when not compiled from
+    /// one), to keep the cluster when an update leaves it unchanged.
+    pub config_digest: u64,
     /// Where the cluster's `cluster.<name>.*` stats go.
     pub stats: ClusterStats,
 }
@@ -104,6 +107,7 @@ impl ClusterConfig {
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
             overprovisioning_factor: DEFAULT_OVERPROVISIONING_FACTOR,
             cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
+            config_digest: 0,
             stats: ClusterStats::default(),
         }
     }
@@ -112,6 +116,8 @@ impl ClusterConfig {
 #[derive(Debug)]
 pub struct Cluster {
     pub name: Arc<str>,
+    /// See [`ClusterConfig::config_digest`].
+    pub config_digest: u64,
     pub discovery: Discovery,
     pub lb_policy: LbPolicy,
     pub connect_timeout: Duration,
@@ -149,6 +155,7 @@ impl Cluster {
     pub fn new(config: ClusterConfig, hosts: Vec<Host>) -> Arc<Cluster> {
         let cluster = Cluster {
             name: config.name.into(),
+            config_digest: config.config_digest,
             discovery: config.discovery,
             lb_policy: config.lb_policy,
             connect_timeout: config.connect_timeout,

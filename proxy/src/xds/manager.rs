@@ -707,15 +707,8 @@ impl Manager {
         let change = self.bind(&previous, &snapshot)?;
         let snapshot = Arc::new(snapshot);
         self.store.swap(snapshot.clone());
-        for (name, cluster) in &snapshot.clusters {
-            let kept = previous
-                .clusters
-                .get(name)
-                .is_some_and(|old| Arc::ptr_eq(old, cluster));
-            if !kept {
-                let cluster = cluster.clone();
-                tokio::spawn(async move { cluster.start().await });
-            }
+        for cluster in compiled.fresh_clusters {
+            tokio::spawn(async move { cluster.start().await });
         }
         self.stats
             .gauge("cluster_manager.active_clusters")
@@ -961,12 +954,12 @@ impl Manager {
         }
         self.effective = effective;
         self.warming = still_warming;
-        let known: BTreeSet<&String> = self
-            .types
-            .get(&TypeUrl::Cluster)
-            .map(|t| t.resources.keys().collect())
-            .unwrap_or_default();
-        self.timed_out.retain(|name| known.contains(name));
+        if !self.timed_out.is_empty()
+            && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
+        {
+            self.timed_out
+                .retain(|name| clusters.resources.contains_key(name));
+        }
         for entry in endpoints.values() {
             if let Resource::Endpoints(cla) = &entry.resource {
                 dynamic.endpoints.push(entry.tracked(cla));
