@@ -203,8 +203,21 @@ fn counters_move_by_exactly_the_connections_made() {
         assert_eq!(call(flaky).0.as_deref(), Some("C"));
     }
 
+    // Byte counts are added as each connection ends, just after the client saw it end.
+    // Each flaky call: "C\n" and the 19-byte ping back from C, the ping to it.
+    let deadline = Instant::now() + PATIENCE;
+    while stats(admin)
+        .0
+        .get("cluster.flaky.upstream_cx_rx_bytes_total")
+        != Some(&42)
+    {
+        assert!(Instant::now() < deadline, "{:#?}", stats(admin).0);
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let (stats, histograms) = stats(admin);
     let expected: &[(&str, u64)] = &[
+        ("cluster.flaky.upstream_cx_tx_bytes_total", 38),
+        ("cluster.flaky.upstream_cx_rx_bytes_total", 42),
         ("listener.front.downstream_cx_total", 4),
         ("listener.front.downstream_cx_active", 1),
         // A listener without stat_prefix is named by its configured address.

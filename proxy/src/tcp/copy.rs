@@ -82,6 +82,10 @@ pub struct Outcome {
     pub bytes_received: u64,
     /// Bytes written to the downstream.
     pub bytes_sent: u64,
+    /// Bytes written to the upstream.
+    pub upstream_bytes_sent: u64,
+    /// Bytes read from the upstream.
+    pub upstream_bytes_received: u64,
     pub end: End,
 }
 
@@ -166,6 +170,8 @@ pub async fn copy_with_idle_timeout(
     Outcome {
         bytes_received: counts.received,
         bytes_sent: counts.sent,
+        upstream_bytes_sent: counts.forwarded,
+        upstream_bytes_received: counts.fetched,
         end,
     }
 }

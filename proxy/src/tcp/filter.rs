@@ -161,6 +161,14 @@ impl TcpProxy {
         let outcome = copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await;
         entry.bytes_received = outcome.bytes_received;
         entry.bytes_sent = outcome.bytes_sent;
+        cluster
+            .stats
+            .upstream_cx_tx_bytes_total
+            .add(outcome.upstream_bytes_sent);
+        cluster
+            .stats
+            .upstream_cx_rx_bytes_total
+            .add(outcome.upstream_bytes_received);
         match outcome.end {
             copy::End::Failed { side, error } => {
                 tracing::debug!(downstream = %entry.downstream_remote_address, ?side, %error, "connection ended abnormally");

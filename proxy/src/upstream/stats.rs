@@ -25,6 +25,9 @@ pub struct ClusterStats {
     pub upstream_cx_connect_ms: Histogram,
     /// How long upstream connections lasted, from connect to close.
     pub upstream_cx_length_ms: Histogram,
+    /// Bytes written to and read from the cluster's hosts, added as each connection ends.
+    pub upstream_cx_tx_bytes_total: Counter,
+    pub upstream_cx_rx_bytes_total: Counter,
     /// Hosts in the cluster, and those of them that are healthy.
     pub membership_total: Gauge,
     pub membership_healthy: Gauge,
@@ -47,6 +50,8 @@ impl ClusterStats {
                 .histogram(&stats::cluster_stat(name, "upstream_cx_connect_ms")),
             upstream_cx_length_ms: store
                 .histogram(&stats::cluster_stat(name, "upstream_cx_length_ms")),
+            upstream_cx_tx_bytes_total: counter("upstream_cx_tx_bytes_total"),
+            upstream_cx_rx_bytes_total: counter("upstream_cx_rx_bytes_total"),
             membership_total: gauge("membership_total"),
             membership_healthy: gauge("membership_healthy"),
         }
