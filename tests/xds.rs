@@ -717,3 +717,163 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
     held.read_exact(&mut back).unwrap();
     assert_eq!(&back, b"still here");
 }
+
+/// A CA and a server certificate for 127.0.0.1, made with the openssl CLI in `dir`.
+fn make_certificates(dir: &std::path::Path, tag: &str) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let (ca_key, ca) = (format!("{tag}-ca.key"), format!("{tag}-ca.pem"));
+    let subject = format!("/CN={tag} test CA");
+    let mut args = vec!["req", "-x509"];
+    args.extend(ec);
+    args.extend([
+        "-keyout", &ca_key, "-out", &ca, "-days", "2", "-subj", &subject,
+    ]);
+    run(&args);
+    let mut args = vec!["req"];
+    args.extend(ec);
+    args.extend([
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=xds",
+    ]);
+    run(&args);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+}
+
+/// ADS over TCP in TLS, as the xDS cluster's `UpstreamTlsContext` says: the server's
+/// certificate is verified against `trusted_ca` (and the IP it is reached at), gRPC runs
+/// over h2 inside it; a proxy trusting another CA never gets a request through.
+#[test]
+fn tls_to_the_xds_server() {
+    let dir = TempDir::new("tls");
+    make_certificates(&dir.0, "good");
+    // A second CA that did not sign the server's certificate.
+    let other = TempDir::new("tls-other");
+    make_certificates(&other.0, "other");
+
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    let _echo = start_app(&pod, &[ECHO_A]);
+    let listen = Listen::TcpTls {
+        addr: local(0),
+        cert: dir.0.join("server.pem"),
+        key: dir.0.join("server.key"),
+    };
+    // The server lives in the pod, where the proxy reaches it on 127.0.0.1.
+    let server = pod
+        .run_in_netns(move || AdsServer::start(listen))
+        .unwrap()
+        .expect("TLS ADS server");
+    let port = server.local_addr().unwrap().port();
+    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("backend", ECHO_A)],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![listener("l1", LISTEN_PORT, "backend")],
+    );
+    let tls_bootstrap = |ca: std::path::PathBuf| {
+        let mut b = bootstrap(std::path::Path::new("/unused"), true);
+        b["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            [0]["endpoint"]["address"] =
+            serde_json::json!({"socket_address": {"address": "127.0.0.1", "port_value": port}});
+        b["static_resources"]["clusters"][0]["transport_socket"] = serde_json::json!({
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"validation_context": {"trusted_ca": {"filename": ca.display().to_string()}}}
+            }
+        });
+        b
+    };
+
+    // Trusting the CA that signed the server: configured over TLS, and serving.
+    let config = dir.0.join("bootstrap.json");
+    std::fs::write(
+        &config,
+        serde_json::to_vec(&tls_bootstrap(dir.0.join("good-ca.pem"))).unwrap(),
+    )
+    .unwrap();
+    let proxy = pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "1", "-c"])
+        .arg(&config)
+        .spawn()
+        .expect("start shunt proxy");
+    eventually("ready over TLS", &proxy, &server, || {
+        admin(&pod, "/ready").0 == 200
+    });
+    eventually("LDS ACKed over TLS", &proxy, &server, || {
+        acked(&server, type_urls::LISTENER, "l1", true)
+    });
+    assert_eq!(reaches(&pod), Some(ECHO_A));
+    drop(proxy);
+    let streams_before = server.requests().iter().map(|r| r.stream).max().unwrap();
+
+    // Trusting another CA: the handshake fails, nothing reaches the server.
+    let config = other.0.join("bootstrap.json");
+    std::fs::write(
+        &config,
+        serde_json::to_vec(&tls_bootstrap(other.0.join("other-ca.pem"))).unwrap(),
+    )
+    .unwrap();
+    let proxy = pod
+        .command(shunt_bin())
+        .args(["proxy", "--concurrency", "1", "-c"])
+        .arg(&config)
+        .spawn()
+        .expect("start shunt proxy");
+    eventually("a refused handshake", &proxy, &server, || {
+        proxy.stderr_text().contains("xDS stream ended")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        server.requests().iter().all(|r| r.stream <= streams_before),
+        "an unverified server got a request"
+    );
+    let stderr = proxy.stderr_text();
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+    assert_ne!(admin(&pod, "/ready").0, 200, "not ready without config");
+}

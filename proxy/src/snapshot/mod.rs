@@ -266,8 +266,23 @@ pub fn compile_with(
         .into_iter()
         .map(|listener| listener.name)
         .collect();
-    let cluster_sources: Vec<cluster::Source> = resources
+    // The xDS client speaks TLS to its server itself (`crate::xds::source`); the data
+    // plane does not, so those clusters are compiled without their TLS socket and no
+    // listener may route to them.
+    let xds_clusters = xds_clusters(bootstrap);
+    let mut tls_for_xds_only = Vec::new();
+    let static_clusters: Vec<EnvoyCluster> = resources
         .clusters
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            if xds_clusters.contains(c.name.as_str()) && c.transport_socket.take().is_some() {
+                tls_for_xds_only.push(c.name.clone());
+            }
+            c
+        })
+        .collect();
+    let cluster_sources: Vec<cluster::Source> = static_clusters
         .iter()
         .enumerate()
         .map(|(i, c)| (Some(i), c, digest(c)))
@@ -300,12 +315,22 @@ pub fn compile_with(
         &mut problems,
     );
     // Only pipe endpoints need to know which listeners route where.
-    let routed = if clusters.pipe_endpoints.is_empty() {
+    let routed = if clusters.pipe_endpoints.is_empty() && tls_for_xds_only.is_empty() {
         HashMap::new()
     } else {
         listener::routed_clusters(&listener_sources, &health)
     };
-    let xds_clusters = xds_clusters(bootstrap);
+    for name in &tls_for_xds_only {
+        if let Some(listener) = routed.get(name) {
+            problems.error(
+                format!("static_resources.clusters[{name:?}].transport_socket"),
+                format!(
+                    "upstream TLS is implemented for the xDS client only, and listener \
+                     {listener:?} routes to cluster {name:?}"
+                ),
+            );
+        }
+    }
     for (name, paths) in &clusters.pipe_endpoints {
         // The xDS client reaches its server through these itself.
         if xds_clusters.contains(name.as_str()) {

@@ -11,10 +11,17 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
 use envoy_types::pb::envoy::config::core::v3::api_config_source::ApiType;
 use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
+use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
 use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
 use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
-use envoy_types::pb::envoy::config::core::v3::{ApiConfigSource, ConfigSource};
+use envoy_types::pb::envoy::config::core::v3::transport_socket;
+use envoy_types::pb::envoy::config::core::v3::{
+    ApiConfigSource, ConfigSource, DataSource, TransportSocket,
+};
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType;
+use prost::Message;
 
 use super::TypeUrl;
 
@@ -48,10 +55,23 @@ pub struct Stream {
     /// Connect timeout (`grpc_services[0].timeout`).
     pub timeout: Option<Duration>,
     pub set_node_on_first_message_only: bool,
+    /// TLS to the server, from its cluster's `UpstreamTlsContext`.
+    pub tls: Option<Tls>,
     /// The types this stream carries: every ADS type, or one.
     pub types: Vec<TypeUrl>,
     /// The JSON path of its config, for messages.
     pub path: String,
+}
+
+/// TLS settings for the xDS server, as PEM read at start-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    /// `sni`; else the server's IP address is verified.
+    pub server_name: Option<String>,
+    /// `validation_context.trusted_ca`: the server's certificate must chain to it.
+    pub trusted_ca: Vec<u8>,
+    /// `tls_certificates[0]`: the client certificate chain and key, for mTLS.
+    pub client_certificate: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// The bootstrap's xDS plan: its streams, and how long a type may take to arrive.
@@ -150,16 +170,16 @@ fn stream(
     let Some(service) = api.grpc_services.first() else {
         anyhow::bail!("{path}.grpc_services: needs one gRPC service");
     };
-    let target = match &service.target_specifier {
+    let (target, tls) = match &service.target_specifier {
         Some(TargetSpecifier::EnvoyGrpc(grpc)) => cluster_target(
             bootstrap,
             &grpc.cluster_name,
             &format!("{path}.grpc_services[0].envoy_grpc.cluster_name"),
         )?,
-        Some(TargetSpecifier::GoogleGrpc(grpc)) => uri_target(
-            &grpc.target_uri,
-            &format!("{path}.grpc_services[0].google_grpc.target_uri"),
-        )?,
+        Some(TargetSpecifier::GoogleGrpc(grpc)) => {
+            let path = format!("{path}.grpc_services[0].google_grpc.target_uri");
+            (uri_target(&grpc.target_uri, &path)?, None)
+        }
         None => anyhow::bail!("{path}.grpc_services[0]: no target"),
     };
     let timeout = service.timeout.as_ref().map(|t| {
@@ -177,30 +197,29 @@ fn stream(
             .map(|h| (h.key.to_ascii_lowercase(), h.value.clone()))
             .collect(),
         timeout,
+        tls,
         set_node_on_first_message_only: api.set_node_on_first_message_only,
         types,
         path: path.to_owned(),
     })
 }
 
-/// The first endpoint of static cluster `name`: TLS to the xDS server is refused by name.
-fn cluster_target(bootstrap: &Bootstrap, name: &str, path: &str) -> anyhow::Result<Target> {
+/// The first endpoint of static cluster `name`, and TLS if its transport socket asks.
+fn cluster_target(
+    bootstrap: &Bootstrap,
+    name: &str,
+    path: &str,
+) -> anyhow::Result<(Target, Option<Tls>)> {
     let cluster = bootstrap
         .static_resources
         .iter()
         .flat_map(|r| &r.clusters)
         .find(|c| c.name == name)
         .ok_or_else(|| anyhow::anyhow!("{path}: {name:?} is not a static cluster"))?;
-    if let Some(socket) = &cluster.transport_socket
-        && !socket.name.contains("raw_buffer")
-    {
-        anyhow::bail!(
-            "{path}: cluster {name:?} reaches the xDS server with transport socket {:?}; \
-             TLS to the xDS server is not implemented yet (Istio's bootstrap uses a plaintext \
-             Unix socket to its agent)",
-            socket.name
-        );
-    }
+    let tls = match &cluster.transport_socket {
+        Some(socket) => upstream_tls(socket, &format!("cluster {name:?}.transport_socket"))?,
+        None => None,
+    };
     let address = cluster
         .load_assignment
         .iter()
@@ -212,8 +231,8 @@ fn cluster_target(bootstrap: &Bootstrap, name: &str, path: &str) -> anyhow::Resu
         })
         .and_then(|a| a.address.as_ref())
         .ok_or_else(|| anyhow::anyhow!("{path}: cluster {name:?} has no endpoint"))?;
-    match address {
-        AddressKind::Pipe(pipe) => Ok(Target::Unix(PathBuf::from(&pipe.path))),
+    let target = match address {
+        AddressKind::Pipe(pipe) => Target::Unix(PathBuf::from(&pipe.path)),
         AddressKind::SocketAddress(socket) => {
             let port = match socket.port_specifier {
                 Some(PortSpecifier::PortValue(port)) => port,
@@ -227,11 +246,83 @@ fn cluster_target(bootstrap: &Bootstrap, name: &str, path: &str) -> anyhow::Resu
             })?;
             let port = u16::try_from(port)
                 .map_err(|_| anyhow::anyhow!("{path}: port {port} is out of range"))?;
-            Ok(Target::Tcp(SocketAddr::new(ip, port)))
+            Target::Tcp(SocketAddr::new(ip, port))
         }
         AddressKind::EnvoyInternalAddress(_) => {
             anyhow::bail!("{path}: cluster {name:?} has an internal address")
         }
+    };
+    Ok((target, tls))
+}
+
+/// An `UpstreamTlsContext` as TLS settings; `None` for a raw_buffer socket. What shunt
+/// cannot honour is refused by name rather than connected to unverified.
+fn upstream_tls(socket: &TransportSocket, path: &str) -> anyhow::Result<Option<Tls>> {
+    let Some(transport_socket::ConfigType::TypedConfig(any)) = &socket.config_type else {
+        return Ok(None);
+    };
+    if any.type_url.ends_with("RawBuffer") {
+        return Ok(None);
+    }
+    if !any.type_url.ends_with(".UpstreamTlsContext") {
+        anyhow::bail!(
+            "{path}: transport socket {} is not implemented",
+            any.type_url
+        );
+    }
+    let context = UpstreamTlsContext::decode(any.value.as_slice())
+        .map_err(|e| anyhow::anyhow!("{path}.typed_config: {e}"))?;
+    let common = context.common_tls_context.unwrap_or_default();
+    let path = format!("{path}.typed_config.common_tls_context");
+    let trusted_ca = match &common.validation_context_type {
+        Some(ValidationContextType::ValidationContext(v)) => v.trusted_ca.as_ref(),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        anyhow::anyhow!(
+            "{path}.validation_context.trusted_ca: needed; shunt does not connect to an \
+             unverified xDS server (SDS-provided contexts are not implemented)"
+        )
+    })?;
+    let trusted_ca = data_source(trusted_ca, &format!("{path}.validation_context.trusted_ca"))?;
+    let client_certificate = match common.tls_certificates.first() {
+        None => None,
+        Some(cert) => {
+            let chain = cert.certificate_chain.as_ref().ok_or_else(|| {
+                anyhow::anyhow!("{path}.tls_certificates[0].certificate_chain: needed")
+            })?;
+            let key = cert
+                .private_key
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("{path}.tls_certificates[0].private_key: needed"))?;
+            Some((
+                data_source(
+                    chain,
+                    &format!("{path}.tls_certificates[0].certificate_chain"),
+                )?,
+                data_source(key, &format!("{path}.tls_certificates[0].private_key"))?,
+            ))
+        }
+    };
+    Ok(Some(Tls {
+        server_name: (!context.sni.is_empty()).then(|| context.sni.clone()),
+        trusted_ca,
+        client_certificate,
+    }))
+}
+
+/// A `DataSource`'s bytes: a file, inline bytes or string, or an environment variable.
+fn data_source(source: &DataSource, path: &str) -> anyhow::Result<Vec<u8>> {
+    match &source.specifier {
+        Some(Specifier::Filename(file)) => {
+            std::fs::read(file).map_err(|e| anyhow::anyhow!("{path}.filename: reading {file}: {e}"))
+        }
+        Some(Specifier::InlineBytes(bytes)) => Ok(bytes.clone()),
+        Some(Specifier::InlineString(text)) => Ok(text.clone().into_bytes()),
+        Some(Specifier::EnvironmentVariable(var)) => std::env::var(var)
+            .map(String::into_bytes)
+            .map_err(|_| anyhow::anyhow!("{path}.environment_variable: {var} is not set")),
+        None => anyhow::bail!("{path}: empty data source"),
     }
 }
 
@@ -307,5 +398,46 @@ mod tests {
             err.starts_with("dynamic_resources.cds_config.api_config_source.api_type"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn tls_to_the_server_needs_a_trusted_ca_and_reads_its_files() {
+        let with_tls = |context: serde_json::Value| {
+            bootstrap(serde_json::json!({
+                "dynamic_resources": {"cds_config": {"ads": {}},
+                    "ads_config": {"api_type": "GRPC", "grpc_services": [{"envoy_grpc": {"cluster_name": "xds"}}]}},
+                "static_resources": {"clusters": [{"name": "xds", "type": "STATIC",
+                    "transport_socket": {"name": "tls", "typed_config": context},
+                    "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 1}}}}]}]}}]}
+            }))
+        };
+        let tls =
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
+        let err = plan(&with_tls(serde_json::json!({"@type": tls})))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("validation_context.trusted_ca: needed"),
+            "{err}"
+        );
+
+        let err = plan(&with_tls(serde_json::json!({"@type": tls,
+            "common_tls_context": {"validation_context": {"trusted_ca": {"filename": "/nonexistent/ca.pem"}}}})))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("trusted_ca.filename: reading /nonexistent/ca.pem"),
+            "{err}"
+        );
+
+        let planned = plan(&with_tls(serde_json::json!({"@type": tls, "sni": "xds.example",
+            "common_tls_context": {"validation_context": {"trusted_ca": {"inline_string": "PEM"}}}})))
+        .unwrap()
+        .unwrap();
+        let tls = planned.streams[0].tls.clone().unwrap();
+        assert_eq!(tls.server_name.as_deref(), Some("xds.example"));
+        assert_eq!(tls.trusted_ca, b"PEM");
+        assert!(tls.client_certificate.is_none());
     }
 }

@@ -13,7 +13,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use super::source::{Stream, Target};
+use std::sync::Arc;
+
+use super::source::{Stream, Target, Tls};
 
 const BACKOFF_BASE: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -104,7 +106,7 @@ async fn session(
     path: &'static str,
     events: &mpsc::UnboundedSender<Event>,
 ) -> Result<bool, (String, bool)> {
-    let channel = connect(&config.target, config.timeout)
+    let channel = connect(&config.target, config.tls.as_ref(), config.timeout)
         .await
         .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
     // No 4 MiB cap on a response: a full push of a large mesh is bigger (Envoy has none).
@@ -211,31 +213,88 @@ fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (Stri
     Ok(request)
 }
 
-async fn connect(target: &Target, timeout: Option<Duration>) -> Result<Channel, String> {
+async fn connect(
+    target: &Target,
+    tls: Option<&Tls>,
+    timeout: Option<Duration>,
+) -> Result<Channel, String> {
     let timeout = timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-    match target {
-        Target::Tcp(addr) => Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| e.to_string())?
-            .connect_timeout(timeout)
-            .connect()
-            .await
-            .map_err(|e| error_chain(&e)),
-        Target::Unix(path) => {
-            let path = path.clone();
-            let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
-                let path = path.clone();
-                async move {
-                    let stream = tokio::net::UnixStream::connect(path).await?;
-                    Ok::<_, std::io::Error>(TokioIo::new(stream))
-                }
-            });
-            Endpoint::from_static("http://localhost")
-                .connect_timeout(timeout)
-                .connect_with_connector(connector)
-                .await
-                .map_err(|e| error_chain(&e))
+    let endpoint = Endpoint::from_static("http://xds").connect_timeout(timeout);
+    let tls = match tls {
+        Some(tls) => Some(tls_connector(tls, target)?),
+        None => None,
+    };
+    let target = target.clone();
+    let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+        let (target, tls) = (target.clone(), tls.clone());
+        async move { dial(&target, tls).await }
+    });
+    endpoint
+        .connect_with_connector(connector)
+        .await
+        .map_err(|e| error_chain(&e))
+}
+
+/// A byte stream to the server: TCP or a Unix socket, in TLS when asked.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
+
+type TlsDial = (
+    tokio_rustls::TlsConnector,
+    rustls::pki_types::ServerName<'static>,
+);
+
+async fn dial(target: &Target, tls: Option<TlsDial>) -> std::io::Result<TokioIo<Box<dyn Io>>> {
+    let plain: Box<dyn Io> = match target {
+        Target::Tcp(addr) => {
+            let stream = tokio::net::TcpStream::connect(addr).await?;
+            stream.set_nodelay(true)?;
+            Box::new(stream)
         }
+        Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
+    };
+    Ok(TokioIo::new(match tls {
+        Some((connector, name)) => Box::new(connector.connect(name, plain).await?),
+        None => plain,
+    }))
+}
+
+/// The TLS client for `tls`: the server must chain to `trusted_ca` and be named by
+/// `sni` (else its IP address); a client certificate when given; ALPN h2, as gRPC wants.
+fn tls_connector(tls: &Tls, target: &Target) -> Result<TlsDial, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&tls.trusted_ca) {
+        let cert = cert.map_err(|e| format!("trusted_ca: {e}"))?;
+        roots.add(cert).map_err(|e| format!("trusted_ca: {e}"))?;
     }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(roots);
+    let mut config = match &tls.client_certificate {
+        Some((chain, key)) => {
+            let chain = CertificateDer::pem_slice_iter(chain)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("certificate_chain: {e}"))?;
+            let key =
+                PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("private_key: {e}"))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| format!("tls_certificates[0]: {e}"))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let name = match (&tls.server_name, target) {
+        (Some(sni), _) => ServerName::try_from(sni.clone()).map_err(|e| format!("sni: {e}"))?,
+        (None, Target::Tcp(addr)) => ServerName::IpAddress(addr.ip().into()),
+        (None, Target::Unix(_)) => return Err("TLS over a Unix socket needs an sni".into()),
+    };
+    Ok((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
 }
 
 /// An error with its causes, which tonic's transport errors hide.

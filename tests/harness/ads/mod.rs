@@ -111,6 +111,12 @@ pub enum Listen {
     Tcp(SocketAddr),
     /// A stale socket file is replaced and missing parent directories are created.
     Unix(PathBuf),
+    /// TCP in TLS (ALPN h2) with this certificate chain and key (PEM files).
+    TcpTls {
+        addr: SocketAddr,
+        cert: PathBuf,
+        key: PathBuf,
+    },
 }
 
 /// One request received on a stream.
@@ -220,7 +226,9 @@ impl Inner {
         let mut listen = self.listen.lock().unwrap_or_else(|e| e.into_inner());
         let (handle, addr) =
             server::spawn(self.shared.clone(), listen.clone(), self.netns.clone())?;
-        if let (Listen::Tcp(want), Some(addr)) = (&mut *listen, addr) {
+        if let (Listen::Tcp(want) | Listen::TcpTls { addr: want, .. }, Some(addr)) =
+            (&mut *listen, addr)
+        {
             *want = addr;
         }
         *running = Some(handle);
@@ -268,7 +276,7 @@ impl AdsServer {
     /// The bound TCP address (the picked port for port 0); `None` for a Unix socket.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.inner.listen.lock().unwrap_or_else(|e| e.into_inner()) {
-            Listen::Tcp(addr) => Some(*addr),
+            Listen::Tcp(addr) | Listen::TcpTls { addr, .. } => Some(*addr),
             Listen::Unix(_) => None,
         }
     }

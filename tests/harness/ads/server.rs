@@ -155,6 +155,11 @@ async fn serve(
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             tokio::spawn(Server::builder().serve_with_incoming_shutdown(service, incoming, signal))
         }
+        Ok(Bound::Tls(listener, addr, acceptor)) => {
+            let _ = ready.send(Ok(Some(addr)));
+            let incoming = tls_incoming(listener, acceptor);
+            tokio::spawn(Server::builder().serve_with_incoming_shutdown(service, incoming, signal))
+        }
         Ok(Bound::Unix(listener)) => {
             let _ = ready.send(Ok(None));
             let incoming = UnixListenerStream::new(listener);
@@ -176,6 +181,11 @@ async fn serve(
 
 enum Bound {
     Tcp(tokio::net::TcpListener, SocketAddr),
+    Tls(
+        tokio::net::TcpListener,
+        SocketAddr,
+        tokio_rustls::TlsAcceptor,
+    ),
     Unix(tokio::net::UnixListener),
 }
 
@@ -187,6 +197,14 @@ async fn bind(listen: &Listen) -> Result<Bound> {
                 .with_context(|| format!("binding the ADS server to {addr}"))?;
             let addr = listener.local_addr()?;
             Ok(Bound::Tcp(listener, addr))
+        }
+        Listen::TcpTls { addr, cert, key } => {
+            let acceptor = tls_acceptor(cert, key)?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the ADS server to {addr}"))?;
+            let addr = listener.local_addr()?;
+            Ok(Bound::Tls(listener, addr, acceptor))
         }
         Listen::Unix(path) => {
             if let Some(dir) = path.parent() {
@@ -202,6 +220,100 @@ async fn bind(listen: &Listen) -> Result<Bound> {
                 .with_context(|| format!("binding the ADS server to {}", path.display()))?;
             Ok(Bound::Unix(listener))
         }
+    }
+}
+
+/// The server side of TLS: the certificate chain and key from PEM files, ALPN h2.
+fn tls_acceptor(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<tokio_rustls::TlsAcceptor> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = CertificateDer::pem_file_iter(cert)
+        .with_context(|| format!("reading {}", cert.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("parsing {}", cert.display()))?;
+    let key =
+        PrivateKeyDer::from_pem_file(key).with_context(|| format!("reading {}", key.display()))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Accepted connections after their TLS handshake (failed handshakes are logged and
+/// dropped, as a real server would).
+fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> UnboundedReceiverStream<std::io::Result<TlsConn>> {
+    let (tx, rx) = unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                match acceptor.accept(stream).await {
+                    Ok(tls) => {
+                        let _ = tx.send(Ok(TlsConn(tls)));
+                    }
+                    Err(e) => eprintln!("ads: TLS handshake failed: {e}"),
+                }
+            });
+        }
+    });
+    UnboundedReceiverStream::new(rx)
+}
+
+/// A TLS connection as tonic's server takes it.
+struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = ();
+    fn connect_info(&self) -> Self::ConnectInfo {}
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
     }
 }
 
