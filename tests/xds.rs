@@ -176,6 +176,13 @@ fn drives_the_proxy(delta: bool) {
         listeners["dynamic_listeners"][0]["active_state"]["version_info"],
         "l1"
     );
+    let (_, body) = admin(&pod, "/config_dump?include_eds");
+    let with_eds: Value = serde_json::from_str(&body).expect("config_dump is JSON");
+    let eds = dump_section(&with_eds, "EndpointsConfigDump");
+    let backend = &eds["dynamic_endpoint_configs"][0];
+    assert_eq!(backend["version_info"], "e1", "{eds}");
+    assert_eq!(backend["endpoint_config"]["cluster_name"], "backend");
+    assert!(backend["last_updated"].is_string(), "{eds}");
 
     // An open connection, then an endpoint update: new connections move, the old one's
     // bytes stay intact.

@@ -204,9 +204,12 @@ fn configs(
                     last_updated: None,
                 },
             ),
-            Some(_) => endpoints_dump.dynamic_endpoint_configs.push(
+            Some(version) => endpoints_dump.dynamic_endpoint_configs.push(
                 endpoints_config_dump::DynamicEndpointConfig {
+                    version_info: version.clone(),
                     endpoint_config,
+                    last_updated: Some(timestamp(tracked.last_updated)),
+                    client_status: ClientResourceStatus::Acked as i32,
                     ..Default::default()
                 },
             ),
