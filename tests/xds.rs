@@ -22,7 +22,9 @@ use harness::ads::resources::{self, ads_source, load_assignment, named, tcp_prox
 use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
-use support::xds::{self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy};
+use support::xds::{
+    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt,
+};
 use support::*;
 
 const ADMIN: &str = "127.0.0.1:15000";
@@ -117,17 +119,12 @@ fn drives_the_proxy(delta: bool) {
     let pod = node.add_pod("p").unwrap();
     let _echo = start_app(&pod, &[ECHO_A, ECHO_B]);
     let config = dir.0.join("bootstrap.json");
-    std::fs::write(
+    let proxy = start_shunt(
+        &pod,
         &config,
-        serde_json::to_vec(&bootstrap(&socket, delta)).unwrap(),
-    )
-    .unwrap();
-    let proxy = pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "2", "--drain-time-s", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+        &bootstrap(&socket, delta),
+        &["--concurrency", "2", "--drain-time-s", "1"],
+    );
 
     // Initial config: node and metadata on the stream, everything ACKed, traffic served.
     eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
@@ -396,23 +393,18 @@ fn envoy_and_shunt_reach_the_same_config() {
         ],
     );
     let config = dir.0.join("bootstrap.json");
-    std::fs::write(
-        &config,
-        serde_json::to_vec(&bootstrap(&socket, true)).unwrap(),
-    )
-    .unwrap();
 
     let mut node = Node::new().unwrap();
     let shunt_pod = node.add_pod("s").unwrap();
     let envoy_pod = node.add_pod("e").unwrap();
     let _echo_s = start_app(&shunt_pod, &[ECHO_A, ECHO_B]);
     let _echo_e = start_app(&envoy_pod, &[ECHO_A, ECHO_B]);
-    let shunt = shunt_pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+    let shunt = start_shunt(
+        &shunt_pod,
+        &config,
+        &bootstrap(&socket, true),
+        &["--concurrency", "1"],
+    );
     let envoy = envoy_pod
         .command(envoy_bin())
         .args([
@@ -641,19 +633,13 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
     let mut bootstrap = bootstrap(&socket, false);
     bootstrap["dynamic_resources"]["cds_config"]["initial_fetch_timeout"] = "1s".into();
     let config = dir.0.join("bootstrap.json");
-    std::fs::write(&config, serde_json::to_vec(&bootstrap).unwrap()).unwrap();
 
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();
     // ECHO_B's port doubles as the port a listener will find taken.
     let _echo = start_app(&pod, &[ECHO_A, ECHO_B]);
     let started = std::time::Instant::now();
-    let proxy = pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+    let proxy = start_shunt(&pod, &config, &bootstrap, &["--concurrency", "1"]);
 
     // "silent" never gets endpoints: ready once its 1 s wait is over, served without hosts.
     eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
@@ -838,17 +824,12 @@ fn tls_to_the_xds_server() {
 
     // Trusting the CA that signed the server: configured over TLS, and serving.
     let config = dir.0.join("bootstrap.json");
-    std::fs::write(
+    let proxy = start_shunt(
+        &pod,
         &config,
-        serde_json::to_vec(&tls_bootstrap(dir.0.join("good-ca.pem"))).unwrap(),
-    )
-    .unwrap();
-    let proxy = pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+        &tls_bootstrap(dir.0.join("good-ca.pem")),
+        &["--concurrency", "1"],
+    );
     eventually("ready over TLS", &proxy, &server, || {
         admin(&pod, "/ready").0 == 200
     });
@@ -861,17 +842,12 @@ fn tls_to_the_xds_server() {
 
     // Trusting another CA: the handshake fails, nothing reaches the server.
     let config = other.0.join("bootstrap.json");
-    std::fs::write(
+    let proxy = start_shunt(
+        &pod,
         &config,
-        serde_json::to_vec(&tls_bootstrap(other.0.join("other-ca.pem"))).unwrap(),
-    )
-    .unwrap();
-    let proxy = pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+        &tls_bootstrap(other.0.join("other-ca.pem")),
+        &["--concurrency", "1"],
+    );
     eventually("a refused handshake", &proxy, &server, || {
         proxy.stderr_text().contains("xDS stream ended")
     });

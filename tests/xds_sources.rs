@@ -27,10 +27,10 @@ use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, Disc
 use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient;
 use harness::ads::resources::{self, load_assignment, named, tcp_proxy_listener};
 use harness::ads::{AdsServer, Any, Listen, Received, methods, type_urls};
-use harness::{Node, Pod, shunt_bin};
+use harness::{Node, Pod};
 use serde_json::Value;
 use support::xds::{
-    self, TempDir, admin_at, describe, dump_section, eventually, open_to_the_proxy,
+    self, TempDir, admin_at, describe, dump_section, eventually, open_to_the_proxy, start_shunt,
 };
 use support::*;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -149,17 +149,12 @@ fn per_type_sources_drive_the_proxy(delta: bool) {
     let pod = node.add_pod("p").unwrap();
     let _echo = start_app(&pod, &[ECHO_A, ECHO_B]);
     let config = dir.0.join("bootstrap.json");
-    std::fs::write(
+    let proxy = start_shunt(
+        &pod,
         &config,
-        serde_json::to_vec(&bootstrap(&socket, delta)).unwrap(),
-    )
-    .unwrap();
-    let proxy = pod
-        .command(shunt_bin())
-        .args(["proxy", "--concurrency", "2", "--drain-time-s", "1", "-c"])
-        .arg(&config)
-        .spawn()
-        .expect("start shunt proxy");
+        &bootstrap(&socket, delta),
+        &["--concurrency", "2", "--drain-time-s", "1"],
+    );
 
     eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
     for (t, v) in [

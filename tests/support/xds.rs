@@ -168,3 +168,15 @@ pub fn acked(
             && (delta || r.version_info == version)
     })
 }
+
+/// Writes `bootstrap` to `path` and starts `shunt proxy ARGS -c PATH` in `pod`.
+pub fn start_shunt(pod: &Pod, path: &Path, bootstrap: &Value, args: &[&str]) -> PodProcess {
+    std::fs::write(path, serde_json::to_vec(bootstrap).unwrap()).unwrap();
+    pod.command(harness::shunt_bin())
+        .arg("proxy")
+        .args(args)
+        .arg("-c")
+        .arg(path)
+        .spawn()
+        .expect("start shunt proxy")
+}
