@@ -441,15 +441,22 @@ impl Manager {
         }
     }
 
+    /// A response of `type_url` arrived with `nonce`: its type, if subscribed, with the
+    /// nonce kept for the next request to echo.
+    fn received(&mut self, type_url: &str, nonce: &str) -> Option<TypeUrl> {
+        let Some(kind) = TypeUrl::parse(type_url) else {
+            tracing::warn!(%type_url, "response of a type not asked for");
+            return None;
+        };
+        let state = self.types.get_mut(&kind)?;
+        state.nonce = nonce.to_owned();
+        Some(kind)
+    }
+
     fn on_sotw(&mut self, _stream: usize, response: DiscoveryResponse) {
-        let Some(kind) = TypeUrl::parse(&response.type_url) else {
-            tracing::warn!(type_url = %response.type_url, "response of a type not asked for");
+        let Some(kind) = self.received(&response.type_url, &response.nonce) else {
             return;
         };
-        let Some(state) = self.types.get_mut(&kind) else {
-            return;
-        };
-        state.nonce = response.nonce.clone();
         let version = response.version_info.clone();
         let decoded: Result<Vec<Entry>, (String, String)> = response
             .resources
@@ -503,14 +510,9 @@ impl Manager {
     }
 
     fn on_delta(&mut self, _stream: usize, response: DeltaDiscoveryResponse) {
-        let Some(kind) = TypeUrl::parse(&response.type_url) else {
-            tracing::warn!(type_url = %response.type_url, "response of a type not asked for");
+        let Some(kind) = self.received(&response.type_url, &response.nonce) else {
             return;
         };
-        let Some(state) = self.types.get_mut(&kind) else {
-            return;
-        };
-        state.nonce = response.nonce.clone();
         let version = response.system_version_info.clone();
         let mut upserts = Vec::new();
         let mut errors = Vec::new();
