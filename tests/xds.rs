@@ -23,7 +23,7 @@ use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
 use support::xds::{
-    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt,
+    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt, unix_server,
 };
 use support::*;
 
@@ -99,10 +99,7 @@ fn config_dump(pod: &Pod) -> Value {
 }
 
 fn drives_the_proxy(delta: bool) {
-    let dir = TempDir::new(if delta { "delta" } else { "sotw" });
-    let socket = dir.0.join("XDS");
-    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
-    open_to_the_proxy(&dir.0, &socket);
+    let (dir, socket, server) = unix_server(if delta { "delta" } else { "sotw" });
     server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
     server.set(
         type_urls::ENDPOINT,
@@ -370,10 +367,7 @@ fn dynamic_resources(
 /// the same connection reaches the same endpoint through either.
 #[test]
 fn envoy_and_shunt_reach_the_same_config() {
-    let dir = TempDir::new("interop");
-    let socket = dir.0.join("XDS");
-    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
-    open_to_the_proxy(&dir.0, &socket);
+    let (dir, socket, server) = unix_server("interop");
     server.set(
         type_urls::CLUSTER,
         "c1",
@@ -608,10 +602,7 @@ fn istio_bootstraps_drive_the_client() {
 /// connections finish while new ones find no cluster.
 #[test]
 fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
-    let dir = TempDir::new("edges");
-    let socket = dir.0.join("XDS");
-    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("ADS server");
-    open_to_the_proxy(&dir.0, &socket);
+    let (dir, socket, server) = unix_server("edges");
     server.set(
         type_urls::CLUSTER,
         "c1",

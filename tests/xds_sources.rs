@@ -29,9 +29,7 @@ use harness::ads::resources::{self, load_assignment, named, tcp_proxy_listener};
 use harness::ads::{AdsServer, Any, Listen, Received, methods, type_urls};
 use harness::{Node, Pod};
 use serde_json::Value;
-use support::xds::{
-    self, TempDir, admin_at, describe, dump_section, eventually, open_to_the_proxy, start_shunt,
-};
+use support::xds::{self, admin_at, describe, dump_section, eventually, start_shunt, unix_server};
 use support::*;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -125,10 +123,7 @@ fn bootstrap(socket: &Path, delta: bool) -> Value {
 }
 
 fn per_type_sources_drive_the_proxy(delta: bool) {
-    let dir = TempDir::new(if delta { "delta" } else { "sotw" });
-    let socket = dir.0.join("XDS");
-    let server = AdsServer::start(Listen::Unix(socket.clone())).expect("xDS server");
-    open_to_the_proxy(&dir.0, &socket);
+    let (dir, socket, server) = unix_server(if delta { "delta" } else { "sotw" });
     server.set(
         type_urls::CLUSTER,
         "c1",

@@ -180,3 +180,13 @@ pub fn start_shunt(pod: &Pod, path: &Path, bootstrap: &Value, args: &[&str]) -> 
         .spawn()
         .expect("start shunt proxy")
 }
+
+/// An ADS server on the Unix socket `XDS` in a fresh scratch folder `tag`, open to the
+/// proxy's uid: the folder, the socket's path and the server.
+pub fn unix_server(tag: &str) -> (TempDir, PathBuf, AdsServer) {
+    let dir = TempDir::new(tag);
+    let socket = dir.0.join("XDS");
+    let server = AdsServer::start(harness::ads::Listen::Unix(socket.clone())).expect("ADS server");
+    open_to_the_proxy(&dir.0, &socket);
+    (dir, socket, server)
+}
