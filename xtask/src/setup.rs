@@ -20,6 +20,8 @@ const PACKAGES: &[(&str, &str)] = &[
     ("socat", "socat"),
     ("iperf3", "iperf3"),
     ("procps", "ps"),
+    ("nghttp2-client", "h2load"),
+    ("nginx-light", "nginx"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

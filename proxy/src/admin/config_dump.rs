@@ -119,6 +119,7 @@ fn configs(
         listeners_version,
         clusters_version,
         warming_clusters,
+        warming_listeners,
         errors,
     } = state.resources();
     let error_state = |type_url: &str, name: &str| {
@@ -247,8 +248,38 @@ fn configs(
             }
         }
     }
+    // A warming version joins its active one, or stands alone until it is served.
+    for tracked in warming_listeners
+        .iter()
+        .filter(|l| names.keeps(&l.resource.name))
+    {
+        let warming = Some(listeners_config_dump::DynamicListenerState {
+            version_info: tracked.version_info.clone().unwrap_or_default(),
+            listener: Some(any(&tracked.resource)),
+            last_updated: Some(timestamp(tracked.last_updated)),
+        });
+        match listeners_dump
+            .dynamic_listeners
+            .iter_mut()
+            .find(|l| l.name == tracked.resource.name)
+        {
+            Some(active) => active.warming_state = warming,
+            None => listeners_dump
+                .dynamic_listeners
+                .push(listeners_config_dump::DynamicListener {
+                    name: tracked.resource.name.clone(),
+                    warming_state: warming,
+                    error_state: error_state(LISTENER, &tracked.resource.name),
+                    client_status: ClientResourceStatus::Acked as i32,
+                    ..Default::default()
+                }),
+        }
+    }
     for error in errors.iter().filter(|e| e.type_url.ends_with(LISTENER)) {
-        let known = listeners.iter().any(|l| l.resource.name == error.name);
+        let known = listeners
+            .iter()
+            .chain(&warming_listeners)
+            .any(|l| l.resource.name == error.name);
         if !known && names.keeps(&error.name) {
             listeners_dump
                 .dynamic_listeners
@@ -282,7 +313,8 @@ fn configs(
                         version_info: version.clone(),
                         route_config,
                         last_updated,
-                        ..Default::default()
+                        error_state: error_state(ROUTE_CONFIGURATION, &tracked.resource.name),
+                        client_status: ClientResourceStatus::Acked as i32,
                     })
             }
         }
@@ -331,6 +363,7 @@ fn configs(
 
 const CLUSTER: &str = "envoy.config.cluster.v3.Cluster";
 const LISTENER: &str = "envoy.config.listener.v3.Listener";
+const ROUTE_CONFIGURATION: &str = "envoy.config.route.v3.RouteConfiguration";
 
 fn failure_state(failure: &UpdateFailure) -> UpdateFailureState {
     UpdateFailureState {

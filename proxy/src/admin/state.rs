@@ -119,8 +119,10 @@ pub struct Resources {
     /// The last version accepted over LDS and CDS (empty without xDS).
     pub listeners_version: String,
     pub clusters_version: String,
-    /// CDS clusters waiting for their endpoints (`dynamic_warming_clusters`).
+    /// CDS clusters waiting for their endpoints or secrets (`dynamic_warming_clusters`).
     pub warming_clusters: Vec<Tracked<Cluster>>,
+    /// LDS listeners waiting for their routes or secrets (`warming_state`).
+    pub warming_listeners: Vec<Tracked<Listener>>,
     /// Resources whose last xDS update was refused, with why (their `error_state`).
     pub errors: Vec<UpdateFailure>,
 }
@@ -177,6 +179,7 @@ impl Resources {
             listeners_version: String::new(),
             clusters_version: String::new(),
             warming_clusters: Vec::new(),
+            warming_listeners: Vec::new(),
             errors: Vec::new(),
         }
     }
@@ -199,6 +202,7 @@ impl Resources {
         self.secrets.extend(dynamic.secrets.iter().map(owned));
         self.endpoints.extend(dynamic.endpoints.iter().map(owned));
         self.warming_clusters = dynamic.warming_clusters.iter().map(owned).collect();
+        self.warming_listeners = dynamic.warming_listeners.iter().map(owned).collect();
         self.errors = dynamic.errors.clone();
         self.listeners_version = dynamic.listeners_version.clone();
         self.clusters_version = dynamic.clusters_version.clone();

@@ -23,6 +23,7 @@ use std::time::SystemTime;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
 pub use listener::ListenerStats;
+pub(crate) use problems::Problems;
 pub use problems::{CompileError, Problem};
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
@@ -175,7 +176,11 @@ pub struct Compiled {
 /// (`Arc`) with the xDS client's state, so building this for an update copies no config.
 #[derive(Debug, Clone, Default)]
 pub struct DynamicResources {
+    /// Active listeners.
     pub listeners: Vec<Tracked<Arc<EnvoyListener>>>,
+    /// Listeners waiting for their routes or secrets (Envoy's listener warming): not
+    /// served yet.
+    pub warming_listeners: Vec<Tracked<Arc<EnvoyListener>>>,
     /// Active clusters.
     pub clusters: Vec<DynamicCluster>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.

@@ -16,7 +16,7 @@
 //! Listener sockets are bound here, before the ACK, so a listener that cannot bind is
 //! NACKed; the serve loop gets the sockets to accept on ([`ListenerChange`]).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::net::TcpListener as StdListener;
 use std::sync::Arc;
@@ -29,7 +29,6 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
-use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::RouteSpecifier;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
@@ -40,6 +39,7 @@ use prost::Message;
 use tokio::sync::mpsc;
 
 use super::TypeUrl;
+use super::references::{self, SecretSource};
 use super::source::{Plan, Stream};
 use super::stream::{self, Event, Outbound};
 use crate::access_log::Direction;
@@ -227,8 +227,21 @@ pub struct Manager {
     /// Each active EDS cluster with its endpoints filled in, by name, with the digests
     /// of the cluster and endpoints it was made from and its own digest.
     effective: HashMap<String, Effective>,
-    /// EDS clusters whose wait ended without endpoints.
-    timed_out: std::collections::HashSet<String>,
+    /// Clusters whose wait ended without endpoints or secrets.
+    timed_out: HashSet<String>,
+    /// Listeners waiting for their routes or secrets, with when they stop waiting.
+    warming_listeners: HashMap<String, Option<Instant>>,
+    /// Listeners whose wait ended without them: served as they are.
+    listeners_timed_out: HashSet<String>,
+    /// The version of each listener last served: it keeps serving while a newer
+    /// version warms, as in Envoy.
+    active_listeners: HashMap<String, Tracked<Arc<EnvoyListener>>>,
+    /// The bootstrap's `static_resources.secrets`, which need no subscription.
+    static_secrets: HashSet<String>,
+    /// The SDS source of secrets not over ADS (Istio's `sds-grpc`), once one is named.
+    secret_source: Option<envoy_types::pb::envoy::config::core::v3::ConfigSource>,
+    /// Starts further streams (an SDS source named by a transport socket).
+    events_tx: mpsc::UnboundedSender<Event>,
     errors: Vec<UpdateFailure>,
     /// Sockets bound for dynamic listeners, by listener and address.
     bound: BTreeSet<(Arc<str>, SocketAddr)>,
@@ -269,14 +282,25 @@ impl Manager {
         for (index, config) in plan.streams.iter().enumerate() {
             tokio::spawn(stream::run(index, config.clone(), events_tx.clone()));
         }
-        drop(events_tx);
         let types = plan
             .streams
             .iter()
             .flat_map(|s| s.types.iter().copied())
             .map(|t| (t, TypeState::default()))
             .collect();
+        let static_secrets = bootstrap
+            .static_resources
+            .iter()
+            .flat_map(|r| &r.secrets)
+            .map(|s| s.name.clone())
+            .collect();
         let manager = Manager {
+            static_secrets,
+            secret_source: None,
+            events_tx,
+            warming_listeners: HashMap::new(),
+            listeners_timed_out: HashSet::new(),
+            active_listeners: HashMap::new(),
             bootstrap,
             node,
             plan,
@@ -304,15 +328,22 @@ impl Manager {
         // Without clusters over xDS, listeners are asked for at once.
         self.listeners_requested = !self.types.contains_key(&TypeUrl::Cluster);
         loop {
-            let deadline = self.warming.values().flatten().min().copied();
+            let deadline = self
+                .warming
+                .values()
+                .chain(self.warming_listeners.values())
+                .flatten()
+                .min()
+                .copied();
             tokio::select! {
                 event = events.recv() => match event {
                     Some(event) => self.on_event(event),
                     None => return,
                 },
                 () = sleep_until(deadline), if deadline.is_some() => {
-                    // Clusters whose endpoints did not come in time are served without.
-                    tracing::warn!("initial_fetch_timeout passed for warming clusters");
+                    // Clusters and listeners whose endpoints, routes or secrets did not
+                    // come in time are served without.
+                    tracing::warn!("initial_fetch_timeout passed for warming clusters or listeners");
                     self.reapply();
                 }
             }
@@ -678,6 +709,11 @@ impl Manager {
                 self.timed_out.insert(name.clone());
             }
         }
+        for (name, deadline) in &self.warming_listeners {
+            if deadline.is_some_and(|d| d <= now) {
+                self.listeners_timed_out.insert(name.clone());
+            }
+        }
         if let Err(errors) = self.rebuild() {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
@@ -798,7 +834,8 @@ impl Manager {
         if clusters_done && !self.listeners_requested {
             self.listeners_requested = true;
         }
-        let listeners_done = self.types.get(&TypeUrl::Listener).is_none_or(|t| t.applied);
+        let listeners_done = self.types.get(&TypeUrl::Listener).is_none_or(|t| t.applied)
+            && self.warming_listeners.is_empty();
         if clusters_done && listeners_done && !self.ready {
             self.ready = true;
             self.live.set_ready();
@@ -841,12 +878,16 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Listener(l) => Some(rds_names(l)),
+                        Resource::Listener(l) => Some(references::rds_names(l)),
                         _ => None,
                     })
                     .flatten()
                     .collect(),
             );
+        }
+        if recompute(TypeUrl::Cluster) || recompute(TypeUrl::Listener) {
+            let names = self.secret_names();
+            wanted.insert(TypeUrl::Secret, names);
         }
         for (kind, names) in wanted {
             let delta = self.is_delta(kind);
@@ -890,6 +931,80 @@ impl Manager {
         self.subscribe_all();
     }
 
+    /// The secrets the accepted listeners and clusters name (but static ones). The first
+    /// SDS source other than ADS gets a stream of its own.
+    fn secret_names(&mut self) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        let mut api_source = None;
+        for kind in [TypeUrl::Listener, TypeUrl::Cluster] {
+            let Some(state) = self.types.get(&kind) else {
+                continue;
+            };
+            for entry in state.resources.values() {
+                let refs = match &entry.resource {
+                    Resource::Listener(l) => references::listener_secrets(l),
+                    Resource::Cluster(c) => references::cluster_secrets(c),
+                    _ => continue,
+                };
+                for secret in refs {
+                    match secret.source {
+                        SecretSource::Static => continue,
+                        SecretSource::Ads => {}
+                        SecretSource::Api(source) => {
+                            if api_source.is_none() {
+                                api_source = Some(source);
+                            } else if api_source.as_ref() != Some(&source) {
+                                tracing::warn!(secret = %secret.name, "secrets from a second SDS source are not implemented: asking the first one");
+                            }
+                        }
+                    }
+                    names.insert(secret.name);
+                }
+            }
+        }
+        if let Some(source) = api_source {
+            self.open_secret_stream(source);
+        }
+        names
+    }
+
+    /// Starts the stream of an SDS `api_config_source` (Istio's `sds-grpc` to the agent)
+    /// and moves the secret subscription onto it.
+    fn open_secret_stream(
+        &mut self,
+        source: envoy_types::pb::envoy::config::core::v3::ConfigSource,
+    ) {
+        if self.secret_source.is_some() {
+            if self.secret_source.as_ref() != Some(&source) {
+                tracing::warn!(
+                    "secrets from a second SDS source are not implemented: asking the first one"
+                );
+            }
+            return;
+        }
+        let config = match super::source::secret_stream(&source, &self.bootstrap) {
+            Ok(config) => config,
+            Err(err) => {
+                tracing::warn!("cannot open the SDS stream: {err:#}");
+                return;
+            }
+        };
+        tracing::info!(target = %config.target, "opening the SDS stream");
+        self.secret_source = Some(source);
+        for stream in &mut self.streams {
+            stream.config.types.retain(|t| *t != TypeUrl::Secret);
+        }
+        let state = self.types.entry(TypeUrl::Secret).or_default();
+        state.subscribed = false;
+        let index = self.streams.len();
+        self.streams.push(StreamState {
+            config: config.clone(),
+            requests: None,
+            node_sent: false,
+        });
+        tokio::spawn(stream::run(index, config, self.events_tx.clone()));
+    }
+
     /// Everything accepted, as the snapshot compiler takes it. EDS clusters without
     /// endpoints are warming unless their wait is over (`expired`, or `warming` says so).
     fn dynamic_resources(&mut self) -> DynamicResources {
@@ -902,6 +1017,24 @@ impl Manager {
             .get(&TypeUrl::ClusterLoadAssignment)
             .map(|t| t.resources.iter().map(|(n, e)| (n.as_str(), e)).collect())
             .unwrap_or_default();
+        let secrets: HashSet<&str> = self
+            .types
+            .get(&TypeUrl::Secret)
+            .map(|t| t.resources.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        let routes: HashSet<&str> = self
+            .types
+            .get(&TypeUrl::RouteConfiguration)
+            .map(|t| t.resources.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        // A secret is there if SDS sent it or the bootstrap has it.
+        let has_secret = |name: &str| secrets.contains(name) || self.static_secrets.contains(name);
+        let timeout = self.plan.initial_fetch_timeout;
+        let deadline = |since: Option<&Option<Instant>>| {
+            since
+                .copied()
+                .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
+        };
         let mut still_warming = HashMap::new();
         let mut effective = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
@@ -911,6 +1044,15 @@ impl Manager {
                     continue;
                 };
                 let tracked = entry.tracked(cluster);
+                let secrets_missing = references::cluster_secrets(cluster)
+                    .iter()
+                    .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                if secrets_missing && !self.timed_out.contains(&cluster.name) {
+                    let deadline = deadline(self.warming.get(&cluster.name));
+                    still_warming.insert(cluster.name.clone(), deadline);
+                    dynamic.warming_clusters.push(tracked);
+                    continue;
+                }
                 let Some(service) = eds_service_name(cluster) else {
                     dynamic.clusters.push(DynamicCluster {
                         tracked,
@@ -921,10 +1063,7 @@ impl Manager {
                 };
                 let eds = endpoints.get(service.as_str()).copied();
                 if eds.is_none() && !self.timed_out.contains(&cluster.name) {
-                    let deadline = self.warming.get(&cluster.name).copied().unwrap_or_else(|| {
-                        let timeout = self.plan.initial_fetch_timeout;
-                        (!timeout.is_zero()).then(|| Instant::now() + timeout)
-                    });
+                    let deadline = deadline(self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);
                     dynamic.warming_clusters.push(tracked);
                     continue;
@@ -967,14 +1106,43 @@ impl Manager {
                 dynamic.endpoints.push(entry.tracked(cla));
             }
         }
+        // A listener warms until its routes and secrets are in; a version already
+        // served keeps serving meanwhile.
+        let mut warming_listeners = HashMap::new();
+        let mut active_listeners = HashMap::new();
         if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
             dynamic.listeners_version = listeners.version_info.clone();
             for entry in listeners.resources.values() {
-                if let Resource::Listener(l) = &entry.resource {
-                    dynamic.listeners.push(entry.tracked(l));
+                let Resource::Listener(l) = &entry.resource else {
+                    continue;
+                };
+                let waiting = references::rds_names(l)
+                    .iter()
+                    .any(|name| !routes.contains(name.as_str()))
+                    || references::listener_secrets(l)
+                        .iter()
+                        .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                let tracked = entry.tracked(l);
+                if waiting && !self.listeners_timed_out.contains(&l.name) {
+                    warming_listeners.insert(
+                        l.name.clone(),
+                        deadline(self.warming_listeners.get(&l.name)),
+                    );
+                    dynamic.warming_listeners.push(tracked);
+                    if let Some(active) = self.active_listeners.get(&l.name) {
+                        dynamic.listeners.push(active.clone());
+                        active_listeners.insert(l.name.clone(), active.clone());
+                    }
+                    continue;
                 }
+                dynamic.listeners.push(tracked.clone());
+                active_listeners.insert(l.name.clone(), tracked);
             }
+            self.listeners_timed_out
+                .retain(|name| listeners.resources.contains_key(name));
         }
+        self.warming_listeners = warming_listeners;
+        self.active_listeners = active_listeners;
         if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
             for entry in routes.resources.values() {
                 if let Resource::Route(r) = &entry.resource {
@@ -1012,22 +1180,12 @@ fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
     )
 }
 
-/// The RDS route configurations a listener's HTTP connection managers name.
-fn rds_names(listener: &EnvoyListener) -> Vec<String> {
-    crate::admin::state::http_connection_managers(listener)
-        .into_iter()
-        .filter_map(|hcm| match hcm.route_specifier {
-            Some(RouteSpecifier::Rds(rds)) => Some(rds.route_config_name),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The resource a compile error is about: `Cluster "name"...` / `Listener "name"...`.
+/// The resource a compile error is about: `Cluster "name"...`, `Listener "name"...`,
+/// `RouteConfiguration "name"...` or `Secret "name"...`.
 fn resource_name(path: &str) -> String {
-    let quoted = path
-        .strip_prefix("Cluster ")
-        .or_else(|| path.strip_prefix("Listener "));
+    let quoted = ["Cluster ", "Listener ", "RouteConfiguration ", "Secret "]
+        .iter()
+        .find_map(|prefix| path.strip_prefix(prefix));
     quoted
         .and_then(|rest| {
             let mut de = serde_json::Deserializer::from_str(rest).into_iter::<String>();
@@ -1070,6 +1228,14 @@ mod tests {
             "outbound|80||a.b"
         );
         assert_eq!(resource_name(r#"Listener "x\"y".address"#), "x\"y");
+        assert_eq!(
+            resource_name(r#"RouteConfiguration "80".virtual_hosts[0]"#),
+            "80"
+        );
+        assert_eq!(
+            resource_name(r#"Secret "default".tls_certificate"#),
+            "default"
+        );
         assert_eq!(resource_name("static_resources.clusters[0]"), "");
     }
 }

@@ -144,6 +144,18 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
     }))
 }
 
+/// The stream of an SDS `api_config_source` a transport socket names (Istio's
+/// `sds-grpc`, a pipe to its agent): secrets only.
+pub fn secret_stream(source: &ConfigSource, bootstrap: &Bootstrap) -> anyhow::Result<Stream> {
+    let path = "sds_config.api_config_source";
+    match &source.config_source_specifier {
+        Some(ConfigSourceSpecifier::ApiConfigSource(api)) => {
+            stream(api, vec![TypeUrl::Secret], bootstrap, path)
+        }
+        _ => anyhow::bail!("sds_config: only ads and api_config_source (gRPC) are implemented"),
+    }
+}
+
 fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
     let t = source.initial_fetch_timeout.as_ref()?;
     Some(Duration::new(

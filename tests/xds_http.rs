@@ -1,0 +1,591 @@
+//! RDS and SDS end to end: `shunt proxy` in a pod takes HTTP listeners whose routes come
+//! over RDS, and TLS listeners whose certificates come over SDS, from the in-process
+//! ADS test server ([`harness::ads`]), as an Istio sidecar takes them from istiod and
+//! its agent.
+//!
+//! With real connections: a listener warms (not listening, not ready, shown as
+//! `warming_state`) until its routes or secrets arrive; a route update applies to the
+//! next request on a keep-alive connection opened before it; a bad route configuration
+//! is NACKed and the last good one keeps serving; a certificate rotation applies to new
+//! handshakes; secrets can come from their own SDS server (Istio's `sds-grpc` pipe to
+//! the agent) while the rest comes over ADS. Needs root.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use harness::ads::resources::{
+    self, ads_source, certificate_secret, grpc_source, http_listener, load_assignment, named,
+    route_config, tls_tcp_proxy_listener,
+};
+use harness::ads::{AdsServer, Any, Listen, type_urls};
+use harness::{Node, Pod, PodProcess};
+use serde_json::Value;
+use support::xds::{
+    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt, unix_server,
+};
+use support::*;
+
+const ADMIN: &str = "127.0.0.1:15000";
+const LISTEN_PORT: u16 = 10000;
+const BACKEND_A: u16 = 9001;
+const BACKEND_B: u16 = 9002;
+
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn eds_cluster(name: &str) -> (String, Any) {
+    named(name, &resources::eds_cluster(name, ads_source(), 1))
+}
+
+fn endpoints(name: &str, port: u16) -> (String, Any) {
+    named(name, &load_assignment(name, &[local(port)]))
+}
+
+fn routes(name: &str, cluster: &str) -> (String, Any) {
+    named(name, &route_config(name, &[("/", cluster)]))
+}
+
+fn bootstrap(socket: &Path, delta: bool, extra_clusters: Vec<Value>) -> Value {
+    let mut clusters = vec![pipe_cluster("xds-grpc", socket)];
+    clusters.extend(extra_clusters);
+    serde_json::json!({
+        "node": {"id": "sidecar~10.0.0.1~p.default~default.svc.cluster.local", "cluster": "p.default"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
+        "dynamic_resources": {
+            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "ads_config": {
+                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]
+            }
+        },
+        "static_resources": {"clusters": clusters}
+    })
+}
+
+/// A static gRPC cluster reaching a Unix socket, as Istio's `xds-grpc` and `sds-grpc`.
+fn pipe_cluster(name: &str, socket: &Path) -> Value {
+    serde_json::json!({
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
+    })
+}
+
+fn admin(pod: &Pod, path: &str) -> (u16, String) {
+    admin_at(pod, ADMIN, path)
+}
+
+fn config_dump(pod: &Pod) -> Value {
+    let (status, body) = admin(pod, "/config_dump");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).expect("config_dump is JSON")
+}
+
+fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
+    xds::acked(server, type_url, version, delta, None)
+}
+
+/// The listener's entry in `dynamic_listeners`.
+fn dynamic_listener(pod: &Pod, name: &str) -> Value {
+    let listeners = dump_section(&config_dump(pod), "ListenersConfigDump");
+    listeners["dynamic_listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["name"] == name)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+fn listens(pod: &Pod, port: u16) -> bool {
+    pod.run_in_netns(move || TcpStream::connect(local(port)).is_ok())
+        .expect("entering the pod")
+}
+
+/// An HTTP/1.1 server in `pod` answering every request with 200 and body `name`,
+/// keeping connections open; served from a thread of the test.
+fn http_backend(pod: &Pod, port: u16, name: &'static str) {
+    let listener = pod
+        .run_in_netns(move || TcpListener::bind(local(port)))
+        .expect("entering the pod")
+        .expect("binding the backend");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_http(stream, name));
+        }
+    });
+}
+
+fn serve_http(stream: TcpStream, name: &str) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    loop {
+        let mut length = 0usize;
+        let mut line = String::new();
+        // Request line and headers.
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            if line == "\r\n" {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{name}",
+            name.len()
+        );
+        if writer.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// A keep-alive HTTP/1.1 client connection from inside `pod`.
+struct HttpClient {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl HttpClient {
+    fn connect(pod: &Pod, port: u16) -> HttpClient {
+        let stream = pod
+            .run_in_netns(move || TcpStream::connect(local(port)))
+            .expect("entering the pod")
+            .expect("connecting to the listener");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        HttpClient {
+            reader: BufReader::new(stream.try_clone().unwrap()),
+            writer: stream,
+        }
+    }
+
+    /// GET `path`: the status and body.
+    fn get(&mut self, path: &str) -> (u16, String) {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: svc.example\r\n\r\n");
+        self.writer.write_all(request.as_bytes()).expect("sending");
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("status line");
+        let status = line.split(' ').nth(1).and_then(|s| s.parse().ok());
+        let status = status.unwrap_or_else(|| panic!("no status in {line:?}"));
+        let mut length = 0usize;
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line).expect("a header");
+            if line == "\r\n" || line.is_empty() {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).expect("the body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+/// A pod with the two HTTP backends and shunt taking `bootstrap`.
+fn start(tag: &str, bootstrap: &Value) -> (TempDir, Node, Pod, PodProcess) {
+    let dir = TempDir::new(tag);
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    http_backend(&pod, BACKEND_A, "a");
+    http_backend(&pod, BACKEND_B, "b");
+    let proxy = start_shunt(
+        &pod,
+        &dir.0.join("bootstrap.json"),
+        bootstrap,
+        &["--concurrency", "2", "--drain-time-s", "1"],
+    );
+    (dir, node, pod, proxy)
+}
+
+fn rds_drives_http_listeners(delta: bool) {
+    let (_dir, socket, server) = unix_server(if delta { "rds-delta" } else { "rds-sotw" });
+    server.set(
+        type_urls::CLUSTER,
+        "c1",
+        vec![eds_cluster("a"), eds_cluster("b")],
+    );
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("a", BACKEND_A), endpoints("b", BACKEND_B)],
+    );
+    let http = http_listener("http", local(LISTEN_PORT), "routes");
+    server.set(type_urls::LISTENER, "l1", vec![named("http", &http)]);
+    let (_scratch, _node, pod, proxy) = start("rds", &bootstrap(&socket, delta, vec![]));
+
+    // The listener is in, and asks for its routes by name; until they come it warms.
+    eventually("the listener ACKed", &proxy, &server, || {
+        acked(&server, type_urls::LISTENER, "l1", delta)
+    });
+    eventually("routes asked for by name", &proxy, &server, || {
+        server
+            .requests()
+            .iter()
+            .any(|r| r.type_url == type_urls::ROUTE && r.resource_names == ["routes"])
+    });
+    let warming = dynamic_listener(&pod, "http");
+    assert!(
+        warming["warming_state"]["listener"].is_object() && warming["active_state"].is_null(),
+        "{warming}"
+    );
+    assert!(!listens(&pod, LISTEN_PORT), "a warming listener listens");
+    assert_ne!(admin(&pod, "/ready").0, 200, "ready while a listener warms");
+
+    // The routes arrive: the listener is active and routes to `a`.
+    server.set(type_urls::ROUTE, "r1", vec![routes("routes", "a")]);
+    eventually("ready", &proxy, &server, || admin(&pod, "/ready").0 == 200);
+    eventually("the routes ACKed", &proxy, &server, || {
+        acked(&server, type_urls::ROUTE, "r1", delta)
+    });
+    let active = dynamic_listener(&pod, "http");
+    assert!(
+        active["active_state"]["listener"].is_object() && active["warming_state"].is_null(),
+        "{active}"
+    );
+    let mut client = HttpClient::connect(&pod, LISTEN_PORT);
+    assert_eq!(client.get("/"), (200, "a".into()));
+
+    // A route update applies to the next request on the same connection.
+    server.set(type_urls::ROUTE, "r2", vec![routes("routes", "b")]);
+    eventually("r2 ACKed", &proxy, &server, || {
+        acked(&server, type_urls::ROUTE, "r2", delta)
+    });
+    assert_eq!(client.get("/"), (200, "b".into()));
+    let dump = dump_section(&config_dump(&pod), "RoutesConfigDump");
+    let dynamic = &dump["dynamic_route_configs"][0];
+    assert_eq!(
+        dynamic["version_info"],
+        if delta { "" } else { "r2" },
+        "{dump}"
+    );
+    assert_eq!(dynamic["route_config"]["name"], "routes", "{dump}");
+
+    // A route configuration that does not compile is NACKed; the last good one serves.
+    let mut bad = route_config("routes", &[("/", "a")]);
+    bad.virtual_hosts[0].domains = vec!["*".into(), "*".into()];
+    server.set(type_urls::ROUTE, "r3", vec![named("routes", &bad)]);
+    let nack = server
+        .wait_for(Duration::from_secs(10), |r| {
+            r.type_url == type_urls::ROUTE && r.is_nack()
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", proxy.stderr_text()));
+    let (_, message) = nack.error_detail.unwrap();
+    assert!(
+        message.contains("RouteConfiguration \"routes\""),
+        "{message}"
+    );
+    assert_eq!(client.get("/"), (200, "b".into()));
+    let dump = dump_section(&config_dump(&pod), "RoutesConfigDump");
+    assert!(
+        dump["dynamic_route_configs"][0]["error_state"]["details"]
+            .as_str()
+            .is_some_and(|d| d.contains("routes")),
+        "{dump}"
+    );
+    drop(proxy);
+}
+
+#[test]
+fn rds_drives_http_listeners_sotw() {
+    rds_drives_http_listeners(false);
+}
+
+#[test]
+fn rds_drives_http_listeners_delta() {
+    rds_drives_http_listeners(true);
+}
+
+/// A CA and a server certificate made with the `openssl` CLI.
+struct Pki {
+    dir: TempDir,
+}
+
+impl Pki {
+    fn new(tag: &str) -> Pki {
+        let dir = TempDir::new(tag);
+        let pki = Pki { dir };
+        pki.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=shunt test CA",
+        ]);
+        pki
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.dir.0)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn read(&self, file: &str) -> String {
+        std::fs::read_to_string(self.dir.0.join(file)).unwrap()
+    }
+
+    /// A certificate for `server.test` (and an Istio SPIFFE identity) named `cn`,
+    /// signed by the CA: (chain, key).
+    fn server(&self, cn: &str) -> (String, String) {
+        let ext = format!("{cn}.ext");
+        std::fs::write(
+            self.dir.0.join(&ext),
+            "subjectAltName=DNS:server.test,URI:spiffe://cluster.local/ns/default/sa/server\n",
+        )
+        .unwrap();
+        let (key, csr, pem) = (
+            format!("{cn}.key"),
+            format!("{cn}.csr"),
+            format!("{cn}.pem"),
+        );
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={cn}"),
+        ]);
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "1",
+            "-extfile",
+            &ext,
+        ]);
+        (self.read(&pem), self.read(&key))
+    }
+}
+
+/// A TLS handshake with the listener from inside `pod`, trusting the test CA, sending
+/// `hello`: the subject of the certificate the proxy showed, and what came back.
+fn tls_call(pod: &Pod, pki: &Pki) -> (String, String) {
+    let ca = pki.dir.0.join("ca.pem");
+    let script = format!(
+        "(echo hello; sleep 1) | timeout 10 openssl s_client -connect 127.0.0.1:{LISTEN_PORT} \
+         -servername server.test -CAfile {ca} -verify_return_error -verify_hostname server.test \
+         -showcerts 2>/dev/null",
+        ca = ca.display()
+    );
+    let out = pod
+        .command("sh")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("openssl s_client");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let subject = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("0 s:"))
+        .unwrap_or("")
+        .to_owned();
+    (subject, text)
+}
+
+fn sds_secrets(
+    pod: &Pod,
+    proxy: &PodProcess,
+    server: &AdsServer,
+    secrets: &AdsServer,
+    pki: &Pki,
+    delta: bool,
+) {
+    // Until `default` arrives the TLS listener warms.
+    eventually("the secret asked for by name", proxy, server, || {
+        secrets
+            .requests()
+            .iter()
+            .any(|r| r.type_url == type_urls::SECRET && r.resource_names == ["default"])
+    });
+    let warming = dynamic_listener(pod, "tls");
+    assert!(
+        warming["warming_state"]["listener"].is_object() && warming["active_state"].is_null(),
+        "{warming}"
+    );
+    assert!(!listens(pod, LISTEN_PORT), "a warming listener listens");
+
+    let (chain, key) = pki.server("first");
+    secrets.set(
+        type_urls::SECRET,
+        "s1",
+        vec![named(
+            "default",
+            &certificate_secret("default", &chain, &key),
+        )],
+    );
+    eventually("ready", proxy, server, || admin(pod, "/ready").0 == 200);
+    eventually("the secret ACKed", proxy, server, || {
+        acked(secrets, type_urls::SECRET, "s1", delta)
+    });
+    let (subject, text) = tls_call(pod, pki);
+    assert!(
+        subject.contains("CN = first") || subject.contains("CN=first"),
+        "{text}\n{}",
+        proxy.stderr_text()
+    );
+    assert!(
+        text.contains("HELLO peer="),
+        "the echo server's greeting came back: {text}"
+    );
+
+    // A rotated certificate is shown by the next handshake.
+    let (chain, key) = pki.server("second");
+    secrets.set(
+        type_urls::SECRET,
+        "s2",
+        vec![named(
+            "default",
+            &certificate_secret("default", &chain, &key),
+        )],
+    );
+    eventually("the rotation ACKed", proxy, server, || {
+        acked(secrets, type_urls::SECRET, "s2", delta)
+    });
+    let (subject, text) = tls_call(pod, pki);
+    assert!(subject.contains("second"), "{text}");
+    let dump = dump_section(&config_dump(pod), "SecretsConfigDump");
+    let secret = &dump["dynamic_active_secrets"][0];
+    assert_eq!(secret["name"], "default", "{dump}");
+    // Private keys are never shown.
+    assert!(!dump.to_string().contains("PRIVATE KEY"), "{dump}");
+}
+
+/// Secrets over ADS, as a control plane that serves them itself (`sds_config: ads`).
+fn sds_over_ads(delta: bool) {
+    let pki = Pki::new(if delta { "pki-delta" } else { "pki-sotw" });
+    let (_dir, socket, server) = unix_server(if delta { "sds-delta" } else { "sds-sotw" });
+    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("echo")]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("echo", BACKEND_A)],
+    );
+    let tls = tls_tcp_proxy_listener(
+        "tls",
+        local(LISTEN_PORT),
+        "echo",
+        ads_source(),
+        "default",
+        None,
+    );
+    server.set(type_urls::LISTENER, "l1", vec![named("tls", &tls)]);
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    let _echo = start_app(&pod, &[BACKEND_A]);
+    let proxy = start_shunt(
+        &pod,
+        &_dir.0.join("bootstrap.json"),
+        &bootstrap(&socket, delta, vec![]),
+        &["--concurrency", "2"],
+    );
+    sds_secrets(&pod, &proxy, &server, &server, &pki, delta);
+}
+
+#[test]
+fn sds_over_ads_sotw() {
+    sds_over_ads(false);
+}
+
+#[test]
+fn sds_over_ads_delta() {
+    sds_over_ads(true);
+}
+
+/// Istio's layout: listeners and clusters from istiod over ADS, secrets from the agent's
+/// own SDS server through the `sds-grpc` static cluster.
+#[test]
+fn sds_from_its_own_server_as_istio_agent_serves_it() {
+    let pki = Pki::new("pki-istio");
+    let (dir, socket, server) = unix_server("sds-istio");
+    let sds_socket = dir.0.join("SDS");
+    let secrets = AdsServer::start(Listen::Unix(sds_socket.clone())).expect("SDS server");
+    open_to_the_proxy(&dir.0, &sds_socket);
+    let source = grpc_source("sds-grpc");
+    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("echo")]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![endpoints("echo", BACKEND_A)],
+    );
+    let tls = tls_tcp_proxy_listener("tls", local(LISTEN_PORT), "echo", source, "default", None);
+    server.set(type_urls::LISTENER, "l1", vec![named("tls", &tls)]);
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    let _echo = start_app(&pod, &[BACKEND_A]);
+    let proxy = start_shunt(
+        &pod,
+        &dir.0.join("bootstrap.json"),
+        &bootstrap(&socket, true, vec![pipe_cluster("sds-grpc", &sds_socket)]),
+        &["--concurrency", "2"],
+    );
+    sds_secrets(&pod, &proxy, &server, &secrets, &pki, false);
+    // The secret came on the agent's stream, not on ADS.
+    assert!(secrets.requests().iter().all(|r| !r.is_ads()));
+    assert!(
+        server
+            .requests()
+            .iter()
+            .all(|r| r.type_url != type_urls::SECRET || r.resource_names.is_empty()),
+        "{}",
+        xds::describe(&server.requests())
+    );
+}
