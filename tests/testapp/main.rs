@@ -1,7 +1,7 @@
 //! testapp: the TCP workload of the integration tests (std + threads only).
 //!
 //! ```text
-//! testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...]
+//! testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http]
 //! testapp call ADDR:PORT [--bind IP] [--bytes N] [--timeout-ms MS] [--seed S]
 //! testapp bench-connect ADDR:PORT [--duration-ms MS] [--concurrency C] [--payload B] [--timeout-ms MS]
 //! testapp bench-rr ADDR:PORT [--duration-ms MS] [--payload B] [--timeout-ms MS]
@@ -26,7 +26,7 @@ use std::{
 
 const USAGE: &str = "\
 usage:
-  testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...]
+  testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http]
   testapp call ADDR:PORT [--bind IP] [--bytes N=1024] [--timeout-ms 5000] [--seed S]
   testapp bench-connect ADDR:PORT [--duration-ms 3000] [--concurrency 4] [--payload 64] [--timeout-ms 2000]
   testapp bench-rr ADDR:PORT [--duration-ms 3000] [--payload 64] [--timeout-ms 2000]
@@ -164,7 +164,15 @@ fn serve(argv: &[String]) -> ExitCode {
         ["half-close"] => {
             HALF_CLOSE.store(true, std::sync::atomic::Ordering::Relaxed);
         }
-        other => return usage_error("serve", &format!("--mode {other:?}: echo or half-close")),
+        ["http"] => {
+            HTTP.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        other => {
+            return usage_error(
+                "serve",
+                &format!("--mode {other:?}: echo, half-close or http"),
+            );
+        }
     }
     if !args.positional.is_empty() {
         return usage_error("serve", &format!("unexpected {:?}", args.positional));
@@ -232,6 +240,8 @@ fn serve_conn(mut stream: TcpStream) {
     let mut received = 0u64;
     let result = if HALF_CLOSE.load(std::sync::atomic::Ordering::Relaxed) {
         speak_then_listen(&mut stream, peer, local, &mut received)
+    } else if HTTP.load(std::sync::atomic::Ordering::Relaxed) {
+        http(&mut stream, peer, local, &mut received)
     } else {
         echo(&mut stream, peer, local, &mut received)
     };
@@ -255,6 +265,8 @@ fn serve_conn(mut stream: TcpStream) {
 
 /// `serve --half-close`: the server speaks first and closes its side first.
 static HALF_CLOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--mode http`: answer HTTP/1.1 requests instead of echoing.
+static HTTP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// What a `--half-close` server sends before shutting down its write side.
 const HALF_CLOSE_BYTES: usize = 1 << 20;
 
@@ -297,6 +309,48 @@ fn echo(
         }
         *received += n as u64;
         stream.write_all(&buf[..n])?;
+    }
+}
+
+/// `--mode http`: answers each HTTP/1.1 request on the connection (keep-alive) with 200
+/// and the greeting line as the body, so an HTTP client learns which server it reached
+/// and from where. Request bodies (`content-length`) are read and counted.
+fn http(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    local: SocketAddr,
+    received: &mut u64,
+) -> io::Result<()> {
+    let body = format!("HELLO peer={peer} local={local}\n");
+    let mut reader = io::BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    loop {
+        let mut length = 0u64;
+        let mut close = false;
+        loop {
+            line.clear();
+            if io::BufRead::read_line(&mut reader, &mut line)? == 0 {
+                return Ok(());
+            }
+            if line == "\r\n" || line == "\n" {
+                break;
+            }
+            let lower = line.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap_or(0);
+            }
+            close |= lower.starts_with("connection:") && lower.contains("close");
+        }
+        *received += io::copy(&mut (&mut reader).take(length), &mut io::sink())?;
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(body.as_bytes())?;
+        if close {
+            return stream.shutdown(Shutdown::Write);
+        }
     }
 }
 

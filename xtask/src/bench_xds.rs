@@ -4,21 +4,23 @@
 //!
 //! The configuration: N EDS clusters (`c00000`...), one ClusterLoadAssignment each with
 //! one endpoint (even clusters: the echo server on server:8080) or two (odd ones: :8080
-//! and :8081), M `tcp_proxy` listeners (`l00000` on 127.0.0.1:20000, ... each to the
-//! cluster of its number) and M RouteConfigurations. The routes sit in the server and
-//! are pushed only to a client that asks: nothing references them, because shunt has no
-//! HTTP connection manager yet (it NACKs listeners with one), so the listeners must be
-//! `tcp_proxy` for both proxies; the bench reports whether anyone asked.
+//! and :8081), M HTTP listeners (`l00000` on 127.0.0.1:20000, ...: an
+//! `http_connection_manager` whose routes come over RDS as `r00000`, ...) and M
+//! RouteConfigurations, each routing to the cluster of its number. The endpoints are
+//! `testapp serve --mode http` in the server pod. With `--routes 0` the listeners are
+//! `tcp_proxy` to the cluster of their number instead, and the endpoints echo servers.
 //!
 //! Per proxy and round, with a fresh server and a fresh proxy in the `proxy` pod:
 //!
 //! - the full push: everything is in the server before the proxy starts; from the first
 //!   response the server sends (CDS) to the last ACK of CDS, EDS and LDS (each response
-//!   is matched to its answer by nonce on the stream; any NACK fails the run), and on to
+//!   is matched to its answer by nonce on the stream; any NACK fails the run; RDS too
+//!   when the listeners take routes, which Envoy and shunt ask for once the listeners
+//!   are in and warm on), and on to
 //!   `/ready` answering 200 with every listener's port listening. Then the proxy's CPU
 //!   (`/proc/PID/stat`) and, a second later, its RSS; the admin API must count at least
-//!   N active clusters, and one connection through listener 0 must reach the echo
-//!   server from the proxy pod's address.
+//!   N active clusters, and one request (or connection) through listener 0 must reach
+//!   the server from the proxy pod's address.
 //! - incremental updates: one cluster's endpoints change per update (a new EDS
 //!   version), each waited for, send to ACK. In state of the world the server resends
 //!   every subscribed ClusterLoadAssignment each time (that is what SotW means); with
@@ -43,7 +45,7 @@ use envoy_types::pb::envoy::config::route::v3::{
     route_match,
 };
 use harness::ads::resources::{
-    ads_source, eds_cluster, load_assignment, named, tcp_proxy_listener,
+    ads_source, eds_cluster, http_listener, load_assignment, named, tcp_proxy_listener,
 };
 use harness::ads::{AdsServer, Any, Listen, Received, Sent, type_urls};
 use harness::{Node, Pod, PodProcess, tcp_listeners};
@@ -55,17 +57,18 @@ use crate::bench_l4::{
     CONCURRENCY, KIB_PER_MIB, TICK_US, admin_counter, envoy_args, envoy_version, proxy_cpu_ticks,
     rss, shunt_args, validate,
 };
-use crate::pods::{Bins, call, start_app, target_dir};
+use crate::pods::{Bins, call, http_call, start_app_mode, target_dir};
 
 #[derive(clap::Args)]
 pub struct XdsArgs {
     /// EDS clusters (one ClusterLoadAssignment each).
     #[arg(long, default_value_t = 10_000)]
     clusters: usize,
-    /// tcp_proxy listeners, on 127.0.0.1:20000 and up, each to the cluster of its number.
+    /// Listeners, on 127.0.0.1:20000 and up, each to the cluster of its number.
     #[arg(long, default_value_t = 1_000)]
     listeners: usize,
-    /// RouteConfigurations in the server (pushed only if a client asks for them).
+    /// RouteConfigurations over RDS, one per listener (so as many as --listeners); 0
+    /// makes the listeners tcp_proxy ones instead.
     #[arg(long, default_value_t = 1_000)]
     routes: usize,
     /// Incremental EDS updates after the full push, one cluster's endpoints each.
@@ -148,7 +151,9 @@ impl Resources {
                     assignment(i, server, ports)
                 })
                 .collect(),
-            listeners: (0..args.listeners).map(listener).collect(),
+            listeners: (0..args.listeners)
+                .map(|i| listener(i, args.routes > 0))
+                .collect(),
             routes: (0..args.routes).map(route_config).collect(),
         }
     }
@@ -187,14 +192,23 @@ fn assignment(i: usize, server: Ipv4Addr, ports: &[u16]) -> (String, Any) {
     named(&name, &load_assignment(&name, &endpoints))
 }
 
-fn listener(i: usize) -> (String, Any) {
+/// Listener `i`: HTTP with routes `r<i>` over RDS, else `tcp_proxy` to cluster `i`.
+fn listener(i: usize, http: bool) -> (String, Any) {
     let name = format!("l{i:05}");
     let at = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen_port(i));
-    named(&name, &tcp_proxy_listener(&name, at, &cluster_name(i)))
+    if http {
+        named(&name, &http_listener(&name, at, &route_name(i)))
+    } else {
+        named(&name, &tcp_proxy_listener(&name, at, &cluster_name(i)))
+    }
+}
+
+fn route_name(i: usize) -> String {
+    format!("r{i:05}")
 }
 
 fn route_config(i: usize) -> (String, Any) {
-    let name = format!("r{i:05}");
+    let name = route_name(i);
     let config = RouteConfiguration {
         name: name.clone(),
         virtual_hosts: vec![VirtualHost {
@@ -263,6 +277,8 @@ struct Setup {
     socket: PathBuf,
     bootstraps: BTreeMap<Api, PathBuf>,
     resources: Resources,
+    /// HTTP listeners with routes, rather than tcp_proxy ones.
+    http: bool,
 }
 
 impl Setup {
@@ -295,6 +311,8 @@ struct Run {
     cds_ms: f64,
     eds_ms: f64,
     lds_ms: f64,
+    /// Send to ACK of the last RDS response of the push (NaN without routes).
+    rds_ms: f64,
     /// First response sent to `/ready` 200 with every listener listening, and how many
     /// polls that took (the first starts at the last ACK; one poll takes milliseconds).
     ready_ms: f64,
@@ -346,6 +364,10 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
         "--listeners must be between 1 and --clusters (each goes to the cluster of its number)"
     );
     ensure!(
+        args.routes == 0 || args.routes == args.listeners,
+        "--routes must be 0 (tcp_proxy listeners) or as many as --listeners (one each)"
+    );
+    ensure!(
         args.listeners <= usize::from(u16::MAX - FIRST_LISTEN_PORT),
         "--listeners: at most {} ports from {FIRST_LISTEN_PORT}",
         u16::MAX - FIRST_LISTEN_PORT
@@ -363,7 +385,10 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
     let server = node.add_pod("server")?;
     let apps = ECHO_PORTS
         .iter()
-        .map(|port| start_app(&bins, &server, *port))
+        .map(|port| {
+            let mode = if args.routes > 0 { "http" } else { "echo" };
+            start_app_mode(&bins, &server, *port, mode)
+        })
         .collect::<Result<Vec<_>>>()?;
 
     let dir = target_dir().join("bench");
@@ -392,12 +417,13 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
         socket,
         bootstraps,
         resources,
+        http: args.routes > 0,
     };
 
     let busy = background_busy()?;
     let sizes = setup.resources.sizes();
     println!(
-        "bench xds: ADS server (in this process, Unix socket {}) -> [shunt | envoy {}] in pod {}, both --concurrency {CONCURRENCY}; {} EDS clusters (CDS {:.0} KiB, EDS {:.0} KiB), {} tcp_proxy listeners (LDS {:.0} KiB), {} routes ({:.0} KiB, served if asked), {} EDS updates; APIs {}; rounds {}; machine busy {busy:.0}% before starting",
+        "bench xds: ADS server (in this process, Unix socket {}) -> [shunt | envoy {}] in pod {}, both --concurrency {CONCURRENCY}; {} EDS clusters (CDS {:.0} KiB, EDS {:.0} KiB), {} {} listeners (LDS {:.0} KiB), {} routes (RDS {:.0} KiB), {} EDS updates; APIs {}; rounds {}; machine busy {busy:.0}% before starting",
         setup.socket.display(),
         setup.envoy_version,
         setup.proxy.name(),
@@ -405,6 +431,7 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
         sizes["cds"] as f64 / 1024.0,
         sizes["eds"] as f64 / 1024.0,
         args.listeners,
+        listener_kind(args),
         sizes["lds"] as f64 / 1024.0,
         args.routes,
         sizes["rds"] as f64 / 1024.0,
@@ -434,13 +461,14 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
                     format!("round {round}, {} over {}", proxy.name(), api.name())
                 })?;
                 println!(
-                    "  round {round} {:<5} {:<6} push {:>6.0} ms (send->ACK CDS {:.0}, EDS {:.0}, LDS {:.0}), ready {:>6.0} ms, CPU {:.0} ms, RSS {:.1} MiB | {} updates p50 {:.1} ms p99 {:.1} ms, RSS {:.1} MiB | {} clusters active, {} listening, routes asked for: {}",
+                    "  round {round} {:<5} {:<6} push {:>6.0} ms (send->ACK CDS {:.0}, EDS {:.0}, LDS {:.0}, RDS {:.0}), ready {:>6.0} ms, CPU {:.0} ms, RSS {:.1} MiB | {} updates p50 {:.1} ms p99 {:.1} ms, RSS {:.1} MiB | {} clusters active, {} listening, routes asked for: {}",
                     api.name(),
                     proxy.name(),
                     run.push_ms,
                     run.cds_ms,
                     run.eds_ms,
                     run.lds_ms,
+                    run.rds_ms,
                     run.ready_ms,
                     run.push_cpu_ms,
                     run.push_rss_kib as f64 / KIB_PER_MIB,
@@ -567,12 +595,25 @@ fn listening(pod: &Pod, listeners: usize) -> Result<usize> {
         .len())
 }
 
-/// A connection through listener `i` (from the proxy pod) reaches the echo server on
-/// `port`, from the proxy pod's address.
+/// "HTTP" or "tcp_proxy": what the listeners are.
+fn listener_kind(args: &XdsArgs) -> &'static str {
+    if args.routes > 0 {
+        "HTTP (RDS)"
+    } else {
+        "tcp_proxy"
+    }
+}
+
+/// A request (HTTP listeners) or connection (tcp_proxy) through listener `i`, from the
+/// proxy pod, reaches the server on `port`, from the proxy pod's address.
 fn check_path(setup: &Setup, i: usize, port: u16) -> Result<()> {
     let target = SocketAddr::from((Ipv4Addr::LOCALHOST, listen_port(i)));
-    let c = call(&setup.bins, &setup.proxy, 0, target, 64)
-        .with_context(|| format!("a connection through listener {i} ({target})"))?;
+    let c = if setup.http {
+        http_call(&setup.proxy, target, &format!("svc{i}.example"))
+    } else {
+        call(&setup.bins, &setup.proxy, 0, target, 64)
+    }
+    .with_context(|| format!("through listener {i} ({target})"))?;
     ensure!(
         c.server_local.port() == port && c.server_peer.ip() == IpAddr::from(setup.proxy.ipv4()),
         "a connection through listener {i} ({target}) reached {} from {}; wanted the echo server on :{port} from the proxy pod {}",
@@ -603,12 +644,19 @@ fn measure(setup: &Setup, proxy: Proxy, api: Api, round: usize, args: &XdsArgs) 
     let process = setup.proxy.command(program).args(argv).spawn()?;
     let pid = process.pid();
 
-    // The full push: wait for the LDS response's ACK (listeners come last).
+    // The full push: wait for the ACK of the last type asked for (routes follow
+    // listeners).
+    let last_type = if setup.http {
+        type_urls::ROUTE
+    } else {
+        type_urls::LISTENER
+    };
     let lds = ads
-        .wait_for_sent(TIMEOUT, |s| s.type_url == type_urls::LISTENER)
+        .wait_for_sent(TIMEOUT, |s| s.type_url == last_type)
         .map_err(|_| {
             anyhow::anyhow!(
-                "no LDS response sent within {TIMEOUT:?}: the proxy did not ask for listeners; {}:\n{}",
+                "no {} response sent within {TIMEOUT:?}: the proxy did not ask for them; {}:\n{}",
+                type_name(last_type),
                 process
                     .try_wait()
                     .map_or("still running".into(), |s| s.to_string()),
@@ -641,7 +689,11 @@ fn measure(setup: &Setup, proxy: Proxy, api: Api, round: usize, args: &XdsArgs) 
     let first_request = ads.wait_for(TIMEOUT, |_| true)?;
     let first = sent.first().context("no response sent")?;
     let mut acks = BTreeMap::new();
-    for type_url in [type_urls::CLUSTER, type_urls::ENDPOINT, type_urls::LISTENER] {
+    let mut pushed = vec![type_urls::CLUSTER, type_urls::ENDPOINT, type_urls::LISTENER];
+    if setup.http {
+        pushed.push(type_urls::ROUTE);
+    }
+    for type_url in pushed {
         let last = sent
             .iter()
             .rfind(|s| s.type_url == type_url)
@@ -661,7 +713,7 @@ fn measure(setup: &Setup, proxy: Proxy, api: Api, round: usize, args: &XdsArgs) 
         .values()
         .map(|(_, ack)| *ack)
         .max()
-        .expect("three types");
+        .expect("three or four types");
     let send_to_ack = |t: &str| ms(acks[t].1 - acks[t].0);
 
     // Let the proxy settle (freed memory returned, workers idle) before reading.
@@ -740,6 +792,11 @@ fn measure(setup: &Setup, proxy: Proxy, api: Api, round: usize, args: &XdsArgs) 
         cds_ms: send_to_ack("cds"),
         eds_ms: send_to_ack("eds"),
         lds_ms: send_to_ack("lds"),
+        rds_ms: if setup.http {
+            send_to_ack("rds")
+        } else {
+            f64::NAN
+        },
         ready_ms: ms(ready_at - first.at),
         ready_polls,
         push_cpu_ms,
@@ -798,6 +855,11 @@ const METRICS: &[Metric] = &[
         key: "lds_ms",
         label: "  LDS send -> ACK (ms)",
         get: |r| r.lds_ms,
+    },
+    Metric {
+        key: "rds_ms",
+        label: "  RDS send -> ACK (ms)",
+        get: |r| r.rds_ms,
     },
     Metric {
         key: "ready_ms",
@@ -931,7 +993,7 @@ impl Report<'_> {
             let api = *api;
             let _ = writeln!(
                 t,
-                "bench xds: shunt vs Envoy {} over one ADS stream, {}, Unix socket; {} EDS clusters ({} KiB) with {} ClusterLoadAssignments of 1-2 endpoints ({} KiB), {} tcp_proxy listeners ({} KiB); {} EDS updates of one cluster each ({}); both --concurrency {CONCURRENCY}; medians over rounds: {}; kernel {}, {} CPUs",
+                "bench xds: shunt vs Envoy {} over one ADS stream, {}, Unix socket; {} EDS clusters ({} KiB) with {} ClusterLoadAssignments of 1-2 endpoints ({} KiB), {} {} listeners ({} KiB), {} RouteConfigurations ({} KiB); {} EDS updates of one cluster each ({}); both --concurrency {CONCURRENCY}; medians over rounds: {}; kernel {}, {} CPUs",
                 self.envoy_version,
                 api.title(),
                 a.clusters,
@@ -939,7 +1001,10 @@ impl Report<'_> {
                 a.clusters,
                 self.sizes["eds"] / 1024,
                 a.listeners,
+                listener_kind(a),
                 self.sizes["lds"] / 1024,
+                a.routes,
+                self.sizes["rds"] / 1024,
                 a.updates,
                 match api {
                     Api::Sotw => "SotW: the server resends every ClusterLoadAssignment each time",
@@ -967,20 +1032,6 @@ impl Report<'_> {
                 };
                 let _ = writeln!(t, "{cell:>13}");
             }
-            let yes_no = |p| {
-                if self.asked_for_routes(api, p) {
-                    "yes"
-                } else {
-                    "no"
-                }
-            };
-            let _ = writeln!(
-                t,
-                "routes: {} RouteConfigurations in the server, asked for by shunt: {}, envoy: {}; not applicable (shunt has no HTTP connection manager yet, so the listeners are tcp_proxy and reference no route)",
-                a.routes,
-                yes_no(Proxy::Shunt),
-                yes_no(Proxy::Envoy)
-            );
             let _ = writeln!(t, "goals (reported, not asserted):");
             for (label, value, unit, ratio, met) in self.goals(api) {
                 let _ = writeln!(

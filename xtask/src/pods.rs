@@ -202,9 +202,15 @@ pub fn start_proxy(bins: &Bins, pod: &Pod) -> Result<PodProcess> {
 
 /// `testapp serve` on 0.0.0.0:port and [::]:port, once both listen.
 pub fn start_app(bins: &Bins, pod: &Pod, port: u16) -> Result<PodProcess> {
+    start_app_mode(bins, pod, port, "echo")
+}
+
+/// `testapp serve --mode MODE` on 0.0.0.0 and [::] at `port` (`http`: answers HTTP/1.1
+/// requests with its greeting line as the body).
+pub fn start_app_mode(bins: &Bins, pod: &Pod, port: u16, mode: &str) -> Result<PodProcess> {
     let app = pod
         .command(&bins.testapp)
-        .args(["serve", "--listen"])
+        .args(["serve", "--mode", mode, "--listen"])
         .arg(format!("0.0.0.0:{port}"))
         .arg("--listen")
         .arg(format!("[::]:{port}"))
@@ -227,6 +233,41 @@ pub fn call(bins: &Bins, pod: &Pod, uid: u32, target: SocketAddr, bytes: u64) ->
     let desc = cmd.description();
     let out = cmd.output()?;
     Call::parse(&String::from_utf8_lossy(&out.stdout), &desc)
+}
+
+/// One HTTP/1.1 GET with `curl` from `pod` to `target` (Host `host`) answered by
+/// `testapp serve --mode http`: where the server saw it come from and arrive.
+pub fn http_call(pod: &Pod, target: SocketAddr, host: &str) -> Result<Call> {
+    let cmd = pod.command("curl").args([
+        "-sS",
+        "--fail",
+        "--max-time",
+        "10",
+        "-H",
+        &format!("Host: {host}"),
+        &format!("http://{target}/"),
+    ]);
+    let desc = cmd.description();
+    let out = cmd.output()?;
+    let body = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "{desc}: {}{body}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let field = |key: &str| -> Result<SocketAddr> {
+        body.split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .with_context(|| format!("{desc}: no {key} in {body:?}"))?
+            .parse()
+            .with_context(|| format!("{desc}: {key} in {body:?}"))
+    };
+    Ok(Call {
+        client_local: SocketAddr::from(([0, 0, 0, 0], 0)),
+        server_peer: field("peer=")?,
+        server_local: field("local=")?,
+        bytes: 0,
+    })
 }
 
 /// The access-log entry whose downstream is `client`, once the proxy has written it.
