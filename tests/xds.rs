@@ -341,6 +341,8 @@ fn dynamic_resources(
 ) -> std::collections::BTreeMap<String, (Value, Value)> {
     let (list, state, resource) = match section {
         "ListenersConfigDump" => ("dynamic_listeners", "active_state", "listener"),
+        "RoutesConfigDump" => ("dynamic_route_configs", "", "route_config"),
+        "SecretsConfigDump" => ("dynamic_active_secrets", "", "secret"),
         _ => ("dynamic_active_clusters", "", "cluster"),
     };
     dump_section(dump, section)[list]
@@ -363,11 +365,14 @@ fn dynamic_resources(
         .collect()
 }
 
-/// Envoy and shunt on the same ADS stream end with the same listeners and clusters, and
-/// the same connection reaches the same endpoint through either.
+/// Envoy and shunt on the same ADS stream end with the same listeners, clusters, routes
+/// (RDS) and secrets (SDS, keys redacted alike), and the same connection reaches the
+/// same endpoint through either.
 #[test]
 fn envoy_and_shunt_reach_the_same_config() {
     let (dir, socket, server) = unix_server("interop");
+    let pki = support::pki::Pki::new("interop-pki");
+    let (chain, key) = pki.server("interop");
     server.set(
         type_urls::CLUSTER,
         "c1",
@@ -384,7 +389,38 @@ fn envoy_and_shunt_reach_the_same_config() {
         vec![
             listener("l1", LISTEN_PORT, "backend"),
             listener("l2", LISTEN_PORT + 1, "other"),
+            named(
+                "h1",
+                &resources::http_listener("h1", local(LISTEN_PORT + 2), "routes"),
+            ),
+            named(
+                "t1",
+                &resources::tls_tcp_proxy_listener(
+                    "t1",
+                    local(LISTEN_PORT + 3),
+                    "backend",
+                    ads_source(),
+                    "default",
+                    None,
+                ),
+            ),
         ],
+    );
+    server.set(
+        type_urls::ROUTE,
+        "r1",
+        vec![named(
+            "routes",
+            &resources::route_config("routes", &[("/other", "other"), ("/", "backend")]),
+        )],
+    );
+    server.set(
+        type_urls::SECRET,
+        "s1",
+        vec![named(
+            "default",
+            &resources::certificate_secret("default", &chain, &key),
+        )],
     );
     let config = dir.0.join("bootstrap.json");
 
@@ -433,10 +469,15 @@ fn envoy_and_shunt_reach_the_same_config() {
 
     let shunt_dump = config_dump(&shunt_pod);
     let envoy_dump = config_dump(&envoy_pod);
-    for section in ["ListenersConfigDump", "ClustersConfigDump"] {
+    for (section, count) in [
+        ("ListenersConfigDump", 4),
+        ("ClustersConfigDump", 2),
+        ("RoutesConfigDump", 1),
+        ("SecretsConfigDump", 1),
+    ] {
         let ours = dynamic_resources(&shunt_dump, section);
         let theirs = dynamic_resources(&envoy_dump, section);
-        assert_eq!(ours.len(), 2, "{section}: {ours:?}");
+        assert_eq!(ours.len(), count, "{section}: {ours:?}");
         assert_eq!(ours, theirs, "{section} differ");
     }
     assert_eq!(

@@ -15,7 +15,6 @@ mod support;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use harness::ads::resources::{
@@ -28,6 +27,7 @@ use serde_json::Value;
 use support::xds::{
     self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt, unix_server,
 };
+use support::pki::Pki;
 use support::*;
 
 const ADMIN: &str = "127.0.0.1:15000";
@@ -319,101 +319,6 @@ fn rds_drives_http_listeners_sotw() {
 #[test]
 fn rds_drives_http_listeners_delta() {
     rds_drives_http_listeners(true);
-}
-
-/// A CA and a server certificate made with the `openssl` CLI.
-struct Pki {
-    dir: TempDir,
-}
-
-impl Pki {
-    fn new(tag: &str) -> Pki {
-        let dir = TempDir::new(tag);
-        let pki = Pki { dir };
-        pki.openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=shunt test CA",
-        ]);
-        pki
-    }
-
-    fn openssl(&self, args: &[&str]) {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(&self.dir.0)
-            .output()
-            .expect("openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    fn read(&self, file: &str) -> String {
-        std::fs::read_to_string(self.dir.0.join(file)).unwrap()
-    }
-
-    /// A certificate for `server.test` (and an Istio SPIFFE identity) named `cn`,
-    /// signed by the CA: (chain, key).
-    fn server(&self, cn: &str) -> (String, String) {
-        let ext = format!("{cn}.ext");
-        std::fs::write(
-            self.dir.0.join(&ext),
-            "subjectAltName=DNS:server.test,URI:spiffe://cluster.local/ns/default/sa/server\n",
-        )
-        .unwrap();
-        let (key, csr, pem) = (
-            format!("{cn}.key"),
-            format!("{cn}.csr"),
-            format!("{cn}.pem"),
-        );
-        self.openssl(&[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={cn}"),
-        ]);
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &pem,
-            "-days",
-            "1",
-            "-extfile",
-            &ext,
-        ]);
-        (self.read(&pem), self.read(&key))
-    }
 }
 
 /// A TLS handshake with the listener from inside `pod`, trusting the test CA, sending

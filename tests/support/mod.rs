@@ -3,6 +3,7 @@
 //! stay in the tests.
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod xds;
 
 use std::{
