@@ -53,6 +53,12 @@ pub enum ResponseFlag {
     UpstreamOverflow,
     /// `NC`: the cluster the filter names does not exist.
     NoClusterFound,
+    /// `UT`: the upstream did not answer an HTTP request within the route's timeout.
+    UpstreamRequestTimeout,
+    /// `UC`: the upstream closed the connection before its HTTP response was complete.
+    UpstreamConnectionTermination,
+    /// `DC`: the downstream went away before its HTTP response was sent.
+    DownstreamConnectionTermination,
 }
 
 impl ResponseFlag {
@@ -65,6 +71,9 @@ impl ResponseFlag {
             Self::DownstreamRemoteReset => "DR",
             Self::UpstreamOverflow => "UO",
             Self::NoClusterFound => "NC",
+            Self::UpstreamRequestTimeout => "UT",
+            Self::UpstreamConnectionTermination => "UC",
+            Self::DownstreamConnectionTermination => "DC",
         }
     }
 }
@@ -84,6 +93,29 @@ pub struct Entry {
     pub bytes_received: u64,
     pub bytes_sent: u64,
     pub response_flags: Vec<ResponseFlag>,
+    /// Why the upstream TLS handshake failed (Envoy's
+    /// `%UPSTREAM_TRANSPORT_FAILURE_REASON%`); left out when there was none.
+    pub upstream_transport_failure_reason: Option<String>,
+    /// Set for the line of one HTTP request (the HTTP connection manager writes one per
+    /// request); TCP lines leave it out.
+    pub http: Option<Box<HttpFields>>,
+}
+
+/// What an HTTP request adds to its line, named as Istio's JSON access log names
+/// Envoy's command operators (`%REQ(:METHOD)%` is `method`, `%REQ(X-REQUEST-ID)%` is
+/// `request_id`).
+#[derive(Debug, Default, Serialize)]
+pub struct HttpFields {
+    pub method: String,
+    /// As the downstream sent it (before any rewrite), query included.
+    pub path: String,
+    /// `HTTP/1.1`, `HTTP/2`.
+    pub protocol: &'static str,
+    /// 0 until a response is chosen (the downstream went away before).
+    pub response_code: u16,
+    pub authority: Option<String>,
+    pub request_id: Option<String>,
+    pub user_agent: Option<String>,
 }
 
 /// The line as serialized: field order here is the order on the wire.
@@ -101,6 +133,10 @@ struct Line<'a> {
     bytes_sent: u64,
     duration_ms: u64,
     response_flags: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    upstream_transport_failure_reason: Option<&'a str>,
+    #[serde(flatten)]
+    http: Option<&'a HttpFields>,
 }
 
 impl Entry {
@@ -119,6 +155,8 @@ impl Entry {
             bytes_received: 0,
             bytes_sent: 0,
             response_flags: Vec::new(),
+            upstream_transport_failure_reason: None,
+            http: None,
         }
     }
 
@@ -144,6 +182,8 @@ impl Entry {
             bytes_sent: self.bytes_sent,
             duration_ms: u64::try_from(duration.as_millis()).unwrap_or(u64::MAX),
             response_flags: flags_string(&self.response_flags),
+            upstream_transport_failure_reason: self.upstream_transport_failure_reason.as_deref(),
+            http: self.http.as_deref(),
         };
         // Serializing plain strings and numbers into a Vec cannot fail.
         let mut out = serde_json::to_vec(&line).unwrap_or_default();

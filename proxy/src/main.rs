@@ -7,10 +7,12 @@ mod access_log;
 mod admin;
 mod capture;
 mod config;
+mod http;
 mod inspect;
 mod listener;
 mod snapshot;
 mod tcp;
+mod tls;
 mod upstream;
 mod xds;
 

@@ -82,13 +82,16 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
-/// The `configs` entry of a `/config_dump` whose `@type` ends with `kind`.
+/// The `configs` entry of a `/config_dump` whose `@type` is `kind` (its last name).
 pub fn dump_section(dump: &Value, kind: &str) -> Value {
     dump["configs"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["@type"].as_str().unwrap_or("").ends_with(kind))
+        .find(|c| {
+            let type_url = c["@type"].as_str().unwrap_or("");
+            type_url.rsplit('.').next() == kind.rsplit('.').next()
+        })
         .cloned()
         .unwrap_or_else(|| panic!("no {kind} in {dump}"))
 }

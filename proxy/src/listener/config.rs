@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::filter_chain::FilterChains;
 use crate::access_log::{Direction, Sink};
+use crate::http::HttpConnectionManager;
 use crate::tcp::filter::TcpProxy;
 
 /// Envoy's default `listener_filters_timeout`.
@@ -83,6 +84,12 @@ impl ListenerFilters {
 pub struct FilterChain {
     /// The chain's `name`, or `filter_chains[i]` when unnamed.
     pub name: String,
+    /// `transport_socket`: TLS to terminate before the network filter runs; `None` for
+    /// raw bytes.
+    pub transport_socket: Option<Arc<crate::tls::DownstreamTls>>,
+    /// `transport_socket_connect_timeout`: how long the TLS handshake may take; `None`
+    /// waits as long as the client does (Envoy's default).
+    pub transport_socket_connect_timeout: Option<Duration>,
     pub network: NetworkFilter,
 }
 
@@ -90,4 +97,6 @@ pub struct FilterChain {
 #[derive(Debug)]
 pub enum NetworkFilter {
     TcpProxy(TcpProxy),
+    /// `http_connection_manager`; shared with the requests it serves.
+    Http(Arc<HttpConnectionManager>),
 }

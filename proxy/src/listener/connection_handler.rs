@@ -17,6 +17,8 @@ use super::original_dst;
 use crate::access_log::{Entry, ResponseFlag};
 use crate::snapshot::{Snapshot, Store};
 use crate::tcp::filter::Upstreams;
+use crate::tcp::stream::Stream;
+use crate::tls::HandshakeError;
 
 /// What every connection of a serving proxy shares.
 #[derive(Debug)]
@@ -126,6 +128,32 @@ pub async fn handle(
     };
     let _active = stats.connection();
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
+    let secure = chain.transport_socket.is_some();
+    let stream = match &chain.transport_socket {
+        None => Stream::Raw(stream),
+        Some(tls) => {
+            let handshake = terminate_tls(tls, stream, &ctx, &stats);
+            let timeout = async {
+                match chain.transport_socket_connect_timeout {
+                    Some(timeout) => tokio::time::sleep(timeout).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let stream = tokio::select! {
+                stream = handshake => stream,
+                () = timeout => {
+                    stats.ssl.connection_error.inc();
+                    None
+                }
+                () = listener.draining.closed() => None,
+            };
+            let Some(stream) = stream else {
+                tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, "no TLS session; closing");
+                return;
+            };
+            stream
+        }
+    };
     match &chain.network {
         NetworkFilter::TcpProxy(proxy) => {
             let own_ports = ctx
@@ -133,9 +161,12 @@ pub async fn handle(
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
+            // Upstream TLS names secrets as they are now (an SDS rotation applies).
+            let current = ctx.store.load();
             let upstreams = Upstreams {
                 clusters: &snapshot.clusters,
                 own_ports: &own_ports,
+                secrets: &current.secrets,
             };
             tokio::select! {
                 () = proxy.serve(&upstreams, stream, facts.destination, &mut entry) => {}
@@ -145,6 +176,70 @@ pub async fn handle(
                 }
             }
             entry.emit_to(&proxy.access_log);
+        }
+        NetworkFilter::Http(hcm) => {
+            let own_ports = ctx
+                .own_ports
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Err(err) = stream.tcp().set_nodelay(true) {
+                tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
+            }
+            let downstream = crate::http::connection_manager::Downstream {
+                remote,
+                local,
+                original_dst: facts.restored.then_some(facts.destination),
+                direction: listener.direction,
+                secure,
+                own_ports,
+            };
+            let serve = crate::http::connection_manager::serve(
+                hcm.clone(),
+                ctx.store.clone(),
+                stream,
+                downstream,
+            );
+            tokio::select! {
+                () = serve => {}
+                // As for tcp_proxy: the listener's drain time is over, close.
+                () = listener.draining.closed() => {
+                    tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
+                }
+            }
+        }
+    }
+}
+
+/// Terminates TLS on a connection whose filter chain has a `DownstreamTlsContext`. Named
+/// secrets are looked up in the snapshot current now, not the one the connection was
+/// accepted under, so an SDS rotation applies to every handshake after it. `None`
+/// closes the connection: the handshake failed, or a secret is not there yet (Envoy
+/// would still be warming the listener).
+async fn terminate_tls(
+    tls: &crate::tls::DownstreamTls,
+    stream: TcpStream,
+    ctx: &Context,
+    stats: &crate::snapshot::ListenerStats,
+) -> Option<Stream> {
+    // The handshake's flights should not wait for Nagle.
+    if let Err(err) = stream.set_nodelay(true) {
+        tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
+    }
+    let current = ctx.store.load();
+    match tls.accept(stream, &current.secrets).await {
+        Ok(tls) => {
+            stats.ssl.handshake.inc();
+            Some(tls.into())
+        }
+        Err(HandshakeError::MissingSecret(name)) => {
+            tracing::debug!(secret = %name, "TLS secret not available; closing");
+            None
+        }
+        Err(err) => {
+            stats.ssl.connection_error.inc();
+            tracing::debug!(%err, "downstream TLS handshake failed");
+            None
         }
     }
 }

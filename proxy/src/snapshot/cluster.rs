@@ -23,6 +23,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 use super::convert::{self, duration_or};
 use super::problems::Problems;
 use crate::admin::stats::Store;
+use crate::upstream::cluster::UpstreamProtocol;
 use crate::upstream::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
 use crate::upstream::dns::{DnsTarget, LookupFamily};
 use crate::upstream::health_check::{Checker, HealthCheck};
@@ -117,6 +118,8 @@ struct Endpoint {
     weight: u32,
     priority: u32,
     unhealthy: bool,
+    /// `metadata.filter_metadata["envoy.transport_socket_match"]`.
+    socket_match: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
 }
 
 /// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
@@ -138,6 +141,7 @@ pub fn compile(
         &cluster.alt_stat_name
     };
     config.stats = ClusterStats::new(stats, observability_name);
+    config.http_protocol = http_protocol(cluster, path, problems);
 
     let kind = match &cluster.cluster_discovery_type {
         None => DiscoveryType::Static,
@@ -205,6 +209,7 @@ pub fn compile(
                         Host::new(std::net::SocketAddr::new(ip, endpoint.port))
                             .with_weight(endpoint.weight)
                             .with_priority(endpoint.priority)
+                            .with_socket_match(endpoint.socket_match.clone())
                             .with_health_flags(if endpoint.unhealthy {
                                 FAILED_EDS_HEALTH
                             } else {
@@ -354,27 +359,21 @@ pub fn compile(
         }
         config.overprovisioning_factor = factor.value.max(1);
     }
-    if let Some(socket) = &cluster.transport_socket {
-        let type_name = socket
-            .config_type
-            .as_ref()
-            .map(|envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(any)| convert::type_name(any).to_owned())
-            .unwrap_or_default();
-        if type_name != "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"
-            && !type_name.is_empty()
-        {
-            problems.error(
-                format!("{path}.transport_socket"),
-                format!("upstream transport socket {type_name} (TLS) is not implemented yet"),
-            );
-        }
+    if let Some(socket) = &cluster.transport_socket
+        && let Ok(tls) = crate::tls::transport_socket::upstream(
+            socket,
+            &format!("{path}.transport_socket"),
+            problems,
+        )
+    {
+        config.transport_socket = tls;
     }
-    if !cluster.transport_socket_matches.is_empty() {
-        problems.error(
-            format!("{path}.transport_socket_matches"),
-            "transport socket matches (mTLS to upstreams) are not implemented yet",
-        );
-    }
+    config.transport_socket_matches = crate::tls::transport_socket::matches(
+        &cluster.transport_socket_matches,
+        &format!("{path}.transport_socket_matches"),
+        problems,
+    )
+    .into();
     if cluster.load_balancing_policy.is_some() {
         problems.error(
             format!("{path}.load_balancing_policy"),
@@ -562,6 +561,9 @@ fn endpoints(
                         .map_or(1, |w| w.value.max(1)),
                     priority: locality.priority,
                     unhealthy,
+                    socket_match: crate::tls::transport_socket::endpoint_match_metadata(
+                        lb_endpoint.metadata.as_ref(),
+                    ),
                 },
                 socket_path,
             ));
@@ -757,4 +759,58 @@ fn payload_bytes(p: &Payload, path: &str, problems: &mut Problems) -> Option<Vec
         }
         None => None,
     }
+}
+
+const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// The HTTP version the router speaks to the cluster: HTTP/2 when its upstream
+/// `HttpProtocolOptions` say so explicitly (or the deprecated
+/// `http2_protocol_options` is set), the downstream's with
+/// `use_downstream_protocol_config`, else HTTP/1.1.
+#[allow(
+    deprecated,
+    reason = "Istio and older configs still set http2_protocol_options"
+)]
+fn http_protocol(cluster: &EnvoyCluster, path: &str, problems: &mut Problems) -> UpstreamProtocol {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+        HttpProtocolOptions,
+        http_protocol_options::{UpstreamProtocolOptions, explicit_http_config::ProtocolConfig},
+    };
+    let mut protocol = if cluster.http2_protocol_options.is_some() {
+        UpstreamProtocol::Http2
+    } else {
+        UpstreamProtocol::Http1
+    };
+    let Some(any) = cluster
+        .typed_extension_protocol_options
+        .get(HTTP_PROTOCOL_OPTIONS)
+    else {
+        return protocol;
+    };
+    let o_path = format!("{path}.typed_extension_protocol_options[{HTTP_PROTOCOL_OPTIONS:?}]");
+    let Some(options) = convert::decode::<HttpProtocolOptions>(any, &o_path, problems) else {
+        return protocol;
+    };
+    match options.upstream_protocol_options {
+        Some(UpstreamProtocolOptions::ExplicitHttpConfig(explicit)) => {
+            match explicit.protocol_config {
+                Some(ProtocolConfig::Http2ProtocolOptions(_)) => protocol = UpstreamProtocol::Http2,
+                Some(ProtocolConfig::HttpProtocolOptions(_)) => protocol = UpstreamProtocol::Http1,
+                Some(ProtocolConfig::Http3ProtocolOptions(_)) => problems.error(
+                    format!("{o_path}.explicit_http_config.http3_protocol_options"),
+                    "HTTP/3 upstreams are not implemented yet",
+                ),
+                None => {}
+            }
+        }
+        Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(_)) => {
+            protocol = UpstreamProtocol::UseDownstream;
+        }
+        Some(UpstreamProtocolOptions::AutoConfig(_)) => problems.warning(
+            format!("{o_path}.auto_config"),
+            "ALPN protocol selection is not implemented; HTTP/1.1 is used",
+        ),
+        None => {}
+    }
+    protocol
 }

@@ -6,11 +6,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{TrafficDirection, transport_socket};
+use envoy_types::pb::envoy::config::core::v3::TrafficDirection;
 use envoy_types::pb::envoy::config::listener::v3::{
     FilterChain as EnvoyFilterChain, FilterChainMatch as EnvoyMatch, Listener as EnvoyListener,
     filter, filter_chain_match::ConnectionSourceType, listener::ListenerSpecifier, listener_filter,
 };
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy as EnvoyTcpProxy, tcp_proxy::ClusterSpecifier as EnvoySpecifier,
 };
@@ -32,7 +33,6 @@ const HTTP_INSPECTOR: &str = "envoy.extensions.filters.listener.http_inspector.v
 const TCP_PROXY: &str = "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
 const HCM: &str =
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
-const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
 
 /// A listener's `listener.<stat_prefix or address>.*` stats.
 #[derive(Debug, Clone, Default)]
@@ -43,6 +43,8 @@ pub struct ListenerStats {
     pub no_filter_chain_match: Counter,
     /// How long connections lasted, from the hand-over to the filter chain to the end.
     pub downstream_cx_length_ms: Histogram,
+    /// `ssl.handshake` / `ssl.connection_error` of chains terminating TLS.
+    pub ssl: crate::tls::SslStats,
 }
 
 impl ListenerStats {
@@ -62,6 +64,7 @@ impl ListenerStats {
             downstream_cx_active: store.gauge(&name("downstream_cx_active")),
             no_filter_chain_match: store.counter(&name("no_filter_chain_match")),
             downstream_cx_length_ms: store.histogram(&name("downstream_cx_length_ms")),
+            ssl: crate::tls::SslStats::new(store, &format!("listener.{prefix}")),
         }
     }
 
@@ -467,24 +470,20 @@ fn compile_chain(
     path: &str,
     problems: &mut Problems,
 ) -> Option<FilterChain> {
-    if let Some(socket) = &chain.transport_socket {
-        let type_name = match &socket.config_type {
-            Some(transport_socket::ConfigType::TypedConfig(any)) => convert::type_name(any),
-            None => "",
-        };
-        if !type_name.is_empty() && type_name != RAW_BUFFER {
-            problems.error(
-                format!("{path}.transport_socket"),
-                format!("downstream transport socket {type_name} (terminating TLS) is not implemented yet"),
-            );
-            return None;
-        }
-    }
+    let transport_socket = match &chain.transport_socket {
+        Some(socket) => crate::tls::transport_socket::downstream(
+            socket,
+            &format!("{path}.transport_socket"),
+            problems,
+        )
+        .ok()?,
+        None => None,
+    };
     let mut network = None;
     for (k, f) in chain.filters.iter().enumerate() {
         let f_path = format!("{path}.filters[{k}]");
         if network.is_some() {
-            problems.error(&f_path, "comes after the terminal filter tcp_proxy");
+            problems.error(&f_path, "comes after the terminal network filter");
             return None;
         }
         let any = match &f.config_type {
@@ -517,8 +516,10 @@ fn compile_chain(
                 )?));
             }
             HCM => {
-                problems.error(&f_path, "http_connection_manager is not implemented yet");
-                return None;
+                let config = decode::<EnvoyHcm>(any, &typed_path, problems)?;
+                network = Some(NetworkFilter::Http(Arc::new(
+                    crate::http::compile::compile(&config, clusters, stats, &typed_path, problems)?,
+                )));
             }
             other => {
                 problems.error(
@@ -532,7 +533,7 @@ fn compile_chain(
     let Some(network) = network else {
         problems.error(
             format!("{path}.filters"),
-            "a filter chain needs a terminal network filter (tcp_proxy)",
+            "a filter chain needs a terminal network filter (tcp_proxy or http_connection_manager)",
         );
         return None;
     };
@@ -542,6 +543,18 @@ fn compile_chain(
         } else {
             chain.name.clone()
         },
+        transport_socket,
+        transport_socket_connect_timeout: chain
+            .transport_socket_connect_timeout
+            .as_ref()
+            .and_then(|t| {
+                convert::duration(
+                    t,
+                    &format!("{path}.transport_socket_connect_timeout"),
+                    problems,
+                )
+            })
+            .filter(|t| !t.is_zero()),
         network,
     })
 }

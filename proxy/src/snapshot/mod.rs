@@ -9,7 +9,7 @@
 //! keeps a cluster can share it.
 
 mod cluster;
-mod convert;
+pub(crate) mod convert;
 mod listener;
 pub mod live;
 mod problems;
@@ -25,6 +25,7 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 pub use listener::ListenerStats;
 pub(crate) use problems::Problems;
 pub use problems::{CompileError, Problem};
+pub(crate) use tcp_proxy::access_logs;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
@@ -42,6 +43,17 @@ pub struct Snapshot {
     /// In bootstrap order.
     pub listeners: Vec<Arc<Listener>>,
     pub clusters: HashMap<String, Arc<Cluster>>,
+    /// Route configurations by name, for HTTP connection managers with `rds`: each
+    /// request looks its route configuration up here, in the snapshot current then.
+    /// Filled from RDS resources; empty without them.
+    pub route_configs: HashMap<String, Arc<crate::http::RouteConfig>>,
+    /// Secrets by name (static `secrets`, SDS): TLS contexts that name one look it up
+    /// here when a handshake starts, so a new snapshot rotates them for new handshakes.
+    pub secrets: HashMap<String, Arc<crate::tls::Secret>>,
+    /// The RDS and SDS resources `route_configs` and `secrets` were compiled from: an
+    /// update compiles again only those that changed (a new `Arc`).
+    route_sources: HashMap<String, Arc<RouteConfiguration>>,
+    secret_sources: HashMap<String, Arc<Secret>>,
     /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
     by_address: HashMap<SocketAddr, usize>,
     /// Listener index by name: every accepted connection looks its listener up.
@@ -74,6 +86,10 @@ impl Snapshot {
             listener_stats: HashMap::new(),
             listeners,
             clusters,
+            route_configs: HashMap::new(),
+            secrets: HashMap::new(),
+            route_sources: HashMap::new(),
+            secret_sources: HashMap::new(),
             by_address,
             by_name,
             static_resources: Arc::default(),
@@ -233,6 +249,78 @@ fn xds_clusters(bootstrap: &Bootstrap) -> HashSet<&str> {
         .collect()
 }
 
+/// Compiles the RDS route configurations (errors at `RouteConfiguration "name"`); one
+/// the previous snapshot compiled from the same resource is kept as it is.
+#[allow(clippy::type_complexity)]
+fn dynamic_route_configs(
+    dynamic: &DynamicResources,
+    previous: Option<&Snapshot>,
+    problems: &mut problems::Problems,
+) -> (
+    HashMap<String, Arc<crate::http::RouteConfig>>,
+    HashMap<String, Arc<RouteConfiguration>>,
+) {
+    let mut compiled = HashMap::new();
+    let mut sources = HashMap::new();
+    for tracked in &dynamic.route_configs {
+        let source = &tracked.resource;
+        let name = &source.name;
+        let kept = previous
+            .filter(|p| p.route_sources.get(name).is_some_and(|s| Arc::ptr_eq(s, source)))
+            .and_then(|p| p.route_configs.get(name).cloned());
+        let route_config = match kept {
+            Some(kept) => kept,
+            None => {
+                let path = format!("RouteConfiguration {name:?}");
+                match crate::http::route_config::compile(source, &path, problems) {
+                    Some(fresh) => Arc::new(fresh),
+                    None => continue,
+                }
+            }
+        };
+        compiled.insert(name.clone(), route_config);
+        sources.insert(name.clone(), source.clone());
+    }
+    (compiled, sources)
+}
+
+/// Compiles the SDS secrets (errors at `Secret "name"`) into `secrets`, next to the
+/// static ones; one the previous snapshot compiled from the same resource is kept.
+/// Returns what each was compiled from.
+fn dynamic_secrets(
+    dynamic: &DynamicResources,
+    previous: Option<&Snapshot>,
+    secrets: &mut HashMap<String, Arc<crate::tls::Secret>>,
+    problems: &mut problems::Problems,
+) -> HashMap<String, Arc<Secret>> {
+    let mut sources = HashMap::new();
+    for tracked in &dynamic.secrets {
+        let source = &tracked.resource;
+        let name = &source.name;
+        let path = format!("Secret {name:?}");
+        if secrets.contains_key(name) {
+            problems.warning(
+                &path,
+                "a static secret has this name; transport sockets get the static one",
+            );
+            continue;
+        }
+        let kept = previous
+            .filter(|p| p.secret_sources.get(name).is_some_and(|s| Arc::ptr_eq(s, source)))
+            .and_then(|p| p.secrets.get(name).cloned());
+        let secret = match kept {
+            Some(kept) => kept,
+            None => match crate::tls::secret::compile(source, &path, problems) {
+                Some(fresh) => Arc::new(fresh),
+                None => continue,
+            },
+        };
+        secrets.insert(name.clone(), secret);
+        sources.insert(name.clone(), source.clone());
+    }
+    sources
+}
+
 /// A config digest, to tell an unchanged resource from a changed one cheaply.
 pub fn digest<M: prost::Message>(message: &M) -> u64 {
     xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
@@ -271,23 +359,11 @@ pub fn compile_with(
         .into_iter()
         .map(|listener| listener.name)
         .collect();
-    // The xDS client speaks TLS to its server itself (`crate::xds::source`); the data
-    // plane does not, so those clusters are compiled without their TLS socket and no
-    // listener may route to them.
+    // The xDS client reaches its server through these itself (`crate::xds::source`); the
+    // data plane compiles them too (TLS included), so a listener may route to them.
     let xds_clusters = xds_clusters(bootstrap);
-    let mut tls_for_xds_only = Vec::new();
-    let static_clusters: Vec<EnvoyCluster> = resources
+    let cluster_sources: Vec<cluster::Source> = resources
         .clusters
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            if xds_clusters.contains(c.name.as_str()) && c.transport_socket.take().is_some() {
-                tls_for_xds_only.push(c.name.clone());
-            }
-            c
-        })
-        .collect();
-    let cluster_sources: Vec<cluster::Source> = static_clusters
         .iter()
         .enumerate()
         .map(|(i, c)| (Some(i), c, digest(c)))
@@ -310,6 +386,9 @@ pub fn compile_with(
                 .map(|t| (format!("Listener {:?}", t.resource.name), &*t.resource)),
         )
         .collect();
+    let mut secrets = crate::tls::secret::compile_static(&resources.secrets, &mut problems);
+    let secret_sources = dynamic_secrets(&dynamic, previous, &mut secrets, &mut problems);
+    let (route_configs, route_sources) = dynamic_route_configs(&dynamic, previous, &mut problems);
     let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
     let (listeners, listener_stats, listener_digests) = listener::compile_all(
         &listener_sources,
@@ -320,22 +399,11 @@ pub fn compile_with(
         &mut problems,
     );
     // Only pipe endpoints need to know which listeners route where.
-    let routed = if clusters.pipe_endpoints.is_empty() && tls_for_xds_only.is_empty() {
+    let routed = if clusters.pipe_endpoints.is_empty() {
         HashMap::new()
     } else {
         listener::routed_clusters(&listener_sources, &health)
     };
-    for name in &tls_for_xds_only {
-        if let Some(listener) = routed.get(name) {
-            problems.error(
-                format!("static_resources.clusters[{name:?}].transport_socket"),
-                format!(
-                    "upstream TLS is implemented for the xDS client only, and listener \
-                     {listener:?} routes to cluster {name:?}"
-                ),
-            );
-        }
-    }
     for (name, paths) in &clusters.pipe_endpoints {
         // The xDS client reaches its server through these itself.
         if xds_clusters.contains(name.as_str()) {
@@ -362,6 +430,10 @@ pub fn compile_with(
     }
     problems.finish()?;
     let mut snapshot = Snapshot::new(listeners, clusters.clusters);
+    snapshot.secrets = secrets;
+    snapshot.secret_sources = secret_sources;
+    snapshot.route_configs = route_configs;
+    snapshot.route_sources = route_sources;
     snapshot.listener_digests = snapshot
         .listeners
         .iter()

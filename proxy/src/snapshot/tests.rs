@@ -171,7 +171,10 @@ fn tcp_proxy_settings_carry_envoys_defaults() {
             transport_protocol: "raw_buffer",
             application_protocols: &[],
         };
-        let NetworkFilter::TcpProxy(proxy) = &listener.filter_chains.select(&info).unwrap().network;
+        let NetworkFilter::TcpProxy(proxy) = &listener.filter_chains.select(&info).unwrap().network
+        else {
+            panic!("a tcp_proxy chain")
+        };
         let ClusterSpecifier::Cluster(cluster) = &proxy.clusters else {
             panic!()
         };
@@ -231,16 +234,129 @@ static_resources:
 
 const TCP_PROXY_TO_C: &str = r#"{name: envoy.filters.network.tcp_proxy, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: s, cluster: c}}"#;
 
+/// An `http_connection_manager` chain: `{filters}` are its HTTP filters, `{routes}` its
+/// route specifier.
+fn hcm_listener(filters: &str, routes: &str) -> String {
+    format!(
+        "{LISTENER_HEAD}    filter_chains:\n    - filters: [{{name: hcm, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, stat_prefix: h, {routes}, http_filters: [{filters}]}}}}]\n"
+    )
+}
+
+const ROUTER: &str = "{name: r, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}";
+
 #[test]
-fn an_http_connection_manager_chain_is_not_implemented_yet() {
-    let yaml = format!(
-        "{LISTENER_HEAD}    filter_chains:\n    - filters: [{{name: hcm, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, stat_prefix: h, route_config: {{}}, http_filters: [{{name: r, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}}}]}}}}]\n"
+fn an_http_connection_manager_chain_serves_http_with_its_routes() {
+    let yaml = hcm_listener(
+        ROUTER,
+        "route_config: {name: local, virtual_hosts: [{name: v, domains: ['*'], routes: [{match: {prefix: /}, route: {cluster: c}}]}]}",
     );
+    let compiled = compiled(&yaml);
+    let chain = only_chain(&compiled.snapshot);
+    let NetworkFilter::Http(hcm) = &chain.network else {
+        panic!("an HTTP chain, got {:?}", chain.network);
+    };
+    assert_eq!(hcm.stat_prefix, "h");
+    let crate::http::config::RouteSource::Static(routes) = &hcm.routes else {
+        panic!("inline routes");
+    };
+    assert_eq!(routes.name, "local");
+
+    let rds = compiled_rds(&hcm_listener(
+        ROUTER,
+        "rds: {route_config_name: r80, config_source: {ads: {}}}",
+    ));
+    assert_eq!(rds, "r80");
+}
+
+/// The chain listener `l` serves a connection from 10.0.0.1 to 127.0.0.1:80 with.
+fn only_chain(snapshot: &Snapshot) -> Arc<crate::listener::config::FilterChain> {
+    let info = crate::listener::filter_chain::ConnectionInfo {
+        destination: "127.0.0.1:80".parse().unwrap(),
+        source: "10.0.0.1:1".parse().unwrap(),
+        direct_source: "10.0.0.1:1".parse().unwrap(),
+        server_name: None,
+        transport_protocol: "raw_buffer",
+        application_protocols: &[],
+    };
+    let listener = snapshot.listener("l").unwrap();
+    listener.filter_chains.select(&info).unwrap().clone()
+}
+
+fn compiled_rds(yaml: &str) -> String {
+    let compiled = compiled(yaml);
+    let chain = only_chain(&compiled.snapshot);
+    match &chain.network {
+        NetworkFilter::Http(hcm) => match &hcm.routes {
+            crate::http::config::RouteSource::Rds(name) => name.clone(),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_inline_route_configuration_may_name_only_known_clusters() {
+    let routes = |validate: &str| {
+        format!(
+            "route_config: {{{validate}virtual_hosts: [{{name: v, domains: ['*'], routes: [{{match: {{prefix: /}}, route: {{weighted_clusters: {{clusters: [{{name: c, weight: 1}}, {{name: nope, weight: 1}}]}}}}}}]}}]}}"
+        )
+    };
+    assert_eq!(
+        errors(&hcm_listener(ROUTER, &routes(""))),
+        [
+            "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.route_config.virtual_hosts[0].routes[0].route.weighted_clusters.clusters[1].name: no cluster named \"nope\" (validate_clusters is on for an inline route_config)"
+        ]
+    );
+    // As in Envoy, validate_clusters: false lets it through (503 NC per request).
+    compiled(&hcm_listener(ROUTER, &routes("validate_clusters: false, ")));
+}
+
+#[test]
+fn http_filters_must_end_in_the_router_and_unknown_ones_are_refused_unless_optional() {
+    let unknown = "{name: x, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer, max_request_bytes: 10}}";
+    let optional = "{name: y, is_optional: true, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer, max_request_bytes: 10}}";
+    let routes = "route_config: {virtual_hosts: [{name: v, domains: ['*', '*'], routes: [{match: {prefix: /}, route: {cluster: c}}]}]}";
+    let yaml = hcm_listener(&format!("{unknown}, {optional}"), routes);
+    let hcm = "static_resources.listeners[0].filter_chains[0].filters[0].typed_config";
     assert_eq!(
         errors(&yaml),
         [
-            "static_resources.listeners[0].filter_chains[0].filters[0]: http_connection_manager is not implemented yet"
+            format!(
+                "{hcm}.route_config.virtual_hosts[0].domains[1]: only unique values for domains are permitted: \"*\" is also a domain of virtual_hosts[0]"
+            ),
+            format!(
+                "{hcm}.http_filters[0].typed_config: HTTP filter envoy.extensions.filters.http.buffer.v3.Buffer is not implemented yet"
+            ),
+            format!(
+                "{hcm}.http_filters: the last HTTP filter must be the router (envoy.extensions.filters.http.router.v3.Router)"
+            ),
         ]
+    );
+    // Optional: skipped with a warning.
+    let yaml = hcm_listener(
+        &format!("{optional}, {ROUTER}"),
+        "rds: {route_config_name: r}",
+    );
+    let warnings = compile(&bootstrap(&yaml), &Default::default())
+        .unwrap()
+        .warnings;
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.path == format!("{hcm}.http_filters[0].typed_config")
+                && w.message.contains("optional filter is skipped")),
+        "{warnings:?}"
+    );
+    // Nothing may follow the router.
+    let yaml = hcm_listener(
+        &format!("{ROUTER}, {unknown}"),
+        "rds: {route_config_name: r}",
+    );
+    assert_eq!(
+        errors(&yaml),
+        [format!(
+            "{hcm}.http_filters[1]: comes after the terminal HTTP filter, the router"
+        )]
     );
 }
 
@@ -258,7 +374,7 @@ fn every_error_is_reported_at_its_path() {
         [
             "static_resources.clusters[0].maglev_lb_config.table_size: 100 must be a prime no larger than 5000011",
             "static_resources.clusters[1].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address: \"db.local\" is not an IP address; a STATIC cluster needs IP endpoints (use STRICT_DNS or LOGICAL_DNS for names)",
-            "static_resources.listeners[0].filter_chains[1].transport_socket: downstream transport socket envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext (terminating TLS) is not implemented yet",
+            "static_resources.listeners[0].filter_chains[1].transport_socket.typed_config.common_tls_context.tls_certificates: terminating TLS needs a certificate (tls_certificates or tls_certificate_sds_secret_configs)",
             "static_resources.listeners[0].filter_chains[2].filter_chain_match.prefix_ranges[0].prefix_len: 40 is too long for 10.0.0.0",
             "static_resources.listeners[0].filter_chains[3].filter_chain_match: matches the same connections as filter_chains[0]; Envoy rejects such listeners",
         ]

@@ -44,26 +44,26 @@ pub enum End {
 
 /// When bytes last moved, for the idle timeout: milliseconds since the copy started,
 /// stored by either direction without a lock.
-struct Activity {
+pub(super) struct Activity {
     start: Instant,
     last_ms: AtomicU64,
 }
 
 impl Activity {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Activity {
             start: Instant::now(),
             last_ms: AtomicU64::new(0),
         }
     }
 
-    fn touch(&self) {
+    pub(super) fn touch(&self) {
         let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Resolves once nothing has moved for `idle`.
-    async fn idle_for(&self, idle: Duration) {
+    pub(super) async fn idle_for(&self, idle: Duration) {
         loop {
             let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
             let deadline = self.start + last + idle;

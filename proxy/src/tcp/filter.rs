@@ -14,12 +14,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpStream;
-
 use super::copy;
+use super::stream::Stream;
 use crate::access_log::{Entry, ResponseFlag, Sink};
 use crate::admin::stats::{Counter, Store};
 use crate::upstream::load_balancer::hash_key;
+use crate::upstream::transport_socket;
 use crate::upstream::{Cluster, LbContext};
 
 /// Envoy's default `idle_timeout`: one hour.
@@ -86,6 +86,8 @@ pub struct Upstreams<'a> {
     pub clusters: &'a HashMap<String, Arc<Cluster>>,
     /// The ports the proxy listens on: an ORIGINAL_DST host on one of them is a loop.
     pub own_ports: &'a [u16],
+    /// The secrets upstream TLS contexts name (the current snapshot's).
+    pub secrets: &'a crate::tls::Secrets,
 }
 
 impl TcpProxy {
@@ -94,7 +96,7 @@ impl TcpProxy {
     pub async fn serve(
         &self,
         upstreams: &Upstreams<'_>,
-        downstream: TcpStream,
+        downstream: Stream,
         destination: SocketAddr,
         entry: &mut Entry,
     ) {
@@ -138,27 +140,38 @@ impl TcpProxy {
                 return;
             }
             entry.upstream_host = Some(host.address);
-            match cluster.connect(&host).await {
+            match transport_socket::connect(cluster, &host, upstreams.secrets).await {
                 Ok(connection) => {
                     connected = Some(connection);
                     break;
                 }
                 Err(err) => {
                     tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "upstream connection failed");
+                    if let transport_socket::ConnectError::Tls(err) = &err {
+                        entry.upstream_transport_failure_reason = Some(err.to_string());
+                    }
                     tried.push(host.address);
                 }
             }
         }
         let Some((upstream, _active)) = connected else {
             entry.flag(ResponseFlag::UpstreamConnectionFailure);
-            copy::abort(&downstream);
+            downstream.abort();
             return;
         };
         entry.upstream_local_address = upstream.local_addr().ok();
-        if let Err(err) = downstream.set_nodelay(true) {
+        if let Err(err) = downstream.tcp().set_nodelay(true) {
             tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
         }
-        let outcome = copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await;
+        let outcome = match (downstream, upstream) {
+            // Plain TCP both ways keeps the socket fast path.
+            (Stream::Raw(downstream), Stream::Raw(upstream)) => {
+                copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await
+            }
+            (downstream, upstream) => {
+                super::copy_io::copy(downstream, upstream, self.idle_timeout).await
+            }
+        };
         entry.bytes_received = outcome.bytes_received;
         entry.bytes_sent = outcome.bytes_sent;
         cluster

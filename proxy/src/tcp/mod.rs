@@ -3,7 +3,9 @@
 //! [`copy`]. Every connection ends in exactly one access log line.
 
 pub mod copy;
+pub mod copy_io;
 pub mod filter;
+pub mod stream;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

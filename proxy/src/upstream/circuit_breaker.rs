@@ -3,6 +3,7 @@
 //! not queued: the downstream is closed at once and logged with `UO` (upstream
 //! overflow), so an overloaded upstream sheds load instead of piling it up.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::admin::stats::Counter;
@@ -13,7 +14,8 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 #[derive(Debug)]
 pub struct CircuitBreaker {
     max_connections: u64,
-    open: AtomicU64,
+    /// Shared with [`OwnedConnectionSlot`]s, which outlive a borrow of the breaker.
+    open: Arc<AtomicU64>,
     /// `upstream_cx_overflow`: connections refused for being over the limit.
     overflow: Counter,
 }
@@ -27,7 +29,7 @@ impl CircuitBreaker {
     pub fn counting(max_connections: u64, overflow: Counter) -> Self {
         CircuitBreaker {
             max_connections,
-            open: AtomicU64::new(0),
+            open: Arc::new(AtomicU64::new(0)),
             overflow,
         }
     }
@@ -46,6 +48,24 @@ impl CircuitBreaker {
             })
             .ok()
             .map(|_| ConnectionSlot { breaker: self });
+        if slot.is_none() {
+            self.overflow.inc();
+        }
+        slot
+    }
+
+    /// Like [`CircuitBreaker::try_acquire`], for a connection that lives in a task of
+    /// its own (a pooled HTTP connection) and so cannot borrow the breaker.
+    pub fn try_acquire_owned(&self) -> Option<OwnedConnectionSlot> {
+        let slot = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
+                (open < self.max_connections).then_some(open + 1)
+            })
+            .ok()
+            .map(|_| OwnedConnectionSlot {
+                open: self.open.clone(),
+            });
         if slot.is_none() {
             self.overflow.inc();
         }
@@ -73,6 +93,19 @@ pub struct ConnectionSlot<'a> {
 impl Drop for ConnectionSlot<'_> {
     fn drop(&mut self) {
         self.breaker.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One upstream connection counted against the cluster's `max_connections`, owning its
+/// share of the count.
+#[derive(Debug)]
+pub struct OwnedConnectionSlot {
+    open: Arc<AtomicU64>,
+}
+
+impl Drop for OwnedConnectionSlot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

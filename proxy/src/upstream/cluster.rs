@@ -67,6 +67,17 @@ impl Discovery {
     }
 }
 
+/// The HTTP version the router speaks to a cluster's hosts (Envoy's upstream
+/// `HttpProtocolOptions`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UpstreamProtocol {
+    #[default]
+    Http1,
+    Http2,
+    /// The downstream request's version (`use_downstream_protocol_config`).
+    UseDownstream,
+}
+
 /// Everything a cluster is compiled from.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -90,6 +101,12 @@ pub struct ClusterConfig {
     pub config_digest: u64,
     /// Where the cluster's `cluster.<name>.*` stats go.
     pub stats: ClusterStats,
+    pub http_protocol: UpstreamProtocol,
+    /// `transport_socket`: TLS to originate on each connection; `None` for raw bytes.
+    pub transport_socket: Option<Arc<crate::tls::UpstreamTls>>,
+    /// `transport_socket_matches`: per-endpoint sockets, chosen by endpoint metadata
+    /// before `transport_socket`.
+    pub transport_socket_matches: Arc<[crate::tls::transport_socket::SocketMatch]>,
 }
 
 impl ClusterConfig {
@@ -109,6 +126,9 @@ impl ClusterConfig {
             cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
             config_digest: 0,
             stats: ClusterStats::default(),
+            http_protocol: UpstreamProtocol::Http1,
+            transport_socket: None,
+            transport_socket_matches: Arc::new([]),
         }
     }
 }
@@ -126,6 +146,12 @@ pub struct Cluster {
     pub outlier_detection: Option<OutlierDetection>,
     pub health_checks: Vec<HealthCheck>,
     pub stats: ClusterStats,
+    pub http_protocol: UpstreamProtocol,
+    /// See [`ClusterConfig::transport_socket`].
+    pub transport_socket: Option<Arc<crate::tls::UpstreamTls>>,
+    pub transport_socket_matches: Arc<[crate::tls::transport_socket::SocketMatch]>,
+    /// Keep-alive HTTP connections to the hosts, closed with the cluster.
+    pub http_pools: crate::http::pool::Pools,
     panic_threshold: f64,
     overprovisioning_factor: u32,
     members: RwLock<Arc<Members>>,
@@ -167,6 +193,10 @@ impl Cluster {
             outlier_detection: config.outlier_detection,
             health_checks: config.health_checks,
             stats: config.stats,
+            http_protocol: config.http_protocol,
+            transport_socket: config.transport_socket,
+            transport_socket_matches: config.transport_socket_matches,
+            http_pools: Default::default(),
             panic_threshold: config.panic_threshold,
             overprovisioning_factor: config.overprovisioning_factor,
             members: RwLock::new(Arc::new(Members {
@@ -314,6 +344,7 @@ impl Cluster {
                         o.address == host.address
                             && o.weight == host.weight
                             && o.priority == host.priority
+                            && o.socket_match == host.socket_match
                     })
                     .cloned()
                     .unwrap_or_else(|| {

@@ -26,6 +26,9 @@ pub struct Host {
     pub weight: u32,
     /// The locality's `priority`: 0 is used first.
     pub priority: u32,
+    /// The endpoint's `envoy.transport_socket_match` metadata, which chooses among the
+    /// cluster's `transport_socket_matches`.
+    pub socket_match: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
     health: AtomicU8,
     /// Upstream connections open now (LEAST_REQUEST's "active requests" for TCP).
     active: AtomicU32,
@@ -46,6 +49,7 @@ impl Host {
             hostname: String::new(),
             weight: 1,
             priority: 0,
+            socket_match: None,
             health: AtomicU8::new(0),
             active: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),
@@ -62,6 +66,14 @@ impl Host {
 
     pub fn with_priority(mut self, priority: u32) -> Self {
         self.priority = priority;
+        self
+    }
+
+    pub fn with_socket_match(
+        mut self,
+        metadata: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
+    ) -> Self {
+        self.socket_match = metadata;
         self
     }
 

@@ -16,6 +16,7 @@ pub mod load_balancer;
 pub mod outlier;
 pub mod random;
 pub mod stats;
+pub mod transport_socket;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
 pub use load_balancer::LbContext;

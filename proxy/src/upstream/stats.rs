@@ -31,6 +31,16 @@ pub struct ClusterStats {
     /// Hosts in the cluster, and those of them that are healthy.
     pub membership_total: Gauge,
     pub membership_healthy: Gauge,
+    /// HTTP requests sent to the cluster (each retry counts), and their responses by
+    /// status class: `upstream_rq_1xx` .. `upstream_rq_5xx` at index 0 .. 4.
+    pub upstream_rq_total: Counter,
+    pub upstream_rq_class: [Counter; 5],
+    /// HTTP requests that got no response within the route's timeout.
+    pub upstream_rq_timeout: Counter,
+    /// HTTP requests sent again under a route's retry policy.
+    pub upstream_rq_retry: Counter,
+    /// `ssl.handshake` / `ssl.connection_error` of upstream TLS.
+    pub ssl: crate::tls::SslStats,
 }
 
 impl ClusterStats {
@@ -54,6 +64,12 @@ impl ClusterStats {
             upstream_cx_rx_bytes_total: counter("upstream_cx_rx_bytes_total"),
             membership_total: gauge("membership_total"),
             membership_healthy: gauge("membership_healthy"),
+            upstream_rq_total: counter("upstream_rq_total"),
+            upstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
+                .map(|class| counter(&format!("upstream_rq_{class}"))),
+            upstream_rq_timeout: counter("upstream_rq_timeout"),
+            upstream_rq_retry: counter("upstream_rq_retry"),
+            ssl: crate::tls::SslStats::new(store, &format!("cluster.{name}")),
         }
     }
 }

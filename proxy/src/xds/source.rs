@@ -11,7 +11,6 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::envoy::config::core::v3::address::Address as AddressKind;
 use envoy_types::pb::envoy::config::core::v3::api_config_source::ApiType;
 use envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier;
-use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
 use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
 use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
 use envoy_types::pb::envoy::config::core::v3::transport_socket;
@@ -323,19 +322,9 @@ fn upstream_tls(socket: &TransportSocket, path: &str) -> anyhow::Result<Option<T
     }))
 }
 
-/// A `DataSource`'s bytes: a file, inline bytes or string, or an environment variable.
+/// A `DataSource`'s bytes (the data plane's reader, so both name a bad source alike).
 fn data_source(source: &DataSource, path: &str) -> anyhow::Result<Vec<u8>> {
-    match &source.specifier {
-        Some(Specifier::Filename(file)) => {
-            std::fs::read(file).map_err(|e| anyhow::anyhow!("{path}.filename: reading {file}: {e}"))
-        }
-        Some(Specifier::InlineBytes(bytes)) => Ok(bytes.clone()),
-        Some(Specifier::InlineString(text)) => Ok(text.clone().into_bytes()),
-        Some(Specifier::EnvironmentVariable(var)) => std::env::var(var)
-            .map(String::into_bytes)
-            .map_err(|_| anyhow::anyhow!("{path}.environment_variable: {var} is not set")),
-        None => anyhow::bail!("{path}: empty data source"),
-    }
+    Ok(crate::tls::data_source::read(source, path)?)
 }
 
 /// A `google_grpc` target: `unix:PATH`, `unix://PATH` or `IP:PORT`.

@@ -262,26 +262,18 @@ async fn dial(target: &Target, tls: Option<TlsDial>) -> std::io::Result<TokioIo<
 /// The TLS client for `tls`: the server must chain to `trusted_ca` and be named by
 /// `sni` (else its IP address); a client certificate when given; ALPN h2, as gRPC wants.
 fn tls_connector(tls: &Tls, target: &Target) -> Result<TlsDial, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(&tls.trusted_ca) {
-        let cert = cert.map_err(|e| format!("trusted_ca: {e}"))?;
-        roots.add(cert).map_err(|e| format!("trusted_ca: {e}"))?;
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| e.to_string())?
-    .with_root_certificates(roots);
+    use crate::tls::pem;
+    use rustls::pki_types::ServerName;
+    // The data plane's PEM readers: the same errors for the same mistakes.
+    let roots = pem::roots(&tls.trusted_ca).map_err(|e| format!("trusted_ca: {e}"))?;
+    let builder = rustls::ClientConfig::builder_with_provider(crate::tls::secret::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
     let mut config = match &tls.client_certificate {
         Some((chain, key)) => {
-            let chain = CertificateDer::pem_slice_iter(chain)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("certificate_chain: {e}"))?;
-            let key =
-                PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("private_key: {e}"))?;
+            let chain = pem::certificates(chain).map_err(|e| format!("certificate_chain: {e}"))?;
+            let key = pem::private_key(key).map_err(|e| format!("private_key: {e}"))?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| format!("tls_certificates[0]: {e}"))?

@@ -1,0 +1,301 @@
+//! Compiling an `http_connection_manager` network filter's config into an
+//! [`HttpConnectionManager`]: codec, routes (inline `route_config` or `rds`), the HTTP
+//! filter chain (which must end in the router) and the settings the connection manager
+//! honours. Errors go to `problems` at their JSON path.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager as EnvoyHcm,
+    http_connection_manager::{CodecType, RouteSpecifier, ServerHeaderTransformation},
+    http_filter::ConfigType,
+};
+use hyper::header::HeaderValue;
+
+use super::config::{Codec, HttpConnectionManager, HttpStats, RouteSource, ServerHeader};
+use super::route::{Action, ClusterChoice, RouteConfig};
+use crate::admin::stats::Store;
+use crate::snapshot::Problems;
+use crate::snapshot::convert::{decode, type_name};
+use crate::upstream::Cluster;
+
+const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
+const FAULT: &str = "envoy.extensions.filters.http.fault.v3.HTTPFault";
+
+/// HTTP filters Istio puts in every sidecar's connection managers that change nothing
+/// about where a request goes or what it gets back when left out: shunt accepts them
+/// with a warning saying what is lost.
+const IGNORED_WITH_A_WARNING: &[(&str, &str)] = &[
+    (
+        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+        "gRPC stats are not collected",
+    ),
+    (
+        "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
+        "upstream ALPN overrides are not applied",
+    ),
+    (
+        "io.istio.http.peer_metadata.Config",
+        "peer metadata is not exchanged (telemetry only)",
+    ),
+    (
+        "stats.PluginConfig",
+        "Istio's request metrics are not produced",
+    ),
+    (
+        "envoy.extensions.filters.http.cors.v3.Cors",
+        "CORS policies are not applied",
+    ),
+    (FAULT, "per-route faults are not injected"),
+];
+
+/// Compiles `hcm`; an inline route configuration's clusters must be among `clusters`.
+pub fn compile(
+    hcm: &EnvoyHcm,
+    clusters: &HashMap<String, Arc<Cluster>>,
+    stats: &Store,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<HttpConnectionManager> {
+    let errors_before = problems.errors.len();
+    if hcm.stat_prefix.is_empty() {
+        problems.error(format!("{path}.stat_prefix"), "is required");
+    }
+    let codec = match CodecType::try_from(hcm.codec_type) {
+        Ok(CodecType::Auto) => Codec::Auto,
+        Ok(CodecType::Http1) => Codec::Http1,
+        Ok(CodecType::Http2) => Codec::Http2,
+        _ => {
+            problems.error(
+                format!("{path}.codec_type"),
+                "only AUTO, HTTP1 and HTTP2 are implemented",
+            );
+            Codec::Auto
+        }
+    };
+    let routes = match &hcm.route_specifier {
+        Some(RouteSpecifier::RouteConfig(config)) => {
+            let r_path = format!("{path}.route_config");
+            let compiled = super::route_config::compile(config, &r_path, problems);
+            if let Some(compiled) = &compiled
+                && config.validate_clusters.is_none_or(|b| b.value)
+            {
+                validate_clusters(compiled, clusters, &r_path, problems);
+            }
+            compiled.map(|config| RouteSource::Static(Arc::new(config)))
+        }
+        Some(RouteSpecifier::Rds(rds)) => {
+            if rds.route_config_name.is_empty() {
+                problems.error(format!("{path}.rds.route_config_name"), "is required");
+                None
+            } else {
+                Some(RouteSource::Rds(rds.route_config_name.clone()))
+            }
+        }
+        Some(RouteSpecifier::ScopedRoutes(_)) => {
+            problems.error(
+                format!("{path}.scoped_routes"),
+                "scoped routes are not implemented yet",
+            );
+            None
+        }
+        None => {
+            problems.error(path, "an http_connection_manager needs route_config or rds");
+            None
+        }
+    };
+    let suppress_envoy_headers = http_filters(hcm, path, problems);
+    let server_name = if hcm.server_name.is_empty() {
+        HeaderValue::from_static("envoy")
+    } else {
+        HeaderValue::from_str(&hcm.server_name).unwrap_or_else(|_| {
+            problems.error(format!("{path}.server_name"), "is not a valid header value");
+            HeaderValue::from_static("envoy")
+        })
+    };
+    let server_header = match ServerHeaderTransformation::try_from(hcm.server_header_transformation)
+    {
+        Ok(ServerHeaderTransformation::AppendIfAbsent) => ServerHeader::AppendIfAbsent,
+        Ok(ServerHeaderTransformation::PassThrough) => ServerHeader::PassThrough,
+        _ => ServerHeader::Overwrite,
+    };
+    let mut upgrades = Vec::new();
+    for (i, upgrade) in hcm.upgrade_configs.iter().enumerate() {
+        if !upgrade.filters.is_empty() {
+            problems.error(
+                format!("{path}.upgrade_configs[{i}].filters"),
+                "HTTP filters for upgrades are not implemented yet",
+            );
+        }
+        if upgrade.enabled.is_none_or(|b| b.value) {
+            upgrades.push(upgrade.upgrade_type.to_ascii_lowercase());
+        }
+    }
+    if hcm.tracing.is_some() {
+        problems.warning(
+            format!("{path}.tracing"),
+            "tracing is not implemented; ignored",
+        );
+    }
+    for (field, set) in [
+        (
+            "normalize_path",
+            hcm.normalize_path.is_some_and(|b| b.value),
+        ),
+        ("merge_slashes", hcm.merge_slashes),
+        ("local_reply_config", hcm.local_reply_config.is_some()),
+        ("stream_idle_timeout", hcm.stream_idle_timeout.is_some()),
+        ("request_timeout", hcm.request_timeout.is_some()),
+        ("xff_num_trusted_hops", hcm.xff_num_trusted_hops > 0),
+    ] {
+        if set {
+            problems.warning(format!("{path}.{field}"), "not implemented; ignored");
+        }
+    }
+    let access_log =
+        crate::snapshot::access_logs(&hcm.access_log, &format!("{path}.access_log"), problems);
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(HttpConnectionManager {
+        stat_prefix: hcm.stat_prefix.clone(),
+        codec,
+        routes: routes?,
+        server_name,
+        server_header,
+        use_remote_address: hcm.use_remote_address.is_some_and(|b| b.value),
+        generate_request_id: hcm.generate_request_id.is_none_or(|b| b.value),
+        upgrades,
+        suppress_envoy_headers,
+        access_log,
+        stats: HttpStats::new(stats, &hcm.stat_prefix),
+    })
+}
+
+/// Checks the HTTP filter chain: only the router does anything, and it must be last.
+/// Returns the router's `suppress_envoy_headers`.
+fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Problems) -> bool {
+    let mut suppress_envoy_headers = false;
+    let mut router_at = None;
+    for (i, filter) in hcm.http_filters.iter().enumerate() {
+        let f_path = format!("{path}.http_filters[{i}]");
+        let any = match &filter.config_type {
+            Some(ConfigType::TypedConfig(any)) => any,
+            Some(ConfigType::ConfigDiscovery(_)) => {
+                if filter.is_optional {
+                    problems.warning(
+                        format!("{f_path}.config_discovery"),
+                        "HTTP filters over ECDS are not implemented; this optional filter is skipped",
+                    );
+                } else {
+                    problems.error(
+                        format!("{f_path}.config_discovery"),
+                        "HTTP filters over ECDS are not implemented yet",
+                    );
+                }
+                continue;
+            }
+            None => {
+                problems.error(
+                    &f_path,
+                    format!("HTTP filter {:?} has no typed_config", filter.name),
+                );
+                continue;
+            }
+        };
+        let typed_path = format!("{f_path}.typed_config");
+        let kind = type_name(any);
+        if kind == ROUTER {
+            if let Some(router) = decode::<Router>(any, &typed_path, problems) {
+                suppress_envoy_headers = router.suppress_envoy_headers;
+            }
+            router_at = Some(i);
+            continue;
+        }
+        if router_at.is_some() {
+            problems.error(&f_path, "comes after the terminal HTTP filter, the router");
+            continue;
+        }
+        if filter.disabled {
+            problems.warning(
+                &f_path,
+                format!("HTTP filter {kind} is disabled and never enabled (per-route configs are not implemented)"),
+            );
+        } else if kind == FAULT && !any.value.is_empty() {
+            // Istio's fault filter is empty: its faults come per route. A configured one
+            // would change responses.
+            problems.error(
+                &typed_path,
+                "fault injection is not implemented yet (an empty HTTPFault is skipped)",
+            );
+        } else if let Some((_, lost)) = IGNORED_WITH_A_WARNING
+            .iter()
+            .find(|(name, _)| *name == kind)
+        {
+            problems.warning(
+                &typed_path,
+                format!("HTTP filter {kind} is not implemented; skipped: {lost}"),
+            );
+        } else if filter.is_optional {
+            problems.warning(
+                &typed_path,
+                format!("HTTP filter {kind} is not implemented; this optional filter is skipped"),
+            );
+        } else {
+            problems.error(
+                &typed_path,
+                format!("HTTP filter {kind} is not implemented yet"),
+            );
+        }
+    }
+    if router_at.is_none() {
+        problems.error(
+            format!("{path}.http_filters"),
+            format!("the last HTTP filter must be the router ({ROUTER})"),
+        );
+    }
+    suppress_envoy_headers
+}
+
+/// Envoy's `validate_clusters`, on by default for an inline route configuration: every
+/// cluster a route names must exist when the listener is loaded.
+fn validate_clusters(
+    config: &RouteConfig,
+    clusters: &HashMap<String, Arc<Cluster>>,
+    path: &str,
+    problems: &mut Problems,
+) {
+    // The compiled config keeps every virtual host and route, in config order.
+    for (i, vhost) in config.virtual_hosts.iter().enumerate() {
+        for (k, route) in vhost.routes.iter().enumerate() {
+            let Action::Route(action) = &route.action else {
+                continue;
+            };
+            let r_path = format!("{path}.virtual_hosts[{i}].routes[{k}].route");
+            let names: Vec<(String, &str)> = match &action.cluster {
+                ClusterChoice::Cluster(name) => vec![(format!("{r_path}.cluster"), name)],
+                ClusterChoice::Weighted(weighted) => weighted
+                    .iter()
+                    .enumerate()
+                    .map(|(j, c)| {
+                        (
+                            format!("{r_path}.weighted_clusters.clusters[{j}].name"),
+                            &*c.name,
+                        )
+                    })
+                    .collect(),
+                ClusterChoice::Header(_) => Vec::new(),
+            };
+            for (c_path, name) in names {
+                if !clusters.contains_key(name) {
+                    problems.error(
+                        c_path,
+                        format!("no cluster named {name:?} (validate_clusters is on for an inline route_config)"),
+                    );
+                }
+            }
+        }
+    }
+}

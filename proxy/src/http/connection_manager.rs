@@ -1,0 +1,511 @@
+//! The HTTP connection manager serving one downstream connection: hyper's HTTP/1.1
+//! (keep-alive) and HTTP/2 servers (AUTO tells them apart by the HTTP/2 preface), and
+//! per request Envoy's steps: request id, route lookup in the route config current
+//! *now* (RDS updates apply to the next request), the route's action, header rules,
+//! the router, response headers, stats and one access log line.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderName, HeaderValue};
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::body::{LogSlot, RequestBody, ResponseBody};
+use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, class_counter};
+use super::matcher::RequestView;
+use super::route::{Action, PathRedirect, Redirect, RouteConfig};
+use super::router::{self, Head, LocalReply, Upstream};
+use crate::access_log::{Direction, Entry, HttpFields, ResponseFlag};
+use crate::snapshot::Store;
+
+/// The downstream connection a request arrived on.
+#[derive(Debug, Clone)]
+pub struct Downstream {
+    pub remote: SocketAddr,
+    pub local: SocketAddr,
+    /// The original destination, when the listener restored one.
+    pub original_dst: Option<SocketAddr>,
+    pub direction: Direction,
+    /// Whether the connection is TLS (terminated by shunt): `x-forwarded-proto: https`.
+    pub secure: bool,
+    /// The proxy's own listener ports (ORIGINAL_DST loop protection).
+    pub own_ports: Arc<[u16]>,
+}
+
+struct Shared {
+    hcm: Arc<HttpConnectionManager>,
+    store: Arc<Store>,
+    downstream: Downstream,
+}
+
+/// Serves HTTP on `io` until the downstream closes it. Generic over the stream so a TLS
+/// stream is served the same way as a TCP one.
+pub async fn serve<IO>(
+    hcm: Arc<HttpConnectionManager>,
+    store: Arc<Store>,
+    io: IO,
+    downstream: Downstream,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    hcm.stats.downstream_cx_total.inc();
+    let codec = hcm.codec;
+    let remote = downstream.remote;
+    let shared = Arc::new(Shared {
+        hcm,
+        store,
+        downstream,
+    });
+    let service = service_fn(move |request: Request<Incoming>| {
+        let shared = shared.clone();
+        async move { Ok::<_, Infallible>(handle(request, &shared).await) }
+    });
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder = match codec {
+        Codec::Auto => builder,
+        Codec::Http1 => builder.http1_only(),
+        Codec::Http2 => builder.http2_only(),
+    };
+    if let Err(err) = builder
+        .serve_connection_with_upgrades(TokioIo::new(io), service)
+        .await
+    {
+        tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
+    }
+}
+
+fn protocol(version: Version) -> &'static str {
+    match version {
+        Version::HTTP_2 => "HTTP/2",
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_09 => "HTTP/0.9",
+        Version::HTTP_3 => "HTTP/3",
+        _ => "HTTP/1.1",
+    }
+}
+
+fn header_string(headers: &hyper::HeaderMap, name: impl header::AsHeaderName) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A random UUID (version 4), Envoy's `x-request-id`.
+pub fn uuid4() -> String {
+    let (a, b) = (
+        crate::upstream::random::next_u64(),
+        crate::upstream::random::next_u64(),
+    );
+    let a = (a & !0xf000) | 0x4000;
+    let b = (b & !(0b11 << 62)) | (0b10 << 62);
+    format!(
+        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xffff,
+        b >> 48,
+        b & 0xffff_ffff_ffff
+    )
+}
+
+async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    let downstream = &shared.downstream;
+    hcm.stats.downstream_rq_total.inc();
+    let (mut parts, body) = request.into_parts();
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| header_string(&parts.headers, header::HOST))
+        .unwrap_or_default();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let request_id = HeaderName::from_static("x-request-id");
+    if hcm.generate_request_id
+        && !parts.headers.contains_key(&request_id)
+        && let Ok(id) = HeaderValue::from_str(&uuid4())
+    {
+        parts.headers.insert(request_id.clone(), id);
+    }
+    let mut entry = Entry::start(downstream.direction, downstream.remote, downstream.local);
+    entry.original_dst = downstream.original_dst;
+    entry.http = Some(Box::new(HttpFields {
+        method: parts.method.to_string(),
+        path: path.clone(),
+        protocol: protocol(parts.version),
+        response_code: 0,
+        authority: (!authority.is_empty()).then(|| authority.clone()),
+        request_id: header_string(&parts.headers, &request_id),
+        user_agent: header_string(&parts.headers, header::USER_AGENT),
+    }));
+    let log = LogSlot::new();
+    let mut pending = Pending {
+        entry: Some(entry),
+        hcm: hcm.clone(),
+        log: log.clone(),
+    };
+    let entry = pending.entry.as_mut().expect("just set");
+    let snapshot = shared.store.load();
+    let config: Option<Arc<RouteConfig>> = match &hcm.routes {
+        RouteSource::Static(config) => Some(config.clone()),
+        RouteSource::Rds(name) => snapshot.route_configs.get(name).cloned(),
+    };
+    let scheme = if downstream.secure { "https" } else { "http" };
+    let view = RequestView {
+        method: parts.method.as_str(),
+        authority: &authority,
+        path: &path,
+        scheme,
+        headers: &parts.headers,
+    };
+    let matched = config
+        .as_deref()
+        .and_then(|c| c.route(&view).map(|(v, r)| (c, v, r)));
+    let Some((config, vhost, route)) = matched else {
+        tracing::debug!(stat_prefix = %hcm.stat_prefix, %authority, %path, "no route");
+        hcm.stats.no_route.inc();
+        entry.flag(ResponseFlag::NoRouteFound);
+        let reply = LocalReply::new(StatusCode::NOT_FOUND, "", None).response();
+        return finish(
+            shared,
+            reply.map(ResponseBody::full),
+            pending.take(),
+            &log,
+            false,
+        );
+    };
+    tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
+    let response = match &route.action {
+        Action::DirectResponse { status, body } => {
+            hcm.stats.rq_direct_response.inc();
+            let mut response = Response::new(ResponseBody::full(body.clone()));
+            *response.status_mut() = *status;
+            if !body.is_empty() {
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            }
+            response
+        }
+        Action::Redirect(redirect) => {
+            hcm.stats.rq_redirect.inc();
+            let location = redirect_location(
+                redirect,
+                route.matcher.matched_prefix_len(),
+                scheme,
+                &authority,
+                &path,
+            );
+            let mut response = Response::new(ResponseBody::full(Bytes::new()));
+            *response.status_mut() = redirect.status;
+            if let Ok(location) = HeaderValue::from_str(&location) {
+                response.headers_mut().insert(header::LOCATION, location);
+            }
+            response
+        }
+        Action::Route(action) => {
+            let Some((cluster_name, weighted)) = action.cluster.pick(&view) else {
+                hcm.stats.no_cluster.inc();
+                entry.flag(ResponseFlag::NoClusterFound);
+                let reply = LocalReply::new(action.cluster_not_found, "", None).response();
+                return finish(
+                    shared,
+                    reply.map(ResponseBody::full),
+                    pending.take(),
+                    &log,
+                    false,
+                );
+            };
+            entry.upstream_cluster = Some(cluster_name.clone());
+            let Some(cluster) = snapshot.clusters.get(&*cluster_name) else {
+                tracing::debug!(cluster = %cluster_name, "route names an unknown cluster");
+                hcm.stats.no_cluster.inc();
+                entry.flag(ResponseFlag::NoClusterFound);
+                let reply = LocalReply::new(action.cluster_not_found, "", None).response();
+                return finish(
+                    shared,
+                    reply.map(ResponseBody::full),
+                    pending.take(),
+                    &log,
+                    false,
+                );
+            };
+            // Request headers: weighted cluster, route, virtual host, route configuration.
+            let hash =
+                super::route::request_hash(&action.hash_policy, &view, downstream.remote.ip());
+            let mut headers = std::mem::take(&mut parts.headers);
+            let upgrade =
+                super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
+            router::strip_hop_by_hop(&mut headers);
+            if let Some(weighted) = weighted {
+                weighted.request_headers.apply(&mut headers);
+            }
+            for rules in config.header_rules(vhost, route, false) {
+                rules.apply(&mut headers);
+            }
+            let proto = HeaderName::from_static("x-forwarded-proto");
+            if !headers.contains_key(&proto) {
+                headers.insert(
+                    proto,
+                    HeaderValue::from_static(if downstream.secure { "https" } else { "http" }),
+                );
+            }
+            if hcm.use_remote_address {
+                let xff = HeaderName::from_static("x-forwarded-for");
+                let ip = downstream.remote.ip().to_canonical().to_string();
+                let value = match header_string(&headers, &xff) {
+                    Some(existing) => format!("{existing},{ip}"),
+                    None => ip,
+                };
+                if let Ok(value) = HeaderValue::from_str(&value) {
+                    headers.insert(xff, value);
+                }
+            }
+            let mut upstream_path = path.clone();
+            if let (Some(rewrite), Some(len)) =
+                (&action.prefix_rewrite, route.matcher.matched_prefix_len())
+            {
+                let rest = upstream_path.get(len..).unwrap_or("");
+                upstream_path = format!("{rewrite}{rest}");
+            } else if let Some((pattern, substitution)) = &action.regex_rewrite {
+                let (only, query) = match path.split_once('?') {
+                    Some((p, q)) => (p, Some(q)),
+                    None => (path.as_str(), None),
+                };
+                let rewritten = pattern.replace_all(only, substitution.as_str());
+                upstream_path = match query {
+                    Some(q) => format!("{rewritten}?{q}"),
+                    None => rewritten.into_owned(),
+                };
+            }
+            if upstream_path != path
+                && let Ok(original) = HeaderValue::from_str(&path)
+            {
+                headers.insert(HeaderName::from_static("x-envoy-original-path"), original);
+            }
+            let upstream_authority = weighted
+                .and_then(|w| w.host_rewrite.clone())
+                .or_else(|| action.host_rewrite.clone())
+                .unwrap_or_else(|| authority.clone());
+            let head = Head {
+                method: parts.method.clone(),
+                authority: upstream_authority,
+                path: upstream_path,
+                headers,
+                downstream_version: parts.version,
+            };
+            let upstream = Upstream {
+                cluster,
+                destination: downstream.original_dst.unwrap_or(downstream.local),
+                downstream_local: downstream.local,
+                own_ports: &downstream.own_ports,
+                retry_policy: action
+                    .retry_policy
+                    .as_deref()
+                    .or(vhost.retry_policy.as_deref()),
+                suppress_envoy_headers: hcm.suppress_envoy_headers,
+                hash,
+                secrets: &snapshot.secrets,
+            };
+            let body = RequestBody::new(body, log.clone());
+            if let Some((kind, value)) = upgrade {
+                let mut head = head;
+                head.headers.insert(header::UPGRADE, value);
+                let allowed = parts.version == Version::HTTP_11 && hcm.upgrades.contains(&kind);
+                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
+                let result = match on_upgrade.filter(|_| allowed) {
+                    Some(on_upgrade) => {
+                        super::upgrade::forward(
+                            &upstream,
+                            head,
+                            body,
+                            on_upgrade,
+                            log.clone(),
+                            entry,
+                        )
+                        .await
+                    }
+                    // Envoy refuses upgrades its config does not name.
+                    None => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
+                };
+                match result {
+                    Ok(mut response) => {
+                        for rules in config.header_rules(vhost, route, true) {
+                            rules.apply(response.headers_mut());
+                        }
+                        return finish(shared, response, pending.take(), &log, true);
+                    }
+                    Err(reply) => {
+                        if let Some(flag) = reply.flag {
+                            entry.flag(flag);
+                        }
+                        reply.response().map(ResponseBody::full)
+                    }
+                }
+            } else {
+                match router::forward(&upstream, action, head, body, entry).await {
+                    Ok(forwarded) => {
+                        let (mut response_parts, incoming) = forwarded.response.into_parts();
+                        router::strip_hop_by_hop(&mut response_parts.headers);
+                        if !hcm.suppress_envoy_headers {
+                            response_parts.headers.insert(
+                                HeaderName::from_static("x-envoy-upstream-service-time"),
+                                HeaderValue::from(forwarded.service_time.as_millis() as u64),
+                            );
+                        }
+                        if let Some(weighted) = weighted {
+                            weighted.response_headers.apply(&mut response_parts.headers);
+                        }
+                        let mut response = Response::from_parts(
+                            response_parts,
+                            ResponseBody::upstream(
+                                incoming,
+                                forwarded
+                                    .deadline
+                                    .map(|d| (d, cluster.stats.upstream_rq_timeout.clone())),
+                            ),
+                        );
+                        for rules in config.header_rules(vhost, route, true) {
+                            rules.apply(response.headers_mut());
+                        }
+                        return finish(shared, response, pending.take(), &log, true);
+                    }
+                    Err(reply) => {
+                        if let Some(flag) = reply.flag {
+                            entry.flag(flag);
+                        }
+                        reply.response().map(ResponseBody::full)
+                    }
+                }
+            }
+        }
+    };
+    let mut response = response;
+    for rules in config.header_rules(vhost, route, true) {
+        rules.apply(response.headers_mut());
+    }
+    finish(shared, response, pending.take(), &log, false)
+}
+
+/// The log entry of a request still being handled. hyper drops the request's future
+/// when the downstream goes away; the request is then logged with flag DC, as Envoy
+/// logs a stream the downstream reset.
+struct Pending {
+    entry: Option<Entry>,
+    hcm: Arc<HttpConnectionManager>,
+    log: Arc<LogSlot>,
+}
+
+impl Pending {
+    fn take(&mut self) -> Entry {
+        self.entry.take().expect("a request is finished once")
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(mut entry) = self.entry.take() {
+            entry.flag(ResponseFlag::DownstreamConnectionTermination);
+            self.log.fill(entry, self.hcm.clone());
+        }
+    }
+}
+
+/// Server header, version, stats, the access log line: what every response gets.
+fn finish(
+    shared: &Shared,
+    mut response: Response<ResponseBody>,
+    mut entry: Entry,
+    log: &Arc<LogSlot>,
+    from_upstream: bool,
+) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    let headers = response.headers_mut();
+    match hcm.server_header {
+        ServerHeader::Overwrite => {
+            headers.insert(header::SERVER, hcm.server_name.clone());
+        }
+        ServerHeader::AppendIfAbsent => {
+            if !headers.contains_key(header::SERVER) {
+                headers.insert(header::SERVER, hcm.server_name.clone());
+            }
+        }
+        ServerHeader::PassThrough => {
+            if !from_upstream {
+                headers.insert(header::SERVER, hcm.server_name.clone());
+            }
+        }
+    }
+    let status = response.status().as_u16();
+    if let Some(counter) = class_counter(&hcm.stats.downstream_rq_class, status) {
+        counter.inc();
+    }
+    if let Some(http) = entry.http.as_mut() {
+        http.response_code = status;
+    }
+    log.fill(entry, hcm.clone());
+    let (parts, body) = response.into_parts();
+    Response::from_parts(parts, body.logged(log.clone()))
+}
+
+/// The `Location` of a redirect: each part of the request's URL the redirect replaces.
+pub fn redirect_location(
+    redirect: &Redirect,
+    matched_prefix_len: Option<usize>,
+    scheme: &str,
+    authority: &str,
+    path: &str,
+) -> String {
+    let new_scheme = redirect.scheme.as_deref().unwrap_or(scheme);
+    let host = redirect
+        .host
+        .as_deref()
+        .unwrap_or_else(|| super::route::strip_port(authority));
+    let original_port = (redirect.host.is_none())
+        .then(|| authority.get(super::route::strip_port(authority).len() + 1..))
+        .flatten()
+        .filter(|p| !p.is_empty());
+    let port = match (redirect.port, original_port) {
+        (Some(port), _) => Some(port.to_string()),
+        // A scheme change drops the old scheme's port, as Envoy does.
+        (None, Some(port)) if new_scheme == scheme => Some(port.to_owned()),
+        _ => None,
+    };
+    let (only_path, query) = match path.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path, None),
+    };
+    let mut new_path = match &redirect.path {
+        PathRedirect::Keep => only_path.to_owned(),
+        PathRedirect::Path(p) => p.clone(),
+        PathRedirect::Prefix(prefix) => {
+            let rest = matched_prefix_len
+                .and_then(|len| only_path.get(len..))
+                .unwrap_or("");
+            format!("{prefix}{rest}")
+        }
+    };
+    let path_has_query = new_path.contains('?');
+    if !redirect.strip_query
+        && !path_has_query
+        && let Some(q) = query
+    {
+        new_path = format!("{new_path}?{q}");
+    }
+    match port {
+        Some(port) => format!("{new_scheme}://{host}:{port}{new_path}"),
+        None => format!("{new_scheme}://{host}{new_path}"),
+    }
+}

@@ -1,0 +1,231 @@
+//! Upstream HTTP connection pools, one per (cluster, host), held by the cluster so they
+//! go away with it. HTTP/1.1 connections serve one request at a time and go back to the
+//! pool once their response has been read to the end; an HTTP/2 connection is shared
+//! by every request to the host. Each connection holds its circuit breaker slot and its
+//! `upstream_cx_*` accounting until it closes.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::body::RequestBody;
+use crate::upstream::Cluster;
+use crate::upstream::cluster::UpstreamConnection;
+use crate::upstream::host::Host;
+
+/// Any upstream byte stream: plain TCP today, TLS once a cluster has a transport socket.
+pub trait UpstreamIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> UpstreamIo for T {}
+
+pub type BoxedIo = Box<dyn UpstreamIo>;
+
+/// Opens one upstream connection for `cluster` to `host`, counted by the cluster (the
+/// returned guard) and reported to outlier detection.
+///
+/// The one place an upstream HTTP connection is made: the cluster's transport socket
+/// (`UpstreamTlsContext`, with ALPN h2/http1.1) belongs here, wrapping `stream`.
+pub async fn connect_upstream(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &crate::tls::Secrets,
+) -> io::Result<(BoxedIo, UpstreamConnection)> {
+    use crate::upstream::transport_socket::{self, ConnectError};
+    let (stream, guard) = match transport_socket::connect(cluster, host, secrets).await {
+        Ok(connected) => connected,
+        Err(ConnectError::Connect(err)) => return Err(err),
+        Err(err @ ConnectError::Tls(_)) => return Err(io::Error::other(err)),
+    };
+    if let Err(err) = stream.tcp().set_nodelay(true) {
+        tracing::debug!(%err, "TCP_NODELAY on an upstream connection failed");
+    }
+    Ok((Box::new(stream), guard))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckoutError {
+    /// The cluster's circuit breaker is at `max_connections` (flag UO).
+    #[error("circuit breaker overflow")]
+    Overflow,
+    /// Connecting or the HTTP handshake failed (flag UF).
+    #[error("connection failure: {0}")]
+    Connect(io::Error),
+    #[error("HTTP handshake failed: {0}")]
+    Handshake(hyper::Error),
+}
+
+/// The pools of one cluster, by host address.
+#[derive(Debug, Default)]
+pub struct Pools {
+    hosts: Mutex<HashMap<SocketAddr, Arc<HostPool>>>,
+}
+
+#[derive(Debug, Default)]
+pub struct HostPool {
+    /// HTTP/1.1 connections ready for a request.
+    idle: Mutex<Vec<http1::SendRequest<RequestBody>>>,
+    /// The host's HTTP/2 connection; the async lock makes concurrent first requests
+    /// share one handshake.
+    h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody>>>,
+}
+
+/// A connection taken for one request.
+#[derive(Debug)]
+pub enum Sender {
+    /// With its pool, and whether it was reused.
+    Http1(http1::SendRequest<RequestBody>, Arc<HostPool>, bool),
+    Http2(http2::SendRequest<RequestBody>, bool),
+}
+
+impl Pools {
+    fn host(&self, address: SocketAddr) -> Arc<HostPool> {
+        self.hosts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(address)
+            .or_default()
+            .clone()
+    }
+
+    /// A connection to `host` ready for a request: an idle pooled one, the shared
+    /// HTTP/2 one, or a new one.
+    pub async fn checkout(
+        &self,
+        cluster: &Arc<Cluster>,
+        host: &Arc<Host>,
+        http2: bool,
+        secrets: &crate::tls::Secrets,
+    ) -> Result<Sender, CheckoutError> {
+        let pool = self.host(host.address);
+        if http2 {
+            let mut shared = pool.h2.lock().await;
+            if let Some(sender) = shared.as_ref().filter(|s| !s.is_closed()) {
+                return Ok(Sender::Http2(sender.clone(), true));
+            }
+            let sender = connect_http2(cluster, host, secrets).await?;
+            *shared = Some(sender.clone());
+            return Ok(Sender::Http2(sender, false));
+        }
+        loop {
+            let idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match idle {
+                Some(sender) if sender.is_ready() => return Ok(Sender::Http1(sender, pool, true)),
+                // Closed by the upstream while idle: drop it.
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        let sender = connect_http1(cluster, host, secrets).await?;
+        Ok(Sender::Http1(sender, pool, false))
+    }
+}
+
+/// The breaker slot and the accounting guard of a new connection.
+fn open(
+    cluster: &Cluster,
+) -> Result<crate::upstream::circuit_breaker::OwnedConnectionSlot, CheckoutError> {
+    cluster
+        .circuit_breaker
+        .try_acquire_owned()
+        .ok_or(CheckoutError::Overflow)
+}
+
+async fn connect_http1(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &crate::tls::Secrets,
+) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
+    let slot = open(cluster)?;
+    let (io, guard) = connect_upstream(cluster, host, secrets)
+        .await
+        .map_err(CheckoutError::Connect)?;
+    let (mut sender, connection) = http1::Builder::new()
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(CheckoutError::Handshake)?;
+    let address = host.address;
+    tokio::spawn(async move {
+        let _held = (slot, guard);
+        if let Err(err) = connection.await {
+            tracing::debug!(upstream = %address, %err, "upstream HTTP/1.1 connection ended with an error");
+        }
+    });
+    sender.ready().await.map_err(CheckoutError::Handshake)?;
+    Ok(sender)
+}
+
+async fn connect_http2(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &crate::tls::Secrets,
+) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
+    let slot = open(cluster)?;
+    let (io, guard) = connect_upstream(cluster, host, secrets)
+        .await
+        .map_err(CheckoutError::Connect)?;
+    let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(CheckoutError::Handshake)?;
+    let address = host.address;
+    tokio::spawn(async move {
+        let _held = (slot, guard);
+        if let Err(err) = connection.await {
+            tracing::debug!(upstream = %address, %err, "upstream HTTP/2 connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+/// A request that failed; `unsent` gives it back when it never left (the connection
+/// was already closing), so it can go on another connection.
+#[derive(Debug)]
+pub struct SendError {
+    pub error: hyper::Error,
+    pub unsent: Option<Request<RequestBody>>,
+}
+
+impl Sender {
+    /// Whether the connection served a request before: an upstream may close an idle
+    /// keep-alive connection just as a request is sent on it.
+    pub fn reused(&self) -> bool {
+        match self {
+            Sender::Http1(_, _, reused) | Sender::Http2(_, reused) => *reused,
+        }
+    }
+
+    /// Sends `request` and waits for the response head. An HTTP/1.1 connection returns
+    /// to its pool once the response body has been read (hyper reports it ready again).
+    pub async fn send(
+        self,
+        request: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let result = match self {
+            Sender::Http1(mut sender, pool, _) => {
+                let response = sender.try_send_request(request).await;
+                if response.is_ok() {
+                    tokio::spawn(async move {
+                        if sender.ready().await.is_ok() {
+                            pool.idle
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push(sender);
+                        }
+                    });
+                }
+                response
+            }
+            Sender::Http2(mut sender, _) => sender.try_send_request(request).await,
+        };
+        result.map_err(|mut err| SendError {
+            unsent: err.take_message(),
+            error: err.into_error(),
+        })
+    }
+}

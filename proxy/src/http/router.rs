@@ -1,0 +1,364 @@
+//! Envoy's router filter: sends a routed request to its cluster (looked up in the
+//! current snapshot), choosing a host with the cluster's load balancer, over a pooled
+//! connection, within the route's timeout, retrying as the retry policy allows. Its
+//! failures become Envoy's local replies with Envoy's response flags.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::{Body as _, Incoming};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode, Uri, Version};
+
+use super::body::RequestBody;
+use super::config::class_counter;
+use super::pool::{CheckoutError, SendError};
+use super::route::{RetryPolicy, RouteAction};
+use crate::access_log::{Entry, ResponseFlag};
+use crate::upstream::cluster::UpstreamProtocol;
+use crate::upstream::{Cluster, LbContext};
+
+/// A response shunt makes itself (Envoy's local reply).
+#[derive(Debug)]
+pub struct LocalReply {
+    pub status: StatusCode,
+    pub body: &'static str,
+    pub flag: Option<ResponseFlag>,
+}
+
+impl LocalReply {
+    pub fn new(status: StatusCode, body: &'static str, flag: Option<ResponseFlag>) -> Self {
+        LocalReply { status, body, flag }
+    }
+
+    fn no_healthy_upstream() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy upstream",
+            Some(ResponseFlag::NoHealthyUpstream),
+        )
+    }
+
+    fn connect_failure() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+            Some(ResponseFlag::UpstreamConnectionFailure),
+        )
+    }
+
+    fn overflow() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "upstream connect error or disconnect/reset before headers. reset reason: overflow",
+            Some(ResponseFlag::UpstreamOverflow),
+        )
+    }
+
+    fn reset() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+            Some(ResponseFlag::UpstreamConnectionTermination),
+        )
+    }
+
+    fn timeout() -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream request timeout",
+            Some(ResponseFlag::UpstreamRequestTimeout),
+        )
+    }
+
+    pub fn response(&self) -> Response<Bytes> {
+        let mut response = Response::new(Bytes::from_static(self.body.as_bytes()));
+        *response.status_mut() = self.status;
+        if !self.body.is_empty() {
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        }
+        response
+    }
+}
+
+/// What the router needs besides the request.
+pub struct Upstream<'a> {
+    pub cluster: &'a Arc<Cluster>,
+    /// Where the downstream connection was going (ORIGINAL_DST clusters go there).
+    pub destination: SocketAddr,
+    pub downstream_local: SocketAddr,
+    pub own_ports: &'a [u16],
+    pub retry_policy: Option<&'a RetryPolicy>,
+    pub suppress_envoy_headers: bool,
+    /// The request's hash under the route's `hash_policy` (RING_HASH, MAGLEV).
+    pub hash: Option<u64>,
+    /// The secrets the cluster's TLS context names (the current snapshot's).
+    pub secrets: &'a crate::tls::Secrets,
+}
+
+/// The upstream's response and how long it took to its head
+/// (`x-envoy-upstream-service-time`).
+pub struct Forwarded {
+    pub response: Response<Incoming>,
+    pub service_time: Duration,
+    /// When the route's timeout ends: the response body must be complete by then.
+    pub deadline: Option<Instant>,
+}
+
+enum Attempt {
+    Response(Response<Incoming>),
+    /// Failed before a response head; whether a retry policy may retry it.
+    Failed(LocalReply, Retriable),
+    /// Fatal for the request (no host, overflow).
+    Fatal(LocalReply),
+}
+
+#[derive(Clone, Copy)]
+enum Retriable {
+    ConnectFailure,
+    Reset,
+}
+
+/// The request head as forwarded: method, authority, path and headers after rewrites.
+pub struct Head {
+    pub method: hyper::Method,
+    pub authority: String,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub downstream_version: Version,
+}
+
+impl Head {
+    /// The request for one attempt, in the upstream's HTTP version: HTTP/1.1 in origin
+    /// form with a Host header, HTTP/2 with the authority in the URI.
+    pub fn request(&self, http2: bool, body: RequestBody) -> Request<RequestBody> {
+        let mut request = Request::new(body);
+        *request.method_mut() = self.method.clone();
+        *request.headers_mut() = self.headers.clone();
+        if http2 {
+            *request.version_mut() = Version::HTTP_2;
+            *request.uri_mut() = Uri::builder()
+                .scheme("http")
+                .authority(self.authority.as_str())
+                .path_and_query(self.path.as_str())
+                .build()
+                .unwrap_or_else(|_| Uri::from_static("/"));
+            request.headers_mut().remove(header::HOST);
+        } else {
+            *request.version_mut() = Version::HTTP_11;
+            *request.uri_mut() = self.path.parse().unwrap_or_else(|_| Uri::from_static("/"));
+            if let Ok(host) = HeaderValue::from_str(&self.authority) {
+                request.headers_mut().insert(header::HOST, host);
+            }
+        }
+        request
+    }
+}
+
+/// Forwards one request to `upstream.cluster`.
+pub async fn forward(
+    upstream: &Upstream<'_>,
+    action: &RouteAction,
+    mut head: Head,
+    body: RequestBody,
+    entry: &mut Entry,
+) -> Result<Forwarded, LocalReply> {
+    let cluster = upstream.cluster;
+    let http2 = match cluster.http_protocol {
+        UpstreamProtocol::Http1 => false,
+        UpstreamProtocol::Http2 => true,
+        UpstreamProtocol::UseDownstream => head.downstream_version == Version::HTTP_2,
+    };
+    if let Some(timeout) = action.timeout
+        && !upstream.suppress_envoy_headers
+    {
+        head.headers.insert(
+            HeaderName::from_static("x-envoy-expected-rq-timeout-ms"),
+            HeaderValue::from(timeout.as_millis() as u64),
+        );
+    }
+    // A body still arriving cannot be sent twice: only complete requests are retried.
+    let retry = upstream.retry_policy.filter(|_| body.is_end_stream());
+    let attempts = 1 + retry.map_or(0, |r| r.num_retries);
+    let deadline = action.timeout.map(|t| Instant::now() + t);
+    let mut body = Some(body);
+    let mut tried: Vec<SocketAddr> = Vec::new();
+    let mut last = LocalReply::connect_failure();
+    for attempt in 0..attempts {
+        if attempt > 0 {
+            cluster.stats.upstream_rq_retry.inc();
+            tokio::time::sleep(backoff(attempt)).await;
+        }
+        let now = Instant::now();
+        let remaining = deadline.map(|d| d.saturating_duration_since(now));
+        if remaining.is_some_and(|r| r.is_zero()) {
+            break;
+        }
+        let per_try = match (remaining, retry.and_then(|r| r.per_try_timeout)) {
+            (Some(r), Some(p)) => Some(r.min(p)),
+            (r, p) => r.or(p),
+        };
+        let body = body.take().unwrap_or_else(RequestBody::empty);
+        let started = Instant::now();
+        let run = attempt_once(upstream, &head, http2, body, &tried, entry);
+        let outcome = match per_try {
+            Some(limit) => tokio::time::timeout(limit, run).await,
+            None => Ok(run.await),
+        };
+        match outcome {
+            Ok(Attempt::Response(response)) => {
+                if let Some(retry) = retry
+                    && attempt + 1 < attempts
+                    && retry.retries_status(response.status())
+                {
+                    tracing::debug!(cluster = %cluster.name, status = %response.status(), "retrying on status");
+                    if let Some(host) = entry.upstream_host {
+                        tried.push(host);
+                    }
+                    continue;
+                }
+                return Ok(Forwarded {
+                    response,
+                    service_time: started.elapsed(),
+                    deadline,
+                });
+            }
+            Ok(Attempt::Fatal(reply)) => return Err(reply),
+            Ok(Attempt::Failed(reply, why)) => {
+                if let Some(host) = entry.upstream_host {
+                    tried.push(host);
+                }
+                let again = retry.is_some_and(|r| match why {
+                    Retriable::ConnectFailure => r.retries_connect_failure(),
+                    Retriable::Reset => r.retries_reset(),
+                });
+                last = reply;
+                if !again {
+                    break;
+                }
+            }
+            Err(_elapsed) => {
+                let overall = deadline.is_some_and(|d| Instant::now() >= d);
+                if overall || !retry.is_some_and(RetryPolicy::retries_reset) {
+                    cluster.stats.upstream_rq_timeout.inc();
+                    return Err(LocalReply::timeout());
+                }
+                if let Some(host) = entry.upstream_host {
+                    tried.push(host);
+                }
+                last = LocalReply::timeout();
+            }
+        }
+    }
+    if last.flag == Some(ResponseFlag::UpstreamRequestTimeout) {
+        cluster.stats.upstream_rq_timeout.inc();
+    }
+    Err(last)
+}
+
+/// Envoy's default retry back-off: 25 ms doubling per retry, jittered, at most 250 ms.
+fn backoff(attempt: u32) -> Duration {
+    let ceiling = (25u64 << attempt.min(4)).min(250);
+    Duration::from_millis(crate::upstream::random::below(ceiling) + 1)
+}
+
+async fn attempt_once(
+    upstream: &Upstream<'_>,
+    head: &Head,
+    http2: bool,
+    body: RequestBody,
+    tried: &[SocketAddr],
+    entry: &mut Entry,
+) -> Attempt {
+    let cluster = upstream.cluster;
+    let ctx = LbContext {
+        hash: upstream.hash,
+        tried,
+    };
+    let Some(host) = cluster.choose_host(&ctx, Some(upstream.destination)) else {
+        return Attempt::Fatal(LocalReply::no_healthy_upstream());
+    };
+    if crate::tcp::loops_back(host.address, upstream.downstream_local, upstream.own_ports) {
+        tracing::warn!(upstream = %host.address, "refusing an HTTP request whose destination is the proxy itself");
+        return Attempt::Fatal(LocalReply::no_healthy_upstream());
+    }
+    entry.upstream_host = Some(host.address);
+    let mut request = head.request(http2, body);
+    // A request that never left a reused connection (the upstream closed it while
+    // idle) goes on another one; a few times at most, the last one new.
+    for _ in 0..3 {
+        let sender = match cluster
+            .http_pools
+            .checkout(cluster, &host, http2, upstream.secrets)
+            .await
+        {
+            Ok(sender) => sender,
+            Err(CheckoutError::Overflow) => return Attempt::Fatal(LocalReply::overflow()),
+            Err(err) => {
+                tracing::info!(cluster = %cluster.name, upstream = %host.address, %err, "upstream connection failed");
+                return Attempt::Failed(LocalReply::connect_failure(), Retriable::ConnectFailure);
+            }
+        };
+        let reused = sender.reused();
+        match sender.send(request).await {
+            Ok(response) => {
+                cluster.stats.upstream_rq_total.inc();
+                if let Some(counter) =
+                    class_counter(&cluster.stats.upstream_rq_class, response.status().as_u16())
+                {
+                    counter.inc();
+                }
+                return Attempt::Response(response);
+            }
+            Err(SendError {
+                unsent: Some(unsent),
+                error,
+            }) if reused => {
+                tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "pooled connection closed before the request left; sending it on another");
+                request = unsent;
+            }
+            Err(SendError { error, .. }) => {
+                cluster.stats.upstream_rq_total.inc();
+                tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "upstream reset before the response");
+                return Attempt::Failed(LocalReply::reset(), Retriable::Reset);
+            }
+        }
+    }
+    Attempt::Failed(LocalReply::reset(), Retriable::Reset)
+}
+
+/// Headers that describe one hop's connection, never forwarded (RFC 9110 7.6.1), with
+/// those the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "upgrade",
+        "http2-settings",
+    ] {
+        headers.remove(name);
+    }
+    // `te: trailers` is how gRPC says it understands trailers; keep only that.
+    let trailers_only = headers
+        .get(header::TE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+    if !trailers_only {
+        headers.remove(header::TE);
+    }
+}

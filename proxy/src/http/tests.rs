@@ -1,0 +1,410 @@
+//! Routing as Envoy does it: which virtual host a request's authority picks, which route
+//! matches, which header rules apply in which order, and how a config shunt cannot serve
+//! is refused at its JSON path.
+
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use hyper::HeaderMap;
+use serde_json::json;
+
+use super::connection_manager::redirect_location;
+use super::matcher::RequestView;
+use super::route::{Action, ClusterChoice, RouteConfig};
+use super::route_config::compile;
+use crate::snapshot::Problems;
+
+fn route_config(config: serde_json::Value) -> RouteConfig {
+    let config: RouteConfiguration = crate::config::message_from_json(config).unwrap();
+    let mut problems = Problems::default();
+    let compiled = compile(&config, "rc", &mut problems);
+    assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+    compiled.unwrap()
+}
+
+fn errors(config: serde_json::Value) -> Vec<String> {
+    let config: RouteConfiguration = crate::config::message_from_json(config).unwrap();
+    let mut problems = Problems::default();
+    assert!(compile(&config, "rc", &mut problems).is_none());
+    problems.errors.iter().map(ToString::to_string).collect()
+}
+
+fn vhost(name: &str, domains: &[&str]) -> serde_json::Value {
+    json!({"name": name, "domains": domains, "routes": [{"match": {"prefix": "/"}, "route": {"cluster": name}}]})
+}
+
+fn request<'a>(authority: &'a str, path: &'a str, headers: &'a HeaderMap) -> RequestView<'a> {
+    RequestView {
+        method: "GET",
+        authority,
+        path,
+        scheme: "http",
+        headers,
+    }
+}
+
+/// The cluster a request is routed to, if any.
+fn cluster(
+    config: &RouteConfig,
+    authority: &str,
+    path: &str,
+    headers: &HeaderMap,
+) -> Option<String> {
+    let (_, route) = config.route(&request(authority, path, headers))?;
+    match &route.action {
+        Action::Route(action) => match &action.cluster {
+            ClusterChoice::Cluster(name) => Some(name.to_string()),
+            other => panic!("{other:?}"),
+        },
+        Action::DirectResponse { status, .. } => Some(format!("direct {}", status.as_u16())),
+        Action::Redirect(_) => Some("redirect".to_owned()),
+    }
+}
+
+#[test]
+fn domains_match_exact_then_longest_suffix_then_longest_prefix_then_any() {
+    let config = route_config(json!({"virtual_hosts": [
+        vhost("any", &["*"]),
+        vhost("prefix", &["foo.*"]),
+        vhost("long-prefix", &["foo.bar.*"]),
+        vhost("suffix", &["*.example.com"]),
+        vhost("long-suffix", &["*.api.example.com"]),
+        vhost("exact", &["www.example.com", "www.example.com:8080"]),
+        vhost("no-dot", &["*-svc.local"]),
+    ]}));
+    let name = |authority: &str| config.virtual_host(authority).map(|v| v.name.clone());
+    assert_eq!(name("www.example.com").as_deref(), Some("exact"));
+    assert_eq!(
+        name("WWW.Example.COM").as_deref(),
+        Some("exact"),
+        "case-insensitive"
+    );
+    assert_eq!(name("a.api.example.com").as_deref(), Some("long-suffix"));
+    assert_eq!(name("a.example.com").as_deref(), Some("suffix"));
+    // A suffix wildcard beats a prefix wildcard.
+    assert_eq!(name("foo.example.com").as_deref(), Some("suffix"));
+    assert_eq!(name("foo.bar.baz").as_deref(), Some("long-prefix"));
+    assert_eq!(name("foo.baz").as_deref(), Some("prefix"));
+    assert_eq!(name("my-svc.local").as_deref(), Some("no-dot"));
+    // A wildcard never matches an empty part.
+    assert_eq!(name(".example.com").as_deref(), Some("any"));
+    assert_eq!(name("other").as_deref(), Some("any"));
+    // The port is ignored when nothing matches with it.
+    assert_eq!(name("www.example.com:8080").as_deref(), Some("exact"));
+    assert_eq!(name("www.example.com:9999").as_deref(), Some("exact"));
+    assert_eq!(name("a.example.com:80").as_deref(), Some("suffix"));
+
+    let no_default = route_config(json!({"virtual_hosts": [vhost("exact", &["a"])]}));
+    assert!(no_default.virtual_host("b").is_none());
+}
+
+#[test]
+fn routes_match_in_order_by_path_headers_and_query() {
+    let config = route_config(json!({"virtual_hosts": [{
+        "name": "v", "domains": ["*"],
+        "routes": [
+            {"match": {"path": "/exact"}, "route": {"cluster": "exact"}},
+            {"match": {"safe_regex": {"regex": "/items/[0-9]+"}}, "route": {"cluster": "regex"}},
+            {"match": {"path_separated_prefix": "/api"}, "route": {"cluster": "api"}},
+            {"match": {"prefix": "/CI/", "case_sensitive": false}, "route": {"cluster": "ci"}},
+            {"match": {"prefix": "/h", "headers": [
+                {"name": "x-version", "string_match": {"exact": "v2"}},
+                {"name": "x-debug", "present_match": true, "invert_match": true}
+            ]}, "route": {"cluster": "v2"}},
+            {"match": {"prefix": "/h", "headers": [
+                {"name": "user-agent", "string_match": {"contains": "CURL", "ignore_case": true}}
+            ]}, "route": {"cluster": "curl"}},
+            {"match": {"prefix": "/q", "query_parameters": [
+                {"name": "debug", "present_match": true},
+                {"name": "user", "string_match": {"prefix": "adm"}}
+            ]}, "route": {"cluster": "query"}},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 418}}
+        ]
+    }]}));
+    let none = HeaderMap::new();
+    let to = |path: &str, headers: &HeaderMap| cluster(&config, "host", path, headers);
+    assert_eq!(to("/exact", &none).as_deref(), Some("exact"));
+    assert_eq!(
+        to("/exact?x=1", &none).as_deref(),
+        Some("exact"),
+        "the query is not part of the path"
+    );
+    assert_eq!(to("/exact/more", &none).as_deref(), Some("direct 418"));
+    assert_eq!(to("/items/42", &none).as_deref(), Some("regex"));
+    assert_eq!(
+        to("/items/42x", &none).as_deref(),
+        Some("direct 418"),
+        "regexes match the whole path"
+    );
+    assert_eq!(to("/api", &none).as_deref(), Some("api"));
+    assert_eq!(to("/api/x", &none).as_deref(), Some("api"));
+    assert_eq!(to("/apix", &none).as_deref(), Some("direct 418"));
+    assert_eq!(to("/ci/build", &none).as_deref(), Some("ci"));
+
+    let mut v2 = HeaderMap::new();
+    v2.insert("x-version", "v2".parse().unwrap());
+    assert_eq!(to("/h", &v2).as_deref(), Some("v2"));
+    v2.insert("x-debug", "1".parse().unwrap());
+    assert_eq!(
+        to("/h", &v2).as_deref(),
+        Some("direct 418"),
+        "inverted presence"
+    );
+    let mut curl = HeaderMap::new();
+    curl.insert("user-agent", "curl/8.5".parse().unwrap());
+    assert_eq!(to("/h", &curl).as_deref(), Some("curl"));
+
+    assert_eq!(to("/q?debug&user=admin", &none).as_deref(), Some("query"));
+    assert_eq!(to("/q?user=admin", &none).as_deref(), Some("direct 418"));
+    assert_eq!(
+        to("/q?debug=1&user=bob", &none).as_deref(),
+        Some("direct 418")
+    );
+}
+
+#[test]
+fn header_rules_apply_route_then_vhost_then_config_unless_the_most_specific_wins() {
+    let add = |value: &str| json!([{"header": {"key": "x-level", "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]);
+    let rc = |most_specific: bool| {
+        route_config(json!({
+            "most_specific_header_mutations_wins": most_specific,
+            "request_headers_to_add": add("config"),
+            "request_headers_to_remove": ["x-secret"],
+            "virtual_hosts": [{
+                "name": "v", "domains": ["*"],
+                "request_headers_to_add": add("vhost"),
+                "routes": [{
+                    "match": {"prefix": "/"}, "route": {"cluster": "c"},
+                    "request_headers_to_add": [
+                        {"header": {"key": "x-level", "value": "route"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                        {"header": {"key": "x-added", "value": "a"}},
+                        {"header": {"key": "x-added", "value": "b"}},
+                        {"header": {"key": "x-kept", "value": "new"}, "append_action": "ADD_IF_ABSENT"},
+                        {"header": {"key": "x-only-if-there", "value": "new"}, "append_action": "OVERWRITE_IF_EXISTS"}
+                    ]
+                }]
+            }]
+        }))
+    };
+    let apply = |config: &RouteConfig| {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-secret", "s".parse().unwrap());
+        headers.insert("x-kept", "old".parse().unwrap());
+        let (vhost, route) = config.route(&request("h", "/", &HeaderMap::new())).unwrap();
+        for rules in config.header_rules(vhost, route, false) {
+            rules.apply(&mut headers);
+        }
+        headers
+    };
+    let headers = apply(&rc(false));
+    assert_eq!(headers["x-level"], "config");
+    assert!(!headers.contains_key("x-secret"));
+    let added: Vec<_> = headers.get_all("x-added").iter().collect();
+    assert_eq!(added, ["a", "b"]);
+    assert_eq!(headers["x-kept"], "old");
+    assert!(!headers.contains_key("x-only-if-there"));
+    assert_eq!(apply(&rc(true))["x-level"], "route");
+}
+
+#[test]
+fn config_errors_name_their_json_paths() {
+    assert_eq!(
+        errors(json!({"virtual_hosts": [
+            vhost("a", &["a.com", "*"]),
+            {"name": "b", "domains": ["A.com", "x*y"], "routes": [
+                {"match": {"safe_regex": {"regex": "("}}, "route": {"cluster": "c"}},
+                {"match": {"prefix": "/"}, "route": {"weighted_clusters": {"clusters": [{"name": "c", "weight": 0}]}}},
+                {"match": {"safe_regex": {"regex": "/x"}}, "route": {"cluster": "c", "prefix_rewrite": "/y"}},
+                {"match": {"prefix": "/"}, "direct_response": {"status": 99}},
+                {"match": {"prefix": "/"}, "route": {"cluster": "c"}, "request_headers_to_remove": [":path"]}
+            ]}
+        ]})),
+        [
+            "rc.virtual_hosts[1].routes[0].match.safe_regex.regex: \"(\" is not a valid regex: unclosed group",
+            "rc.virtual_hosts[1].routes[1].route.weighted_clusters: needs at least one cluster with a positive weight",
+            "rc.virtual_hosts[1].routes[2].route.prefix_rewrite: cannot be used with a safe_regex match; use regex_rewrite",
+            "rc.virtual_hosts[1].routes[3].direct_response.status: 99 is not an HTTP status from 200 to 599",
+            "rc.virtual_hosts[1].routes[4].request_headers_to_remove[0]: \":path\" cannot be removed",
+            "rc.virtual_hosts[1].domains[0]: only unique values for domains are permitted: \"a.com\" is also a domain of virtual_hosts[0]",
+            "rc.virtual_hosts[1].domains[1]: \"x*y\": a wildcard must lead or trail",
+        ]
+    );
+}
+
+#[test]
+fn a_redirect_replaces_the_parts_it_names() {
+    let config = route_config(
+        json!({"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/old/"}, "redirect": {"prefix_rewrite": "/new/", "response_code": "FOUND"}},
+            {"match": {"prefix": "/"}, "redirect": {"https_redirect": true, "host_redirect": "secure.example.com"}}
+        ]}]}),
+    );
+    let location = |path: &str| {
+        let (_, route) = config
+            .route(&request("example.com:8080", path, &HeaderMap::new()))
+            .unwrap();
+        let Action::Redirect(redirect) = &route.action else {
+            panic!()
+        };
+        (
+            redirect.status.as_u16(),
+            redirect_location(
+                redirect,
+                route.matcher.matched_prefix_len(),
+                "http",
+                "example.com:8080",
+                path,
+            ),
+        )
+    };
+    assert_eq!(
+        location("/old/a?q=1"),
+        (302, "http://example.com:8080/new/a?q=1".to_owned())
+    );
+    assert_eq!(
+        location("/x"),
+        (301, "https://secure.example.com/x".to_owned())
+    );
+}
+
+#[test]
+fn request_ids_are_version_4_uuids() {
+    let id = super::connection_manager::uuid4();
+    assert_eq!(id.len(), 36);
+    assert_eq!(&id[14..15], "4");
+    assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
+    assert_ne!(id, super::connection_manager::uuid4());
+}
+
+mod serving {
+    //! The connection manager over an in-memory connection: route configurations from
+    //! RDS are looked up per request in the snapshot current then.
+
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
+    use http_body_util::{BodyExt as _, Empty};
+    use hyper::body::Bytes;
+    use hyper_util::rt::TokioIo;
+    use serde_json::json;
+
+    use super::route_config;
+    use crate::access_log::Direction;
+    use crate::http::connection_manager::{Downstream, serve};
+    use crate::snapshot::{Problems, Snapshot, Store};
+
+    fn snapshot_with(routes: &[(&str, serde_json::Value)]) -> Arc<Snapshot> {
+        let mut snapshot = Snapshot::new(Vec::new(), HashMap::new());
+        for (name, config) in routes {
+            snapshot
+                .route_configs
+                .insert((*name).to_owned(), Arc::new(route_config(config.clone())));
+        }
+        Arc::new(snapshot)
+    }
+
+    fn answering(body: &str) -> serde_json::Value {
+        json!({"name": "r", "virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/gone"}, "route": {"cluster": "removed"}},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": body}}}
+        ]}]})
+    }
+
+    #[tokio::test]
+    async fn an_rds_update_applies_to_the_next_request_on_a_live_connection() {
+        let hcm: EnvoyHcm = crate::config::message_from_json(json!({
+            "stat_prefix": "rds",
+            "rds": {"route_config_name": "r", "config_source": {"ads": {}}},
+            "http_filters": [{"name": "router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+        }))
+        .unwrap();
+        let mut problems = Problems::default();
+        let stats = crate::admin::stats::Store::new();
+        let hcm = Arc::new(
+            crate::http::compile::compile(&hcm, &HashMap::new(), &stats, "hcm", &mut problems)
+                .unwrap(),
+        );
+        let store = Arc::new(Store::new(Snapshot::default()));
+
+        let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+        let downstream = Downstream {
+            remote: "10.0.0.1:40000".parse().unwrap(),
+            local: "10.0.0.2:80".parse().unwrap(),
+            original_dst: None,
+            direction: Direction::Inbound,
+            secure: false,
+            own_ports: Arc::from(Vec::new()),
+        };
+        tokio::spawn(serve(hcm.clone(), store.clone(), server_io, downstream));
+        let (mut client, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(client_io))
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        let mut get = async |path: &str| {
+            let request = hyper::Request::get(path)
+                .header("host", "example.com")
+                .body(Empty::<Bytes>::new())
+                .unwrap();
+            let response = client.send_request(request).await.unwrap();
+            let status = response.status().as_u16();
+            let server = response.headers()["server"].to_str().unwrap().to_owned();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned(), server)
+        };
+
+        // Not delivered yet: no route (Envoy's empty route table).
+        assert_eq!(get("/").await, (404, String::new(), "envoy".to_owned()));
+        store.swap(snapshot_with(&[("r", answering("v1"))]));
+        assert_eq!(get("/").await.1, "v1");
+        store.swap(snapshot_with(&[("r", answering("v2"))]));
+        assert_eq!(get("/").await.1, "v2");
+        // The route's cluster is not in the current snapshot: 503, flag NC.
+        assert_eq!(get("/gone").await.0, 503);
+
+        assert_eq!(
+            hcm.stats.downstream_cx_total.value(),
+            1,
+            "one connection throughout"
+        );
+        assert_eq!(hcm.stats.downstream_rq_total.value(), 4);
+        assert_eq!(hcm.stats.no_route.value(), 1);
+        assert_eq!(hcm.stats.no_cluster.value(), 1);
+        assert_eq!(hcm.stats.rq_direct_response.value(), 2);
+        assert_eq!(hcm.stats.downstream_rq_class[1].value(), 2);
+        assert_eq!(hcm.stats.downstream_rq_class[4].value(), 1);
+    }
+}
+
+#[test]
+fn a_cluster_says_which_http_version_its_hosts_speak() {
+    use crate::upstream::cluster::UpstreamProtocol;
+    let yaml = r#"
+static_resources:
+  clusters:
+  - {name: plain}
+  - {name: deprecated_h2, http2_protocol_options: {}}
+  - name: explicit_h2
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+  - name: downstream
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        use_downstream_protocol_config: {}
+"#;
+    let options = crate::config::Options {
+        config_yaml: Some(yaml.to_owned()),
+        ..Default::default()
+    };
+    let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
+    let snapshot = crate::snapshot::compile(&bootstrap, &Default::default())
+        .unwrap()
+        .snapshot;
+    let protocol = |name: &str| snapshot.clusters[name].http_protocol;
+    assert_eq!(protocol("plain"), UpstreamProtocol::Http1);
+    assert_eq!(protocol("deprecated_h2"), UpstreamProtocol::Http2);
+    assert_eq!(protocol("explicit_h2"), UpstreamProtocol::Http2);
+    assert_eq!(protocol("downstream"), UpstreamProtocol::UseDownstream);
+}

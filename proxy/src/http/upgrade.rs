@@ -1,0 +1,136 @@
+//! HTTP/1.1 upgrades (WebSocket and any `upgrade_configs` type): the request goes to the
+//! upstream on a connection of its own with its `Upgrade` and `Connection` headers, and
+//! once the upstream answers 101 the two connections are joined and bytes copied both
+//! ways until either side closes. Anything else the upstream answers is passed back as
+//! a plain response.
+
+use std::sync::Arc;
+
+use hyper::Response;
+use hyper::client::conn::http1;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+
+use super::body::{LogSlot, RequestBody, ResponseBody};
+use super::router::{self, Head, LocalReply, Upstream};
+use crate::access_log::{Entry, ResponseFlag};
+use crate::upstream::LbContext;
+
+/// The upgrade a request asks for (`Upgrade`, lowercase), if it asks for one the HTTP/1.1
+/// way (`Connection: upgrade`).
+pub fn requested(headers: &HeaderMap) -> Option<String> {
+    let connection_upgrade = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
+    let upgrade = headers.get(header::UPGRADE)?.to_str().ok()?;
+    connection_upgrade.then(|| upgrade.trim().to_ascii_lowercase())
+}
+
+/// Forwards an upgrade request and, on 101, joins the connections in a task of its own
+/// that holds the request's access log until the tunnel closes.
+pub async fn forward(
+    upstream: &Upstream<'_>,
+    mut head: Head,
+    body: RequestBody,
+    downstream: OnUpgrade,
+    log: Arc<LogSlot>,
+    entry: &mut Entry,
+) -> Result<Response<ResponseBody>, LocalReply> {
+    let cluster = upstream.cluster.clone();
+    let Some(host) = cluster.choose_host(
+        &LbContext {
+            hash: upstream.hash,
+            tried: &[],
+        },
+        Some(upstream.destination),
+    ) else {
+        return Err(LocalReply::new(
+            hyper::StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy upstream",
+            Some(ResponseFlag::NoHealthyUpstream),
+        ));
+    };
+    entry.upstream_host = Some(host.address);
+    let Some(slot) = cluster.circuit_breaker.try_acquire_owned() else {
+        return Err(LocalReply::new(
+            hyper::StatusCode::SERVICE_UNAVAILABLE,
+            "upstream connect error or disconnect/reset before headers. reset reason: overflow",
+            Some(ResponseFlag::UpstreamOverflow),
+        ));
+    };
+    let connect_failure = || {
+        LocalReply::new(
+            hyper::StatusCode::SERVICE_UNAVAILABLE,
+            "upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+            Some(ResponseFlag::UpstreamConnectionFailure),
+        )
+    };
+    let (io, guard) = super::pool::connect_upstream(&cluster, &host, upstream.secrets)
+        .await
+        .map_err(|_| connect_failure())?;
+    let (mut sender, connection) = http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|_| connect_failure())?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.with_upgrades().await {
+            tracing::debug!(%err, "upgraded upstream connection ended with an error");
+        }
+    });
+    // The one hop-by-hop pair that must reach the upstream.
+    let upgrade = head.headers.get(header::UPGRADE).cloned();
+    router::strip_hop_by_hop(&mut head.headers);
+    if let Some(upgrade) = upgrade {
+        head.headers.insert(header::UPGRADE, upgrade);
+        head.headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    cluster.stats.upstream_rq_total.inc();
+    let mut response = sender
+        .send_request(head.request(false, body))
+        .await
+        .map_err(|err| {
+            tracing::debug!(%err, "upstream reset an upgrade request");
+            LocalReply::new(
+                hyper::StatusCode::SERVICE_UNAVAILABLE,
+                "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+                Some(ResponseFlag::UpstreamConnectionTermination),
+            )
+        })?;
+    if let Some(counter) =
+        super::config::class_counter(&cluster.stats.upstream_rq_class, response.status().as_u16())
+    {
+        counter.inc();
+    }
+    if response.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
+        let (mut parts, incoming) = response.into_parts();
+        router::strip_hop_by_hop(&mut parts.headers);
+        return Ok(Response::from_parts(
+            parts,
+            ResponseBody::upstream(incoming, None),
+        ));
+    }
+    let upstream_side = hyper::upgrade::on(&mut response);
+    let tunnel_log = log.clone();
+    tokio::spawn(async move {
+        let _held = (slot, guard, tunnel_log.clone());
+        let (Ok(down), Ok(up)) = (downstream.await, upstream_side.await) else {
+            tracing::debug!("an upgrade did not complete");
+            return;
+        };
+        let (mut down, mut up) = (TokioIo::new(down), TokioIo::new(up));
+        match tokio::io::copy_bidirectional(&mut down, &mut up).await {
+            Ok((received, sent)) => tunnel_log.add(received, sent),
+            Err(err) => tracing::debug!(%err, "upgraded connection ended with an error"),
+        }
+    });
+    // The 101 goes back with its Upgrade and Connection headers.
+    let (parts, _) = response.into_parts();
+    Ok(Response::from_parts(
+        parts,
+        ResponseBody::full(bytes::Bytes::new()),
+    ))
+}

@@ -1,0 +1,65 @@
+//! An upstream connection with the cluster's transport socket: TCP, then TLS when the
+//! cluster has an `UpstreamTlsContext`. The handshake counts against `connect_timeout`,
+//! as in Envoy, where a connection is not connected until its transport socket is.
+
+use std::io;
+use std::sync::Arc;
+
+use super::Cluster;
+use super::cluster::UpstreamConnection;
+use super::host::Host;
+use crate::tcp::stream::Stream;
+use crate::tls::{HandshakeError, Secrets};
+
+/// Why an upstream connection could not be made (flag `UF` either way).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{0}")]
+    Connect(io::Error),
+    /// The TLS handshake failed, or the secrets it needs are missing.
+    #[error("TLS error: {0}")]
+    Tls(HandshakeError),
+}
+
+/// Connects to `host` of `cluster`, resolving SDS secrets in `secrets`.
+pub async fn connect(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &Secrets,
+) -> Result<(Stream, UpstreamConnection), ConnectError> {
+    let (tcp, guard) = cluster.connect(host).await.map_err(ConnectError::Connect)?;
+    // The first of `transport_socket_matches` the endpoint's metadata satisfies, else
+    // the cluster's own socket.
+    let socket = match cluster
+        .transport_socket_matches
+        .iter()
+        .find(|m| m.matches(host.socket_match.as_deref()))
+    {
+        Some(m) => {
+            tracing::trace!(cluster = %cluster.name, host = %host.address, socket_match = %m.name, "transport socket match");
+            &m.socket
+        }
+        None => &cluster.transport_socket,
+    };
+    let Some(tls) = socket else {
+        return Ok((Stream::Raw(tcp), guard));
+    };
+    let handshake = tls.connect(tcp, host.address, secrets);
+    let result = match tokio::time::timeout(cluster.connect_timeout, handshake).await {
+        Ok(result) => result,
+        Err(_) => Err(HandshakeError::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "handshake timed out",
+        ))),
+    };
+    match result {
+        Ok(stream) => {
+            cluster.stats.ssl.handshake.inc();
+            Ok((stream.into(), guard))
+        }
+        Err(err) => {
+            cluster.stats.ssl.connection_error.inc();
+            Err(ConnectError::Tls(err))
+        }
+    }
+}
