@@ -249,6 +249,41 @@ fn xds_clusters(bootstrap: &Bootstrap) -> HashSet<&str> {
         .collect()
 }
 
+/// A transport socket naming a secret without `sds_config` names a static one: Envoy
+/// refuses the config when `static_resources.secrets` lacks it, and so does shunt.
+fn unknown_static_secrets(
+    statics: &[Secret],
+    clusters: &[cluster::Source],
+    listeners: &[(String, &EnvoyListener)],
+    problems: &mut problems::Problems,
+) {
+    use crate::xds::references::{self, SecretSource};
+    let known: HashSet<&str> = statics.iter().map(|s| s.name.as_str()).collect();
+    let clusters = clusters.iter().map(|(index, cluster, _)| {
+        let path = match index {
+            Some(i) => format!("static_resources.clusters[{i}]"),
+            None => format!("Cluster {:?}", cluster.name),
+        };
+        (path, references::cluster_secrets(cluster))
+    });
+    let listeners = listeners
+        .iter()
+        .map(|(path, listener)| (path.clone(), references::listener_secrets(listener)));
+    for (path, refs) in clusters.chain(listeners) {
+        for secret in refs {
+            if secret.source == SecretSource::Static && !known.contains(secret.name.as_str()) {
+                problems.error(
+                    format!("{path}.transport_socket"),
+                    format!(
+                        "names secret {:?} without an sds_config, and static_resources.secrets has no such secret",
+                        secret.name
+                    ),
+                );
+            }
+        }
+    }
+}
+
 /// Compiles the RDS route configurations (errors at `RouteConfiguration "name"`); one
 /// the previous snapshot compiled from the same resource is kept as it is.
 #[allow(clippy::type_complexity)]
@@ -389,6 +424,7 @@ pub fn compile_with(
     let mut secrets = crate::tls::secret::compile_static(&resources.secrets, &mut problems);
     let secret_sources = dynamic_secrets(&dynamic, previous, &mut secrets, &mut problems);
     let (route_configs, route_sources) = dynamic_route_configs(&dynamic, previous, &mut problems);
+    unknown_static_secrets(&resources.secrets, &cluster_sources, &listener_sources, &mut problems);
     let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
     let (listeners, listener_stats, listener_digests) = listener::compile_all(
         &listener_sources,

@@ -585,3 +585,25 @@ fn stats_are_created_under_envoys_names() {
         Some(StatValue::Counter(1))
     );
 }
+
+#[test]
+fn a_transport_socket_naming_an_unknown_static_secret_is_refused() {
+    let yaml = r#"
+static_resources:
+  clusters:
+  - name: tls
+    type: STATIC
+    load_assignment: {cluster_name: tls, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 443}}}}]}]}
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context: {tls_certificate_sds_secret_configs: [{name: client-cert}]}
+"#;
+    assert_eq!(
+        errors(yaml),
+        vec![
+            "static_resources.clusters[0].transport_socket: names secret \"client-cert\" without an sds_config, and static_resources.secrets has no such secret"
+        ]
+    );
+}

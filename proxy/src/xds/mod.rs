@@ -13,7 +13,7 @@
 //!   listeners are asked for once the first clusters are in.
 
 pub mod manager;
-mod references;
+pub(crate) mod references;
 pub mod source;
 mod stream;
 
