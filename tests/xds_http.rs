@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use harness::ads::resources::{
     self, ads_source, certificate_secret, grpc_source, http_listener, load_assignment, named,
-    route_config, tls_tcp_proxy_listener,
+    route_config, tls_tcp_proxy_listener, validation_secret,
 };
 use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, PodProcess};
@@ -326,12 +326,22 @@ fn rds_drives_http_listeners_delta() {
 
 /// A TLS handshake with the listener from inside `pod`, trusting the test CA, sending
 /// `hello`: the subject of the certificate the proxy showed, and what came back.
-fn tls_call(pod: &Pod, pki: &Pki) -> (String, String) {
+fn tls_call(pod: &Pod, pki: &Pki, client: Option<&str>) -> (String, String) {
     let ca = pki.dir.0.join("ca.pem");
+    let client = client.map_or(String::new(), |name| {
+        let file = |ext: &str| {
+            pki.dir
+                .0
+                .join(format!("{name}.{ext}"))
+                .display()
+                .to_string()
+        };
+        format!("-cert {} -key {}", file("pem"), file("key"))
+    });
     let script = format!(
         "(echo hello; sleep 1) | timeout 10 openssl s_client -connect 127.0.0.1:{LISTEN_PORT} \
          -servername server.test -CAfile {ca} -verify_return_error -verify_hostname server.test \
-         -showcerts 2>/dev/null",
+         {client} -showcerts 2>/dev/null",
         ca = ca.display()
     );
     let out = pod
@@ -356,35 +366,50 @@ fn sds_secrets(
     secrets: &AdsServer,
     pki: &Pki,
     delta: bool,
+    mtls: bool,
 ) {
-    // Until `default` arrives the TLS listener warms.
-    eventually("the secret asked for by name", proxy, server, || {
+    // Until `default` (and with mTLS `ROOTCA`) arrive the TLS listener warms.
+    let names: &[&str] = if mtls {
+        &["ROOTCA", "default"]
+    } else {
+        &["default"]
+    };
+    eventually("the secrets asked for by name", proxy, server, || {
         secrets
             .requests()
             .iter()
-            .any(|r| r.type_url == type_urls::SECRET && r.resource_names == ["default"])
+            .any(|r| r.type_url == type_urls::SECRET && r.resource_names == names)
     });
-    let warming = dynamic_listener(pod, "tls");
-    assert!(
-        warming["warming_state"]["listener"].is_object() && warming["active_state"].is_null(),
-        "{warming}"
-    );
+    let warming = || {
+        let listener = dynamic_listener(pod, "tls");
+        listener["warming_state"]["listener"].is_object() && listener["active_state"].is_null()
+    };
+    assert!(warming(), "{}", dynamic_listener(pod, "tls"));
     assert!(!listens(pod, LISTEN_PORT), "a warming listener listens");
 
     let (chain, key) = pki.server("first");
-    secrets.set(
-        type_urls::SECRET,
-        "s1",
-        vec![named(
-            "default",
-            &certificate_secret("default", &chain, &key),
-        )],
-    );
+    let default = named("default", &certificate_secret("default", &chain, &key));
+    let mut first = vec![default.clone()];
+    let client = mtls.then_some("client");
+    if mtls {
+        // One of the two is not enough.
+        secrets.set(type_urls::SECRET, "s0", first.clone());
+        eventually("s0 ACKed", proxy, server, || {
+            acked(secrets, type_urls::SECRET, "s0", delta)
+        });
+        assert!(warming(), "{}", dynamic_listener(pod, "tls"));
+        pki.server("client");
+        first.push(named(
+            "ROOTCA",
+            &validation_secret("ROOTCA", &pki.read("ca.pem")),
+        ));
+    }
+    secrets.set(type_urls::SECRET, "s1", first);
     eventually("ready", proxy, server, || admin(pod, "/ready").0 == 200);
     eventually("the secret ACKed", proxy, server, || {
         acked(secrets, type_urls::SECRET, "s1", delta)
     });
-    let (subject, text) = tls_call(pod, pki);
+    let (subject, text) = tls_call(pod, pki, client);
     assert!(
         subject.contains("CN = first") || subject.contains("CN=first"),
         "{text}\n{}",
@@ -395,24 +420,41 @@ fn sds_secrets(
         "the echo server's greeting came back: {text}"
     );
 
+    if mtls {
+        let (_, text) = tls_call(pod, pki, None);
+        assert!(
+            !text.contains("HELLO peer="),
+            "a client without a certificate got through: {text}"
+        );
+    }
+
     // A rotated certificate is shown by the next handshake.
     let (chain, key) = pki.server("second");
-    secrets.set(
-        type_urls::SECRET,
-        "s2",
-        vec![named(
-            "default",
-            &certificate_secret("default", &chain, &key),
-        )],
-    );
+    let mut second = vec![named(
+        "default",
+        &certificate_secret("default", &chain, &key),
+    )];
+    if mtls {
+        second.push(named(
+            "ROOTCA",
+            &validation_secret("ROOTCA", &pki.read("ca.pem")),
+        ));
+    }
+    secrets.set(type_urls::SECRET, "s2", second);
     eventually("the rotation ACKed", proxy, server, || {
         acked(secrets, type_urls::SECRET, "s2", delta)
     });
-    let (subject, text) = tls_call(pod, pki);
+    let (subject, text) = tls_call(pod, pki, client);
     assert!(subject.contains("second"), "{text}");
     let dump = dump_section(&config_dump(pod), "SecretsConfigDump");
-    let secret = &dump["dynamic_active_secrets"][0];
-    assert_eq!(secret["name"], "default", "{dump}");
+    let shown: Vec<&Value> = dump["dynamic_active_secrets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| &s["name"])
+        .collect();
+    assert_eq!(shown.len(), names.len(), "{dump}");
+    assert!(shown.iter().any(|n| **n == "default"), "{dump}");
     // Private keys are never shown.
     assert!(!dump.to_string().contains("PRIVATE KEY"), "{dump}");
 }
@@ -445,7 +487,7 @@ fn sds_over_ads(delta: bool) {
         &bootstrap(&socket, delta, vec![]),
         &["--concurrency", "2"],
     );
-    sds_secrets(&pod, &proxy, &server, &server, &pki, delta);
+    sds_secrets(&pod, &proxy, &server, &server, &pki, delta, false);
 }
 
 #[test]
@@ -458,8 +500,9 @@ fn sds_over_ads_delta() {
     sds_over_ads(true);
 }
 
-/// Istio's layout: listeners and clusters from istiod over ADS, secrets from the agent's
-/// own SDS server through the `sds-grpc` static cluster.
+/// Istio's layout: listeners and clusters from istiod over ADS, secrets (`default` and
+/// the `ROOTCA` client certificates are checked against) from the agent's own SDS
+/// server through the `sds-grpc` static cluster.
 #[test]
 fn sds_from_its_own_server_as_istio_agent_serves_it() {
     let pki = Pki::new("pki-istio");
@@ -474,7 +517,14 @@ fn sds_from_its_own_server_as_istio_agent_serves_it() {
         "e1",
         vec![endpoints("echo", BACKEND_A)],
     );
-    let tls = tls_tcp_proxy_listener("tls", local(LISTEN_PORT), "echo", source, "default", None);
+    let tls = tls_tcp_proxy_listener(
+        "tls",
+        local(LISTEN_PORT),
+        "echo",
+        source,
+        "default",
+        Some("ROOTCA"),
+    );
     server.set(type_urls::LISTENER, "l1", vec![named("tls", &tls)]);
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();
@@ -485,7 +535,7 @@ fn sds_from_its_own_server_as_istio_agent_serves_it() {
         &bootstrap(&socket, true, vec![pipe_cluster("sds-grpc", &sds_socket)]),
         &["--concurrency", "2"],
     );
-    sds_secrets(&pod, &proxy, &server, &secrets, &pki, false);
+    sds_secrets(&pod, &proxy, &server, &secrets, &pki, false, true);
     // The secret came on the agent's stream, not on ADS.
     assert!(secrets.requests().iter().all(|r| !r.is_ads()));
     assert!(
