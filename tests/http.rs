@@ -95,6 +95,7 @@ fn bootstrap(backends: std::net::Ipv4Addr) -> Value {
                 {"match": {"prefix": "/", "headers": [{"name": "x-pick", "string_match": {"exact": "b"}}]},
                  "route": {"cluster": "b"}},
                 route("/h2/", json!({"cluster": "h2"})),
+                route("/limited", json!({"cluster": "limited"})),
                 route("/weighted", json!({"weighted_clusters": {"clusters": [
                     {"name": "a", "weight": 50}, {"name": "b", "weight": 50}
                 ]}})),
@@ -110,6 +111,11 @@ fn bootstrap(backends: std::net::Ipv4Addr) -> Value {
             ]}
         ]
     }});
+    // Two connections at most: more concurrent requests wait for one (pending).
+    let mut limited = static_cluster("limited", &[at(8081)]);
+    limited["circuit_breakers"] = json!({"thresholds": [{"max_connections": 2}]});
+    let mut ring = static_cluster("ring", &[at(8081), at(8082)]);
+    ring["lb_policy"] = json!("RING_HASH");
     // An h2c upstream: the cluster says HTTP/2 in its upstream protocol options.
     let mut h2 = static_cluster("h2", &[at(8083)]);
     h2["typed_extension_protocol_options"] = json!({
@@ -146,11 +152,8 @@ fn bootstrap(backends: std::net::Ipv4Addr) -> Value {
                 static_cluster("silent", &[at(8090)]),
                 static_cluster("stalling", &[at(8091)]),
                 static_cluster("echo", &[at(8092)]),
-                {
-                    let mut ring = static_cluster("ring", &[at(8081), at(8082)]);
-                    ring["lb_policy"] = json!("RING_HASH");
-                    ring
-                },
+                ring,
+                limited,
                 static_cluster("half_refused", &[at(8099), at(8081)])
             ]
         }
@@ -756,6 +759,26 @@ fn http2_downstream_and_upstream_with_many_streams() {
         );
         println!("h2load {path}:\n{report}");
     }
+    // 50 concurrent requests to a cluster allowed two connections: they wait their turn.
+    let out = s
+        .client
+        .command("h2load")
+        .args([
+            "-n",
+            "1000",
+            "-c",
+            "1",
+            "-m",
+            "50",
+            &s.url(HTTP_PORT, "/limited"),
+        ])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(report.contains("status codes: 1000 2xx"), "{report}");
+    assert_eq!(s.stat("cluster.limited.upstream_cx_total"), 2);
+    assert!(s.stat("cluster.limited.upstream_cx_overflow") > 0);
+
     // HTTP/2 upstream requests share one connection per host.
     assert!(
         s.stat("cluster.h2.upstream_cx_total") <= 2,

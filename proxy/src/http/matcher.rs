@@ -1,9 +1,19 @@
 //! Envoy's request matchers as compiled for routes: `StringMatcher` (exact, prefix,
 //! suffix, contains, safe_regex; `ignore_case`), `HeaderMatcher` and
-//! `QueryParameterMatcher`, each evaluated against a [`RequestView`].
+//! `QueryParameterMatcher`, each compiled from Envoy's config and evaluated against a
+//! [`RequestView`].
 
+use envoy_types::pb::envoy::config::route::v3::{
+    HeaderMatcher as EnvoyHeaderMatcher, QueryParameterMatcher as EnvoyQueryMatcher,
+    header_matcher::HeaderMatchSpecifier, query_parameter_matcher::QueryParameterMatchSpecifier,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    RegexMatcher, StringMatcher as EnvoyStringMatcher, string_matcher::MatchPattern,
+};
 use hyper::HeaderMap;
 use regex::Regex;
+
+use crate::snapshot::Problems;
 
 /// What route matching reads from a request. Pseudo-headers (`:method`, `:authority`,
 /// `:path`, `:scheme`) are fields because HTTP/1.1 requests do not carry them as headers.
@@ -149,4 +159,134 @@ impl QueryParameterMatcher {
             .find(|(name, _)| *name == self.name)
             .is_some_and(|(_, value)| self.matcher.as_ref().is_none_or(|m| m.matches(value)))
     }
+}
+
+/// A `RegexMatcher`, anchored (Envoy's regexes match whole values).
+pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Problems) -> Option<regex::Regex> {
+    match full_match_regex(&re.regex) {
+        Ok(re) => Some(re),
+        Err(err) => {
+            // The regex crate's message draws the pattern over lines; its last says why.
+            let why = err.to_string();
+            let why = why
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .trim_start_matches("error: ")
+                .to_owned();
+            problems.error(
+                format!("{path}.regex"),
+                format!("{:?} is not a valid regex: {why}", re.regex),
+            );
+            None
+        }
+    }
+}
+
+/// A `StringMatcher`.
+pub fn string_matcher(
+    m: &EnvoyStringMatcher,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<StringMatcher> {
+    let pattern = match &m.match_pattern {
+        Some(MatchPattern::Exact(s)) => StringPattern::Exact(s.clone()),
+        Some(MatchPattern::Prefix(s)) => StringPattern::Prefix(s.clone()),
+        Some(MatchPattern::Suffix(s)) => StringPattern::Suffix(s.clone()),
+        Some(MatchPattern::Contains(s)) => StringPattern::Contains(s.clone()),
+        Some(MatchPattern::SafeRegex(re)) => {
+            StringPattern::Regex(regex(re, &format!("{path}.safe_regex"), problems)?)
+        }
+        Some(MatchPattern::Custom(_)) => {
+            problems.error(
+                format!("{path}.custom"),
+                "custom string matchers are not implemented yet",
+            );
+            return None;
+        }
+        None => {
+            problems.error(path, "a string matcher needs a pattern");
+            return None;
+        }
+    };
+    Some(StringMatcher {
+        pattern,
+        ignore_case: m.ignore_case,
+    })
+}
+
+/// A `HeaderMatcher` (the deprecated `*_match` forms are still accepted by Envoy, and
+/// by us).
+#[allow(deprecated)]
+pub fn header_matcher(
+    h: &EnvoyHeaderMatcher,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<HeaderMatcher> {
+    let exact = |p: StringPattern| {
+        Some(HeaderMatch::String(StringMatcher {
+            pattern: p,
+            ignore_case: false,
+        }))
+    };
+    let matcher = match &h.header_match_specifier {
+        // No specifier: the header must be present.
+        None => Some(HeaderMatch::Present(true)),
+        Some(HeaderMatchSpecifier::PresentMatch(present)) => Some(HeaderMatch::Present(*present)),
+        Some(HeaderMatchSpecifier::ExactMatch(s)) => exact(StringPattern::Exact(s.clone())),
+        Some(HeaderMatchSpecifier::PrefixMatch(s)) => exact(StringPattern::Prefix(s.clone())),
+        Some(HeaderMatchSpecifier::SuffixMatch(s)) => exact(StringPattern::Suffix(s.clone())),
+        Some(HeaderMatchSpecifier::ContainsMatch(s)) => exact(StringPattern::Contains(s.clone())),
+        Some(HeaderMatchSpecifier::SafeRegexMatch(re)) => {
+            regex(re, &format!("{path}.safe_regex_match"), problems)
+                .and_then(|re| exact(StringPattern::Regex(re)))
+        }
+        Some(HeaderMatchSpecifier::StringMatch(m)) => {
+            string_matcher(m, &format!("{path}.string_match"), problems).map(HeaderMatch::String)
+        }
+        Some(HeaderMatchSpecifier::RangeMatch(_)) => {
+            problems.error(
+                format!("{path}.range_match"),
+                "range matching is not implemented yet",
+            );
+            None
+        }
+    };
+    if h.name.is_empty() {
+        problems.error(format!("{path}.name"), "is required");
+        return None;
+    }
+    Some(HeaderMatcher {
+        name: h.name.to_ascii_lowercase(),
+        matcher: matcher?,
+        invert: h.invert_match,
+        treat_missing_as_empty: h.treat_missing_header_as_empty,
+    })
+}
+
+/// A `QueryParameterMatcher`: `string_match`, or `present_match: true`.
+pub fn query_matcher(
+    q: &EnvoyQueryMatcher,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<QueryParameterMatcher> {
+    let matcher = match &q.query_parameter_match_specifier {
+        Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(
+            m,
+            &format!("{path}.string_match"),
+            problems,
+        )?),
+        Some(QueryParameterMatchSpecifier::PresentMatch(true)) => None,
+        _ => {
+            problems.error(
+                path,
+                "a query parameter matcher needs string_match or present_match: true",
+            );
+            return None;
+        }
+    };
+    Some(QueryParameterMatcher {
+        name: q.name.clone(),
+        matcher,
+    })
 }

@@ -12,6 +12,7 @@ pub mod header_rules;
 pub mod matcher;
 pub mod pool;
 pub mod route;
+pub mod route_action;
 pub mod route_config;
 pub mod router;
 pub mod upgrade;

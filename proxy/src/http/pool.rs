@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hyper::body::Incoming;
@@ -17,6 +18,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::body::RequestBody;
 use crate::upstream::Cluster;
+use crate::upstream::circuit_breaker::OwnedConnectionSlot;
 use crate::upstream::cluster::UpstreamConnection;
 use crate::upstream::host::Host;
 
@@ -60,16 +62,33 @@ pub enum CheckoutError {
     Handshake(hyper::Error),
 }
 
+/// Envoy's default circuit breaker `max_pending_requests`: requests that may wait for
+/// an HTTP/1.1 connection while the cluster is at `max_connections`.
+pub const MAX_PENDING_REQUESTS: u64 = 1024;
+
 /// The pools of one cluster, by host address.
 #[derive(Debug, Default)]
 pub struct Pools {
     hosts: Mutex<HashMap<SocketAddr, Arc<HostPool>>>,
+    /// Requests waiting for a connection now (Envoy's pending requests).
+    pending: AtomicU64,
+}
+
+/// One request counted in [`Pools::pending`] while it waits.
+struct Pending<'a>(&'a AtomicU64);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[derive(Debug, Default)]
 pub struct HostPool {
     /// HTTP/1.1 connections ready for a request.
     idle: Mutex<Vec<http1::SendRequest<RequestBody>>>,
+    /// Woken when a connection goes back to `idle`.
+    returned: tokio::sync::Notify,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
     h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody>>>,
@@ -112,24 +131,58 @@ impl Pools {
             *shared = Some(sender.clone());
             return Ok(Sender::Http2(sender, false));
         }
-        loop {
-            let idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            match idle {
-                Some(sender) if sender.is_ready() => return Ok(Sender::Http1(sender, pool, true)),
-                // Closed by the upstream while idle: drop it.
-                Some(_) => continue,
-                None => break,
+        let mut pending = None;
+        let slot = loop {
+            if let Some(sender) = pool.take_idle() {
+                return Ok(Sender::Http1(sender, pool, true));
             }
-        }
-        let sender = connect_http1(cluster, host, secrets).await?;
+            // The first refusal counts as an overflow; then only room is watched for.
+            let slot = if pending.is_none() || !cluster.circuit_breaker.is_full() {
+                cluster.circuit_breaker.try_acquire_owned()
+            } else {
+                None
+            };
+            if let Some(slot) = slot {
+                break slot;
+            }
+            // At max_connections: as in Envoy, the request waits (up to its route
+            // timeout) for a connection to come back or for room, unless too many wait.
+            if pending.is_none() {
+                if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_REQUESTS {
+                    self.pending.fetch_sub(1, Ordering::AcqRel);
+                    return Err(CheckoutError::Overflow);
+                }
+                pending = Some(Pending(&self.pending));
+            }
+            let returned = pool.returned.notified();
+            tokio::select! {
+                () = returned => {}
+                // Room may come from a connection to another host closing.
+                () = tokio::time::sleep(std::time::Duration::from_millis(20)) => {}
+            }
+        };
+        drop(pending);
+        let sender = connect_http1(cluster, host, secrets, slot).await?;
         Ok(Sender::Http1(sender, pool, false))
     }
 }
 
+impl HostPool {
+    /// An idle connection still open, if any.
+    fn take_idle(&self) -> Option<http1::SendRequest<RequestBody>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        // Those the upstream closed while idle are dropped.
+        while let Some(sender) = idle.pop() {
+            if sender.is_ready() {
+                return Some(sender);
+            }
+        }
+        None
+    }
+}
+
 /// The breaker slot and the accounting guard of a new connection.
-fn open(
-    cluster: &Cluster,
-) -> Result<crate::upstream::circuit_breaker::OwnedConnectionSlot, CheckoutError> {
+fn open(cluster: &Cluster) -> Result<OwnedConnectionSlot, CheckoutError> {
     cluster
         .circuit_breaker
         .try_acquire_owned()
@@ -140,8 +193,8 @@ async fn connect_http1(
     cluster: &Arc<Cluster>,
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
+    slot: OwnedConnectionSlot,
 ) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
-    let slot = open(cluster)?;
     let (io, guard) = connect_upstream(cluster, host, secrets)
         .await
         .map_err(CheckoutError::Connect)?;
@@ -216,6 +269,7 @@ impl Sender {
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
                                 .push(sender);
+                            pool.returned.notify_one();
                         }
                     });
                 }

@@ -1,45 +1,23 @@
 //! Compiling a `RouteConfiguration` (inline in an HTTP connection manager, or an RDS
 //! resource) into a [`RouteConfig`]. What shunt cannot honour is an error when it would
 //! send a request somewhere else than Envoy would, a warning when it only changes how.
+//! Route actions are compiled in [`super::route_action`], matchers in
+//! [`super::matcher`], header rules in [`super::header_rules`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{
-    DataSource, HeaderValueOption, data_source, header_value_option::HeaderAppendAction,
-};
-use envoy_types::pb::envoy::config::route::v3::weighted_cluster::cluster_weight::HostRewriteSpecifier as WeightedHostRewrite;
+use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
 use envoy_types::pb::envoy::config::route::v3::{
-    HeaderMatcher as EnvoyHeaderMatcher, QueryParameterMatcher as EnvoyQueryMatcher,
-    RedirectAction, RetryPolicy as EnvoyRetryPolicy, Route as EnvoyRoute,
-    RouteAction as EnvoyAction, RouteConfiguration, RouteMatch as EnvoyMatch,
-    VirtualHost as EnvoyVirtualHost,
-    header_matcher::HeaderMatchSpecifier,
-    query_parameter_matcher::QueryParameterMatchSpecifier,
-    redirect_action::{self, RedirectResponseCode},
-    route::Action as EnvoyActionKind,
-    route_action::{self, ClusterNotFoundResponseCode},
-    route_match::PathSpecifier,
-};
-use envoy_types::pb::envoy::r#type::matcher::v3::{
-    RegexMatcher, StringMatcher as EnvoyStringMatcher, string_matcher::MatchPattern,
+    Route as EnvoyRoute, RouteConfiguration, RouteMatch as EnvoyMatch,
+    VirtualHost as EnvoyVirtualHost, route::Action as EnvoyActionKind, route_match::PathSpecifier,
 };
 use hyper::StatusCode;
-use hyper::header::{HeaderName, HeaderValue};
 
-use super::header_rules::{AppendAction, HeaderAdd, HeaderRules};
-use super::matcher::{
-    HeaderMatch, HeaderMatcher, QueryParameterMatcher, StringMatcher, StringPattern,
-    full_match_regex,
-};
-use super::route::{
-    Action, ClusterChoice, DEFAULT_ROUTE_TIMEOUT, Domains, HashKey, HashPolicy, PathMatch,
-    PathRedirect, Redirect, RetryPolicy, Route, RouteAction, RouteConfig, RouteMatch, VirtualHost,
-    WeightedCluster, retry_on,
-};
+use super::route::{Action, Domains, PathMatch, Route, RouteConfig, RouteMatch, VirtualHost};
+use super::{header_rules, matcher, route_action};
 use crate::snapshot::Problems;
-use crate::snapshot::convert::duration_or;
 
 /// Compiles `config`, found at JSON path `path`; `None` if it has errors (in `problems`).
 pub fn compile(
@@ -77,14 +55,14 @@ pub fn compile(
     }
     let mut compiled = RouteConfig {
         name: config.name.clone(),
-        request_headers: header_rules(
+        request_headers: header_rules::compile(
             &config.request_headers_to_add,
             &config.request_headers_to_remove,
             path,
             "request",
             problems,
         ),
-        response_headers: header_rules(
+        response_headers: header_rules::compile(
             &config.response_headers_to_add,
             &config.response_headers_to_remove,
             path,
@@ -220,10 +198,13 @@ fn virtual_host(
             "request hedging is not implemented; ignored",
         );
     }
-    let retry_policy = vhost
-        .retry_policy
-        .as_ref()
-        .map(|p| Arc::new(retry_policy(p, &format!("{path}.retry_policy"), problems)));
+    let retry_policy = vhost.retry_policy.as_ref().map(|p| {
+        Arc::new(route_action::retry_policy(
+            p,
+            &format!("{path}.retry_policy"),
+            problems,
+        ))
+    });
     let routes = vhost
         .routes
         .iter()
@@ -233,14 +214,14 @@ fn virtual_host(
     let compiled = VirtualHost {
         name: vhost.name.clone(),
         routes,
-        request_headers: header_rules(
+        request_headers: header_rules::compile(
             &vhost.request_headers_to_add,
             &vhost.request_headers_to_remove,
             path,
             "request",
             problems,
         ),
-        response_headers: header_rules(
+        response_headers: header_rules::compile(
             &vhost.response_headers_to_add,
             &vhost.response_headers_to_remove,
             path,
@@ -263,11 +244,12 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Problems) -> Option<Rout
     let matcher = route_match(route.r#match.as_ref(), &format!("{path}.match"), problems);
     let action = match &route.action {
         Some(EnvoyActionKind::Route(action)) => {
-            route_action(action, matcher.as_ref(), &format!("{path}.route"), problems)
+            route_action::route_action(action, matcher.as_ref(), &format!("{path}.route"), problems)
                 .map(Action::Route)
         }
         Some(EnvoyActionKind::Redirect(redirect)) => {
-            redirect_action(redirect, &format!("{path}.redirect"), problems).map(Action::Redirect)
+            route_action::redirect_action(redirect, &format!("{path}.redirect"), problems)
+                .map(Action::Redirect)
         }
         Some(EnvoyActionKind::DirectResponse(direct)) => {
             let d_path = format!("{path}.direct_response");
@@ -312,14 +294,14 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Problems) -> Option<Rout
             None
         }
     };
-    let request_headers = header_rules(
+    let request_headers = header_rules::compile(
         &route.request_headers_to_add,
         &route.request_headers_to_remove,
         path,
         "request",
         problems,
     );
-    let response_headers = header_rules(
+    let response_headers = header_rules::compile(
         &route.response_headers_to_add,
         &route.response_headers_to_remove,
         path,
@@ -348,7 +330,7 @@ fn route_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> O
         Some(PathSpecifier::Prefix(prefix)) => Some(PathMatch::Prefix(prefix.clone())),
         Some(PathSpecifier::Path(exact)) => Some(PathMatch::Path(exact.clone())),
         Some(PathSpecifier::SafeRegex(re)) => {
-            regex(re, &format!("{path}.safe_regex"), problems).map(PathMatch::Regex)
+            matcher::regex(re, &format!("{path}.safe_regex"), problems).map(PathMatch::Regex)
         }
         Some(PathSpecifier::PathSeparatedPrefix(prefix)) => {
             if prefix.ends_with('/') || prefix.contains(['?', '#']) {
@@ -415,13 +397,15 @@ fn route_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> O
         .headers
         .iter()
         .enumerate()
-        .filter_map(|(i, h)| header_matcher(h, &format!("{path}.headers[{i}]"), problems))
+        .filter_map(|(i, h)| matcher::header_matcher(h, &format!("{path}.headers[{i}]"), problems))
         .collect();
     let query_parameters = m
         .query_parameters
         .iter()
         .enumerate()
-        .filter_map(|(i, q)| query_matcher(q, &format!("{path}.query_parameters[{i}]"), problems))
+        .filter_map(|(i, q)| {
+            matcher::query_matcher(q, &format!("{path}.query_parameters[{i}]"), problems)
+        })
         .collect();
     if problems.errors.len() > errors_before {
         return None;
@@ -432,489 +416,6 @@ fn route_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> O
         headers,
         query_parameters,
         grpc: m.grpc.is_some(),
-    })
-}
-
-fn regex(re: &RegexMatcher, path: &str, problems: &mut Problems) -> Option<regex::Regex> {
-    match full_match_regex(&re.regex) {
-        Ok(re) => Some(re),
-        Err(err) => {
-            // The regex crate's message draws the pattern over lines; its last says why.
-            let why = err.to_string();
-            let why = why
-                .lines()
-                .last()
-                .unwrap_or_default()
-                .trim_start_matches("error: ")
-                .to_owned();
-            problems.error(
-                format!("{path}.regex"),
-                format!("{:?} is not a valid regex: {why}", re.regex),
-            );
-            None
-        }
-    }
-}
-
-pub fn string_matcher(
-    m: &EnvoyStringMatcher,
-    path: &str,
-    problems: &mut Problems,
-) -> Option<StringMatcher> {
-    let pattern = match &m.match_pattern {
-        Some(MatchPattern::Exact(s)) => StringPattern::Exact(s.clone()),
-        Some(MatchPattern::Prefix(s)) => StringPattern::Prefix(s.clone()),
-        Some(MatchPattern::Suffix(s)) => StringPattern::Suffix(s.clone()),
-        Some(MatchPattern::Contains(s)) => StringPattern::Contains(s.clone()),
-        Some(MatchPattern::SafeRegex(re)) => {
-            StringPattern::Regex(regex(re, &format!("{path}.safe_regex"), problems)?)
-        }
-        Some(MatchPattern::Custom(_)) => {
-            problems.error(
-                format!("{path}.custom"),
-                "custom string matchers are not implemented yet",
-            );
-            return None;
-        }
-        None => {
-            problems.error(path, "a string matcher needs a pattern");
-            return None;
-        }
-    };
-    Some(StringMatcher {
-        pattern,
-        ignore_case: m.ignore_case,
-    })
-}
-
-// The deprecated matcher fields are still accepted by Envoy, and by us.
-#[allow(deprecated)]
-fn header_matcher(
-    h: &EnvoyHeaderMatcher,
-    path: &str,
-    problems: &mut Problems,
-) -> Option<HeaderMatcher> {
-    let exact = |p: StringPattern| {
-        Some(HeaderMatch::String(StringMatcher {
-            pattern: p,
-            ignore_case: false,
-        }))
-    };
-    let matcher = match &h.header_match_specifier {
-        // No specifier: the header must be present.
-        None => Some(HeaderMatch::Present(true)),
-        Some(HeaderMatchSpecifier::PresentMatch(present)) => Some(HeaderMatch::Present(*present)),
-        Some(HeaderMatchSpecifier::ExactMatch(s)) => exact(StringPattern::Exact(s.clone())),
-        Some(HeaderMatchSpecifier::PrefixMatch(s)) => exact(StringPattern::Prefix(s.clone())),
-        Some(HeaderMatchSpecifier::SuffixMatch(s)) => exact(StringPattern::Suffix(s.clone())),
-        Some(HeaderMatchSpecifier::ContainsMatch(s)) => exact(StringPattern::Contains(s.clone())),
-        Some(HeaderMatchSpecifier::SafeRegexMatch(re)) => {
-            regex(re, &format!("{path}.safe_regex_match"), problems)
-                .and_then(|re| exact(StringPattern::Regex(re)))
-        }
-        Some(HeaderMatchSpecifier::StringMatch(m)) => {
-            string_matcher(m, &format!("{path}.string_match"), problems).map(HeaderMatch::String)
-        }
-        Some(HeaderMatchSpecifier::RangeMatch(_)) => {
-            problems.error(
-                format!("{path}.range_match"),
-                "range matching is not implemented yet",
-            );
-            None
-        }
-    };
-    if h.name.is_empty() {
-        problems.error(format!("{path}.name"), "is required");
-        return None;
-    }
-    Some(HeaderMatcher {
-        name: h.name.to_ascii_lowercase(),
-        matcher: matcher?,
-        invert: h.invert_match,
-        treat_missing_as_empty: h.treat_missing_header_as_empty,
-    })
-}
-
-fn query_matcher(
-    q: &EnvoyQueryMatcher,
-    path: &str,
-    problems: &mut Problems,
-) -> Option<QueryParameterMatcher> {
-    let matcher = match &q.query_parameter_match_specifier {
-        Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(
-            m,
-            &format!("{path}.string_match"),
-            problems,
-        )?),
-        Some(QueryParameterMatchSpecifier::PresentMatch(true)) => None,
-        _ => {
-            problems.error(
-                path,
-                "a query parameter matcher needs string_match or present_match: true",
-            );
-            return None;
-        }
-    };
-    Some(QueryParameterMatcher {
-        name: q.name.clone(),
-        matcher,
-    })
-}
-
-#[allow(
-    deprecated,
-    reason = "`cors` moved to a filter config; still warned about"
-)]
-fn route_action(
-    a: &EnvoyAction,
-    matcher: Option<&RouteMatch>,
-    path: &str,
-    problems: &mut Problems,
-) -> Option<RouteAction> {
-    let errors_before = problems.errors.len();
-    let cluster = match &a.cluster_specifier {
-        Some(route_action::ClusterSpecifier::Cluster(name)) if !name.is_empty() => {
-            Some(ClusterChoice::Cluster(name.as_str().into()))
-        }
-        Some(route_action::ClusterSpecifier::ClusterHeader(header)) => {
-            match HeaderName::from_bytes(header.as_bytes()) {
-                Ok(name) => Some(ClusterChoice::Header(name)),
-                Err(_) => {
-                    problems.error(
-                        format!("{path}.cluster_header"),
-                        format!("{header:?} is not a header name"),
-                    );
-                    None
-                }
-            }
-        }
-        Some(route_action::ClusterSpecifier::WeightedClusters(weighted)) => {
-            let w_path = format!("{path}.weighted_clusters");
-            let mut clusters = Vec::new();
-            for (i, c) in weighted.clusters.iter().enumerate() {
-                let c_path = format!("{w_path}.clusters[{i}]");
-                if c.name.is_empty() {
-                    problems.error(
-                        format!("{c_path}.name"),
-                        "is required (cluster_header in weighted clusters is not implemented yet)",
-                    );
-                    continue;
-                }
-                if c.metadata_match.is_some() {
-                    problems.warning(
-                        format!("{c_path}.metadata_match"),
-                        "subset load balancing is not implemented; ignored",
-                    );
-                }
-                let host_rewrite = c
-                    .host_rewrite_specifier
-                    .as_ref()
-                    .map(|WeightedHostRewrite::HostRewriteLiteral(h)| h.clone());
-                clusters.push(WeightedCluster {
-                    name: c.name.as_str().into(),
-                    weight: c.weight.map_or(0, |w| w.value),
-                    request_headers: header_rules(
-                        &c.request_headers_to_add,
-                        &c.request_headers_to_remove,
-                        &c_path,
-                        "request",
-                        problems,
-                    ),
-                    response_headers: header_rules(
-                        &c.response_headers_to_add,
-                        &c.response_headers_to_remove,
-                        &c_path,
-                        "response",
-                        problems,
-                    ),
-                    host_rewrite,
-                });
-            }
-            if clusters.iter().all(|c| c.weight == 0) {
-                problems.error(&w_path, "needs at least one cluster with a positive weight");
-                None
-            } else {
-                Some(ClusterChoice::Weighted(clusters))
-            }
-        }
-        Some(route_action::ClusterSpecifier::ClusterSpecifierPlugin(_))
-        | Some(route_action::ClusterSpecifier::InlineClusterSpecifierPlugin(_)) => {
-            problems.error(path, "cluster specifier plugins are not implemented yet");
-            None
-        }
-        _ => {
-            problems.error(
-                path,
-                "a route action needs cluster, cluster_header or weighted_clusters",
-            );
-            None
-        }
-    };
-    let prefix_rewrite = (!a.prefix_rewrite.is_empty()).then(|| a.prefix_rewrite.clone());
-    if prefix_rewrite.is_some() && matcher.is_some_and(|m| m.matched_prefix_len().is_none()) {
-        problems.error(
-            format!("{path}.prefix_rewrite"),
-            "cannot be used with a safe_regex match; use regex_rewrite",
-        );
-    }
-    let regex_rewrite = a.regex_rewrite.as_ref().and_then(|r| {
-        let r_path = format!("{path}.regex_rewrite");
-        let pattern = r
-            .pattern
-            .as_ref()
-            .and_then(|p| match regex::Regex::new(&p.regex) {
-                Ok(re) => Some(re),
-                Err(err) => {
-                    problems.error(
-                        format!("{r_path}.pattern.regex"),
-                        format!("{:?} is not a valid regex: {err}", p.regex),
-                    );
-                    None
-                }
-            });
-        // RE2 writes groups as \1; the regex crate as ${1}.
-        let substitution = regex::Regex::new(r"\\(\d)")
-            .map(|re| re.replace_all(&r.substitution, "$${$1}").into_owned())
-            .unwrap_or_default();
-        pattern.map(|p| (p, substitution))
-    });
-    if prefix_rewrite.is_some() && regex_rewrite.is_some() {
-        problems.error(
-            format!("{path}.regex_rewrite"),
-            "cannot be used together with prefix_rewrite",
-        );
-    }
-    if a.path_rewrite_policy.is_some() {
-        problems.error(
-            format!("{path}.path_rewrite_policy"),
-            "path rewrite policies are not implemented yet",
-        );
-    }
-    let host_rewrite = match &a.host_rewrite_specifier {
-        Some(route_action::HostRewriteSpecifier::HostRewriteLiteral(h)) => Some(h.clone()),
-        Some(route_action::HostRewriteSpecifier::AutoHostRewrite(b)) if b.value => {
-            problems.warning(
-                format!("{path}.auto_host_rewrite"),
-                "not implemented; the authority is sent as received",
-            );
-            None
-        }
-        Some(route_action::HostRewriteSpecifier::AutoHostRewrite(_)) | None => None,
-        Some(_) => {
-            problems.error(
-                format!("{path}.host_rewrite_specifier"),
-                "only host_rewrite_literal is implemented",
-            );
-            None
-        }
-    };
-    let timeout = duration_or(
-        a.timeout.as_ref(),
-        DEFAULT_ROUTE_TIMEOUT,
-        &format!("{path}.timeout"),
-        problems,
-    );
-    let retry_policy = a
-        .retry_policy
-        .as_ref()
-        .map(|p| Arc::new(retry_policy(p, &format!("{path}.retry_policy"), problems)));
-    if a.retry_policy_typed_config.is_some() {
-        problems.warning(
-            format!("{path}.retry_policy_typed_config"),
-            "not implemented; ignored",
-        );
-    }
-    for (field, set) in [
-        (
-            "request_mirror_policies",
-            !a.request_mirror_policies.is_empty(),
-        ),
-        ("rate_limits", !a.rate_limits.is_empty()),
-        ("hedge_policy", a.hedge_policy.is_some()),
-        ("cors", a.cors.is_some()),
-        ("idle_timeout", a.idle_timeout.is_some()),
-        (
-            "internal_redirect_policy",
-            a.internal_redirect_policy.is_some(),
-        ),
-        ("upgrade_configs", !a.upgrade_configs.is_empty()),
-    ] {
-        if set {
-            problems.warning(format!("{path}.{field}"), "not implemented; ignored");
-        }
-    }
-    let mut hash_policy = Vec::new();
-    for (i, policy) in a.hash_policy.iter().enumerate() {
-        use route_action::hash_policy::PolicySpecifier;
-        let h_path = format!("{path}.hash_policy[{i}]");
-        let key = match &policy.policy_specifier {
-            Some(PolicySpecifier::Header(h)) => {
-                match HeaderName::from_bytes(h.header_name.as_bytes()) {
-                    Ok(name) => Some(HashKey::Header(name)),
-                    Err(_) => {
-                        problems.error(
-                            format!("{h_path}.header.header_name"),
-                            format!("{:?} is not a header name", h.header_name),
-                        );
-                        None
-                    }
-                }
-            }
-            Some(PolicySpecifier::Cookie(c)) => {
-                if c.ttl.is_some() {
-                    problems.warning(format!("{h_path}.cookie.ttl"), "generating cookies is not implemented; only a cookie the request has is hashed");
-                }
-                Some(HashKey::Cookie(c.name.clone()))
-            }
-            Some(PolicySpecifier::ConnectionProperties(p)) if p.source_ip => {
-                Some(HashKey::SourceIp)
-            }
-            Some(PolicySpecifier::QueryParameter(q)) => {
-                Some(HashKey::QueryParameter(q.name.clone()))
-            }
-            _ => {
-                problems.warning(&h_path, "this hash policy is not implemented; ignored");
-                None
-            }
-        };
-        if let Some(key) = key {
-            hash_policy.push(HashPolicy {
-                key,
-                terminal: policy.terminal,
-            });
-        }
-    }
-    if a.metadata_match.is_some() {
-        problems.warning(
-            format!("{path}.metadata_match"),
-            "subset load balancing is not implemented; ignored",
-        );
-    }
-    let cluster_not_found =
-        match ClusterNotFoundResponseCode::try_from(a.cluster_not_found_response_code) {
-            Ok(ClusterNotFoundResponseCode::NotFound) => StatusCode::NOT_FOUND,
-            Ok(ClusterNotFoundResponseCode::InternalServerError) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
-            _ => StatusCode::SERVICE_UNAVAILABLE,
-        };
-    if problems.errors.len() > errors_before {
-        return None;
-    }
-    Some(RouteAction {
-        cluster: cluster?,
-        prefix_rewrite,
-        regex_rewrite,
-        host_rewrite,
-        timeout: (!timeout.is_zero()).then_some(timeout),
-        retry_policy,
-        cluster_not_found,
-        hash_policy,
-    })
-}
-
-fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Problems) -> RetryPolicy {
-    let mut on = 0;
-    for condition in p
-        .retry_on
-        .split(',')
-        .map(str::trim)
-        .filter(|c| !c.is_empty())
-    {
-        match condition {
-            "5xx" => on |= retry_on::FIVE_XX,
-            "gateway-error" => on |= retry_on::GATEWAY_ERROR,
-            "connect-failure" => on |= retry_on::CONNECT_FAILURE,
-            "reset" | "reset-before-request" | "refused-stream" => on |= retry_on::RESET,
-            "retriable-status-codes" => on |= retry_on::RETRIABLE_STATUS_CODES,
-            other => problems.warning(
-                format!("{path}.retry_on"),
-                format!("retry condition {other:?} is not implemented; it never retries"),
-            ),
-        }
-    }
-    if !p.retry_host_predicate.is_empty() {
-        // Retries already avoid the hosts tried, which is what Istio's
-        // previous_hosts predicate asks for.
-        problems.warning(
-            format!("{path}.retry_host_predicate"),
-            "retries always prefer hosts not tried yet; other predicates are ignored",
-        );
-    }
-    RetryPolicy {
-        retry_on: on,
-        num_retries: p.num_retries.map_or(1, |n| n.value),
-        per_try_timeout: p
-            .per_try_timeout
-            .as_ref()
-            .map(|t| {
-                duration_or(
-                    Some(t),
-                    DEFAULT_ROUTE_TIMEOUT,
-                    &format!("{path}.per_try_timeout"),
-                    problems,
-                )
-            })
-            .filter(|t| !t.is_zero()),
-        retriable_status_codes: p
-            .retriable_status_codes
-            .iter()
-            .filter_map(|c| u16::try_from(*c).ok())
-            .collect(),
-    }
-}
-
-fn redirect_action(r: &RedirectAction, path: &str, problems: &mut Problems) -> Option<Redirect> {
-    let scheme = match &r.scheme_rewrite_specifier {
-        Some(redirect_action::SchemeRewriteSpecifier::HttpsRedirect(true)) => {
-            Some("https".to_owned())
-        }
-        Some(redirect_action::SchemeRewriteSpecifier::SchemeRedirect(s)) if !s.is_empty() => {
-            Some(s.to_ascii_lowercase())
-        }
-        _ => None,
-    };
-    let path_redirect = match &r.path_rewrite_specifier {
-        Some(redirect_action::PathRewriteSpecifier::PathRedirect(p)) => {
-            PathRedirect::Path(p.clone())
-        }
-        Some(redirect_action::PathRewriteSpecifier::PrefixRewrite(p)) => {
-            PathRedirect::Prefix(p.clone())
-        }
-        Some(_) => {
-            problems.error(
-                path,
-                "only path_redirect and prefix_rewrite are implemented for redirects",
-            );
-            return None;
-        }
-        None => PathRedirect::Keep,
-    };
-    let port = match u16::try_from(r.port_redirect) {
-        Ok(0) => None,
-        Ok(port) => Some(port),
-        Err(_) => {
-            problems.error(
-                format!("{path}.port_redirect"),
-                format!("{} is not a port", r.port_redirect),
-            );
-            return None;
-        }
-    };
-    let status = match RedirectResponseCode::try_from(r.response_code) {
-        Ok(RedirectResponseCode::Found) => StatusCode::FOUND,
-        Ok(RedirectResponseCode::SeeOther) => StatusCode::SEE_OTHER,
-        Ok(RedirectResponseCode::TemporaryRedirect) => StatusCode::TEMPORARY_REDIRECT,
-        Ok(RedirectResponseCode::PermanentRedirect) => StatusCode::PERMANENT_REDIRECT,
-        _ => StatusCode::MOVED_PERMANENTLY,
-    };
-    Some(Redirect {
-        scheme,
-        host: (!r.host_redirect.is_empty()).then(|| r.host_redirect.clone()),
-        port,
-        path: path_redirect,
-        status,
-        strip_query: r.strip_query,
     })
 }
 
@@ -944,90 +445,4 @@ fn data_source(source: &DataSource, path: &str, problems: &mut Problems) -> Byte
         },
         None => Bytes::new(),
     }
-}
-
-/// Compiles a level's `<kind>_headers_to_add` and `<kind>_headers_to_remove`.
-#[allow(deprecated, reason = "Envoy still honours `append`")]
-pub fn header_rules(
-    add: &[HeaderValueOption],
-    remove: &[String],
-    path: &str,
-    kind: &str,
-    problems: &mut Problems,
-) -> HeaderRules {
-    let mut rules = HeaderRules::default();
-    for (i, name) in remove.iter().enumerate() {
-        let r_path = format!("{path}.{kind}_headers_to_remove[{i}]");
-        let lower = name.to_ascii_lowercase();
-        if lower.starts_with(':') || lower == "host" {
-            problems.error(r_path, format!("{name:?} cannot be removed"));
-            continue;
-        }
-        match HeaderName::from_bytes(lower.as_bytes()) {
-            Ok(name) => rules.remove.push(name),
-            Err(_) => problems.error(r_path, format!("{name:?} is not a header name")),
-        }
-    }
-    for (i, option) in add.iter().enumerate() {
-        let a_path = format!("{path}.{kind}_headers_to_add[{i}]");
-        let Some(header) = &option.header else {
-            problems.error(format!("{a_path}.header"), "is required");
-            continue;
-        };
-        let lower = header.key.to_ascii_lowercase();
-        if lower.starts_with(':') || lower == "host" {
-            problems.error(
-                format!("{a_path}.header.key"),
-                format!("{:?} cannot be set by a header rule", header.key),
-            );
-            continue;
-        }
-        let Ok(name) = HeaderName::from_bytes(lower.as_bytes()) else {
-            problems.error(
-                format!("{a_path}.header.key"),
-                format!("{:?} is not a header name", header.key),
-            );
-            continue;
-        };
-        let raw = if header.raw_value.is_empty() {
-            header.value.as_bytes()
-        } else {
-            header.raw_value.as_slice()
-        };
-        if raw.contains(&b'%') {
-            problems.warning(
-                format!("{a_path}.header.value"),
-                "command operators (%...%) in header values are not implemented; the value is sent as written",
-            );
-        }
-        let Ok(value) = HeaderValue::from_bytes(raw) else {
-            problems.error(
-                format!("{a_path}.header.value"),
-                "is not a valid header value",
-            );
-            continue;
-        };
-        // Envoy leaves out a header whose value is empty unless asked to keep it.
-        if value.is_empty() && !option.keep_empty_value {
-            continue;
-        }
-        let action = match option.append {
-            Some(append) if append.value => AppendAction::AppendIfExistsOrAdd,
-            Some(_) => AppendAction::OverwriteIfExistsOrAdd,
-            None => match HeaderAppendAction::try_from(option.append_action) {
-                Ok(HeaderAppendAction::AddIfAbsent) => AppendAction::AddIfAbsent,
-                Ok(HeaderAppendAction::OverwriteIfExistsOrAdd) => {
-                    AppendAction::OverwriteIfExistsOrAdd
-                }
-                Ok(HeaderAppendAction::OverwriteIfExists) => AppendAction::OverwriteIfExists,
-                _ => AppendAction::AppendIfExistsOrAdd,
-            },
-        };
-        rules.add.push(HeaderAdd {
-            name,
-            value,
-            action,
-        });
-    }
-    rules
 }

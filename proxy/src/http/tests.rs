@@ -408,3 +408,46 @@ static_resources:
     assert_eq!(protocol("explicit_h2"), UpstreamProtocol::Http2);
     assert_eq!(protocol("downstream"), UpstreamProtocol::UseDownstream);
 }
+
+#[test]
+fn a_hash_policy_hashes_what_the_request_has() {
+    use super::route::{HashKey, HashPolicy, request_hash};
+    let policies = [
+        HashPolicy {
+            key: HashKey::Header(hyper::header::HeaderName::from_static("x-user")),
+            terminal: true,
+        },
+        HashPolicy {
+            key: HashKey::SourceIp,
+            terminal: false,
+        },
+    ];
+    let source = "10.0.0.1".parse().unwrap();
+    let with_user = |user: &str| {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-user", user.parse().unwrap());
+        request_hash(&policies, &request("h", "/", &headers), source)
+    };
+    assert_eq!(with_user("alice"), with_user("alice"));
+    assert_ne!(with_user("alice"), with_user("bob"));
+    // Terminal: the source IP does not change a header hash.
+    assert_eq!(
+        with_user("alice"),
+        request_hash(
+            &policies[..1],
+            &request("h", "/", &{
+                let mut h = HeaderMap::new();
+                h.insert("x-user", "alice".parse().unwrap());
+                h
+            }),
+            "10.9.9.9".parse().unwrap()
+        )
+    );
+    // No header: the source IP decides.
+    let none = HeaderMap::new();
+    assert!(request_hash(&policies, &request("h", "/", &none), source).is_some());
+    assert_eq!(
+        request_hash(&policies[..1], &request("h", "/", &none), source),
+        None
+    );
+}

@@ -301,7 +301,11 @@ fn dynamic_route_configs(
         let source = &tracked.resource;
         let name = &source.name;
         let kept = previous
-            .filter(|p| p.route_sources.get(name).is_some_and(|s| Arc::ptr_eq(s, source)))
+            .filter(|p| {
+                p.route_sources
+                    .get(name)
+                    .is_some_and(|s| Arc::ptr_eq(s, source))
+            })
             .and_then(|p| p.route_configs.get(name).cloned());
         let route_config = match kept {
             Some(kept) => kept,
@@ -341,7 +345,11 @@ fn dynamic_secrets(
             continue;
         }
         let kept = previous
-            .filter(|p| p.secret_sources.get(name).is_some_and(|s| Arc::ptr_eq(s, source)))
+            .filter(|p| {
+                p.secret_sources
+                    .get(name)
+                    .is_some_and(|s| Arc::ptr_eq(s, source))
+            })
             .and_then(|p| p.secrets.get(name).cloned());
         let secret = match kept {
             Some(kept) => kept,
@@ -424,7 +432,12 @@ pub fn compile_with(
     let mut secrets = crate::tls::secret::compile_static(&resources.secrets, &mut problems);
     let secret_sources = dynamic_secrets(&dynamic, previous, &mut secrets, &mut problems);
     let (route_configs, route_sources) = dynamic_route_configs(&dynamic, previous, &mut problems);
-    unknown_static_secrets(&resources.secrets, &cluster_sources, &listener_sources, &mut problems);
+    unknown_static_secrets(
+        &resources.secrets,
+        &cluster_sources,
+        &listener_sources,
+        &mut problems,
+    );
     let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
     let (listeners, listener_stats, listener_digests) = listener::compile_all(
         &listener_sources,

@@ -1,7 +1,9 @@
 //! Circuit breakers (Envoy's cluster `circuit_breakers`, DEFAULT priority): a cap on the
 //! upstream connections a cluster may have open at once. A connection over the cap is
 //! not queued: the downstream is closed at once and logged with `UO` (upstream
-//! overflow), so an overloaded upstream sheds load instead of piling it up.
+//! overflow), so an overloaded upstream sheds load instead of piling it up. HTTP
+//! requests are the exception, as in Envoy: up to `max_pending_requests` of them wait
+//! for a pooled connection ([`crate::http::pool`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,6 +72,11 @@ impl CircuitBreaker {
             self.overflow.inc();
         }
         slot
+    }
+
+    /// Whether a connection now would be over the limit (not counted as an overflow).
+    pub fn is_full(&self) -> bool {
+        self.open.load(Ordering::Acquire) >= self.max_connections
     }
 
     #[cfg_attr(not(test), allow(dead_code, reason = "read by tests"))]

@@ -963,7 +963,7 @@ impl Manager {
             }
         }
         if let Some(source) = api_source {
-            self.open_secret_stream(source);
+            self.open_secret_stream(*source);
         }
         names
     }
