@@ -255,16 +255,18 @@ fn inspectors_choose_the_chain_and_leave_the_bytes_for_it() {
 fn a_bootstrap_shunt_cannot_serve_fails_at_start_naming_the_path() {
     let mut shunt = Shunt::start(
         "static_resources:\n  listeners:\n  - name: web\n    address: {socket_address: {address: 127.0.0.1, port_value: 0}}\n    \
-         filter_chains: [{filters: [{name: hcm, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, stat_prefix: h, route_config: {}, http_filters: [{name: r, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}]}}]}]\n",
+         filter_chains: [{filters: [{name: hcm, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, stat_prefix: h, route_config: {}, http_filters: [{name: lua, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua}}, {name: r, typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}]}}]}]\n",
     );
-    let status = shunt.child.wait().unwrap();
+    let status = shunt.wait_exit();
     assert!(!status.success());
     let stderr = shunt.stderr.wait_for("the error", |l| {
-        l.contains("http_connection_manager is not implemented yet")
+        l.contains("HTTP filter \"lua\" (envoy.extensions.filters.http.lua.v3.Lua) is not implemented by shunt")
             .then(|| l.to_owned())
     });
     assert!(
-        stderr.contains("static_resources.listeners[0].filter_chains[0].filters[0]"),
+        stderr.contains(
+            "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[0]"
+        ),
         "{stderr}\n{:?}",
         shunt.stderr.snapshot()
     );
