@@ -23,7 +23,6 @@ use std::time::SystemTime;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
 pub use listener::ListenerStats;
-pub(crate) use problems::Problems;
 pub use problems::{CompileError, Problem};
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
@@ -35,58 +34,65 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use crate::admin::stats::Store as StatsStore;
 use crate::admin::{Resources, Tracked, UpdateFailure};
 use crate::listener::config::Listener;
-use crate::upstream::Cluster;
+use crate::upstream::{Cluster, Clusters};
 
 #[derive(Debug, Default)]
 pub struct Snapshot {
     /// In bootstrap order.
     pub listeners: Vec<Arc<Listener>>,
-    pub clusters: HashMap<String, Arc<Cluster>>,
-    /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
-    by_address: HashMap<SocketAddr, usize>,
-    /// Listener index by name: every accepted connection looks its listener up.
-    by_name: HashMap<Arc<str>, usize>,
-    /// Each listener's stats, by listener name.
-    listener_stats: HashMap<Arc<str>, ListenerStats>,
+    pub clusters: Clusters,
+    /// How listeners are looked up, with their stats and config digests: shared with the
+    /// previous snapshot when an update changes no listener.
+    index: Arc<ListenerIndex>,
     /// The bootstrap's static resources as `/config_dump` shows them (listeners served
     /// by the admin API's health ports too), shared by every snapshot.
     static_resources: Arc<Resources>,
     /// The xDS resources this snapshot was compiled from.
     dynamic: Arc<DynamicResources>,
-    /// Config digests of the compiled clusters and listeners, by name: what the next
-    /// update compares against to keep unchanged ones.
-    listener_digests: HashMap<Arc<str>, u64>,
-    /// When the bootstrap's static resources were loaded (kept across updates).
+    /// When the bootstrap's static resources were loaded (kept across updates); `None`
+    /// if this snapshot was not compiled from the bootstrap.
     loaded_at: Option<SystemTime>,
 }
 
-impl Snapshot {
-    pub fn new(listeners: Vec<Arc<Listener>>, clusters: HashMap<String, Arc<Cluster>>) -> Self {
-        let mut by_address = HashMap::new();
-        let mut by_name = HashMap::new();
-        for (index, listener) in listeners.iter().enumerate() {
-            for addr in &listener.addresses {
-                by_address.entry(*addr).or_insert(index);
-            }
-            by_name.entry(listener.name.clone()).or_insert(index);
-        }
-        Snapshot {
-            listener_stats: HashMap::new(),
-            listeners,
-            clusters,
-            by_address,
-            by_name,
-            static_resources: Arc::default(),
-            dynamic: Arc::default(),
-            listener_digests: HashMap::new(),
-            loaded_at: None,
-        }
-    }
+/// A snapshot's lookups of its listeners (each an index into `listeners`), and what an
+/// update needs to keep them.
+#[derive(Debug, Default)]
+struct ListenerIndex {
+    /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
+    by_address: HashMap<SocketAddr, usize>,
+    /// Listener index by name: every accepted connection looks its listener up.
+    by_name: HashMap<Arc<str>, usize>,
+    /// Each listener's stats, by listener name.
+    stats: HashMap<Arc<str>, ListenerStats>,
+    /// Config digests of the compiled listeners, by name: what the next update compares
+    /// against to keep unchanged ones.
+    digests: HashMap<Arc<str>, u64>,
+}
 
+impl ListenerIndex {
+    fn new(listeners: &[Arc<Listener>]) -> Self {
+        let mut index = ListenerIndex::default();
+        for (i, listener) in listeners.iter().enumerate() {
+            for addr in &listener.addresses {
+                index.by_address.entry(*addr).or_insert(i);
+            }
+            index.by_name.entry(listener.name.clone()).or_insert(i);
+        }
+        index
+    }
+}
+
+impl Snapshot {
     /// Every resource this snapshot serves, static and dynamic, as `/config_dump` shows
     /// them. Built on demand: an update does not pay for copies only the admin API reads.
     pub fn resources(&self) -> Resources {
         (*self.static_resources).clone().with_dynamic(&self.dynamic)
+    }
+
+    /// Whether this snapshot was compiled from the bootstrap ([`compile_with`]): it has
+    /// the static resources, and an update can start from it.
+    fn compiled_from_bootstrap(&self) -> bool {
+        self.loaded_at.is_some()
     }
 
     /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
@@ -97,20 +103,33 @@ impl Snapshot {
             .cloned()
     }
 
-    /// This snapshot's listener `name`, if it was compiled from the config with `digest`.
-    fn kept_listener(&self, name: &str, digest: u64) -> Option<Arc<Listener>> {
-        (self.listener_digests.get(name) == Some(&digest))
-            .then(|| self.listener(name).cloned())
-            .flatten()
+    /// This snapshot's listener `name` with its stats, if it was compiled from the config
+    /// with `digest`.
+    fn kept_listener(&self, name: &str, digest: u64) -> Option<(Arc<Listener>, ListenerStats)> {
+        if self.index.digests.get(name) != Some(&digest) {
+            return None;
+        }
+        let listener = self.listener(name)?;
+        let stats = self.index.stats.get(name)?;
+        Some((listener.clone(), stats.clone()))
+    }
+
+    /// Whether this snapshot serves the very listeners of `other` (an update that
+    /// changed none of them): same `Arc`s, addresses and stats.
+    pub fn shares_listeners_with(&self, other: &Snapshot) -> bool {
+        Arc::ptr_eq(&self.index, &other.index)
     }
 
     pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
-        self.by_name.get(name).map(|&index| &self.listeners[index])
+        self.index
+            .by_name
+            .get(name)
+            .map(|&index| &self.listeners[index])
     }
 
     /// The stats of `listener` (one of this snapshot's).
     pub fn listener_stats(&self, listener: &Listener) -> Option<&ListenerStats> {
-        self.listener_stats.get(&listener.name)
+        self.index.stats.get(&listener.name)
     }
 
     /// The listener a connection restored to `destination` is handed to: the one with
@@ -121,12 +140,10 @@ impl Snapshot {
             SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
             SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
         };
-        self.by_address
+        let by_address = &self.index.by_address;
+        by_address
             .get(&destination)
-            .or_else(|| {
-                self.by_address
-                    .get(&SocketAddr::new(wildcard, destination.port()))
-            })
+            .or_else(|| by_address.get(&SocketAddr::new(wildcard, destination.port())))
             .map(|&index| &self.listeners[index])
     }
 }
@@ -233,6 +250,70 @@ fn xds_clusters(bootstrap: &Bootstrap) -> HashSet<&str> {
         .collect()
 }
 
+/// Whether `next` has the very dynamic listeners of `previous` (the xDS manager shares
+/// each accepted resource between its updates), in the same order.
+fn same_listeners(previous: &DynamicResources, next: &DynamicResources) -> bool {
+    previous.listeners.len() == next.listeners.len()
+        && previous
+            .listeners
+            .iter()
+            .zip(&next.listeners)
+            .all(|(old, new)| Arc::ptr_eq(&old.resource, &new.resource))
+}
+
+/// What `next` changes in the dynamic clusters of `previous`: the clusters added or
+/// whose config (endpoints included) changed, and the removed ones. Both lists are
+/// walked in step, by name, as the xDS manager gives them (sorted), so an update that
+/// changes one cluster of thousands compares names and digests but hashes, copies and
+/// compiles nothing else.
+///
+/// `None` when patching would not do what compiling all clusters does: a list is not
+/// sorted by name (nor free of duplicates), or a changed cluster has no name or the
+/// name of a static one (errors only a full compile reports).
+fn cluster_changes<'a>(
+    previous: &'a [DynamicCluster],
+    next: &'a [DynamicCluster],
+    static_clusters: &[EnvoyCluster],
+) -> Option<Vec<cluster::Change<'a>>> {
+    let name = |c: &'a DynamicCluster| c.effective.name.as_str();
+    let sorted = |list: &'a [DynamicCluster]| list.windows(2).all(|w| name(&w[0]) < name(&w[1]));
+    if !sorted(previous) || !sorted(next) {
+        return None;
+    }
+    let upserted =
+        |c: &'a DynamicCluster| cluster::Change::Upserted((None, &c.effective, c.digest));
+    let mut changes = Vec::new();
+    let (mut old, mut new) = (previous.iter().peekable(), next.iter().peekable());
+    loop {
+        let change = match (old.peek().copied(), new.peek().copied()) {
+            (None, None) => break,
+            (Some(o), Some(n)) if name(o) == name(n) => {
+                let change = (o.digest != n.digest).then(|| upserted(n));
+                old.next();
+                new.next();
+                change
+            }
+            (Some(o), n) if n.is_none_or(|n| name(o) < name(n)) => {
+                old.next();
+                Some(cluster::Change::Removed(name(o)))
+            }
+            (_, Some(n)) => {
+                new.next();
+                Some(upserted(n))
+            }
+            (Some(_), None) => unreachable!("a removal, above"),
+        };
+        changes.extend(change);
+    }
+    let needs_full_checks = changes.iter().any(|change| match change {
+        cluster::Change::Upserted((_, c, _)) => {
+            c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
+        }
+        cluster::Change::Removed(_) => false,
+    });
+    (!needs_full_checks).then_some(changes)
+}
+
 /// A config digest, to tell an unchanged resource from a changed one cheaply.
 pub fn digest<M: prost::Message>(message: &M) -> u64 {
     xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
@@ -287,38 +368,61 @@ pub fn compile_with(
             c
         })
         .collect();
-    let cluster_sources: Vec<cluster::Source> = static_clusters
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (Some(i), c, digest(c)))
-        .chain(
-            dynamic
-                .clusters
+    // An update patches the previous snapshot's clusters where it can (see
+    // `cluster_changes`): unchanged clusters cost nothing.
+    let patch = previous
+        .filter(|p| p.compiled_from_bootstrap())
+        .and_then(|p| {
+            let changes =
+                cluster_changes(&p.dynamic.clusters, &dynamic.clusters, &static_clusters)?;
+            Some((p, changes))
+        });
+    let clusters = match patch {
+        Some((previous, changes)) => cluster::patch(previous, &changes, stats, &mut problems),
+        None => {
+            let sources: Vec<cluster::Source> = static_clusters
                 .iter()
-                .map(|c| (None, &*c.effective, c.digest)),
-        )
-        .collect();
-    let listener_sources: Vec<(String, &EnvoyListener)> = resources
+                .enumerate()
+                .map(|(i, c)| (Some(i), c, digest(c)))
+                .chain(
+                    dynamic
+                        .clusters
+                        .iter()
+                        .map(|c| (None, &*c.effective, c.digest)),
+                )
+                .collect();
+            cluster::compile_all(&sources, previous, stats, &mut problems)
+        }
+    };
+    let listener_sources: Vec<listener::Source> = resources
         .listeners
         .iter()
         .enumerate()
-        .map(|(i, l)| (format!("static_resources.listeners[{i}]"), l))
-        .chain(
-            dynamic
-                .listeners
-                .iter()
-                .map(|t| (format!("Listener {:?}", t.resource.name), &*t.resource)),
-        )
+        .map(|(i, l)| (Some(i), l))
+        .chain(dynamic.listeners.iter().map(|t| (None, &*t.resource)))
         .collect();
-    let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
-    let (listeners, listener_stats, listener_digests) = listener::compile_all(
-        &listener_sources,
-        &health,
-        &clusters.clusters,
-        previous,
-        stats,
-        &mut problems,
-    );
+    // Listeners compile from their own configs only (a missing cluster is a warning
+    // their compiling gave already), so the same configs give the same listeners.
+    let unchanged_listeners =
+        previous.filter(|p| p.compiled_from_bootstrap() && same_listeners(&p.dynamic, &dynamic));
+    let (listeners, index) = match unchanged_listeners {
+        Some(previous) => (previous.listeners.clone(), previous.index.clone()),
+        None => {
+            let (listeners, stats, digests) = listener::compile_all(
+                &listener_sources,
+                &health,
+                &clusters.clusters,
+                previous,
+                stats,
+                &mut problems,
+            );
+            let mut index = ListenerIndex::new(&listeners);
+            let names = || listeners.iter().map(|l| l.name.clone());
+            index.stats = names().zip(stats).collect();
+            index.digests = names().zip(digests).collect();
+            (listeners, Arc::new(index))
+        }
+    };
     // Only pipe endpoints need to know which listeners route where.
     let routed = if clusters.pipe_endpoints.is_empty() && tls_for_xds_only.is_empty() {
         HashMap::new()
@@ -361,19 +465,12 @@ pub fn compile_with(
         }
     }
     problems.finish()?;
-    let mut snapshot = Snapshot::new(listeners, clusters.clusters);
-    snapshot.listener_digests = snapshot
-        .listeners
-        .iter()
-        .map(|l| l.name.clone())
-        .zip(listener_digests)
-        .collect();
-    snapshot.listener_stats = snapshot
-        .listeners
-        .iter()
-        .map(|l| l.name.clone())
-        .zip(listener_stats)
-        .collect();
+    let mut snapshot = Snapshot {
+        listeners,
+        clusters: clusters.clusters,
+        index,
+        ..Default::default()
+    };
     snapshot.static_resources = match previous {
         Some(previous) if previous.loaded_at.is_some() => {
             snapshot.loaded_at = previous.loaded_at;

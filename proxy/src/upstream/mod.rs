@@ -19,3 +19,7 @@ pub mod stats;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
 pub use load_balancer::LbContext;
+
+/// A snapshot's clusters by name. The names are shared (`Arc<str>`) so that an update
+/// copies the map of thousands of clusters without copying a name.
+pub type Clusters = std::collections::HashMap<std::sync::Arc<str>, std::sync::Arc<Cluster>>;
