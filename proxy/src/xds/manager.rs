@@ -770,6 +770,10 @@ impl Manager {
         next: &Snapshot,
     ) -> Result<ListenerChange, Vec<(String, String)>> {
         let mut change = ListenerChange::default();
+        // The very listeners (an update of clusters or endpoints): the sockets are bound.
+        if next.shares_listeners_with(previous) {
+            return Ok(change);
+        }
         let mut wanted = BTreeSet::new();
         for listener in next.listeners.iter().filter(|l| l.bind_to_port) {
             for addr in &listener.addresses {
@@ -861,7 +865,7 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Cluster(c) => eds_service_name(c),
+                        Resource::Cluster(c) => eds_service_name(c).map(str::to_owned),
                         _ => None,
                     })
                     .collect(),
@@ -1012,23 +1016,15 @@ impl Manager {
             errors: self.errors.clone(),
             ..Default::default()
         };
-        let endpoints: HashMap<&str, &Entry> = self
-            .types
-            .get(&TypeUrl::ClusterLoadAssignment)
-            .map(|t| t.resources.iter().map(|(n, e)| (n.as_str(), e)).collect())
-            .unwrap_or_default();
-        let secrets: HashSet<&str> = self
-            .types
-            .get(&TypeUrl::Secret)
-            .map(|t| t.resources.keys().map(String::as_str).collect())
-            .unwrap_or_default();
-        let routes: HashSet<&str> = self
-            .types
-            .get(&TypeUrl::RouteConfiguration)
-            .map(|t| t.resources.keys().map(String::as_str).collect())
-            .unwrap_or_default();
+        // Looked up where they are kept: an update indexes no set of thousands of names.
+        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
+        let endpoints = resources(TypeUrl::ClusterLoadAssignment);
+        let secrets = resources(TypeUrl::Secret);
+        let routes = resources(TypeUrl::RouteConfiguration);
         // A secret is there if SDS sent it or the bootstrap has it.
-        let has_secret = |name: &str| secrets.contains(name) || self.static_secrets.contains(name);
+        let has_secret = |name: &str| {
+            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
+        };
         let timeout = self.plan.initial_fetch_timeout;
         let deadline = |since: Option<&Option<Instant>>| {
             since
@@ -1036,9 +1032,10 @@ impl Manager {
                 .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
         };
         let mut still_warming = HashMap::new();
-        let mut effective = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             dynamic.clusters_version = clusters.version_info.clone();
+            // How many active clusters have their endpoints filled in.
+            let mut with_endpoints = 0;
             for entry in clusters.resources.values() {
                 let Resource::Cluster(cluster) = &entry.resource else {
                     continue;
@@ -1061,39 +1058,33 @@ impl Manager {
                     });
                     continue;
                 };
-                let eds = endpoints.get(service.as_str()).copied();
+                let eds = endpoints.and_then(|e| e.get(service));
                 if eds.is_none() && !self.timed_out.contains(&cluster.name) {
                     let deadline = deadline(self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);
                     dynamic.warming_clusters.push(tracked);
                     continue;
                 }
-                // The cluster with its endpoints, made again only when either changed.
-                let eds_digest = eds.map_or(0, |e| e.digest);
-                let key = (entry.digest, eds_digest);
-                let made = match self.effective.get(&cluster.name) {
-                    Some((k, made, digest)) if *k == key => (made.clone(), *digest),
-                    _ => {
-                        let mut with_endpoints = (**cluster).clone();
-                        if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
-                            with_endpoints.load_assignment = Some((**cla).clone());
-                        }
-                        let digest = xxhash_rust::xxh64::xxh64(
-                            &[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(),
-                            0,
-                        );
-                        (Arc::new(with_endpoints), digest)
-                    }
-                };
-                effective.insert(cluster.name.clone(), (key, made.0.clone(), made.1));
+                let (effective, digest) =
+                    with_endpoints_of(&mut self.effective, entry, cluster, eds);
+                with_endpoints += 1;
                 dynamic.clusters.push(DynamicCluster {
                     tracked,
-                    effective: made.0,
-                    digest: made.1,
+                    effective,
+                    digest,
+                });
+            }
+            // Forget the clusters made for EDS clusters no longer served with endpoints
+            // (removed, warming, or no longer EDS), if there are any.
+            if self.effective.len() != with_endpoints {
+                self.effective.retain(|name, _| {
+                    !still_warming.contains_key(name)
+                        && clusters.resources.get(name).is_some_and(|e| {
+                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
+                        })
                 });
             }
         }
-        self.effective = effective;
         self.warming = still_warming;
         if !self.timed_out.is_empty()
             && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
@@ -1101,7 +1092,7 @@ impl Manager {
             self.timed_out
                 .retain(|name| clusters.resources.contains_key(name));
         }
-        for entry in endpoints.values() {
+        for entry in endpoints.into_iter().flat_map(|e| e.values()) {
             if let Resource::Endpoints(cla) = &entry.resource {
                 dynamic.endpoints.push(entry.tracked(cla));
             }
@@ -1118,7 +1109,7 @@ impl Manager {
                 };
                 let waiting = references::rds_names(l)
                     .iter()
-                    .any(|name| !routes.contains(name.as_str()))
+                    .any(|name| !routes.is_some_and(|r| r.contains_key(name)))
                     || references::listener_secrets(l)
                         .iter()
                         .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
@@ -1162,7 +1153,7 @@ impl Manager {
 }
 
 /// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
-fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
+fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
     let is_eds = matches!(
         cluster.cluster_discovery_type,
         Some(ClusterDiscoveryType::Type(t)) if t == DiscoveryType::Eds as i32
@@ -1170,14 +1161,40 @@ fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
     if !is_eds {
         return None;
     }
-    Some(
-        cluster
-            .eds_cluster_config
-            .as_ref()
-            .map(|eds| eds.service_name.clone())
-            .filter(|name| !name.is_empty())
-            .unwrap_or_else(|| cluster.name.clone()),
-    )
+    let service = cluster
+        .eds_cluster_config
+        .as_ref()
+        .map_or("", |eds| eds.service_name.as_str());
+    Some(if service.is_empty() {
+        &cluster.name
+    } else {
+        service
+    })
+}
+
+/// An EDS cluster (`cluster`, from `entry`) with its endpoints (`eds`, if they came) in its
+/// `load_assignment`, and the result's digest: made again only when the cluster or its
+/// endpoints changed since the last time (`made`, by cluster name), else shared.
+fn with_endpoints_of(
+    made: &mut HashMap<String, Effective>,
+    entry: &Entry,
+    cluster: &EnvoyCluster,
+    eds: Option<&Entry>,
+) -> (Arc<EnvoyCluster>, u64) {
+    let key = (entry.digest, eds.map_or(0, |e| e.digest));
+    if let Some((k, effective, digest)) = made.get(cluster.name.as_str())
+        && *k == key
+    {
+        return (effective.clone(), *digest);
+    }
+    let mut with_endpoints = cluster.clone();
+    if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
+        with_endpoints.load_assignment = Some((**cla).clone());
+    }
+    let digest = xxhash_rust::xxh64::xxh64(&[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(), 0);
+    let effective = Arc::new(with_endpoints);
+    made.insert(cluster.name.clone(), (key, effective.clone(), digest));
+    (effective, digest)
 }
 
 /// The resource a compile error is about: `Cluster "name"...`, `Listener "name"...`,
