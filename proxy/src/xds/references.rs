@@ -29,7 +29,7 @@ pub enum SecretSource {
     /// `sds_config: {ads: {}}`: the ADS stream.
     Ads,
     /// Its own SDS stream (Istio's `sds-grpc` cluster to the agent).
-    Api(ConfigSource),
+    Api(Box<ConfigSource>),
 }
 
 /// The RDS route configurations a listener's HTTP connection managers name.
@@ -50,7 +50,7 @@ pub fn listener_secrets(listener: &Listener) -> Vec<SecretRef> {
         .iter()
         .chain(&listener.default_filter_chain)
         .filter_map(|chain| chain.transport_socket.as_ref())
-        .filter_map(|socket| decode::<DownstreamTlsContext>(socket))
+        .filter_map(decode::<DownstreamTlsContext>)
         .filter_map(|tls| tls.common_tls_context)
         .flat_map(|common| secrets_of(&common))
         .collect()
@@ -67,7 +67,7 @@ pub fn cluster_secrets(cluster: &Cluster) -> Vec<SecretRef> {
                 .iter()
                 .filter_map(|m| m.transport_socket.as_ref()),
         )
-        .filter_map(|socket| decode::<UpstreamTlsContext>(socket))
+        .filter_map(decode::<UpstreamTlsContext>)
         .filter_map(|tls| tls.common_tls_context)
         .flat_map(|common| secrets_of(&common))
         .collect()
@@ -104,7 +104,7 @@ fn secret_ref(sds: &SdsSecretConfig) -> SecretRef {
         None => SecretSource::Static,
         Some(source) => match &source.config_source_specifier {
             Some(ConfigSourceSpecifier::Ads(_)) => SecretSource::Ads,
-            _ => SecretSource::Api(source.clone()),
+            _ => SecretSource::Api(Box::new(source.clone())),
         },
     };
     SecretRef {
