@@ -198,8 +198,9 @@ pub struct DynamicResources {
     /// Listeners waiting for their routes or secrets (Envoy's listener warming): not
     /// served yet.
     pub warming_listeners: Vec<Tracked<Arc<EnvoyListener>>>,
-    /// Active clusters.
-    pub clusters: Vec<DynamicCluster>,
+    /// Active clusters, by name. Each is shared, so that an update of one cluster's
+    /// endpoints copies pointers, not configs.
+    pub clusters: Vec<Arc<DynamicCluster>>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
     pub warming_clusters: Vec<Tracked<Arc<EnvoyCluster>>>,
     /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
@@ -271,12 +272,13 @@ fn same_listeners(previous: &DynamicResources, next: &DynamicResources) -> bool 
 /// sorted by name (nor free of duplicates), or a changed cluster has no name or the
 /// name of a static one (errors only a full compile reports).
 fn cluster_changes<'a>(
-    previous: &'a [DynamicCluster],
-    next: &'a [DynamicCluster],
+    previous: &'a [Arc<DynamicCluster>],
+    next: &'a [Arc<DynamicCluster>],
     static_clusters: &[EnvoyCluster],
 ) -> Option<Vec<cluster::Change<'a>>> {
     let name = |c: &'a DynamicCluster| c.effective.name.as_str();
-    let sorted = |list: &'a [DynamicCluster]| list.windows(2).all(|w| name(&w[0]) < name(&w[1]));
+    let sorted =
+        |list: &'a [Arc<DynamicCluster>]| list.windows(2).all(|w| name(&w[0]) < name(&w[1]));
     if !sorted(previous) || !sorted(next) {
         return None;
     }
@@ -287,6 +289,12 @@ fn cluster_changes<'a>(
     loop {
         let change = match (old.peek().copied(), new.peek().copied()) {
             (None, None) => break,
+            // The very cluster the manager served before: no name to compare.
+            (Some(o), Some(n)) if Arc::ptr_eq(o, n) => {
+                old.next();
+                new.next();
+                None
+            }
             (Some(o), Some(n)) if name(o) == name(n) => {
                 let change = (o.digest != n.digest).then(|| upserted(n));
                 old.next();

@@ -265,7 +265,7 @@ fn every_error_is_reported_at_its_path() {
     );
 }
 
-fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluster {
+fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> Arc<super::DynamicCluster> {
     let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
         crate::config::message_from_json(serde_json::json!({
         "name": name, "type": "STATIC", "connect_timeout": timeout,
@@ -274,7 +274,7 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluste
     }))
     .unwrap();
     let cluster = Arc::new(cluster);
-    super::DynamicCluster {
+    Arc::new(super::DynamicCluster {
         digest: digest(&*cluster),
         effective: cluster.clone(),
         tracked: crate::admin::Tracked {
@@ -282,7 +282,7 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluste
             version_info: Some("1".into()),
             last_updated: std::time::SystemTime::now(),
         },
-    }
+    })
 }
 
 #[test]

@@ -209,6 +209,22 @@ struct StreamState {
 /// endpoints it was made from, the result, and the result's digest.
 type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);
 
+/// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
+/// only the clusters those endpoints are for.
+#[derive(Debug, Default)]
+struct ServedClusters {
+    /// Active, in name order (as [`DynamicResources::clusters`]).
+    active: Vec<Arc<DynamicCluster>>,
+    /// Waiting for their endpoints or secrets.
+    warming: Vec<Tracked<Arc<EnvoyCluster>>>,
+    /// The active EDS clusters by the service their endpoints come under: each one's
+    /// place in `active` and the digest of its CDS config.
+    by_service: HashMap<String, Vec<(usize, u64)>>,
+    /// The EDS services of warming clusters: their endpoints may end the warming,
+    /// which takes a full rebuild.
+    awaited: HashSet<String>,
+}
+
 pub struct Manager {
     bootstrap: Bootstrap,
     node: Node,
@@ -227,6 +243,8 @@ pub struct Manager {
     /// Each active EDS cluster with its endpoints filled in, by name, with the digests
     /// of the cluster and endpoints it was made from and its own digest.
     effective: HashMap<String, Effective>,
+    /// The clusters the last rebuild served: an update of endpoints patches them.
+    served: Option<ServedClusters>,
     /// Clusters whose wait ended without endpoints or secrets.
     timed_out: HashSet<String>,
     /// Listeners waiting for their routes or secrets, with when they stop waiting.
@@ -314,6 +332,7 @@ impl Manager {
             warming: HashMap::new(),
             timed_out: Default::default(),
             effective: HashMap::new(),
+            served: None,
             warming_count: 0,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
@@ -594,6 +613,7 @@ impl Manager {
         version: &str,
     ) -> Result<(), Vec<(String, String)>> {
         let state = self.types.get_mut(&kind).expect("a subscribed type");
+        let mut removed_any = false;
         let (undo, touched): (Undo, Vec<String>) = match change {
             Change::Replace(set) => {
                 let touched = set.keys().cloned().collect();
@@ -611,13 +631,17 @@ impl Manager {
                 }
                 for name in removals {
                     if let Some(old) = state.resources.remove(&name) {
+                        removed_any = true;
                         undo.push((name, Some(old)));
                     }
                 }
                 (Undo::Patch(undo), touched)
             }
         };
-        let result = self.rebuild();
+        // New endpoints (none removed) change only the clusters they are for.
+        let endpoints_changed =
+            (kind == TypeUrl::ClusterLoadAssignment && !removed_any).then_some(touched.as_slice());
+        let result = self.rebuild(endpoints_changed);
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         match result {
             Ok(()) => {
@@ -672,7 +696,7 @@ impl Manager {
                     });
                 }
                 // Show the error state in /config_dump.
-                let _ = self.rebuild();
+                let _ = self.rebuild(endpoints_changed);
                 self.count(kind, "update_rejected");
                 tracing::warn!(
                     kind = kind.short(),
@@ -714,7 +738,7 @@ impl Manager {
                 self.listeners_timed_out.insert(name.clone());
             }
         }
-        if let Err(errors) = self.rebuild() {
+        if let Err(errors) = self.rebuild(None) {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
         self.check_progress();
@@ -722,9 +746,13 @@ impl Manager {
     }
 
     /// Compiles the bootstrap with every accepted resource; on success swaps the snapshot
-    /// in, binds new listener sockets and tells the serve loop.
-    fn rebuild(&mut self) -> Result<(), Vec<(String, String)>> {
-        let dynamic = Arc::new(self.dynamic_resources());
+    /// in, binds new listener sockets and tells the serve loop. `endpoints_changed`: the
+    /// update only upserted these endpoints (`None`: anything may have changed).
+    fn rebuild(
+        &mut self,
+        endpoints_changed: Option<&[String]>,
+    ) -> Result<(), Vec<(String, String)>> {
+        let dynamic = Arc::new(self.dynamic_resources(endpoints_changed));
         let previous = self.store.load();
         let compiled = crate::snapshot::compile_with(
             &self.bootstrap,
@@ -967,7 +995,7 @@ impl Manager {
             }
         }
         if let Some(source) = api_source {
-            self.open_secret_stream(source);
+            self.open_secret_stream(*source);
         }
         names
     }
@@ -1009,11 +1037,144 @@ impl Manager {
         tokio::spawn(stream::run(index, config, self.events_tx.clone()));
     }
 
-    /// Everything accepted, as the snapshot compiler takes it. EDS clusters without
-    /// endpoints are warming unless their wait is over (`expired`, or `warming` says so).
-    fn dynamic_resources(&mut self) -> DynamicResources {
+    /// Works out every CDS cluster afresh: active (EDS ones with their endpoints filled
+    /// in) or warming, and until when.
+    fn serve_clusters(&mut self) {
+        let mut served = ServedClusters::default();
+        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
+        let endpoints = resources(TypeUrl::ClusterLoadAssignment);
+        let secrets = resources(TypeUrl::Secret);
+        // A secret is there if SDS sent it or the bootstrap has it.
+        let has_secret = |name: &str| {
+            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
+        };
+        let timeout = self.plan.initial_fetch_timeout;
+        let deadline = |since: Option<&Option<Instant>>| {
+            since
+                .copied()
+                .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
+        };
+        let mut still_warming = HashMap::new();
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            for entry in clusters.resources.values() {
+                let Resource::Cluster(cluster) = &entry.resource else {
+                    continue;
+                };
+                let tracked = entry.tracked(cluster);
+                let service = eds_service_name(cluster);
+                let secrets_missing = references::cluster_secrets(cluster)
+                    .iter()
+                    .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
+                let waiting = secrets_missing || (service.is_some() && eds.is_none());
+                if waiting && !self.timed_out.contains(&cluster.name) {
+                    let deadline = deadline(self.warming.get(&cluster.name));
+                    still_warming.insert(cluster.name.clone(), deadline);
+                    served.awaited.extend(service.map(str::to_owned));
+                    served.warming.push(tracked);
+                    continue;
+                }
+                let Some(service) = service else {
+                    served.active.push(Arc::new(DynamicCluster {
+                        tracked,
+                        effective: cluster.clone(),
+                        digest: entry.digest,
+                    }));
+                    continue;
+                };
+                let (effective, digest) =
+                    with_endpoints_of(&mut self.effective, entry.digest, cluster, eds);
+                served
+                    .by_service
+                    .entry(service.to_owned())
+                    .or_default()
+                    .push((served.active.len(), entry.digest));
+                served.active.push(Arc::new(DynamicCluster {
+                    tracked,
+                    effective,
+                    digest,
+                }));
+            }
+            // Forget the clusters made for EDS clusters no longer served with endpoints
+            // (removed, warming, or no longer EDS), if there are any.
+            let with_endpoints: usize = served.by_service.values().map(Vec::len).sum();
+            if self.effective.len() != with_endpoints {
+                self.effective.retain(|name, _| {
+                    !still_warming.contains_key(name)
+                        && clusters.resources.get(name).is_some_and(|e| {
+                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
+                        })
+                });
+            }
+        }
+        self.warming = still_warming;
+        if !self.timed_out.is_empty()
+            && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
+        {
+            self.timed_out
+                .retain(|name| clusters.resources.contains_key(name));
+        }
+        self.served = Some(served);
+    }
+
+    /// Redoes the served clusters whose endpoints (`services`) an update upserted, the
+    /// others staying as they are: an update of one cluster's endpoints costs that
+    /// cluster. False, with nothing done, when that is not all the update changes: no
+    /// clusters were served yet, a warming cluster waits for one of these endpoints.
+    fn patch_served_clusters(&mut self, services: &[String]) -> bool {
+        let Some(served) = &mut self.served else {
+            return false;
+        };
+        let Some(endpoints) = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| &t.resources)
+        else {
+            return false;
+        };
+        let patchable = services
+            .iter()
+            .all(|s| !served.awaited.contains(s) && endpoints.contains_key(s));
+        if !patchable {
+            return false;
+        }
+        for service in services {
+            let Some(users) = served.by_service.get(service) else {
+                continue;
+            };
+            let eds = endpoints.get(service);
+            for &(i, cluster_digest) in users {
+                let old = &served.active[i];
+                let (effective, digest) = with_endpoints_of(
+                    &mut self.effective,
+                    cluster_digest,
+                    &old.tracked.resource,
+                    eds,
+                );
+                if !Arc::ptr_eq(&effective, &old.effective) {
+                    served.active[i] = Arc::new(DynamicCluster {
+                        tracked: old.tracked.clone(),
+                        effective,
+                        digest,
+                    });
+                }
+            }
+        }
+        true
+    }
+
+    /// Everything accepted, as the snapshot compiler takes it: the clusters as served
+    /// ([`Manager::serve_clusters`], or patched for `endpoints_changed`: see
+    /// [`Manager::rebuild`]), the listeners with those warming on their routes or secrets.
+    fn dynamic_resources(&mut self, endpoints_changed: Option<&[String]>) -> DynamicResources {
+        if !endpoints_changed.is_some_and(|services| self.patch_served_clusters(services)) {
+            self.serve_clusters();
+        }
+        let served = self.served.as_ref().expect("clusters served");
         let mut dynamic = DynamicResources {
             errors: self.errors.clone(),
+            clusters: served.active.clone(),
+            warming_clusters: served.warming.clone(),
             ..Default::default()
         };
         // Looked up where they are kept: an update indexes no set of thousands of names.
@@ -1031,66 +1192,8 @@ impl Manager {
                 .copied()
                 .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
         };
-        let mut still_warming = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             dynamic.clusters_version = clusters.version_info.clone();
-            // How many active clusters have their endpoints filled in.
-            let mut with_endpoints = 0;
-            for entry in clusters.resources.values() {
-                let Resource::Cluster(cluster) = &entry.resource else {
-                    continue;
-                };
-                let tracked = entry.tracked(cluster);
-                let secrets_missing = references::cluster_secrets(cluster)
-                    .iter()
-                    .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
-                if secrets_missing && !self.timed_out.contains(&cluster.name) {
-                    let deadline = deadline(self.warming.get(&cluster.name));
-                    still_warming.insert(cluster.name.clone(), deadline);
-                    dynamic.warming_clusters.push(tracked);
-                    continue;
-                }
-                let Some(service) = eds_service_name(cluster) else {
-                    dynamic.clusters.push(DynamicCluster {
-                        tracked,
-                        effective: cluster.clone(),
-                        digest: entry.digest,
-                    });
-                    continue;
-                };
-                let eds = endpoints.and_then(|e| e.get(service));
-                if eds.is_none() && !self.timed_out.contains(&cluster.name) {
-                    let deadline = deadline(self.warming.get(&cluster.name));
-                    still_warming.insert(cluster.name.clone(), deadline);
-                    dynamic.warming_clusters.push(tracked);
-                    continue;
-                }
-                let (effective, digest) =
-                    with_endpoints_of(&mut self.effective, entry, cluster, eds);
-                with_endpoints += 1;
-                dynamic.clusters.push(DynamicCluster {
-                    tracked,
-                    effective,
-                    digest,
-                });
-            }
-            // Forget the clusters made for EDS clusters no longer served with endpoints
-            // (removed, warming, or no longer EDS), if there are any.
-            if self.effective.len() != with_endpoints {
-                self.effective.retain(|name, _| {
-                    !still_warming.contains_key(name)
-                        && clusters.resources.get(name).is_some_and(|e| {
-                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
-                        })
-                });
-            }
-        }
-        self.warming = still_warming;
-        if !self.timed_out.is_empty()
-            && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
-        {
-            self.timed_out
-                .retain(|name| clusters.resources.contains_key(name));
         }
         for entry in endpoints.into_iter().flat_map(|e| e.values()) {
             if let Resource::Endpoints(cla) = &entry.resource {
@@ -1172,16 +1275,17 @@ fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
     })
 }
 
-/// An EDS cluster (`cluster`, from `entry`) with its endpoints (`eds`, if they came) in its
-/// `load_assignment`, and the result's digest: made again only when the cluster or its
-/// endpoints changed since the last time (`made`, by cluster name), else shared.
+/// An EDS cluster (`cluster`, whose CDS config has `cluster_digest`) with its endpoints
+/// (`eds`, if they came) in its `load_assignment`, and the result's digest: made again
+/// only when the cluster or its endpoints changed since the last time (`made`, by
+/// cluster name), else shared.
 fn with_endpoints_of(
     made: &mut HashMap<String, Effective>,
-    entry: &Entry,
+    cluster_digest: u64,
     cluster: &EnvoyCluster,
     eds: Option<&Entry>,
 ) -> (Arc<EnvoyCluster>, u64) {
-    let key = (entry.digest, eds.map_or(0, |e| e.digest));
+    let key = (cluster_digest, eds.map_or(0, |e| e.digest));
     if let Some((k, effective, digest)) = made.get(cluster.name.as_str())
         && *k == key
     {
