@@ -49,6 +49,9 @@ pub struct Snapshot {
     static_resources: Arc<Resources>,
     /// The xDS resources this snapshot was compiled from.
     dynamic: Arc<DynamicResources>,
+    /// Whether `dynamic.clusters` are in strict name order: the next update can patch
+    /// this snapshot's clusters ([`cluster_changes`]).
+    dynamic_clusters_in_order: bool,
     /// When the bootstrap's static resources were loaded (kept across updates); `None`
     /// if this snapshot was not compiled from the bootstrap.
     loaded_at: Option<SystemTime>,
@@ -262,64 +265,76 @@ fn same_listeners(previous: &DynamicResources, next: &DynamicResources) -> bool 
             .all(|(old, new)| Arc::ptr_eq(&old.resource, &new.resource))
 }
 
-/// What `next` changes in the dynamic clusters of `previous`: the clusters added or
-/// whose config (endpoints included) changed, and the removed ones. Both lists are
-/// walked in step, by name, as the xDS manager gives them (sorted), so an update that
-/// changes one cluster of thousands compares names and digests but hashes, copies and
+/// Whether `clusters` are in strict name order (sorted, no name twice).
+fn in_name_order(clusters: &[Arc<DynamicCluster>]) -> bool {
+    clusters
+        .windows(2)
+        .all(|w| w[0].effective.name < w[1].effective.name)
+}
+
+/// What `next` changes in the dynamic clusters of `previous` (in name order): the
+/// clusters added or whose config (endpoints included) changed, and the removed ones.
+/// Both lists are walked in step; a cluster `next` shares with `previous` (the same
+/// `Arc`: the xDS manager keeps what an update does not touch) is passed over without
+/// comparing names, so an update of one cluster of thousands hashes, copies and
 /// compiles nothing else.
 ///
-/// `None` when patching would not do what compiling all clusters does: a list is not
-/// sorted by name (nor free of duplicates), or a changed cluster has no name or the
-/// name of a static one (errors only a full compile reports).
+/// `None` when patching would not do what compiling all clusters does: `next` is not in
+/// name order (checked around the clusters it does not share: shared ones keep the
+/// order of `previous`), or a changed cluster has no name or the name of a static one
+/// (errors only a full compile reports).
 fn cluster_changes<'a>(
     previous: &'a [Arc<DynamicCluster>],
     next: &'a [Arc<DynamicCluster>],
     static_clusters: &[EnvoyCluster],
 ) -> Option<Vec<cluster::Change<'a>>> {
     let name = |c: &'a DynamicCluster| c.effective.name.as_str();
-    let sorted =
-        |list: &'a [Arc<DynamicCluster>]| list.windows(2).all(|w| name(&w[0]) < name(&w[1]));
-    if !sorted(previous) || !sorted(next) {
-        return None;
-    }
     let upserted =
         |c: &'a DynamicCluster| cluster::Change::Upserted((None, &c.effective, c.digest));
     let mut changes = Vec::new();
-    let (mut old, mut new) = (previous.iter().peekable(), next.iter().peekable());
+    // The places in `next` of the clusters it does not share with `previous`.
+    let mut unshared = Vec::new();
+    let (mut i, mut j) = (0, 0);
     loop {
-        let change = match (old.peek().copied(), new.peek().copied()) {
+        match (previous.get(i), next.get(j)) {
             (None, None) => break,
-            // The very cluster the manager served before: no name to compare.
             (Some(o), Some(n)) if Arc::ptr_eq(o, n) => {
-                old.next();
-                new.next();
-                None
+                i += 1;
+                j += 1;
             }
             (Some(o), Some(n)) if name(o) == name(n) => {
-                let change = (o.digest != n.digest).then(|| upserted(n));
-                old.next();
-                new.next();
-                change
+                if o.digest != n.digest {
+                    changes.push(upserted(n));
+                }
+                unshared.push(j);
+                i += 1;
+                j += 1;
             }
             (Some(o), n) if n.is_none_or(|n| name(o) < name(n)) => {
-                old.next();
-                Some(cluster::Change::Removed(name(o)))
+                changes.push(cluster::Change::Removed(name(o)));
+                i += 1;
             }
             (_, Some(n)) => {
-                new.next();
-                Some(upserted(n))
+                changes.push(upserted(n));
+                unshared.push(j);
+                j += 1;
             }
             (Some(_), None) => unreachable!("a removal, above"),
-        };
-        changes.extend(change);
+        }
     }
+    let in_order = unshared.iter().all(|&j| {
+        (j == 0 || name(&next[j - 1]) < name(&next[j]))
+            && next
+                .get(j + 1)
+                .is_none_or(|after| name(&next[j]) < name(after))
+    });
     let needs_full_checks = changes.iter().any(|change| match change {
         cluster::Change::Upserted((_, c, _)) => {
             c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
         }
         cluster::Change::Removed(_) => false,
     });
-    (!needs_full_checks).then_some(changes)
+    (in_order && !needs_full_checks).then_some(changes)
 }
 
 /// A config digest, to tell an unchanged resource from a changed one cheaply.
@@ -379,12 +394,13 @@ pub fn compile_with(
     // An update patches the previous snapshot's clusters where it can (see
     // `cluster_changes`): unchanged clusters cost nothing.
     let patch = previous
-        .filter(|p| p.compiled_from_bootstrap())
+        .filter(|p| p.compiled_from_bootstrap() && p.dynamic_clusters_in_order)
         .and_then(|p| {
             let changes =
                 cluster_changes(&p.dynamic.clusters, &dynamic.clusters, &static_clusters)?;
             Some((p, changes))
         });
+    let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
         Some((previous, changes)) => cluster::patch(previous, &changes, stats, &mut problems),
         None => {
@@ -477,6 +493,7 @@ pub fn compile_with(
         listeners,
         clusters: clusters.clusters,
         index,
+        dynamic_clusters_in_order,
         ..Default::default()
     };
     snapshot.static_resources = match previous {

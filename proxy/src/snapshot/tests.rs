@@ -542,6 +542,12 @@ fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
         })
         .collect();
     assert_eq!(changed, ["+b", "-c", "+d"]);
+    // Out of name order, or a name twice: compiled whole, which checks what a patch cannot.
+    let a = dynamic.clusters[0].clone();
+    let unordered = [dynamic_cluster("b", 4, "1s"), a.clone()];
+    assert!(super::cluster_changes(&first.dynamic.clusters, &unordered, &[]).is_none());
+    let twice = [a.clone(), dynamic_cluster("a", 4, "1s")];
+    assert!(super::cluster_changes(&first.dynamic.clusters, &twice, &[]).is_none());
     let dynamic = Arc::new(dynamic);
     let patched = super::compile_with(&bootstrap, dynamic.clone(), Some(&first), &stats).unwrap();
     let scratch = super::compile_with(&bootstrap, dynamic.clone(), None, &stats).unwrap();

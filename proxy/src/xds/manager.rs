@@ -142,16 +142,16 @@ struct Entry {
     /// Digest of the resource as it came on the wire: tells a changed one from a resent one.
     digest: u64,
     /// The resource's version: Delta's own, or the SotW response's.
-    version: String,
+    version: Arc<str>,
     last_updated: SystemTime,
 }
 
 impl Entry {
-    fn new(kind: TypeUrl, any: &Any, version: &str) -> Result<Entry, String> {
+    fn new(kind: TypeUrl, any: &Any, version: Arc<str>) -> Result<Entry, String> {
         Ok(Entry {
             resource: Resource::decode(kind, any)?,
             digest: xxhash_rust::xxh64::xxh64(&any.value, 0),
-            version: version.to_owned(),
+            version,
             last_updated: SystemTime::now(),
         })
     }
@@ -471,7 +471,7 @@ impl Manager {
                     initial_resource_versions: state
                         .resources
                         .iter()
-                        .map(|(name, entry)| (name.clone(), entry.version.clone()))
+                        .map(|(name, entry)| (name.clone(), entry.version.to_string()))
                         .collect(),
                     ..Default::default()
                 })
@@ -508,10 +508,12 @@ impl Manager {
             return;
         };
         let version = response.version_info.clone();
+        // One version for every resource of the response.
+        let shared: Arc<str> = version.as_str().into();
         let decoded: Result<Vec<Entry>, (String, String)> = response
             .resources
             .iter()
-            .map(|any| Entry::new(kind, any, &version).map_err(|e| (String::new(), e)))
+            .map(|any| Entry::new(kind, any, shared.clone()).map_err(|e| (String::new(), e)))
             .collect();
         let result = decoded.map_err(|e| vec![e]).and_then(|entries| {
             let state = &self.types[&kind];
@@ -520,7 +522,7 @@ impl Manager {
                 let name = entry.resource.name().to_owned();
                 let entry = match state.resources.get(&name) {
                     Some(old) if old.digest == entry.digest => Entry {
-                        version: version.clone(),
+                        version: shared.clone(),
                         ..old.clone()
                     },
                     _ => entry,
@@ -570,7 +572,7 @@ impl Manager {
             let Some(any) = &resource.resource else {
                 continue;
             };
-            match Entry::new(kind, any, &resource.version) {
+            match Entry::new(kind, any, resource.version.as_str().into()) {
                 Ok(entry) => {
                     let name = if resource.name.is_empty() {
                         entry.resource.name().to_owned()
