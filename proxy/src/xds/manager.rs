@@ -225,6 +225,16 @@ struct ServedClusters {
     awaited: HashSet<String>,
 }
 
+/// The LDS listeners a rebuild served.
+#[derive(Debug, Default)]
+struct ServedListeners {
+    /// Served: the accepted version, or the last one served while a newer one warms.
+    active: Vec<Tracked<Arc<EnvoyListener>>>,
+    /// Waiting for their routes or secrets.
+    warming: Vec<Tracked<Arc<EnvoyListener>>>,
+    version: String,
+}
+
 pub struct Manager {
     bootstrap: Bootstrap,
     node: Node,
@@ -245,6 +255,9 @@ pub struct Manager {
     effective: HashMap<String, Effective>,
     /// The clusters the last rebuild served: an update of endpoints patches them.
     served: Option<ServedClusters>,
+    /// The listeners the last rebuild served, active and warming: an update of
+    /// endpoints keeps them.
+    served_listeners: Option<ServedListeners>,
     /// Clusters whose wait ended without endpoints or secrets.
     timed_out: HashSet<String>,
     /// Listeners waiting for their routes or secrets, with when they stop waiting.
@@ -333,6 +346,7 @@ impl Manager {
             timed_out: Default::default(),
             effective: HashMap::new(),
             served: None,
+            served_listeners: None,
             warming_count: 0,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
@@ -1167,21 +1181,61 @@ impl Manager {
 
     /// Everything accepted, as the snapshot compiler takes it: the clusters as served
     /// ([`Manager::serve_clusters`], or patched for `endpoints_changed`: see
-    /// [`Manager::rebuild`]), the listeners with those warming on their routes or secrets.
+    /// [`Manager::rebuild`]), the listeners as served ([`Manager::serve_listeners`],
+    /// which new endpoints do not change).
     fn dynamic_resources(&mut self, endpoints_changed: Option<&[String]>) -> DynamicResources {
-        if !endpoints_changed.is_some_and(|services| self.patch_served_clusters(services)) {
+        let only_endpoints =
+            endpoints_changed.is_some_and(|services| self.patch_served_clusters(services));
+        if !only_endpoints {
             self.serve_clusters();
         }
-        let served = self.served.as_ref().expect("clusters served");
+        if !only_endpoints || self.served_listeners.is_none() {
+            self.serve_listeners();
+        }
+        let clusters = self.served.as_ref().expect("clusters served");
+        let listeners = self.served_listeners.as_ref().expect("listeners served");
         let mut dynamic = DynamicResources {
             errors: self.errors.clone(),
-            clusters: served.active.clone(),
-            warming_clusters: served.warming.clone(),
+            clusters: clusters.active.clone(),
+            warming_clusters: clusters.warming.clone(),
+            listeners: listeners.active.clone(),
+            warming_listeners: listeners.warming.clone(),
+            listeners_version: listeners.version.clone(),
             ..Default::default()
         };
-        // Looked up where they are kept: an update indexes no set of thousands of names.
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            dynamic.clusters_version = clusters.version_info.clone();
+        }
+        if let Some(endpoints) = self.types.get(&TypeUrl::ClusterLoadAssignment) {
+            for entry in endpoints.resources.values() {
+                if let Resource::Endpoints(cla) = &entry.resource {
+                    dynamic.endpoints.push(entry.tracked(cla));
+                }
+            }
+        }
+        if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
+            for entry in routes.resources.values() {
+                if let Resource::Route(r) = &entry.resource {
+                    dynamic.route_configs.push(entry.tracked(r));
+                }
+            }
+        }
+        if let Some(secrets) = self.types.get(&TypeUrl::Secret) {
+            for entry in secrets.resources.values() {
+                if let Resource::Secret(s) = &entry.resource {
+                    dynamic.secrets.push(entry.tracked(s));
+                }
+            }
+        }
+        dynamic
+    }
+
+    /// Works out every LDS listener afresh: a listener warms until its routes and
+    /// secrets are in (or its wait is over); a version already served keeps serving
+    /// meanwhile.
+    fn serve_listeners(&mut self) {
+        let mut served = ServedListeners::default();
         let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
-        let endpoints = resources(TypeUrl::ClusterLoadAssignment);
         let secrets = resources(TypeUrl::Secret);
         let routes = resources(TypeUrl::RouteConfiguration);
         // A secret is there if SDS sent it or the bootstrap has it.
@@ -1194,20 +1248,10 @@ impl Manager {
                 .copied()
                 .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
         };
-        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
-            dynamic.clusters_version = clusters.version_info.clone();
-        }
-        for entry in endpoints.into_iter().flat_map(|e| e.values()) {
-            if let Resource::Endpoints(cla) = &entry.resource {
-                dynamic.endpoints.push(entry.tracked(cla));
-            }
-        }
-        // A listener warms until its routes and secrets are in; a version already
-        // served keeps serving meanwhile.
         let mut warming_listeners = HashMap::new();
         let mut active_listeners = HashMap::new();
         if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
-            dynamic.listeners_version = listeners.version_info.clone();
+            served.version = listeners.version_info.clone();
             for entry in listeners.resources.values() {
                 let Resource::Listener(l) = &entry.resource else {
                     continue;
@@ -1224,14 +1268,14 @@ impl Manager {
                         l.name.clone(),
                         deadline(self.warming_listeners.get(&l.name)),
                     );
-                    dynamic.warming_listeners.push(tracked);
+                    served.warming.push(tracked);
                     if let Some(active) = self.active_listeners.get(&l.name) {
-                        dynamic.listeners.push(active.clone());
+                        served.active.push(active.clone());
                         active_listeners.insert(l.name.clone(), active.clone());
                     }
                     continue;
                 }
-                dynamic.listeners.push(tracked.clone());
+                served.active.push(tracked.clone());
                 active_listeners.insert(l.name.clone(), tracked);
             }
             self.listeners_timed_out
@@ -1239,21 +1283,7 @@ impl Manager {
         }
         self.warming_listeners = warming_listeners;
         self.active_listeners = active_listeners;
-        if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
-            for entry in routes.resources.values() {
-                if let Resource::Route(r) = &entry.resource {
-                    dynamic.route_configs.push(entry.tracked(r));
-                }
-            }
-        }
-        if let Some(secrets) = self.types.get(&TypeUrl::Secret) {
-            for entry in secrets.resources.values() {
-                if let Resource::Secret(s) = &entry.resource {
-                    dynamic.secrets.push(entry.tracked(s));
-                }
-            }
-        }
-        dynamic
+        self.served_listeners = Some(served);
     }
 }
 
