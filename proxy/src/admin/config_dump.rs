@@ -155,7 +155,7 @@ fn configs(
                 clusters_dump
                     .dynamic_active_clusters
                     .push(clusters_config_dump::DynamicCluster {
-                        version_info: version.clone(),
+                        version_info: version.to_string(),
                         cluster,
                         last_updated,
                         error_state: error_state(CLUSTER, &tracked.resource.name),
@@ -171,7 +171,11 @@ fn configs(
         clusters_dump
             .dynamic_warming_clusters
             .push(clusters_config_dump::DynamicCluster {
-                version_info: tracked.version_info.clone().unwrap_or_default(),
+                version_info: tracked
+                    .version_info
+                    .as_deref()
+                    .unwrap_or_default()
+                    .to_owned(),
                 cluster: Some(any(&tracked.resource)),
                 last_updated: Some(timestamp(tracked.last_updated)),
                 error_state: None,
@@ -207,7 +211,7 @@ fn configs(
             ),
             Some(version) => endpoints_dump.dynamic_endpoint_configs.push(
                 endpoints_config_dump::DynamicEndpointConfig {
-                    version_info: version.clone(),
+                    version_info: version.to_string(),
                     endpoint_config,
                     last_updated: Some(timestamp(tracked.last_updated)),
                     client_status: ClientResourceStatus::Acked as i32,
@@ -237,7 +241,7 @@ fn configs(
                     .push(listeners_config_dump::DynamicListener {
                         name: tracked.resource.name.clone(),
                         active_state: Some(listeners_config_dump::DynamicListenerState {
-                            version_info: version.clone(),
+                            version_info: version.to_string(),
                             listener,
                             last_updated,
                         }),
@@ -254,7 +258,11 @@ fn configs(
         .filter(|l| names.keeps(&l.resource.name))
     {
         let warming = Some(listeners_config_dump::DynamicListenerState {
-            version_info: tracked.version_info.clone().unwrap_or_default(),
+            version_info: tracked
+                .version_info
+                .as_deref()
+                .unwrap_or_default()
+                .to_owned(),
             listener: Some(any(&tracked.resource)),
             last_updated: Some(timestamp(tracked.last_updated)),
         });
@@ -310,7 +318,7 @@ fn configs(
                 routes_dump
                     .dynamic_route_configs
                     .push(routes_config_dump::DynamicRouteConfig {
-                        version_info: version.clone(),
+                        version_info: version.to_string(),
                         route_config,
                         last_updated,
                         error_state: error_state(ROUTE_CONFIGURATION, &tracked.resource.name),
@@ -338,7 +346,7 @@ fn configs(
                     .dynamic_active_secrets
                     .push(secrets_config_dump::DynamicSecret {
                         name,
-                        version_info: version.clone(),
+                        version_info: version.to_string(),
                         last_updated,
                         secret,
                         ..Default::default()

@@ -85,8 +85,9 @@ pub struct Drain {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tracked<T> {
     pub resource: T,
-    /// The xDS version it came with; `None` for a static (bootstrap) resource.
-    pub version_info: Option<String>,
+    /// The xDS version it came with; `None` for a static (bootstrap) resource. Shared:
+    /// an update copies the tracked resources of a type without copying a version.
+    pub version_info: Option<std::sync::Arc<str>>,
     pub last_updated: SystemTime,
 }
 

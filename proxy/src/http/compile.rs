@@ -3,7 +3,6 @@
 //! filter chain (which must end in the router) and the settings the connection manager
 //! honours. Errors go to `problems` at their JSON path.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -19,7 +18,6 @@ use super::route::{Action, ClusterChoice, RouteConfig};
 use crate::admin::stats::Store;
 use crate::snapshot::Problems;
 use crate::snapshot::convert::{decode, type_name};
-use crate::upstream::Cluster;
 
 const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
 const FAULT: &str = "envoy.extensions.filters.http.fault.v3.HTTPFault";
@@ -54,7 +52,7 @@ const IGNORED_WITH_A_WARNING: &[(&str, &str)] = &[
 /// Compiles `hcm`; an inline route configuration's clusters must be among `clusters`.
 pub fn compile(
     hcm: &EnvoyHcm,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &crate::upstream::Clusters,
     stats: &Store,
     path: &str,
     problems: &mut Problems,
@@ -263,7 +261,7 @@ fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Problems) -> bool {
 /// cluster a route names must exist when the listener is loaded.
 fn validate_clusters(
     config: &RouteConfig,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &crate::upstream::Clusters,
     path: &str,
     problems: &mut Problems,
 ) {

@@ -293,7 +293,7 @@ mod serving {
     use crate::snapshot::{Problems, Snapshot, Store};
 
     fn snapshot_with(routes: &[(&str, serde_json::Value)]) -> Arc<Snapshot> {
-        let mut snapshot = Snapshot::new(Vec::new(), HashMap::new());
+        let mut snapshot = Snapshot::default();
         for (name, config) in routes {
             snapshot
                 .route_configs

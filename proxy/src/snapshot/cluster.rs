@@ -3,7 +3,6 @@
 //! breakers, outlier detection and active health checks. What shunt cannot honour is an
 //! error when it changes where traffic goes, a warning when it only changes how well.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,26 +32,31 @@ use crate::upstream::load_balancer::{
 };
 use crate::upstream::outlier::OutlierDetection;
 use crate::upstream::stats::ClusterStats;
-use crate::upstream::{Cluster, ClusterConfig, Discovery};
+use crate::upstream::{Cluster, ClusterConfig, Clusters, Discovery};
 
 /// The compiled clusters, and the endpoints left out of them for being Unix domain
-/// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether leaving them out matters
-/// depends on whether a served listener routes to the cluster (see [`super::compile`]).
+/// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether
+/// leaving them out matters depends on whether a served listener routes to the cluster
+/// (see [`super::compile`]).
 #[derive(Default)]
 pub struct Compiled {
-    pub clusters: HashMap<String, Arc<Cluster>>,
+    pub clusters: Clusters,
     /// The clusters compiled afresh (not kept from the previous snapshot): they start.
     pub fresh: Vec<Arc<Cluster>>,
     pub pipe_endpoints: Vec<(String, Vec<String>)>,
 }
 
-/// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
-/// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
-/// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
-/// connection counts carry over an update.
 /// A cluster to compile: its index in `static_resources.clusters` (`None`: from CDS),
 /// its config and the config's digest.
 pub type Source<'a> = (Option<usize>, &'a EnvoyCluster, u64);
+
+/// What an update does to one dynamic cluster (see [`patch`]).
+#[derive(Debug, PartialEq)]
+pub enum Change<'a> {
+    /// Added, or its config (endpoints included) changed: the new version.
+    Upserted(Source<'a>),
+    Removed(&'a str),
+}
 
 /// A cluster's JSON path in messages, written only when needed: an update keeps most
 /// clusters as they are and names none of them.
@@ -63,52 +67,95 @@ fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> String {
     }
 }
 
+/// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
+/// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
+/// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
+/// connection counts carry over an update.
 pub fn compile_all(
     clusters: &[Source<'_>],
     previous: Option<&super::Snapshot>,
     stats: &Store,
     problems: &mut Problems,
 ) -> Compiled {
-    let mut compiled = HashMap::new();
-    let mut fresh = Vec::new();
-    let mut pipe_endpoints = Vec::new();
-    for (index, cluster, digest) in clusters {
-        let digest = *digest;
-        if cluster.name.is_empty() {
-            let path = path_of(*index, cluster);
-            problems.error(format!("{path}.name"), "a cluster needs a name");
-            continue;
+    let mut compiled = Compiled::default();
+    for source in clusters {
+        compiled.add(*source, previous, stats, problems);
+    }
+    compiled
+}
+
+/// Compiles an update as a patch of `previous` (compiled from the same bootstrap): its
+/// clusters with `changes` applied, the others keeping their `Arc`. The result is what
+/// [`compile_all`] makes of the whole updated set, at the cost of the changed clusters
+/// only; the caller checks that no change needs a check across clusters (a missing
+/// name, the name of a static cluster: see [`super::cluster_changes`]).
+pub fn patch(
+    previous: &super::Snapshot,
+    changes: &[Change<'_>],
+    stats: &Store,
+    problems: &mut Problems,
+) -> Compiled {
+    // Clones only pointers: the names and clusters are shared.
+    let mut compiled = Compiled {
+        clusters: previous.clusters.clone(),
+        ..Default::default()
+    };
+    // Every changed name goes first, so that a replaced cluster is not a second one.
+    for change in changes {
+        let name = match change {
+            Change::Upserted((_, cluster, _)) => cluster.name.as_str(),
+            Change::Removed(name) => name,
+        };
+        compiled.clusters.remove(name);
+    }
+    for change in changes {
+        if let Change::Upserted(source) = change {
+            compiled.add(*source, Some(previous), stats, problems);
         }
-        if compiled.contains_key(&cluster.name) {
-            let path = path_of(*index, cluster);
+    }
+    compiled
+}
+
+impl Compiled {
+    /// Adds one cluster: kept from `previous` if its config is the same there, else
+    /// compiled (and `fresh`).
+    fn add(
+        &mut self,
+        (index, cluster, digest): Source<'_>,
+        previous: Option<&super::Snapshot>,
+        stats: &Store,
+        problems: &mut Problems,
+    ) {
+        if cluster.name.is_empty() {
+            let path = path_of(index, cluster);
+            problems.error(format!("{path}.name"), "a cluster needs a name");
+            return;
+        }
+        if self.clusters.contains_key(cluster.name.as_str()) {
+            let path = path_of(index, cluster);
             problems.error(
                 format!("{path}.name"),
                 format!("a second cluster named {:?}", cluster.name),
             );
-            continue;
+            return;
         }
         let kept = previous.and_then(|p| p.kept_cluster(&cluster.name, digest));
         let mut pipes = Vec::new();
         let built = match kept {
             Some(kept) => Some(kept),
             None => {
-                let path = path_of(*index, cluster);
+                let path = path_of(index, cluster);
                 let made = compile(cluster, &path, digest, stats, &mut pipes, problems);
-                fresh.extend(made.clone());
+                self.fresh.extend(made.clone());
                 made
             }
         };
         if let Some(c) = built {
-            compiled.insert(cluster.name.clone(), c);
+            self.clusters.insert(cluster.name.as_str().into(), c);
         }
         if !pipes.is_empty() {
-            pipe_endpoints.push((cluster.name.clone(), pipes));
+            self.pipe_endpoints.push((cluster.name.clone(), pipes));
         }
-    }
-    Compiled {
-        clusters: compiled,
-        fresh,
-        pipe_endpoints,
     }
 }
 

@@ -25,7 +25,7 @@ use crate::listener::config::{
     DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
 };
 use crate::listener::filter_chain::{FilterChainMatch, FilterChains, SourceType};
-use crate::upstream::Cluster;
+use crate::upstream::Clusters;
 
 const ORIGINAL_DST: &str = "envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
 const TLS_INSPECTOR: &str = "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector";
@@ -96,14 +96,27 @@ impl Drop for ActiveDownstream {
     }
 }
 
+/// A listener to compile: its index in `static_resources.listeners` (`None`: from LDS)
+/// and its config.
+pub type Source<'a> = (Option<usize>, &'a EnvoyListener);
+
+/// A listener's JSON path in messages, written only when needed: an update keeps most
+/// listeners as they are and names none of them.
+fn path_of((index, listener): Source<'_>) -> String {
+    match index {
+        Some(i) => format!("static_resources.listeners[{i}]"),
+        None => format!("Listener {:?}", listener.name),
+    }
+}
+
 /// Compiles every listener but those named in `skip` (served elsewhere: the admin API's
 /// health ports), each at its JSON path. Returns the listeners, their stats and config
 /// digests, in the same order. A listener whose config is the same as in `previous`
-/// keeps its compiled `Arc`: an update does not touch its connections.
+/// keeps its compiled `Arc` and stats: an update does not touch its connections.
 pub fn compile_all(
-    listeners: &[(String, &EnvoyListener)],
+    listeners: &[Source<'_>],
     skip: &HashSet<String>,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &Clusters,
     previous: Option<&super::Snapshot>,
     stats: &Store,
     problems: &mut Problems,
@@ -112,17 +125,17 @@ pub fn compile_all(
     let mut listener_stats = Vec::new();
     let mut digests = Vec::new();
     let mut names = HashSet::new();
-    let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
-    for (path, listener) in listeners {
-        let (path, listener) = (path.clone(), *listener);
+    let mut addresses: HashMap<SocketAddr, Arc<str>> = HashMap::new();
+    for &source in listeners {
+        let listener = source.1;
         let name = if listener.name.is_empty() {
-            path.clone()
+            path_of(source)
         } else {
             listener.name.clone()
         };
         if !names.insert(name.clone()) {
             problems.error(
-                format!("{path}.name"),
+                format!("{}.name", path_of(source)),
                 format!("a second listener named {name:?}"),
             );
             continue;
@@ -131,30 +144,33 @@ pub fn compile_all(
             continue;
         }
         let digest = super::digest(listener);
-        let compiled_listener = match previous.and_then(|p| p.kept_listener(&name, digest)) {
+        let (compiled_listener, its_stats) = match previous
+            .and_then(|p| p.kept_listener(&name, digest))
+        {
             Some(kept) => kept,
-            None => match compile(listener, name, clusters, stats, &path, problems) {
-                Some(fresh) => Arc::new(fresh),
-                None => continue,
-            },
+            None => {
+                let path = path_of(source);
+                let Some(fresh) = compile(listener, name, clusters, stats, &path, problems) else {
+                    continue;
+                };
+                let its_stats =
+                    ListenerStats::new(stats, listener, fresh.addresses.first().copied());
+                (Arc::new(fresh), its_stats)
+            }
         };
         for addr in &compiled_listener.addresses {
             // Port 0 asks the kernel for a port: such listeners cannot clash.
             if addr.port() == 0 {
                 continue;
             }
-            if let Some(other) = addresses.insert(*addr, compiled_listener.name.to_string()) {
+            if let Some(other) = addresses.insert(*addr, compiled_listener.name.clone()) {
                 problems.error(
-                    format!("{path}.address"),
+                    format!("{}.address", path_of(source)),
                     format!("{addr} is already the address of listener {other:?}"),
                 );
             }
         }
-        listener_stats.push(ListenerStats::new(
-            stats,
-            listener,
-            compiled_listener.addresses.first().copied(),
-        ));
+        listener_stats.push(its_stats);
         compiled.push(compiled_listener);
         digests.push(digest);
     }
@@ -164,7 +180,7 @@ pub fn compile_all(
 /// The clusters the `tcp_proxy` filters of the listeners (but those in `skip`) route
 /// to, each with the first listener that routes there.
 pub fn routed_clusters(
-    listeners: &[(String, &EnvoyListener)],
+    listeners: &[Source<'_>],
     skip: &HashSet<String>,
 ) -> HashMap<String, String> {
     let mut routed = HashMap::new();
@@ -202,7 +218,7 @@ pub fn routed_clusters(
 fn compile(
     listener: &EnvoyListener,
     name: String,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &Clusters,
     stats: &Store,
     path: &str,
     problems: &mut Problems,
@@ -465,7 +481,7 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> F
 fn compile_chain(
     chain: &EnvoyFilterChain,
     default_name: &str,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &Clusters,
     stats: &Store,
     path: &str,
     problems: &mut Problems,

@@ -36,13 +36,13 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use crate::admin::stats::Store as StatsStore;
 use crate::admin::{Resources, Tracked, UpdateFailure};
 use crate::listener::config::Listener;
-use crate::upstream::Cluster;
+use crate::upstream::{Cluster, Clusters};
 
 #[derive(Debug, Default)]
 pub struct Snapshot {
     /// In bootstrap order.
     pub listeners: Vec<Arc<Listener>>,
-    pub clusters: HashMap<String, Arc<Cluster>>,
+    pub clusters: Clusters,
     /// Route configurations by name, for HTTP connection managers with `rds`: each
     /// request looks its route configuration up here, in the snapshot current then.
     /// Filled from RDS resources; empty without them.
@@ -54,55 +54,61 @@ pub struct Snapshot {
     /// update compiles again only those that changed (a new `Arc`).
     route_sources: HashMap<String, Arc<RouteConfiguration>>,
     secret_sources: HashMap<String, Arc<Secret>>,
-    /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
-    by_address: HashMap<SocketAddr, usize>,
-    /// Listener index by name: every accepted connection looks its listener up.
-    by_name: HashMap<Arc<str>, usize>,
-    /// Each listener's stats, by listener name.
-    listener_stats: HashMap<Arc<str>, ListenerStats>,
+    /// How listeners are looked up, with their stats and config digests: shared with the
+    /// previous snapshot when an update changes no listener.
+    index: Arc<ListenerIndex>,
     /// The bootstrap's static resources as `/config_dump` shows them (listeners served
     /// by the admin API's health ports too), shared by every snapshot.
     static_resources: Arc<Resources>,
     /// The xDS resources this snapshot was compiled from.
     dynamic: Arc<DynamicResources>,
-    /// Config digests of the compiled clusters and listeners, by name: what the next
-    /// update compares against to keep unchanged ones.
-    listener_digests: HashMap<Arc<str>, u64>,
-    /// When the bootstrap's static resources were loaded (kept across updates).
+    /// Whether `dynamic.clusters` are in strict name order: the next update can patch
+    /// this snapshot's clusters ([`cluster_changes`]).
+    dynamic_clusters_in_order: bool,
+    /// When the bootstrap's static resources were loaded (kept across updates); `None`
+    /// if this snapshot was not compiled from the bootstrap.
     loaded_at: Option<SystemTime>,
 }
 
-impl Snapshot {
-    pub fn new(listeners: Vec<Arc<Listener>>, clusters: HashMap<String, Arc<Cluster>>) -> Self {
-        let mut by_address = HashMap::new();
-        let mut by_name = HashMap::new();
-        for (index, listener) in listeners.iter().enumerate() {
-            for addr in &listener.addresses {
-                by_address.entry(*addr).or_insert(index);
-            }
-            by_name.entry(listener.name.clone()).or_insert(index);
-        }
-        Snapshot {
-            listener_stats: HashMap::new(),
-            listeners,
-            clusters,
-            route_configs: HashMap::new(),
-            secrets: HashMap::new(),
-            route_sources: HashMap::new(),
-            secret_sources: HashMap::new(),
-            by_address,
-            by_name,
-            static_resources: Arc::default(),
-            dynamic: Arc::default(),
-            listener_digests: HashMap::new(),
-            loaded_at: None,
-        }
-    }
+/// A snapshot's lookups of its listeners (each an index into `listeners`), and what an
+/// update needs to keep them.
+#[derive(Debug, Default)]
+struct ListenerIndex {
+    /// Listener index by each of its addresses, for `use_original_dst` hand-offs.
+    by_address: HashMap<SocketAddr, usize>,
+    /// Listener index by name: every accepted connection looks its listener up.
+    by_name: HashMap<Arc<str>, usize>,
+    /// Each listener's stats, by listener name.
+    stats: HashMap<Arc<str>, ListenerStats>,
+    /// Config digests of the compiled listeners, by name: what the next update compares
+    /// against to keep unchanged ones.
+    digests: HashMap<Arc<str>, u64>,
+}
 
+impl ListenerIndex {
+    fn new(listeners: &[Arc<Listener>]) -> Self {
+        let mut index = ListenerIndex::default();
+        for (i, listener) in listeners.iter().enumerate() {
+            for addr in &listener.addresses {
+                index.by_address.entry(*addr).or_insert(i);
+            }
+            index.by_name.entry(listener.name.clone()).or_insert(i);
+        }
+        index
+    }
+}
+
+impl Snapshot {
     /// Every resource this snapshot serves, static and dynamic, as `/config_dump` shows
     /// them. Built on demand: an update does not pay for copies only the admin API reads.
     pub fn resources(&self) -> Resources {
         (*self.static_resources).clone().with_dynamic(&self.dynamic)
+    }
+
+    /// Whether this snapshot was compiled from the bootstrap ([`compile_with`]): it has
+    /// the static resources, and an update can start from it.
+    fn compiled_from_bootstrap(&self) -> bool {
+        self.loaded_at.is_some()
     }
 
     /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
@@ -113,20 +119,33 @@ impl Snapshot {
             .cloned()
     }
 
-    /// This snapshot's listener `name`, if it was compiled from the config with `digest`.
-    fn kept_listener(&self, name: &str, digest: u64) -> Option<Arc<Listener>> {
-        (self.listener_digests.get(name) == Some(&digest))
-            .then(|| self.listener(name).cloned())
-            .flatten()
+    /// This snapshot's listener `name` with its stats, if it was compiled from the config
+    /// with `digest`.
+    fn kept_listener(&self, name: &str, digest: u64) -> Option<(Arc<Listener>, ListenerStats)> {
+        if self.index.digests.get(name) != Some(&digest) {
+            return None;
+        }
+        let listener = self.listener(name)?;
+        let stats = self.index.stats.get(name)?;
+        Some((listener.clone(), stats.clone()))
+    }
+
+    /// Whether this snapshot serves the very listeners of `other` (an update that
+    /// changed none of them): same `Arc`s, addresses and stats.
+    pub fn shares_listeners_with(&self, other: &Snapshot) -> bool {
+        Arc::ptr_eq(&self.index, &other.index)
     }
 
     pub fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
-        self.by_name.get(name).map(|&index| &self.listeners[index])
+        self.index
+            .by_name
+            .get(name)
+            .map(|&index| &self.listeners[index])
     }
 
     /// The stats of `listener` (one of this snapshot's).
     pub fn listener_stats(&self, listener: &Listener) -> Option<&ListenerStats> {
-        self.listener_stats.get(&listener.name)
+        self.index.stats.get(&listener.name)
     }
 
     /// The listener a connection restored to `destination` is handed to: the one with
@@ -137,12 +156,10 @@ impl Snapshot {
             SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
             SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
         };
-        self.by_address
+        let by_address = &self.index.by_address;
+        by_address
             .get(&destination)
-            .or_else(|| {
-                self.by_address
-                    .get(&SocketAddr::new(wildcard, destination.port()))
-            })
+            .or_else(|| by_address.get(&SocketAddr::new(wildcard, destination.port())))
             .map(|&index| &self.listeners[index])
     }
 }
@@ -197,8 +214,9 @@ pub struct DynamicResources {
     /// Listeners waiting for their routes or secrets (Envoy's listener warming): not
     /// served yet.
     pub warming_listeners: Vec<Tracked<Arc<EnvoyListener>>>,
-    /// Active clusters.
-    pub clusters: Vec<DynamicCluster>,
+    /// Active clusters, by name. Each is shared, so that an update of one cluster's
+    /// endpoints copies pointers, not configs.
+    pub clusters: Vec<Arc<DynamicCluster>>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
     pub warming_clusters: Vec<Tracked<Arc<EnvoyCluster>>>,
     /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
@@ -249,26 +267,120 @@ fn xds_clusters(bootstrap: &Bootstrap) -> HashSet<&str> {
         .collect()
 }
 
+/// Whether `next` has the very dynamic listeners of `previous` (the xDS manager shares
+/// each accepted resource between its updates), in the same order.
+fn same_listeners(previous: &DynamicResources, next: &DynamicResources) -> bool {
+    previous.listeners.len() == next.listeners.len()
+        && previous
+            .listeners
+            .iter()
+            .zip(&next.listeners)
+            .all(|(old, new)| Arc::ptr_eq(&old.resource, &new.resource))
+}
+
+/// Whether `clusters` are in strict name order (sorted, no name twice).
+fn in_name_order(clusters: &[Arc<DynamicCluster>]) -> bool {
+    clusters
+        .windows(2)
+        .all(|w| w[0].effective.name < w[1].effective.name)
+}
+
+/// What `next` changes in the dynamic clusters of `previous` (in name order): the
+/// clusters added or whose config (endpoints included) changed, and the removed ones.
+/// Both lists are walked in step; a cluster `next` shares with `previous` (the same
+/// `Arc`: the xDS manager keeps what an update does not touch) is passed over without
+/// comparing names, so an update of one cluster of thousands hashes, copies and
+/// compiles nothing else.
+///
+/// `None` when patching would not do what compiling all clusters does: `next` is not in
+/// name order (checked around the clusters it does not share: shared ones keep the
+/// order of `previous`), or a changed cluster has no name or the name of a static one
+/// (errors only a full compile reports).
+fn cluster_changes<'a>(
+    previous: &'a [Arc<DynamicCluster>],
+    next: &'a [Arc<DynamicCluster>],
+    static_clusters: &[EnvoyCluster],
+) -> Option<Vec<cluster::Change<'a>>> {
+    let name = |c: &'a DynamicCluster| c.effective.name.as_str();
+    let upserted =
+        |c: &'a DynamicCluster| cluster::Change::Upserted((None, &c.effective, c.digest));
+    let mut changes = Vec::new();
+    // The places in `next` of the clusters it does not share with `previous`.
+    let mut unshared = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (previous.get(i), next.get(j)) {
+            (None, None) => break,
+            (Some(o), Some(n)) if Arc::ptr_eq(o, n) => {
+                i += 1;
+                j += 1;
+            }
+            (Some(o), Some(n)) if name(o) == name(n) => {
+                if o.digest != n.digest {
+                    changes.push(upserted(n));
+                }
+                unshared.push(j);
+                i += 1;
+                j += 1;
+            }
+            (Some(o), n) if n.is_none_or(|n| name(o) < name(n)) => {
+                changes.push(cluster::Change::Removed(name(o)));
+                i += 1;
+            }
+            (_, Some(n)) => {
+                changes.push(upserted(n));
+                unshared.push(j);
+                j += 1;
+            }
+            (Some(_), None) => unreachable!("a removal, above"),
+        }
+    }
+    let in_order = unshared.iter().all(|&j| {
+        (j == 0 || name(&next[j - 1]) < name(&next[j]))
+            && next
+                .get(j + 1)
+                .is_none_or(|after| name(&next[j]) < name(after))
+    });
+    let needs_full_checks = changes.iter().any(|change| match change {
+        cluster::Change::Upserted((_, c, _)) => {
+            c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
+        }
+        cluster::Change::Removed(_) => false,
+    });
+    (in_order && !needs_full_checks).then_some(changes)
+}
+
 /// A transport socket naming a secret without `sds_config` names a static one: Envoy
 /// refuses the config when `static_resources.secrets` lacks it, and so does shunt.
 fn unknown_static_secrets(
     statics: &[Secret],
-    clusters: &[cluster::Source],
-    listeners: &[(String, &EnvoyListener)],
+    static_clusters: &[EnvoyCluster],
+    dynamic: &DynamicResources,
+    listeners: &[listener::Source],
     problems: &mut problems::Problems,
 ) {
     use crate::xds::references::{self, SecretSource};
     let known: HashSet<&str> = statics.iter().map(|s| s.name.as_str()).collect();
-    let clusters = clusters.iter().map(|(index, cluster, _)| {
-        let path = match index {
-            Some(i) => format!("static_resources.clusters[{i}]"),
-            None => format!("Cluster {:?}", cluster.name),
-        };
-        (path, references::cluster_secrets(cluster))
-    });
-    let listeners = listeners
+    let clusters = static_clusters
         .iter()
-        .map(|(path, listener)| (path.clone(), references::listener_secrets(listener)));
+        .enumerate()
+        .map(|(i, c)| (Some(i), c))
+        .chain(dynamic.clusters.iter().map(|c| (None, &*c.effective)))
+        .filter(|(_, c)| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty())
+        .map(|(index, cluster)| {
+            let path = match index {
+                Some(i) => format!("static_resources.clusters[{i}]"),
+                None => format!("Cluster {:?}", cluster.name),
+            };
+            (path, references::cluster_secrets(cluster))
+        });
+    let listeners = listeners.iter().map(|(index, listener)| {
+        let path = match index {
+            Some(i) => format!("static_resources.listeners[{i}]"),
+            None => format!("Listener {:?}", listener.name),
+        };
+        (path, references::listener_secrets(listener))
+    });
     for (path, refs) in clusters.chain(listeners) {
         for secret in refs {
             if secret.source == SecretSource::Static && !known.contains(secret.name.as_str()) {
@@ -405,46 +517,70 @@ pub fn compile_with(
     // The xDS client reaches its server through these itself (`crate::xds::source`); the
     // data plane compiles them too (TLS included), so a listener may route to them.
     let xds_clusters = xds_clusters(bootstrap);
-    let cluster_sources: Vec<cluster::Source> = resources
-        .clusters
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (Some(i), c, digest(c)))
-        .chain(
-            dynamic
-                .clusters
+    let static_clusters = &resources.clusters;
+    // An update patches the previous snapshot's clusters where it can (see
+    // `cluster_changes`): unchanged clusters cost nothing.
+    let patch = previous
+        .filter(|p| p.compiled_from_bootstrap() && p.dynamic_clusters_in_order)
+        .and_then(|p| {
+            let changes = cluster_changes(&p.dynamic.clusters, &dynamic.clusters, static_clusters)?;
+            Some((p, changes))
+        });
+    let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
+    let clusters = match patch {
+        Some((previous, changes)) => cluster::patch(previous, &changes, stats, &mut problems),
+        None => {
+            let sources: Vec<cluster::Source> = static_clusters
                 .iter()
-                .map(|c| (None, &*c.effective, c.digest)),
-        )
-        .collect();
-    let listener_sources: Vec<(String, &EnvoyListener)> = resources
+                .enumerate()
+                .map(|(i, c)| (Some(i), c, digest(c)))
+                .chain(
+                    dynamic
+                        .clusters
+                        .iter()
+                        .map(|c| (None, &*c.effective, c.digest)),
+                )
+                .collect();
+            cluster::compile_all(&sources, previous, stats, &mut problems)
+        }
+    };
+    let listener_sources: Vec<listener::Source> = resources
         .listeners
         .iter()
         .enumerate()
-        .map(|(i, l)| (format!("static_resources.listeners[{i}]"), l))
-        .chain(
-            dynamic
-                .listeners
-                .iter()
-                .map(|t| (format!("Listener {:?}", t.resource.name), &*t.resource)),
-        )
+        .map(|(i, l)| (Some(i), l))
+        .chain(dynamic.listeners.iter().map(|t| (None, &*t.resource)))
         .collect();
+    // Listeners compile from their own configs only (a missing cluster is a warning
+    // their compiling gave already), so the same configs give the same listeners.
+    let unchanged_listeners =
+        previous.filter(|p| p.compiled_from_bootstrap() && same_listeners(&p.dynamic, &dynamic));
+    let (listeners, index) = match unchanged_listeners {
+        Some(previous) => (previous.listeners.clone(), previous.index.clone()),
+        None => {
+            let (listeners, stats, digests) = listener::compile_all(
+                &listener_sources,
+                &health,
+                &clusters.clusters,
+                previous,
+                stats,
+                &mut problems,
+            );
+            let mut index = ListenerIndex::new(&listeners);
+            let names = || listeners.iter().map(|l| l.name.clone());
+            index.stats = names().zip(stats).collect();
+            index.digests = names().zip(digests).collect();
+            (listeners, Arc::new(index))
+        }
+    };
     let mut secrets = crate::tls::secret::compile_static(&resources.secrets, &mut problems);
     let secret_sources = dynamic_secrets(&dynamic, previous, &mut secrets, &mut problems);
     let (route_configs, route_sources) = dynamic_route_configs(&dynamic, previous, &mut problems);
     unknown_static_secrets(
         &resources.secrets,
-        &cluster_sources,
+        static_clusters,
+        &dynamic,
         &listener_sources,
-        &mut problems,
-    );
-    let clusters = cluster::compile_all(&cluster_sources, previous, stats, &mut problems);
-    let (listeners, listener_stats, listener_digests) = listener::compile_all(
-        &listener_sources,
-        &health,
-        &clusters.clusters,
-        previous,
-        stats,
         &mut problems,
     );
     // Only pipe endpoints need to know which listeners route where.
@@ -478,23 +614,17 @@ pub fn compile_with(
         }
     }
     problems.finish()?;
-    let mut snapshot = Snapshot::new(listeners, clusters.clusters);
-    snapshot.secrets = secrets;
-    snapshot.secret_sources = secret_sources;
-    snapshot.route_configs = route_configs;
-    snapshot.route_sources = route_sources;
-    snapshot.listener_digests = snapshot
-        .listeners
-        .iter()
-        .map(|l| l.name.clone())
-        .zip(listener_digests)
-        .collect();
-    snapshot.listener_stats = snapshot
-        .listeners
-        .iter()
-        .map(|l| l.name.clone())
-        .zip(listener_stats)
-        .collect();
+    let mut snapshot = Snapshot {
+        listeners,
+        clusters: clusters.clusters,
+        route_configs,
+        secrets,
+        route_sources,
+        secret_sources,
+        index,
+        dynamic_clusters_in_order,
+        ..Default::default()
+    };
     snapshot.static_resources = match previous {
         Some(previous) if previous.loaded_at.is_some() => {
             snapshot.loaded_at = previous.loaded_at;

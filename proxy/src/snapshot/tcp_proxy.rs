@@ -1,7 +1,6 @@
 //! Compiling a `tcp_proxy` network filter's config, and access log configs (shared with
 //! listeners).
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -17,11 +16,11 @@ use super::problems::Problems;
 use crate::access_log::Sink;
 use crate::admin::stats::Store;
 use crate::tcp::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
-use crate::upstream::Cluster;
+use crate::upstream::Clusters;
 
 pub fn compile(
     proxy: &EnvoyTcpProxy,
-    clusters: &HashMap<String, Arc<Cluster>>,
+    clusters: &Clusters,
     stats: &Store,
     path: &str,
     problems: &mut Problems,

@@ -381,7 +381,7 @@ fn every_error_is_reported_at_its_path() {
     );
 }
 
-fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluster {
+fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> Arc<super::DynamicCluster> {
     let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
         crate::config::message_from_json(serde_json::json!({
         "name": name, "type": "STATIC", "connect_timeout": timeout,
@@ -390,7 +390,7 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluste
     }))
     .unwrap();
     let cluster = Arc::new(cluster);
-    super::DynamicCluster {
+    Arc::new(super::DynamicCluster {
         digest: digest(&*cluster),
         effective: cluster.clone(),
         tracked: crate::admin::Tracked {
@@ -398,7 +398,7 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> super::DynamicCluste
             version_info: Some("1".into()),
             last_updated: std::time::SystemTime::now(),
         },
-    }
+    })
 }
 
 #[test]
@@ -605,5 +605,137 @@ static_resources:
         vec![
             "static_resources.clusters[0].transport_socket: names secret \"client-cert\" without an sds_config, and static_resources.secrets has no such secret"
         ]
+    );
+}
+
+fn dynamic_listener(
+    name: &str,
+    port: u32,
+    cluster: &str,
+) -> crate::admin::Tracked<Arc<EnvoyListener>> {
+    let listener: EnvoyListener = crate::config::message_from_json(serde_json::json!({
+        "name": name,
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "tcp", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "stat_prefix": name, "cluster": cluster}}]}]
+    }))
+    .unwrap();
+    crate::admin::Tracked {
+        resource: Arc::new(listener),
+        version_info: Some("1".into()),
+        last_updated: std::time::SystemTime::now(),
+    }
+}
+
+/// Each cluster's name and config digest, and each listener's name: what a snapshot
+/// serves, to compare a patched snapshot with one compiled from scratch.
+fn contents(snapshot: &Snapshot) -> (Vec<(String, u64)>, Vec<String>) {
+    let mut clusters: Vec<(String, u64)> = snapshot
+        .clusters
+        .iter()
+        .map(|(name, c)| {
+            assert_eq!(**name, *c.name, "a cluster under its own name");
+            (name.to_string(), c.config_digest)
+        })
+        .collect();
+    clusters.sort();
+    let listeners = snapshot
+        .listeners
+        .iter()
+        .map(|l| l.name.to_string())
+        .collect();
+    (clusters, listeners)
+}
+
+#[test]
+fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
+    let bootstrap = bootstrap("static_resources: {clusters: [{name: s}]}");
+    let stats = Default::default();
+    let mut dynamic = super::DynamicResources {
+        clusters: vec![
+            dynamic_cluster("a", 1, "1s"),
+            dynamic_cluster("b", 2, "1s"),
+            dynamic_cluster("c", 3, "1s"),
+        ],
+        listeners: vec![dynamic_listener("l", 7001, "a")],
+        ..Default::default()
+    };
+    let first = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), None, &stats)
+        .unwrap()
+        .snapshot;
+
+    // One cluster changed, one removed, one added; the listener is the same resource.
+    dynamic.clusters = vec![
+        dynamic.clusters[0].clone(),
+        dynamic_cluster("b", 4, "1s"),
+        dynamic_cluster("d", 5, "1s"),
+    ];
+    let changes = super::cluster_changes(&first.dynamic.clusters, &dynamic.clusters, &[]).unwrap();
+    let changed: Vec<String> = changes
+        .iter()
+        .map(|change| match change {
+            cluster::Change::Upserted((_, c, _)) => format!("+{}", c.name),
+            cluster::Change::Removed(name) => format!("-{name}"),
+        })
+        .collect();
+    assert_eq!(changed, ["+b", "-c", "+d"]);
+    // Out of name order, or a name twice: compiled whole, which checks what a patch cannot.
+    let a = dynamic.clusters[0].clone();
+    let unordered = [dynamic_cluster("b", 4, "1s"), a.clone()];
+    assert!(super::cluster_changes(&first.dynamic.clusters, &unordered, &[]).is_none());
+    let twice = [a.clone(), dynamic_cluster("a", 4, "1s")];
+    assert!(super::cluster_changes(&first.dynamic.clusters, &twice, &[]).is_none());
+    let dynamic = Arc::new(dynamic);
+    let patched = super::compile_with(&bootstrap, dynamic.clone(), Some(&first), &stats).unwrap();
+    let scratch = super::compile_with(&bootstrap, dynamic.clone(), None, &stats).unwrap();
+    assert_eq!(contents(&patched.snapshot), contents(&scratch.snapshot));
+    let second = patched.snapshot;
+    assert_eq!(contents(&second).0.len(), 4, "s, a, b and d");
+    for name in ["s", "a"] {
+        assert!(
+            Arc::ptr_eq(&first.clusters[name], &second.clusters[name]),
+            "{name} kept"
+        );
+    }
+    let mut fresh: Vec<&str> = patched.fresh_clusters.iter().map(|c| &*c.name).collect();
+    fresh.sort_unstable();
+    assert_eq!(fresh, ["b", "d"]);
+    assert!(second.shares_listeners_with(&first), "no listener changed");
+
+    // A changed listener is compiled again; the snapshot is still the one from scratch.
+    let mut third = (*dynamic).clone();
+    third.listeners = vec![dynamic_listener("l", 7002, "b")];
+    let third = Arc::new(third);
+    let patched = super::compile_with(&bootstrap, third.clone(), Some(&second), &stats)
+        .unwrap()
+        .snapshot;
+    let scratch = super::compile_with(&bootstrap, third, None, &stats)
+        .unwrap()
+        .snapshot;
+    assert!(!patched.shares_listeners_with(&second));
+    assert_eq!(contents(&patched), contents(&scratch));
+    let at = |s: &Snapshot| {
+        s.listener_for_address("127.0.0.1:7002".parse().unwrap())
+            .map(|l| l.name.clone())
+    };
+    assert_eq!(at(&patched).as_deref(), Some("l"));
+    assert_eq!(at(&patched), at(&scratch));
+
+    // A dynamic cluster named as a static one is an error from the patch as from scratch.
+    let mut clash = (*dynamic).clone();
+    clash.clusters.push(dynamic_cluster("s", 6, "1s"));
+    let errors = |previous: Option<&Snapshot>| -> Vec<String> {
+        super::compile_with(&bootstrap, Arc::new(clash.clone()), previous, &stats)
+            .unwrap_err()
+            .errors
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
+    assert_eq!(errors(Some(&second)), errors(None));
+    assert_eq!(
+        errors(None),
+        ["Cluster \"s\".name: a second cluster named \"s\""]
     );
 }

@@ -9,7 +9,6 @@
 //! `UO` circuit breaker overflow, `UH` no host (BlackHoleCluster), `UF` every connect
 //! attempt failed (the downstream gets a reset, as the passthrough gives one).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +19,7 @@ use crate::access_log::{Entry, ResponseFlag, Sink};
 use crate::admin::stats::{Counter, Store};
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::transport_socket;
-use crate::upstream::{Cluster, LbContext};
+use crate::upstream::{Clusters, LbContext};
 
 /// Envoy's default `idle_timeout`: one hour.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -83,7 +82,7 @@ impl ClusterSpecifier {
 
 /// What the filter needs from its surroundings.
 pub struct Upstreams<'a> {
-    pub clusters: &'a HashMap<String, Arc<Cluster>>,
+    pub clusters: &'a Clusters,
     /// The ports the proxy listens on: an ORIGINAL_DST host on one of them is a loop.
     pub own_ports: &'a [u16],
     /// The secrets upstream TLS contexts name (the current snapshot's).

@@ -20,3 +20,7 @@ pub mod transport_socket;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
 pub use load_balancer::LbContext;
+
+/// A snapshot's clusters by name. The names are shared (`Arc<str>`) so that an update
+/// copies the map of thousands of clusters without copying a name.
+pub type Clusters = std::collections::HashMap<std::sync::Arc<str>, std::sync::Arc<Cluster>>;

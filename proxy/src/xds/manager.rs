@@ -142,16 +142,16 @@ struct Entry {
     /// Digest of the resource as it came on the wire: tells a changed one from a resent one.
     digest: u64,
     /// The resource's version: Delta's own, or the SotW response's.
-    version: String,
+    version: Arc<str>,
     last_updated: SystemTime,
 }
 
 impl Entry {
-    fn new(kind: TypeUrl, any: &Any, version: &str) -> Result<Entry, String> {
+    fn new(kind: TypeUrl, any: &Any, version: Arc<str>) -> Result<Entry, String> {
         Ok(Entry {
             resource: Resource::decode(kind, any)?,
             digest: xxhash_rust::xxh64::xxh64(&any.value, 0),
-            version: version.to_owned(),
+            version,
             last_updated: SystemTime::now(),
         })
     }
@@ -209,6 +209,32 @@ struct StreamState {
 /// endpoints it was made from, the result, and the result's digest.
 type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);
 
+/// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
+/// only the clusters those endpoints are for.
+#[derive(Debug, Default)]
+struct ServedClusters {
+    /// Active, in name order (as [`DynamicResources::clusters`]).
+    active: Vec<Arc<DynamicCluster>>,
+    /// Waiting for their endpoints or secrets.
+    warming: Vec<Tracked<Arc<EnvoyCluster>>>,
+    /// The active EDS clusters by the service their endpoints come under: each one's
+    /// place in `active` and the digest of its CDS config.
+    by_service: HashMap<String, Vec<(usize, u64)>>,
+    /// The EDS services of warming clusters: their endpoints may end the warming,
+    /// which takes a full rebuild.
+    awaited: HashSet<String>,
+}
+
+/// The LDS listeners a rebuild served.
+#[derive(Debug, Default)]
+struct ServedListeners {
+    /// Served: the accepted version, or the last one served while a newer one warms.
+    active: Vec<Tracked<Arc<EnvoyListener>>>,
+    /// Waiting for their routes or secrets.
+    warming: Vec<Tracked<Arc<EnvoyListener>>>,
+    version: String,
+}
+
 pub struct Manager {
     bootstrap: Bootstrap,
     node: Node,
@@ -227,6 +253,11 @@ pub struct Manager {
     /// Each active EDS cluster with its endpoints filled in, by name, with the digests
     /// of the cluster and endpoints it was made from and its own digest.
     effective: HashMap<String, Effective>,
+    /// The clusters the last rebuild served: an update of endpoints patches them.
+    served: Option<ServedClusters>,
+    /// The listeners the last rebuild served, active and warming: an update of
+    /// endpoints keeps them.
+    served_listeners: Option<ServedListeners>,
     /// Clusters whose wait ended without endpoints or secrets.
     timed_out: HashSet<String>,
     /// Listeners waiting for their routes or secrets, with when they stop waiting.
@@ -314,6 +345,8 @@ impl Manager {
             warming: HashMap::new(),
             timed_out: Default::default(),
             effective: HashMap::new(),
+            served: None,
+            served_listeners: None,
             warming_count: 0,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
@@ -452,7 +485,7 @@ impl Manager {
                     initial_resource_versions: state
                         .resources
                         .iter()
-                        .map(|(name, entry)| (name.clone(), entry.version.clone()))
+                        .map(|(name, entry)| (name.clone(), entry.version.to_string()))
                         .collect(),
                     ..Default::default()
                 })
@@ -489,10 +522,12 @@ impl Manager {
             return;
         };
         let version = response.version_info.clone();
+        // One version for every resource of the response.
+        let shared: Arc<str> = version.as_str().into();
         let decoded: Result<Vec<Entry>, (String, String)> = response
             .resources
             .iter()
-            .map(|any| Entry::new(kind, any, &version).map_err(|e| (String::new(), e)))
+            .map(|any| Entry::new(kind, any, shared.clone()).map_err(|e| (String::new(), e)))
             .collect();
         let result = decoded.map_err(|e| vec![e]).and_then(|entries| {
             let state = &self.types[&kind];
@@ -501,7 +536,7 @@ impl Manager {
                 let name = entry.resource.name().to_owned();
                 let entry = match state.resources.get(&name) {
                     Some(old) if old.digest == entry.digest => Entry {
-                        version: version.clone(),
+                        version: shared.clone(),
                         ..old.clone()
                     },
                     _ => entry,
@@ -551,7 +586,7 @@ impl Manager {
             let Some(any) = &resource.resource else {
                 continue;
             };
-            match Entry::new(kind, any, &resource.version) {
+            match Entry::new(kind, any, resource.version.as_str().into()) {
                 Ok(entry) => {
                     let name = if resource.name.is_empty() {
                         entry.resource.name().to_owned()
@@ -594,6 +629,7 @@ impl Manager {
         version: &str,
     ) -> Result<(), Vec<(String, String)>> {
         let state = self.types.get_mut(&kind).expect("a subscribed type");
+        let mut removed_any = false;
         let (undo, touched): (Undo, Vec<String>) = match change {
             Change::Replace(set) => {
                 let touched = set.keys().cloned().collect();
@@ -611,13 +647,17 @@ impl Manager {
                 }
                 for name in removals {
                     if let Some(old) = state.resources.remove(&name) {
+                        removed_any = true;
                         undo.push((name, Some(old)));
                     }
                 }
                 (Undo::Patch(undo), touched)
             }
         };
-        let result = self.rebuild();
+        // New endpoints (none removed) change only the clusters they are for.
+        let endpoints_changed =
+            (kind == TypeUrl::ClusterLoadAssignment && !removed_any).then_some(touched.as_slice());
+        let result = self.rebuild(endpoints_changed);
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         match result {
             Ok(()) => {
@@ -672,7 +712,7 @@ impl Manager {
                     });
                 }
                 // Show the error state in /config_dump.
-                let _ = self.rebuild();
+                let _ = self.rebuild(endpoints_changed);
                 self.count(kind, "update_rejected");
                 tracing::warn!(
                     kind = kind.short(),
@@ -714,7 +754,7 @@ impl Manager {
                 self.listeners_timed_out.insert(name.clone());
             }
         }
-        if let Err(errors) = self.rebuild() {
+        if let Err(errors) = self.rebuild(None) {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
         self.check_progress();
@@ -722,9 +762,13 @@ impl Manager {
     }
 
     /// Compiles the bootstrap with every accepted resource; on success swaps the snapshot
-    /// in, binds new listener sockets and tells the serve loop.
-    fn rebuild(&mut self) -> Result<(), Vec<(String, String)>> {
-        let dynamic = Arc::new(self.dynamic_resources());
+    /// in, binds new listener sockets and tells the serve loop. `endpoints_changed`: the
+    /// update only upserted these endpoints (`None`: anything may have changed).
+    fn rebuild(
+        &mut self,
+        endpoints_changed: Option<&[String]>,
+    ) -> Result<(), Vec<(String, String)>> {
+        let dynamic = Arc::new(self.dynamic_resources(endpoints_changed));
         let previous = self.store.load();
         let compiled = crate::snapshot::compile_with(
             &self.bootstrap,
@@ -770,6 +814,10 @@ impl Manager {
         next: &Snapshot,
     ) -> Result<ListenerChange, Vec<(String, String)>> {
         let mut change = ListenerChange::default();
+        // The very listeners (an update of clusters or endpoints): the sockets are bound.
+        if next.shares_listeners_with(previous) {
+            return Ok(change);
+        }
         let mut wanted = BTreeSet::new();
         for listener in next.listeners.iter().filter(|l| l.bind_to_port) {
             for addr in &listener.addresses {
@@ -861,7 +909,7 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Cluster(c) => eds_service_name(c),
+                        Resource::Cluster(c) => eds_service_name(c).map(str::to_owned),
                         _ => None,
                     })
                     .collect(),
@@ -1005,30 +1053,17 @@ impl Manager {
         tokio::spawn(stream::run(index, config, self.events_tx.clone()));
     }
 
-    /// Everything accepted, as the snapshot compiler takes it. EDS clusters without
-    /// endpoints are warming unless their wait is over (`expired`, or `warming` says so).
-    fn dynamic_resources(&mut self) -> DynamicResources {
-        let mut dynamic = DynamicResources {
-            errors: self.errors.clone(),
-            ..Default::default()
-        };
-        let endpoints: HashMap<&str, &Entry> = self
-            .types
-            .get(&TypeUrl::ClusterLoadAssignment)
-            .map(|t| t.resources.iter().map(|(n, e)| (n.as_str(), e)).collect())
-            .unwrap_or_default();
-        let secrets: HashSet<&str> = self
-            .types
-            .get(&TypeUrl::Secret)
-            .map(|t| t.resources.keys().map(String::as_str).collect())
-            .unwrap_or_default();
-        let routes: HashSet<&str> = self
-            .types
-            .get(&TypeUrl::RouteConfiguration)
-            .map(|t| t.resources.keys().map(String::as_str).collect())
-            .unwrap_or_default();
+    /// Works out every CDS cluster afresh: active (EDS ones with their endpoints filled
+    /// in) or warming, and until when.
+    fn serve_clusters(&mut self) {
+        let mut served = ServedClusters::default();
+        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
+        let endpoints = resources(TypeUrl::ClusterLoadAssignment);
+        let secrets = resources(TypeUrl::Secret);
         // A secret is there if SDS sent it or the bootstrap has it.
-        let has_secret = |name: &str| secrets.contains(name) || self.static_secrets.contains(name);
+        let has_secret = |name: &str| {
+            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
+        };
         let timeout = self.plan.initial_fetch_timeout;
         let deadline = |since: Option<&Option<Instant>>| {
             since
@@ -1036,64 +1071,58 @@ impl Manager {
                 .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
         };
         let mut still_warming = HashMap::new();
-        let mut effective = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
-            dynamic.clusters_version = clusters.version_info.clone();
             for entry in clusters.resources.values() {
                 let Resource::Cluster(cluster) = &entry.resource else {
                     continue;
                 };
                 let tracked = entry.tracked(cluster);
+                let service = eds_service_name(cluster);
                 let secrets_missing = references::cluster_secrets(cluster)
                     .iter()
                     .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
-                if secrets_missing && !self.timed_out.contains(&cluster.name) {
+                let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
+                let waiting = secrets_missing || (service.is_some() && eds.is_none());
+                if waiting && !self.timed_out.contains(&cluster.name) {
                     let deadline = deadline(self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);
-                    dynamic.warming_clusters.push(tracked);
+                    served.awaited.extend(service.map(str::to_owned));
+                    served.warming.push(tracked);
                     continue;
                 }
-                let Some(service) = eds_service_name(cluster) else {
-                    dynamic.clusters.push(DynamicCluster {
+                let Some(service) = service else {
+                    served.active.push(Arc::new(DynamicCluster {
                         tracked,
                         effective: cluster.clone(),
                         digest: entry.digest,
-                    });
+                    }));
                     continue;
                 };
-                let eds = endpoints.get(service.as_str()).copied();
-                if eds.is_none() && !self.timed_out.contains(&cluster.name) {
-                    let deadline = deadline(self.warming.get(&cluster.name));
-                    still_warming.insert(cluster.name.clone(), deadline);
-                    dynamic.warming_clusters.push(tracked);
-                    continue;
-                }
-                // The cluster with its endpoints, made again only when either changed.
-                let eds_digest = eds.map_or(0, |e| e.digest);
-                let key = (entry.digest, eds_digest);
-                let made = match self.effective.get(&cluster.name) {
-                    Some((k, made, digest)) if *k == key => (made.clone(), *digest),
-                    _ => {
-                        let mut with_endpoints = (**cluster).clone();
-                        if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
-                            with_endpoints.load_assignment = Some((**cla).clone());
-                        }
-                        let digest = xxhash_rust::xxh64::xxh64(
-                            &[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(),
-                            0,
-                        );
-                        (Arc::new(with_endpoints), digest)
-                    }
-                };
-                effective.insert(cluster.name.clone(), (key, made.0.clone(), made.1));
-                dynamic.clusters.push(DynamicCluster {
+                let (effective, digest) =
+                    with_endpoints_of(&mut self.effective, entry.digest, cluster, eds);
+                served
+                    .by_service
+                    .entry(service.to_owned())
+                    .or_default()
+                    .push((served.active.len(), entry.digest));
+                served.active.push(Arc::new(DynamicCluster {
                     tracked,
-                    effective: made.0,
-                    digest: made.1,
+                    effective,
+                    digest,
+                }));
+            }
+            // Forget the clusters made for EDS clusters no longer served with endpoints
+            // (removed, warming, or no longer EDS), if there are any.
+            let with_endpoints: usize = served.by_service.values().map(Vec::len).sum();
+            if self.effective.len() != with_endpoints {
+                self.effective.retain(|name, _| {
+                    !still_warming.contains_key(name)
+                        && clusters.resources.get(name).is_some_and(|e| {
+                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
+                        })
                 });
             }
         }
-        self.effective = effective;
         self.warming = still_warming;
         if !self.timed_out.is_empty()
             && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
@@ -1101,48 +1130,89 @@ impl Manager {
             self.timed_out
                 .retain(|name| clusters.resources.contains_key(name));
         }
-        for entry in endpoints.values() {
-            if let Resource::Endpoints(cla) = &entry.resource {
-                dynamic.endpoints.push(entry.tracked(cla));
-            }
+        self.served = Some(served);
+    }
+
+    /// Redoes the served clusters whose endpoints (`services`) an update upserted, the
+    /// others staying as they are: an update of one cluster's endpoints costs that
+    /// cluster. False, with nothing done, when that is not all the update changes: no
+    /// clusters were served yet, a warming cluster waits for one of these endpoints.
+    fn patch_served_clusters(&mut self, services: &[String]) -> bool {
+        let Some(served) = &mut self.served else {
+            return false;
+        };
+        let Some(endpoints) = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| &t.resources)
+        else {
+            return false;
+        };
+        let patchable = services
+            .iter()
+            .all(|s| !served.awaited.contains(s) && endpoints.contains_key(s));
+        if !patchable {
+            return false;
         }
-        // A listener warms until its routes and secrets are in; a version already
-        // served keeps serving meanwhile.
-        let mut warming_listeners = HashMap::new();
-        let mut active_listeners = HashMap::new();
-        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
-            dynamic.listeners_version = listeners.version_info.clone();
-            for entry in listeners.resources.values() {
-                let Resource::Listener(l) = &entry.resource else {
-                    continue;
-                };
-                let waiting = references::rds_names(l)
-                    .iter()
-                    .any(|name| !routes.contains(name.as_str()))
-                    || references::listener_secrets(l)
-                        .iter()
-                        .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
-                let tracked = entry.tracked(l);
-                if waiting && !self.listeners_timed_out.contains(&l.name) {
-                    warming_listeners.insert(
-                        l.name.clone(),
-                        deadline(self.warming_listeners.get(&l.name)),
-                    );
-                    dynamic.warming_listeners.push(tracked);
-                    if let Some(active) = self.active_listeners.get(&l.name) {
-                        dynamic.listeners.push(active.clone());
-                        active_listeners.insert(l.name.clone(), active.clone());
-                    }
-                    continue;
+        for service in services {
+            let Some(users) = served.by_service.get(service) else {
+                continue;
+            };
+            let eds = endpoints.get(service);
+            for &(i, cluster_digest) in users {
+                let old = &served.active[i];
+                let (effective, digest) = with_endpoints_of(
+                    &mut self.effective,
+                    cluster_digest,
+                    &old.tracked.resource,
+                    eds,
+                );
+                if !Arc::ptr_eq(&effective, &old.effective) {
+                    served.active[i] = Arc::new(DynamicCluster {
+                        tracked: old.tracked.clone(),
+                        effective,
+                        digest,
+                    });
                 }
-                dynamic.listeners.push(tracked.clone());
-                active_listeners.insert(l.name.clone(), tracked);
             }
-            self.listeners_timed_out
-                .retain(|name| listeners.resources.contains_key(name));
         }
-        self.warming_listeners = warming_listeners;
-        self.active_listeners = active_listeners;
+        true
+    }
+
+    /// Everything accepted, as the snapshot compiler takes it: the clusters as served
+    /// ([`Manager::serve_clusters`], or patched for `endpoints_changed`: see
+    /// [`Manager::rebuild`]), the listeners as served ([`Manager::serve_listeners`],
+    /// which new endpoints do not change).
+    fn dynamic_resources(&mut self, endpoints_changed: Option<&[String]>) -> DynamicResources {
+        let only_endpoints =
+            endpoints_changed.is_some_and(|services| self.patch_served_clusters(services));
+        if !only_endpoints {
+            self.serve_clusters();
+        }
+        if !only_endpoints || self.served_listeners.is_none() {
+            self.serve_listeners();
+        }
+        let clusters = self.served.as_ref().expect("clusters served");
+        let listeners = self.served_listeners.as_ref().expect("listeners served");
+        let mut dynamic = DynamicResources {
+            errors: self.errors.clone(),
+            clusters: clusters.active.clone(),
+            warming_clusters: clusters.warming.clone(),
+            listeners: listeners.active.clone(),
+            warming_listeners: listeners.warming.clone(),
+            listeners_version: listeners.version.clone(),
+            ..Default::default()
+        };
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            dynamic.clusters_version = clusters.version_info.clone();
+        }
+        if let Some(endpoints) = self.types.get(&TypeUrl::ClusterLoadAssignment) {
+            for entry in endpoints.resources.values() {
+                if let Resource::Endpoints(cla) = &entry.resource {
+                    dynamic.endpoints.push(entry.tracked(cla));
+                }
+            }
+        }
         if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
             for entry in routes.resources.values() {
                 if let Resource::Route(r) = &entry.resource {
@@ -1159,10 +1229,66 @@ impl Manager {
         }
         dynamic
     }
+
+    /// Works out every LDS listener afresh: a listener warms until its routes and
+    /// secrets are in (or its wait is over); a version already served keeps serving
+    /// meanwhile.
+    fn serve_listeners(&mut self) {
+        let mut served = ServedListeners::default();
+        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
+        let secrets = resources(TypeUrl::Secret);
+        let routes = resources(TypeUrl::RouteConfiguration);
+        // A secret is there if SDS sent it or the bootstrap has it.
+        let has_secret = |name: &str| {
+            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
+        };
+        let timeout = self.plan.initial_fetch_timeout;
+        let deadline = |since: Option<&Option<Instant>>| {
+            since
+                .copied()
+                .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
+        };
+        let mut warming_listeners = HashMap::new();
+        let mut active_listeners = HashMap::new();
+        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
+            served.version = listeners.version_info.clone();
+            for entry in listeners.resources.values() {
+                let Resource::Listener(l) = &entry.resource else {
+                    continue;
+                };
+                let waiting = references::rds_names(l)
+                    .iter()
+                    .any(|name| !routes.is_some_and(|r| r.contains_key(name)))
+                    || references::listener_secrets(l)
+                        .iter()
+                        .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                let tracked = entry.tracked(l);
+                if waiting && !self.listeners_timed_out.contains(&l.name) {
+                    warming_listeners.insert(
+                        l.name.clone(),
+                        deadline(self.warming_listeners.get(&l.name)),
+                    );
+                    served.warming.push(tracked);
+                    if let Some(active) = self.active_listeners.get(&l.name) {
+                        served.active.push(active.clone());
+                        active_listeners.insert(l.name.clone(), active.clone());
+                    }
+                    continue;
+                }
+                served.active.push(tracked.clone());
+                active_listeners.insert(l.name.clone(), tracked);
+            }
+            self.listeners_timed_out
+                .retain(|name| listeners.resources.contains_key(name));
+        }
+        self.warming_listeners = warming_listeners;
+        self.active_listeners = active_listeners;
+        self.served_listeners = Some(served);
+    }
 }
 
 /// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
-fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
+fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
     let is_eds = matches!(
         cluster.cluster_discovery_type,
         Some(ClusterDiscoveryType::Type(t)) if t == DiscoveryType::Eds as i32
@@ -1170,14 +1296,41 @@ fn eds_service_name(cluster: &EnvoyCluster) -> Option<String> {
     if !is_eds {
         return None;
     }
-    Some(
-        cluster
-            .eds_cluster_config
-            .as_ref()
-            .map(|eds| eds.service_name.clone())
-            .filter(|name| !name.is_empty())
-            .unwrap_or_else(|| cluster.name.clone()),
-    )
+    let service = cluster
+        .eds_cluster_config
+        .as_ref()
+        .map_or("", |eds| eds.service_name.as_str());
+    Some(if service.is_empty() {
+        &cluster.name
+    } else {
+        service
+    })
+}
+
+/// An EDS cluster (`cluster`, whose CDS config has `cluster_digest`) with its endpoints
+/// (`eds`, if they came) in its `load_assignment`, and the result's digest: made again
+/// only when the cluster or its endpoints changed since the last time (`made`, by
+/// cluster name), else shared.
+fn with_endpoints_of(
+    made: &mut HashMap<String, Effective>,
+    cluster_digest: u64,
+    cluster: &EnvoyCluster,
+    eds: Option<&Entry>,
+) -> (Arc<EnvoyCluster>, u64) {
+    let key = (cluster_digest, eds.map_or(0, |e| e.digest));
+    if let Some((k, effective, digest)) = made.get(cluster.name.as_str())
+        && *k == key
+    {
+        return (effective.clone(), *digest);
+    }
+    let mut with_endpoints = cluster.clone();
+    if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
+        with_endpoints.load_assignment = Some((**cla).clone());
+    }
+    let digest = xxhash_rust::xxh64::xxh64(&[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(), 0);
+    let effective = Arc::new(with_endpoints);
+    made.insert(cluster.name.clone(), (key, effective.clone(), digest));
+    (effective, digest)
 }
 
 /// The resource a compile error is about: `Cluster "name"...`, `Listener "name"...`,
