@@ -116,7 +116,8 @@ fn what_shunt_cannot_serve_is_reported_at_its_path() {
         "static_resources: {listeners: [{name: web, address: {socket_address: {address: 0.0.0.0, port_value: 9000}}, \
          filter_chains: [{filters: [{name: hcm, typed_config: \
          {'@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager, \
-         stat_prefix: h, route_config: {}, http_filters: [{name: r, typed_config: \
+         stat_prefix: h, route_config: {}, http_filters: [{name: lua, typed_config: \
+         {'@type': type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua}}, {name: r, typed_config: \
          {'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}]}}]}]}], \
          clusters: [{name: m, lb_policy: MAGLEV, maglev_lb_config: {table_size: 100}}]}",
     ]);
@@ -124,7 +125,7 @@ fn what_shunt_cannot_serve_is_reported_at_its_path() {
     assert!(!out.status.success(), "{stdout}");
     assert!(
         stdout.contains(
-            "ERROR static_resources.listeners[0].filter_chains[0].filters[0]: http_connection_manager is not implemented yet"
+            "ERROR static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[0].typed_config: HTTP filter \"lua\" (envoy.extensions.filters.http.lua.v3.Lua) is not implemented by shunt"
         ),
         "{stdout}"
     );
