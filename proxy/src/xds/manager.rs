@@ -1057,19 +1057,12 @@ impl Manager {
     /// in) or warming, and until when.
     fn serve_clusters(&mut self) {
         let mut served = ServedClusters::default();
-        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
-        let endpoints = resources(TypeUrl::ClusterLoadAssignment);
-        let secrets = resources(TypeUrl::Secret);
-        // A secret is there if SDS sent it or the bootstrap has it.
-        let has_secret = |name: &str| {
-            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
-        };
-        let timeout = self.plan.initial_fetch_timeout;
-        let deadline = |since: Option<&Option<Instant>>| {
-            since
-                .copied()
-                .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
-        };
+        let endpoints = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| &t.resources);
+        let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
+        let deadline = |since| warm_until(self.plan.initial_fetch_timeout, since);
         let mut still_warming = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             for entry in clusters.resources.values() {
@@ -1235,19 +1228,12 @@ impl Manager {
     /// meanwhile.
     fn serve_listeners(&mut self) {
         let mut served = ServedListeners::default();
-        let resources = |kind| self.types.get(&kind).map(|t| &t.resources);
-        let secrets = resources(TypeUrl::Secret);
-        let routes = resources(TypeUrl::RouteConfiguration);
-        // A secret is there if SDS sent it or the bootstrap has it.
-        let has_secret = |name: &str| {
-            secrets.is_some_and(|s| s.contains_key(name)) || self.static_secrets.contains(name)
-        };
-        let timeout = self.plan.initial_fetch_timeout;
-        let deadline = |since: Option<&Option<Instant>>| {
-            since
-                .copied()
-                .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
-        };
+        let routes = self
+            .types
+            .get(&TypeUrl::RouteConfiguration)
+            .map(|t| &t.resources);
+        let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
+        let deadline = |since| warm_until(self.plan.initial_fetch_timeout, since);
         let mut warming_listeners = HashMap::new();
         let mut active_listeners = HashMap::new();
         if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
@@ -1285,6 +1271,26 @@ impl Manager {
         self.active_listeners = active_listeners;
         self.served_listeners = Some(served);
     }
+}
+
+/// Whether secret `name` is there: SDS sent it or the bootstrap has it.
+fn has_secret(
+    types: &BTreeMap<TypeUrl, TypeState>,
+    static_secrets: &HashSet<String>,
+    name: &str,
+) -> bool {
+    static_secrets.contains(name)
+        || types
+            .get(&TypeUrl::Secret)
+            .is_some_and(|t| t.resources.contains_key(name))
+}
+
+/// Until when a resource warming since `since` (`None`: starting now) waits:
+/// `initial_fetch_timeout` from its start, or for ever when that is 0.
+fn warm_until(timeout: std::time::Duration, since: Option<&Option<Instant>>) -> Option<Instant> {
+    since
+        .copied()
+        .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
 }
 
 /// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
