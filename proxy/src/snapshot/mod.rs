@@ -352,21 +352,38 @@ fn cluster_changes<'a>(
 
 /// A transport socket naming a secret without `sds_config` names a static one: Envoy
 /// refuses the config when `static_resources.secrets` lacks it, and so does shunt.
+/// Dynamic clusters the previous snapshot compiled as they are, and listeners when
+/// `listeners_changed` is false, were checked already.
 fn unknown_static_secrets(
     statics: &[Secret],
     static_clusters: &[EnvoyCluster],
     dynamic: &DynamicResources,
+    previous: Option<&Snapshot>,
     listeners: &[listener::Source],
+    listeners_changed: bool,
     problems: &mut problems::Problems,
 ) {
     use crate::xds::references::{self, SecretSource};
     let known: HashSet<&str> = statics.iter().map(|s| s.name.as_str()).collect();
+    let has_tls =
+        |c: &EnvoyCluster| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty();
+    let checked = |c: &DynamicCluster| {
+        previous
+            .and_then(|p| p.clusters.get(c.effective.name.as_str()))
+            .is_some_and(|kept| kept.config_digest == c.digest)
+    };
+    let dynamic_clusters = dynamic
+        .clusters
+        .iter()
+        .filter(|c| has_tls(&c.effective) && !checked(c))
+        .map(|c| (None, &*c.effective));
+    let listeners = listeners.iter().filter(|_| listeners_changed);
     let clusters = static_clusters
         .iter()
         .enumerate()
         .map(|(i, c)| (Some(i), c))
-        .chain(dynamic.clusters.iter().map(|c| (None, &*c.effective)))
-        .filter(|(_, c)| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty())
+        .filter(|(_, c)| has_tls(c))
+        .chain(dynamic_clusters)
         .map(|(index, cluster)| {
             let path = match index {
                 Some(i) => format!("static_resources.clusters[{i}]"),
@@ -374,7 +391,7 @@ fn unknown_static_secrets(
             };
             (path, references::cluster_secrets(cluster))
         });
-    let listeners = listeners.iter().map(|(index, listener)| {
+    let listeners = listeners.map(|(index, listener)| {
         let path = match index {
             Some(i) => format!("static_resources.listeners[{i}]"),
             None => format!("Listener {:?}", listener.name),
@@ -580,7 +597,9 @@ pub fn compile_with(
         &resources.secrets,
         static_clusters,
         &dynamic,
+        previous,
         &listener_sources,
+        unchanged_listeners.is_none(),
         &mut problems,
     );
     // Only pipe endpoints need to know which listeners route where.
