@@ -18,32 +18,13 @@ use std::time::{Duration, Instant};
 
 use harness::{Node, Pod, PodProcess, shunt_bin, wait_for_port};
 use serde_json::{Value, json};
+use support::TempDir;
+use support::envoy::{http_connection_manager, socket_address, stdout_access_log};
+use support::xds::{admin_at, stat_at};
 
 const HTTP_PORT: u16 = 10000;
 const RDS_PORT: u16 = 10001;
 const ADMIN: &str = "127.0.0.1:15000";
-
-/// A scratch folder for the bootstrap and nginx, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("shunt-http-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn socket_address(ip: impl ToString, port: u16) -> Value {
-    json!({"socket_address": {"address": ip.to_string(), "port_value": port}})
-}
 
 fn static_cluster(name: &str, endpoints: &[SocketAddr]) -> Value {
     let lb_endpoints: Vec<Value> = endpoints
@@ -60,24 +41,11 @@ fn route(prefix: &str, action: Value) -> Value {
     json!({"match": {"prefix": prefix}, "route": action})
 }
 
+/// The router behind `routes`, logging each request to stdout.
 fn hcm(stat_prefix: &str, routes: Value) -> Value {
-    let mut config = json!({
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": stat_prefix,
-        "codec_type": "AUTO",
-        "http_filters": [{
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-        }],
-        "access_log": [{
-            "name": "envoy.access_loggers.stdout",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}
-        }]
-    });
-    for (key, value) in routes.as_object().unwrap() {
-        config[key] = value.clone();
-    }
-    json!({"name": "envoy.filters.network.http_connection_manager", "typed_config": config})
+    let mut filter = http_connection_manager(stat_prefix, routes);
+    filter["typed_config"]["access_log"] = json!([stdout_access_log()]);
+    filter
 }
 
 fn bootstrap(backends: std::net::Ipv4Addr) -> Value {
@@ -295,29 +263,12 @@ impl Scene {
     }
 
     fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let out = self
-                .proxy_pod
-                .command("curl")
-                .args(["-s", "--max-time", "2", &format!("http://{ADMIN}/ready")])
-                .output()
-                .expect("curl");
-            if String::from_utf8_lossy(&out.stdout) == "LIVE\n" {
-                return;
-            }
-            assert!(
-                self.proxy.try_wait().is_none(),
-                "shunt proxy exited: {}",
-                self.proxy.stderr_text()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "shunt proxy never became ready: {}",
-                self.proxy.stderr_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        support::wait_until(
+            "shunt proxy ready",
+            &self.proxy,
+            || admin_at(&self.proxy_pod, ADMIN, "/ready") == (200, "LIVE\n".to_owned()),
+            String::new,
+        );
     }
 
     fn url(&self, port: u16, path: &str) -> String {
@@ -350,25 +301,7 @@ impl Scene {
 
     /// A counter from the admin API, 0 if absent.
     fn stat(&self, name: &str) -> u64 {
-        let out = self
-            .proxy_pod
-            .command("curl")
-            .args([
-                "-s",
-                "--max-time",
-                "5",
-                &format!("http://{ADMIN}/stats?format=json"),
-            ])
-            .output()
-            .expect("curl stats");
-        let stats: Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
-        stats["stats"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["name"] == name)
-            .and_then(|s| s["value"].as_u64())
-            .unwrap_or(0)
+        stat_at(&self.proxy_pod, ADMIN, name).unwrap_or(0)
     }
 
     /// The access log line of the request with `request_id`, waiting for it.

@@ -18,7 +18,7 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::{Node, Pod, PodProcess, shunt_bin};
 use serde_json::Value;
@@ -180,32 +180,17 @@ fn admin(pod: &Pod, method: &str, path: &str) -> (u16, String) {
 
 /// Waits for `/ready` to say LIVE: listeners bound, clusters warmed.
 fn wait_ready(pod: &Pod, proxy: &PodProcess) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while admin(pod, "GET", "/ready") != (200, "LIVE\n".to_owned()) {
-        assert!(
-            proxy.try_wait().is_none(),
-            "shunt proxy exited: {}",
-            proxy.stderr_text()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "shunt proxy never became ready: {}",
-            proxy.stderr_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(
+        "ready",
+        proxy,
+        || admin(pod, "GET", "/ready") == (200, "LIVE\n".to_owned()),
+        String::new,
+    );
 }
 
 /// Counters and gauges from `/stats?format=json`.
 fn stat(pod: &Pod, name: &str) -> Option<u64> {
-    let (status, body) = admin(pod, "GET", "/stats?format=json");
-    assert_eq!(status, 200, "{body}");
-    let stats: Value = serde_json::from_str(&body).unwrap();
-    stats["stats"]
-        .as_array()?
-        .iter()
-        .find(|s| s["name"] == name)?["value"]
-        .as_u64()
+    xds::stat_at(pod, ADMIN, name)
 }
 
 /// The uids (real, effective, saved, filesystem) of every thread of a process: the

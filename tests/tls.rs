@@ -19,136 +19,28 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness::{Node, Pod, PodProcess, testapp_bin, wait_for_port};
 use serde_json::{Value, json};
-use support::xds::{TempDir, admin_at};
+use support::envoy::{http_connection_manager, socket_address, stdout_access_log};
+use support::pki::{Pki, SERVER_ID};
+use support::xds::{admin_at, stat_at};
 
 const ADMIN: &str = "127.0.0.1:15000";
 const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/client";
-const SERVER_ID: &str = "spiffe://cluster.local/ns/default/sa/server";
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run openssl");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The run's certificates in `dir`: `ca`, `other-ca`, and `server`, `client`,
-/// `stranger` (signed by `other-ca`), each as `NAME.pem` and `NAME.key`.
-fn make_pki(dir: &Path) {
-    for ca in ["ca", "other-ca"] {
-        let (key, pem, subject) = (
-            format!("{ca}.key"),
-            format!("{ca}.pem"),
-            format!("/CN={ca}"),
-        );
-        openssl(
-            dir,
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &pem,
-                "-days",
-                "2",
-                "-subj",
-                &subject,
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ],
-        );
-    }
-    for (name, ca, sans) in [
-        ("server", "ca", format!("DNS:server.test,URI:{SERVER_ID}")),
-        ("client", "ca", format!("URI:{CLIENT_ID}")),
-        ("stranger", "other-ca", format!("URI:{CLIENT_ID}")),
-    ] {
-        let (key, csr, pem, ext) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.pem"),
-            format!("{name}.ext"),
-        );
-        openssl(
-            dir,
-            &[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &csr,
-                "-subj",
-                &format!("/CN={name}"),
-            ],
-        );
-        std::fs::write(
-            dir.join(&ext),
-            format!(
-                "subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"
-            ),
-        )
-        .unwrap();
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                &format!("{ca}.pem"),
-                "-CAkey",
-                &format!("{ca}.key"),
-                "-CAcreateserial",
-                "-out",
-                &pem,
-                "-days",
-                "2",
-                "-extfile",
-                &ext,
-            ],
-        );
-    }
-    // The proxy drops to uid 1337 and must read them (test keys, thrown away after).
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    }
-}
-
-fn file(dir: &Path, name: &str) -> String {
-    dir.join(name).display().to_string()
-}
-
-fn socket_address(ip: impl ToString, port: u16) -> Value {
-    json!({"socket_address": {"address": ip.to_string(), "port_value": port}})
+/// The run's certificates: CAs `ca` and `other-ca`, and `server`, `client` and
+/// `stranger` (signed by `other-ca`), readable by the proxy.
+fn make_pki(tag: &str) -> Pki {
+    let pki = Pki::new(&format!("tls-{tag}"));
+    pki.ca("other-ca");
+    pki.server("server");
+    pki.issue("client", "ca", &format!("URI:{CLIENT_ID}"));
+    pki.issue("stranger", "other-ca", &format!("URI:{CLIENT_ID}"));
+    pki.open_to_the_proxy();
+    pki
 }
 
 fn tcp_proxy(stat_prefix: &str, cluster: &str) -> Value {
@@ -158,30 +50,18 @@ fn tcp_proxy(stat_prefix: &str, cluster: &str) -> Value {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
             "stat_prefix": stat_prefix,
             "cluster": cluster,
-            "access_log": [{
-                "name": "envoy.access_loggers.stdout",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}
-            }]
+            "access_log": [stdout_access_log()]
         }
     })
 }
 
 /// An `http_connection_manager` routing everything to `cluster`.
 fn http_to(stat_prefix: &str, cluster: &str) -> Value {
-    json!({
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": stat_prefix,
-            "codec_type": "AUTO",
-            "http_filters": [{
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-            }],
-            "route_config": {"name": "all", "virtual_hosts": [{"name": "all", "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster}}]}]}
-        }
-    })
+    http_connection_manager(
+        stat_prefix,
+        json!({"route_config": {"name": "all", "virtual_hosts": [{"name": "all", "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster}}]}]}}),
+    )
 }
 
 fn cluster(name: &str, endpoint: SocketAddr, tls: Option<Value>) -> Value {
@@ -201,7 +81,7 @@ fn cluster(name: &str, endpoint: SocketAddr, tls: Option<Value>) -> Value {
 
 /// A cluster as Istio writes them: `transport_socket_matches` choose mTLS for endpoints
 /// labelled `tlsMode: istio` (`labelled`), raw TCP for the others.
-fn istio_cluster(name: &str, endpoint: SocketAddr, labelled: bool, dir: &Path) -> Value {
+fn istio_cluster(name: &str, endpoint: SocketAddr, labelled: bool, pki: &Pki) -> Value {
     let mut cluster = cluster(name, endpoint, None);
     if labelled {
         cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["metadata"] =
@@ -209,7 +89,7 @@ fn istio_cluster(name: &str, endpoint: SocketAddr, labelled: bool, dir: &Path) -
     }
     cluster["transport_socket_matches"] = json!([
         {"name": "tlsMode-istio", "match": {"tlsMode": "istio"},
-         "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": upstream_tls(dir, SERVER_ID)}},
+         "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": upstream_tls(pki, SERVER_ID)}},
         {"name": "tlsMode-disabled", "match": {},
          "transport_socket": {"name": "envoy.transport_sockets.raw_buffer",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"}}}
@@ -250,29 +130,28 @@ fn listener(name: &str, port: u16, tls: Option<Value>, filter: Value) -> Value {
 
 /// An `UpstreamTlsContext` to b's nginx: a client certificate, the CA, the server's
 /// identity as `server_id`.
-fn upstream_tls(dir: &Path, server_id: &str) -> Value {
+fn upstream_tls(pki: &Pki, server_id: &str) -> Value {
     json!({
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
         "sni": "server.test",
         "common_tls_context": {
             "tls_certificate_sds_secret_configs": [{"name": "client-cert"}],
             "validation_context": {
-                "trusted_ca": {"filename": file(dir, "ca.pem")},
+                "trusted_ca": {"filename": pki.file("ca.pem")},
                 "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"exact": server_id}}]
             }
         }
     })
 }
 
-fn bootstrap(dir: &Path, b: &Pod) -> Value {
-    let pem = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+fn bootstrap(pki: &Pki, b: &Pod) -> Value {
     let tls_from_files = json!({
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
         "common_tls_context": {
             "alpn_protocols": ["http/1.1"],
             "tls_certificates": [{
-                "certificate_chain": {"filename": file(dir, "server.pem")},
-                "private_key": {"filename": file(dir, "server.key")}
+                "certificate_chain": {"filename": pki.file("server.pem")},
+                "private_key": {"filename": pki.file("server.key")}
             }]
         }
     });
@@ -305,12 +184,12 @@ fn bootstrap(dir: &Path, b: &Pod) -> Value {
         "static_resources": {
             "secrets": [
                 {"name": "server-cert", "tls_certificate": {
-                    "certificate_chain": {"filename": file(dir, "server.pem")},
-                    "private_key": {"inline_string": pem("server.key")}}},
+                    "certificate_chain": {"filename": pki.file("server.pem")},
+                    "private_key": {"inline_string": pki.read("server.key")}}},
                 {"name": "client-cert", "tls_certificate": {
-                    "certificate_chain": {"inline_string": pem("client.pem")},
-                    "private_key": {"filename": file(dir, "client.key")}}},
-                {"name": "ROOTCA", "validation_context": {"trusted_ca": {"inline_string": pem("ca.pem")}}}
+                    "certificate_chain": {"inline_string": pki.read("client.pem")},
+                    "private_key": {"filename": pki.file("client.key")}}},
+                {"name": "ROOTCA", "validation_context": {"trusted_ca": {"inline_string": pki.read("ca.pem")}}}
             ],
             "listeners": [
                 with_handshake_timeout(
@@ -332,11 +211,11 @@ fn bootstrap(dir: &Path, b: &Pod) -> Value {
             "clusters": [
                 cluster("echo", b_at(9000), None),
                 cluster("nginx_plain", b_at(8080), None),
-                cluster("nginx_tls", b_at(8443), Some(upstream_tls(dir, SERVER_ID))),
+                cluster("nginx_tls", b_at(8443), Some(upstream_tls(pki, SERVER_ID))),
                 cluster("nginx_tls_other_id", b_at(8443),
-                    Some(upstream_tls(dir, "spiffe://cluster.local/ns/default/sa/other"))),
-                istio_cluster("istio_mtls", b_at(8443), true, dir),
-                istio_cluster("istio_plain", b_at(8080), false, dir),
+                    Some(upstream_tls(pki, "spiffe://cluster.local/ns/default/sa/other"))),
+                istio_cluster("istio_mtls", b_at(8443), true, pki),
+                istio_cluster("istio_plain", b_at(8080), false, pki),
             ]
         }
     })
@@ -385,14 +264,13 @@ fn start_nginx(b: &Pod, dir: &Path) -> PodProcess {
 struct Scene {
     _node: Node,
     p: Pod,
-    dir: TempDir,
+    pki: Pki,
     proxy: PodProcess,
     _backends: Vec<PodProcess>,
 }
 
 fn scene(tag: &str) -> Scene {
-    let dir = TempDir::new(&format!("tls-{tag}"));
-    make_pki(&dir.0);
+    let pki = make_pki(tag);
     let mut node = Node::new().expect("node");
     let p = node.add_pod("p").expect("pod p");
     let b = node.add_pod("b").expect("pod b");
@@ -407,45 +285,30 @@ fn scene(tag: &str) -> Scene {
         Duration::from_secs(10),
     )
     .unwrap();
-    let nginx = start_nginx(&b, &dir.0);
+    let nginx = start_nginx(&b, &pki.dir.0);
     let proxy = support::xds::start_shunt(
         &p,
-        &dir.0.join("bootstrap.json"),
-        &bootstrap(&dir.0, &b),
+        &pki.dir.0.join("bootstrap.json"),
+        &bootstrap(&pki, &b),
         &["--concurrency", "2"],
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while admin_at(&p, ADMIN, "/ready") != (200, "LIVE\n".to_owned()) {
-        assert!(
-            proxy.try_wait().is_none(),
-            "shunt proxy exited: {}",
-            proxy.stderr_text()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "never ready: {}",
-            proxy.stderr_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    support::wait_until(
+        "ready",
+        &proxy,
+        || admin_at(&p, ADMIN, "/ready") == (200, "LIVE\n".to_owned()),
+        String::new,
+    );
     Scene {
         _node: node,
         p,
-        dir,
+        pki,
         proxy,
         _backends: vec![echo, nginx],
     }
 }
 
 fn stat(pod: &Pod, name: &str) -> Option<u64> {
-    let (status, body) = admin_at(pod, ADMIN, "/stats?format=json");
-    assert_eq!(status, 200, "{body}");
-    let stats: Value = serde_json::from_str(&body).unwrap();
-    stats["stats"]
-        .as_array()?
-        .iter()
-        .find(|s| s["name"] == name)?["value"]
-        .as_u64()
+    stat_at(pod, ADMIN, name)
 }
 
 /// A stat once it reaches `want`, or as it is after 5 s.
@@ -460,14 +323,14 @@ fn stat_reaching(pod: &Pod, name: &str, want: u64) -> Option<u64> {
     }
 }
 
-/// A rustls client trusting `ca` in `dir`: connects to `port` in pod p, sends `data`,
+/// A rustls client trusting the CA: connects to `port` in pod p, sends `data`,
 /// half-closes (close_notify, then FIN) and reads to the end.
 fn tls_echo(s: &Scene, port: u16, data: &'static [u8]) -> std::io::Result<Vec<u8>> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, ServerName};
     let mut roots = rustls::RootCertStore::empty();
-    let ca = std::fs::read(s.dir.0.join("ca.pem")).unwrap();
-    for cert in CertificateDer::pem_slice_iter(&ca) {
+    let ca = s.pki.read("ca.pem");
+    for cert in CertificateDer::pem_slice_iter(ca.as_bytes()) {
         roots.add(cert.unwrap()).unwrap();
     }
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -509,7 +372,7 @@ fn curl(s: &Scene, args: &[&str]) -> (u16, String) {
 }
 
 fn https(s: &Scene, client: Option<&str>) -> (u16, String) {
-    let ca = file(&s.dir.0, "ca.pem");
+    let ca = s.pki.file("ca.pem");
     let mut args = vec![
         "--cacert".to_owned(),
         ca,
@@ -519,9 +382,9 @@ fn https(s: &Scene, client: Option<&str>) -> (u16, String) {
     if let Some(name) = client {
         args.extend([
             "--cert".to_owned(),
-            file(&s.dir.0, &format!("{name}.pem")),
+            s.pki.file(&format!("{name}.pem")),
             "--key".to_owned(),
-            file(&s.dir.0, &format!("{name}.key")),
+            s.pki.file(&format!("{name}.key")),
         ]);
     }
     args.push("https://server.test:9443/".to_owned());
@@ -671,7 +534,7 @@ fn http_is_served_over_tls_both_ways() {
     let s = scene("https");
     // curl speaks HTTP/2 (ALPN h2) to the proxy, which speaks HTTP/1.1 over TLS with the
     // client certificate to nginx.
-    let ca = file(&s.dir.0, "ca.pem");
+    let ca = s.pki.file("ca.pem");
     let (status, body) = curl(
         &s,
         &[

@@ -3,13 +3,14 @@
 //! stay in the tests.
 #![allow(dead_code)]
 
+pub mod envoy;
 pub mod pki;
 pub mod xds;
 
 use std::{
     net::{IpAddr, SocketAddr},
     path::PathBuf,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use harness::{Pod, PodProcess, shunt_bin, testapp_bin, wait_for_port};
@@ -17,6 +18,24 @@ use serde_json::Value;
 
 pub const APP_UID: u32 = 1000;
 pub const PROXY_UID: u32 = 1337;
+
+/// A scratch folder (certificates, bootstraps, sockets, nginx), removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("shunt-test-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// A bpffs root of this test's own, so tests never share pins.
 pub fn bpffs_root(tag: &str) -> PathBuf {
@@ -87,6 +106,31 @@ impl Drop for Capture {
             .arg("-rf")
             .arg(&self.bpffs)
             .status();
+    }
+}
+
+/// Polls `check` until it holds (20 s at most); fails the test if `proxy` exits first or
+/// time runs out, with the proxy's log and then `context()`.
+pub fn wait_until(
+    what: &str,
+    proxy: &PodProcess,
+    mut check: impl FnMut() -> bool,
+    context: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !check() {
+        assert!(
+            proxy.try_wait().is_none(),
+            "shunt proxy exited: {}",
+            proxy.stderr_text()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting: {what}\nproxy stderr:\n{}{}",
+            proxy.stderr_text(),
+            context()
+        );
+        std::thread::sleep(Duration::from_millis(25));
     }
 }
 

@@ -1,37 +1,65 @@
-//! Certificates for TLS tests, made at test time with the `openssl` CLI: a CA and
-//! server certificates it signs (DNS `server.test` and an Istio SPIFFE identity).
+//! Certificates for TLS tests, made at test time with the `openssl` CLI: CAs, and
+//! certificates they sign for servers and clients (DNS `server.test` and Istio SPIFFE
+//! identities).
 
 use std::process::Command;
 
-use super::xds::TempDir;
+use super::TempDir;
 
-/// A CA and a server certificate made with the `openssl` CLI.
+/// The SPIFFE identity of [`Pki::server`]'s certificates.
+pub const SERVER_ID: &str = "spiffe://cluster.local/ns/default/sa/server";
+
+/// `openssl req` arguments for a new P-256 key, not encrypted.
+const NEW_KEY: [&str; 5] = [
+    "-newkey",
+    "ec",
+    "-pkeyopt",
+    "ec_paramgen_curve:P-256",
+    "-nodes",
+];
+
+/// A scratch folder of CAs and the certificates they sign, each as `NAME.pem` and
+/// `NAME.key`, made with the `openssl` CLI.
 pub struct Pki {
     pub dir: TempDir,
 }
 
 impl Pki {
+    /// A fresh folder `tag` with the CA `ca`.
     pub fn new(tag: &str) -> Pki {
-        let dir = TempDir::new(tag);
-        let pki = Pki { dir };
-        pki.openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=shunt test CA",
-        ]);
+        let pki = Pki {
+            dir: TempDir::new(tag),
+        };
+        pki.ca("ca");
         pki
+    }
+
+    /// Another self-signed CA, `name`.
+    pub fn ca(&self, name: &str) {
+        let (key, pem, subject) = (
+            format!("{name}.key"),
+            format!("{name}.pem"),
+            format!("/CN=shunt test {name}"),
+        );
+        let args = [
+            &["req", "-x509"][..],
+            &NEW_KEY,
+            &[
+                "-keyout",
+                &key,
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-subj",
+                &subject,
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+        ];
+        self.openssl(&args.concat());
     }
 
     pub fn openssl(&self, args: &[&str]) {
@@ -51,51 +79,70 @@ impl Pki {
         std::fs::read_to_string(self.dir.0.join(file)).unwrap()
     }
 
-    /// A certificate for `server.test` (and an Istio SPIFFE identity) named `cn`,
-    /// signed by the CA: (chain, key).
+    /// The path of `file` in the folder, as config and command lines name it.
+    pub fn file(&self, file: &str) -> String {
+        self.dir.0.join(file).display().to_string()
+    }
+
+    /// A certificate for `server.test` and [`SERVER_ID`] named `cn`, signed by the CA:
+    /// (chain, key).
     pub fn server(&self, cn: &str) -> (String, String) {
-        let ext = format!("{cn}.ext");
-        std::fs::write(
-            self.dir.0.join(&ext),
-            "subjectAltName=DNS:server.test,URI:spiffe://cluster.local/ns/default/sa/server\n",
-        )
-        .unwrap();
-        let (key, csr, pem) = (
+        self.issue(cn, "ca", &format!("DNS:server.test,URI:{SERVER_ID}"))
+    }
+
+    /// A certificate named `cn` with the subjectAltName `sans`, signed by the CA `ca`,
+    /// good for server and client auth: (chain, key).
+    pub fn issue(&self, cn: &str, ca: &str, sans: &str) -> (String, String) {
+        let (key, csr, pem, ext) = (
             format!("{cn}.key"),
             format!("{cn}.csr"),
             format!("{cn}.pem"),
+            format!("{cn}.ext"),
         );
-        self.openssl(&[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={cn}"),
-        ]);
+        std::fs::write(
+            self.dir.0.join(&ext),
+            format!(
+                "subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n\
+                 basicConstraints=CA:FALSE\n"
+            ),
+        )
+        .unwrap();
+        let subject = format!("/CN={cn}");
+        let args = [
+            &["req"][..],
+            &NEW_KEY,
+            &["-keyout", &key, "-out", &csr, "-subj", &subject],
+        ];
+        self.openssl(&args.concat());
         self.openssl(&[
             "x509",
             "-req",
             "-in",
             &csr,
             "-CA",
-            "ca.pem",
+            &format!("{ca}.pem"),
             "-CAkey",
-            "ca.key",
+            &format!("{ca}.key"),
             "-CAcreateserial",
             "-out",
             &pem,
             "-days",
-            "1",
+            "2",
             "-extfile",
             &ext,
         ]);
         (self.read(&pem), self.read(&key))
+    }
+
+    /// Lets the proxy, which drops to uid 1337, read the folder (test keys, thrown away
+    /// after the test).
+    pub fn open_to_the_proxy(&self) {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = &self.dir.0;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
     }
 }

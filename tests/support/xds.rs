@@ -1,32 +1,16 @@
-//! What the xDS tests share: a scratch folder for the ADS socket and bootstrap, the
+//! What the xDS tests share: an ADS server in a scratch folder, the bootstrap, the
 //! admin API from inside a pod, waiting with context, and reading the server's log.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::ads::{AdsServer, Received};
 use harness::{Pod, PodProcess};
 use serde_json::Value;
 
-/// A temporary folder, removed when dropped.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("shunt-xds-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+pub use super::TempDir;
 
 /// The proxy runs as uid 1337, which Istio's agent serves its socket to.
 pub fn open_to_the_proxy(dir: &Path, socket: &Path) {
@@ -68,6 +52,18 @@ pub fn admin_at(pod: &Pod, address: &str, path: &str) -> (u16, String) {
     .unwrap_or((0, String::new()))
 }
 
+/// A counter or gauge from the admin API at `address` inside `pod`.
+pub fn stat_at(pod: &Pod, address: &str, name: &str) -> Option<u64> {
+    let (status, body) = admin_at(pod, address, "/stats?format=json");
+    assert_eq!(status, 200, "{body}");
+    let stats: Value = serde_json::from_str(&body).unwrap();
+    stats["stats"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == name)?["value"]
+        .as_u64()
+}
+
 /// An HTTP/1.1 chunked body, joined (Envoy's admin answers large bodies so).
 fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
@@ -98,27 +94,10 @@ pub fn dump_section(dump: &Value, kind: &str) -> Value {
 
 /// Polls `check` until it holds (20 s at most); a failure shows the proxy's log and what
 /// the server received.
-pub fn eventually(
-    what: &str,
-    proxy: &PodProcess,
-    server: &AdsServer,
-    mut check: impl FnMut() -> bool,
-) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !check() {
-        assert!(
-            proxy.try_wait().is_none(),
-            "shunt proxy exited: {}",
-            proxy.stderr_text()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting: {what}\nproxy stderr:\n{}\nserver received:\n{}",
-            proxy.stderr_text(),
-            describe(&server.requests())
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
+pub fn eventually(what: &str, proxy: &PodProcess, server: &AdsServer, check: impl FnMut() -> bool) {
+    super::wait_until(what, proxy, check, || {
+        format!("\nserver received:\n{}", describe(&server.requests()))
+    });
 }
 
 pub fn describe(requests: &[Received]) -> String {

@@ -216,21 +216,19 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
             response
         }
         Action::Route(action) => {
-            let Some((cluster_name, weighted)) = action.cluster.pick(&view) else {
-                hcm.stats.no_cluster.inc();
-                entry.flag(ResponseFlag::NoClusterFound);
-                let reply = LocalReply::new(action.cluster_not_found, "", None).response();
-                return finish(
-                    shared,
-                    reply.map(ResponseBody::full),
-                    pending.take(),
-                    &log,
-                    false,
-                );
-            };
-            entry.upstream_cluster = Some(cluster_name.clone());
-            let Some(cluster) = snapshot.clusters.get(&*cluster_name) else {
-                tracing::debug!(cluster = %cluster_name, "route names an unknown cluster");
+            let picked = action.cluster.pick(&view);
+            if let Some((name, _)) = &picked {
+                entry.upstream_cluster = Some(name.clone());
+            }
+            let found = picked.and_then(|(name, weighted)| match snapshot.clusters.get(&*name) {
+                Some(cluster) => Some((cluster, weighted)),
+                None => {
+                    tracing::debug!(cluster = %name, "route names an unknown cluster");
+                    None
+                }
+            });
+            // No cluster picked (a `cluster_header` the request lacks) or none of that name.
+            let Some((cluster, weighted)) = found else {
                 hcm.stats.no_cluster.inc();
                 entry.flag(ResponseFlag::NoClusterFound);
                 let reply = LocalReply::new(action.cluster_not_found, "", None).response();
@@ -320,12 +318,12 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                 secrets: &snapshot.secrets,
             };
             let body = RequestBody::new(body, log.clone());
-            if let Some((kind, value)) = upgrade {
+            let result = if let Some((kind, value)) = upgrade {
                 let mut head = head;
                 head.headers.insert(header::UPGRADE, value);
                 let allowed = parts.version == Version::HTTP_11 && hcm.upgrades.contains(&kind);
                 let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
-                let result = match on_upgrade.filter(|_| allowed) {
+                match on_upgrade.filter(|_| allowed) {
                     Some(on_upgrade) => {
                         super::upgrade::forward(
                             &upstream,
@@ -339,24 +337,11 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                     }
                     // Envoy refuses upgrades its config does not name.
                     None => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
-                };
-                match result {
-                    Ok(mut response) => {
-                        for rules in config.header_rules(vhost, route, true) {
-                            rules.apply(response.headers_mut());
-                        }
-                        return finish(shared, response, pending.take(), &log, true);
-                    }
-                    Err(reply) => {
-                        if let Some(flag) = reply.flag {
-                            entry.flag(flag);
-                        }
-                        reply.response().map(ResponseBody::full)
-                    }
                 }
             } else {
-                match router::forward(&upstream, action, head, body, entry).await {
-                    Ok(forwarded) => {
+                router::forward(&upstream, action, head, body, entry)
+                    .await
+                    .map(|forwarded| {
                         let (mut response_parts, incoming) = forwarded.response.into_parts();
                         router::strip_hop_by_hop(&mut response_parts.headers);
                         if !hcm.suppress_envoy_headers {
@@ -368,7 +353,7 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                         if let Some(weighted) = weighted {
                             weighted.response_headers.apply(&mut response_parts.headers);
                         }
-                        let mut response = Response::from_parts(
+                        Response::from_parts(
                             response_parts,
                             ResponseBody::upstream(
                                 incoming,
@@ -376,18 +361,21 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                                     .deadline
                                     .map(|d| (d, cluster.stats.upstream_rq_timeout.clone())),
                             ),
-                        );
-                        for rules in config.header_rules(vhost, route, true) {
-                            rules.apply(response.headers_mut());
-                        }
-                        return finish(shared, response, pending.take(), &log, true);
+                        )
+                    })
+            };
+            match result {
+                Ok(mut response) => {
+                    for rules in config.header_rules(vhost, route, true) {
+                        rules.apply(response.headers_mut());
                     }
-                    Err(reply) => {
-                        if let Some(flag) = reply.flag {
-                            entry.flag(flag);
-                        }
-                        reply.response().map(ResponseBody::full)
+                    return finish(shared, response, pending.take(), &log, true);
+                }
+                Err(reply) => {
+                    if let Some(flag) = reply.flag {
+                        entry.flag(flag);
                     }
+                    reply.response().map(ResponseBody::full)
                 }
             }
         }

@@ -202,13 +202,7 @@ async fn connect_http1(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    let address = host.address;
-    tokio::spawn(async move {
-        let _held = (slot, guard);
-        if let Err(err) = connection.await {
-            tracing::debug!(upstream = %address, %err, "upstream HTTP/1.1 connection ended with an error");
-        }
-    });
+    drive(connection, (slot, guard), host.address, "HTTP/1.1");
     sender.ready().await.map_err(CheckoutError::Handshake)?;
     Ok(sender)
 }
@@ -226,14 +220,24 @@ async fn connect_http2(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    let address = host.address;
+    drive(connection, (slot, guard), host.address, "HTTP/2");
+    Ok(sender)
+}
+
+/// Drives an upstream connection in the background until it ends, holding its breaker
+/// slot and the cluster's count of it as long.
+fn drive(
+    connection: impl Future<Output = hyper::Result<()>> + Send + 'static,
+    held: (OwnedConnectionSlot, UpstreamConnection),
+    address: SocketAddr,
+    protocol: &'static str,
+) {
     tokio::spawn(async move {
-        let _held = (slot, guard);
+        let _held = held;
         if let Err(err) = connection.await {
-            tracing::debug!(upstream = %address, %err, "upstream HTTP/2 connection ended with an error");
+            tracing::debug!(upstream = %address, %err, "upstream {protocol} connection ended with an error");
         }
     });
-    Ok(sender)
 }
 
 /// A request that failed; `unsent` gives it back when it never left (the connection

@@ -242,6 +242,23 @@ impl CommonTls {
         certificates.chain(validation)
     }
 
+    /// Whether a context over this common part builds. One that names no SDS secret is
+    /// built now with `build`, so its errors are the config's (at `path`).
+    fn builds_now<T>(
+        &self,
+        path: String,
+        problems: &mut Problems,
+        build: impl FnOnce(&Secrets) -> Result<T, HandshakeError>,
+    ) -> bool {
+        if self.sds_names().next().is_none()
+            && let Err(err) = build(&Secrets::new())
+        {
+            problems.error(path, err.to_string());
+            return false;
+        }
+        true
+    }
+
     fn resolve(&self, secrets: &Secrets) -> Result<Resolved, HandshakeError> {
         let mut used = Vec::new();
         let mut lookup = |name: &str| {
@@ -481,13 +498,9 @@ impl DownstreamTls {
             require_client_certificate: context.require_client_certificate.is_some_and(|v| v.value),
             cache: Cache::default(),
         };
-        if tls.common.sds_names().next().is_none()
-            && let Err(err) = tls.server_configs(&Secrets::new())
-        {
-            problems.error(common_path, err.to_string());
-            return None;
-        }
-        Some(tls)
+        tls.common
+            .builds_now(common_path, problems, |secrets| tls.server_configs(secrets))
+            .then_some(tls)
     }
 
     /// The SDS secrets this context names: what warming waits for.
@@ -606,13 +619,9 @@ impl UpstreamTls {
             sni,
             cache: Cache::default(),
         };
-        if tls.common.sds_names().next().is_none()
-            && let Err(err) = tls.client_config(&Secrets::new())
-        {
-            problems.error(common_path, err.to_string());
-            return None;
-        }
-        Some(tls)
+        tls.common
+            .builds_now(common_path, problems, |secrets| tls.client_config(secrets))
+            .then_some(tls)
     }
 
     /// The SDS secrets this context names: what warming waits for.

@@ -158,16 +158,25 @@ fn errors(problems: &Problems) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The errors of a secret that must not compile: (path, message).
+fn refused(json: serde_json::Value) -> Vec<(String, String)> {
+    let (compiled, problems) = secret(json);
+    assert!(
+        compiled.is_none(),
+        "compiled despite {:?}",
+        errors(&problems)
+    );
+    errors(&problems)
+}
+
 #[test]
 fn secret_errors_name_the_json_path_and_what_is_wrong() {
     let pki = Pki::new();
     let at = "static_resources.secrets[0].tls_certificate";
 
-    let (none, problems) = secret(json!({"name": "default", "tls_certificate": {
+    let found = refused(json!({"name": "default", "tls_certificate": {
         "certificate_chain": {"filename": "/nonexistent/cert.pem"},
         "private_key": {"filename": pki.path("server.key")}}}));
-    assert!(none.is_none());
-    let found = errors(&problems);
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].0, format!("{at}.certificate_chain.filename"));
     assert!(
@@ -177,12 +186,11 @@ fn secret_errors_name_the_json_path_and_what_is_wrong() {
     );
 
     // The certificate given as the key: no key block in it.
-    let (none, problems) = secret(json!({"name": "default", "tls_certificate": {
+    let found = refused(json!({"name": "default", "tls_certificate": {
         "certificate_chain": {"filename": pki.path("server.pem")},
         "private_key": {"filename": pki.path("server.pem")}}}));
-    assert!(none.is_none());
     assert_eq!(
-        errors(&problems),
+        found,
         [(
             format!("{at}.private_key"),
             "no PEM PRIVATE KEY block (PKCS#8, RSA or EC)".to_owned()
@@ -190,23 +198,20 @@ fn secret_errors_name_the_json_path_and_what_is_wrong() {
     );
 
     // Another certificate's key.
-    let (none, problems) = secret(json!({"name": "default", "tls_certificate": {
+    let found = refused(json!({"name": "default", "tls_certificate": {
         "certificate_chain": {"filename": pki.path("server.pem")},
         "private_key": {"inline_string": pki.read("client.key")}}}));
-    assert!(none.is_none());
     assert_eq!(
-        errors(&problems),
+        found,
         [(
             format!("{at}.private_key"),
             "does not match the public key of the certificate_chain's first certificate".to_owned()
         )]
     );
 
-    let (none, problems) = secret(json!({"name": "rootca", "validation_context": {
+    let found = refused(json!({"name": "rootca", "validation_context": {
         "trusted_ca": {"inline_string": "not PEM"},
         "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"safe_regex": {"regex": "spiffe://(unclosed"}}}]}}));
-    assert!(none.is_none());
-    let found = errors(&problems);
     let at = "static_resources.secrets[0].validation_context";
     assert_eq!(found[0].0, format!("{at}.trusted_ca"));
     assert_eq!(found[0].1, "no PEM CERTIFICATE block");
@@ -215,12 +220,11 @@ fn secret_errors_name_the_json_path_and_what_is_wrong() {
         format!("{at}.match_typed_subject_alt_names[0].matcher.safe_regex.regex")
     );
 
-    let (none, problems) = secret(json!({"name": "x", "tls_certificate": {
+    let found = refused(json!({"name": "x", "tls_certificate": {
         "certificate_chain": {"environment_variable": "SHUNT_TEST_SURELY_UNSET"},
         "private_key": {"filename": pki.path("server.key")}}}));
-    assert!(none.is_none());
     assert_eq!(
-        errors(&problems),
+        found,
         [(
             "static_resources.secrets[0].tls_certificate.certificate_chain.environment_variable"
                 .to_owned(),

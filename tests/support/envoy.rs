@@ -1,0 +1,33 @@
+//! Pieces of Envoy config as JSON, for the static bootstraps the tests write.
+
+use serde_json::{Value, json};
+
+pub fn socket_address(ip: impl ToString, port: u16) -> Value {
+    json!({"socket_address": {"address": ip.to_string(), "port_value": port}})
+}
+
+/// An `access_log` entry that writes to stdout, where `harness::access_log` reads it.
+pub fn stdout_access_log() -> Value {
+    json!({
+        "name": "envoy.access_loggers.stdout",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}
+    })
+}
+
+/// An `http_connection_manager` network filter with the router as its only HTTP filter;
+/// `fields` (the routes: `route_config` or `rds`, and any others) are added to its config.
+pub fn http_connection_manager(stat_prefix: &str, fields: Value) -> Value {
+    let mut config = json!({
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": stat_prefix,
+        "codec_type": "AUTO",
+        "http_filters": [{
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }]
+    });
+    for (key, value) in fields.as_object().expect("fields are an object") {
+        config[key] = value.clone();
+    }
+    json!({"name": "envoy.filters.network.http_connection_manager", "typed_config": config})
+}
