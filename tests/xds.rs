@@ -23,7 +23,8 @@ use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
 use support::xds::{
-    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt, unix_server,
+    self, TempDir, admin_at, bootstrap, dump_section, eventually, open_to_the_proxy, start_shunt,
+    unix_server,
 };
 use support::*;
 
@@ -58,34 +59,6 @@ fn reaches(pod: &Pod) -> Option<u16> {
 
 fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {
     xds::acked(server, type_url, version, delta, None)
-}
-
-/// Istio's shape: ADS over a Unix socket through a static cluster with a `pipe` endpoint.
-fn bootstrap(socket: &std::path::Path, delta: bool) -> Value {
-    serde_json::json!({
-        "node": {"id": "sidecar~10.0.0.1~p.default~default.svc.cluster.local", "cluster": "p.default",
-                 "metadata": {"ISTIO_VERSION": "1.24.0"}},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
-        "dynamic_resources": {
-            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "ads_config": {
-                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
-                "transport_api_version": "V3",
-                "set_node_on_first_message_only": true,
-                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"},
-                                   "initial_metadata": [{"key": "x-shunt-test", "value": "yes"}]}]
-            }
-        },
-        "static_resources": {"clusters": [{
-            "name": "xds-grpc", "type": "STATIC", "connect_timeout": "1s",
-            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
-            "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
-        }]}
-    })
 }
 
 fn admin(pod: &Pod, path: &str) -> (u16, String) {
@@ -742,84 +715,23 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
     assert_eq!(&back, b"still here");
 }
 
-/// A CA and a server certificate for 127.0.0.1, made with the openssl CLI in `dir`.
-fn make_certificates(dir: &std::path::Path, tag: &str) {
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    let (ca_key, ca) = (format!("{tag}-ca.key"), format!("{tag}-ca.pem"));
-    let subject = format!("/CN={tag} test CA");
-    let mut args = vec!["req", "-x509"];
-    args.extend(ec);
-    args.extend([
-        "-keyout", &ca_key, "-out", &ca, "-days", "2", "-subj", &subject,
-    ]);
-    run(&args);
-    let mut args = vec!["req"];
-    args.extend(ec);
-    args.extend([
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=xds",
-    ]);
-    run(&args);
-    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        &ca,
-        "-CAkey",
-        &ca_key,
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
-}
-
 /// ADS over TCP in TLS, as the xDS cluster's `UpstreamTlsContext` says: the server's
 /// certificate is verified against `trusted_ca` (and the IP it is reached at), gRPC runs
 /// over h2 inside it; a proxy trusting another CA never gets a request through.
 #[test]
 fn tls_to_the_xds_server() {
-    let dir = TempDir::new("tls");
-    make_certificates(&dir.0, "good");
+    let pki = support::pki::Pki::new("tls");
+    pki.issue("xds", "ca", "IP:127.0.0.1");
     // A second CA that did not sign the server's certificate.
-    let other = TempDir::new("tls-other");
-    make_certificates(&other.0, "other");
+    pki.ca("other");
 
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();
     let _echo = start_app(&pod, &[ECHO_A]);
     let listen = Listen::TcpTls {
         addr: local(0),
-        cert: dir.0.join("server.pem"),
-        key: dir.0.join("server.key"),
+        cert: pki.dir.0.join("xds.pem"),
+        key: pki.dir.0.join("xds.key"),
     };
     // The server lives in the pod, where the proxy reaches it on 127.0.0.1.
     let server = pod
@@ -854,11 +766,11 @@ fn tls_to_the_xds_server() {
     };
 
     // Trusting the CA that signed the server: configured over TLS, and serving.
-    let config = dir.0.join("bootstrap.json");
+    let config = pki.dir.0.join("bootstrap.json");
     let proxy = start_shunt(
         &pod,
         &config,
-        &tls_bootstrap(dir.0.join("good-ca.pem")),
+        &tls_bootstrap(pki.dir.0.join("ca.pem")),
         &["--concurrency", "1"],
     );
     eventually("ready over TLS", &proxy, &server, || {
@@ -872,11 +784,11 @@ fn tls_to_the_xds_server() {
     let streams_before = server.requests().iter().map(|r| r.stream).max().unwrap();
 
     // Trusting another CA: the handshake fails, nothing reaches the server.
-    let config = other.0.join("bootstrap.json");
+    let config = pki.dir.0.join("bootstrap-other.json");
     let proxy = start_shunt(
         &pod,
         &config,
-        &tls_bootstrap(other.0.join("other-ca.pem")),
+        &tls_bootstrap(pki.dir.0.join("other.pem")),
         &["--concurrency", "1"],
     );
     eventually("a refused handshake", &proxy, &server, || {

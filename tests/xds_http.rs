@@ -26,7 +26,8 @@ use harness::{Node, Pod, PodProcess};
 use serde_json::Value;
 use support::pki::Pki;
 use support::xds::{
-    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, start_shunt, unix_server,
+    self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, pipe_cluster,
+    start_shunt, unix_server,
 };
 use support::*;
 
@@ -51,36 +52,14 @@ fn routes(name: &str, cluster: &str) -> (String, Any) {
     named(name, &route_config(name, &[("/", cluster)]))
 }
 
+/// The xDS tests' ADS bootstrap with `extra_clusters` among its static clusters.
 fn bootstrap(socket: &Path, delta: bool, extra_clusters: Vec<Value>) -> Value {
-    let mut clusters = vec![pipe_cluster("xds-grpc", socket)];
+    let mut bootstrap = xds::bootstrap(socket, delta);
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .expect("static clusters");
     clusters.extend(extra_clusters);
-    serde_json::json!({
-        "node": {"id": "sidecar~10.0.0.1~p.default~default.svc.cluster.local", "cluster": "p.default"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
-        "dynamic_resources": {
-            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "ads_config": {
-                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
-                "transport_api_version": "V3",
-                "set_node_on_first_message_only": true,
-                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]
-            }
-        },
-        "static_resources": {"clusters": clusters}
-    })
-}
-
-/// A static gRPC cluster reaching a Unix socket, as Istio's `xds-grpc` and `sds-grpc`.
-fn pipe_cluster(name: &str, socket: &Path) -> Value {
-    serde_json::json!({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}}}},
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
-    })
+    bootstrap
 }
 
 fn admin(pod: &Pod, path: &str) -> (u16, String) {

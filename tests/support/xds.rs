@@ -172,3 +172,36 @@ pub fn unix_server(tag: &str) -> (TempDir, PathBuf, AdsServer) {
     open_to_the_proxy(&dir.0, &socket);
     (dir, socket, server)
 }
+
+/// Istio's shape: ADS over a Unix socket through a static cluster with a `pipe` endpoint.
+pub fn bootstrap(socket: &Path, delta: bool) -> Value {
+    serde_json::json!({
+        "node": {"id": "sidecar~10.0.0.1~p.default~default.svc.cluster.local", "cluster": "p.default",
+                 "metadata": {"ISTIO_VERSION": "1.24.0"}},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
+        "dynamic_resources": {
+            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+            "ads_config": {
+                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"},
+                                   "initial_metadata": [{"key": "x-shunt-test", "value": "yes"}]}]
+            }
+        },
+        "static_resources": {"clusters": [pipe_cluster("xds-grpc", socket)]}
+    })
+}
+
+/// A static gRPC cluster reaching a Unix socket, as Istio's `xds-grpc` and `sds-grpc`.
+pub fn pipe_cluster(name: &str, socket: &Path) -> Value {
+    serde_json::json!({
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
+    })
+}
