@@ -28,7 +28,6 @@ use support::xds::{
 };
 use support::*;
 
-const ADMIN: &str = "127.0.0.1:15000";
 const LISTEN_PORT: u16 = 10000;
 const ECHO_A: u16 = 9001;
 const ECHO_B: u16 = 9002;
@@ -62,13 +61,11 @@ fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool
 }
 
 fn admin(pod: &Pod, path: &str) -> (u16, String) {
-    admin_at(pod, ADMIN, path)
+    admin_at(pod, xds::ADMIN, path)
 }
 
 fn config_dump(pod: &Pod) -> Value {
-    let (status, body) = admin(pod, "/config_dump");
-    assert_eq!(status, 200, "{body}");
-    serde_json::from_str(&body).expect("config_dump is JSON")
+    xds::config_dump_at(pod, xds::ADMIN)
 }
 
 fn drives_the_proxy(delta: bool) {

@@ -31,7 +31,6 @@ use support::xds::{
 };
 use support::*;
 
-const ADMIN: &str = "127.0.0.1:15000";
 const LISTEN_PORT: u16 = 10000;
 const BACKEND_A: u16 = 9001;
 const BACKEND_B: u16 = 9002;
@@ -63,13 +62,11 @@ fn bootstrap(socket: &Path, delta: bool, extra_clusters: Vec<Value>) -> Value {
 }
 
 fn admin(pod: &Pod, path: &str) -> (u16, String) {
-    admin_at(pod, ADMIN, path)
+    admin_at(pod, xds::ADMIN, path)
 }
 
 fn config_dump(pod: &Pod) -> Value {
-    let (status, body) = admin(pod, "/config_dump");
-    assert_eq!(status, 200, "{body}");
-    serde_json::from_str(&body).expect("config_dump is JSON")
+    xds::config_dump_at(pod, xds::ADMIN)
 }
 
 fn acked(server: &AdsServer, type_url: &str, version: &str, delta: bool) -> bool {

@@ -64,6 +64,16 @@ pub fn stat_at(pod: &Pod, address: &str, name: &str) -> Option<u64> {
         .as_u64()
 }
 
+/// Where the xDS tests' bootstrap puts the admin API.
+pub const ADMIN: &str = "127.0.0.1:15000";
+
+/// `/config_dump` of the admin API at `address` inside `pod`, parsed.
+pub fn config_dump_at(pod: &Pod, address: &str) -> Value {
+    let (status, body) = admin_at(pod, address, "/config_dump");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).expect("config_dump is JSON")
+}
+
 /// An HTTP/1.1 chunked body, joined (Envoy's admin answers large bodies so).
 fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
