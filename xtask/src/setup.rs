@@ -22,6 +22,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("procps", "ps"),
     ("nghttp2-client", "h2load"),
     ("nginx-light", "nginx"),
+    ("python3-minimal", "python3"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
