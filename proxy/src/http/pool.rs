@@ -103,6 +103,27 @@ pub enum Sender {
 }
 
 impl Pools {
+    /// Keeps the pools of the hosts `keep` says yes to; the others' idle connections
+    /// close as their senders drop.
+    pub fn retain(&self, keep: impl Fn(&SocketAddr) -> bool) {
+        self.hosts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|address, _| keep(address));
+    }
+
+    /// How many hosts have a pool.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.hosts.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Makes the pool of `address`, as a first request to it does.
+    #[cfg(test)]
+    pub fn touch(&self, address: SocketAddr) {
+        self.host(address);
+    }
+
     fn host(&self, address: SocketAddr) -> Arc<HostPool> {
         self.hosts
             .lock()

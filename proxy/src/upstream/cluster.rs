@@ -247,6 +247,10 @@ impl Cluster {
         hosts.retain(|_, (host, used)| {
             host.active_connections() > 0 || used.elapsed() < self.cleanup_interval
         });
+        // A forgotten host has no connection left, idle pooled ones included: its HTTP
+        // pool goes too, or passthrough HTTP would keep one per destination for ever.
+        self.http_pools
+            .retain(|address| hosts.contains_key(address));
     }
 
     /// The hosts load balancing chooses from now.
@@ -357,6 +361,12 @@ impl Cluster {
                     })
             })
             .collect();
+        // Idle HTTP connections to hosts that left are closed (requests in flight keep
+        // theirs).
+        let addresses: std::collections::HashSet<SocketAddr> =
+            hosts.iter().map(|h| h.address).collect();
+        self.http_pools
+            .retain(|address| addresses.contains(address));
         *members = Arc::new(self.build(hosts));
     }
 
@@ -624,10 +634,18 @@ mod tests {
             .track_connection();
         let listed: Vec<SocketAddr> = cluster.hosts().iter().map(|h| h.address).collect();
         assert_eq!(listed, [a, b]);
+        // Both carried HTTP: each has a connection pool.
+        cluster.http_pools.touch(a);
+        cluster.http_pools.touch(b);
         std::thread::sleep(Duration::from_millis(40));
         cluster.clean_up_original_dst_hosts();
         let listed: Vec<SocketAddr> = cluster.hosts().iter().map(|h| h.address).collect();
         assert_eq!(listed, [b], "idle a is forgotten, b has a connection");
+        assert_eq!(
+            cluster.http_pools.len(),
+            1,
+            "a's HTTP pool is forgotten with it"
+        );
         drop(held);
     }
 
