@@ -70,17 +70,7 @@ fn config_dump(pod: &Pod) -> Value {
 
 fn drives_the_proxy(delta: bool) {
     let (dir, socket, server) = unix_server(if delta { "delta" } else { "sotw" });
-    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
-    server.set(
-        type_urls::ENDPOINT,
-        "e1",
-        vec![endpoints("backend", ECHO_A)],
-    );
-    server.set(
-        type_urls::LISTENER,
-        "l1",
-        vec![listener("l1", LISTEN_PORT, "backend")],
-    );
+    xds::serve_backend(&server, eds_cluster("backend", 1), ECHO_A, LISTEN_PORT);
 
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();
@@ -736,17 +726,7 @@ fn tls_to_the_xds_server() {
         .unwrap()
         .expect("TLS ADS server");
     let port = server.local_addr().unwrap().port();
-    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
-    server.set(
-        type_urls::ENDPOINT,
-        "e1",
-        vec![endpoints("backend", ECHO_A)],
-    );
-    server.set(
-        type_urls::LISTENER,
-        "l1",
-        vec![listener("l1", LISTEN_PORT, "backend")],
-    );
+    xds::serve_backend(&server, eds_cluster("backend", 1), ECHO_A, LISTEN_PORT);
     let tls_bootstrap = |ca: std::path::PathBuf| {
         let mut b = bootstrap(std::path::Path::new("/unused"), true);
         b["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]

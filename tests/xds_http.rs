@@ -435,10 +435,16 @@ fn sds_secrets(
     assert!(!dump.to_string().contains("PRIVATE KEY"), "{dump}");
 }
 
-/// Secrets over ADS, as a control plane that serves them itself (`sds_config: ads`).
-fn sds_over_ads(delta: bool) {
-    let pki = Pki::new(if delta { "pki-delta" } else { "pki-sotw" });
-    let (_dir, socket, server) = unix_server(if delta { "sds-delta" } else { "sds-sotw" });
+/// Serves a TLS `tcp_proxy` listener on LISTEN_PORT to an echo server (cluster `echo`),
+/// with certificate `default` (and client CA `validation`) from SDS `source`, and starts
+/// shunt with `bootstrap` in a fresh pod: the node, the pod, the echo server, shunt.
+fn serve_tls(
+    server: &AdsServer,
+    source: envoy_types::pb::envoy::config::core::v3::ConfigSource,
+    validation: Option<&str>,
+    config: &Path,
+    bootstrap: &Value,
+) -> (Node, Pod, PodProcess, PodProcess) {
     server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("echo")]);
     server.set(
         type_urls::ENDPOINT,
@@ -449,19 +455,28 @@ fn sds_over_ads(delta: bool) {
         "tls",
         local(LISTEN_PORT),
         "echo",
-        ads_source(),
+        source,
         "default",
-        None,
+        validation,
     );
     server.set(type_urls::LISTENER, "l1", vec![named("tls", &tls)]);
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();
-    let _echo = start_app(&pod, &[BACKEND_A]);
-    let proxy = start_shunt(
-        &pod,
+    let echo = start_app(&pod, &[BACKEND_A]);
+    let proxy = start_shunt(&pod, config, bootstrap, &["--concurrency", "2"]);
+    (node, pod, echo, proxy)
+}
+
+/// Secrets over ADS, as a control plane that serves them itself (`sds_config: ads`).
+fn sds_over_ads(delta: bool) {
+    let pki = Pki::new(if delta { "pki-delta" } else { "pki-sotw" });
+    let (_dir, socket, server) = unix_server(if delta { "sds-delta" } else { "sds-sotw" });
+    let (_node, pod, _echo, proxy) = serve_tls(
+        &server,
+        ads_source(),
+        None,
         &_dir.0.join("bootstrap.json"),
         &bootstrap(&socket, delta, vec![]),
-        &["--concurrency", "2"],
     );
     sds_secrets(&pod, &proxy, &server, &server, &pki, delta, false);
 }
@@ -487,29 +502,12 @@ fn sds_from_its_own_server_as_istio_agent_serves_it() {
     let secrets = AdsServer::start(Listen::Unix(sds_socket.clone())).expect("SDS server");
     open_to_the_proxy(&dir.0, &sds_socket);
     let source = grpc_source("sds-grpc");
-    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("echo")]);
-    server.set(
-        type_urls::ENDPOINT,
-        "e1",
-        vec![endpoints("echo", BACKEND_A)],
-    );
-    let tls = tls_tcp_proxy_listener(
-        "tls",
-        local(LISTEN_PORT),
-        "echo",
+    let (_node, pod, _echo, proxy) = serve_tls(
+        &server,
         source,
-        "default",
         Some("ROOTCA"),
-    );
-    server.set(type_urls::LISTENER, "l1", vec![named("tls", &tls)]);
-    let mut node = Node::new().unwrap();
-    let pod = node.add_pod("p").unwrap();
-    let _echo = start_app(&pod, &[BACKEND_A]);
-    let proxy = start_shunt(
-        &pod,
         &dir.0.join("bootstrap.json"),
         &bootstrap(&socket, true, vec![pipe_cluster("sds-grpc", &sds_socket)]),
-        &["--concurrency", "2"],
     );
     sds_secrets(&pod, &proxy, &server, &secrets, &pki, false, true);
     // The secret came on the agent's stream, not on ADS.

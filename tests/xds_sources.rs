@@ -25,7 +25,7 @@ use envoy_types::pb::envoy::config::core::v3::{ApiConfigSource, ConfigSource, Gr
 use envoy_types::pb::envoy::service::cluster::v3::cluster_discovery_service_client::ClusterDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient;
-use harness::ads::resources::{self, load_assignment, named, tcp_proxy_listener};
+use harness::ads::resources::{self, load_assignment, named};
 use harness::ads::{AdsServer, Any, Listen, Received, methods, type_urls};
 use harness::{Node, Pod};
 use serde_json::Value;
@@ -74,10 +74,6 @@ fn endpoints(name: &str, port: u16) -> (String, Any) {
     named(name, &load_assignment(name, &[local(port)]))
 }
 
-fn listener(name: &str, port: u16, cluster: &str) -> (String, Any) {
-    named(name, &tcp_proxy_listener(name, local(port), cluster))
-}
-
 fn admin(pod: &Pod, path: &str) -> (u16, String) {
     admin_at(pod, ADMIN, path)
 }
@@ -124,21 +120,7 @@ fn bootstrap(socket: &Path, delta: bool) -> Value {
 
 fn per_type_sources_drive_the_proxy(delta: bool) {
     let (dir, socket, server) = unix_server(if delta { "delta" } else { "sotw" });
-    server.set(
-        type_urls::CLUSTER,
-        "c1",
-        vec![eds_cluster("backend", delta)],
-    );
-    server.set(
-        type_urls::ENDPOINT,
-        "e1",
-        vec![endpoints("backend", ECHO_A)],
-    );
-    server.set(
-        type_urls::LISTENER,
-        "l1",
-        vec![listener("l1", LISTEN_PORT, "backend")],
-    );
+    xds::serve_backend(&server, eds_cluster("backend", delta), ECHO_A, LISTEN_PORT);
 
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("p").unwrap();

@@ -6,7 +6,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use harness::ads::{AdsServer, Received};
+use harness::ads::resources::{load_assignment, named, tcp_proxy_listener};
+use harness::ads::{AdsServer, Any, Received, type_urls};
 use harness::{Pod, PodProcess};
 use serde_json::Value;
 
@@ -214,4 +215,28 @@ pub fn pipe_cluster(name: &str, socket: &Path) -> Value {
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"pipe": {"path": socket.display().to_string()}}}}]}]}
     })
+}
+
+/// Serves (versions c1, e1, l1) one cluster `backend` as `cluster` builds it, its
+/// endpoint 127.0.0.1:`echo`, and a `tcp_proxy` listener `l1` on 127.0.0.1:`listen`
+/// to it: the config most xDS tests start from.
+pub fn serve_backend(server: &AdsServer, cluster: (String, Any), echo: u16, listen: u16) {
+    let local = |port| SocketAddr::from(([127, 0, 0, 1], port));
+    server.set(type_urls::CLUSTER, "c1", vec![cluster]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![named(
+            "backend",
+            &load_assignment("backend", &[local(echo)]),
+        )],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![named(
+            "l1",
+            &tcp_proxy_listener("l1", local(listen), "backend"),
+        )],
+    );
 }
