@@ -11,7 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
+use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
 use serde::Serialize;
+
+use crate::config::Diagnostics;
+use crate::config::convert::{self, decode};
 
 /// Which listener accepted the connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -308,6 +313,57 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     let year = yoe + era * 400 + i64::from(month <= 2);
     (year, month, day)
+}
+
+const FILE: &str = "envoy.extensions.access_loggers.file.v3.FileAccessLog";
+const STDOUT: &str = "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog";
+const STDERR: &str = "envoy.extensions.access_loggers.stream.v3.StderrAccessLog";
+
+/// Opens the access logs shunt can write: files, stdout and stderr. Each writes shunt's
+/// JSON line whatever format it asks for.
+pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Vec<Sink> {
+    let mut sinks = Vec::new();
+    for (i, log) in logs.iter().enumerate() {
+        let log_path = format!("{path}[{i}]");
+        if log.filter.is_some() {
+            problems.warning(
+                format!("{log_path}.filter"),
+                "access log filters are not implemented; every connection is logged",
+            );
+        }
+        let Some(access_log::ConfigType::TypedConfig(any)) = &log.config_type else {
+            problems.warning(&log_path, "an access log without typed_config is ignored");
+            continue;
+        };
+        let typed_path = format!("{log_path}.typed_config");
+        match convert::type_name(any) {
+            FILE => {
+                let Some(file) = decode::<FileAccessLog>(any, &typed_path, problems) else {
+                    continue;
+                };
+                if file.access_log_format.is_some() {
+                    problems.warning(
+                        format!("{typed_path}.access_log_format"),
+                        "custom formats are not implemented; shunt writes its JSON line",
+                    );
+                }
+                match Sink::open(Path::new(&file.path)) {
+                    Ok(sink) => sinks.push(sink),
+                    Err(err) => problems.error(
+                        format!("{typed_path}.path"),
+                        format!("cannot open {:?}: {err}", file.path),
+                    ),
+                }
+            }
+            STDOUT => sinks.push(Sink::Stdout),
+            STDERR => sinks.push(Sink::Stderr),
+            other => problems.warning(
+                &typed_path,
+                format!("access logger {other} is not implemented; ignored"),
+            ),
+        }
+    }
+    sinks
 }
 
 #[cfg(test)]

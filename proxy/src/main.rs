@@ -3,18 +3,8 @@
 //! `shunt capture` replaces istio-init (eBPF, or istio-iptables' exact rules as the
 //! fallback); `shunt proxy` is the proxy that captured traffic lands in.
 
-mod access_log;
-mod admin;
 mod capture;
-mod config;
-mod http;
 mod inspect;
-mod listener;
-mod snapshot;
-mod tcp;
-mod tls;
-mod upstream;
-mod xds;
 
 use clap::{Parser, Subcommand};
 
@@ -30,7 +20,7 @@ enum Command {
     /// Install (or remove) traffic capture in the current network namespace, as istio-init.
     Capture(capture::CaptureArgs),
     /// Run the proxy: outbound (15001) and inbound (15006) listeners.
-    Proxy(listener::ProxyArgs),
+    Proxy(shunt::server::ProxyArgs),
     /// Show what capture installed: pods, links, decision counters, live redirections.
     Inspect(inspect::InspectArgs),
 }
@@ -39,7 +29,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Capture(args) => capture::run(args),
-        Command::Proxy(args) => listener::run(args),
+        Command::Proxy(args) => shunt::server::run(args),
         Command::Inspect(args) => inspect::run(args),
     };
     match result {

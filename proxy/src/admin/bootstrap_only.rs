@@ -8,8 +8,9 @@ use std::time::SystemTime;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use tokio::sync::watch;
 
-use super::state::{Drain, ProxyState, Resources, endpoints_of, observability_name, socket_addr};
-use super::stats::{self, Stat, Store};
+use super::state::{Drain, ProxyState, observability_name};
+use crate::config::{Resources, endpoints_of, socket_addr};
+use crate::stats::{self, Stat, Store};
 
 /// A proxy that has only its bootstrap: static listeners and clusters, and a stats store
 /// holding the per-cluster and per-listener stats at zero. The admin API's own tests

@@ -36,7 +36,8 @@ use prost_reflect::{
 };
 use regex::Regex;
 
-use super::state::{ProxyState, Resources, UpdateFailure};
+use super::state::ProxyState;
+use crate::config::{Resources, UpdateFailure};
 
 /// The query parameters of `/config_dump`.
 #[derive(Debug, Clone, Default)]

@@ -15,8 +15,9 @@ use serde_json::json;
 use super::Shared;
 use super::config_dump;
 use super::prometheus::{self, Selection};
-use super::state::{Drain, address_text};
-use super::stats::{QUANTILES, Stat, StatValue};
+use super::state::Drain;
+use crate::config::address_text;
+use crate::stats::{QUANTILES, Stat, StatValue};
 
 /// An answer: status, content type, body.
 #[derive(Debug, Clone, PartialEq)]

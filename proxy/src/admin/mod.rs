@@ -1,6 +1,6 @@
 //! The Envoy-compatible admin API (bootstrap `admin.address`, 127.0.0.1:15000 in Istio),
 //! and Istio's two health ports (15090 Prometheus, 15021 readiness) until the HTTP router
-//! can serve them as the listeners they are ([`health_ports`]).
+//! can serve them as the listeners they are ([`crate::config::health_ports`]).
 //!
 //! Threading: [`start_with`] binds every socket on the calling thread (errors surface there,
 //! and before privileges are dropped), then serves on its own thread with a small
@@ -10,7 +10,7 @@
 //! The proxy is reached through one trait, [`ProxyState`]: the config tracker
 //! (`resources()`), stats, readiness, drain and shutdown. The data plane implements it with
 //! its live snapshot ([`crate::snapshot::live::Live`]); the admin API's own tests use
-//! `BootstrapOnly`, built from the bootstrap alone. Stats live in a [`stats::Store`] whose
+//! `BootstrapOnly`, built from the bootstrap alone. Stats live in a [`crate::stats::Store`] whose
 //! handles the data plane updates lock-free.
 //!
 //! The admin API itself owns the health-check state (`/healthcheck/fail`), the server
@@ -20,12 +20,12 @@
 mod bootstrap_only;
 mod config_dump;
 mod handlers;
-pub mod health_ports;
+pub mod live;
+
 pub mod logging;
 mod prometheus;
 mod server;
 pub mod state;
-pub mod stats;
 mod tags;
 
 #[cfg(test)]
@@ -41,12 +41,12 @@ use envoy_types::pb::envoy::admin::v3::{CommandLineOptions, command_line_options
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use tokio::sync::watch;
 
+pub use crate::config::health_ports::HealthListener;
+use crate::stats::Stat;
 #[cfg(test)]
 pub use bootstrap_only::BootstrapOnly;
-pub use health_ports::HealthListener;
 pub use logging::LogControl;
-pub use state::{Drain, ProxyState, Resources, Tracked, UpdateFailure};
-pub use stats::Stat;
+pub use state::{Drain, ProxyState};
 
 /// What the admin API needs besides the bootstrap and the proxy.
 #[derive(Clone)]
@@ -114,7 +114,7 @@ pub fn start_with(
         })
         .transpose()?;
     let mut health = Vec::new();
-    for listener in health_ports::find(bootstrap) {
+    for listener in crate::config::health_ports::find(bootstrap) {
         let socket = bind(listener.address).with_context(|| {
             format!("binding listener {} on {}", listener.name, listener.address)
         })?;
@@ -165,13 +165,15 @@ fn admin_address(bootstrap: &Bootstrap) -> anyhow::Result<Option<SocketAddr>> {
     let Some(address) = bootstrap.admin.as_ref().and_then(|a| a.address.as_ref()) else {
         return Ok(None);
     };
-    state::socket_addr(address).map(Some).ok_or_else(|| {
-        anyhow::anyhow!(
-            "admin.address: {:?} is not an IP socket address with a port_value, the only \
+    crate::config::socket_addr(address)
+        .map(Some)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "admin.address: {:?} is not an IP socket address with a port_value, the only \
              kind shunt's admin API binds",
-            state::address_text(address)
-        )
-    })
+                crate::config::address_text(address)
+            )
+        })
 }
 
 fn bind(address: SocketAddr) -> std::io::Result<std::net::TcpListener> {

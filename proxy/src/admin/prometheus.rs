@@ -14,8 +14,8 @@ use std::fmt::Write;
 
 use regex::Regex;
 
-use super::stats::{Stat, StatValue};
 use super::tags::StatsConfig;
+use crate::stats::{Stat, StatValue};
 
 /// What to include: Envoy's `?usedonly` and `?filter=` (a regex searched in the full name).
 #[derive(Debug, Default)]
@@ -124,7 +124,7 @@ fn escape(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admin::stats::Store;
+    use crate::stats::Store;
 
     #[test]
     fn groups_by_metric_with_tags_as_labels() {

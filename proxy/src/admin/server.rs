@@ -21,7 +21,7 @@ use tokio::sync::watch;
 
 use super::Shared;
 use super::handlers::{self, Reply};
-use super::health_ports::{Answer, HealthListener};
+use crate::config::health_ports::{Answer, HealthListener};
 
 /// How long connections still open at a stop get to finish.
 const STOP_GRACE: Duration = Duration::from_secs(5);

@@ -18,9 +18,9 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use prost::{Message, Name};
 use prost_reflect::{DescriptorPool, DynamicMessage, ReflectMessage, Value};
 
+use super::diagnostic::{Diagnostic, Severity};
 use super::json::{Path, each_message, type_name_of_url};
 use super::pool::{PoolError, pool};
-use super::validate::{Finding, Severity};
 
 /// Network filters (a listener filter chain's `filters`).
 pub const NETWORK_FILTERS: &[&str] = &[
@@ -165,14 +165,14 @@ impl Role {
 }
 
 /// Reports every extension in `bootstrap` that shunt does not implement.
-pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) -> Result<(), PoolError> {
+pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) -> Result<(), PoolError> {
     let pool = &pool()?;
     let desc = pool
         .get_message_by_name(&Bootstrap::full_name())
         .ok_or_else(|| PoolError::missing(&Bootstrap::full_name()))?;
     match DynamicMessage::decode(desc, bootstrap.encode_to_vec().as_slice()) {
         Ok(message) => Walker { pool, findings }.message(&message, &mut Path::default(), ""),
-        Err(err) => findings.push(Finding::error(
+        Err(err) => findings.push(Diagnostic::error(
             "",
             format!("re-reading the bootstrap: {err}"),
         )),
@@ -182,7 +182,7 @@ pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) -> Result<(), P
 
 struct Walker<'a> {
     pool: &'a DescriptorPool,
-    findings: &'a mut Vec<Finding>,
+    findings: &'a mut Vec<Diagnostic>,
 }
 
 impl Walker<'_> {
@@ -226,7 +226,7 @@ impl Walker<'_> {
                         .and_then(|kind| kind.get_value(*number))
                         .map_or_else(|| number.to_string(), |value| value.name().to_owned());
                     if !CLUSTER_TYPES.contains(&name.as_str()) {
-                        self.findings.push(Finding::error(
+                        self.findings.push(Diagnostic::error(
                             &format!("{path}.type"),
                             format!("cluster type {name} is not implemented by shunt"),
                         ));
@@ -240,7 +240,7 @@ impl Walker<'_> {
             {
                 let (severity, tail) = optional_http_filter(message, type_name)
                     .map_or((Severity::Error, ""), |why| (Severity::Warning, why));
-                self.findings.push(Finding {
+                self.findings.push(Diagnostic {
                     severity,
                     path: format!("{path}.config_discovery"),
                     message: format!(
@@ -280,7 +280,7 @@ impl Walker<'_> {
             return;
         }
         let Some(desc) = desc else {
-            self.findings.push(Finding::error(
+            self.findings.push(Diagnostic::error(
                 &path.to_string(),
                 format!("an Any of type {type_name}, which shunt does not know"),
             ));
@@ -288,7 +288,7 @@ impl Walker<'_> {
         };
         match DynamicMessage::decode(desc, bytes) {
             Ok(payload) => self.message(&payload, &mut path.clone(), role_key),
-            Err(err) => self.findings.push(Finding::error(
+            Err(err) => self.findings.push(Diagnostic::error(
                 &path.to_string(),
                 format!("{type_name} does not decode: {err}"),
             )),
@@ -339,7 +339,7 @@ impl Walker<'_> {
         } else {
             "; "
         };
-        self.findings.push(Finding {
+        self.findings.push(Diagnostic {
             severity,
             path: path.to_string(),
             message: format!("{what} is not implemented by shunt{separator}{consequence}"),
@@ -389,7 +389,7 @@ mod tests {
     use super::*;
     use crate::config::json::from_json;
 
-    fn findings_for(value: serde_json::Value) -> Vec<Finding> {
+    fn findings_for(value: serde_json::Value) -> Vec<Diagnostic> {
         let (bootstrap, _) = from_json::<Bootstrap>(value).unwrap();
         let mut findings = Vec::new();
         check(&bootstrap, &mut findings).unwrap();

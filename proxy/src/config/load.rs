@@ -10,8 +10,8 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use prost::Message;
 use serde_json::Value;
 
+use super::diagnostic::{Diagnostic, Severity};
 use super::json::{self, JsonError, Leniency};
-use super::validate::{Finding, Severity};
 
 /// What the command line says about the bootstrap (Envoy's server options).
 #[derive(Debug, Clone, Default)]
@@ -51,7 +51,7 @@ impl Options {
 #[derive(Debug, Clone)]
 pub struct Loaded {
     pub bootstrap: Bootstrap,
-    pub findings: Vec<Finding>,
+    pub findings: Vec<Diagnostic>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +130,7 @@ pub fn load(options: &Options) -> Result<Loaded, LoadError> {
 }
 
 /// Loads one bootstrap file.
-pub fn load_file(path: &Path, findings: &mut Vec<Finding>) -> Result<Bootstrap, LoadError> {
+pub fn load_file(path: &Path, findings: &mut Vec<Diagnostic>) -> Result<Bootstrap, LoadError> {
     let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
         path: path.to_owned(),
         source,
@@ -144,7 +144,7 @@ pub fn parse(
     bytes: &[u8],
     format: Format,
     origin: &str,
-    findings: &mut Vec<Finding>,
+    findings: &mut Vec<Diagnostic>,
 ) -> Result<Bootstrap, LoadError> {
     let syntax = |message: String| LoadError::Syntax {
         origin: origin.to_owned(),
@@ -176,7 +176,7 @@ pub fn parse(
     findings.extend(
         leniencies
             .into_iter()
-            .map(|Leniency { path, message }| Finding {
+            .map(|Leniency { path, message }| Diagnostic {
                 severity: Severity::Warning,
                 path,
                 message: format!("{message} (in {origin})"),

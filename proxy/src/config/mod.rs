@@ -10,19 +10,26 @@
 //! these types; `--mode validate` runs it too, so the report names everything shunt
 //! cannot serve, and the xDS sources are checked as the client would open them.
 
+pub mod convert;
+mod diagnostic;
 mod extensions;
+pub mod health_ports;
 mod json;
 mod load;
 mod pool;
+pub mod references;
+mod resources;
 mod validate;
 
-use std::io::Write;
-
-use anyhow::Context;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
+pub use diagnostic::{CompileError, Diagnostic, Diagnostics, Severity};
 pub use load::{Loaded, Options};
-pub use validate::Report;
+pub use resources::{
+    Resources, Tracked, UpdateFailure, address_text, endpoints_of, http_connection_managers,
+    socket_addr,
+};
+pub use validate::{Report, Summary};
 
 /// What `shunt proxy` does with a bootstrap (Envoy's `--mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -45,6 +52,11 @@ pub enum Mode {
 )]
 pub fn to_json(bootstrap: &Bootstrap) -> Result<serde_json::Value, json::JsonError> {
     json::to_json(bootstrap)
+}
+
+/// A config digest, to tell an unchanged resource from a changed one cheaply.
+pub fn digest<M: prost::Message>(message: &M) -> u64 {
+    xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
 }
 
 /// Any Envoy message as proto3 JSON, written as [`to_json`] writes the bootstrap: what the
@@ -81,68 +93,5 @@ pub fn check(options: &Options) -> anyhow::Result<(Loaded, Report)> {
     Ok((loaded, report))
 }
 
-/// `--mode validate`: report on the bootstrap to stdout; an error if it is not valid.
-/// Besides [`check`], the bootstrap is compiled as serving would compile it, so what
-/// shunt cannot serve is reported too, at its JSON path.
-pub fn validate_mode(options: &Options) -> anyhow::Result<()> {
-    let (loaded, mut report) = check(options)?;
-    let stats = crate::admin::stats::Store::new();
-    match crate::snapshot::compile(&loaded.bootstrap, &stats) {
-        Ok(compiled) => report.add_compiled(&[], &compiled.warnings),
-        Err(err) => report.add_compiled(&err.errors, &err.warnings),
-    }
-    // The xDS sources as the client would open them.
-    if let Err(err) = crate::xds::source::plan(&loaded.bootstrap) {
-        let text = format!("{err:#}");
-        let (path, message) = text
-            .split_once(": ")
-            .unwrap_or(("dynamic_resources", &text));
-        let problem = crate::snapshot::Problem {
-            path: path.to_owned(),
-            message: message.to_owned(),
-        };
-        report.add_compiled(&[problem], &[]);
-    }
-    let mut out = std::io::stdout().lock();
-    print_report(&mut out, options, &loaded.bootstrap, &report).context("writing the report")?;
-    let errors = report.errors().count();
-    if errors > 0 {
-        anyhow::bail!("{}: invalid, {}", options.origin(), count(errors, "error"));
-    }
-    Ok(())
-}
-
-fn print_report(
-    out: &mut impl Write,
-    options: &Options,
-    bootstrap: &Bootstrap,
-    report: &Report,
-) -> std::io::Result<()> {
-    writeln!(out, "bootstrap: {}", options.origin())?;
-    writeln!(out, "{}", validate::Summary { bootstrap, options })?;
-    for finding in &report.findings {
-        writeln!(out, "{finding}")?;
-    }
-    let (errors, warnings) = (report.errors().count(), report.warnings().count());
-    if report.is_valid() {
-        writeln!(out, "OK: valid, {}", count(warnings, "warning"))
-    } else {
-        writeln!(
-            out,
-            "INVALID: {}, {}",
-            count(errors, "error"),
-            count(warnings, "warning")
-        )
-    }
-}
-
-fn count(n: usize, noun: &str) -> String {
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
-    }
-}
-
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

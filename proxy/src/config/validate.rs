@@ -19,70 +19,25 @@ use envoy_types::pb::envoy::config::metrics::v3::stats_matcher::StatsMatcher;
 use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue;
 use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
 
+use super::diagnostic::{Diagnostic, Severity};
 use super::extensions;
 use super::load::Options;
 use super::pool::PoolError;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Severity {
-    Warning,
-    Error,
-}
-
-/// One thing validation has to say, at a JSON path into the bootstrap.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Finding {
-    pub severity: Severity,
-    pub path: String,
-    pub message: String,
-}
-
-impl Finding {
-    pub fn error(path: &str, message: impl Into<String>) -> Self {
-        Finding {
-            severity: Severity::Error,
-            path: path.to_owned(),
-            message: message.into(),
-        }
-    }
-
-    pub fn warning(path: &str, message: impl Into<String>) -> Self {
-        Finding {
-            severity: Severity::Warning,
-            path: path.to_owned(),
-            message: message.into(),
-        }
-    }
-}
-
-impl fmt::Display for Finding {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let label = match self.severity {
-            Severity::Warning => "WARNING",
-            Severity::Error => "ERROR",
-        };
-        if self.path.is_empty() {
-            write!(f, "{label} {}", self.message)
-        } else {
-            write!(f, "{label} {}: {}", self.path, self.message)
-        }
-    }
-}
-
 /// Everything validation found, in bootstrap order.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
-    pub findings: Vec<Finding>,
+    pub findings: Vec<Diagnostic>,
 }
 
 impl Report {
-    pub fn errors(&self) -> impl Iterator<Item = &Finding> {
+    pub fn errors(&self) -> impl Iterator<Item = &Diagnostic> {
         self.findings
             .iter()
             .filter(|f| f.severity == Severity::Error)
     }
 
-    pub fn warnings(&self) -> impl Iterator<Item = &Finding> {
+    pub fn warnings(&self) -> impl Iterator<Item = &Diagnostic> {
         self.findings
             .iter()
             .filter(|f| f.severity == Severity::Warning)
@@ -95,11 +50,7 @@ impl Report {
     /// Adds what compiling the bootstrap into a snapshot found (shunt's own limits, at
     /// their JSON paths), leaving out what validation already reported at the same
     /// path: an error there, or any finding when compiling only warns.
-    pub fn add_compiled(
-        &mut self,
-        errors: &[crate::snapshot::Problem],
-        warnings: &[crate::snapshot::Problem],
-    ) {
+    pub fn add_compiled(&mut self, errors: &[Diagnostic], warnings: &[Diagnostic]) {
         let problems = errors
             .iter()
             .map(|p| (Severity::Error, p))
@@ -111,7 +62,7 @@ impl Report {
                     && (f.severity == Severity::Error || severity == Severity::Warning)
             });
             if !known {
-                added.push(Finding {
+                added.push(Diagnostic {
                     severity,
                     path: problem.path.clone(),
                     message: problem.message.clone(),
@@ -126,7 +77,7 @@ impl Report {
 pub fn validate(
     bootstrap: &Bootstrap,
     options: &Options,
-    findings: Vec<Finding>,
+    findings: Vec<Diagnostic>,
 ) -> Result<Report, PoolError> {
     let mut report = Report { findings };
     extensions::check(bootstrap, &mut report.findings)?;
@@ -134,7 +85,7 @@ pub fn validate(
     check_dynamic_resources(bootstrap, &mut report.findings);
     check_stats(bootstrap, &mut report.findings);
     if options.drain_time > options.parent_shutdown_time {
-        report.findings.push(Finding::warning(
+        report.findings.push(Diagnostic::warning(
             "",
             format!(
                 "--drain-time-s ({}s) is longer than --parent-shutdown-time-s ({}s): \
@@ -148,7 +99,7 @@ pub fn validate(
 }
 
 /// Names that must be unique, or present.
-fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
+fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     let Some(resources) = &bootstrap.static_resources else {
         return;
     };
@@ -156,7 +107,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
     for (i, listener) in resources.listeners.iter().enumerate() {
         let path = format!("static_resources.listeners[{i}]");
         if !listener.name.is_empty() && !seen.insert(listener.name.as_str()) {
-            findings.push(Finding::error(
+            findings.push(Diagnostic::error(
                 &format!("{path}.name"),
                 format!("a second listener named {:?}", listener.name),
             ));
@@ -165,7 +116,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
             && listener.listener_specifier.is_none()
             && listener.api_listener.is_none()
         {
-            findings.push(Finding::error(
+            findings.push(Diagnostic::error(
                 &path,
                 "a listener needs an address (or internal_listener)",
             ));
@@ -175,9 +126,9 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
     for (i, cluster) in resources.clusters.iter().enumerate() {
         let path = format!("static_resources.clusters[{i}].name");
         if cluster.name.is_empty() {
-            findings.push(Finding::error(&path, "a cluster needs a name"));
+            findings.push(Diagnostic::error(&path, "a cluster needs a name"));
         } else if !seen.insert(cluster.name.as_str()) {
-            findings.push(Finding::error(
+            findings.push(Diagnostic::error(
                 &path,
                 format!("a second cluster named {:?}", cluster.name),
             ));
@@ -186,7 +137,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
     let mut seen = HashSet::new();
     for (i, secret) in resources.secrets.iter().enumerate() {
         if !secret.name.is_empty() && !seen.insert(secret.name.as_str()) {
-            findings.push(Finding::error(
+            findings.push(Diagnostic::error(
                 &format!("static_resources.secrets[{i}].name"),
                 format!("a second secret named {:?}", secret.name),
             ));
@@ -196,7 +147,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
 
 /// The xDS servers must be reachable from the bootstrap alone: an `envoy_grpc` target
 /// must be a static cluster, and `ads: {}` needs `ads_config`.
-fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
+fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     let Some(dynamic) = &bootstrap.dynamic_resources else {
         return;
     };
@@ -206,12 +157,12 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
         .flat_map(|resources| &resources.clusters)
         .map(|cluster| cluster.name.as_str())
         .collect();
-    let check_api = |api: &ApiConfigSource, path: &str, findings: &mut Vec<Finding>| {
+    let check_api = |api: &ApiConfigSource, path: &str, findings: &mut Vec<Diagnostic>| {
         for (i, service) in api.grpc_services.iter().enumerate() {
             if let Some(TargetSpecifier::EnvoyGrpc(grpc)) = &service.target_specifier
                 && !static_clusters.contains(grpc.cluster_name.as_str())
             {
-                findings.push(Finding::error(
+                findings.push(Diagnostic::error(
                     &format!("{path}.grpc_services[{i}].envoy_grpc.cluster_name"),
                     format!(
                         "{:?} is not a static cluster, and the xDS server must be reachable \
@@ -238,7 +189,7 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
                 check_api(api, &format!("{path}.api_config_source"), findings)
             }
             Some(ConfigSourceSpecifier::Ads(_)) if dynamic.ads_config.is_none() => {
-                findings.push(Finding::error(
+                findings.push(Diagnostic::error(
                     &format!("{path}.ads"),
                     "says ADS, but dynamic_resources.ads_config is not set",
                 ));
@@ -251,7 +202,7 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
 /// Stats options the admin API cannot honour as written: tag and matcher regexes its
 /// regex engine (RE2 syntax, as Envoy's `safe_regex`) refuses, such as the lookaheads
 /// Envoy's older std::regex took, and custom matchers.
-fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
+fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     let Some(stats) = &bootstrap.stats_config else {
         return;
     };
@@ -259,7 +210,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
         if let Some(TagValue::Regex(pattern)) = &tag.tag_value
             && let Err(err) = regex::Regex::new(pattern)
         {
-            findings.push(Finding::warning(
+            findings.push(Diagnostic::warning(
                 &format!("stats_config.stats_tags[{i}].regex"),
                 format!(
                     "tag {:?}: shunt cannot run this regex ({}); the tag is not extracted",
@@ -284,7 +235,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
             match &pattern.match_pattern {
                 Some(MatchPattern::SafeRegex(regex)) => {
                     if let Err(err) = regex::Regex::new(&regex.regex) {
-                        findings.push(Finding::warning(
+                        findings.push(Diagnostic::warning(
                             &format!("{path}.safe_regex.regex"),
                             format!(
                                 "invalid regex ({}); it matches no stat",
@@ -293,7 +244,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Finding>) {
                         ));
                     }
                 }
-                Some(MatchPattern::Custom(_)) => findings.push(Finding::warning(
+                Some(MatchPattern::Custom(_)) => findings.push(Diagnostic::warning(
                     &format!("{path}.custom"),
                     "custom string matchers are not implemented; it matches no stat",
                 )),

@@ -15,7 +15,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::config::HttpConnectionManager;
 use crate::access_log::{Entry, ResponseFlag};
-use crate::admin::stats::Counter;
+use crate::stats::Counter;
 
 /// The access log line of one request, written when the last holder lets go.
 #[derive(Debug, Default)]
@@ -66,61 +66,10 @@ impl Drop for LogSlot {
     }
 }
 
-/// A request body sent upstream.
-#[derive(Debug)]
-pub struct RequestBody {
-    incoming: Option<Incoming>,
-    log: Arc<LogSlot>,
-}
-
-impl RequestBody {
-    pub fn new(incoming: Incoming, log: Arc<LogSlot>) -> Self {
-        RequestBody {
-            incoming: Some(incoming),
-            log,
-        }
-    }
-
-    /// No body: what a retry of a request without one sends.
-    pub fn empty() -> Self {
-        RequestBody {
-            incoming: None,
-            log: Arc::default(),
-        }
-    }
-}
-
-impl Body for RequestBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.get_mut();
-        let Some(incoming) = this.incoming.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let frame = Pin::new(incoming).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &frame
-            && let Some(data) = frame.data_ref()
-        {
-            this.log
-                .received
-                .fetch_add(data.len() as u64, Ordering::Relaxed);
-        }
-        frame
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.incoming.as_ref().is_none_or(Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.incoming
-            .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+/// The request body reads report their bytes here (`bytes_received`).
+impl crate::upstream::http_pool::BodyObserver for LogSlot {
+    fn received(&self, bytes: u64) {
+        self.received.fetch_add(bytes, Ordering::Relaxed);
     }
 }
 

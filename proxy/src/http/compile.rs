@@ -15,9 +15,9 @@ use hyper::header::HeaderValue;
 
 use super::config::{Codec, HttpConnectionManager, HttpStats, RouteSource, ServerHeader};
 use super::route::{Action, ClusterChoice, RouteConfig};
-use crate::admin::stats::Store;
-use crate::snapshot::Problems;
-use crate::snapshot::convert::{decode, type_name};
+use crate::config::Diagnostics;
+use crate::config::convert::{decode, type_name};
+use crate::stats::Store;
 
 const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
 const FAULT: &str = "envoy.extensions.filters.http.fault.v3.HTTPFault";
@@ -55,7 +55,7 @@ pub fn compile(
     clusters: &crate::upstream::Clusters,
     stats: &Store,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<HttpConnectionManager> {
     let errors_before = problems.errors.len();
     if hcm.stat_prefix.is_empty() {
@@ -153,7 +153,7 @@ pub fn compile(
         }
     }
     let access_log =
-        crate::snapshot::access_logs(&hcm.access_log, &format!("{path}.access_log"), problems);
+        crate::access_log::compile(&hcm.access_log, &format!("{path}.access_log"), problems);
     if problems.errors.len() > errors_before {
         return None;
     }
@@ -174,7 +174,7 @@ pub fn compile(
 
 /// Checks the HTTP filter chain: only the router does anything, and it must be last.
 /// Returns the router's `suppress_envoy_headers`.
-fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Problems) -> bool {
+fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> bool {
     let mut suppress_envoy_headers = false;
     let mut router_at = None;
     for (i, filter) in hcm.http_filters.iter().enumerate() {
@@ -263,7 +263,7 @@ fn validate_clusters(
     config: &RouteConfig,
     clusters: &crate::upstream::Clusters,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) {
     // The compiled config keeps every virtual host and route, in config order.
     for (i, vhost) in config.virtual_hosts.iter().enumerate() {

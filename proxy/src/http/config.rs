@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::route::RouteConfig;
 use crate::access_log::Sink;
-use crate::admin::stats::{Counter, Store};
+use crate::stats::{Counter, Store};
 
 /// Envoy's `codec_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

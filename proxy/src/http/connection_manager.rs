@@ -17,13 +17,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::body::{LogSlot, RequestBody, ResponseBody};
+use super::ConfigProvider;
+use super::body::{LogSlot, ResponseBody};
 use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, class_counter};
 use super::matcher::RequestView;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
 use crate::access_log::{Direction, Entry, HttpFields, ResponseFlag};
-use crate::snapshot::Store;
+use crate::upstream::http_pool::RequestBody;
 
 /// The downstream connection a request arrived on.
 #[derive(Debug, Clone)]
@@ -41,7 +42,7 @@ pub struct Downstream {
 
 struct Shared {
     hcm: Arc<HttpConnectionManager>,
-    store: Arc<Store>,
+    config: Arc<dyn ConfigProvider>,
     downstream: Downstream,
 }
 
@@ -49,7 +50,7 @@ struct Shared {
 /// stream is served the same way as a TCP one.
 pub async fn serve<IO>(
     hcm: Arc<HttpConnectionManager>,
-    store: Arc<Store>,
+    config: Arc<dyn ConfigProvider>,
     io: IO,
     downstream: Downstream,
 ) where
@@ -60,7 +61,7 @@ pub async fn serve<IO>(
     let remote = downstream.remote;
     let shared = Arc::new(Shared {
         hcm,
-        store,
+        config,
         downstream,
     });
     let service = service_fn(move |request: Request<Incoming>| {
@@ -157,10 +158,10 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         log: log.clone(),
     };
     let entry = pending.entry.as_mut().expect("just set");
-    let snapshot = shared.store.load();
+    let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
-        RouteSource::Rds(name) => snapshot.route_configs.get(name).cloned(),
+        RouteSource::Rds(name) => snapshot.route_config(name).cloned(),
     };
     let scheme = if downstream.secure { "https" } else { "http" };
     let view = RequestView {
@@ -220,7 +221,7 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
             if let Some((name, _)) = &picked {
                 entry.upstream_cluster = Some(name.clone());
             }
-            let found = picked.and_then(|(name, weighted)| match snapshot.clusters.get(&*name) {
+            let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&*name) {
                 Some(cluster) => Some((cluster, weighted)),
                 None => {
                     tracing::debug!(cluster = %name, "route names an unknown cluster");
@@ -315,7 +316,7 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                     .or(vhost.retry_policy.as_deref()),
                 suppress_envoy_headers: hcm.suppress_envoy_headers,
                 hash,
-                secrets: &snapshot.secrets,
+                secrets: snapshot.secrets(),
             };
             let body = RequestBody::new(body, log.clone());
             let result = if let Some((kind, value)) = upgrade {

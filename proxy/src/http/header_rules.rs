@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 use hyper::HeaderMap;
 use hyper::header::{HeaderName, HeaderValue};
 
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// Envoy's `HeaderValueOption.append_action`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,7 +69,7 @@ pub fn compile(
     remove: &[String],
     path: &str,
     kind: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> HeaderRules {
     let mut rules = HeaderRules::default();
     for (i, name) in remove.iter().enumerate() {

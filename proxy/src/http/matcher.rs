@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
 use hyper::HeaderMap;
 use regex::Regex;
 
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// What route matching reads from a request. Pseudo-headers (`:method`, `:authority`,
 /// `:path`, `:scheme`) are fields because HTTP/1.1 requests do not carry them as headers.
@@ -162,7 +162,7 @@ impl QueryParameterMatcher {
 }
 
 /// A `RegexMatcher`, anchored (Envoy's regexes match whole values).
-pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Problems) -> Option<regex::Regex> {
+pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Diagnostics) -> Option<regex::Regex> {
     match full_match_regex(&re.regex) {
         Ok(re) => Some(re),
         Err(err) => {
@@ -187,7 +187,7 @@ pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Problems) -> Option<r
 pub fn string_matcher(
     m: &EnvoyStringMatcher,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<StringMatcher> {
     let pattern = match &m.match_pattern {
         Some(MatchPattern::Exact(s)) => StringPattern::Exact(s.clone()),
@@ -221,7 +221,7 @@ pub fn string_matcher(
 pub fn header_matcher(
     h: &EnvoyHeaderMatcher,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<HeaderMatcher> {
     let exact = |p: StringPattern| {
         Some(HeaderMatch::String(StringMatcher {
@@ -268,7 +268,7 @@ pub fn header_matcher(
 pub fn query_matcher(
     q: &EnvoyQueryMatcher,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<QueryParameterMatcher> {
     let matcher = match &q.query_parameter_match_specifier {
         Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(

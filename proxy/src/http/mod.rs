@@ -2,7 +2,11 @@
 //! filter chain hands its connection to [`connection_manager::serve`], which speaks
 //! HTTP/1.1 and HTTP/2 to the downstream, routes each request with a [`RouteConfig`]
 //! ([`route`]: virtual hosts, routes, actions; compiled by [`route_config::compile`])
-//! and forwards it with the [`router`] over the cluster's connection [`pool`]s.
+//! and forwards it with the [`router`] over the cluster's connection pools
+//! (`upstream::http_pool`).
+//!
+//! Each request reads the config current when it arrives through [`ConfigProvider`]:
+//! the snapshot, which sits above this module, implements it.
 
 pub mod body;
 pub mod compile;
@@ -10,7 +14,7 @@ pub mod config;
 pub mod connection_manager;
 pub mod header_rules;
 pub mod matcher;
-pub mod pool;
+
 pub mod route;
 pub mod route_action;
 pub mod route_config;
@@ -20,5 +24,25 @@ pub mod upgrade;
 #[cfg(test)]
 mod tests;
 
+use std::sync::Arc;
+
 pub use config::HttpConnectionManager;
 pub use route::RouteConfig;
+
+use crate::tls::Secrets;
+use crate::upstream::Clusters;
+
+/// The config one request is routed with: the snapshot current when it arrived.
+pub trait RequestConfig: Send + Sync {
+    /// A route configuration from RDS, by name.
+    fn route_config(&self, name: &str) -> Option<&Arc<RouteConfig>>;
+    fn clusters(&self) -> &Clusters;
+    /// Named secrets (static or SDS), looked up at each upstream handshake.
+    fn secrets(&self) -> &Secrets;
+}
+
+/// Where the connection manager finds the config current at each request (the
+/// snapshot store, which xDS swaps).
+pub trait ConfigProvider: Send + Sync {
+    fn request_config(&self) -> Arc<dyn RequestConfig>;
+}

@@ -17,8 +17,8 @@ use super::route::{
     ClusterChoice, DEFAULT_ROUTE_TIMEOUT, HashKey, HashPolicy, PathRedirect, Redirect, RetryPolicy,
     RouteAction, RouteMatch, WeightedCluster, retry_on,
 };
-use crate::snapshot::Problems;
-use crate::snapshot::convert::duration_or;
+use crate::config::Diagnostics;
+use crate::config::convert::duration_or;
 
 /// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`).
 #[allow(
@@ -29,7 +29,7 @@ pub fn route_action(
     a: &EnvoyAction,
     matcher: Option<&RouteMatch>,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<RouteAction> {
     let errors_before = problems.errors.len();
     let cluster = match &a.cluster_specifier {
@@ -274,7 +274,7 @@ pub fn route_action(
 }
 
 /// A route's or virtual host's `retry_policy`.
-pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Problems) -> RetryPolicy {
+pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics) -> RetryPolicy {
     let mut on = 0;
     for condition in p
         .retry_on
@@ -329,7 +329,7 @@ pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Problems) -
 pub fn redirect_action(
     r: &RedirectAction,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<Redirect> {
     let scheme = match &r.scheme_rewrite_specifier {
         Some(redirect_action::SchemeRewriteSpecifier::HttpsRedirect(true)) => {

@@ -17,13 +17,13 @@ use hyper::StatusCode;
 
 use super::route::{Action, Domains, PathMatch, Route, RouteConfig, RouteMatch, VirtualHost};
 use super::{header_rules, matcher, route_action};
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// Compiles `config`, found at JSON path `path`; `None` if it has errors (in `problems`).
 pub fn compile(
     config: &RouteConfiguration,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<RouteConfig> {
     let errors_before = problems.errors.len();
     if config.vhds.is_some() {
@@ -115,7 +115,7 @@ fn add_domain(
     domain: &str,
     index: usize,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) {
     if domain == "*" {
         domains.any = Some(index);
@@ -153,7 +153,7 @@ fn add_domain(
 fn virtual_host(
     vhost: &EnvoyVirtualHost,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<VirtualHost> {
     let errors_before = problems.errors.len();
     if vhost.domains.is_empty() {
@@ -233,7 +233,7 @@ fn virtual_host(
     (problems.errors.len() == errors_before).then_some(compiled)
 }
 
-fn route(route: &EnvoyRoute, path: &str, problems: &mut Problems) -> Option<Route> {
+fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<Route> {
     let errors_before = problems.errors.len();
     if !route.typed_per_filter_config.is_empty() {
         problems.warning(
@@ -320,7 +320,11 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Problems) -> Option<Rout
     })
 }
 
-fn route_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> Option<RouteMatch> {
+fn route_match(
+    m: Option<&EnvoyMatch>,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<RouteMatch> {
     let Some(m) = m else {
         problems.error(path, "a route needs a match");
         return None;
@@ -419,7 +423,7 @@ fn route_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> O
     })
 }
 
-fn data_source(source: &DataSource, path: &str, problems: &mut Problems) -> Bytes {
+fn data_source(source: &DataSource, path: &str, problems: &mut Diagnostics) -> Bytes {
     match &source.specifier {
         Some(data_source::Specifier::InlineString(s)) => Bytes::from(s.clone()),
         Some(data_source::Specifier::InlineBytes(b)) => Bytes::from(b.clone()),

@@ -12,12 +12,12 @@ use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
 
-use super::body::RequestBody;
 use super::config::class_counter;
-use super::pool::{CheckoutError, SendError};
 use super::route::{RetryPolicy, RouteAction};
 use crate::access_log::{Entry, ResponseFlag};
 use crate::upstream::cluster::UpstreamProtocol;
+use crate::upstream::http_pool::RequestBody;
+use crate::upstream::http_pool::{CheckoutError, SendError};
 use crate::upstream::{Cluster, LbContext};
 
 /// A response shunt makes itself (Envoy's local reply).

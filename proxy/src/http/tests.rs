@@ -10,11 +10,11 @@ use super::connection_manager::redirect_location;
 use super::matcher::RequestView;
 use super::route::{Action, ClusterChoice, RouteConfig};
 use super::route_config::compile;
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 fn route_config(config: serde_json::Value) -> RouteConfig {
     let config: RouteConfiguration = crate::config::message_from_json(config).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     let compiled = compile(&config, "rc", &mut problems);
     assert!(problems.errors.is_empty(), "{:?}", problems.errors);
     compiled.unwrap()
@@ -22,7 +22,7 @@ fn route_config(config: serde_json::Value) -> RouteConfig {
 
 fn errors(config: serde_json::Value) -> Vec<String> {
     let config: RouteConfiguration = crate::config::message_from_json(config).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     assert!(compile(&config, "rc", &mut problems).is_none());
     problems.errors.iter().map(ToString::to_string).collect()
 }
@@ -289,11 +289,49 @@ mod serving {
 
     use super::route_config;
     use crate::access_log::Direction;
+    use crate::config::Diagnostics;
     use crate::http::connection_manager::{Downstream, serve};
-    use crate::snapshot::{Problems, Snapshot, Store};
+    use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
+    use crate::tls::Secrets;
+    use crate::upstream::Clusters;
 
-    fn snapshot_with(routes: &[(&str, serde_json::Value)]) -> Arc<Snapshot> {
-        let mut snapshot = Snapshot::default();
+    /// RDS route configurations that a test swaps, as xDS swaps snapshots.
+    #[derive(Default)]
+    struct Routes {
+        route_configs: HashMap<String, Arc<RouteConfig>>,
+        clusters: Clusters,
+        secrets: Secrets,
+    }
+
+    impl RequestConfig for Routes {
+        fn route_config(&self, name: &str) -> Option<&Arc<RouteConfig>> {
+            self.route_configs.get(name)
+        }
+        fn clusters(&self) -> &Clusters {
+            &self.clusters
+        }
+        fn secrets(&self) -> &Secrets {
+            &self.secrets
+        }
+    }
+
+    #[derive(Default)]
+    struct CurrentRoutes(std::sync::RwLock<Arc<Routes>>);
+
+    impl ConfigProvider for CurrentRoutes {
+        fn request_config(&self) -> Arc<dyn RequestConfig> {
+            self.0.read().unwrap().clone()
+        }
+    }
+
+    impl CurrentRoutes {
+        fn swap(&self, routes: Arc<Routes>) {
+            *self.0.write().unwrap() = routes;
+        }
+    }
+
+    fn snapshot_with(routes: &[(&str, serde_json::Value)]) -> Arc<Routes> {
+        let mut snapshot = Routes::default();
         for (name, config) in routes {
             snapshot
                 .route_configs
@@ -317,13 +355,13 @@ mod serving {
             "http_filters": [{"name": "router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
         }))
         .unwrap();
-        let mut problems = Problems::default();
-        let stats = crate::admin::stats::Store::new();
+        let mut problems = Diagnostics::default();
+        let stats = crate::stats::Store::new();
         let hcm = Arc::new(
             crate::http::compile::compile(&hcm, &HashMap::new(), &stats, "hcm", &mut problems)
                 .unwrap(),
         );
-        let store = Arc::new(Store::new(Snapshot::default()));
+        let store = Arc::new(CurrentRoutes::default());
 
         let (client_io, server_io) = tokio::io::duplex(64 * 1024);
         let downstream = Downstream {
@@ -373,40 +411,6 @@ mod serving {
         assert_eq!(hcm.stats.downstream_rq_class[1].value(), 2);
         assert_eq!(hcm.stats.downstream_rq_class[4].value(), 1);
     }
-}
-
-#[test]
-fn a_cluster_says_which_http_version_its_hosts_speak() {
-    use crate::upstream::cluster::UpstreamProtocol;
-    let yaml = r#"
-static_resources:
-  clusters:
-  - {name: plain}
-  - {name: deprecated_h2, http2_protocol_options: {}}
-  - name: explicit_h2
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {http2_protocol_options: {}}
-  - name: downstream
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        use_downstream_protocol_config: {}
-"#;
-    let options = crate::config::Options {
-        config_yaml: Some(yaml.to_owned()),
-        ..Default::default()
-    };
-    let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
-    let snapshot = crate::snapshot::compile(&bootstrap, &Default::default())
-        .unwrap()
-        .snapshot;
-    let protocol = |name: &str| snapshot.clusters[name].http_protocol;
-    assert_eq!(protocol("plain"), UpstreamProtocol::Http1);
-    assert_eq!(protocol("deprecated_h2"), UpstreamProtocol::Http2);
-    assert_eq!(protocol("explicit_h2"), UpstreamProtocol::Http2);
-    assert_eq!(protocol("downstream"), UpstreamProtocol::UseDownstream);
 }
 
 #[test]

@@ -12,10 +12,11 @@ use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
-use super::body::{LogSlot, RequestBody, ResponseBody};
+use super::body::{LogSlot, ResponseBody};
 use super::router::{self, Head, LocalReply, Upstream};
 use crate::access_log::{Entry, ResponseFlag};
 use crate::upstream::LbContext;
+use crate::upstream::http_pool::RequestBody;
 
 /// The upgrade a request asks for (`Upgrade`, lowercase), if it asks for one the HTTP/1.1
 /// way (`Connection: upgrade`).
@@ -69,9 +70,10 @@ pub async fn forward(
             Some(ResponseFlag::UpstreamConnectionFailure),
         )
     };
-    let (io, guard) = super::pool::connect_upstream(&cluster, &host, upstream.secrets)
-        .await
-        .map_err(|_| connect_failure())?;
+    let (io, guard) =
+        crate::upstream::http_pool::connect_upstream(&cluster, &host, upstream.secrets)
+            .await
+            .map_err(|_| connect_failure())?;
     let (mut sender, connection) = http1::handshake(TokioIo::new(io))
         .await
         .map_err(|_| connect_failure())?;

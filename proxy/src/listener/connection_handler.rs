@@ -14,16 +14,16 @@ use super::config::{Listener, ListenerFilters, NetworkFilter};
 use super::filter_chain::ConnectionInfo;
 use super::inspector::{self, HttpVerdict, TlsVerdict};
 use super::original_dst;
+use super::{ConnectionConfig, ListenerProvider, ListenerStats};
 use crate::access_log::{Entry, ResponseFlag};
-use crate::snapshot::{Snapshot, Store};
 use crate::tcp::filter::Upstreams;
-use crate::tcp::stream::Stream;
 use crate::tls::HandshakeError;
+use crate::tls::TransportStream;
 
 /// What every connection of a serving proxy shares.
-#[derive(Debug)]
 pub struct Context {
-    pub store: Arc<Store>,
+    /// The current config (the snapshot store).
+    pub config: Arc<dyn ListenerProvider>,
     /// Ports the proxy listens on (ORIGINAL_DST loop protection); xDS adds to them.
     pub own_ports: std::sync::RwLock<Arc<[u16]>>,
 }
@@ -64,7 +64,7 @@ pub async fn handle(
     bound: SocketAddr,
     ctx: Arc<Context>,
 ) {
-    let snapshot = ctx.store.load();
+    let snapshot = ctx.config.connection_config();
     let Some(accepting) = snapshot.listener(&listener_name).cloned() else {
         // The listener left the config after this socket was bound.
         return;
@@ -88,7 +88,7 @@ pub async fn handle(
     {
         return;
     }
-    let listener = match hand_off_target(&snapshot, &accepting, &facts) {
+    let listener = match hand_off_target(&*snapshot, &accepting, &facts) {
         Some(target) => {
             tracing::debug!(from = %accepting.name, to = %target.name, destination = %facts.destination, "hand-off");
             let target = target.clone();
@@ -130,7 +130,7 @@ pub async fn handle(
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     let secure = chain.transport_socket.is_some();
     let stream = match &chain.transport_socket {
-        None => Stream::Raw(stream),
+        None => TransportStream::Raw(stream),
         Some(tls) => {
             let handshake = terminate_tls(tls, stream, &ctx, &stats);
             let timeout = async {
@@ -162,11 +162,11 @@ pub async fn handle(
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
             // Upstream TLS names secrets as they are now (an SDS rotation applies).
-            let current = ctx.store.load();
+            let current = ctx.config.request_config();
             let upstreams = Upstreams {
-                clusters: &snapshot.clusters,
+                clusters: snapshot.clusters(),
                 own_ports: &own_ports,
-                secrets: &current.secrets,
+                secrets: current.secrets(),
             };
             tokio::select! {
                 () = proxy.serve(&upstreams, stream, facts.destination, &mut entry) => {}
@@ -196,7 +196,7 @@ pub async fn handle(
             };
             let serve = crate::http::connection_manager::serve(
                 hcm.clone(),
-                ctx.store.clone(),
+                ctx.config.clone(),
                 stream,
                 downstream,
             );
@@ -220,14 +220,14 @@ async fn terminate_tls(
     tls: &crate::tls::DownstreamTls,
     stream: TcpStream,
     ctx: &Context,
-    stats: &crate::snapshot::ListenerStats,
-) -> Option<Stream> {
+    stats: &ListenerStats,
+) -> Option<TransportStream> {
     // The handshake's flights should not wait for Nagle.
     if let Err(err) = stream.set_nodelay(true) {
         tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
     }
-    let current = ctx.store.load();
-    match tls.accept(stream, &current.secrets).await {
+    let current = ctx.config.request_config();
+    match tls.accept(stream, current.secrets()).await {
         Ok(tls) => {
             stats.ssl.handshake.inc();
             Some(tls.into())
@@ -247,7 +247,7 @@ async fn terminate_tls(
 /// The listener a connection is handed to: only from a `use_original_dst` listener,
 /// only once a destination was restored, and never to itself.
 pub fn hand_off_target<'a>(
-    snapshot: &'a Snapshot,
+    snapshot: &'a dyn ConnectionConfig,
     accepting: &Arc<Listener>,
     facts: &Facts,
 ) -> Option<&'a Arc<Listener>> {
@@ -323,70 +323,5 @@ async fn inspect(filters: &ListenerFilters, stream: &TcpStream, facts: &mut Fact
         if let Ok(Some(protocol)) = protocol {
             facts.application_protocols = vec![protocol.to_owned()];
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const LISTENERS: &str = r#"
-static_resources:
-  listeners:
-  - name: virtualOutbound
-    address: {socket_address: {address: 0.0.0.0, port_value: 15001}}
-    use_original_dst: true
-    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
-  - name: plain
-    address: {socket_address: {address: 0.0.0.0, port_value: 15002}}
-    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
-  - name: 10.96.0.10_80
-    address: {socket_address: {address: 10.96.0.10, port_value: 80}}
-    bind_to_port: false
-    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
-  clusters: [{name: PassthroughCluster, type: ORIGINAL_DST, lb_policy: CLUSTER_PROVIDED}]
-"#;
-
-    fn snapshot() -> Snapshot {
-        let options = crate::config::Options {
-            config_yaml: Some(LISTENERS.to_owned()),
-            ..Default::default()
-        };
-        let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
-        crate::snapshot::compile(&bootstrap, &Default::default())
-            .unwrap()
-            .snapshot
-    }
-
-    fn restored(destination: &str) -> Facts {
-        Facts {
-            restored: true,
-            ..Facts::new(destination.parse().unwrap())
-        }
-    }
-
-    #[test]
-    fn a_restored_destination_is_handed_to_its_listener_else_stays() {
-        let snapshot = snapshot();
-        let outbound = snapshot.listener("virtualOutbound").unwrap();
-        let target =
-            |facts: &Facts| hand_off_target(&snapshot, outbound, facts).map(|l| l.name.to_string());
-        assert_eq!(
-            target(&restored("10.96.0.10:80")).as_deref(),
-            Some("10.96.0.10_80")
-        );
-        // No listener for it: stays on virtualOutbound's own (passthrough) chains.
-        assert_eq!(target(&restored("10.96.0.11:80")), None);
-        // A destination on the listener's own port is not handed to itself.
-        assert_eq!(target(&restored("10.0.0.5:15001")), None);
-        // Without a restored destination, nothing moves.
-        assert_eq!(target(&Facts::new("10.96.0.10:80".parse().unwrap())), None);
-    }
-
-    #[test]
-    fn only_use_original_dst_listeners_hand_off() {
-        let snapshot = snapshot();
-        let plain = snapshot.listener("plain").unwrap();
-        assert!(hand_off_target(&snapshot, plain, &restored("10.96.0.10:80")).is_none());
     }
 }

@@ -15,6 +15,8 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use ipnet::IpNet;
+
 /// What a connection offers to filter chain matching.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionInfo<'a> {
@@ -32,46 +34,6 @@ pub struct ConnectionInfo<'a> {
     pub application_protocols: &'a [String],
 }
 
-/// An IP prefix (Envoy's `CidrRange`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub len: u8,
-}
-
-impl Cidr {
-    /// A prefix from its address and length; host bits are cleared, as Envoy does.
-    pub fn new(addr: IpAddr, len: u8) -> Option<Cidr> {
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        if len > max {
-            return None;
-        }
-        let addr = match addr {
-            IpAddr::V4(ip) => IpAddr::V4((u32::from(ip) & mask32(len)).into()),
-            IpAddr::V6(ip) => IpAddr::V6((u128::from(ip) & mask128(len)).into()),
-        };
-        Some(Cidr { addr, len })
-    }
-
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        match (self.addr, ip.to_canonical()) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => u32::from(ip) & mask32(self.len) == u32::from(net),
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                u128::from(ip) & mask128(self.len) == u128::from(net)
-            }
-            _ => false,
-        }
-    }
-}
-
-fn mask32(len: u8) -> u32 {
-    u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0)
-}
-
-fn mask128(len: u8) -> u128 {
-    u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0)
-}
-
 /// Envoy's `source_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum SourceType {
@@ -86,14 +48,14 @@ pub enum SourceType {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FilterChainMatch {
     pub destination_port: Option<u16>,
-    pub prefix_ranges: Vec<Cidr>,
+    pub prefix_ranges: Vec<IpNet>,
     /// Lowercase; `*.example.com` is a wildcard for any name ending in `.example.com`.
     pub server_names: Vec<String>,
     pub transport_protocol: String,
     pub application_protocols: Vec<String>,
-    pub direct_source_prefix_ranges: Vec<Cidr>,
+    pub direct_source_prefix_ranges: Vec<IpNet>,
     pub source_type: SourceType,
-    pub source_prefix_ranges: Vec<Cidr>,
+    pub source_prefix_ranges: Vec<IpNet>,
     pub source_ports: Vec<u16>,
 }
 
@@ -186,15 +148,21 @@ impl FilterChainMatch {
     }
 }
 
+/// Whether `ip` is in `prefix`, an IPv4-mapped IPv6 address counting as IPv4 (as Envoy
+/// matches a dual-stack socket's peer).
+fn in_prefix(prefix: &IpNet, ip: IpAddr) -> bool {
+    prefix.contains(&ip.to_canonical())
+}
+
 /// The longest matching prefix wins; no ranges matches any address, least.
-fn prefix_rank(ranges: &[Cidr], ip: IpAddr) -> Rank {
+fn prefix_rank(ranges: &[IpNet], ip: IpAddr) -> Rank {
     if ranges.is_empty() {
         return Some(0);
     }
     ranges
         .iter()
-        .filter(|cidr| cidr.contains(ip))
-        .map(|cidr| u64::from(cidr.len) + 1)
+        .filter(|cidr| in_prefix(cidr, ip))
+        .map(|cidr| u64::from(cidr.prefix_len()) + 1)
         .max()
 }
 
@@ -254,9 +222,9 @@ impl<T> FilterChains<T> {
 mod tests {
     use super::*;
 
-    fn cidr(s: &str) -> Cidr {
+    fn cidr(s: &str) -> IpNet {
         let (ip, len) = s.split_once('/').unwrap();
-        Cidr::new(ip.parse().unwrap(), len.parse().unwrap()).unwrap()
+        crate::config::convert::prefix(ip.parse().unwrap(), len.parse().unwrap()).unwrap()
     }
 
     struct Conn {
@@ -329,15 +297,24 @@ mod tests {
 
     #[test]
     fn cidr_contains_its_prefix_only() {
-        assert!(cidr("10.1.0.0/16").contains("10.1.200.3".parse().unwrap()));
-        assert!(!cidr("10.1.0.0/16").contains("10.2.0.1".parse().unwrap()));
-        assert!(cidr("0.0.0.0/0").contains("1.2.3.4".parse().unwrap()));
-        assert!(!cidr("0.0.0.0/0").contains("::1".parse().unwrap()));
-        assert!(cidr("::/0").contains("fd00::1".parse().unwrap()));
-        assert!(cidr("10.0.0.7/32").contains("::ffff:10.0.0.7".parse().unwrap()));
+        assert!(in_prefix(
+            &cidr("10.1.0.0/16"),
+            "10.1.200.3".parse().unwrap()
+        ));
+        assert!(!in_prefix(
+            &cidr("10.1.0.0/16"),
+            "10.2.0.1".parse().unwrap()
+        ));
+        assert!(in_prefix(&cidr("0.0.0.0/0"), "1.2.3.4".parse().unwrap()));
+        assert!(!in_prefix(&cidr("0.0.0.0/0"), "::1".parse().unwrap()));
+        assert!(in_prefix(&cidr("::/0"), "fd00::1".parse().unwrap()));
+        assert!(in_prefix(
+            &cidr("10.0.0.7/32"),
+            "::ffff:10.0.0.7".parse().unwrap()
+        ));
         // Host bits are cleared as Envoy does.
         assert_eq!(cidr("10.1.2.3/8"), cidr("10.0.0.0/8"));
-        assert!(Cidr::new("10.0.0.0".parse().unwrap(), 33).is_none());
+        assert!(crate::config::convert::prefix("10.0.0.0".parse().unwrap(), 33).is_none());
     }
 
     #[test]

@@ -2,18 +2,11 @@
 //! serves, built from Envoy types and checked once ([`compile`]), then read by every
 //! connection without further validation.
 //!
-//! A [`Store`] holds the current snapshot behind one pointer. Swapping it is atomic; each
+//! A [`Current`] holds the current snapshot behind one pointer. Swapping it is atomic; each
 //! accepted connection takes the `Arc` current when it was accepted and keeps it to its
 //! end, so a new snapshot never changes a connection in flight. Clusters carry run-time
 //! state (health, DNS answers, counters) inside their `Arc`, so a later snapshot that
 //! keeps a cluster can share it.
-
-mod cluster;
-pub(crate) mod convert;
-mod listener;
-pub mod live;
-mod problems;
-mod tcp_proxy;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -22,10 +15,9 @@ use std::time::SystemTime;
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
-pub use listener::ListenerStats;
-pub(crate) use problems::Problems;
-pub use problems::{CompileError, Problem};
-pub(crate) use tcp_proxy::access_logs;
+pub use crate::config::CompileError;
+use crate::config::{Diagnostic, Diagnostics};
+pub use crate::listener::compile::ListenerStats;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
@@ -33,9 +25,13 @@ use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 
-use crate::admin::stats::Store as StatsStore;
-use crate::admin::{Resources, Tracked, UpdateFailure};
-use crate::listener::config::Listener;
+use crate::config::{Resources, Tracked, UpdateFailure};
+use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
+use crate::listener::compile as listener;
+use crate::listener::{ConnectionConfig, Listener, ListenerProvider};
+use crate::stats::Store as StatsStore;
+use crate::tls::Secrets;
+use crate::upstream::compile as cluster;
 use crate::upstream::{Cluster, Clusters};
 
 #[derive(Debug, Default)]
@@ -102,21 +98,13 @@ impl Snapshot {
     /// Every resource this snapshot serves, static and dynamic, as `/config_dump` shows
     /// them. Built on demand: an update does not pay for copies only the admin API reads.
     pub fn resources(&self) -> Resources {
-        (*self.static_resources).clone().with_dynamic(&self.dynamic)
+        self.dynamic.added_to((*self.static_resources).clone())
     }
 
     /// Whether this snapshot was compiled from the bootstrap ([`compile_with`]): it has
     /// the static resources, and an update can start from it.
     fn compiled_from_bootstrap(&self) -> bool {
         self.loaded_at.is_some()
-    }
-
-    /// This snapshot's cluster `name`, if it was compiled from the config with `digest`.
-    fn kept_cluster(&self, name: &str, digest: u64) -> Option<Arc<Cluster>> {
-        self.clusters
-            .get(name)
-            .filter(|c| c.config_digest == digest)
-            .cloned()
     }
 
     /// This snapshot's listener `name` with its stats, if it was compiled from the config
@@ -164,15 +152,56 @@ impl Snapshot {
     }
 }
 
+/// What the data plane reads of a snapshot, through the traits of the layers below.
+impl RequestConfig for Snapshot {
+    fn route_config(&self, name: &str) -> Option<&Arc<RouteConfig>> {
+        self.route_configs.get(name)
+    }
+
+    fn clusters(&self) -> &Clusters {
+        &self.clusters
+    }
+
+    fn secrets(&self) -> &Secrets {
+        &self.secrets
+    }
+}
+
+impl ConnectionConfig for Snapshot {
+    fn listener(&self, name: &str) -> Option<&Arc<Listener>> {
+        Snapshot::listener(self, name)
+    }
+
+    fn listener_for_address(&self, destination: SocketAddr) -> Option<&Arc<Listener>> {
+        Snapshot::listener_for_address(self, destination)
+    }
+
+    fn listener_stats(&self, listener: &Listener) -> Option<&ListenerStats> {
+        Snapshot::listener_stats(self, listener)
+    }
+}
+
 /// The current snapshot, swapped whole.
 #[derive(Debug, Default)]
-pub struct Store {
+pub struct Current {
     current: RwLock<Arc<Snapshot>>,
 }
 
-impl Store {
+impl ConfigProvider for Current {
+    fn request_config(&self) -> Arc<dyn RequestConfig> {
+        self.load()
+    }
+}
+
+impl ListenerProvider for Current {
+    fn connection_config(&self) -> Arc<dyn ConnectionConfig> {
+        self.load()
+    }
+}
+
+impl Current {
     pub fn new(snapshot: Snapshot) -> Self {
-        Store {
+        Current {
             current: RwLock::new(Arc::new(snapshot)),
         }
     }
@@ -199,7 +228,7 @@ impl Store {
 #[derive(Debug)]
 pub struct Compiled {
     pub snapshot: Snapshot,
-    pub warnings: Vec<Problem>,
+    pub warnings: Vec<Diagnostic>,
     /// Its clusters that were not in the previous snapshot as they are: they start.
     pub fresh_clusters: Vec<Arc<Cluster>>,
 }
@@ -228,6 +257,40 @@ pub struct DynamicResources {
     pub clusters_version: String,
     /// Resources whose last update was refused (NACKed), for `/config_dump`'s error state.
     pub errors: Vec<UpdateFailure>,
+}
+
+impl DynamicResources {
+    /// `statics` (the bootstrap's resources) with these, accepted over xDS, added after them.
+    pub fn added_to(&self, mut statics: Resources) -> Resources {
+        let dynamic = self;
+        fn owned<T: Clone>(tracked: &Tracked<std::sync::Arc<T>>) -> Tracked<T> {
+            Tracked {
+                resource: (*tracked.resource).clone(),
+                version_info: tracked.version_info.clone(),
+                last_updated: tracked.last_updated,
+            }
+        }
+        statics
+            .listeners
+            .extend(dynamic.listeners.iter().map(owned));
+        // The configs as CDS sent them: EDS endpoints are shown as endpoints.
+        statics
+            .clusters
+            .extend(dynamic.clusters.iter().map(|c| owned(&c.tracked)));
+        statics
+            .route_configs
+            .extend(dynamic.route_configs.iter().map(owned));
+        statics.secrets.extend(dynamic.secrets.iter().map(owned));
+        statics
+            .endpoints
+            .extend(dynamic.endpoints.iter().map(owned));
+        statics.warming_clusters = dynamic.warming_clusters.iter().map(owned).collect();
+        statics.warming_listeners = dynamic.warming_listeners.iter().map(owned).collect();
+        statics.errors = dynamic.errors.clone();
+        statics.listeners_version = dynamic.listeners_version.clone();
+        statics.clusters_version = dynamic.clusters_version.clone();
+        statics
+    }
 }
 
 /// An active CDS cluster.
@@ -361,9 +424,9 @@ fn unknown_static_secrets(
     previous: Option<&Snapshot>,
     listeners: &[listener::Source],
     listeners_changed: bool,
-    problems: &mut problems::Problems,
+    problems: &mut Diagnostics,
 ) {
-    use crate::xds::references::{self, SecretSource};
+    use crate::config::references::{self, SecretSource};
     let known: HashSet<&str> = statics.iter().map(|s| s.name.as_str()).collect();
     let has_tls =
         |c: &EnvoyCluster| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty();
@@ -419,7 +482,7 @@ fn unknown_static_secrets(
 fn dynamic_route_configs(
     dynamic: &DynamicResources,
     previous: Option<&Snapshot>,
-    problems: &mut problems::Problems,
+    problems: &mut Diagnostics,
 ) -> (
     HashMap<String, Arc<crate::http::RouteConfig>>,
     HashMap<String, Arc<RouteConfiguration>>,
@@ -459,7 +522,7 @@ fn dynamic_secrets(
     dynamic: &DynamicResources,
     previous: Option<&Snapshot>,
     secrets: &mut HashMap<String, Arc<crate::tls::Secret>>,
-    problems: &mut problems::Problems,
+    problems: &mut Diagnostics,
 ) -> HashMap<String, Arc<Secret>> {
     let mut sources = HashMap::new();
     for tracked in &dynamic.secrets {
@@ -493,16 +556,11 @@ fn dynamic_secrets(
     sources
 }
 
-/// A config digest, to tell an unchanged resource from a changed one cheaply.
-pub fn digest<M: prost::Message>(message: &M) -> u64 {
-    xxhash_rust::xxh64::xxh64(&message.encode_to_vec(), 0)
-}
-
 /// Compiles a bootstrap's `static_resources`, with the stats of its listeners, clusters
 /// and filters created in `stats`; every error names its JSON path.
 ///
 /// The listeners the admin API serves as Istio's health ports
-/// ([`crate::admin::health_ports::find`]) are left to it: they are HTTP listeners shunt
+/// ([`crate::config::health_ports::find`]) are left to it: they are HTTP listeners shunt
 /// answers itself until it has an HTTP router.
 pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, CompileError> {
     compile_with(bootstrap, Arc::default(), None, stats)
@@ -517,7 +575,7 @@ pub fn compile_with(
     previous: Option<&Snapshot>,
     stats: &StatsStore,
 ) -> Result<Compiled, CompileError> {
-    let mut problems = problems::Problems::default();
+    let mut problems = Diagnostics::default();
     if let Some(dynamic) = &bootstrap.dynamic_resources
         && (!dynamic.lds_resources_locator.is_empty() || !dynamic.cds_resources_locator.is_empty())
     {
@@ -527,7 +585,7 @@ pub fn compile_with(
         );
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
-    let health: HashSet<String> = crate::admin::health_ports::find(bootstrap)
+    let health: HashSet<String> = crate::config::health_ports::find(bootstrap)
         .into_iter()
         .map(|listener| listener.name)
         .collect();
@@ -545,12 +603,14 @@ pub fn compile_with(
         });
     let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
-        Some((previous, changes)) => cluster::patch(previous, &changes, stats, &mut problems),
+        Some((previous, changes)) => {
+            cluster::patch(&previous.clusters, &changes, stats, &mut problems)
+        }
         None => {
             let sources: Vec<cluster::Source> = static_clusters
                 .iter()
                 .enumerate()
-                .map(|(i, c)| (Some(i), c, digest(c)))
+                .map(|(i, c)| (Some(i), c, crate::config::digest(c)))
                 .chain(
                     dynamic
                         .clusters
@@ -558,7 +618,12 @@ pub fn compile_with(
                         .map(|c| (None, &*c.effective, c.digest)),
                 )
                 .collect();
-            cluster::compile_all(&sources, previous, stats, &mut problems)
+            cluster::compile_all(
+                &sources,
+                previous.map(|p| &p.clusters),
+                stats,
+                &mut problems,
+            )
         }
     };
     let listener_sources: Vec<listener::Source> = resources
@@ -579,7 +644,7 @@ pub fn compile_with(
                 &listener_sources,
                 &health,
                 &clusters.clusters,
-                previous,
+                &|name, digest| previous.and_then(|p| p.kept_listener(name, digest)),
                 stats,
                 &mut problems,
             );

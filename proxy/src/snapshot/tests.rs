@@ -216,7 +216,7 @@ fn hand_off_finds_the_exact_address_then_the_wildcard_port() {
 
 #[test]
 fn a_connection_keeps_the_snapshot_it_started_with() {
-    let store = Store::new(compiled(ISTIO_LIKE).snapshot);
+    let store = Current::new(compiled(ISTIO_LIKE).snapshot);
     let in_flight = store.load();
     let old = store.swap(Arc::new(Snapshot::default()));
     assert!(Arc::ptr_eq(&old, &in_flight));
@@ -391,9 +391,9 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> Arc<super::DynamicCl
     .unwrap();
     let cluster = Arc::new(cluster);
     Arc::new(super::DynamicCluster {
-        digest: digest(&*cluster),
+        digest: crate::config::digest(&*cluster),
         effective: cluster.clone(),
-        tracked: crate::admin::Tracked {
+        tracked: crate::config::Tracked {
             resource: cluster,
             version_info: Some("1".into()),
             last_updated: std::time::SystemTime::now(),
@@ -545,7 +545,7 @@ fn stats_are_created_under_envoys_names() {
         LISTENER_HEAD.replace("{name: c,", "{name: c, alt_stat_name: c_alt,"),
         TCP_PROXY_TO_C.replace("stat_prefix: s", "stat_prefix: t"),
     );
-    let stats = crate::admin::stats::Store::new();
+    let stats = crate::stats::Store::new();
     let snapshot = compile(&bootstrap(&yaml), &stats)
         .unwrap_or_else(|e| panic!("{e}"))
         .snapshot;
@@ -570,7 +570,7 @@ fn stats_are_created_under_envoys_names() {
             .find(|s| s.name == name)
             .map(|s| s.value)
     };
-    use crate::admin::stats::StatValue;
+    use crate::stats::StatValue;
     assert_eq!(
         value("listener.front.downstream_cx_active"),
         Some(StatValue::Gauge(1))
@@ -612,7 +612,7 @@ fn dynamic_listener(
     name: &str,
     port: u32,
     cluster: &str,
-) -> crate::admin::Tracked<Arc<EnvoyListener>> {
+) -> crate::config::Tracked<Arc<EnvoyListener>> {
     let listener: EnvoyListener = crate::config::message_from_json(serde_json::json!({
         "name": name,
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
@@ -621,7 +621,7 @@ fn dynamic_listener(
             "stat_prefix": name, "cluster": cluster}}]}]
     }))
     .unwrap();
-    crate::admin::Tracked {
+    crate::config::Tracked {
         resource: Arc::new(listener),
         version_info: Some("1".into()),
         last_updated: std::time::SystemTime::now(),
@@ -738,4 +738,104 @@ fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
         errors(None),
         ["Cluster \"s\".name: a second cluster named \"s\""]
     );
+}
+
+#[test]
+fn a_cluster_says_which_http_version_its_hosts_speak() {
+    use crate::upstream::cluster::UpstreamProtocol;
+    let yaml = r#"
+static_resources:
+  clusters:
+  - {name: plain}
+  - {name: deprecated_h2, http2_protocol_options: {}}
+  - name: explicit_h2
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+  - name: downstream
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        use_downstream_protocol_config: {}
+"#;
+    let options = crate::config::Options {
+        config_yaml: Some(yaml.to_owned()),
+        ..Default::default()
+    };
+    let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
+    let snapshot = crate::snapshot::compile(&bootstrap, &Default::default())
+        .unwrap()
+        .snapshot;
+    let protocol = |name: &str| snapshot.clusters[name].http_protocol;
+    assert_eq!(protocol("plain"), UpstreamProtocol::Http1);
+    assert_eq!(protocol("deprecated_h2"), UpstreamProtocol::Http2);
+    assert_eq!(protocol("explicit_h2"), UpstreamProtocol::Http2);
+    assert_eq!(protocol("downstream"), UpstreamProtocol::UseDownstream);
+}
+
+/// Hand-offs between listeners (`use_original_dst`), on a compiled snapshot.
+mod hand_off {
+    use crate::listener::connection_handler::{Facts, hand_off_target};
+    use crate::snapshot::Snapshot;
+
+    const LISTENERS: &str = r#"
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15001}}
+    use_original_dst: true
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  - name: plain
+    address: {socket_address: {address: 0.0.0.0, port_value: 15002}}
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  - name: 10.96.0.10_80
+    address: {socket_address: {address: 10.96.0.10, port_value: 80}}
+    bind_to_port: false
+    filter_chains: [{filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: p, cluster: PassthroughCluster}}]}]
+  clusters: [{name: PassthroughCluster, type: ORIGINAL_DST, lb_policy: CLUSTER_PROVIDED}]
+"#;
+
+    fn snapshot() -> Snapshot {
+        let options = crate::config::Options {
+            config_yaml: Some(LISTENERS.to_owned()),
+            ..Default::default()
+        };
+        let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
+        crate::snapshot::compile(&bootstrap, &Default::default())
+            .unwrap()
+            .snapshot
+    }
+
+    fn restored(destination: &str) -> Facts {
+        Facts {
+            restored: true,
+            ..Facts::new(destination.parse().unwrap())
+        }
+    }
+
+    #[test]
+    fn a_restored_destination_is_handed_to_its_listener_else_stays() {
+        let snapshot = snapshot();
+        let outbound = snapshot.listener("virtualOutbound").unwrap();
+        let target =
+            |facts: &Facts| hand_off_target(&snapshot, outbound, facts).map(|l| l.name.to_string());
+        assert_eq!(
+            target(&restored("10.96.0.10:80")).as_deref(),
+            Some("10.96.0.10_80")
+        );
+        // No listener for it: stays on virtualOutbound's own (passthrough) chains.
+        assert_eq!(target(&restored("10.96.0.11:80")), None);
+        // A destination on the listener's own port is not handed to itself.
+        assert_eq!(target(&restored("10.0.0.5:15001")), None);
+        // Without a restored destination, nothing moves.
+        assert_eq!(target(&Facts::new("10.96.0.10:80".parse().unwrap())), None);
+    }
+
+    #[test]
+    fn only_use_original_dst_listeners_hand_off() {
+        let snapshot = snapshot();
+        let plain = snapshot.listener("plain").unwrap();
+        assert!(hand_off_target(&snapshot, plain, &restored("10.96.0.10:80")).is_none());
+    }
 }

@@ -176,12 +176,7 @@ pub async fn copy_with_idle_timeout(
     }
 }
 
-/// Makes the coming close send RST instead of FIN. The socket is closed when dropped.
-pub fn abort(stream: &TcpStream) {
-    if let Err(err) = stream.set_zero_linger() {
-        tracing::debug!(%err, "setting SO_LINGER=0 failed; the peer will see FIN");
-    }
-}
+pub use crate::tls::stream::abort;
 
 #[derive(Default)]
 struct Counts {

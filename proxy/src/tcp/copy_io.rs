@@ -1,6 +1,6 @@
 //! [`super::copy`]'s job for connections with TLS on either side: the same semantics
 //! (a half-close passes through as `close_notify` + FIN, a reset or failure on one side
-//! resets the other, the idle timeout, Envoy's byte counts) over any [`Stream`], at the
+//! resets the other, the idle timeout, Envoy's byte counts) over any [`TransportStream`], at the
 //! cost of the socket fast path: TLS records must pass through rustls anyway.
 //!
 //! Each direction owns one 64 KiB buffer (four TLS records) for the connection's life.
@@ -11,13 +11,17 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::copy::{Activity, End, Outcome, Side};
-use super::stream::Stream;
+use crate::tls::TransportStream;
 
 const BUFFER: usize = 64 * 1024;
 
 /// Copies both ways until both directions end, one side fails, or nothing moves for
 /// `idle_timeout`; then closes both (RST to the survivor of a failure).
-pub async fn copy(downstream: Stream, upstream: Stream, idle_timeout: Option<Duration>) -> Outcome {
+pub async fn copy(
+    downstream: TransportStream,
+    upstream: TransportStream,
+    idle_timeout: Option<Duration>,
+) -> Outcome {
     let activity = Activity::new();
     let (mut down_read, mut down_write) = tokio::io::split(downstream);
     let (mut up_read, mut up_write) = tokio::io::split(upstream);
@@ -150,7 +154,7 @@ mod tests {
     use tokio::net::{TcpListener, TcpStream};
 
     use super::*;
-    use crate::snapshot::Problems;
+    use crate::config::Diagnostics;
     use crate::tls::tests::Pki;
     use crate::tls::{DownstreamTls, Secrets, UpstreamTls};
 
@@ -164,7 +168,7 @@ mod tests {
 
     async fn proxied(idle_timeout: Option<Duration>) -> Proxied {
         let pki = Pki::new();
-        let mut problems = Problems::default();
+        let mut problems = Diagnostics::default();
         let server_tls = DownstreamTls::compile(
             &crate::config::message_from_json(json!({"common_tls_context": {"tls_certificates": [{
                 "certificate_chain": {"filename": pki.path("server.pem")},
@@ -199,7 +203,11 @@ mod tests {
         );
         let upstream = TcpStream::connect(backend_addr).await.unwrap();
         let (server, _) = backend.accept().await.unwrap();
-        let outcome = tokio::spawn(copy(downstream.into(), Stream::Raw(upstream), idle_timeout));
+        let outcome = tokio::spawn(copy(
+            downstream.into(),
+            TransportStream::Raw(upstream),
+            idle_timeout,
+        ));
         Proxied {
             client,
             server,

@@ -14,9 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::copy;
-use super::stream::Stream;
 use crate::access_log::{Entry, ResponseFlag, Sink};
-use crate::admin::stats::{Counter, Store};
+use crate::stats::{Counter, Store};
+use crate::tls::TransportStream;
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::transport_socket;
 use crate::upstream::{Clusters, LbContext};
@@ -95,7 +95,7 @@ impl TcpProxy {
     pub async fn serve(
         &self,
         upstreams: &Upstreams<'_>,
-        downstream: Stream,
+        downstream: TransportStream,
         destination: SocketAddr,
         entry: &mut Entry,
     ) {
@@ -164,7 +164,7 @@ impl TcpProxy {
         }
         let outcome = match (downstream, upstream) {
             // Plain TCP both ways keeps the socket fast path.
-            (Stream::Raw(downstream), Stream::Raw(upstream)) => {
+            (TransportStream::Raw(downstream), TransportStream::Raw(upstream)) => {
                 copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await
             }
             (downstream, upstream) => {

@@ -2,10 +2,10 @@
 //! upstream for a captured connection, connect to it, and hand both sockets to
 //! [`copy`]. Every connection ends in exactly one access log line.
 
+pub mod compile;
 pub mod copy;
 pub mod copy_io;
 pub mod filter;
-pub mod stream;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

@@ -29,7 +29,7 @@ use super::secret::{
     compile_validation_context,
 };
 use super::verifier::{DownstreamVerifier, UpstreamVerifier};
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// The secrets a handshake can name, by name (the snapshot's).
 pub type Secrets = HashMap<String, Arc<Secret>>;
@@ -90,7 +90,7 @@ struct Resolved {
 }
 
 impl CommonTls {
-    fn compile(common: &CommonTlsContext, path: &str, problems: &mut Problems) -> Option<Self> {
+    fn compile(common: &CommonTlsContext, path: &str, problems: &mut Diagnostics) -> Option<Self> {
         let mut ok = true;
         let unsupported = [
             (
@@ -247,7 +247,7 @@ impl CommonTls {
     fn builds_now<T>(
         &self,
         path: String,
-        problems: &mut Problems,
+        problems: &mut Diagnostics,
         build: impl FnOnce(&Secrets) -> Result<T, HandshakeError>,
     ) -> bool {
         if self.sds_names().next().is_none()
@@ -306,7 +306,7 @@ impl CommonTls {
     }
 }
 
-fn sds_name(sds: &SdsSecretConfig, path: &str, problems: &mut Problems) -> Option<String> {
+fn sds_name(sds: &SdsSecretConfig, path: &str, problems: &mut Diagnostics) -> Option<String> {
     if sds.name.is_empty() {
         problems.error(format!("{path}.name"), "an SDS secret config needs a name");
         return None;
@@ -319,7 +319,7 @@ fn sds_name(sds: &SdsSecretConfig, path: &str, problems: &mut Problems) -> Optio
 fn versions(
     common: &CommonTlsContext,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<Vec<&'static SupportedProtocolVersion>> {
     let params = common.tls_params.clone().unwrap_or_default();
     let rank = |v: i32| match TlsProtocol::try_from(v) {
@@ -476,7 +476,7 @@ impl DownstreamTls {
     pub fn compile(
         context: &DownstreamTlsContext,
         path: &str,
-        problems: &mut Problems,
+        problems: &mut Diagnostics,
     ) -> Option<Self> {
         if context.require_sni.is_some_and(|v| v.value) {
             problems.error(format!("{path}.require_sni"), "is not implemented");
@@ -584,7 +584,7 @@ impl UpstreamTls {
     pub fn compile(
         context: &UpstreamTlsContext,
         path: &str,
-        problems: &mut Problems,
+        problems: &mut Diagnostics,
     ) -> Option<Self> {
         let mut ok = true;
         for (set, field) in [

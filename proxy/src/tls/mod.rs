@@ -10,13 +10,15 @@ pub mod data_source;
 pub mod pem;
 pub mod san;
 pub mod secret;
+pub mod stream;
 pub mod transport_socket;
 mod verifier;
 
 pub use context::{DownstreamTls, HandshakeError, Secrets, UpstreamTls};
 pub use secret::Secret;
+pub use stream::TransportStream;
 
-use crate::admin::stats::{Counter, Store};
+use crate::stats::{Counter, Store};
 
 /// A listener's or cluster's `<prefix>.ssl.*` stats, as Envoy names them.
 #[derive(Debug, Clone, Default)]

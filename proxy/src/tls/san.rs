@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::subject_alt_
 use envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher;
 use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
 
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// One SAN of a certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,7 +77,11 @@ pub enum StringMatch {
 impl StringMatch {
     /// `matcher` at `path`; unknown or broken patterns are errors, since a matcher that
     /// matches nothing (or everything) would change who may connect.
-    pub fn compile(matcher: &StringMatcher, path: &str, problems: &mut Problems) -> Option<Self> {
+    pub fn compile(
+        matcher: &StringMatcher,
+        path: &str,
+        problems: &mut Diagnostics,
+    ) -> Option<Self> {
         let ic = matcher.ignore_case;
         let fold = |s: &str| if ic { s.to_lowercase() } else { s.to_owned() };
         Some(match &matcher.match_pattern {
@@ -139,7 +143,7 @@ impl SanMatcher {
     pub fn compile_typed(
         m: &SubjectAltNameMatcher,
         path: &str,
-        problems: &mut Problems,
+        problems: &mut Diagnostics,
     ) -> Option<Self> {
         let san_type = match EnvoySanType::try_from(m.san_type) {
             Ok(EnvoySanType::Dns) => SanType::Dns,
@@ -172,7 +176,11 @@ impl SanMatcher {
         })
     }
 
-    pub fn compile_untyped(m: &StringMatcher, path: &str, problems: &mut Problems) -> Option<Self> {
+    pub fn compile_untyped(
+        m: &StringMatcher,
+        path: &str,
+        problems: &mut Diagnostics,
+    ) -> Option<Self> {
         Some(SanMatcher {
             san_type: None,
             matcher: StringMatch::compile(m, path, problems)?,

@@ -15,7 +15,7 @@ use rustls::sign::CertifiedKey;
 
 use super::san::SanMatcher;
 use super::{data_source, pem};
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// A compiled secret. Shared by `Arc`: its identity is what TLS configs are cached by.
 #[derive(Debug)]
@@ -73,7 +73,7 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// Compiles `secret` at `path`; `None` after reporting what is wrong.
-pub fn compile(secret: &EnvoySecret, path: &str, problems: &mut Problems) -> Option<Secret> {
+pub fn compile(secret: &EnvoySecret, path: &str, problems: &mut Diagnostics) -> Option<Secret> {
     if secret.name.is_empty() {
         problems.error(format!("{path}.name"), "a secret needs a name");
         return None;
@@ -114,7 +114,7 @@ pub fn compile(secret: &EnvoySecret, path: &str, problems: &mut Problems) -> Opt
 pub fn compile_certificate(
     cert: &EnvoyTlsCertificate,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<TlsCertificate> {
     for (set, field) in [
         (cert.private_key_provider.is_some(), "private_key_provider"),
@@ -171,7 +171,7 @@ pub fn compile_certificate(
 pub fn compile_validation_context(
     context: &CertificateValidationContext,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<ValidationContext> {
     let mut ok = true;
     for (set, field) in [
@@ -242,7 +242,7 @@ pub fn compile_validation_context(
 /// The bootstrap's `static_resources.secrets`, by name; a repeated name is an error.
 pub fn compile_static(
     secrets: &[EnvoySecret],
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> std::collections::HashMap<String, Arc<Secret>> {
     let mut compiled = std::collections::HashMap::new();
     for (i, secret) in secrets.iter().enumerate() {

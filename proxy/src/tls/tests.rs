@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::san::{self, San};
 use super::secret::{self, SecretKind};
 use super::{DownstreamTls, HandshakeError, Secrets, UpstreamTls};
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 /// Certificates in a scratch folder, removed when dropped.
 pub struct Pki {
@@ -143,14 +143,14 @@ impl Drop for Pki {
     }
 }
 
-fn secret(json: serde_json::Value) -> (Option<secret::Secret>, Problems) {
+fn secret(json: serde_json::Value) -> (Option<secret::Secret>, Diagnostics) {
     let message: EnvoySecret = crate::config::message_from_json(json).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     let compiled = secret::compile(&message, "static_resources.secrets[0]", &mut problems);
     (compiled, problems)
 }
 
-fn errors(problems: &Problems) -> Vec<(String, String)> {
+fn errors(problems: &Diagnostics) -> Vec<(String, String)> {
     problems
         .errors
         .iter()
@@ -252,7 +252,7 @@ fn secrets_from_files_inline_and_static_lists_compile() {
     .into_iter()
     .map(|j| crate::config::message_from_json(j).unwrap())
     .collect();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     let compiled = secret::compile_static(&secrets, &mut problems);
     assert_eq!(compiled.len(), 1);
     assert_eq!(
@@ -305,7 +305,7 @@ fn the_sans_of_a_certificate_are_read_from_its_der() {
 
 fn matcher(json: serde_json::Value) -> san::SanMatcher {
     let m = crate::config::message_from_json(json).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     san::SanMatcher::compile_typed(&m, "m", &mut problems).expect("compiles")
 }
 
@@ -359,13 +359,13 @@ fn san_matchers_compare_by_type_and_pattern() {
 
 fn downstream(json: serde_json::Value) -> Result<DownstreamTls, Vec<(String, String)>> {
     let context: DownstreamTlsContext = crate::config::message_from_json(json).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     DownstreamTls::compile(&context, "ts", &mut problems).ok_or_else(|| errors(&problems))
 }
 
 fn upstream(json: serde_json::Value) -> Result<UpstreamTls, Vec<(String, String)>> {
     let context: UpstreamTlsContext = crate::config::message_from_json(json).unwrap();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     UpstreamTls::compile(&context, "ts", &mut problems).ok_or_else(|| errors(&problems))
 }
 
@@ -384,7 +384,7 @@ fn static_secrets(pki: &Pki, entries: &[(&str, serde_json::Value)]) -> Secrets {
             crate::config::message_from_json(j).unwrap()
         })
         .collect();
-    let mut problems = Problems::default();
+    let mut problems = Diagnostics::default();
     let compiled = secret::compile_static(&secrets, &mut problems);
     assert!(problems.errors.is_empty(), "{:?}", problems.errors);
     compiled

@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use prost::Message;
 
 use super::{DownstreamTls, UpstreamTls};
-use crate::snapshot::Problems;
+use crate::config::Diagnostics;
 
 const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
 const DOWNSTREAM_TLS: &str = "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
@@ -29,7 +29,7 @@ fn type_name(socket: &TransportSocket) -> (&str, &[u8]) {
     }
 }
 
-fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Problems) -> Option<M> {
+fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Diagnostics) -> Option<M> {
     M::decode(bytes)
         .map_err(|e| problems.error(path, format!("cannot decode: {e}")))
         .ok()
@@ -40,7 +40,7 @@ fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Problem
 pub fn downstream(
     socket: &TransportSocket,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Result<Option<Arc<DownstreamTls>>, ()> {
     let typed = format!("{path}.typed_config");
     match type_name(socket) {
@@ -65,7 +65,7 @@ pub fn downstream(
 pub fn upstream(
     socket: &TransportSocket,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Result<Option<Arc<UpstreamTls>>, ()> {
     let typed = format!("{path}.typed_config");
     match type_name(socket) {
@@ -132,7 +132,7 @@ impl SocketMatch {
 pub fn matches(
     matches: &[envoy_types::pb::envoy::config::cluster::v3::cluster::TransportSocketMatch],
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Vec<SocketMatch> {
     let mut out = Vec::new();
     for (i, m) in matches.iter().enumerate() {

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::admin::stats::Counter;
+use crate::stats::Counter;
 
 /// Envoy's default `max_connections`.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;

@@ -23,7 +23,7 @@ use super::host::{self, ActiveConnection, Host};
 use super::load_balancer::{Balancer, LbContext, LbPolicy};
 use super::outlier::OutlierDetection;
 use super::stats::ClusterStats;
-use crate::admin::stats::{Gauge, Histogram};
+use crate::stats::{Gauge, Histogram};
 
 /// Envoy's default `connect_timeout`.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -151,7 +151,7 @@ pub struct Cluster {
     pub transport_socket: Option<Arc<crate::tls::UpstreamTls>>,
     pub transport_socket_matches: Arc<[crate::tls::transport_socket::SocketMatch]>,
     /// Keep-alive HTTP connections to the hosts, closed with the cluster.
-    pub http_pools: crate::http::pool::Pools,
+    pub http_pools: super::http_pool::Pools,
     panic_threshold: f64,
     overprovisioning_factor: u32,
     members: RwLock<Arc<Members>>,
@@ -751,7 +751,7 @@ mod tests {
 
     #[tokio::test]
     async fn connects_are_counted_for_the_cluster_and_the_host() {
-        let store = crate::admin::stats::Store::new();
+        let store = crate::stats::Store::new();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let open = listener.local_addr().unwrap();
         let refused = {

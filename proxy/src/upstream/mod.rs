@@ -8,10 +8,12 @@
 
 pub mod circuit_breaker;
 pub mod cluster;
+pub mod compile;
 pub mod connect;
 pub mod dns;
 pub mod health_check;
 pub mod host;
+pub mod http_pool;
 pub mod load_balancer;
 pub mod outlier;
 pub mod random;

@@ -5,7 +5,7 @@
 //! A cluster compiled without a store (tests, `--mode validate`) gets handles that belong
 //! to no store: they count, and nobody reads them.
 
-use crate::admin::stats::{self, Counter, Gauge, Histogram, Store};
+use crate::stats::{self, Counter, Gauge, Histogram, Store};
 
 #[derive(Debug, Clone, Default)]
 pub struct ClusterStats {
@@ -77,7 +77,7 @@ impl ClusterStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admin::Stat;
+    use crate::stats::Stat;
 
     #[test]
     fn stats_are_named_after_the_cluster() {

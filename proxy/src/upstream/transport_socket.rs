@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::Cluster;
 use super::cluster::UpstreamConnection;
 use super::host::Host;
-use crate::tcp::stream::Stream;
+use crate::tls::TransportStream;
 use crate::tls::{HandshakeError, Secrets};
 
 /// Why an upstream connection could not be made (flag `UF` either way).
@@ -26,7 +26,7 @@ pub async fn connect(
     cluster: &Arc<Cluster>,
     host: &Arc<Host>,
     secrets: &Secrets,
-) -> Result<(Stream, UpstreamConnection), ConnectError> {
+) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
     let (tcp, guard) = cluster.connect(host).await.map_err(ConnectError::Connect)?;
     // The first of `transport_socket_matches` the endpoint's metadata satisfies, else
     // the cluster's own socket.
@@ -42,7 +42,7 @@ pub async fn connect(
         None => &cluster.transport_socket,
     };
     let Some(tls) = socket else {
-        return Ok((Stream::Raw(tcp), guard));
+        return Ok((TransportStream::Raw(tcp), guard));
     };
     let handshake = tls.connect(tcp, host.address, secrets);
     let result = match tokio::time::timeout(cluster.connect_timeout, handshake).await {

@@ -39,15 +39,14 @@ use prost::Message;
 use tokio::sync::mpsc;
 
 use super::TypeUrl;
-use super::references::{self, SecretSource};
 use super::source::{Plan, Stream};
 use super::stream::{self, Event, Outbound};
 use crate::access_log::Direction;
-use crate::admin::stats::Store as StatsStore;
-use crate::admin::{Tracked, UpdateFailure};
-use crate::listener::config::Listener;
-use crate::snapshot::live::Live;
-use crate::snapshot::{DynamicCluster, DynamicResources, Snapshot, Store};
+use crate::config::references::{self, SecretSource};
+use crate::config::{Tracked, UpdateFailure};
+use crate::listener::Listener;
+use crate::snapshot::{Current, DynamicCluster, DynamicResources, Snapshot};
+use crate::stats::Store as StatsStore;
 
 /// gRPC INVALID_ARGUMENT, the code Envoy NACKs with.
 const INVALID_ARGUMENT: i32 = 3;
@@ -239,9 +238,10 @@ pub struct Manager {
     bootstrap: Bootstrap,
     node: Node,
     plan: Plan,
-    store: Arc<Store>,
+    store: Arc<Current>,
     stats: StatsStore,
-    live: Arc<Live>,
+    /// Called once, when the first configuration is in and warm (`/ready` says LIVE).
+    on_ready: Option<Box<dyn FnOnce() + Send>>,
     binder: Binder,
     changes: mpsc::UnboundedSender<ListenerChange>,
     types: BTreeMap<TypeUrl, TypeState>,
@@ -286,9 +286,9 @@ impl Manager {
     pub fn start(
         bootstrap: Bootstrap,
         plan: Plan,
-        store: Arc<Store>,
+        store: Arc<Current>,
         stats: StatsStore,
-        live: Arc<Live>,
+        on_ready: Box<dyn FnOnce() + Send>,
         binder: Binder,
         bound: impl IntoIterator<Item = (Arc<str>, SocketAddr)>,
     ) -> mpsc::UnboundedReceiver<ListenerChange> {
@@ -337,7 +337,7 @@ impl Manager {
             plan,
             store,
             stats,
-            live,
+            on_ready: Some(on_ready),
             binder,
             changes,
             types,
@@ -886,7 +886,9 @@ impl Manager {
             && self.warming_listeners.is_empty();
         if clusters_done && listeners_done && !self.ready {
             self.ready = true;
-            self.live.set_ready();
+            if let Some(on_ready) = self.on_ready.take() {
+                on_ready();
+            }
             tracing::info!("xDS initial configuration applied: ready");
         }
     }

@@ -13,7 +13,6 @@
 //!   listeners are asked for once the first clusters are in.
 
 pub mod manager;
-pub(crate) mod references;
 pub mod source;
 mod stream;
 

@@ -10,17 +10,83 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use hyper::body::Incoming;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::{http1, http2};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::body::RequestBody;
-use crate::upstream::Cluster;
-use crate::upstream::circuit_breaker::OwnedConnectionSlot;
-use crate::upstream::cluster::UpstreamConnection;
-use crate::upstream::host::Host;
+use super::Cluster;
+use super::circuit_breaker::OwnedConnectionSlot;
+use super::cluster::UpstreamConnection;
+use super::host::Host;
+
+/// Who is told of the data bytes a [`RequestBody`] reads from the downstream (the
+/// request's access log line).
+pub trait BodyObserver: Send + Sync + std::fmt::Debug {
+    fn received(&self, bytes: u64);
+}
+
+/// A request body sent upstream.
+#[derive(Debug)]
+pub struct RequestBody {
+    incoming: Option<Incoming>,
+    observer: Option<Arc<dyn BodyObserver>>,
+}
+
+impl RequestBody {
+    pub fn new(incoming: Incoming, observer: Arc<dyn BodyObserver>) -> Self {
+        RequestBody {
+            incoming: Some(incoming),
+            observer: Some(observer),
+        }
+    }
+
+    /// No body: what a retry of a request without one sends.
+    pub fn empty() -> Self {
+        RequestBody {
+            incoming: None,
+            observer: None,
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let Some(incoming) = this.incoming.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let frame = Pin::new(incoming).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &frame
+            && let Some(data) = frame.data_ref()
+            && let Some(observer) = &this.observer
+        {
+            observer.received(data.len() as u64);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.incoming.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.incoming
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
+}
 
 /// Any upstream byte stream: plain TCP today, TLS once a cluster has a transport socket.
 pub trait UpstreamIo: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -38,7 +104,7 @@ pub async fn connect_upstream(
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
 ) -> io::Result<(BoxedIo, UpstreamConnection)> {
-    use crate::upstream::transport_socket::{self, ConnectError};
+    use super::transport_socket::{self, ConnectError};
     let (stream, guard) = match transport_socket::connect(cluster, host, secrets).await {
         Ok(connected) => connected,
         Err(ConnectError::Connect(err)) => return Err(err),

@@ -19,25 +19,25 @@ use envoy_types::pb::envoy::config::core::v3::{
 };
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 
-use super::convert::{self, duration_or};
-use super::problems::Problems;
-use crate::admin::stats::Store;
-use crate::upstream::cluster::UpstreamProtocol;
-use crate::upstream::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
-use crate::upstream::dns::{DnsTarget, LookupFamily};
-use crate::upstream::health_check::{Checker, HealthCheck};
-use crate::upstream::host::{FAILED_EDS_HEALTH, Host};
-use crate::upstream::load_balancer::{
+use super::cluster::UpstreamProtocol;
+use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
+use super::dns::{DnsTarget, LookupFamily};
+use super::health_check::{Checker, HealthCheck};
+use super::host::{FAILED_EDS_HEALTH, Host};
+use super::load_balancer::{
     DEFAULT_MAGLEV_TABLE_SIZE, DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, LbPolicy,
 };
-use crate::upstream::outlier::OutlierDetection;
-use crate::upstream::stats::ClusterStats;
-use crate::upstream::{Cluster, ClusterConfig, Clusters, Discovery};
+use super::outlier::OutlierDetection;
+use super::stats::ClusterStats;
+use super::{Cluster, ClusterConfig, Clusters, Discovery};
+use crate::config::Diagnostics;
+use crate::config::convert::{self, duration_or};
+use crate::stats::Store;
 
 /// The compiled clusters, and the endpoints left out of them for being Unix domain
 /// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether
 /// leaving them out matters depends on whether a served listener routes to the cluster
-/// (see [`super::compile`]).
+/// (see `snapshot::compile`).
 #[derive(Default)]
 pub struct Compiled {
     pub clusters: Clusters,
@@ -73,9 +73,9 @@ fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> String {
 /// connection counts carry over an update.
 pub fn compile_all(
     clusters: &[Source<'_>],
-    previous: Option<&super::Snapshot>,
+    previous: Option<&Clusters>,
     stats: &Store,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Compiled {
     let mut compiled = Compiled::default();
     for source in clusters {
@@ -88,16 +88,16 @@ pub fn compile_all(
 /// clusters with `changes` applied, the others keeping their `Arc`. The result is what
 /// [`compile_all`] makes of the whole updated set, at the cost of the changed clusters
 /// only; the caller checks that no change needs a check across clusters (a missing
-/// name, the name of a static cluster: see [`super::cluster_changes`]).
+/// name, the name of a static cluster: see `snapshot::cluster_changes`).
 pub fn patch(
-    previous: &super::Snapshot,
+    previous: &Clusters,
     changes: &[Change<'_>],
     stats: &Store,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Compiled {
     // Clones only pointers: the names and clusters are shared.
     let mut compiled = Compiled {
-        clusters: previous.clusters.clone(),
+        clusters: previous.clone(),
         ..Default::default()
     };
     // Every changed name goes first, so that a replaced cluster is not a second one.
@@ -122,9 +122,9 @@ impl Compiled {
     fn add(
         &mut self,
         (index, cluster, digest): Source<'_>,
-        previous: Option<&super::Snapshot>,
+        previous: Option<&Clusters>,
         stats: &Store,
-        problems: &mut Problems,
+        problems: &mut Diagnostics,
     ) {
         if cluster.name.is_empty() {
             let path = path_of(index, cluster);
@@ -139,7 +139,10 @@ impl Compiled {
             );
             return;
         }
-        let kept = previous.and_then(|p| p.kept_cluster(&cluster.name, digest));
+        let kept = previous
+            .and_then(|p| p.get(cluster.name.as_str()))
+            .filter(|c| c.config_digest == digest)
+            .cloned();
         let mut pipes = Vec::new();
         let built = match kept {
             Some(kept) => Some(kept),
@@ -177,7 +180,7 @@ pub fn compile(
     digest: u64,
     stats: &Store,
     pipes: &mut Vec<String>,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
     let errors_before = problems.errors.len();
     let mut config = ClusterConfig::new(cluster.name.clone());
@@ -330,7 +333,7 @@ pub fn compile(
             }
             config.cleanup_interval = duration_or(
                 cluster.cleanup_interval.as_ref(),
-                crate::upstream::cluster::DEFAULT_CLEANUP_INTERVAL,
+                super::cluster::DEFAULT_CLEANUP_INTERVAL,
                 &format!("{path}.cleanup_interval"),
                 problems,
             );
@@ -348,7 +351,7 @@ pub fn compile(
                     ),
                 ),
             };
-            let mut inner = Problems::default();
+            let mut inner = Diagnostics::default();
             config.source_address = convert::ip_socket_addr(Some(&address), &bind_path, &mut inner);
             for p in inner.errors {
                 // Paths from the helper name `.socket_address`, which this field has not.
@@ -438,7 +441,7 @@ fn lb_policy(
     cluster: &EnvoyCluster,
     kind: DiscoveryType,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> LbPolicy {
     let policy_path = format!("{path}.lb_policy");
     let policy = EnvoyLbPolicy::try_from(cluster.lb_policy).unwrap_or_else(|_| {
@@ -549,7 +552,7 @@ fn endpoints(
     kind: DiscoveryType,
     path: &str,
     pipes: &mut Vec<String>,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Vec<(Endpoint, String)> {
     let mut out = Vec::new();
     let Some(assignment) = &cluster.load_assignment else {
@@ -622,7 +625,7 @@ fn endpoints(
 fn outlier_detection(
     outlier: &EnvoyOutlier,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> OutlierDetection {
     let defaults = OutlierDetection::default();
     let value = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>, default: u32| {
@@ -671,11 +674,11 @@ fn outlier_detection(
 fn health_check(
     check: &EnvoyHealthCheck,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<HealthCheck> {
     let required = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
                     field: &str,
-                    problems: &mut Problems|
+                    problems: &mut Diagnostics|
      -> Option<Duration> {
         let field_path = format!("{path}.{field}");
         match d {
@@ -696,7 +699,7 @@ fn health_check(
     let interval = required(check.interval.as_ref(), "interval", problems);
     let threshold = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>,
                      field: &str,
-                     problems: &mut Problems| {
+                     problems: &mut Diagnostics| {
         let value = v.map(|v| v.value);
         if value.is_none() {
             problems.error(format!("{path}.{field}"), "is required");
@@ -769,7 +772,7 @@ fn health_check(
     };
     let optional = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
                     field: &str,
-                    problems: &mut Problems| {
+                    problems: &mut Diagnostics| {
         duration_or(d, Duration::ZERO, &format!("{path}.{field}"), problems)
     };
     let interval_jitter = optional(check.interval_jitter.as_ref(), "interval_jitter", problems);
@@ -787,7 +790,7 @@ fn health_check(
 }
 
 /// A health check payload: `text` is hex in Envoy's API.
-fn payload_bytes(p: &Payload, path: &str, problems: &mut Problems) -> Option<Vec<u8>> {
+fn payload_bytes(p: &Payload, path: &str, problems: &mut Diagnostics) -> Option<Vec<u8>> {
     match &p.payload {
         Some(payload::Payload::Binary(bytes)) => Some(bytes.clone()),
         Some(payload::Payload::Text(hex)) => {
@@ -818,7 +821,11 @@ const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProt
     deprecated,
     reason = "Istio and older configs still set http2_protocol_options"
 )]
-fn http_protocol(cluster: &EnvoyCluster, path: &str, problems: &mut Problems) -> UpstreamProtocol {
+fn http_protocol(
+    cluster: &EnvoyCluster,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> UpstreamProtocol {
     use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
         HttpProtocolOptions,
         http_protocol_options::{UpstreamProtocolOptions, explicit_http_config::ProtocolConfig},

@@ -20,17 +20,18 @@ use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
 use envoy_types::pb::envoy::config::core::v3::{Address, HealthStatus, SocketAddress};
 use tokio::sync::{mpsc, watch};
 
-use super::Store;
-use crate::admin::state::{HOST_STATS, cluster_statuses, socket_addr};
-use crate::admin::stats::Store as StatsStore;
-use crate::admin::{Drain, ProxyState, Resources, Stat};
+use super::state::{HOST_STATS, cluster_statuses};
+use super::{Drain, ProxyState};
+use crate::config::{Resources, socket_addr};
+use crate::snapshot::Current;
+use crate::stats::{Stat, Store as StatsStore};
 use crate::upstream::host::{self, Host};
 
 /// A serving proxy: its bootstrap, the current snapshot, its stats and where its
 /// listeners are bound.
 pub struct Live {
     bootstrap: Bootstrap,
-    store: Arc<Store>,
+    store: Arc<Current>,
     stats: StatsStore,
     ready: AtomicBool,
     /// `(listener name, bound addresses)`, in binding order.
@@ -50,7 +51,7 @@ pub struct Requests {
 impl Live {
     /// The state of a proxy serving `store`'s snapshots (compiled from `bootstrap`, with
     /// their stats in `stats`). Not ready until [`Live::set_ready`].
-    pub fn new(bootstrap: Bootstrap, store: Arc<Store>, stats: StatsStore) -> (Self, Requests) {
+    pub fn new(bootstrap: Bootstrap, store: Arc<Current>, stats: StatsStore) -> (Self, Requests) {
         let (drains, drain_requests) = mpsc::unbounded_channel();
         let (shutdown, shutdown_requested) = watch::channel(false);
         let snapshot = store.load();
@@ -287,8 +288,8 @@ static_resources:
         };
         let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
         let stats = StatsStore::new();
-        let compiled = super::super::compile(&bootstrap, &stats).unwrap();
-        Live::new(bootstrap, Arc::new(Store::new(compiled.snapshot)), stats).0
+        let compiled = crate::snapshot::compile(&bootstrap, &stats).unwrap();
+        Live::new(bootstrap, Arc::new(Current::new(compiled.snapshot)), stats).0
     }
 
     fn stat(status: &HostStatus, name: &str) -> u64 {
@@ -346,9 +347,9 @@ static_resources:
         };
         let bootstrap = crate::config::check(&options).unwrap().0.bootstrap;
         let stats = StatsStore::new();
-        let compiled = super::super::compile(&bootstrap, &stats).unwrap();
+        let compiled = crate::snapshot::compile(&bootstrap, &stats).unwrap();
         let (live, mut requests) =
-            Live::new(bootstrap, Arc::new(Store::new(compiled.snapshot)), stats);
+            Live::new(bootstrap, Arc::new(Current::new(compiled.snapshot)), stats);
         assert!(!live.is_ready());
         live.set_ready();
         assert!(live.is_ready());

@@ -16,15 +16,15 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy as EnvoyTcpProxy, tcp_proxy::ClusterSpecifier as EnvoySpecifier,
 };
 
-use super::convert::{self, decode, duration_or};
-use super::problems::Problems;
-use super::tcp_proxy;
-use crate::access_log::Direction;
-use crate::admin::stats::{self, Counter, Gauge, Histogram, Store};
-use crate::listener::config::{
+use super::config::{
     DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
 };
-use crate::listener::filter_chain::{FilterChainMatch, FilterChains, SourceType};
+use super::filter_chain::{FilterChainMatch, FilterChains, SourceType};
+use crate::access_log::Direction;
+use crate::config::Diagnostics;
+use crate::config::convert::{self, decode, duration_or};
+use crate::stats::{self, Counter, Gauge, Histogram, Store};
+use crate::tcp::compile as tcp_proxy;
 use crate::upstream::Clusters;
 
 const ORIGINAL_DST: &str = "envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
@@ -117,9 +117,9 @@ pub fn compile_all(
     listeners: &[Source<'_>],
     skip: &HashSet<String>,
     clusters: &Clusters,
-    previous: Option<&super::Snapshot>,
+    kept: &dyn Fn(&str, u64) -> Option<(Arc<Listener>, ListenerStats)>,
     stats: &Store,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> (Vec<Arc<Listener>>, Vec<ListenerStats>, Vec<u64>) {
     let mut compiled: Vec<Arc<Listener>> = Vec::new();
     let mut listener_stats = Vec::new();
@@ -143,10 +143,8 @@ pub fn compile_all(
         if skip.contains(&name) {
             continue;
         }
-        let digest = super::digest(listener);
-        let (compiled_listener, its_stats) = match previous
-            .and_then(|p| p.kept_listener(&name, digest))
-        {
+        let digest = crate::config::digest(listener);
+        let (compiled_listener, its_stats) = match kept(&name, digest) {
             Some(kept) => kept,
             None => {
                 let path = path_of(source);
@@ -221,7 +219,7 @@ fn compile(
     clusters: &Clusters,
     stats: &Store,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<Listener> {
     let errors_before = problems.errors.len();
     if listener.api_listener.is_some() {
@@ -382,7 +380,7 @@ fn compile(
         Ok(TrafficDirection::Outbound) => Direction::Outbound,
         _ => Direction::Unspecified,
     };
-    let access_log = tcp_proxy::access_logs(
+    let access_log = crate::access_log::compile(
         &listener.access_log,
         &format!("{path}.access_log"),
         problems,
@@ -405,13 +403,13 @@ fn compile(
     })
 }
 
-fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Problems) -> FilterChainMatch {
+fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -> FilterChainMatch {
     let Some(m) = m else {
         return FilterChainMatch::default();
     };
     let cidrs = |ranges: &[envoy_types::pb::envoy::config::core::v3::CidrRange],
                  field: &str,
-                 problems: &mut Problems| {
+                 problems: &mut Diagnostics| {
         ranges
             .iter()
             .enumerate()
@@ -484,7 +482,7 @@ fn compile_chain(
     clusters: &Clusters,
     stats: &Store,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<FilterChain> {
     let transport_socket = match &chain.transport_socket {
         Some(socket) => crate::tls::transport_socket::downstream(

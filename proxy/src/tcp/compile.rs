@@ -1,21 +1,16 @@
-//! Compiling a `tcp_proxy` network filter's config, and access log configs (shared with
-//! listeners).
+//! Compiling a `tcp_proxy` network filter's config.
 
-use std::path::Path;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
-use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy as EnvoyTcpProxy, tcp_proxy::ClusterSpecifier as EnvoySpecifier,
 };
 use envoy_types::pb::envoy::r#type::v3::hash_policy::PolicySpecifier;
 
-use super::convert::{self, decode, duration_or};
-use super::problems::Problems;
-use crate::access_log::Sink;
-use crate::admin::stats::Store;
-use crate::tcp::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
+use super::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
+use crate::config::Diagnostics;
+use crate::config::convert::duration_or;
+use crate::stats::Store;
 use crate::upstream::Clusters;
 
 pub fn compile(
@@ -23,13 +18,13 @@ pub fn compile(
     clusters: &Clusters,
     stats: &Store,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<TcpProxy> {
     let errors_before = problems.errors.len();
     if proxy.stat_prefix.is_empty() {
         problems.error(format!("{path}.stat_prefix"), "is required");
     }
-    let check_cluster = |name: &str, path: String, problems: &mut Problems| {
+    let check_cluster = |name: &str, path: String, problems: &mut Diagnostics| {
         if !clusters.contains_key(name) {
             problems.warning(
                 path,
@@ -116,7 +111,8 @@ pub fn compile(
             "not implemented yet; connections last until closed or idle",
         );
     }
-    let access_log = access_logs(&proxy.access_log, &format!("{path}.access_log"), problems);
+    let access_log =
+        crate::access_log::compile(&proxy.access_log, &format!("{path}.access_log"), problems);
     if problems.errors.len() > errors_before {
         return None;
     }
@@ -128,55 +124,4 @@ pub fn compile(
         access_log,
         stats: TcpProxyStats::new(stats, &proxy.stat_prefix),
     })
-}
-
-const FILE: &str = "envoy.extensions.access_loggers.file.v3.FileAccessLog";
-const STDOUT: &str = "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog";
-const STDERR: &str = "envoy.extensions.access_loggers.stream.v3.StderrAccessLog";
-
-/// Opens the access logs shunt can write: files, stdout and stderr. Each writes shunt's
-/// JSON line whatever format it asks for.
-pub fn access_logs(logs: &[AccessLog], path: &str, problems: &mut Problems) -> Vec<Sink> {
-    let mut sinks = Vec::new();
-    for (i, log) in logs.iter().enumerate() {
-        let log_path = format!("{path}[{i}]");
-        if log.filter.is_some() {
-            problems.warning(
-                format!("{log_path}.filter"),
-                "access log filters are not implemented; every connection is logged",
-            );
-        }
-        let Some(access_log::ConfigType::TypedConfig(any)) = &log.config_type else {
-            problems.warning(&log_path, "an access log without typed_config is ignored");
-            continue;
-        };
-        let typed_path = format!("{log_path}.typed_config");
-        match convert::type_name(any) {
-            FILE => {
-                let Some(file) = decode::<FileAccessLog>(any, &typed_path, problems) else {
-                    continue;
-                };
-                if file.access_log_format.is_some() {
-                    problems.warning(
-                        format!("{typed_path}.access_log_format"),
-                        "custom formats are not implemented; shunt writes its JSON line",
-                    );
-                }
-                match Sink::open(Path::new(&file.path)) {
-                    Ok(sink) => sinks.push(sink),
-                    Err(err) => problems.error(
-                        format!("{typed_path}.path"),
-                        format!("cannot open {:?}: {err}", file.path),
-                    ),
-                }
-            }
-            STDOUT => sinks.push(Sink::Stdout),
-            STDERR => sinks.push(Sink::Stderr),
-            other => problems.warning(
-                &typed_path,
-                format!("access logger {other} is not implemented; ignored"),
-            ),
-        }
-    }
-    sinks
 }

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::config::route::v3::route_action::ClusterSpecifier;
 use envoy_types::pb::envoy::config::route::v3::route_match::PathSpecifier;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::RouteSpecifier;
 
-use super::state::{http_connection_managers, socket_addr};
+use super::resources::{http_connection_managers, socket_addr};
 
 /// What a recognised route answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,7 +111,13 @@ mod tests {
 
     #[test]
     fn finds_istios_two_listeners() {
-        let found = find(&crate::admin::tests::istio_bootstrap());
+        let path =
+            std::path::Path::new(super::super::tests::TESTDATA).join("istio-default_golden.json");
+        let options = crate::config::Options {
+            config_path: Some(path),
+            ..Default::default()
+        };
+        let found = find(&crate::config::check(&options).unwrap().0.bootstrap);
         assert_eq!(
             found,
             vec![

@@ -10,11 +10,17 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::google::protobuf::{Any, Duration as PbDuration};
 use prost::{Message, Name};
 
-use super::problems::Problems;
-use crate::listener::filter_chain::Cidr;
+use super::diagnostic::Diagnostics;
+use ipnet::IpNet;
+
+/// An IP prefix of `len` bits; host bits are cleared, as Envoy does. `None` past the
+/// family's length.
+pub fn prefix(addr: IpAddr, len: u8) -> Option<IpNet> {
+    IpNet::new(addr, len).ok().map(|net| net.trunc())
+}
 
 /// A `google.protobuf.Duration`; negative is an error.
-pub fn duration(d: &PbDuration, path: &str, problems: &mut Problems) -> Option<Duration> {
+pub fn duration(d: &PbDuration, path: &str, problems: &mut Diagnostics) -> Option<Duration> {
     if d.seconds < 0 || d.nanos < 0 {
         problems.error(path, "a duration cannot be negative");
         return None;
@@ -27,7 +33,7 @@ pub fn duration_or(
     d: Option<&PbDuration>,
     default: Duration,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Duration {
     d.and_then(|d| duration(d, path, problems))
         .unwrap_or(default)
@@ -37,7 +43,7 @@ pub fn duration_or(
 pub fn socket_address<'a>(
     address: Option<&'a Address>,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<&'a SocketAddress> {
     match address.and_then(|a| a.address.as_ref()) {
         Some(address::Address::SocketAddress(socket)) => {
@@ -72,7 +78,7 @@ pub fn socket_address<'a>(
 }
 
 /// The port of a socket address; named ports are not supported.
-pub fn port(socket: &SocketAddress, path: &str, problems: &mut Problems) -> Option<u16> {
+pub fn port(socket: &SocketAddress, path: &str, problems: &mut Diagnostics) -> Option<u16> {
     match &socket.port_specifier {
         Some(PortSpecifier::PortValue(port)) => match u16::try_from(*port) {
             Ok(port) => Some(port),
@@ -99,7 +105,7 @@ pub fn port(socket: &SocketAddress, path: &str, problems: &mut Problems) -> Opti
 pub fn ip_socket_addr(
     address: Option<&Address>,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<SocketAddr> {
     let socket = socket_address(address, path, problems)?;
     let path = format!("{path}.socket_address");
@@ -116,7 +122,7 @@ pub fn ip_socket_addr(
     }
 }
 
-pub fn cidr(range: &CidrRange, path: &str, problems: &mut Problems) -> Option<Cidr> {
+pub fn cidr(range: &CidrRange, path: &str, problems: &mut Diagnostics) -> Option<IpNet> {
     let Ok(ip) = range.address_prefix.parse::<IpAddr>() else {
         problems.error(
             format!("{path}.address_prefix"),
@@ -125,7 +131,7 @@ pub fn cidr(range: &CidrRange, path: &str, problems: &mut Problems) -> Option<Ci
         return None;
     };
     let len = range.prefix_len.map_or(0, |l| l.value);
-    let cidr = u8::try_from(len).ok().and_then(|len| Cidr::new(ip, len));
+    let cidr = u8::try_from(len).ok().and_then(|len| prefix(ip, len));
     if cidr.is_none() {
         problems.error(
             format!("{path}.prefix_len"),
@@ -144,7 +150,7 @@ pub fn type_name(any: &Any) -> &str {
 pub fn decode<M: Message + Name + Default>(
     any: &Any,
     path: &str,
-    problems: &mut Problems,
+    problems: &mut Diagnostics,
 ) -> Option<M> {
     match M::decode(any.value.as_slice()) {
         Ok(message) => Some(message),

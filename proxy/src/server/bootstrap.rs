@@ -22,12 +22,12 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::ProxyArgs;
-use super::config::Listener;
-use super::connection_handler::{self, Context};
 use crate::access_log::Direction;
+use crate::admin::live::{Live, Requests};
 use crate::admin::{self, Drain};
-use crate::snapshot::live::{Live, Requests};
-use crate::snapshot::{self, Store};
+use crate::listener::Listener;
+use crate::listener::connection_handler::{self, Context};
+use crate::snapshot::{self, Current};
 use crate::xds::manager::ListenerChange;
 
 /// One bound socket of a listener.
@@ -56,15 +56,15 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     let bootstrap = loaded.bootstrap;
     let xds = crate::xds::source::plan(&bootstrap)
         .map_err(|err| anyhow::anyhow!("{}: {err:#}", options.origin()))?;
-    let stats = admin::stats::Store::new();
+    let stats = crate::stats::Store::new();
     let compiled = snapshot::compile(&bootstrap, &stats)
         .map_err(|err| anyhow::anyhow!("{}: {err}", options.origin()))?;
     for warning in &compiled.warnings {
         tracing::warn!("{warning}");
     }
     // Istio's 15090 and 15021: the admin API answers them, the data plane binds neither.
-    let health = admin::health_ports::find(&bootstrap);
-    let store = Arc::new(Store::new(compiled.snapshot));
+    let health = crate::config::health_ports::find(&bootstrap);
+    let store = Arc::new(Current::new(compiled.snapshot));
     let (live, requests) = Live::new(bootstrap.clone(), store.clone(), stats);
     let live = Arc::new(live);
     let admin = admin::start_with(
@@ -110,7 +110,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
     let context = Arc::new(Context {
-        store,
+        config: store.clone(),
         own_ports: std::sync::RwLock::new(own_ports.into()),
     });
     let drain_time = options.drain_time;
@@ -119,7 +119,9 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         bootstrap,
         stats: live.stats_store().clone(),
     });
-    let result = runtime.block_on(serve(bound, context, live, requests, drain_time, xds));
+    let result = runtime.block_on(serve(
+        bound, store, context, live, requests, drain_time, xds,
+    ));
     runtime.shutdown_background();
     // After /quitquitquit the admin API has stopped by itself once it answered.
     admin.stop();
@@ -130,7 +132,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
 struct Xds {
     plan: crate::xds::source::Plan,
     bootstrap: envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
-    stats: admin::stats::Store,
+    stats: crate::stats::Store,
 }
 
 /// Binds one listener address as Envoy does: SO_REUSEADDR, IPV6_V6ONLY on IPv6, and
@@ -194,6 +196,7 @@ struct AcceptLoop {
 
 async fn serve(
     bound: Vec<Bound>,
+    store: Arc<Current>,
     context: Arc<Context>,
     live: Arc<Live>,
     mut requests: Requests,
@@ -204,7 +207,7 @@ async fn serve(
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
 
     // Cluster warming: first DNS answers before the first connection.
-    let snapshot = context.store.load();
+    let snapshot = store.load();
     let mut warming = JoinSet::new();
     for cluster in snapshot.clusters.values() {
         let cluster = cluster.clone();
@@ -239,9 +242,12 @@ async fn serve(
             Some(crate::xds::Manager::start(
                 xds.bootstrap,
                 xds.plan,
-                context.store.clone(),
+                store.clone(),
                 xds.stats,
-                live.clone(),
+                {
+                    let live = live.clone();
+                    Box::new(move || live.set_ready())
+                },
                 bind,
                 bound,
             ))

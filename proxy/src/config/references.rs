@@ -34,7 +34,7 @@ pub enum SecretSource {
 
 /// The RDS route configurations a listener's HTTP connection managers name.
 pub fn rds_names(listener: &Listener) -> Vec<String> {
-    crate::admin::state::http_connection_managers(listener)
+    super::http_connection_managers(listener)
         .into_iter()
         .filter_map(|hcm| match hcm.route_specifier {
             Some(RouteSpecifier::Rds(rds)) => Some(rds.route_config_name),

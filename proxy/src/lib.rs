@@ -1,0 +1,31 @@
+//! shunt: an eBPF-accelerated transparent proxy for service meshes, as a library.
+//!
+//! Modules are layered, bottom first, and a module only imports the ones below it
+//! (`cargo xtask lint` checks it):
+//!
+//! | layer | modules |
+//! |---|---|
+//! | 1 | [`stats`], [`config`] (Envoy types in, diagnostics, conversions, the config tracker's resources), [`access_log`] |
+//! | 2 | [`tls`] (rustls contexts, SPIFFE verification, secrets, the raw-or-TLS stream) |
+//! | 3 | [`upstream`] (clusters, endpoints, load balancing, health, circuit breakers, connection pools) |
+//! | 4 | [`tcp`] (`tcp_proxy`), [`http`] (connection manager, router) |
+//! | 5 | [`listener`] (listener filters, filter-chain match, per-connection handling) |
+//! | 6 | [`snapshot`] (assembles one immutable compiled config), [`xds`] (the xDS client) |
+//! | 7 | [`admin`] (the admin API over the live proxy) |
+//! | 8 | [`server`] (start-up, runtimes, privilege drop, serve loops, `--mode validate`) |
+//!
+//! The kernel side (eBPF capture, the iptables fallback, `shunt inspect`) is the
+//! `shunt-capture` crate.
+
+pub mod access_log;
+pub mod admin;
+pub mod config;
+pub mod http;
+pub mod listener;
+pub mod server;
+pub mod snapshot;
+pub mod stats;
+pub mod tcp;
+pub mod tls;
+pub mod upstream;
+pub mod xds;

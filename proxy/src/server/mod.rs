@@ -1,0 +1,132 @@
+//! The program: `shunt proxy`'s start-up, runtimes, privilege drop and serve loops.
+//!
+//! Start-up order matters: bind the listeners while still root, drop to the proxy's
+//! uid/gid (which is what keeps its own upstream connections out of capture), and only
+//! then start the data-plane runtime's worker threads. Without a bootstrap the proxy is
+//! an Istio pod's passthrough ([`passthrough`]); with one (`-c`, `--config-yaml`) it
+//! serves the bootstrap's listeners and clusters, static or from xDS ([`bootstrap`]);
+//! `--mode validate` only reports on the bootstrap ([`validate`]).
+
+mod bind;
+mod bootstrap;
+mod passthrough;
+mod user;
+mod validate;
+
+use std::time::Duration;
+
+use anyhow::Context;
+
+#[derive(clap::Args, Debug)]
+pub struct ProxyArgs {
+    /// Port of the outbound listener, where captured outbound traffic lands
+    /// (istio-iptables -p).
+    #[arg(long, default_value_t = 15001, value_name = "PORT")]
+    pub outbound_port: u16,
+    /// Port of the inbound listener, where captured inbound traffic lands
+    /// (istio-iptables -z).
+    #[arg(long, default_value_t = 15006, value_name = "PORT")]
+    pub inbound_port: u16,
+    /// Worker threads of the data-plane runtime; 0 means one per CPU.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub concurrency: usize,
+    /// User to run as after binding, when started as root (istio-iptables -u).
+    #[arg(long, default_value_t = 1337)]
+    pub uid: u32,
+    /// Group to run as after binding, when started as root (istio-iptables -g).
+    #[arg(long, default_value_t = 1337)]
+    pub gid: u32,
+    /// Keep running as the starting user instead of dropping to --uid/--gid.
+    #[arg(long)]
+    pub keep_user: bool,
+    /// Time allowed for an upstream connect before the downstream is reset (flag UF).
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    pub connect_timeout_ms: u64,
+    /// Log filter for stderr logs: a level (error, warn, info, debug, trace) or
+    /// tracing directives. The access log always goes to stdout.
+    #[arg(long, default_value = "info", value_name = "FILTER")]
+    pub log_level: String,
+    /// Envoy v3 bootstrap file, JSON or YAML (by extension, else by content).
+    #[arg(short = 'c', long, value_name = "FILE")]
+    pub config_path: Option<std::path::PathBuf>,
+    /// Bootstrap as YAML, merged over --config-path as Envoy merges it.
+    #[arg(long, value_name = "YAML")]
+    pub config_yaml: Option<String>,
+    /// Sets the bootstrap's node.id.
+    #[arg(long, value_name = "ID")]
+    pub service_node: Option<String>,
+    /// Sets the bootstrap's node.cluster.
+    #[arg(long, value_name = "CLUSTER")]
+    pub service_cluster: Option<String>,
+    /// Time to drain connections on shutdown or listener removal.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub drain_time_s: u64,
+    /// Time before a hot-restarted parent is shut down.
+    #[arg(long, default_value_t = 900, value_name = "SECONDS")]
+    pub parent_shutdown_time_s: u64,
+    /// serve: run the proxy; validate: check the bootstrap, print a summary and exit
+    /// (non-zero if it is invalid).
+    #[arg(long, value_enum, default_value_t = crate::config::Mode::Serve)]
+    pub mode: crate::config::Mode,
+}
+
+pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    init_logging(&args.log_level)?;
+    user::raise_open_files_limit();
+    let bootstrap = crate::config::Options {
+        config_path: args.config_path.clone(),
+        config_yaml: args.config_yaml.clone(),
+        service_node: args.service_node.clone(),
+        service_cluster: args.service_cluster.clone(),
+        drain_time: Duration::from_secs(args.drain_time_s),
+        parent_shutdown_time: Duration::from_secs(args.parent_shutdown_time_s),
+    };
+    match args.mode {
+        crate::config::Mode::Validate => validate::run(&bootstrap),
+        crate::config::Mode::Serve if bootstrap.has_bootstrap() => {
+            bootstrap::run(&args, &bootstrap)
+        }
+        crate::config::Mode::Serve => passthrough::run(&args),
+    }
+}
+
+/// Drops to --uid/--gid once the listeners are bound (unless --keep-user).
+fn drop_privileges(args: &ProxyArgs) -> anyhow::Result<()> {
+    if args.keep_user {
+        tracing::info!("--keep-user: not changing user");
+    } else if user::is_root() {
+        user::drop_to(args.uid, args.gid)
+            .with_context(|| format!("dropping privileges to {}:{}", args.uid, args.gid))?;
+        tracing::info!(uid = args.uid, gid = args.gid, "dropped root");
+    } else {
+        tracing::warn!(
+            "not started as root, so not switching to {}:{}; capture will only skip this \
+             proxy's own connections if it already runs as that user",
+            args.uid,
+            args.gid
+        );
+    }
+    Ok(())
+}
+
+/// The multi-threaded runtime connections run on; 0 workers means one per CPU.
+fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let workers = match concurrency {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("shunt-worker")
+        .enable_all()
+        .build()
+        .context("starting the data-plane runtime")
+}
+
+/// Installs the stderr logger, reloadable from the admin API's `/logging`.
+fn init_logging(filter: &str) -> anyhow::Result<()> {
+    // The parse error repeats its cause in its own message: show it once.
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|err| anyhow::anyhow!("invalid --log-level {filter:?}: {err}"))?;
+    crate::admin::logging::init(filter)
+}
