@@ -50,23 +50,23 @@ pub use state::{Drain, ProxyState};
 
 /// What the admin API needs besides the bootstrap and the proxy.
 #[derive(Clone)]
-pub struct Options {
+pub struct AdminSettings {
     /// What `/server_info` shows as `command_line_options`.
     pub command_line: CommandLineOptions,
     /// The log levels `/logging` lists and changes.
     pub log: LogControl,
 }
 
-impl Default for Options {
+impl Default for AdminSettings {
     fn default() -> Self {
-        Options {
+        AdminSettings {
             command_line: CommandLineOptions::default(),
             log: LogControl::global(),
         }
     }
 }
 
-impl Options {
+impl AdminSettings {
     /// The options of `shunt proxy` as Envoy's `command_line_options`.
     pub fn from_command_line(
         config: &crate::config::Options,
@@ -77,7 +77,7 @@ impl Options {
             seconds: d.as_secs() as i64,
             nanos: d.subsec_nanos() as i32,
         };
-        Options {
+        AdminSettings {
             command_line: CommandLineOptions {
                 concurrency: u32::try_from(concurrency).unwrap_or(u32::MAX),
                 config_path: config
@@ -105,7 +105,7 @@ impl Options {
 pub fn start_with(
     bootstrap: &Bootstrap,
     state: Arc<dyn ProxyState>,
-    options: Options,
+    settings: AdminSettings,
 ) -> anyhow::Result<AdminHandle> {
     let admin_address = admin_address(bootstrap)?;
     let admin = admin_address
@@ -136,11 +136,11 @@ pub fn start_with(
     let shared = Arc::new(Shared {
         state,
         stats_config: tags::StatsConfig::from_bootstrap(bootstrap),
-        log: options.log,
+        log: settings.log,
         started: SystemTime::now(),
         started_at: Instant::now(),
         health_check_failed: AtomicBool::new(false),
-        command_line: options.command_line,
+        command_line: settings.command_line,
         stop: stop.clone(),
     });
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -70,7 +70,7 @@ impl Harness {
         let proxy = Arc::new(BootstrapOnly::new(bootstrap.clone()));
         let reloads = Arc::new(Mutex::new(Vec::new()));
         let recorded = reloads.clone();
-        let options = Options {
+        let options = AdminSettings {
             command_line: CommandLineOptions {
                 log_level: "info".into(),
                 ..Default::default()
@@ -966,7 +966,7 @@ fn server_info_shows_the_command_line() {
         drain_time: Duration::from_secs(45),
         ..Default::default()
     };
-    let options = Options::from_command_line(&config, "warning", 2);
+    let options = AdminSettings::from_command_line(&config, "warning", 2);
     let bootstrap = on_ephemeral_ports(istio_bootstrap());
     let handle = start_with(
         &bootstrap,
@@ -1029,7 +1029,7 @@ fn a_bootstrap_without_admin_serves_only_its_health_ports() {
     let mut bootstrap = on_ephemeral_ports(istio_bootstrap());
     bootstrap.admin = None;
     let proxy = Arc::new(BootstrapOnly::new(bootstrap.clone()));
-    let handle = start_with(&bootstrap, proxy, Options::default()).unwrap();
+    let handle = start_with(&bootstrap, proxy, AdminSettings::default()).unwrap();
     assert_eq!(handle.admin_address(), None);
     assert_eq!(handle.health_listeners().len(), 2);
     handle.stop();
@@ -1049,7 +1049,7 @@ fn a_taken_port_is_an_error_naming_it() {
         socket.port_specifier = Some(PortSpecifier::PortValue(port.into()));
     }
     let proxy = Arc::new(BootstrapOnly::new(bootstrap.clone()));
-    let err = start_with(&bootstrap, proxy, Options::default())
+    let err = start_with(&bootstrap, proxy, AdminSettings::default())
         .err()
         .expect("the port is taken");
     assert!(

@@ -70,7 +70,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     let admin = admin::start_with(
         &bootstrap,
         live.clone(),
-        admin::Options::from_command_line(options, &args.log_level, args.concurrency),
+        admin::AdminSettings::from_command_line(options, &args.log_level, args.concurrency),
     )?;
     if let Some(address) = admin.admin_address() {
         tracing::info!(addr = %address, "admin API listening");

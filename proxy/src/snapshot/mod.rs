@@ -363,10 +363,10 @@ fn cluster_changes<'a>(
     previous: &'a [Arc<DynamicCluster>],
     next: &'a [Arc<DynamicCluster>],
     static_clusters: &[EnvoyCluster],
-) -> Option<Vec<cluster::Change<'a>>> {
+) -> Option<Vec<cluster::ClusterChange<'a>>> {
     let name = |c: &'a DynamicCluster| c.effective.name.as_str();
     let upserted =
-        |c: &'a DynamicCluster| cluster::Change::Upserted((None, &c.effective, c.digest));
+        |c: &'a DynamicCluster| cluster::ClusterChange::Upserted((None, &c.effective, c.digest));
     let mut changes = Vec::new();
     // The places in `next` of the clusters it does not share with `previous`.
     let mut unshared = Vec::new();
@@ -387,7 +387,7 @@ fn cluster_changes<'a>(
                 j += 1;
             }
             (Some(o), n) if n.is_none_or(|n| name(o) < name(n)) => {
-                changes.push(cluster::Change::Removed(name(o)));
+                changes.push(cluster::ClusterChange::Removed(name(o)));
                 i += 1;
             }
             (_, Some(n)) => {
@@ -405,10 +405,10 @@ fn cluster_changes<'a>(
                 .is_none_or(|after| name(&next[j]) < name(after))
     });
     let needs_full_checks = changes.iter().any(|change| match change {
-        cluster::Change::Upserted((_, c, _)) => {
+        cluster::ClusterChange::Upserted((_, c, _)) => {
             c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
         }
-        cluster::Change::Removed(_) => false,
+        cluster::ClusterChange::Removed(_) => false,
     });
     (in_order && !needs_full_checks).then_some(changes)
 }

@@ -675,8 +675,8 @@ fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
     let changed: Vec<String> = changes
         .iter()
         .map(|change| match change {
-            cluster::Change::Upserted((_, c, _)) => format!("+{}", c.name),
-            cluster::Change::Removed(name) => format!("-{name}"),
+            cluster::ClusterChange::Upserted((_, c, _)) => format!("+{}", c.name),
+            cluster::ClusterChange::Removed(name) => format!("-{name}"),
         })
         .collect();
     assert_eq!(changed, ["+b", "-c", "+d"]);

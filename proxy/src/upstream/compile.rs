@@ -39,7 +39,7 @@ use crate::stats::Store;
 /// leaving them out matters depends on whether a served listener routes to the cluster
 /// (see `snapshot::compile`).
 #[derive(Default)]
-pub struct Compiled {
+pub struct CompiledClusters {
     pub clusters: Clusters,
     /// The clusters compiled afresh (not kept from the previous snapshot): they start.
     pub fresh: Vec<Arc<Cluster>>,
@@ -52,7 +52,7 @@ pub type Source<'a> = (Option<usize>, &'a EnvoyCluster, u64);
 
 /// What an update does to one dynamic cluster (see [`patch`]).
 #[derive(Debug, PartialEq)]
-pub enum Change<'a> {
+pub enum ClusterChange<'a> {
     /// Added, or its config (endpoints included) changed: the new version.
     Upserted(Source<'a>),
     Removed(&'a str),
@@ -76,8 +76,8 @@ pub fn compile_all(
     previous: Option<&Clusters>,
     stats: &Store,
     problems: &mut Diagnostics,
-) -> Compiled {
-    let mut compiled = Compiled::default();
+) -> CompiledClusters {
+    let mut compiled = CompiledClusters::default();
     for source in clusters {
         compiled.add(*source, previous, stats, problems);
     }
@@ -91,32 +91,32 @@ pub fn compile_all(
 /// name, the name of a static cluster: see `snapshot::cluster_changes`).
 pub fn patch(
     previous: &Clusters,
-    changes: &[Change<'_>],
+    changes: &[ClusterChange<'_>],
     stats: &Store,
     problems: &mut Diagnostics,
-) -> Compiled {
+) -> CompiledClusters {
     // Clones only pointers: the names and clusters are shared.
-    let mut compiled = Compiled {
+    let mut compiled = CompiledClusters {
         clusters: previous.clone(),
         ..Default::default()
     };
     // Every changed name goes first, so that a replaced cluster is not a second one.
     for change in changes {
         let name = match change {
-            Change::Upserted((_, cluster, _)) => cluster.name.as_str(),
-            Change::Removed(name) => name,
+            ClusterChange::Upserted((_, cluster, _)) => cluster.name.as_str(),
+            ClusterChange::Removed(name) => name,
         };
         compiled.clusters.remove(name);
     }
     for change in changes {
-        if let Change::Upserted(source) = change {
+        if let ClusterChange::Upserted(source) = change {
             compiled.add(*source, Some(previous), stats, problems);
         }
     }
     compiled
 }
 
-impl Compiled {
+impl CompiledClusters {
     /// Adds one cluster: kept from `previous` if its config is the same there, else
     /// compiled (and `fresh`).
     fn add(
