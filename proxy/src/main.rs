@@ -5,10 +5,8 @@
 
 mod access_log;
 mod admin;
-mod capture;
 mod config;
 mod http;
-mod inspect;
 mod listener;
 mod snapshot;
 mod tcp;
@@ -17,6 +15,7 @@ mod upstream;
 mod xds;
 
 use clap::{Parser, Subcommand};
+use shunt_capture::{self as capture, inspect};
 
 #[derive(Parser)]
 #[command(name = "shunt", version, about)]
