@@ -7,6 +7,8 @@
 //! pod's network namespace, as istio-init does. `shunt inspect` ([`inspect::InspectArgs`],
 //! [`inspect::run`]) shows what capture installed.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod config;
 pub mod ebpf;
 pub mod inspect;
