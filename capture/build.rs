@@ -86,9 +86,9 @@ fn missing_toolchain(linker_dir: &Path) -> Option<String> {
         .any(|dir| dir.join("bpf-linker").is_file());
     let linker = linker_dir.join("bpf-linker");
     if !linker.is_file() && !on_path {
-        // Rerun once setup has installed it (a missing path keeps the script rerunning,
-        // which is cheap: it stops here).
-        println!("cargo::rerun-if-changed={}", linker.display());
+        // No `rerun-if-changed` on the missing bpf-linker: cargo counts a missing path as
+        // changed on every build, which would recompile the proxy every time. Instead
+        // `cargo xtask setup` touches this script when it installs bpf-linker.
         return Some(format!(
             "bpf-linker missing at build time: neither in {} nor on PATH",
             linker_dir.display()
@@ -118,7 +118,7 @@ fn rust_src_installed() -> bool {
 /// Builds a crate whose eBPF backend refuses at run time, saying why.
 fn without_ebpf(reason: &str) {
     println!(
-        "cargo::warning=building shunt without its eBPF programs ({reason}); `shunt capture --backend ebpf` will refuse and `auto` will use iptables. Run `cargo xtask setup` for the eBPF toolchain."
+        "cargo::warning=building shunt without its eBPF programs ({reason}); `shunt capture --backend ebpf` will refuse and `auto` will use iptables. `cargo xtask setup` installs the eBPF toolchain (installed by hand: touch capture/build.rs)."
     );
     println!("cargo::rustc-cfg=shunt_no_ebpf");
     println!("cargo::rustc-env=SHUNT_EBPF_MISSING={reason}");
