@@ -45,7 +45,7 @@ fn main() {
     for input in ["../common/src", "../common/Cargo.toml"] {
         println!("cargo::rerun-if-changed={input}");
     }
-    for var in [SKIP_ENV, LINKER_DIR_ENV] {
+    for var in [SKIP_ENV, AYA_SKIP_ENV, LINKER_DIR_ENV] {
         println!("cargo::rerun-if-env-changed={var}");
     }
     let linker_dir = linker_dir();
