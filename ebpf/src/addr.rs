@@ -17,10 +17,13 @@ pub const fn v4(addr: u32) -> Addr {
 
 /// Reads an IPv6 address from a context field one 32-bit word at a time: several
 /// contexts only allow 4-byte loads there, and LLVM may otherwise merge them.
+///
+/// # Safety
+/// `words` must point at four readable 32-bit words (an IPv6 field of the context).
 #[inline(always)]
-pub fn read6(words: *const [u32; 4]) -> Addr {
+pub unsafe fn read6(words: *const [u32; 4]) -> Addr {
     let p = words as *const u32;
-    // SAFETY: `words` points at a 4-word context field.
+    // SAFETY: the caller guarantees four readable words at `p`; `add` stays inside them.
     unsafe {
         [
             read_volatile(p),

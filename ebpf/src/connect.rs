@@ -57,12 +57,13 @@ struct Dial {
 #[inline(always)]
 fn capture(ctx: &SockAddrContext, v6: bool) {
     let sa = ctx.sock_addr;
-    // SAFETY: `sa` is this program's context; `sk` is always set for connect hooks.
+    // SAFETY: `sa` is this program's context, the kernel's bpf_sock_addr, live for the run.
     let protocol = unsafe { (*sa).protocol };
     if protocol != IPPROTO_TCP {
         count(Decision::SkipNotTcp);
         return;
     }
+    // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
         count(Decision::SkipNotEnrolled);
@@ -70,10 +71,17 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     };
     // SAFETY: a value pointer from a successful lookup.
     let cfg = unsafe { *cfg };
+    // SAFETY: a context field; connect hooks always set `sk` (the connecting socket).
     let sk = unsafe { (*sa).__bindgen_anon_1.sk };
     let dial = if v6 {
-        let dst = read6(unsafe { &raw const (*sa).user_ip6 });
-        let src = read6(unsafe { &raw const (*sk).src_ip6 });
+        // SAFETY: `user_ip6` and `src_ip6` are four-word fields of the context and of its
+        // socket; the verifier checks every load.
+        let (dst, src) = unsafe {
+            (
+                read6(&raw const (*sa).user_ip6),
+                read6(&raw const (*sk).src_ip6),
+            )
+        };
         match unmap_v4(&dst) {
             Some(dst4) => Dial {
                 family: AF_INET,
@@ -91,11 +99,14 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     } else {
         Dial {
             family: AF_INET,
+            // SAFETY: fields of the context and of its socket (`sk`, set for connect hooks).
             dst: v4(unsafe { (*sa).user_ip4 }),
+            // SAFETY: as above.
             src: v4(unsafe { (*sk).src_ip4 }),
             v4_mapped: false,
         }
     };
+    // SAFETY: a field of this program's context.
     let port_be = unsafe { (*sa).user_port } as u16;
     let decision = decide(&facts(&cfg, &dial, u16::from_be(port_be)));
     let (to_port, direction) = match decision {
@@ -107,6 +118,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 && cfg.flags & flags::SOCKMAP != 0
             {
                 // The proxy's own upstream connection: may pair with a proxy in another pod.
+                // SAFETY: a helper this program type may call, given its own context pointer.
                 let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
                 let _ = PROXY_SOCKS.insert(&cookie, &1, 0);
             }
@@ -121,6 +133,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         pod_id: cfg.pod_id,
         direction,
     };
+    // SAFETY: a helper this program type may call, given its own context pointer.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     if ORIG_DST_COOKIE.insert(&cookie, &original, 0).is_err() {
         // Without the record the proxy could not tell where to go: leave it uncaptured.

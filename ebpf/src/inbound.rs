@@ -22,14 +22,16 @@ pub fn steer_inbound(ctx: SkLookupContext) -> u32 {
 #[inline(always)]
 fn steer(ctx: &SkLookupContext) -> u32 {
     let l = ctx.lookup;
-    // SAFETY: this program's context.
+    // SAFETY: `l` is this program's context, the kernel's bpf_sk_lookup, live for the run.
     let (protocol, family) = unsafe { ((*l).protocol, (*l).family) };
     if protocol != IPPROTO_TCP {
         return SK_PASS;
     }
     let (local, remote) = if family == AF_INET {
+        // SAFETY: fields of this program's context.
         unsafe { (v4((*l).local_ip4), v4((*l).remote_ip4)) }
     } else {
+        // SAFETY: four-word fields of this program's context.
         unsafe {
             (
                 read6(&raw const (*l).local_ip6),
@@ -51,6 +53,7 @@ fn steer(ctx: &SkLookupContext) -> u32 {
         count_pod(cfg.pod_id, Decision::InboundSkipLocalSource);
         return SK_PASS;
     }
+    // SAFETY: a field of this program's context.
     let port = unsafe { (*l).local_port } as u16;
     if !captures_port(&cfg, port) {
         count_pod(cfg.pod_id, Decision::InboundSkipPort);

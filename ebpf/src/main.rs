@@ -11,6 +11,8 @@
 //!   peer, skipping the TCP/IP stack.
 #![no_std]
 #![no_main]
+// Every unsafe block says why it is sound (checked by `cargo clippy` in this directory).
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod addr;
 mod connect;

@@ -57,6 +57,7 @@ pub fn track_sockets(ctx: SockOpsContext) -> u32 {
 #[inline(always)]
 fn tuple(ctx: &SockOpsContext) -> Option<SockTuple> {
     let ops = ctx.ops;
+    // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // remote_port holds the network-order port, shifted left 16 on little-endian kernels.
     let raw = ctx.remote_port();
@@ -70,9 +71,13 @@ fn tuple(ctx: &SockOpsContext) -> Option<SockTuple> {
     let (family, src, dst) = if family == AF_INET {
         (AF_INET, v4(ctx.local_ip4()), v4(ctx.remote_ip4()))
     } else if family == AF_INET6 {
-        // SAFETY: context fields of this program.
-        let local = read6(unsafe { &raw const (*ops).local_ip6 });
-        let remote = read6(unsafe { &raw const (*ops).remote_ip6 });
+        // SAFETY: four-word fields of this program's context (the kernel's bpf_sock_ops).
+        let (local, remote) = unsafe {
+            (
+                read6(&raw const (*ops).local_ip6),
+                read6(&raw const (*ops).remote_ip6),
+            )
+        };
         match (unmap_v4(&local), unmap_v4(&remote)) {
             (Some(l), Some(r)) => (AF_INET, v4(l), v4(r)),
             _ => (AF_INET6, local, remote),
@@ -103,6 +108,7 @@ fn swapped(t: &SockTuple) -> SockTuple {
 }
 
 fn on_connect(ctx: &SockOpsContext) {
+    // SAFETY: a helper this program type may call, given its own context pointer.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let Some(original) = ORIG_DST_COOKIE.get_ptr(&cookie) else {
         return;
@@ -142,6 +148,7 @@ fn on_state_change(ctx: &SockOpsContext) {
 
 /// A pod's inbound listener (its `inbound_port`) becomes `sk_lookup`'s target.
 fn on_listen(ctx: &SockOpsContext) {
+    // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
         return;
@@ -155,8 +162,9 @@ fn on_listen(ctx: &SockOpsContext) {
         pod_id,
         family: ctx.family(),
     };
-    // SAFETY: the context is the kernel's bpf_sock_ops for this socket.
     if LISTENERS
+        // SAFETY: the context is the kernel's bpf_sock_ops for this socket, and nothing
+        // else holds a reference to it while the program runs.
         .update(&mut key, unsafe { &mut *ctx.ops }, 0)
         .is_ok()
     {
@@ -190,7 +198,7 @@ pub fn original_dst(ctx: SockoptContext) -> i32 {
 #[inline(always)]
 fn answer_original_dst(ctx: &SockoptContext) {
     let so = ctx.sockopt;
-    // SAFETY: this program's context.
+    // SAFETY: `so` is this program's context, the kernel's bpf_sockopt, live for the run.
     let (level, optname) = unsafe { ((*so).level, (*so).optname) };
     let family = if level == SOL_IP && optname == SO_ORIGINAL_DST {
         AF_INET
@@ -199,24 +207,32 @@ fn answer_original_dst(ctx: &SockoptContext) {
     } else {
         return;
     };
+    // SAFETY: a context field (the socket, checked for null below).
     let sk = unsafe { (*so).__bindgen_anon_1.sk };
     if sk.is_null() {
         return;
     }
     // The accepted socket: its peer is the redirected client, its local end the proxy.
     let (peer, local) = if family == AF_INET {
-        (v4(unsafe { (*sk).dst_ip4 }), v4(unsafe { (*sk).src_ip4 }))
+        // SAFETY: `sk` is the context's socket, not null; the verifier checks each load.
+        unsafe { (v4((*sk).dst_ip4), v4((*sk).src_ip4)) }
     } else {
-        (
-            read6(unsafe { &raw const (*sk).dst_ip6 }),
-            read6(unsafe { &raw const (*sk).src_ip6 }),
-        )
+        // SAFETY: four-word fields of the context's socket, which is not null.
+        unsafe {
+            (
+                read6(&raw const (*sk).dst_ip6),
+                read6(&raw const (*sk).src_ip6),
+            )
+        }
     };
     let key = SockTuple {
+        // SAFETY: a helper this program type may call, given its own context pointer.
         netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         src: peer,
         dst: local,
+        // SAFETY: a field of the context's socket, which is not null.
         src_port: u16::from_be(unsafe { (*sk).dst_port }),
+        // SAFETY: as above.
         dst_port: unsafe { (*sk).src_port } as u16,
         family,
     };
@@ -228,10 +244,13 @@ fn answer_original_dst(ctx: &SockoptContext) {
     if original.family != family {
         return;
     }
+    // SAFETY: fields of this program's context: the option buffer and its end.
     let optval = unsafe { (*so).__bindgen_anon_2.optval } as *mut u8;
+    // SAFETY: as above.
     let end = unsafe { (*so).__bindgen_anon_3.optval_end } as *mut u8;
     let len = if family == AF_INET {
-        if unsafe { optval.add(size_of::<SockaddrIn>()) } > end {
+        // wrapping_add: the end of the sockaddr may lie past the buffer; it is only compared.
+        if optval.wrapping_add(size_of::<SockaddrIn>()) > end {
             return;
         }
         let sin = SockaddrIn {
@@ -240,10 +259,12 @@ fn answer_original_dst(ctx: &SockoptContext) {
             addr: original.addr[0],
             zero: [0; 8],
         };
+        // SAFETY: `optval..optval + size_of::<SockaddrIn>()` lies within the option
+        // buffer (checked against `end` above), which the program may write.
         unsafe { (optval as *mut SockaddrIn).write_unaligned(sin) };
         size_of::<SockaddrIn>()
     } else {
-        if unsafe { optval.add(size_of::<SockaddrIn6>()) } > end {
+        if optval.wrapping_add(size_of::<SockaddrIn6>()) > end {
             return;
         }
         let sin6 = SockaddrIn6 {
@@ -253,10 +274,12 @@ fn answer_original_dst(ctx: &SockoptContext) {
             addr: original.addr,
             scope_id: 0,
         };
+        // SAFETY: within the option buffer, checked against `end` above.
         unsafe { (optval as *mut SockaddrIn6).write_unaligned(sin6) };
         size_of::<SockaddrIn6>()
     };
     // Separate volatile stores: merged into one 8-byte store, the verifier refuses them.
+    // SAFETY: `optlen` and `retval` are context fields a getsockopt program may write.
     unsafe {
         write_volatile(&raw mut (*so).optlen, len as i32);
         write_volatile(&raw mut (*so).retval, 0);

@@ -66,6 +66,7 @@ fn in_scope(ctx: &SockOpsContext, cfg: &PodConfig, t: &SockTuple, active: bool) 
     }
     if active {
         // Only the proxy's own upstream connections (marked at connect), never app-to-app.
+        // SAFETY: a helper this program type may call, given its own context pointer.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
         PROXY_SOCKS.get_ptr(&cookie).is_some()
     } else {
@@ -86,8 +87,9 @@ pub fn on_established(ctx: &SockOpsContext, t: &SockTuple, active: bool) {
         return;
     }
     let mut key = pair_key(t);
-    // SAFETY: the context is the kernel's bpf_sock_ops for this socket.
     if SOCK_PAIRS
+        // SAFETY: the context is the kernel's bpf_sock_ops for this socket, and nothing
+        // else holds a reference to it while the program runs.
         .update(&mut key, unsafe { &mut *ctx.ops }, 0)
         .is_err()
     {
@@ -116,7 +118,7 @@ pub fn short_circuit(ctx: SkMsgContext) -> u32 {
 #[inline(always)]
 fn redirect(ctx: &SkMsgContext) {
     let md = ctx.msg;
-    // SAFETY: this program's context.
+    // SAFETY: `md` is this program's context, the kernel's sk_msg_md, live for the run.
     let (family, raw_remote_port, local_port, size) = unsafe {
         (
             (*md).family,
@@ -126,10 +128,16 @@ fn redirect(ctx: &SkMsgContext) {
         )
     };
     let (family, src, dst) = if family == AF_INET {
+        // SAFETY: fields of this program's context.
         unsafe { (AF_INET, v4((*md).local_ip4), v4((*md).remote_ip4)) }
     } else {
-        let local = read6(unsafe { &raw const (*md).local_ip6 });
-        let remote = read6(unsafe { &raw const (*md).remote_ip6 });
+        // SAFETY: four-word fields of this program's context.
+        let (local, remote) = unsafe {
+            (
+                read6(&raw const (*md).local_ip6),
+                read6(&raw const (*md).remote_ip6),
+            )
+        };
         match (unmap_v4(&local), unmap_v4(&remote)) {
             (Some(l), Some(r)) => (AF_INET, v4(l), v4(r)),
             _ => (family, local, remote),
@@ -142,6 +150,7 @@ fn redirect(ctx: &SkMsgContext) {
         raw_remote_port as u16
     });
     let own = pair_key(&SockTuple {
+        // SAFETY: a helper this program type may call, given its own context pointer.
         netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         src,
         dst,

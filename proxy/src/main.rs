@@ -3,10 +3,8 @@
 //! `shunt capture` replaces istio-init (eBPF, or istio-iptables' exact rules as the
 //! fallback); `shunt proxy` is the proxy that captured traffic lands in.
 
-mod capture;
-mod inspect;
-
 use clap::{Parser, Subcommand};
+use shunt_capture::{self as capture, inspect};
 
 #[derive(Parser)]
 #[command(name = "shunt", version, about)]

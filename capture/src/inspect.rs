@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::capture::ebpf;
+use crate::ebpf;
 
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {

@@ -1,54 +1,36 @@
 //! istio-iptables' flags, parsed and validated once into a `CaptureConfig` that both
 //! backends render from. Every error names the flag and the bad value.
 
-use std::{fmt, net::IpAddr, str::FromStr};
+use std::net::IpAddr;
 
-/// An IP prefix such as `10.0.0.0/8` or `fd00::/8` (a bare address is a /32 or /128).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix_len: u8,
-}
+use ipnet::IpNet;
 
-impl Cidr {
-    pub fn is_v4(&self) -> bool {
-        self.addr.is_ipv4()
-    }
-}
-
-impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (addr, len) = match s.split_once('/') {
-            Some((a, l)) => (a, Some(l)),
-            None => (s, None),
-        };
-        let addr: IpAddr = addr
-            .parse()
-            .map_err(|_| format!("'{s}' is not an IP address or CIDR"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix_len = match len {
-            None => max,
-            Some(l) => match l.parse::<u8>() {
-                Ok(n) if n <= max => n,
-                _ => return Err(format!("'{s}': prefix length must be 0..={max}")),
-            },
-        };
-        Ok(Cidr { addr, prefix_len })
-    }
-}
-
-impl fmt::Display for Cidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix_len)
-    }
+/// An IP prefix such as `10.0.0.0/8` or `fd00::/8`; a bare address is a /32 or /128.
+/// Host bits are kept as written (istio-iptables passes them to iptables unchanged);
+/// the eBPF backend truncates them.
+pub fn parse_cidr(s: &str) -> Result<IpNet, String> {
+    let (addr, len) = match s.split_once('/') {
+        Some((a, l)) => (a, Some(l)),
+        None => (s, None),
+    };
+    let addr: IpAddr = addr
+        .parse()
+        .map_err(|_| format!("'{s}' is not an IP address or CIDR"))?;
+    let Some(len) = len else {
+        return Ok(IpNet::from(addr));
+    };
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    len.parse::<u8>()
+        .ok()
+        .and_then(|n| IpNet::new(addr, n).ok())
+        .ok_or_else(|| format!("'{s}': prefix length must be 0..={max}"))
 }
 
 /// `-i`: `*` (everything) or a list of CIDRs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CidrSet {
     All,
-    Only(Vec<Cidr>),
+    Only(Vec<IpNet>),
 }
 
 /// `-b`: `*` (every port but the excluded ones) or a list of ports (empty: no inbound capture).
@@ -74,7 +56,7 @@ pub struct CaptureConfig {
     pub proxy_gid: u32,
     pub mode: InterceptionMode,
     pub outbound_include: CidrSet,
-    pub outbound_exclude: Vec<Cidr>,
+    pub outbound_exclude: Vec<IpNet>,
     pub inbound_include: PortSet,
     pub inbound_exclude: Vec<u16>,
     pub outbound_ports_exclude: Vec<u16>,
@@ -125,11 +107,11 @@ pub fn parse_port_set(flag: &str, s: &str) -> Result<PortSet, String> {
     }
 }
 
-pub fn parse_cidrs(flag: &str, s: &str) -> Result<Vec<Cidr>, String> {
+pub fn parse_cidrs(flag: &str, s: &str) -> Result<Vec<IpNet>, String> {
     s.split(',')
         .map(str::trim)
         .filter(|c| !c.is_empty())
-        .map(|c| c.parse::<Cidr>().map_err(|e| format!("{flag}: {e}")))
+        .map(|c| parse_cidr(c).map_err(|e| format!("{flag}: {e}")))
         .collect()
 }
 
@@ -150,14 +132,8 @@ mod tests {
         assert_eq!(
             parse_cidrs("-x", "10.0.0.0/8, 1.2.3.4").unwrap(),
             vec![
-                Cidr {
-                    addr: "10.0.0.0".parse().unwrap(),
-                    prefix_len: 8
-                },
-                Cidr {
-                    addr: "1.2.3.4".parse().unwrap(),
-                    prefix_len: 32
-                }
+                "10.0.0.0/8".parse::<IpNet>().unwrap(),
+                "1.2.3.4/32".parse::<IpNet>().unwrap()
             ]
         );
         assert_eq!(parse_cidr_set("-i", "*").unwrap(), CidrSet::All);
@@ -166,6 +142,10 @@ mod tests {
         let err = parse_cidrs("-i", "10.0.0/8").unwrap_err();
         assert!(err.contains("'10.0.0/8'"), "{err}");
         assert!(parse_cidrs("-x", "fd00::/129").is_err());
+        assert!(parse_cidrs("-x", "fd00::/x").is_err());
+        // Host bits are kept as written, as istio-iptables hands them to iptables.
+        assert_eq!(parse_cidr("10.1.2.3/8").unwrap().to_string(), "10.1.2.3/8");
+        assert_eq!(parse_cidr("fd00::1").unwrap().prefix_len(), 128);
     }
 
     #[test]

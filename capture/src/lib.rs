@@ -1,9 +1,17 @@
-//! `shunt capture`: istio-init's job. Takes istio-iptables' flags (and environment
-//! variables), then installs capture with eBPF or, as a fallback, with istio-iptables'
-//! exact iptables rules. Runs inside the pod's network namespace, as istio-init does.
+//! shunt's kernel side, the only crate that needs bpf-linker: `build.rs` builds the eBPF
+//! programs (`../ebpf`) and this crate embeds them, loads, attaches and pins them.
+//!
+//! `shunt capture` ([`CaptureArgs`], [`run`]) is istio-init's job. It takes
+//! istio-iptables' flags (and environment variables), then installs capture with eBPF
+//! or, as a fallback, with istio-iptables' exact iptables rules. It runs inside the
+//! pod's network namespace, as istio-init does. `shunt inspect` ([`inspect::InspectArgs`],
+//! [`inspect::run`]) shows what capture installed.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod config;
 pub mod ebpf;
+pub mod inspect;
 pub mod iptables;
 pub mod link;
 pub mod netns;

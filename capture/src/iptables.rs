@@ -7,8 +7,9 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use ipnet::IpNet;
 
-use super::config::{CaptureConfig, CidrSet, InterceptionMode, PortSet};
+use crate::config::{CaptureConfig, CidrSet, InterceptionMode, PortSet};
 
 const CHAINS: [&str; 4] = [
     "ISTIO_INBOUND",
@@ -105,7 +106,7 @@ pub fn rules(cfg: &CaptureConfig, family: Family) -> Vec<String> {
         r.push(format!("-A ISTIO_OUTPUT -m owner {owner} {id} -j RETURN"));
     }
     r.push(format!("-A ISTIO_OUTPUT -d {lo} -j RETURN"));
-    let ours = |c: &&super::config::Cidr| c.is_v4() == (family == Family::V4);
+    let ours = |c: &&IpNet| matches!(c, IpNet::V4(_)) == (family == Family::V4);
     for cidr in cfg.outbound_exclude.iter().filter(ours) {
         r.push(format!("-A ISTIO_OUTPUT -d {cidr} -j RETURN"));
     }
@@ -248,7 +249,7 @@ pub fn cleanup() -> anyhow::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capture::config::*;
+    use crate::config::*;
 
     pub fn seed_config() -> CaptureConfig {
         CaptureConfig {
@@ -267,7 +268,7 @@ mod tests {
     }
 
     /// SEEDS.md section 2, rules 6-23, verbatim (whitespace normalised).
-    const SEED_RULES: &str = include_str!("../../../tests/fixtures/istio-iptables-seed.rules");
+    const SEED_RULES: &str = include_str!("../../tests/fixtures/istio-iptables-seed.rules");
 
     #[test]
     fn seed_flags_render_the_seed_rules_in_order() {

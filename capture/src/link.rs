@@ -42,14 +42,30 @@ struct ObjPinAttr {
     _pad: u32,
 }
 
-fn bpf(cmd: libc::c_long, attr: *mut libc::c_void, size: usize) -> io::Result<i64> {
-    // SAFETY: `attr` points at a live, zero-padded attribute struct of `size` bytes.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size) };
+/// bpf(2) with `attr` as the attribute union (its size is the struct's).
+///
+/// # Safety
+/// Every address stored in `attr` (a path name, an info buffer) must point to memory
+/// that is valid, for as many bytes as `attr` says, for what `cmd` does with it: read a
+/// NUL-terminated path, or write an info struct.
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
+    // SAFETY: `attr` is a live, exclusively borrowed struct of `size_of::<T>()` bytes
+    // (the kernel reads and may write it); the caller vouches for the addresses inside.
+    // rustix and nix have no bpf(2), and aya keeps its wrappers private.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<T>()) };
     if rc < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(rc)
     }
+}
+
+/// The fd a bpf(2) command returned, now owned (closed on drop).
+fn owned_fd(fd: i64) -> io::Result<OwnedFd> {
+    let raw =
+        i32::try_from(fd).map_err(|_| io::Error::other(format!("bpf(2) returned fd {fd}")))?;
+    // SAFETY: the kernel has just returned this new fd to us and nothing else holds it.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
 /// Attaches `prog` to `target` (a cgroup directory or a network namespace fd).
@@ -64,13 +80,9 @@ pub fn create(
         attach_type,
         ..Default::default()
     };
-    let fd = bpf(
-        BPF_LINK_CREATE,
-        (&raw mut attr).cast(),
-        size_of::<LinkCreateAttr>(),
-    )?;
-    // SAFETY: the kernel returned a new fd we now own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: LINK_CREATE's attributes here hold fds only, no addresses.
+    let fd = unsafe { bpf(BPF_LINK_CREATE, &mut attr)? };
+    owned_fd(fd)
 }
 
 pub fn pin(fd: impl AsFd, path: &Path) -> io::Result<()> {
@@ -80,7 +92,8 @@ pub fn pin(fd: impl AsFd, path: &Path) -> io::Result<()> {
         bpf_fd: fd.as_fd().as_raw_fd() as u32,
         ..Default::default()
     };
-    bpf(BPF_OBJ_PIN, (&raw mut attr).cast(), size_of::<ObjPinAttr>()).map(|_| ())
+    // SAFETY: `pathname` is `c`, a NUL-terminated string alive until the call returns.
+    unsafe { bpf(BPF_OBJ_PIN, &mut attr) }.map(|_| ())
 }
 
 #[repr(C)]
@@ -107,12 +120,8 @@ pub fn attach_to_map(
         attach_type,
         ..Default::default()
     };
-    bpf(
-        BPF_PROG_ATTACH,
-        (&raw mut attr).cast(),
-        size_of::<ProgAttachAttr>(),
-    )
-    .map(|_| ())
+    // SAFETY: PROG_ATTACH's attributes hold fds only, no addresses.
+    unsafe { bpf(BPF_PROG_ATTACH, &mut attr) }.map(|_| ())
 }
 
 const BPF_OBJ_GET: libc::c_long = 7;
@@ -150,9 +159,8 @@ pub fn pinned_target(path: &Path) -> io::Result<Target> {
         pathname: c.as_ptr() as u64,
         ..Default::default()
     };
-    let fd = bpf(BPF_OBJ_GET, (&raw mut get).cast(), size_of::<ObjPinAttr>())?;
-    // SAFETY: the kernel returned a new fd we now own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: `pathname` is `c`, a NUL-terminated string alive until the call returns.
+    let fd = owned_fd(unsafe { bpf(BPF_OBJ_GET, &mut get)? })?;
     let mut info = LinkInfo::default();
     #[repr(C)]
     struct InfoAttr {
@@ -165,11 +173,9 @@ pub fn pinned_target(path: &Path) -> io::Result<Target> {
         info_len: size_of::<LinkInfo>() as u32,
         info: (&raw mut info) as u64,
     };
-    bpf(
-        BPF_OBJ_GET_INFO_BY_FD,
-        (&raw mut attr).cast(),
-        size_of::<InfoAttr>(),
-    )?;
+    // SAFETY: `info` is the address of `info`, a live local of exactly `info_len` bytes
+    // that the kernel fills (it writes at most `info_len`).
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)? };
     Ok(match info.link_type {
         BPF_LINK_TYPE_CGROUP => Target::Cgroup(info.union[0]),
         BPF_LINK_TYPE_NETNS => Target::Netns(info.union[0] as u32),

@@ -16,17 +16,37 @@ use aya::{
     Ebpf, EbpfLoader, Pod,
     maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap, SockHash, lpm_trie::Key},
 };
+use ipnet::IpNet;
 use shunt_common::{
     AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, ListenerKey,
     OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind, flags, pins, port_kind,
 };
 
-use super::{
-    config::{CaptureConfig, Cidr, CidrSet, PortSet},
+use crate::{
+    config::{CaptureConfig, CidrSet, PortSet},
     link, netns,
 };
 
-static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/shunt-ebpf.o"));
+/// The eBPF object `build.rs` built from `../ebpf` (the eBPF crate's binary is `shunt`).
+#[cfg(not(shunt_no_ebpf))]
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/shunt"));
+/// Built without the eBPF toolchain: no programs (see [`built_with_programs`]).
+#[cfg(shunt_no_ebpf)]
+static OBJECT: &[u8] = &[];
+
+/// Why this build has no eBPF programs, when it has none (set by `build.rs`).
+const MISSING_REASON: Option<&str> = option_env!("SHUNT_EBPF_MISSING");
+
+/// Whether this shunt carries its eBPF programs; if not, an error saying why and what to do.
+pub fn built_with_programs() -> anyhow::Result<()> {
+    if OBJECT.is_empty() {
+        bail!(
+            "this shunt was built without its eBPF programs ({}): run `cargo xtask setup` and rebuild, or use --backend iptables",
+            MISSING_REASON.unwrap_or("no eBPF object at build time")
+        );
+    }
+    Ok(())
+}
 
 /// Program name (the fn in ebpf/) and where it attaches.
 const CGROUP_PROGRAMS: [(&str, u32); 4] = [
@@ -124,6 +144,9 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
         "# eBPF capture for pod_{} (netns cookie {})\n",
         pod.id, pod.netns_cookie
     ));
+    if let Err(err) = built_with_programs() {
+        out.push_str(&format!("# {err}\n"));
+    }
     let cg = cgroup.map_or("<--cgroup required>".into(), |c| c.display().to_string());
     for (prog, _) in CGROUP_PROGRAMS {
         out.push_str(&format!("attach {prog} to cgroup {cg}\n"));
@@ -168,6 +191,7 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
 
 /// Installs capture for the current network namespace, or leaves nothing behind.
 pub fn install(cfg: &CaptureConfig, cgroup: &Path, root: &Path) -> anyhow::Result<PodIdentity> {
+    built_with_programs()?;
     netns::check_cgroup2_dir(cgroup)?;
     netns::ensure_bpffs(root)?;
     check_pinned_maps(root)?;
@@ -331,22 +355,9 @@ impl Maps<'_> {
     }
 }
 
-fn masked(cidr: &Cidr) -> Addr {
-    let (words, _) = addr_words(&cidr.addr);
-    let mut out = [0u32; 4];
-    for (i, w) in words.iter().enumerate() {
-        let bits_before = i as u32 * 32;
-        let keep = u32::from(cidr.prefix_len)
-            .saturating_sub(bits_before)
-            .min(32);
-        let mask = if keep == 0 {
-            0
-        } else {
-            u32::MAX << (32 - keep)
-        };
-        out[i] = (u32::from_be(*w) & mask).to_be();
-    }
-    out
+/// The prefix's network address (host bits cleared), as the LPM key wants it.
+fn masked(cidr: &IpNet) -> Addr {
+    addr_words(&cidr.network()).0
 }
 
 fn write_config(root: &Path, cfg: &CaptureConfig, pod: &PodIdentity) -> anyhow::Result<()> {
@@ -401,8 +412,8 @@ fn write_config(root: &Path, cfg: &CaptureConfig, pod: &PodIdentity) -> anyhow::
         .chain(included.iter().map(|c| (c, cidr_kind::INCLUDE)));
     for (cidr, kind) in entries {
         let addr = masked(cidr);
-        let len = CIDR_KEY_PREFIX_BITS + u32::from(cidr.prefix_len);
-        if cidr.is_v4() {
+        let len = CIDR_KEY_PREFIX_BITS + u32::from(cidr.prefix_len());
+        if matches!(cidr, IpNet::V4(_)) {
             let key = Key::new(
                 len,
                 Cidr4 {
@@ -847,4 +858,45 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
         sockmap_sockets,
         short_circuited,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masked_clears_host_bits_in_network_order() {
+        let net = |s: &str| crate::config::parse_cidr(s).unwrap();
+        let ip = |s: &str| addr_words(&s.parse().unwrap()).0;
+        assert_eq!(masked(&net("10.1.2.3/8")), ip("10.0.0.0"));
+        assert_eq!(masked(&net("192.168.77.9/20")), ip("192.168.64.0"));
+        assert_eq!(masked(&net("0.0.0.0/0")), ip("0.0.0.0"));
+        assert_eq!(masked(&net("fd00:1:2::7/40")), ip("fd00:1::"));
+        assert_eq!(masked(&net("fd00::7")), ip("fd00::7"));
+    }
+
+    #[test]
+    fn addresses_round_trip_through_map_words() {
+        for s in ["10.0.0.7", "fd00::1:2", "::ffff:1.2.3.4"] {
+            let ip: IpAddr = s.parse().unwrap();
+            let (words, family) = addr_words(&ip);
+            assert_eq!(words_addr(&words, family), ip);
+        }
+    }
+
+    #[test]
+    fn a_build_without_programs_says_why_and_what_to_do() {
+        match built_with_programs() {
+            Ok(()) => assert!(!OBJECT.is_empty()),
+            Err(err) => {
+                let err = err.to_string();
+                assert!(
+                    err.contains("without its eBPF programs")
+                        && err.contains("cargo xtask setup")
+                        && err.contains("--backend iptables"),
+                    "{err}"
+                );
+            }
+        }
+    }
 }

@@ -2,16 +2,23 @@
 //! kernel file systems it needs.
 
 use std::{
-    ffi::CString,
     io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    os::unix::fs::MetadataExt,
+    net::IpAddr,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
     path::Path,
 };
 
+use rustix::{
+    fs::statfs,
+    mount::{MountFlags, mount},
+    net::{AddressFamily, SocketFlags, SocketType, socket_with},
+};
+
+/// `SO_NETNS_COOKIE` (Linux 5.14), which neither libc's constants for every target nor
+/// rustix's typed socket options cover.
 const SO_NETNS_COOKIE: libc::c_int = 71;
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+const BPF_FS_MAGIC: u64 = 0xcafe_4a11;
+const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
 
 /// The pod's id in the shared maps: its network namespace inode (unique while it lives).
 pub fn netns_inode() -> io::Result<u32> {
@@ -21,77 +28,56 @@ pub fn netns_inode() -> io::Result<u32> {
 
 /// The kernel's cookie for the current network namespace (what BPF programs see).
 pub fn netns_cookie() -> io::Result<u64> {
-    // SAFETY: plain socket/getsockopt/close on a fresh fd with a correctly sized buffer.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut cookie: u64 = 0;
-        let mut len = size_of::<u64>() as libc::socklen_t;
-        let rc = libc::getsockopt(
-            fd,
+    let sock = socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `sock` is an open socket that outlives the call; `cookie` and `len` are
+    // live locals, and `len` is exactly the size of the buffer `cookie` provides.
+    // (Neither rustix nor nix offers SO_NETNS_COOKIE or a raw getsockopt.)
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
             libc::SOL_SOCKET,
             SO_NETNS_COOKIE,
             (&raw mut cookie).cast(),
             &mut len,
-        );
-        let err = io::Error::last_os_error();
-        libc::close(fd);
-        if rc != 0 {
-            return Err(err);
-        }
-        Ok(cookie)
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
+    Ok(cookie)
 }
 
 /// Every non-loopback address configured in this namespace: the pod's own addresses.
 pub fn pod_addresses() -> io::Result<Vec<IpAddr>> {
     let mut addrs = Vec::new();
-    // SAFETY: getifaddrs' list is walked read-only and freed once.
-    unsafe {
-        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut head) != 0 {
-            return Err(io::Error::last_os_error());
+    for ifa in nix::ifaddrs::getifaddrs()? {
+        let Some(sa) = ifa.address else { continue };
+        let ip = if let Some(sin) = sa.as_sockaddr_in() {
+            IpAddr::V4(sin.ip())
+        } else if let Some(sin6) = sa.as_sockaddr_in6() {
+            IpAddr::V6(sin6.ip())
+        } else {
+            continue;
+        };
+        if !ip.is_loopback() && !addrs.contains(&ip) {
+            addrs.push(ip);
         }
-        let mut cur = head;
-        while !cur.is_null() {
-            let sa = (*cur).ifa_addr;
-            if !sa.is_null() {
-                let ip = match i32::from((*sa).sa_family) {
-                    libc::AF_INET => {
-                        let sin = &*(sa as *const libc::sockaddr_in);
-                        Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                            sin.sin_addr.s_addr,
-                        ))))
-                    }
-                    libc::AF_INET6 => {
-                        let sin6 = &*(sa as *const libc::sockaddr_in6);
-                        Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
-                    }
-                    _ => None,
-                };
-                if let Some(ip) = ip.filter(|ip| !ip.is_loopback() && !addrs.contains(ip)) {
-                    addrs.push(ip);
-                }
-            }
-            cur = (*cur).ifa_next;
-        }
-        libc::freeifaddrs(head);
     }
     Ok(addrs)
 }
 
-fn fs_magic(path: &Path) -> io::Result<i64> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
-    // SAFETY: statfs into a zeroed struct.
-    unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        if libc::statfs(c.as_ptr(), &mut st) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(st.f_type)
-    }
+/// The file system type (`f_type`) of the file system `path` is on.
+fn fs_magic(path: &Path) -> io::Result<u64> {
+    // `f_type`'s width and signedness vary by target; every magic is a positive u32.
+    let f_type = statfs(path)?.f_type;
+    u64::try_from(f_type).map_err(|_| io::Error::other(format!("f_type {f_type} is negative")))
 }
 
 /// `--cgroup` must be a cgroup v2 directory; the error says where cgroup2 really is.
@@ -132,24 +118,8 @@ pub fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
         anyhow::bail!("{} is not on a bpf file system", parent.display());
     }
     std::fs::create_dir_all(mount_point)?;
-    let c = CString::new("/sys/fs/bpf")?;
-    let fstype = CString::new("bpf")?;
-    // SAFETY: mount(2) with valid C strings.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            c.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        anyhow::bail!(
-            "no bpffs at /sys/fs/bpf and mounting one failed: {}",
-            io::Error::last_os_error()
-        );
-    }
+    mount("bpf", mount_point, "bpf", MountFlags::empty(), None)
+        .map_err(|err| anyhow::anyhow!("no bpffs at /sys/fs/bpf and mounting one failed: {err}"))?;
     Ok(())
 }
 
