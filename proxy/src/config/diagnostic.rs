@@ -60,6 +60,10 @@ impl fmt::Display for Diagnostic {
     }
 }
 
+/// A step failed and said why in its [`Diagnostics`]: nothing more to report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reported;
+
 /// The config cannot be served as written.
 #[derive(Debug, thiserror::Error)]
 pub struct CompileError {

@@ -227,7 +227,7 @@ impl Walker<'_> {
                         .map_or_else(|| number.to_string(), |value| value.name().to_owned());
                     if !CLUSTER_TYPES.contains(&name.as_str()) {
                         self.findings.push(Diagnostic::error(
-                            &format!("{path}.type"),
+                            format!("{path}.type"),
                             format!("cluster type {name} is not implemented by shunt"),
                         ));
                     }
@@ -281,7 +281,7 @@ impl Walker<'_> {
         }
         let Some(desc) = desc else {
             self.findings.push(Diagnostic::error(
-                &path.to_string(),
+                path.to_string(),
                 format!("an Any of type {type_name}, which shunt does not know"),
             ));
             return;
@@ -289,7 +289,7 @@ impl Walker<'_> {
         match DynamicMessage::decode(desc, bytes) {
             Ok(payload) => self.message(&payload, &mut path.clone(), role_key),
             Err(err) => self.findings.push(Diagnostic::error(
-                &path.to_string(),
+                path.to_string(),
                 format!("{type_name} does not decode: {err}"),
             )),
         }

@@ -108,7 +108,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
         let path = format!("static_resources.listeners[{i}]");
         if !listener.name.is_empty() && !seen.insert(listener.name.as_str()) {
             findings.push(Diagnostic::error(
-                &format!("{path}.name"),
+                format!("{path}.name"),
                 format!("a second listener named {:?}", listener.name),
             ));
         }
@@ -138,7 +138,7 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     for (i, secret) in resources.secrets.iter().enumerate() {
         if !secret.name.is_empty() && !seen.insert(secret.name.as_str()) {
             findings.push(Diagnostic::error(
-                &format!("static_resources.secrets[{i}].name"),
+                format!("static_resources.secrets[{i}].name"),
                 format!("a second secret named {:?}", secret.name),
             ));
         }
@@ -163,7 +163,7 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>
                 && !static_clusters.contains(grpc.cluster_name.as_str())
             {
                 findings.push(Diagnostic::error(
-                    &format!("{path}.grpc_services[{i}].envoy_grpc.cluster_name"),
+                    format!("{path}.grpc_services[{i}].envoy_grpc.cluster_name"),
                     format!(
                         "{:?} is not a static cluster, and the xDS server must be reachable \
                          before any dynamic cluster exists",
@@ -190,7 +190,7 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>
             }
             Some(ConfigSourceSpecifier::Ads(_)) if dynamic.ads_config.is_none() => {
                 findings.push(Diagnostic::error(
-                    &format!("{path}.ads"),
+                    format!("{path}.ads"),
                     "says ADS, but dynamic_resources.ads_config is not set",
                 ));
             }
@@ -211,7 +211,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
             && let Err(err) = regex::Regex::new(pattern)
         {
             findings.push(Diagnostic::warning(
-                &format!("stats_config.stats_tags[{i}].regex"),
+                format!("stats_config.stats_tags[{i}].regex"),
                 format!(
                     "tag {:?}: shunt cannot run this regex ({}); the tag is not extracted",
                     tag.tag_name,
@@ -236,7 +236,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
                 Some(MatchPattern::SafeRegex(regex)) => {
                     if let Err(err) = regex::Regex::new(&regex.regex) {
                         findings.push(Diagnostic::warning(
-                            &format!("{path}.safe_regex.regex"),
+                            format!("{path}.safe_regex.regex"),
                             format!(
                                 "invalid regex ({}); it matches no stat",
                                 first_line(&err.to_string())
@@ -245,7 +245,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
                     }
                 }
                 Some(MatchPattern::Custom(_)) => findings.push(Diagnostic::warning(
-                    &format!("{path}.custom"),
+                    format!("{path}.custom"),
                     "custom string matchers are not implemented; it matches no stat",
                 )),
                 _ => {}

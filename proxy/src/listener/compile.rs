@@ -109,6 +109,10 @@ fn path_of((index, listener): Source<'_>) -> String {
     }
 }
 
+/// The previous snapshot's listener `name` with its stats, if compiled from the config
+/// with that digest: an update keeps it as it is.
+pub type KeptListener<'a> = dyn Fn(&str, u64) -> Option<(Arc<Listener>, ListenerStats)> + 'a;
+
 /// Compiles every listener but those named in `skip` (served elsewhere: the admin API's
 /// health ports), each at its JSON path. Returns the listeners, their stats and config
 /// digests, in the same order. A listener whose config is the same as in `previous`
@@ -117,7 +121,7 @@ pub fn compile_all(
     listeners: &[Source<'_>],
     skip: &HashSet<String>,
     clusters: &Clusters,
-    kept: &dyn Fn(&str, u64) -> Option<(Arc<Listener>, ListenerStats)>,
+    kept: &KeptListener<'_>,
     stats: &Store,
     problems: &mut Diagnostics,
 ) -> (Vec<Arc<Listener>>, Vec<ListenerStats>, Vec<u64>) {

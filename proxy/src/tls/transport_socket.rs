@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use prost::Message;
 
 use super::{DownstreamTls, UpstreamTls};
-use crate::config::Diagnostics;
+use crate::config::{Diagnostics, Reported};
 
 const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
 const DOWNSTREAM_TLS: &str = "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
@@ -36,27 +36,27 @@ fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Diagnos
 }
 
 /// A filter chain's `transport_socket` at `path`: `Ok(None)` for raw bytes, the TLS
-/// context to terminate with, or `Err(())` once the problem is reported.
+/// context to terminate with, or `Err(Reported)` once the problem is reported.
 pub fn downstream(
     socket: &TransportSocket,
     path: &str,
     problems: &mut Diagnostics,
-) -> Result<Option<Arc<DownstreamTls>>, ()> {
+) -> Result<Option<Arc<DownstreamTls>>, Reported> {
     let typed = format!("{path}.typed_config");
     match type_name(socket) {
         ("", _) | (RAW_BUFFER, _) => Ok(None),
         (DOWNSTREAM_TLS, bytes) => {
-            let context: DownstreamTlsContext = decode(bytes, &typed, problems).ok_or(())?;
+            let context: DownstreamTlsContext = decode(bytes, &typed, problems).ok_or(Reported)?;
             DownstreamTls::compile(&context, &typed, problems)
                 .map(|tls| Some(Arc::new(tls)))
-                .ok_or(())
+                .ok_or(Reported)
         }
         (other, _) => {
             problems.error(
                 typed,
                 format!("downstream transport socket {other} is not implemented"),
             );
-            Err(())
+            Err(Reported)
         }
     }
 }
@@ -66,22 +66,22 @@ pub fn upstream(
     socket: &TransportSocket,
     path: &str,
     problems: &mut Diagnostics,
-) -> Result<Option<Arc<UpstreamTls>>, ()> {
+) -> Result<Option<Arc<UpstreamTls>>, Reported> {
     let typed = format!("{path}.typed_config");
     match type_name(socket) {
         ("", _) | (RAW_BUFFER, _) => Ok(None),
         (UPSTREAM_TLS, bytes) => {
-            let context: UpstreamTlsContext = decode(bytes, &typed, problems).ok_or(())?;
+            let context: UpstreamTlsContext = decode(bytes, &typed, problems).ok_or(Reported)?;
             UpstreamTls::compile(&context, &typed, problems)
                 .map(|tls| Some(Arc::new(tls)))
-                .ok_or(())
+                .ok_or(Reported)
         }
         (other, _) => {
             problems.error(
                 typed,
                 format!("upstream transport socket {other} is not implemented"),
             );
-            Err(())
+            Err(Reported)
         }
     }
 }
@@ -140,7 +140,7 @@ pub fn matches(
         let socket = match &m.transport_socket {
             Some(socket) => match upstream(socket, &format!("{at}.transport_socket"), problems) {
                 Ok(socket) => socket,
-                Err(()) => continue,
+                Err(Reported) => continue,
             },
             None => None,
         };

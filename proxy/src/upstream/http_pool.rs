@@ -184,6 +184,11 @@ impl Pools {
         self.hosts.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Makes the pool of `address`, as a first request to it does.
     #[cfg(test)]
     pub fn touch(&self, address: SocketAddr) {

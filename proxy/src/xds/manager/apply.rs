@@ -55,29 +55,6 @@ pub(super) fn resource_name(path: &str) -> String {
         .unwrap_or_default()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn compile_errors_name_their_resource() {
-        assert_eq!(
-            resource_name(r#"Cluster "outbound|80||a.b".connect_timeout"#),
-            "outbound|80||a.b"
-        );
-        assert_eq!(resource_name(r#"Listener "x\"y".address"#), "x\"y");
-        assert_eq!(
-            resource_name(r#"RouteConfiguration "80".virtual_hosts[0]"#),
-            "80"
-        );
-        assert_eq!(
-            resource_name(r#"Secret "default".tls_certificate"#),
-            "default"
-        );
-        assert_eq!(resource_name("static_resources.clusters[0]"), "");
-    }
-}
-
 impl Manager {
     /// Applies `change` to the set of `kind` in place: compiles, swaps, binds. On failure
     /// the change is undone and the errors (resource name, message) are returned for the
@@ -386,5 +363,28 @@ impl Manager {
             }
         }
         dynamic
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compile_errors_name_their_resource() {
+        assert_eq!(
+            resource_name(r#"Cluster "outbound|80||a.b".connect_timeout"#),
+            "outbound|80||a.b"
+        );
+        assert_eq!(resource_name(r#"Listener "x\"y".address"#), "x\"y");
+        assert_eq!(
+            resource_name(r#"RouteConfiguration "80".virtual_hosts[0]"#),
+            "80"
+        );
+        assert_eq!(
+            resource_name(r#"Secret "default".tls_certificate"#),
+            "default"
+        );
+        assert_eq!(resource_name("static_resources.clusters[0]"), "");
     }
 }
