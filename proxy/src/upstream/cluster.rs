@@ -740,12 +740,19 @@ mod tests {
         let bad = cluster.hosts()[0].clone();
         cluster.report_connect(&bad, false);
         assert_eq!(addrs(&cluster.routable_hosts()), [1, 2]);
+        let ejected_at = std::time::Instant::now();
         cluster.report_connect(&bad, false);
         assert_eq!(addrs(&cluster.routable_hosts()), [2]);
-        // It comes back on its own once its ejection time has passed.
-        while !bad.healthy() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // It comes back on its own once its ejection time has passed, not before.
+        let back = async {
+            while !bad.healthy() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), back)
+            .await
+            .expect("the ejected host never came back");
+        assert!(ejected_at.elapsed() >= Duration::from_millis(50));
         assert_eq!(addrs(&cluster.routable_hosts()), [1, 2]);
     }
 

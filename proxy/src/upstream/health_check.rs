@@ -450,16 +450,24 @@ mod tests {
         let routable = |cluster: &Cluster| -> Vec<SocketAddr> {
             cluster.routable_hosts().iter().map(|h| h.address).collect()
         };
-        while routable(&cluster).len() < 2 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Each step must happen within a deadline: a host that never leaves or never
+        // returns fails the test instead of hanging it.
+        let until = async |what: &str, done: &dyn Fn(&[SocketAddr]) -> bool| {
+            let wait = async {
+                while !done(&routable(&cluster)) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), wait)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{what}: routable hosts stayed {:?}", routable(&cluster))
+                });
+        };
+        until("both hosts healthy at first", &|hosts| hosts.len() == 2).await;
         status.store(500, Ordering::Relaxed);
-        while routable(&cluster) != [good] {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until("the failing host leaves", &|hosts| hosts == [good]).await;
         status.store(200, Ordering::Relaxed);
-        while routable(&cluster).len() < 2 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until("the recovered host returns", &|hosts| hosts.len() == 2).await;
     }
 }
