@@ -6,7 +6,7 @@
 //! a handle is one relaxed atomic operation, with no lock and no lookup, so the data path
 //! never waits for a scrape. Only creating a name takes the store's lock. Tags (Prometheus
 //! labels) are not stored: the admin API extracts them from the names as Envoy does, with
-//! the bootstrap's `stats_config` (see [`super::tags`]).
+//! the bootstrap's `stats_config` (see `admin::tags`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

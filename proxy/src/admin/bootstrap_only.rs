@@ -14,7 +14,7 @@ use crate::stats::{self, Stat, Store};
 
 /// A proxy that has only its bootstrap: static listeners and clusters, and a stats store
 /// holding the per-cluster and per-listener stats at zero. The admin API's own tests
-/// serve it; a running proxy serves [`crate::snapshot::live::Live`].
+/// serve it; a running proxy serves [`super::live::Live`].
 pub struct BootstrapOnly {
     bootstrap: Bootstrap,
     resources: Resources,

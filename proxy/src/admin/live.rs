@@ -1,5 +1,5 @@
 //! The serving proxy as the admin API sees it: [`Live`] implements
-//! [`ProxyState`] over the snapshot [`Store`] and the stats the data plane updates.
+//! [`ProxyState`] over the snapshot store ([`Current`]) and the stats the data plane updates.
 //!
 //! Every answer is read from the snapshot current at the time of the request: its
 //! resources (`/config_dump`), its clusters' hosts with their counters and health

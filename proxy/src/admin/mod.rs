@@ -1,6 +1,6 @@
 //! The Envoy-compatible admin API (bootstrap `admin.address`, 127.0.0.1:15000 in Istio),
-//! and Istio's two health ports (15090 Prometheus, 15021 readiness) until the HTTP router
-//! can serve them as the listeners they are ([`crate::config::health_ports`]).
+//! and Istio's two health ports (15090 Prometheus, 15021 readiness), which it answers in
+//! place of Envoy's admin and pilot-agent ([`crate::config::health_ports`]).
 //!
 //! Threading: [`start_with`] binds every socket on the calling thread (errors surface there,
 //! and before privileges are dropped), then serves on its own thread with a small
@@ -9,7 +9,7 @@
 //!
 //! The proxy is reached through one trait, [`ProxyState`]: the config tracker
 //! (`resources()`), stats, readiness, drain and shutdown. The data plane implements it with
-//! its live snapshot ([`crate::snapshot::live::Live`]); the admin API's own tests use
+//! its live snapshot ([`live::Live`]); the admin API's own tests use
 //! `BootstrapOnly`, built from the bootstrap alone. Stats live in a [`crate::stats::Store`] whose
 //! handles the data plane updates lock-free.
 //!

@@ -21,7 +21,7 @@ use crate::config::{Resources, Tracked, endpoints_of};
 use crate::stats::Stat;
 
 /// The proxy as the admin API sees it. Implemented by the data plane
-/// ([`crate::snapshot::live::Live`]).
+/// ([`super::live::Live`]).
 pub trait ProxyState: Send + Sync + 'static {
     /// The bootstrap the proxy was started with (`/config_dump`'s BootstrapConfigDump,
     /// `/server_info`'s node).

@@ -3,15 +3,12 @@
 //! (`/healthz/ready`, routed to the `agent` cluster, pilot-agent's 15020).
 //!
 //! In an Istio sidecar these are HTTP connection managers whose routes forward to Envoy's
-//! own admin and to pilot-agent. shunt has no HTTP router yet, and plays pilot-agent's part
-//! too, so this module recognises the two listeners by their route (the prefix and the
-//! cluster it goes to) and answers in place of the upstream: 15090 with the admin API's
-//! Prometheus stats, 15021 with 200 while the proxy is ready and not failing health
-//! checks (what the agent would answer after asking Envoy's `/ready`), else 503.
-//!
-//! This is a stand-in until the HTTP router exists: then both become ordinary listeners
-//! and routes, and this module goes. Meanwhile the data plane must leave the listeners
-//! [`find`] returns to the admin API.
+//! own admin and to pilot-agent. shunt has no pilot-agent beside it to forward 15021 to
+//! (the agent issue adds one), so this module recognises the two listeners by their route
+//! (the prefix and the cluster it goes to) and the admin API answers in place of the
+//! upstream: 15090 with its Prometheus stats, 15021 with 200 while the proxy is ready and
+//! not failing health checks (what the agent would answer after asking Envoy's `/ready`),
+//! else 503. The data plane leaves the listeners [`find`] returns to the admin API.
 
 use std::net::SocketAddr;
 

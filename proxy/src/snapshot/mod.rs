@@ -561,7 +561,7 @@ fn dynamic_secrets(
 ///
 /// The listeners the admin API serves as Istio's health ports
 /// ([`crate::config::health_ports::find`]) are left to it: they are HTTP listeners shunt
-/// answers itself until it has an HTTP router.
+/// answers itself (see [`crate::config::health_ports`]).
 pub fn compile(bootstrap: &Bootstrap, stats: &StatsStore) -> Result<Compiled, CompileError> {
     compile_with(bootstrap, Arc::default(), None, stats)
 }

@@ -3,7 +3,7 @@
 //! not queued: the downstream is closed at once and logged with `UO` (upstream
 //! overflow), so an overloaded upstream sheds load instead of piling it up. HTTP
 //! requests are the exception, as in Envoy: up to `max_pending_requests` of them wait
-//! for a pooled connection ([`crate::http::pool`]).
+//! for a pooled connection ([`super::http_pool`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -293,8 +293,9 @@ pub fn compile(
                 if cluster.load_assignment.is_none() {
                     problems.warning(
                         format!("{path}.eds_cluster_config"),
-                        "EDS over xDS is not implemented yet and there is no load_assignment: \
-                         the cluster has no endpoints",
+                        "a static cluster gets no endpoints over EDS (only CDS clusters \
+                         subscribe to theirs) and this one has no load_assignment: it has \
+                         no endpoints",
                     );
                 }
                 Discovery::Eds
