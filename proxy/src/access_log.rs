@@ -9,7 +9,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
 use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
@@ -286,33 +286,11 @@ fn flags_string(flags: &[ResponseFlag]) -> String {
         .join(",")
 }
 
-/// `2024-05-01T12:34:56.789Z`, the form Envoy's `%START_TIME%` takes.
+/// `2024-05-01T12:34:56.789Z`, the form Envoy's `%START_TIME%` takes. A wall clock set
+/// wrong shows as the nearest time RFC 3339 can (1970 to 9999) rather than panicking.
 fn rfc3339_millis(time: SystemTime) -> String {
-    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since_epoch.as_secs();
-    let (year, month, day) = civil_from_days((secs / 86_400) as i64);
-    let day_secs = secs % 86_400;
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        day_secs / 3600,
-        day_secs / 60 % 60,
-        day_secs % 60,
-        since_epoch.subsec_millis()
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
+    let last = UNIX_EPOCH + Duration::new(253_402_300_799, 999_000_000);
+    humantime::format_rfc3339_millis(time.clamp(UNIX_EPOCH, last)).to_string()
 }
 
 const FILE: &str = "envoy.extensions.access_loggers.file.v3.FileAccessLog";
@@ -369,7 +347,6 @@ pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn start_time_is_rfc3339_utc_with_millis() {
@@ -378,6 +355,10 @@ mod tests {
         assert_eq!(rfc3339_millis(leap_day), "2000-02-29T01:02:03.123Z");
         let new_year = UNIX_EPOCH + Duration::from_secs(1_735_689_599);
         assert_eq!(rfc3339_millis(new_year), "2024-12-31T23:59:59.000Z");
+        let before = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(rfc3339_millis(before), "1970-01-01T00:00:00.000Z");
+        let far = UNIX_EPOCH + Duration::from_secs(300_000_000_000);
+        assert_eq!(rfc3339_millis(far), "9999-12-31T23:59:59.999Z");
     }
 
     #[test]

@@ -89,25 +89,12 @@ impl Query {
     }
 }
 
-/// `%XX` decoded (as Envoy's admin does; `+` stays `+`, it is common in regexes).
+/// `%XX` decoded (as Envoy's admin does; `+` stays `+`, it is common in regexes, so
+/// this is not `application/x-www-form-urlencoded`); a `%` without two hex digits stays.
 fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
-        {
-            out.push((hi * 16 + lo) as u8);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 type Handler = fn(&Shared, &Query) -> Reply;
@@ -773,6 +760,17 @@ mod tests {
         assert!(query.has("usedonly"));
         assert_eq!(query.get("format"), Some("json"));
         assert_eq!(query.get("nope"), None);
+    }
+
+    #[test]
+    fn plus_stays_and_stray_percents_pass_through() {
+        let query = Query::parse("a=1+1&b=100%&c=%zz%41&d=%E2%9C%93&=x&e");
+        assert_eq!(query.get("a"), Some("1+1"));
+        assert_eq!(query.get("b"), Some("100%"));
+        assert_eq!(query.get("c"), Some("%zzA"));
+        assert_eq!(query.get("d"), Some("\u{2713}"));
+        assert_eq!(query.get(""), Some("x"));
+        assert_eq!(query.get("e"), Some(""));
     }
 
     #[test]

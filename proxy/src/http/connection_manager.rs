@@ -101,10 +101,7 @@ fn header_string(headers: &hyper::HeaderMap, name: impl header::AsHeaderName) ->
 
 /// A random UUID (version 4), Envoy's `x-request-id`.
 pub fn uuid4() -> String {
-    let (a, b) = (
-        crate::upstream::random::next_u64(),
-        crate::upstream::random::next_u64(),
-    );
+    let (a, b) = (fastrand::u64(..), fastrand::u64(..));
     let a = (a & !0xf000) | 0x4000;
     let b = (b & !(0b11 << 62)) | (0b10 << 62);
     format!(

@@ -328,7 +328,7 @@ impl ClusterChoice {
             }
             ClusterChoice::Weighted(clusters) => {
                 let total: u64 = clusters.iter().map(|c| u64::from(c.weight)).sum();
-                let mut point = crate::upstream::random::below(total.max(1));
+                let mut point = fastrand::u64(..total.max(1));
                 for cluster in clusters {
                     if point < u64::from(cluster.weight) {
                         return Some((cluster.name.clone(), Some(cluster)));

@@ -15,6 +15,7 @@ use hyper::{Request, Response, StatusCode, Uri, Version};
 use super::config::class_counter;
 use super::route::{RetryPolicy, RouteAction};
 use crate::access_log::{Entry, ResponseFlag};
+use crate::upstream::backoff::Backoff;
 use crate::upstream::cluster::UpstreamProtocol;
 use crate::upstream::http_pool::RequestBody;
 use crate::upstream::http_pool::{CheckoutError, SendError};
@@ -191,7 +192,7 @@ pub async fn forward(
     for attempt in 0..attempts {
         if attempt > 0 {
             cluster.stats.upstream_rq_retry.inc();
-            tokio::time::sleep(backoff(attempt)).await;
+            tokio::time::sleep(RETRY_BACKOFF.delay(attempt)).await;
         }
         let now = Instant::now();
         let remaining = deadline.map(|d| d.saturating_duration_since(now));
@@ -260,11 +261,10 @@ pub async fn forward(
     Err(last)
 }
 
-/// Envoy's default retry back-off: 25 ms doubling per retry, jittered, at most 250 ms.
-fn backoff(attempt: u32) -> Duration {
-    let ceiling = (25u64 << attempt.min(4)).min(250);
-    Duration::from_millis(crate::upstream::random::below(ceiling) + 1)
-}
+/// Envoy's default retry back-off: 25 ms doubling per retry, fully jittered, at most
+/// 250 ms.
+const RETRY_BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_millis(25), Duration::from_millis(250)).full_jitter(0.0);
 
 async fn attempt_once(
     upstream: &Upstream<'_>,

@@ -298,22 +298,15 @@ pub async fn peek_until<T>(
     }
 }
 
+/// What has arrived so far, left in the socket for the connection's own reads.
 fn peek(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    use nix::sys::socket::{MsgFlags, recv};
     use std::os::fd::AsRawFd;
-    // SAFETY: a valid fd and a buffer of the length passed.
-    let n = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+    Ok(recv(
+        stream.as_raw_fd(),
+        buf,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    )?)
 }
 
 #[cfg(test)]

@@ -37,8 +37,8 @@ pub fn original_dst(
 fn query(stream: &TcpStream, local: SocketAddr) -> io::Result<SocketAddr> {
     let socket = SockRef::from(stream);
     let addr = match local {
-        SocketAddr::V4(_) => socket.original_dst()?,
-        SocketAddr::V6(_) => socket.original_dst_ipv6()?,
+        SocketAddr::V4(_) => socket.original_dst_v4()?,
+        SocketAddr::V6(_) => socket.original_dst_v6()?,
     };
     addr.as_socket().ok_or_else(|| {
         io::Error::new(

@@ -145,41 +145,20 @@ fn bind(listener: &Listener, addr: SocketAddr) -> std::io::Result<StdListener> {
     socket.set_reuse_address(true)?;
     if listener.transparent {
         match addr {
-            SocketAddr::V4(_) => socket.set_ip_transparent(true)?,
-            SocketAddr::V6(_) => set_ipv6_transparent(&socket)?,
+            SocketAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
+            SocketAddr::V6(_) => socket.set_ip_transparent_v6(true)?,
         }
     }
     if listener.freebind {
         match addr {
-            SocketAddr::V4(_) => socket.set_freebind(true)?,
-            SocketAddr::V6(_) => socket.set_freebind_ipv6(true)?,
+            SocketAddr::V4(_) => socket.set_freebind_v4(true)?,
+            SocketAddr::V6(_) => socket.set_freebind_v6(true)?,
         }
     }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     socket.listen(1024)?;
     Ok(socket.into())
-}
-
-/// IPV6_TRANSPARENT, which socket2 does not wrap.
-fn set_ipv6_transparent(socket: &Socket) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let one: libc::c_int = 1;
-    // SAFETY: a valid fd, and an option value of the size we pass.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_IPV6,
-            libc::IPV6_TRANSPARENT,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 /// How long the configuration's descriptor pool is kept unused before it is dropped:

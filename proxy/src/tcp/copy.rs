@@ -24,6 +24,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
+use crate::upstream::backoff::Backoff;
+
 /// Which socket of the pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {
@@ -250,15 +252,17 @@ async fn pump(
 /// Copy buffers kept per worker thread between uses, so idle connections cost no buffer
 /// and busy ones do not allocate per read.
 ///
-/// A buffer is its own anonymous private mapping, not a heap block: its pages become
-/// resident only when a read writes them, and one the pool does not keep is unmapped,
+/// A buffer is its own anonymous private mapping (`memmap2`'s `map_anon`: `MAP_PRIVATE |
+/// MAP_ANONYMOUS`, no `MAP_POPULATE`), not a heap block: its pages become resident only
+/// when a read writes them, and one the pool does not keep is unmapped,
 /// its memory back to the system at once. A 1 MiB `calloc` would give neither for sure:
 /// once glibc's mmap threshold has risen (it follows the largest block freed), it is
 /// served from the heap, zeroed page by page, and stays there when freed.
 mod buffers {
     use std::cell::RefCell;
     use std::ops::{Deref, DerefMut};
-    use std::ptr::NonNull;
+
+    use memmap2::MmapMut;
 
     /// How much one read takes at most: a bulk transfer's whole receive queue (Envoy
     /// buffers up to 1 MiB per connection too).
@@ -277,40 +281,16 @@ mod buffers {
 
     /// Zeroed memory owned by one buffer.
     enum Storage {
-        /// `SIZE` bytes from `mmap`.
-        Mapped(NonNull<u8>),
+        /// `SIZE` bytes of a private anonymous mapping, unmapped on drop.
+        Mapped(MmapMut),
         Heap(Box<[u8]>),
     }
 
-    // SAFETY: `Mapped` owns its mapping exclusively (nothing else holds the pointer), as
-    // a `Box` owns its allocation.
-    unsafe impl Send for Storage {}
-
     impl Storage {
         fn new() -> Storage {
-            // SAFETY: a fresh private anonymous mapping, aliasing nothing.
-            let ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    SIZE,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            match NonNull::new(ptr.cast::<u8>()) {
-                Some(p) if ptr != libc::MAP_FAILED => Storage::Mapped(p),
-                _ => Storage::Heap(vec![0u8; FALLBACK_SIZE].into_boxed_slice()),
-            }
-        }
-    }
-
-    impl Drop for Storage {
-        fn drop(&mut self) {
-            if let Storage::Mapped(p) = self {
-                // SAFETY: the mapping made in `new`, `SIZE` bytes, unmapped once.
-                unsafe { libc::munmap(p.as_ptr().cast(), SIZE) };
+            match MmapMut::map_anon(SIZE) {
+                Ok(map) => Storage::Mapped(map),
+                Err(_) => Storage::Heap(vec![0u8; FALLBACK_SIZE].into_boxed_slice()),
             }
         }
     }
@@ -319,8 +299,7 @@ mod buffers {
         type Target = [u8];
         fn deref(&self) -> &[u8] {
             match self {
-                // SAFETY: `SIZE` readable bytes (zero until written), owned by `self`.
-                Storage::Mapped(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), SIZE) },
+                Storage::Mapped(map) => map,
                 Storage::Heap(b) => b,
             }
         }
@@ -329,8 +308,7 @@ mod buffers {
     impl DerefMut for Storage {
         fn deref_mut(&mut self) -> &mut [u8] {
             match self {
-                // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
-                Storage::Mapped(p) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), SIZE) },
+                Storage::Mapped(map) => map,
                 Storage::Heap(b) => b,
             }
         }
@@ -385,13 +363,17 @@ mod buffers {
 /// nothing was written, so retrying loses no byte.
 const ENOMEM_RETRY_FOR: Duration = Duration::from_secs(30);
 
-/// Backoff between ENOMEM retries: 1 ms doubling to 100 ms, `None` once `budget` is spent.
+/// Backoff between ENOMEM retries: 1 ms doubling to 100 ms, no jitter (a pause is only
+/// a wait for the kernel to free memory; nothing synchronises on it).
+const ENOMEM_BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_millis(1), Duration::from_millis(100));
+
+/// The pause before ENOMEM retry `attempt`, `None` once `budget` is spent.
 pub fn enomem_backoff(attempt: u32, waited: Duration, budget: Duration) -> Option<Duration> {
     if waited >= budget {
         return None;
     }
-    let step = Duration::from_millis(1u64 << attempt.min(7)).min(Duration::from_millis(100));
-    Some(step.min(budget - waited))
+    Some(ENOMEM_BACKOFF.delay(attempt).min(budget - waited))
 }
 
 async fn write_retrying_enomem(to: &mut WriteHalf<'_>, chunk: &[u8]) -> io::Result<usize> {

@@ -67,7 +67,7 @@ impl ClusterSpecifier {
             ClusterSpecifier::Cluster(name) => name,
             ClusterSpecifier::Weighted(clusters) => {
                 let total: u64 = clusters.iter().map(|(_, w)| u64::from(*w)).sum();
-                let mut point = crate::upstream::random::below(total.max(1));
+                let mut point = fastrand::u64(..total.max(1));
                 for (name, weight) in clusters {
                     if point < u64::from(*weight) {
                         return name;

@@ -491,7 +491,7 @@ impl Members {
     /// A level by its load (a random draw over the shares), then a host of it.
     fn choose(&self, ctx: &LbContext<'_>) -> Option<Arc<Host>> {
         if self.levels.len() > 1 {
-            let mut draw = super::random::below(100) as u32;
+            let mut draw = fastrand::u32(..100);
             for (load, balancer) in &self.levels {
                 if draw < *load {
                     return balancer.choose(ctx);

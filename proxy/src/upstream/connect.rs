@@ -4,7 +4,6 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use socket2::{Domain, Protocol, Socket, Type};
@@ -18,12 +17,12 @@ pub async fn connect(
 ) -> io::Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(host), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_nonblocking(true)?;
-    socket.set_nodelay(true)?;
+    socket.set_tcp_nodelay(true)?;
     if let Some(source) = source {
         // FREEBIND: ::6 need not be configured on lo for the bind to succeed.
         match source.ip() {
-            IpAddr::V4(_) => socket.set_freebind(true)?,
-            IpAddr::V6(_) => socket.set_freebind_ipv6(true)?,
+            IpAddr::V4(_) => socket.set_freebind_v4(true)?,
+            IpAddr::V6(_) => socket.set_freebind_v6(true)?,
         }
         if source.port() == 0 {
             // Let connect() pick the port, so the 4-tuple, not the source port alone,
@@ -42,21 +41,11 @@ pub async fn connect(
     }
 }
 
+/// IP_BIND_ADDRESS_NO_PORT, which socket2 does not wrap.
 fn set_bind_address_no_port(socket: &Socket) {
-    let one: libc::c_int = 1;
-    let fd = socket.as_raw_fd();
-    // SAFETY: a valid fd, and an option value of the size we pass.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_IP,
-            libc::IP_BIND_ADDRESS_NO_PORT,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        tracing::debug!(err = %io::Error::last_os_error(), "IP_BIND_ADDRESS_NO_PORT failed");
+    use nix::sys::socket::{setsockopt, sockopt::IpBindAddressNoPort};
+    if let Err(err) = setsockopt(socket, IpBindAddressNoPort, &true) {
+        tracing::debug!(%err, "IP_BIND_ADDRESS_NO_PORT failed");
     }
 }
 

@@ -124,7 +124,7 @@ fn up_to(max: Duration) -> Duration {
     if nanos == 0 {
         return Duration::ZERO;
     }
-    Duration::from_nanos(super::random::below(nanos))
+    Duration::from_nanos(fastrand::u64(..nanos))
 }
 
 /// Probes the cluster's hosts with its `index`th health check until the cluster is gone.

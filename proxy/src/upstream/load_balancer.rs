@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use xxhash_rust::xxh64::xxh64;
 
 use super::host::Host;
-use super::random;
 
 /// Envoy's defaults for RING_HASH and MAGLEV.
 pub const DEFAULT_MIN_RING_SIZE: u64 = 1024;
@@ -151,7 +150,7 @@ impl Balancer {
             return None;
         }
         let untried = |h: &Arc<Host>| !ctx.tried.contains(&h.address);
-        let hash = ctx.hash.unwrap_or_else(random::next_u64);
+        let hash = ctx.hash.unwrap_or_else(|| fastrand::u64(..));
         // Every policy reaches a different host within a few attempts; the bound only
         // guards against RANDOM's bad luck.
         for attempt in 0..self.hosts.len() * 2 + 2 {
@@ -188,11 +187,11 @@ impl Balancer {
                 &self.hosts[best]
             }
             Kind::RoundRobin { next, .. } => &self.hosts[next.fetch_add(1, Ordering::Relaxed) % n],
-            Kind::Random => &self.hosts[random::below(n as u64) as usize],
+            Kind::Random => &self.hosts[fastrand::usize(..n)],
             Kind::LeastRequest { choice_count } => {
-                let mut best = &self.hosts[random::below(n as u64) as usize];
+                let mut best = &self.hosts[fastrand::usize(..n)];
                 for _ in 1..*choice_count {
-                    let other = &self.hosts[random::below(n as u64) as usize];
+                    let other = &self.hosts[fastrand::usize(..n)];
                     if other.active_connections() < best.active_connections() {
                         best = other;
                     }

@@ -4,8 +4,10 @@
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
 //! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS), [`connect`] (the connect
 //! itself, with `upstream_bind_config` and `connect_timeout`) and [`stats`] (the
-//! `cluster.<name>.*` stats the admin API shows).
+//! `cluster.<name>.*` stats the admin API shows). [`backoff`] is the retry back-off
+//! `tcp`, `http` and `xds` share.
 
+pub mod backoff;
 pub mod circuit_breaker;
 pub mod cluster;
 pub mod compile;
@@ -16,7 +18,6 @@ pub mod host;
 pub mod http_pool;
 pub mod load_balancer;
 pub mod outlier;
-pub mod random;
 pub mod stats;
 pub mod transport_socket;
 

@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::host::Host;
-use super::random;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutlierDetection {
@@ -66,7 +65,7 @@ impl OutlierDetection {
         if ejected_percent >= f64::from(self.max_ejection_percent) {
             return None;
         }
-        if random::below(100) >= u64::from(self.enforcing) {
+        if fastrand::u32(..100) >= self.enforcing {
             return None;
         }
         let times = host.ejections.fetch_add(1, Ordering::Relaxed) + 1;

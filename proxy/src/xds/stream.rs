@@ -16,9 +16,12 @@ use tonic::transport::{Channel, Endpoint};
 use std::sync::Arc;
 
 use super::source::{Stream, Target, Tls};
+use crate::upstream::backoff::Backoff;
 
-const BACKOFF_BASE: Duration = Duration::from_millis(500);
-const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Full jitter: a random wait up to `500 ms * 2^attempt`, capped at 30 s, and at least a
+/// tenth of that so a flapping server is not hammered.
+const BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_millis(500), Duration::from_secs(30)).full_jitter(0.1);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A request for the server, of the stream's kind.
@@ -74,29 +77,8 @@ pub async fn run(index: usize, config: Stream, events: mpsc::UnboundedSender<Eve
             return;
         }
         attempt = if delivered { 0 } else { attempt + 1 };
-        tokio::time::sleep(backoff(attempt)).await;
+        tokio::time::sleep(BACKOFF.delay(attempt)).await;
     }
-}
-
-/// Full jitter: a random wait up to `base * 2^attempt`, capped.
-fn backoff(attempt: u32) -> Duration {
-    let ceiling = BACKOFF_BASE
-        .saturating_mul(1 << attempt.min(16))
-        .min(BACKOFF_MAX);
-    ceiling.mul_f64(fastrand_unit())
-}
-
-/// A number in [0.1, 1): enough randomness to spread reconnects, no crate needed.
-fn fastrand_unit() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0),
-    );
-    0.1 + 0.9 * (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// One connected stream; returns whether any response arrived.
