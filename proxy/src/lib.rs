@@ -17,6 +17,9 @@
 //! The kernel side (eBPF capture, the iptables fallback, `shunt inspect`) is the
 //! `shunt-capture` crate.
 
+// Every `unsafe` says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod access_log;
 pub mod admin;
 pub mod config;
