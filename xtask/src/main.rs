@@ -6,9 +6,6 @@
 //! bpffs; a second run changes nothing.
 
 mod bench;
-mod bench_l4;
-mod bench_sockmap;
-mod bench_xds;
 mod demo;
 mod layers;
 mod lint;
