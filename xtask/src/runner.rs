@@ -17,7 +17,11 @@ use std::{
     io::{BufRead, BufReader, Write},
     path::PathBuf,
     process::{Command, Stdio},
-    sync::{Arc, Mutex, mpsc},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicI32, Ordering},
+        mpsc,
+    },
     time::{Duration, Instant},
 };
 
@@ -306,6 +310,31 @@ pub fn parse_results(output: &str) -> Option<Counts> {
     total
 }
 
+/// The process group of the step running now (0: none), for [`on_interrupt`].
+static RUNNING_GROUP: AtomicI32 = AtomicI32::new(0);
+
+/// A test binary in its own process group no longer gets the terminal's Ctrl-C: on
+/// SIGINT or SIGTERM, kill the running group, then exit as the signal would.
+extern "C" fn on_interrupt(signal: libc::c_int) {
+    let pgid = RUNNING_GROUP.load(Ordering::SeqCst);
+    // SAFETY: kill(2) and _exit(2) are async-signal-safe.
+    unsafe {
+        if pgid > 0 {
+            libc::kill(-pgid, libc::SIGKILL);
+        }
+        libc::_exit(128 + signal);
+    }
+}
+
+fn forward_interrupts() {
+    let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only calls async-signal-safe functions.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
 /// Runs one step in its own process group, its stdout echoed and kept (for the
 /// `test result:` lines), its stderr passed through; kills the group after `timeout`.
 pub fn run_step(name: &str, mut cmd: Command, timeout: Duration) -> Row {
@@ -326,6 +355,8 @@ pub fn run_step(name: &str, mut cmd: Command, timeout: Duration) -> Row {
             };
         }
     };
+    forward_interrupts();
+    RUNNING_GROUP.store(child.id() as i32, Ordering::SeqCst);
     let output = Arc::new(Mutex::new(String::new()));
     let (done_tx, done_rx) = mpsc::channel();
     {
@@ -364,6 +395,7 @@ pub fn run_step(name: &str, mut cmd: Command, timeout: Duration) -> Row {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    RUNNING_GROUP.store(0, Ordering::SeqCst);
     // A process that left the group (or a daemon) may still hold the pipe: wait a
     // little for the rest of the output, not for ever.
     let _ = done_rx.recv_timeout(Duration::from_secs(10));
