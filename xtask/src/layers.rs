@@ -114,9 +114,11 @@ impl fmt::Display for Report {
 
 /// Reads `src` (a crate's `src/`) and checks it.
 pub fn check_dir(src: &Path) -> Result<Report> {
+    // Paths as from the repository's root: `proxy/src/tcp/mod.rs`.
+    let repo = src.parent().and_then(Path::parent).unwrap_or(src);
     let shown = |p: &Path| {
         p.strip_prefix(crate::workspace_root())
-            .or_else(|_| p.strip_prefix(src.parent().unwrap_or(src)))
+            .or_else(|_| p.strip_prefix(repo))
             .unwrap_or(p)
             .display()
             .to_string()
@@ -283,10 +285,12 @@ pub fn check(modules: &[(String, String)], sources: &[Source]) -> Report {
     }
 }
 
+/// The first three places, and how many more there are.
 fn sites_text(sites: &[Site]) -> String {
+    let shown: Vec<String> = sites.iter().take(3).map(Site::to_string).collect();
     match sites.len() {
-        1 => sites[0].to_string(),
-        n => format!("{} (and {} more place(s))", sites[0], n - 1),
+        n if n > 3 => format!("{} (and {} more)", shown.join(", "), n - 3),
+        _ => shown.join(", "),
     }
 }
 
