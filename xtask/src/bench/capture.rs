@@ -11,7 +11,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::measure::{
-    CpuTimes, TICK_US, app_testapp, background_busy, cpus, fmt_value, kernel, median, save,
+    CpuTimes, TICK_US, app_testapp, background_busy, cpus, fmt_value, kernel, median, num, save,
     time_wait,
 };
 use crate::pods::{APP_UID, Backend, Bins, Capture, access_log, call, start_app, start_proxy};
@@ -141,10 +141,6 @@ const METRICS: &[Metric] = &[
         get: |r| r.proxy_log_lines as f64,
     },
 ];
-
-fn num(report: &Value, key: &str) -> f64 {
-    report[key].as_f64().unwrap_or(f64::NAN)
-}
 
 pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");

@@ -31,8 +31,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::measure::{
-    Goal, KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks,
-    rss, save, testapp, time_wait,
+    Goal, KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, num,
+    proxy_cpu_ticks, rss, save, testapp, time_wait,
 };
 use crate::pods::{Bins, call, secs, start_app, target_dir};
 
@@ -265,10 +265,6 @@ const METRICS: &[Metric] = &[
         },
     },
 ];
-
-fn num(report: &Value, key: &str) -> f64 {
-    report[key].as_f64().unwrap_or(f64::NAN)
-}
 
 fn metric(key: &str) -> &'static Metric {
     METRICS

@@ -30,6 +30,11 @@ impl Goal {
     }
 }
 
+/// A number of testapp's JSON report (NaN when it has none).
+pub(crate) fn num(report: &Value, key: &str) -> f64 {
+    report[key].as_f64().unwrap_or(f64::NAN)
+}
+
 /// Writes a bench's table and JSON report to `target/bench/NAME.txt` and `NAME.json`.
 pub(crate) fn save(name: &str, text: &str, json: &Value) -> Result<()> {
     let dir = target_dir().join("bench");
