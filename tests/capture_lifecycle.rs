@@ -10,23 +10,10 @@ use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
 use support::*;
 
-/// The `-A` rules of SEEDS.md section 2, normalised; the checked-in copy when the
-/// shared folder is not beside the repository.
+/// The `-A` rules of SEEDS.md section 2, normalised: the checked-in copy
+/// (tests/fixtures/SOURCES.md), so the test does not depend on the shared folder.
 fn seed_rules() -> Vec<String> {
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/SEEDS.md");
-    let text = std::fs::read_to_string(&shared).map_or_else(
-        |_| include_str!("fixtures/istio-iptables-seed.rules").to_string(),
-        |seeds| {
-            seeds
-                .split("## 2.")
-                .nth(1)
-                .expect("section 2")
-                .split("```")
-                .nth(1)
-                .expect("rule block")
-                .to_string()
-        },
-    );
+    let text = include_str!("fixtures/istio-iptables-seed.rules");
     text.lines()
         .map(|l| {
             l.trim()
@@ -100,23 +87,49 @@ fn iptables_chains(pod: &Pod) -> String {
         + &run_ok(pod.command("ip6tables").args(["-w", "-t", "nat", "-S"]))
 }
 
-fn cgroup_programs(pod: &Pod) -> Vec<Value> {
+/// `bpftool -j ARGS`: its output, after checking that it succeeded.
+fn bpftool(args: &[&std::ffi::OsStr]) -> String {
     let out = std::process::Command::new("bpftool")
-        .args(["-j", "cgroup", "show"])
-        .arg(pod.cgroup_path())
+        .arg("-j")
+        .args(args)
         .output()
-        .unwrap();
-    serde_json::from_slice(&out.stdout).unwrap_or_default()
+        .expect("running bpftool");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "bpftool -j {args:?}: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// bpftool's JSON list; anything else fails the test with what it printed (an empty
+/// list is never assumed).
+fn json_list(args: &[&std::ffi::OsStr], stdout: &str) -> Vec<Value> {
+    match serde_json::from_str::<Value>(stdout) {
+        Ok(Value::Array(items)) => items,
+        other => panic!("bpftool -j {args:?} printed no JSON list ({other:?}):\n{stdout:?}"),
+    }
+}
+
+fn cgroup_programs(pod: &Pod) -> Vec<Value> {
+    let cgroup = pod.cgroup_path();
+    let args = ["cgroup".as_ref(), "show".as_ref(), cgroup.as_os_str()];
+    let stdout = bpftool(&args);
+    // bpftool prints a bare line break, not `[]`, for a cgroup with no program
+    // (bpftool v7.x, Debian).
+    if stdout == "\n" {
+        return Vec::new();
+    }
+    json_list(&args, &stdout)
 }
 
 fn sk_lookup_links_for(pod: &Pod) -> usize {
     use std::os::unix::fs::MetadataExt;
     let ino = std::fs::metadata(pod.netns_path()).unwrap().ino();
-    let out = std::process::Command::new("bpftool")
-        .args(["-j", "link", "show"])
-        .output()
-        .unwrap();
-    let links: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let args = ["link".as_ref(), "show".as_ref()];
+    let links = json_list(&args, &bpftool(&args));
     links
         .iter()
         .filter(|l| l["netns_ino"].as_u64() == Some(ino))

@@ -31,7 +31,19 @@ struct Case<'a> {
     caller: Caller<'a>,
     target: SocketAddr,
     expect: Outcome,
+    /// The eBPF decision counter of pod `a` this connection must add to (README's
+    /// "How the eBPF capture decides").
+    counter: &'static str,
 }
+
+/// The counters that mean "captured": none may move for a case that is not.
+const CAPTURING: [&str; 3] = [
+    "outbound_redirected",
+    "inbound_redirected_local",
+    "inbound_steered",
+];
+
+type Counters = std::collections::HashMap<String, u64>;
 
 struct World {
     _node: Node,
@@ -75,11 +87,47 @@ fn passthrough_source(target: &SocketAddr) -> IpAddr {
 }
 
 /// Runs one case and checks every observable; returns a description on mismatch.
-fn check(case: &Case, proxy: &PodProcess) -> Result<(), String> {
+/// `counters` reads pod `a`'s eBPF decision counters (eBPF backend only).
+fn check(
+    case: &Case,
+    proxy: &PodProcess,
+    counters: Option<&dyn Fn() -> Counters>,
+) -> Result<(), String> {
+    let before = counters.map(|read| read());
     let call = case
         .caller
         .call(case.target)
         .map_err(|e| format!("call failed: {e:#}"))?;
+    if let (Some(read), Some(before)) = (counters, before) {
+        let after = read();
+        let added = |name: &str| {
+            after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
+        };
+        let moved = || {
+            let mut moved: Vec<_> = after
+                .iter()
+                .filter(|(n, _)| added(n) > 0)
+                .map(|(n, _)| format!("{n} +{}", added(n)))
+                .collect();
+            moved.sort();
+            moved.join(", ")
+        };
+        if added(case.counter) == 0 {
+            return Err(format!(
+                "eBPF counter {} did not move (moved: {})",
+                case.counter,
+                moved()
+            ));
+        }
+        if let Outcome::Direct(_) = case.expect
+            && let Some(c) = CAPTURING.iter().find(|c| added(c) > 0)
+        {
+            return Err(format!(
+                "not to be captured, but eBPF counted {c} (moved: {})",
+                moved()
+            ));
+        }
+    }
     if call.bytes != case.caller.bytes as u64 {
         return Err(format!(
             "{} of {} bytes echoed",
@@ -133,11 +181,14 @@ fn check(case: &Case, proxy: &PodProcess) -> Result<(), String> {
     Ok(())
 }
 
-fn run_cases(backend: &str, cases: &[Case], proxy: &PodProcess) -> Vec<String> {
+fn run_cases(capture: &Capture, w: &World, cases: &[Case], proxy: &PodProcess) -> Vec<String> {
+    let backend = capture.backend;
+    let read = || capture.pod_counters(&w.a);
+    let counters: Option<&dyn Fn() -> Counters> = (backend == "ebpf").then_some(&read);
     cases
         .iter()
         .filter_map(|case| {
-            check(case, proxy).err().map(|e| {
+            check(case, proxy, counters).err().map(|e| {
                 format!(
                     "[{backend}] {} ({} → {}): {e}",
                     case.name,
@@ -179,72 +230,84 @@ fn seed_cases(w: &World) -> Vec<Case<'_>> {
             caller: app(a),
             target: v4(b, APP_PORT),
             expect: Outcome::Outbound,
+            counter: "outbound_redirected",
         },
         Case {
             name: "outbound TCP over IPv6 (rule 23)",
             caller: app(a),
             target: v6(b, APP_PORT),
             expect: Outcome::Outbound,
+            counter: "outbound_redirected",
         },
         Case {
             name: "inbound TCP (rule 13)",
             caller: app(b),
             target: v4(a, APP_PORT),
             expect: Outcome::Inbound,
+            counter: "inbound_steered",
         },
         Case {
             name: "inbound TCP over IPv6 (rule 13)",
             caller: app(b),
             target: v6(a, APP_PORT),
             expect: Outcome::Inbound,
+            counter: "inbound_steered",
         },
         Case {
             name: "inbound to excluded 15020 (rule 12)",
             caller: app(b),
             target: v4(a, 15020),
             expect: Outcome::Direct(b4),
+            counter: "inbound_skip_port",
         },
         Case {
             name: "inbound to ssh 22 (rule 9)",
             caller: app(b),
             target: v4(a, 22),
             expect: Outcome::Direct(b4),
+            counter: "inbound_skip_port",
         },
         Case {
             name: "proxy uid's own outbound (rule 18)",
             caller: proxy_uid,
             target: v4(b, APP_PORT),
             expect: Outcome::Direct(a4),
+            counter: "skip_proxy_uid",
         },
         Case {
             name: "proxy gid's own outbound (rule 21)",
             caller: proxy_gid_only,
             target: v4(b, APP_PORT),
             expect: Outcome::Direct(a4),
+            counter: "skip_proxy_gid",
         },
         Case {
             name: "app to 127.0.0.1 (rules 17, 22)",
             caller: app(a),
             target: "127.0.0.1:8080".parse().unwrap(),
             expect: Outcome::Direct("127.0.0.1".parse().unwrap()),
+            counter: "skip_app_local",
         },
         Case {
             name: "app to ::1 (rules 17, 22)",
             caller: app(a),
             target: "[::1]:8080".parse().unwrap(),
             expect: Outcome::Direct("::1".parse().unwrap()),
+            counter: "skip_app_local",
         },
         Case {
             name: "app to its own pod IP (rule 17)",
             caller: app(a),
             target: v4(a, APP_PORT),
             expect: Outcome::Direct(a4),
+            counter: "skip_app_local",
         },
         Case {
             name: "app to its own pod IPv6 (rule 17)",
             caller: app(a),
             target: v6(a, APP_PORT),
             expect: Outcome::Direct(a6),
+            counter: "skip_app_local",
         },
         Case {
             name: "proxy to its own pod IP goes inbound (rule 16)",
@@ -255,6 +318,7 @@ fn seed_cases(w: &World) -> Vec<Case<'_>> {
             },
             target: v4(a, APP_PORT),
             expect: Outcome::Inbound,
+            counter: "inbound_redirected_local",
         },
         Case {
             name: "proxy to its own pod IPv6 goes inbound (rule 16)",
@@ -265,12 +329,14 @@ fn seed_cases(w: &World) -> Vec<Case<'_>> {
             },
             target: v6(a, APP_PORT),
             expect: Outcome::Inbound,
+            counter: "inbound_redirected_local",
         },
         Case {
             name: "source 127.0.0.6 over lo (rule 15)",
             caller: bound_passthrough,
             target: v4(a, APP_PORT),
             expect: Outcome::Direct("127.0.0.6".parse().unwrap()),
+            counter: "skip_inbound_passthrough_source",
         },
     ]
 }
@@ -287,12 +353,14 @@ fn flag_cases<'w>(w: &'w World, flags: &str) -> Vec<Case<'w>> {
                 caller: Caller::app(a),
                 target: v4(b, OTHER_PORT),
                 expect: Outcome::Direct(a4),
+                counter: "skip_excluded_port",
             },
             Case {
                 name: "other outbound port still captured",
                 caller: Caller::app(a),
                 target: v4(b, APP_PORT),
                 expect: Outcome::Outbound,
+                counter: "outbound_redirected",
             },
         ],
         "-x" => vec![
@@ -301,18 +369,21 @@ fn flag_cases<'w>(w: &'w World, flags: &str) -> Vec<Case<'w>> {
                 caller: Caller::app(a),
                 target: v4(b, APP_PORT),
                 expect: Outcome::Direct(a4),
+                counter: "skip_excluded_cidr",
             },
             Case {
                 name: "excluded IPv6 CIDR (-x)",
                 caller: Caller::app(a),
                 target: v6(b, APP_PORT),
                 expect: Outcome::Direct(IpAddr::V6(a.ipv6())),
+                counter: "skip_excluded_cidr",
             },
             Case {
                 name: "address outside -x still captured",
                 caller: Caller::app(a),
                 target: v4(c, APP_PORT),
                 expect: Outcome::Outbound,
+                counter: "outbound_redirected",
             },
         ],
         "-i" => vec![
@@ -321,12 +392,14 @@ fn flag_cases<'w>(w: &'w World, flags: &str) -> Vec<Case<'w>> {
                 caller: Caller::app(a),
                 target: v4(c, APP_PORT),
                 expect: Outcome::Outbound,
+                counter: "outbound_redirected",
             },
             Case {
                 name: "outside -i not captured",
                 caller: Caller::app(a),
                 target: v4(b, APP_PORT),
                 expect: Outcome::Direct(a4),
+                counter: "skip_not_included_cidr",
             },
         ],
         "-b" => vec![
@@ -335,18 +408,21 @@ fn flag_cases<'w>(w: &'w World, flags: &str) -> Vec<Case<'w>> {
                 caller: Caller::app(b),
                 target: v4(a, APP_PORT),
                 expect: Outcome::Inbound,
+                counter: "inbound_steered",
             },
             Case {
                 name: "unlisted inbound port not captured",
                 caller: Caller::app(b),
                 target: v4(a, OTHER_PORT),
                 expect: Outcome::Direct(b4),
+                counter: "inbound_skip_port",
             },
             Case {
                 name: "ssh not special without -b '*'",
                 caller: Caller::app(b),
                 target: v4(a, 22),
                 expect: Outcome::Direct(b4),
+                counter: "inbound_skip_port",
             },
         ],
         _ => unreachable!(),
@@ -360,7 +436,7 @@ fn parity(backend: &'static str) {
 
     capture.install(&w.a, &[]);
     let proxy = start_proxy(&w.a);
-    failures.extend(run_cases(backend, &seed_cases(&w), &proxy));
+    failures.extend(run_cases(&capture, &w, &seed_cases(&w), &proxy));
     drop(proxy);
     capture.cleanup(&w.a);
 
@@ -375,7 +451,7 @@ fn parity(backend: &'static str) {
     for (which, flags) in &variants {
         capture.install(&w.a, flags);
         let proxy = start_proxy(&w.a);
-        failures.extend(run_cases(backend, &flag_cases(&w, which), &proxy));
+        failures.extend(run_cases(&capture, &w, &flag_cases(&w, which), &proxy));
         drop(proxy);
         capture.cleanup(&w.a);
     }

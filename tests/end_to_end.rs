@@ -82,8 +82,8 @@ fn across_two_captured_pods(backend: &'static str) {
     }
     if backend == "ebpf" {
         // Per-pod counters: a redirected two outbound connects, b steered them inbound.
-        let a_counts = pod_counters(&capture, &a);
-        let b_counts = pod_counters(&capture, &b);
+        let a_counts = capture.pod_counters(&a);
+        let b_counts = capture.pod_counters(&b);
         assert!(
             a_counts.get("outbound_redirected").copied().unwrap_or(0) >= 2,
             "{a_counts:?}"
@@ -96,30 +96,6 @@ fn across_two_captured_pods(backend: &'static str) {
     }
     capture.cleanup(&a);
     capture.cleanup(&b);
-}
-
-/// `shunt inspect --json`'s counters for one pod (named after its netns inode).
-fn pod_counters(capture: &Capture, pod: &harness::Pod) -> std::collections::HashMap<String, u64> {
-    use std::os::unix::fs::MetadataExt;
-    let name = format!("pod_{}", std::fs::metadata(pod.netns_path()).unwrap().ino());
-    let out = std::process::Command::new(harness::shunt_bin())
-        .args(["inspect", "--json", "--bpffs"])
-        .arg(&capture.bpffs)
-        .output()
-        .unwrap();
-    let state: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let entry = state["pods"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["pod"] == name.as_str())
-        .cloned();
-    entry.expect("pod in inspect")["counters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (c[0].as_str().unwrap().to_string(), c[1].as_u64().unwrap()))
-        .collect()
 }
 
 /// The `HELLO peer=.. local=..` line testapp's server sends first.

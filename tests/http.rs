@@ -300,8 +300,11 @@ impl Scene {
     }
 
     /// A counter from the admin API, 0 if absent.
+    /// The proxy's stat `name`; one it does not have fails the test, naming it (a
+    /// missing counter is not a zero).
     fn stat(&self, name: &str) -> u64 {
-        stat_at(&self.proxy_pod, ADMIN, name).unwrap_or(0)
+        stat_at(&self.proxy_pod, ADMIN, name)
+            .unwrap_or_else(|| panic!("the proxy has no stat {name} (GET /stats?format=json)"))
     }
 
     /// The access log line of the request with `request_id`, waiting for it.

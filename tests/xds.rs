@@ -23,12 +23,14 @@ use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
 use support::xds::{
-    self, TempDir, admin_at, bootstrap, dump_section, eventually, open_to_the_proxy, start_shunt,
-    unix_server,
+    self, Reach, TempDir, admin_at, bootstrap, dump_section, eventually, open_to_the_proxy,
+    start_shunt, unix_server,
 };
 use support::*;
 
 const LISTEN_PORT: u16 = 10000;
+/// istio/istio pkg/bootstrap/testdata/*_golden.json: every one must validate and serve.
+const ISTIO_GOLDEN_BOOTSTRAPS: usize = 30;
 const ECHO_A: u16 = 9001;
 const ECHO_B: u16 = 9002;
 
@@ -216,7 +218,11 @@ fn drives_the_proxy(delta: bool) {
     let dump = config_dump(&pod);
     let warming = &dump_section(&dump, "ClustersConfigDump")["dynamic_warming_clusters"];
     assert_eq!(warming[0]["cluster"]["name"], "late", "{warming}");
-    assert_eq!(reaches(&pod), None, "no traffic to a warming cluster");
+    assert_eq!(
+        xds::reach(&pod, local(LISTEN_PORT)),
+        Reach::ClosedByProxy,
+        "no traffic to a warming cluster"
+    );
     // The replaced listener's old connection closes after the drain time (1 s).
     let mut buf = [0u8; 1];
     held.set_read_timeout(Some(Duration::from_secs(10)))
@@ -487,15 +493,25 @@ fn as_doubles(v: &Value) -> Value {
 /// metadata) on the first message only, and serves what comes back.
 #[test]
 fn istio_bootstraps_drive_the_client() {
-    let corpus =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/corpus/istio/bootstrap");
+    // Copied from the shared corpus (tests/fixtures/SOURCES.md): Istio's 30 goldens.
+    let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/istio/bootstrap");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&corpus)
-        .unwrap_or_else(|e| panic!("the shared corpus is missing at {}: {e}", corpus.display()))
+        .unwrap_or_else(|e| {
+            panic!(
+                "the golden bootstraps are missing at {}: {e}",
+                corpus.display()
+            )
+        })
         .map(|e| e.unwrap().path())
         .filter(|p| p.to_string_lossy().ends_with("_golden.json"))
         .collect();
     files.sort();
-    assert!(files.len() >= 20, "{files:?}");
+    assert_eq!(
+        files.len(),
+        ISTIO_GOLDEN_BOOTSTRAPS,
+        "Istio's golden bootstraps in {}: {files:?}",
+        corpus.display()
+    );
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("istio").unwrap();
     let _echo = start_app(&pod, &[ECHO_A]);
@@ -590,8 +606,8 @@ fn istio_bootstraps_drive_the_client() {
     drop(dir);
     assert_eq!(
         served.len(),
-        files.len(),
-        "only {} served: {served:?}",
+        ISTIO_GOLDEN_BOOTSTRAPS,
+        "only {} of Istio's {ISTIO_GOLDEN_BOOTSTRAPS} golden bootstraps validated and served: {served:?}",
         served.len()
     );
 }
@@ -650,9 +666,9 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
     assert_eq!(active, ["backend", "silent"]);
     assert_eq!(reaches(&pod), Some(ECHO_A));
     assert_eq!(
-        xds::reaches(&pod, local(LISTEN_PORT + 1)),
-        None,
-        "no hosts: refused"
+        xds::reach(&pod, local(LISTEN_PORT + 1)),
+        Reach::ClosedByProxy,
+        "no hosts: accepted and closed (UH)"
     );
 
     // A listener on a taken port: NACKed, the others keep serving.
@@ -695,7 +711,11 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
     eventually("CDS c3 applied", &proxy, &server, || {
         acked(&server, type_urls::CLUSTER, "c3", false)
     });
-    assert_eq!(reaches(&pod), None, "backend is gone");
+    assert_eq!(
+        xds::reach(&pod, local(LISTEN_PORT)),
+        Reach::ClosedByProxy,
+        "backend is gone: accepted and closed (NC)"
+    );
     held.write_all(b"still here").unwrap();
     let mut back = [0u8; 10];
     held.read_exact(&mut back).unwrap();

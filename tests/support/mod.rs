@@ -86,6 +86,38 @@ impl Capture {
         );
     }
 
+    /// `shunt inspect --json`'s decision counters for `pod` (named after its netns
+    /// inode); inspect lists the counters that are not zero. Fails the test if inspect
+    /// fails or does not list the pod.
+    pub fn pod_counters(&self, pod: &Pod) -> std::collections::HashMap<String, u64> {
+        use std::os::unix::fs::MetadataExt;
+        let name = format!("pod_{}", std::fs::metadata(pod.netns_path()).unwrap().ino());
+        let out = std::process::Command::new(shunt_bin())
+            .args(["inspect", "--json", "--bpffs"])
+            .arg(&self.bpffs)
+            .output()
+            .expect("run shunt inspect");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let state: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+            panic!(
+                "shunt inspect --json ({}) printed no JSON ({e}): {stdout:?} {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        let pods = state["pods"].as_array().expect("inspect: pods");
+        let entry = pods
+            .iter()
+            .find(|p| p["pod"] == name.as_str())
+            .unwrap_or_else(|| panic!("pod {name} not in shunt inspect: {state}"));
+        entry["counters"]
+            .as_array()
+            .unwrap_or_else(|| panic!("inspect: no counters for {name}: {entry}"))
+            .iter()
+            .map(|c| (c[0].as_str().unwrap().to_string(), c[1].as_u64().unwrap()))
+            .collect()
+    }
+
     pub fn cleanup(&self, pod: &Pod) {
         let out = self
             .command(pod, &["--cleanup"])
@@ -199,8 +231,9 @@ impl<'a> Caller<'a> {
         }
     }
 
-    pub fn call(&self, target: SocketAddr) -> anyhow::Result<Call> {
-        let mut cmd = self
+    /// `testapp call target` as this caller, in its pod.
+    fn command(&self, target: SocketAddr) -> harness::PodCommand {
+        let cmd = self
             .pod
             .command(testapp_bin())
             .uid(self.uid)
@@ -209,12 +242,37 @@ impl<'a> Caller<'a> {
             .arg(target.to_string())
             .arg("--bytes")
             .arg(self.bytes.to_string());
-        if let Some(bind) = self.bind {
-            cmd = cmd.arg("--bind").arg(bind.to_string());
+        match self.bind {
+            Some(bind) => cmd.arg("--bind").arg(bind.to_string()),
+            None => cmd,
         }
+    }
+
+    pub fn call(&self, target: SocketAddr) -> anyhow::Result<Call> {
+        let cmd = self.command(target);
         let what = cmd.description();
         let out = cmd.output()?;
         Call::parse(&String::from_utf8_lossy(&out.stdout), &what)
+    }
+
+    /// What `testapp call` printed: `{"ok":true,...}` or `{"ok":false,"error":...}`.
+    /// Panics when testapp could not be run or printed something else, so a broken
+    /// helper is never mistaken for a refused connection.
+    pub fn call_json(&self, target: SocketAddr) -> Value {
+        let cmd = self.command(target);
+        let what = cmd.description();
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("could not run {what}: {e}"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match serde_json::from_str::<Value>(stdout.trim()) {
+            Ok(v) if v["ok"].is_boolean() => v,
+            _ => panic!(
+                "{what} did not run as a call ({}): stdout {stdout:?}, stderr {:?}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
     }
 }
 

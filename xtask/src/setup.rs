@@ -23,6 +23,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nghttp2-client", "h2load"),
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
+    ("openssl", "openssl"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

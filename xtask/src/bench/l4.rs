@@ -30,7 +30,10 @@ use harness::{Node, Pod, PodProcess, tcp_listeners, wait_for_port};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::bench::{background_busy, cpus, fmt_value, kernel, median, save, time_wait};
+use super::measure::{
+    Goal, KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, num,
+    proxy_cpu_ticks, rss, save, testapp, time_wait,
+};
 use crate::pods::{Bins, call, secs, start_app, target_dir};
 
 #[derive(clap::Args)]
@@ -60,8 +63,6 @@ const IPERF_PORT: u16 = 5201;
 /// Worker threads of both proxies, and bench-connect's concurrency.
 pub(crate) const CONCURRENCY: &str = "2";
 const PAYLOAD: usize = 64;
-/// USER_HZ: /proc/PID/stat counts in 1/100 s on every Linux architecture.
-pub(crate) const TICK_US: f64 = 10_000.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -192,8 +193,6 @@ fn opt<T: Into<f64>>(v: Option<T>) -> f64 {
     v.map_or(f64::NAN, Into::into)
 }
 
-pub(crate) const KIB_PER_MIB: f64 = 1024.0;
-
 const METRICS: &[Metric] = &[
     Metric {
         key: "throughput_gbit_s",
@@ -266,10 +265,6 @@ const METRICS: &[Metric] = &[
         },
     },
 ];
-
-fn num(report: &Value, key: &str) -> f64 {
-    report[key].as_f64().unwrap_or(f64::NAN)
-}
 
 fn metric(key: &str) -> &'static Metric {
     METRICS
@@ -539,7 +534,7 @@ fn measure(
 
     // Warm-up, then the proxy at rest.
     let warm = testapp(
-        setup,
+        setup.client.command(&setup.bins.testapp),
         &[
             "bench-connect",
             &echo.to_string(),
@@ -568,7 +563,7 @@ fn measure(
         .map(|p| proxy_cpu_ticks(p.pid()))
         .transpose()?;
     let connect = testapp(
-        setup,
+        setup.client.command(&setup.bins.testapp),
         &[
             "bench-connect",
             &echo.to_string(),
@@ -593,7 +588,7 @@ fn measure(
         .map(|(b, a)| (a - b) as f64 * TICK_US / conns as f64);
 
     let rr = testapp(
-        setup,
+        setup.client.command(&setup.bins.testapp),
         &[
             "bench-rr",
             &echo.to_string(),
@@ -712,26 +707,6 @@ fn accepts(app: &PodProcess) -> u64 {
         .count() as u64
 }
 
-/// A testapp bench command in the client pod; its JSON report.
-fn testapp(setup: &Setup, args: &[&str], duration_ms: u64) -> Result<Value> {
-    let out = crate::pods::run(
-        setup
-            .client
-            .command(&setup.bins.testapp)
-            .args(args)
-            .timeout(Duration::from_millis(duration_ms) + Duration::from_secs(60)),
-    )?;
-    let report: Value = serde_json::from_str(out.lines().next().unwrap_or_default())
-        .with_context(|| format!("testapp {} printed {out:?}", args[0]))?;
-    if report["errors"].as_u64().unwrap_or(0) > 0 {
-        eprintln!(
-            "  warning: testapp {}: {} errors, first: {}",
-            args[0], report["errors"], report["first_error"]
-        );
-    }
-    Ok(report)
-}
-
 /// A connection held open: both ends as the client and the server saw them.
 struct Held {
     _stream: TcpStream,
@@ -784,36 +759,6 @@ fn read_line(s: &mut TcpStream) -> Result<String> {
         }
     }
     bail!("line longer than 512 bytes")
-}
-
-/// (VmRSS, RssAnon) of a process, KiB.
-pub(crate) fn rss(pid: u32) -> Result<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let field = |name: &str| -> Result<u64> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .with_context(|| format!("no {name} in /proc/{pid}/status"))
-    };
-    Ok((field("VmRSS:")?, field("RssAnon:")?))
-}
-
-/// utime + stime of a process (all its threads), in ticks.
-pub(crate) fn proxy_cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // After "pid (comm) ": state is field 3; utime and stime are fields 14 and 15.
-    let rest = stat
-        .rsplit_once(") ")
-        .map(|(_, r)| r)
-        .with_context(|| format!("malformed /proc/{pid}/stat: {stat}"))?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| -> Result<u64> {
-        f.get(i)
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("malformed /proc/{pid}/stat: {stat}"))
-    };
-    Ok(tick(11)? + tick(12)?)
 }
 
 /// A counter from the proxy's admin API (`GET /stats`), if it answers.
@@ -962,37 +907,32 @@ const RATIOS: [(Scenario, Scenario); 3] = [
     (Scenario::Envoy, Scenario::Direct),
 ];
 
-/// Issue 4's targets, reported (never asserted): metric, ratio shunt/envoy, wanted.
-enum Goal {
-    AtLeast(f64),
-    AtMost(f64),
-}
-
+/// Issue 4's targets, reported (never asserted): metric, label, goal on shunt/envoy.
 const GOALS: [(&str, &str, Goal); 5] = [
     (
         "throughput_gbit_s",
         "throughput: shunt >= envoy",
-        Goal::AtLeast(1.0),
+        Goal::RatioAtLeast(1.0),
     ),
     (
         "conn_per_sec",
         "new connections/s: shunt >= envoy",
-        Goal::AtLeast(1.0),
+        Goal::RatioAtLeast(1.0),
     ),
     (
         "connect_p99_us",
         "connect + echo p99: shunt <= envoy",
-        Goal::AtMost(1.0),
+        Goal::RatioAtMost(1.0),
     ),
     (
         "rr_p99_us",
         "round trip p99: shunt <= envoy",
-        Goal::AtMost(1.0),
+        Goal::RatioAtMost(1.0),
     ),
     (
         "idle_rss_mib",
         "idle RSS: shunt <= envoy / 4",
-        Goal::AtMost(0.25),
+        Goal::RatioAtMost(0.25),
     ),
 ];
 
@@ -1016,10 +956,7 @@ impl Report<'_> {
             .iter()
             .map(|(key, label, goal)| {
                 let r = self.ratio((Scenario::Shunt, Scenario::Envoy), metric(key));
-                let met = match goal {
-                    Goal::AtLeast(x) => r >= *x,
-                    Goal::AtMost(x) => r <= *x,
-                };
+                let met = goal.met(f64::NAN, r);
                 (*label, r, met)
             })
             .collect()

@@ -1,37 +1,20 @@
-//! `cargo xtask bench <which>`: benchmarks on a node of pods, with release builds.
-//!
 //! `bench capture` puts the three ways a client pod's connection can leave side by
 //! side: `direct` (no capture, no proxy), `iptables` and `ebpf` (the client pod captured
 //! with that backend, `shunt proxy` in it). Scenarios run in rounds, in alternating
-//! order, and the medians are reported. `bench sockmap` (bench_sockmap.rs) puts the
-//! proxy-to-proxy short-circuit side by side, `bench l4` (bench_l4.rs) shunt and Envoy,
-//! `bench xds` (bench_xds.rs) shunt and Envoy taking a large config over ADS.
+//! order, and the medians are reported.
 
-use std::{fmt::Write as _, net::SocketAddr, time::Duration};
+use std::{fmt::Write as _, net::SocketAddr};
 
 use anyhow::{Context, Result, bail, ensure};
-use clap::Subcommand;
 use harness::{Node, Pod};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::pods::{
-    APP_UID, Backend, Bins, Capture, access_log, call, start_app, start_proxy, target_dir,
+use super::measure::{
+    CpuTimes, TICK_US, app_testapp, background_busy, cpus, fmt_value, kernel, median, num, save,
+    time_wait,
 };
-
-#[derive(Subcommand)]
-pub enum Which {
-    /// direct vs iptables vs eBPF capture (with shunt proxy): connections/s, latency, CPU.
-    Capture(CaptureArgs),
-    /// Pod-to-pod through both proxies: iptables vs eBPF without and with the sockmap.
-    Sockmap(crate::bench_sockmap::SockmapArgs),
-    /// shunt vs Envoy on one static tcp_proxy bootstrap: throughput, connections/s,
-    /// latency, RSS idle and with connections open.
-    L4(crate::bench_l4::L4Args),
-    /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
-    /// then incremental EDS updates; send-to-ACK times and RSS.
-    Xds(crate::bench_xds::XdsArgs),
-}
+use crate::pods::{APP_UID, Backend, Bins, Capture, access_log, call, start_app, start_proxy};
 
 #[derive(clap::Args)]
 pub struct CaptureArgs {
@@ -43,22 +26,10 @@ pub struct CaptureArgs {
     rounds: usize,
 }
 
-pub fn run(which: Which) -> Result<()> {
-    let bins = Bins::build(true)?;
-    match which {
-        Which::Capture(args) => capture(&bins, &args),
-        Which::Sockmap(args) => crate::bench_sockmap::run(&bins, &args),
-        Which::L4(args) => crate::bench_l4::run(bins, &args),
-        Which::Xds(args) => crate::bench_xds::run(bins, &args),
-    }
-}
-
 const PIN_ROOT: &str = "/sys/fs/bpf/shunt-bench";
 const PORT: u16 = 8080;
 const CONCURRENCY: &str = "2";
 const PAYLOAD: &str = "64";
-/// USER_HZ: /proc/stat counts in 1/100 s on every Linux architecture.
-const TICK_US: f64 = 10_000.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -171,11 +142,7 @@ const METRICS: &[Metric] = &[
     },
 ];
 
-fn num(report: &Value, key: &str) -> f64 {
-    report[key].as_f64().unwrap_or(f64::NAN)
-}
-
-fn capture(bins: &Bins, args: &CaptureArgs) -> Result<()> {
+pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     let mut node = Node::new()?;
     let client = node.add_pod("client")?;
@@ -225,20 +192,6 @@ fn capture(bins: &Bins, args: &CaptureArgs) -> Result<()> {
     save("capture", &text, &report.json())
 }
 
-/// Writes a bench's table and JSON report to `target/bench/NAME.txt` and `NAME.json`.
-pub(crate) fn save(name: &str, text: &str, json: &Value) -> Result<()> {
-    let dir = target_dir().join("bench");
-    std::fs::create_dir_all(&dir)?;
-    let table = dir.join(format!("{name}.txt"));
-    std::fs::write(&table, text)?;
-    std::fs::write(
-        dir.join(format!("{name}.json")),
-        serde_json::to_string_pretty(json)? + "\n",
-    )?;
-    println!("saved {} and {name}.json", table.display());
-    Ok(())
-}
-
 /// Set up the scenario in the client pod, check which path traffic takes, measure,
 /// check the proxy saw it, tear down.
 fn measure(
@@ -280,7 +233,7 @@ fn measure(
     let duration = duration_ms.to_string();
     let time_wait_before = time_wait(client)?;
     let before = CpuTimes::now()?;
-    let connect = testapp(
+    let connect = app_testapp(
         bins,
         client,
         &[
@@ -296,7 +249,7 @@ fn measure(
         duration_ms,
     )?;
     let cpu = CpuTimes::now()?.since(&before);
-    let rr = testapp(
+    let rr = app_testapp(
         bins,
         client,
         &[
@@ -341,84 +294,6 @@ fn measure(
     })
 }
 
-/// TIME_WAIT sockets in the pod's network namespace (the `tw` of its sockstat).
-pub(crate) fn time_wait(pod: &Pod) -> Result<u64> {
-    let stat = pod.run_in_netns(|| std::fs::read_to_string("/proc/thread-self/net/sockstat"))??;
-    stat.lines()
-        .find_map(|l| l.strip_prefix("TCP: "))
-        .and_then(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.windows(2)
-                .find(|w| w[0] == "tw")
-                .and_then(|w| w[1].parse().ok())
-        })
-        .with_context(|| format!("no TCP tw count in sockstat: {stat}"))
-}
-
-/// A testapp bench command as the app (uid/gid 1000) in `pod`; its JSON report.
-pub(crate) fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Value> {
-    let out = crate::pods::run(
-        pod.command(&bins.testapp)
-            .uid(APP_UID)
-            .gid(APP_UID)
-            .args(args)
-            .timeout(Duration::from_millis(duration_ms) + Duration::from_secs(60)),
-    )?;
-    let report: Value = serde_json::from_str(out.lines().next().unwrap_or_default())
-        .with_context(|| format!("testapp {} printed {out:?}", args[0]))?;
-    if report["errors"].as_u64().unwrap_or(0) > 0 {
-        eprintln!(
-            "  warning: testapp {}: {} errors, first: {}",
-            args[0], report["errors"], report["first_error"]
-        );
-    }
-    Ok(report)
-}
-
-/// The aggregate `cpu` line of /proc/stat, in ticks.
-struct CpuTimes {
-    busy: u64,
-    sys_softirq: u64,
-}
-
-impl CpuTimes {
-    fn now() -> Result<CpuTimes> {
-        let stat = std::fs::read_to_string("/proc/stat")?;
-        let line = stat
-            .lines()
-            .find(|l| l.starts_with("cpu "))
-            .context("no cpu line in /proc/stat")?;
-        // user nice system idle iowait irq softirq steal (guest time is inside user).
-        let f: Vec<u64> = line
-            .split_whitespace()
-            .skip(1)
-            .take(8)
-            .map(|v| v.parse().unwrap_or(0))
-            .collect();
-        ensure!(f.len() == 8, "short cpu line in /proc/stat: {line}");
-        Ok(CpuTimes {
-            busy: f[0] + f[1] + f[2] + f[5] + f[6] + f[7],
-            sys_softirq: f[2] + f[6],
-        })
-    }
-
-    fn since(&self, before: &CpuTimes) -> CpuTimes {
-        CpuTimes {
-            busy: self.busy - before.busy,
-            sys_softirq: self.sys_softirq - before.sys_softirq,
-        }
-    }
-}
-
-/// How busy the machine is with nothing of ours running, in percent (over one second).
-pub(crate) fn background_busy() -> Result<f64> {
-    let before = CpuTimes::now()?;
-    std::thread::sleep(Duration::from_secs(1));
-    let busy = CpuTimes::now()?.since(&before).busy as f64;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    Ok(busy * TICK_US / 1e6 / cpus * 100.0)
-}
-
 struct Report {
     duration_ms: u64,
     rounds: usize,
@@ -443,18 +318,12 @@ impl Report {
     }
 
     fn median(&self, scenario: Scenario, metric: &Metric) -> f64 {
-        let mut v: Vec<f64> = self
-            .runs
-            .iter()
-            .filter(|r| r.scenario == scenario)
-            .map(metric.get)
-            .collect();
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => v[n / 2],
-            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-        }
+        median(
+            self.runs
+                .iter()
+                .filter(|r| r.scenario == scenario)
+                .map(metric.get),
+        )
     }
 
     fn table(&self) -> String {
@@ -527,35 +396,4 @@ impl Report {
             "runs": self.runs,
         })
     }
-}
-
-/// The median of the values that are numbers (NaN when none is).
-pub(crate) fn median(values: impl IntoIterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = values.into_iter().filter(|v| !v.is_nan()).collect();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-pub(crate) fn fmt_value(v: f64) -> String {
-    if !v.is_finite() {
-        "-".into()
-    } else if v >= 100.0 || v.fract() == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.1}")
-    }
-}
-
-pub(crate) fn kernel() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
-}
-
-pub(crate) fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use harness::{Node, Pod};
 use serde_json::{Value, json};
 
+use super::measure::{app_testapp, median};
 use crate::pods::{APP_UID, Backend, Bins, Capture, call, start_app, start_proxy, target_dir};
 
 #[derive(clap::Args)]
@@ -191,7 +192,7 @@ fn redirected(bins: &Bins, scenario: Scenario) -> Result<u64> {
 
 /// The benches' testapp runner; here any error voids the run.
 fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Value> {
-    let v = crate::bench::testapp(bins, pod, args, duration_ms)?;
+    let v = app_testapp(bins, pod, args, duration_ms)?;
     if v["errors"].as_u64().unwrap_or(0) > 0 {
         bail!("testapp {args:?}: {v}");
     }
@@ -201,20 +202,9 @@ fn testapp(bins: &Bins, pod: &Pod, args: &[&str], duration_ms: u64) -> Result<Va
 /// A table row: its label and how to read it from a sample.
 type Metric = (&'static str, fn(&Sample) -> f64);
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 fn report(samples: &[(Scenario, Sample)], args: &SockmapArgs) -> Result<()> {
     let med = |s: Scenario, f: fn(&Sample) -> f64| {
-        median(
-            samples
-                .iter()
-                .filter(|(x, _)| *x == s)
-                .map(|(_, v)| f(v))
-                .collect(),
-        )
+        median(samples.iter().filter(|(x, _)| *x == s).map(|(_, v)| f(v)))
     };
     let metrics: [Metric; 4] = [
         ("64 B round trip p50 (us)", |s| s.rtt_p50),

@@ -52,10 +52,10 @@ use harness::{Node, Pod, PodProcess, tcp_listeners};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::bench::{background_busy, cpus, fmt_value, kernel, median, save};
-use crate::bench_l4::{
-    CONCURRENCY, KIB_PER_MIB, TICK_US, admin_counter, envoy_args, envoy_version, proxy_cpu_ticks,
-    rss, shunt_args, validate,
+use super::l4::{CONCURRENCY, admin_counter, envoy_args, envoy_version, shunt_args, validate};
+use super::measure::{
+    Goal, KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks,
+    rss, save,
 };
 use crate::pods::{Bins, call, http_call, start_app_mode, target_dir};
 
@@ -910,15 +910,7 @@ fn metric(key: &str) -> &'static Metric {
         .expect("a metric of the table")
 }
 
-/// The targets, reported (never asserted).
-enum Goal {
-    /// shunt's median below this.
-    Under(f64),
-    /// shunt/envoy at most this.
-    RatioAtMost(f64),
-}
-
-/// (metric, label, unit, goal).
+/// The targets, reported (never asserted): (metric, label, unit, goal).
 const GOALS: [(&str, &str, &str, Goal); 3] = [
     (
         "push_ms",
@@ -971,10 +963,7 @@ impl Report<'_> {
                 let m = metric(key);
                 let value = self.median(api, Proxy::Shunt, m);
                 let ratio = self.ratio(api, m);
-                let met = match goal {
-                    Goal::Under(x) => value < *x,
-                    Goal::RatioAtMost(x) => ratio <= *x,
-                };
+                let met = goal.met(value, ratio);
                 (*label, value, *unit, ratio, met)
             })
             .collect()

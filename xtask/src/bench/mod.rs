@@ -1,0 +1,41 @@
+//! `cargo xtask bench <which>`: benchmarks on a node of pods, with release builds.
+//!
+//! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
+//! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
+//! `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
+//! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
+
+mod capture;
+mod l4;
+mod measure;
+mod sockmap;
+mod xds;
+
+use anyhow::Result;
+use clap::Subcommand;
+
+use crate::pods::Bins;
+
+#[derive(Subcommand)]
+pub enum Which {
+    /// direct vs iptables vs eBPF capture (with shunt proxy): connections/s, latency, CPU.
+    Capture(capture::CaptureArgs),
+    /// Pod-to-pod through both proxies: iptables vs eBPF without and with the sockmap.
+    Sockmap(sockmap::SockmapArgs),
+    /// shunt vs Envoy on one static tcp_proxy bootstrap: throughput, connections/s,
+    /// latency, RSS idle and with connections open.
+    L4(l4::L4Args),
+    /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
+    /// then incremental EDS updates; send-to-ACK times and RSS.
+    Xds(xds::XdsArgs),
+}
+
+pub fn run(which: Which) -> Result<()> {
+    let bins = Bins::build(true)?;
+    match which {
+        Which::Capture(args) => capture::run(&bins, &args),
+        Which::Sockmap(args) => sockmap::run(&bins, &args),
+        Which::L4(args) => l4::run(bins, &args),
+        Which::Xds(args) => xds::run(bins, &args),
+    }
+}
