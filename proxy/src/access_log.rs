@@ -64,6 +64,11 @@ pub enum ResponseFlag {
     UpstreamConnectionTermination,
     /// `DC`: the downstream went away before its HTTP response was sent.
     DownstreamConnectionTermination,
+    /// `DPE`: the downstream's HTTP request broke the protocol (a bad chunk, a malformed
+    /// request target).
+    DownstreamProtocolError,
+    /// `UPE`: the upstream's HTTP response broke the protocol (it could not be parsed).
+    UpstreamProtocolError,
 }
 
 impl ResponseFlag {
@@ -79,6 +84,8 @@ impl ResponseFlag {
             Self::UpstreamRequestTimeout => "UT",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
+            Self::DownstreamProtocolError => "DPE",
+            Self::UpstreamProtocolError => "UPE",
         }
     }
 }

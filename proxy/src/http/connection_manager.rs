@@ -370,10 +370,22 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                     return finish(shared, response, pending.take(), &log, true);
                 }
                 Err(reply) => {
+                    // The upstream request failed because the downstream's body broke
+                    // the protocol: Envoy's codec answers 400 and closes the connection.
+                    let downstream_fault = log.downstream_protocol_error();
+                    let reply = if downstream_fault {
+                        LocalReply::downstream_protocol_error()
+                    } else {
+                        reply
+                    };
                     if let Some(flag) = reply.flag {
                         entry.flag(flag);
                     }
-                    reply.response().map(ResponseBody::full)
+                    let mut response = reply.response();
+                    if downstream_fault {
+                        close_connection(&mut response);
+                    }
+                    response.map(ResponseBody::full)
                 }
             }
         }
@@ -383,6 +395,14 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         rules.apply(response.headers_mut());
     }
     finish(shared, response, pending.take(), &log, false)
+}
+
+/// Asks hyper to close the downstream connection once this response is sent (and says
+/// so in `connection: close`), as Envoy does after a protocol error.
+fn close_connection<B>(response: &mut Response<B>) {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
 /// The log entry of a request still being handled. hyper drops the request's future

@@ -96,6 +96,9 @@ pub async fn forward(
         .await
         .map_err(|err| {
             tracing::debug!(%err, "upstream reset an upgrade request");
+            if err.is_parse() {
+                return LocalReply::upstream_protocol_error();
+            }
             LocalReply::new(
                 hyper::StatusCode::SERVICE_UNAVAILABLE,
                 "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
