@@ -18,7 +18,6 @@ use common::*;
 /// received (lines joined by ` | `); the heads are also kept for the test.
 struct Upstream {
     addr: SocketAddr,
-    #[allow(dead_code, reason = "read by tests still to come")]
     heads: Arc<Mutex<Vec<String>>>,
 }
 
@@ -191,7 +190,7 @@ fn http_bootstrap(echo: SocketAddr, garbled: SocketAddr, hcm_extra: &str) -> Str
 struct Scene {
     shunt: Shunt,
     proxy: SocketAddr,
-    _upstream: Upstream,
+    upstream: Upstream,
 }
 
 impl Scene {
@@ -206,7 +205,7 @@ impl Scene {
         Scene {
             shunt,
             proxy,
-            _upstream: upstream,
+            upstream,
         }
     }
 
@@ -248,4 +247,36 @@ fn an_unparsable_upstream_response_is_502_upe() {
     );
     assert_eq!(log["response_code"], 502, "{log}");
     assert_eq!(log["response_flags"], "UPE", "{log}");
+}
+
+#[test]
+fn an_h2c_upgrade_is_served_over_http1_without_its_upgrade_headers() {
+    let s = Scene::new("");
+    let (reply, log) = s.send(
+        "GET /h2c HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+         Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n",
+    );
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        reply.body.starts_with("upstream got: GET /h2c HTTP/1.1 | "),
+        "{reply:?}"
+    );
+    assert!(
+        !reply.closed,
+        "served as a keep-alive HTTP/1.1 request: {reply:?}"
+    );
+    let heads = s.upstream.heads.lock().unwrap().clone();
+    let head = heads
+        .iter()
+        .find(|h| h.starts_with("GET /h2c "))
+        .expect("forwarded");
+    let lower = head.to_ascii_lowercase();
+    for gone in ["upgrade", "http2-settings", "connection"] {
+        assert!(
+            !lower.lines().any(|l| l.starts_with(&format!("{gone}:"))),
+            "{gone} reached the upstream: {head}"
+        );
+    }
+    assert_eq!(log["response_code"], 200, "{log}");
+    assert_eq!(log["response_flags"], "-", "{log}");
 }

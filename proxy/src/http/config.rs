@@ -47,7 +47,8 @@ pub struct HttpConnectionManager {
     pub use_remote_address: bool,
     pub generate_request_id: bool,
     /// The `upgrade_configs` types enabled (lowercase, `websocket`): other upgrade
-    /// requests get a 403, as in Envoy.
+    /// requests get a 403, as in Envoy (except `h2c`, which is ignored: served over
+    /// HTTP/1.1 without its upgrade headers).
     pub upgrades: Vec<String>,
     /// The router's `suppress_envoy_headers`: no `x-envoy-upstream-service-time`.
     pub suppress_envoy_headers: bool,

@@ -119,6 +119,9 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
     let downstream = &shared.downstream;
     hcm.stats.downstream_rq_total.inc();
     let (mut parts, body) = request.into_parts();
+    if parts.version != Version::HTTP_2 {
+        super::upgrade::ignore_h2c(&mut parts.headers);
+    }
     let authority = parts
         .uri
         .authority()
