@@ -280,3 +280,25 @@ fn an_h2c_upgrade_is_served_over_http1_without_its_upgrade_headers() {
     assert_eq!(log["response_code"], 200, "{log}");
     assert_eq!(log["response_flags"], "-", "{log}");
 }
+
+#[test]
+fn connect_without_a_connect_matcher_route_is_404_nr_and_never_reaches_an_upstream() {
+    let s = Scene::new("");
+    let (reply, log) = s.send("CONNECT h:80 HTTP/1.1\r\nHost: h:80\r\n\r\n");
+    assert_eq!((reply.status, reply.body.as_str()), (404, ""), "{reply:?}");
+    assert!(reply.closed, "{reply:?}");
+    assert_eq!(log["response_code"], 404, "{log}");
+    assert_eq!(log["response_flags"], "NR", "{log}");
+    assert!(log["upstream_cluster"].is_null(), "{log}");
+    // Not host:port: Envoy's HTTP/1 codec rejects the request target.
+    let (reply, log) = s.send("CONNECT / HTTP/1.1\r\nHost: h\r\n\r\n");
+    assert_eq!(
+        (reply.status, reply.body.as_str()),
+        (400, "Bad Request"),
+        "{reply:?}"
+    );
+    assert!(reply.closed, "{reply:?}");
+    assert_eq!(log["response_flags"], "DPE", "{log}");
+    let heads = s.upstream.heads.lock().unwrap().clone();
+    assert!(!heads.iter().any(|h| h.starts_with("CONNECT")), "{heads:?}");
+}

@@ -158,6 +158,9 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         log: log.clone(),
     };
     let entry = pending.entry.as_mut().expect("just set");
+    if parts.method == hyper::Method::CONNECT {
+        return refuse_connect(shared, &parts, pending.take(), &log);
+    }
     let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
@@ -398,6 +401,34 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         rules.apply(response.headers_mut());
     }
     finish(shared, response, pending.take(), &log, false)
+}
+
+/// CONNECT, which only a route with a `connect_matcher` serves in Envoy; shunt compiles
+/// none (the config is refused), so every CONNECT is answered as Envoy answers one no
+/// route matches: 404 NR, and the HTTP/1 connection closed. A CONNECT whose target is
+/// not `host:port` is a malformed request to Envoy's HTTP/1 codec: 400 DPE.
+fn refuse_connect(
+    shared: &Shared,
+    parts: &hyper::http::request::Parts,
+    mut entry: Entry,
+    log: &Arc<LogSlot>,
+) -> Response<ResponseBody> {
+    let http1 = parts.version != Version::HTTP_2;
+    let reply = if http1 && parts.uri.authority().is_none() {
+        LocalReply::downstream_protocol_error()
+    } else {
+        tracing::debug!(stat_prefix = %shared.hcm.stat_prefix, uri = %parts.uri, "CONNECT: no route");
+        shared.hcm.stats.no_route.inc();
+        LocalReply::new(StatusCode::NOT_FOUND, "", Some(ResponseFlag::NoRouteFound))
+    };
+    if let Some(flag) = reply.flag {
+        entry.flag(flag);
+    }
+    let mut response = reply.response();
+    if http1 {
+        close_connection(&mut response);
+    }
+    finish(shared, response.map(ResponseBody::full), entry, log, false)
 }
 
 /// Asks hyper to close the downstream connection once this response is sent (and says
