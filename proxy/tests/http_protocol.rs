@@ -302,3 +302,58 @@ fn connect_without_a_connect_matcher_route_is_404_nr_and_never_reaches_an_upstre
     let heads = s.upstream.heads.lock().unwrap().clone();
     assert!(!heads.iter().any(|h| h.starts_with("CONNECT")), "{heads:?}");
 }
+
+#[test]
+fn a_host_port_no_domain_names_goes_to_the_star_virtual_host() {
+    let s = Scene::new("");
+    let (exact, _) = s.send("GET /p HTTP/1.1\r\nHost: only.example.com\r\n\r\n");
+    assert_eq!(exact.body, "vhost only\n", "{exact:?}");
+    // Envoy matches the authority with its port and does not retry without it.
+    let (port, log) = s.send("GET /p HTTP/1.1\r\nHost: only.example.com:9999\r\n\r\n");
+    assert_eq!(port.status, 200, "{port:?}");
+    assert!(
+        port.body.contains("| host: only.example.com:9999 |"),
+        "{port:?}"
+    );
+    assert_eq!(log["upstream_cluster"], "echo", "{log}");
+
+    // Unless the connection manager strips the port first.
+    let stripping = Scene::new("strip_any_host_port: true");
+    let (stripped, log) = stripping.send("GET /p HTTP/1.1\r\nHost: only.example.com:9999\r\n\r\n");
+    assert_eq!(stripped.body, "vhost only\n", "{stripped:?}");
+    assert_eq!(log["authority"], "only.example.com", "{log}");
+}
+
+#[test]
+fn http1_without_exactly_one_host_is_400() {
+    let s = Scene::new("");
+    let (missing, log) = s.send("GET /nohost HTTP/1.1\r\n\r\n");
+    assert_eq!(
+        (missing.status, missing.body.as_str()),
+        (400, ""),
+        "{missing:?}"
+    );
+    assert!(missing.closed, "{missing:?}");
+    assert_eq!(log["response_code"], 400, "{log}");
+    assert_eq!(log["response_flags"], "-", "{log}");
+    let (doubled, log) = s.send("GET /duphost HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n");
+    assert_eq!(
+        (doubled.status, doubled.body.as_str()),
+        (400, ""),
+        "{doubled:?}"
+    );
+    assert!(doubled.closed, "{doubled:?}");
+    assert_eq!(log["response_code"], 400, "{log}");
+    let (same, _) = s.send("GET /duphost HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n");
+    assert_eq!(same.status, 400, "{same:?}");
+    // An absolute target carries the authority: no Host needed.
+    let (absolute, _) = s.send("GET http://abs.example/x HTTP/1.1\r\n\r\n");
+    assert_eq!(absolute.status, 200, "{absolute:?}");
+    let heads = s.upstream.heads.lock().unwrap().clone();
+    assert!(
+        !heads
+            .iter()
+            .any(|h| h.starts_with("GET /nohost") || h.starts_with("GET /duphost")),
+        "{heads:?}"
+    );
+}

@@ -19,7 +19,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ConfigProvider;
 use super::body::{LogSlot, ResponseBody};
-use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, class_counter};
+use super::config::{
+    Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort, class_counter,
+};
 use super::matcher::RequestView;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
@@ -122,12 +124,19 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
     if parts.version != Version::HTTP_2 {
         super::upgrade::ignore_h2c(&mut parts.headers);
     }
+    let hosts = parts.headers.get_all(header::HOST).iter().count();
     let authority = parts
         .uri
         .authority()
         .map(|a| a.as_str().to_owned())
         .or_else(|| header_string(&parts.headers, header::HOST))
         .unwrap_or_default();
+    let authority = strip_host_port(
+        authority,
+        hcm.strip_host_port,
+        downstream.local.port(),
+        &parts.method,
+    );
     let path = parts
         .uri
         .path_and_query()
@@ -160,6 +169,23 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
     let entry = pending.entry.as_mut().expect("just set");
     if parts.method == hyper::Method::CONNECT {
         return refuse_connect(shared, &parts, pending.take(), &log);
+    }
+    // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
+    // or any HTTP/1 request with more than one Host line, is answered 400.
+    let http1 = matches!(parts.version, Version::HTTP_10 | Version::HTTP_11);
+    let missing_host =
+        parts.version == Version::HTTP_11 && hosts == 0 && parts.uri.authority().is_none();
+    if missing_host || (http1 && hosts > 1) {
+        tracing::debug!(hosts, "HTTP/1 request without exactly one Host: 400");
+        let mut response = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
+        close_connection(&mut response);
+        return finish(
+            shared,
+            response.map(ResponseBody::full),
+            pending.take(),
+            &log,
+            false,
+        );
     }
     let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
@@ -401,6 +427,25 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         rules.apply(response.headers_mut());
     }
     finish(shared, response, pending.take(), &log, false)
+}
+
+/// Envoy's `strip_any_host_port` / `strip_matching_host_port` (the latter when the port
+/// is the listener's): the Host without its port, for routing and upstream alike.
+fn strip_host_port(
+    authority: String,
+    mode: StripHostPort,
+    listener_port: u16,
+    method: &hyper::Method,
+) -> String {
+    // A CONNECT's port is where the tunnel goes.
+    if mode == StripHostPort::Keep || method == hyper::Method::CONNECT {
+        return authority;
+    }
+    let host = super::route::strip_port(&authority);
+    let port = authority.get(host.len() + 1..).unwrap_or("");
+    let strip = !port.is_empty()
+        && (mode == StripHostPort::Any || port.parse::<u16>().ok() == Some(listener_port));
+    if strip { host.to_owned() } else { authority }
 }
 
 /// CONNECT, which only a route with a `connect_matcher` serves in Envoy; shunt compiles
