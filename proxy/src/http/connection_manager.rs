@@ -49,12 +49,15 @@ struct Shared {
 }
 
 /// Serves HTTP on `io` until the downstream closes it. Generic over the stream so a TLS
-/// stream is served the same way as a TCP one.
+/// stream is served the same way as a TCP one. Once `drain` resolves (the proxy is
+/// shutting down) the connection closes gracefully: requests in flight finish, an idle
+/// HTTP/1 connection closes and HTTP/2 sends GOAWAY, as Envoy's drain does.
 pub async fn serve<IO>(
     hcm: Arc<HttpConnectionManager>,
     config: Arc<dyn ConfigProvider>,
     io: IO,
     downstream: Downstream,
+    drain: impl std::future::Future<Output = ()>,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -76,10 +79,16 @@ pub async fn serve<IO>(
         Codec::Http1 => builder.http1_only(),
         Codec::Http2 => builder.http2_only(),
     };
-    if let Err(err) = builder
-        .serve_connection_with_upgrades(TokioIo::new(io), service)
-        .await
-    {
+    let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    tokio::pin!(connection, drain);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = &mut drain => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(err) = result {
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
 }

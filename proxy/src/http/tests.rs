@@ -388,7 +388,13 @@ mod serving {
             secure: false,
             own_ports: Arc::from(Vec::new()),
         };
-        tokio::spawn(serve(hcm.clone(), store.clone(), server_io, downstream));
+        tokio::spawn(serve(
+            hcm.clone(),
+            store.clone(),
+            server_io,
+            downstream,
+            std::future::pending(),
+        ));
         let (mut client, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(client_io))
                 .await
