@@ -64,6 +64,11 @@ pub enum ResponseFlag {
     UpstreamConnectionTermination,
     /// `DC`: the downstream went away before its HTTP response was sent.
     DownstreamConnectionTermination,
+    /// `DPE`: the downstream's HTTP request broke the protocol (a bad chunk, a malformed
+    /// request target).
+    DownstreamProtocolError,
+    /// `UPE`: the upstream's HTTP response broke the protocol (it could not be parsed).
+    UpstreamProtocolError,
 }
 
 impl ResponseFlag {
@@ -79,6 +84,8 @@ impl ResponseFlag {
             Self::UpstreamRequestTimeout => "UT",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
+            Self::DownstreamProtocolError => "DPE",
+            Self::UpstreamProtocolError => "UPE",
         }
     }
 }
@@ -239,14 +246,15 @@ impl Sink {
         if path == Path::new("/dev/stderr") {
             return Ok(Sink::Stderr);
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)?;
-        Ok(Sink::File(Arc::new(FileSink {
+        let file = open_append(path)?;
+        let sink = Arc::new(FileSink {
             path: path.to_owned(),
             file: Mutex::new(file),
-        })))
+        });
+        let mut open = OPEN_FILES.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|weak| weak.strong_count() > 0);
+        open.push(Arc::downgrade(&sink));
+        Ok(Sink::File(sink))
     }
 
     fn write(&self, line: &[u8]) {
@@ -272,6 +280,41 @@ impl Sink {
             }
         }
     }
+}
+
+fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+}
+
+/// Every file access log still in use, for [`reopen_files`].
+static OPEN_FILES: Mutex<Vec<std::sync::Weak<FileSink>>> = Mutex::new(Vec::new());
+
+/// Envoy's SIGUSR1: closes and reopens every file access log at its configured path,
+/// so after logrotate's `mv`, lines go to a new file at the path (and not on into the
+/// renamed one). A path that cannot be opened keeps its old file, with a warning.
+/// Returns how many files were reopened.
+pub fn reopen_files() -> usize {
+    let sinks: Vec<Arc<FileSink>> = {
+        let mut open = OPEN_FILES.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|weak| weak.strong_count() > 0);
+        open.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    let mut reopened = 0;
+    for sink in sinks {
+        match open_append(&sink.path) {
+            Ok(file) => {
+                *sink.file.lock().unwrap_or_else(|e| e.into_inner()) = file;
+                reopened += 1;
+            }
+            Err(err) => {
+                tracing::warn!(path = %sink.path.display(), %err, "reopening an access log failed; writing on to the old file");
+            }
+        }
+    }
+    reopened
 }
 
 /// Envoy joins several flags with commas and writes `-` for none.
@@ -389,6 +432,26 @@ mod tests {
         assert_eq!(json["bytes_sent"], 0);
         assert!(json["duration_ms"].is_u64());
         assert_eq!(json["response_flags"], "UF");
+    }
+
+    #[test]
+    fn reopening_after_a_rename_writes_to_a_new_file_at_the_path() {
+        let dir = std::env::temp_dir().join(format!("shunt-reopen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("access.log");
+        let sink = Sink::open(&path).unwrap();
+        sink.write(b"first\n");
+        let rotated = dir.join("access.log.1");
+        std::fs::rename(&path, &rotated).unwrap();
+        sink.write(b"second\n");
+        assert!(reopen_files() >= 1);
+        sink.write(b"third\n");
+        assert_eq!(
+            std::fs::read_to_string(&rotated).unwrap(),
+            "first\nsecond\n"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "third\n");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

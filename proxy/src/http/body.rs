@@ -6,7 +6,7 @@
 
 use std::future::Future as _;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -23,6 +23,8 @@ pub struct LogSlot {
     /// Data bytes read from the downstream (`bytes_received`) and written to it.
     received: AtomicU64,
     sent: AtomicU64,
+    /// The downstream's request body broke HTTP's framing.
+    downstream_protocol_error: AtomicBool,
     /// Set once the request has its response (or was given up); empty: no line.
     line: Mutex<Option<(Entry, Arc<HttpConnectionManager>)>>,
 }
@@ -42,6 +44,11 @@ impl LogSlot {
     pub fn add(&self, received: u64, sent: u64) {
         self.received.fetch_add(received, Ordering::Relaxed);
         self.sent.fetch_add(sent, Ordering::Relaxed);
+    }
+
+    /// Whether the request body failed on a framing error of the downstream's.
+    pub fn downstream_protocol_error(&self) -> bool {
+        self.downstream_protocol_error.load(Ordering::Relaxed)
     }
 
     fn flag(&self, flag: ResponseFlag) {
@@ -70,6 +77,11 @@ impl Drop for LogSlot {
 impl crate::upstream::http_pool::BodyObserver for LogSlot {
     fn received(&self, bytes: u64) {
         self.received.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn protocol_error(&self) {
+        self.downstream_protocol_error
+            .store(true, Ordering::Relaxed);
     }
 }
 

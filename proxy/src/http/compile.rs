@@ -8,12 +8,16 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     HttpConnectionManager as EnvoyHcm,
-    http_connection_manager::{CodecType, RouteSpecifier, ServerHeaderTransformation},
+    http_connection_manager::{
+        CodecType, RouteSpecifier, ServerHeaderTransformation, StripPortMode,
+    },
     http_filter::ConfigType,
 };
 use hyper::header::HeaderValue;
 
-use super::config::{Codec, HttpConnectionManager, HttpStats, RouteSource, ServerHeader};
+use super::config::{
+    Codec, HttpConnectionManager, HttpStats, RouteSource, ServerHeader, StripHostPort,
+};
 use super::route::{Action, ClusterChoice, RouteConfig};
 use crate::config::Diagnostics;
 use crate::config::convert::{decode, type_name};
@@ -164,6 +168,11 @@ pub fn compile(
         server_name,
         server_header,
         use_remote_address: hcm.use_remote_address.is_some_and(|b| b.value),
+        strip_host_port: match hcm.strip_port_mode {
+            Some(StripPortMode::StripAnyHostPort(true)) => StripHostPort::Any,
+            _ if hcm.strip_matching_host_port => StripHostPort::Matching,
+            _ => StripHostPort::Keep,
+        },
         generate_request_id: hcm.generate_request_id.is_none_or(|b| b.value),
         upgrades,
         suppress_envoy_headers,

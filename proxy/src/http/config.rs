@@ -35,6 +35,19 @@ pub enum ServerHeader {
     PassThrough,
 }
 
+/// Envoy's `strip_matching_host_port` / `strip_any_host_port`: whether the Host's port
+/// is removed before routing (and so also upstream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StripHostPort {
+    /// Keep it: a port no domain names picks the `*` virtual host.
+    #[default]
+    Keep,
+    /// Remove it when it is the listener's port.
+    Matching,
+    /// Remove any port.
+    Any,
+}
+
 #[derive(Debug)]
 pub struct HttpConnectionManager {
     pub stat_prefix: String,
@@ -45,9 +58,11 @@ pub struct HttpConnectionManager {
     pub server_header: ServerHeader,
     /// Append the downstream address to `x-forwarded-for` (Envoy's `use_remote_address`).
     pub use_remote_address: bool,
+    pub strip_host_port: StripHostPort,
     pub generate_request_id: bool,
     /// The `upgrade_configs` types enabled (lowercase, `websocket`): other upgrade
-    /// requests get a 403, as in Envoy.
+    /// requests get a 403, as in Envoy (except `h2c`, which is ignored: served over
+    /// HTTP/1.1 without its upgrade headers).
     pub upgrades: Vec<String>,
     /// The router's `suppress_envoy_headers`: no `x-envoy-upstream-service-time`.
     pub suppress_envoy_headers: bool,

@@ -19,7 +19,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ConfigProvider;
 use super::body::{LogSlot, ResponseBody};
-use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, class_counter};
+use super::config::{
+    Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort, class_counter,
+};
 use super::matcher::RequestView;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
@@ -47,12 +49,15 @@ struct Shared {
 }
 
 /// Serves HTTP on `io` until the downstream closes it. Generic over the stream so a TLS
-/// stream is served the same way as a TCP one.
+/// stream is served the same way as a TCP one. Once `drain` resolves (the proxy is
+/// shutting down) the connection closes gracefully: requests in flight finish, an idle
+/// HTTP/1 connection closes and HTTP/2 sends GOAWAY, as Envoy's drain does.
 pub async fn serve<IO>(
     hcm: Arc<HttpConnectionManager>,
     config: Arc<dyn ConfigProvider>,
     io: IO,
     downstream: Downstream,
+    drain: impl std::future::Future<Output = ()>,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -74,10 +79,16 @@ pub async fn serve<IO>(
         Codec::Http1 => builder.http1_only(),
         Codec::Http2 => builder.http2_only(),
     };
-    if let Err(err) = builder
-        .serve_connection_with_upgrades(TokioIo::new(io), service)
-        .await
-    {
+    let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    tokio::pin!(connection, drain);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = &mut drain => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(err) = result {
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
 }
@@ -119,12 +130,22 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
     let downstream = &shared.downstream;
     hcm.stats.downstream_rq_total.inc();
     let (mut parts, body) = request.into_parts();
+    if parts.version != Version::HTTP_2 {
+        super::upgrade::ignore_h2c(&mut parts.headers);
+    }
+    let hosts = parts.headers.get_all(header::HOST).iter().count();
     let authority = parts
         .uri
         .authority()
         .map(|a| a.as_str().to_owned())
         .or_else(|| header_string(&parts.headers, header::HOST))
         .unwrap_or_default();
+    let authority = strip_host_port(
+        authority,
+        hcm.strip_host_port,
+        downstream.local.port(),
+        &parts.method,
+    );
     let path = parts
         .uri
         .path_and_query()
@@ -155,6 +176,26 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         log: log.clone(),
     };
     let entry = pending.entry.as_mut().expect("just set");
+    if parts.method == hyper::Method::CONNECT {
+        return refuse_connect(shared, &parts, pending.take(), &log);
+    }
+    // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
+    // or any HTTP/1 request with more than one Host line, is answered 400.
+    let http1 = matches!(parts.version, Version::HTTP_10 | Version::HTTP_11);
+    let missing_host =
+        parts.version == Version::HTTP_11 && hosts == 0 && parts.uri.authority().is_none();
+    if missing_host || (http1 && hosts > 1) {
+        tracing::debug!(hosts, "HTTP/1 request without exactly one Host: 400");
+        let mut response = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
+        close_connection(&mut response);
+        return finish(
+            shared,
+            response.map(ResponseBody::full),
+            pending.take(),
+            &log,
+            false,
+        );
+    }
     let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
@@ -370,10 +411,22 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
                     return finish(shared, response, pending.take(), &log, true);
                 }
                 Err(reply) => {
+                    // The upstream request failed because the downstream's body broke
+                    // the protocol: Envoy's codec answers 400 and closes the connection.
+                    let downstream_fault = log.downstream_protocol_error();
+                    let reply = if downstream_fault {
+                        LocalReply::downstream_protocol_error()
+                    } else {
+                        reply
+                    };
                     if let Some(flag) = reply.flag {
                         entry.flag(flag);
                     }
-                    reply.response().map(ResponseBody::full)
+                    let mut response = reply.response();
+                    if downstream_fault {
+                        close_connection(&mut response);
+                    }
+                    response.map(ResponseBody::full)
                 }
             }
         }
@@ -383,6 +436,61 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         rules.apply(response.headers_mut());
     }
     finish(shared, response, pending.take(), &log, false)
+}
+
+/// Envoy's `strip_any_host_port` / `strip_matching_host_port` (the latter when the port
+/// is the listener's): the Host without its port, for routing and upstream alike.
+fn strip_host_port(
+    authority: String,
+    mode: StripHostPort,
+    listener_port: u16,
+    method: &hyper::Method,
+) -> String {
+    // A CONNECT's port is where the tunnel goes.
+    if mode == StripHostPort::Keep || method == hyper::Method::CONNECT {
+        return authority;
+    }
+    let host = super::route::strip_port(&authority);
+    let port = authority.get(host.len() + 1..).unwrap_or("");
+    let strip = !port.is_empty()
+        && (mode == StripHostPort::Any || port.parse::<u16>().ok() == Some(listener_port));
+    if strip { host.to_owned() } else { authority }
+}
+
+/// CONNECT, which only a route with a `connect_matcher` serves in Envoy; shunt compiles
+/// none (the config is refused), so every CONNECT is answered as Envoy answers one no
+/// route matches: 404 NR, and the HTTP/1 connection closed. A CONNECT whose target is
+/// not `host:port` is a malformed request to Envoy's HTTP/1 codec: 400 DPE.
+fn refuse_connect(
+    shared: &Shared,
+    parts: &hyper::http::request::Parts,
+    mut entry: Entry,
+    log: &Arc<LogSlot>,
+) -> Response<ResponseBody> {
+    let http1 = parts.version != Version::HTTP_2;
+    let reply = if http1 && parts.uri.authority().is_none() {
+        LocalReply::downstream_protocol_error()
+    } else {
+        tracing::debug!(stat_prefix = %shared.hcm.stat_prefix, uri = %parts.uri, "CONNECT: no route");
+        shared.hcm.stats.no_route.inc();
+        LocalReply::new(StatusCode::NOT_FOUND, "", Some(ResponseFlag::NoRouteFound))
+    };
+    if let Some(flag) = reply.flag {
+        entry.flag(flag);
+    }
+    let mut response = reply.response();
+    if http1 {
+        close_connection(&mut response);
+    }
+    finish(shared, response.map(ResponseBody::full), entry, log, false)
+}
+
+/// Asks hyper to close the downstream connection once this response is sent (and says
+/// so in `connection: close`), as Envoy does after a protocol error.
+fn close_connection<B>(response: &mut Response<B>) {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
 /// The log entry of a request still being handled. hyper drops the request's future

@@ -80,20 +80,19 @@ pub fn strip_port(authority: &str) -> &str {
 
 impl RouteConfig {
     /// The virtual host for `authority`: the domain search on the whole (lowercased)
-    /// authority, then, if it has a port, on the authority without it, then `*`.
+    /// authority, port included, then `*`, as Envoy's `findVirtualHost`. The port is
+    /// only left out with `ignore_port_in_host_matching` (or when the connection
+    /// manager's `strip_*_host_port` removed it first): `host:9999` that no domain
+    /// names goes to `*`, not to the virtual host of `host`.
     pub fn virtual_host(&self, authority: &str) -> Option<&VirtualHost> {
         let host = authority.to_ascii_lowercase();
-        let without_port = strip_port(&host);
-        let index = if self.ignore_port_in_host_matching {
-            self.domains.find(without_port)
+        let host = if self.ignore_port_in_host_matching {
+            strip_port(&host)
         } else {
-            self.domains.find(&host).or_else(|| {
-                (without_port.len() != host.len())
-                    .then(|| self.domains.find(without_port))
-                    .flatten()
-            })
+            &host
         };
-        index
+        self.domains
+            .find(host)
             .or(self.domains.any)
             .map(|index| &self.virtual_hosts[index])
     }

@@ -66,6 +66,25 @@ impl LocalReply {
         )
     }
 
+    /// An upstream response hyper could not parse: Envoy's 502 with flag UPE.
+    pub fn upstream_protocol_error() -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream connect error or disconnect/reset before headers. reset reason: protocol error",
+            Some(ResponseFlag::UpstreamProtocolError),
+        )
+    }
+
+    /// A request the downstream's codec rejected (a malformed chunked body, a CONNECT
+    /// without an authority): Envoy's 400 `Bad Request` with flag DPE.
+    pub fn downstream_protocol_error() -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "Bad Request",
+            Some(ResponseFlag::DownstreamProtocolError),
+        )
+    }
+
     fn timeout() -> Self {
         Self::new(
             StatusCode::GATEWAY_TIMEOUT,
@@ -320,6 +339,11 @@ async fn attempt_once(
             }) if reused => {
                 tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "pooled connection closed before the request left; sending it on another");
                 request = unsent;
+            }
+            Err(SendError { error, .. }) if error.is_parse() => {
+                cluster.stats.upstream_rq_total.inc();
+                tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "upstream response malformed");
+                return Attempt::Failed(LocalReply::upstream_protocol_error(), Retriable::Reset);
             }
             Err(SendError { error, .. }) => {
                 cluster.stats.upstream_rq_total.inc();

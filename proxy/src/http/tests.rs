@@ -87,10 +87,26 @@ fn domains_match_exact_then_longest_suffix_then_longest_prefix_then_any() {
     // A wildcard never matches an empty part.
     assert_eq!(name(".example.com").as_deref(), Some("any"));
     assert_eq!(name("other").as_deref(), Some("any"));
-    // The port is ignored when nothing matches with it.
+    // The port is part of the authority matched (Envoy's findVirtualHost): a port no
+    // domain names falls to `*`, not to the port-less domain.
     assert_eq!(name("www.example.com:8080").as_deref(), Some("exact"));
+    assert_eq!(name("www.example.com:9999").as_deref(), Some("any"));
+    assert_eq!(name("a.example.com:80").as_deref(), Some("any"));
+    assert_eq!(name("foo.baz:80").as_deref(), Some("prefix"));
+
+    let ignoring_port = route_config(
+        json!({"ignore_port_in_host_matching": true, "virtual_hosts": [
+            vhost("any", &["*"]),
+            vhost("exact", &["www.example.com"]),
+        ]}),
+    );
+    let name = |authority: &str| {
+        ignoring_port
+            .virtual_host(authority)
+            .map(|v| v.name.clone())
+    };
     assert_eq!(name("www.example.com:9999").as_deref(), Some("exact"));
-    assert_eq!(name("a.example.com:80").as_deref(), Some("suffix"));
+    assert_eq!(name("[::1]:80").as_deref(), Some("any"));
 
     let no_default = route_config(json!({"virtual_hosts": [vhost("exact", &["a"])]}));
     assert!(no_default.virtual_host("b").is_none());
@@ -372,7 +388,13 @@ mod serving {
             secure: false,
             own_ports: Arc::from(Vec::new()),
         };
-        tokio::spawn(serve(hcm.clone(), store.clone(), server_io, downstream));
+        tokio::spawn(serve(
+            hcm.clone(),
+            store.clone(),
+            server_io,
+            downstream,
+            std::future::pending(),
+        ));
         let (mut client, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(client_io))
                 .await

@@ -31,6 +31,37 @@ pub fn requested(headers: &HeaderMap) -> Option<String> {
     connection_upgrade.then(|| upgrade.trim().to_ascii_lowercase())
 }
 
+/// Envoy's HTTP/1 codec ignores a request to upgrade to HTTP/2 (`Upgrade: h2c`, RFC
+/// 7540 3.2), whatever `upgrade_configs` says: it removes `Upgrade`, `HTTP2-Settings`
+/// and their `Connection` tokens, and the request is served over HTTP/1.1 as if it had
+/// not asked.
+pub fn ignore_h2c(headers: &mut HeaderMap) {
+    if requested(headers).as_deref() != Some("h2c") {
+        return;
+    }
+    headers.remove(header::UPGRADE);
+    headers.remove("http2-settings");
+    let kept: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| {
+            !t.is_empty()
+                && !t.eq_ignore_ascii_case("upgrade")
+                && !t.eq_ignore_ascii_case("http2-settings")
+        })
+        .map(str::to_owned)
+        .collect();
+    headers.remove(header::CONNECTION);
+    if let Ok(value) = HeaderValue::from_str(&kept.join(", "))
+        && !kept.is_empty()
+    {
+        headers.insert(header::CONNECTION, value);
+    }
+}
+
 /// Forwards an upgrade request and, on 101, joins the connections in a task of its own
 /// that holds the request's access log until the tunnel closes.
 pub async fn forward(
@@ -96,6 +127,9 @@ pub async fn forward(
         .await
         .map_err(|err| {
             tracing::debug!(%err, "upstream reset an upgrade request");
+            if err.is_parse() {
+                return LocalReply::upstream_protocol_error();
+            }
             LocalReply::new(
                 hyper::StatusCode::SERVICE_UNAVAILABLE,
                 "upstream connect error or disconnect/reset before headers. reset reason: connection termination",

@@ -26,6 +26,9 @@ pub struct Context {
     pub config: Arc<dyn ListenerProvider>,
     /// Ports the proxy listens on (ORIGINAL_DST loop protection); xDS adds to them.
     pub own_ports: std::sync::RwLock<Arc<[u16]>>,
+    /// Set when the proxy starts shutting down (SIGTERM): HTTP connections finish the
+    /// requests in flight and close.
+    pub shutdown: crate::listener::config::Draining,
 }
 
 /// What listener filters learned about a connection.
@@ -199,6 +202,7 @@ pub async fn handle(
                 ctx.config.clone(),
                 stream,
                 downstream,
+                ctx.shutdown.closed(),
             );
             tokio::select! {
                 () = serve => {}

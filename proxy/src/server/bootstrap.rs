@@ -8,8 +8,12 @@
 //! connections find hosts), become ready (`/ready`, 15021) and accept. Each accepted
 //! connection runs in its own task through [`super::connection_handler`].
 //!
-//! Serving ends on SIGTERM, SIGINT or `/quitquitquit`; `/drain_listeners` closes
-//! listening sockets (all, or the INBOUND ones) while open connections carry on.
+//! Serving ends on SIGTERM or SIGINT with a drain: the listening sockets close (new
+//! connects are refused), HTTP connections finish their requests in flight and close,
+//! and the process exits once every connection is done or `--drain-time-s` is over.
+//! `/quitquitquit` stops at once. SIGHUP is ignored and SIGUSR1 reopens the access log
+//! files, as in Envoy. `/drain_listeners` closes listening sockets (all, or the INBOUND
+//! ones) while open connections carry on.
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::sync::Arc;
@@ -112,6 +116,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     let context = Arc::new(Context {
         config: store.clone(),
         own_ports: std::sync::RwLock::new(own_ports.into()),
+        shutdown: Default::default(),
     });
     let drain_time = options.drain_time;
     let xds = xds.map(|plan| Xds {
@@ -184,6 +189,8 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let mut housekeeping = super::HousekeepingSignals::install()?;
+    let connections = Arc::new(super::Connections::default());
 
     // Cluster warming: first DNS answers before the first connection.
     let snapshot = store.load();
@@ -206,6 +213,7 @@ async fn serve(
             b.listener.clone(),
             b.addr,
             context.clone(),
+            connections.clone(),
         ));
         loops.push(AcceptLoop {
             listener: b.listener,
@@ -239,7 +247,7 @@ async fn serve(
     // Start-up was the pool's last planned use.
     crate::config::release_idle_pool(Duration::ZERO);
     let mut pool_check = tokio::time::interval(POOL_IDLE);
-    loop {
+    let drain = loop {
         tokio::select! {
             _ = pool_check.tick() => {
                 if crate::config::release_idle_pool(POOL_IDLE) {
@@ -247,22 +255,23 @@ async fn serve(
                 }
             }
             _ = sigterm.recv() => {
-                tracing::info!("SIGTERM: stopping");
-                break;
+                tracing::info!("SIGTERM: draining and stopping");
+                break true;
             }
             _ = sigint.recv() => {
-                tracing::info!("SIGINT: stopping");
-                break;
+                tracing::info!("SIGINT: draining and stopping");
+                break true;
             }
+            () = housekeeping.handle_next() => {}
             _ = requests.shutdown.wait_for(|quit| *quit) => {
                 tracing::info!("/quitquitquit: stopping");
-                break;
+                break false;
             }
             Some(drain) = requests.drains.recv() => {
                 drain_listeners(drain, &mut loops, &live, drain_time);
             }
             Some(change) = recv_change(&mut changes) => {
-                apply_listener_change(change, &mut loops, &mut accepting, &context, &live, drain_time);
+                apply_listener_change(change, &mut loops, &mut accepting, &context, &connections, &live, drain_time);
             }
             Some(ended) = accepting.join_next() => match ended {
                 // Closed by /drain_listeners.
@@ -270,9 +279,16 @@ async fn serve(
                 ended => anyhow::bail!("an accept loop ended unexpectedly: {ended:?}"),
             },
         }
-    }
+    };
     // Dropping the accept loops closes the listening sockets: no new connections.
     accepting.abort_all();
+    while accepting.join_next().await.is_some() {}
+    if drain {
+        // HTTP connections finish what is in flight and close; the rest run to their
+        // end, within the drain time.
+        context.shutdown.close_connections();
+        super::drain(&connections, drain_time).await;
+    }
     Ok(())
 }
 
@@ -292,6 +308,7 @@ fn apply_listener_change(
     loops: &mut Vec<AcceptLoop>,
     accepting: &mut JoinSet<()>,
     context: &Arc<Context>,
+    connections: &Arc<super::Connections>,
     live: &Arc<Live>,
     drain_time: Duration,
 ) {
@@ -328,6 +345,7 @@ fn apply_listener_change(
             b.listener.clone(),
             addr,
             context.clone(),
+            connections.clone(),
         ));
         loops.push(AcceptLoop {
             listener: b.listener,
@@ -393,17 +411,18 @@ async fn accept_loop(
     name: Arc<str>,
     addr: SocketAddr,
     context: Arc<Context>,
+    connections: Arc<super::Connections>,
 ) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                tokio::spawn(connection_handler::handle(
-                    stream,
-                    peer,
-                    name.clone(),
-                    addr,
-                    context.clone(),
-                ));
+                let open = connections.open();
+                let handled =
+                    connection_handler::handle(stream, peer, name.clone(), addr, context.clone());
+                tokio::spawn(async move {
+                    handled.await;
+                    drop(open);
+                });
             }
             Err(err) if err.kind() == std::io::ErrorKind::ConnectionAborted => {}
             Err(err) => {

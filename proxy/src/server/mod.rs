@@ -90,6 +90,101 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The connections accepted and not yet finished, so a shutdown can wait for them.
+#[derive(Debug, Default)]
+struct Connections {
+    open: std::sync::atomic::AtomicUsize,
+    finished: tokio::sync::Notify,
+}
+
+/// Held by one connection's task; dropping it counts the connection finished.
+struct Open(std::sync::Arc<Connections>);
+
+impl Connections {
+    fn open(self: &std::sync::Arc<Self>) -> Open {
+        self.open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Open(self.clone())
+    }
+
+    fn count(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Resolves once no connection is open.
+    async fn all_finished(&self) {
+        loop {
+            let finished = self.finished.notified();
+            if self.count() == 0 {
+                return;
+            }
+            finished.await;
+        }
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        if self
+            .0
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            self.0.finished.notify_waiters();
+        }
+    }
+}
+
+/// Waits, after the listeners closed, for the open connections to finish, at most
+/// `drain_time` (Envoy's drain on shutdown); what is still open then is cut.
+async fn drain(connections: &Connections, drain_time: Duration) {
+    let open = connections.count();
+    if open == 0 {
+        return;
+    }
+    tracing::info!(
+        connections = open,
+        drain_time_s = drain_time.as_secs(),
+        "draining: waiting for open connections to finish"
+    );
+    match tokio::time::timeout(drain_time, connections.all_finished()).await {
+        Ok(()) => tracing::info!("drained: every connection finished"),
+        Err(_) => tracing::info!(
+            connections = connections.count(),
+            "drain time over: closing the connections still open"
+        ),
+    }
+}
+
+/// The signals that do not stop the proxy, as Envoy treats them: SIGHUP is ignored, and
+/// SIGUSR1 reopens the access log files (logrotate's `postrotate`). Installed before
+/// the first connection is accepted, so neither takes the process down.
+struct HousekeepingSignals {
+    hangup: tokio::signal::unix::Signal,
+    user1: tokio::signal::unix::Signal,
+}
+
+impl HousekeepingSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(HousekeepingSignals {
+            hangup: signal(SignalKind::hangup()).context("installing a SIGHUP handler")?,
+            user1: signal(SignalKind::user_defined1()).context("installing a SIGUSR1 handler")?,
+        })
+    }
+
+    /// Handles the next one of them; never returns otherwise.
+    async fn handle_next(&mut self) {
+        tokio::select! {
+            _ = self.hangup.recv() => tracing::info!("SIGHUP: ignored"),
+            _ = self.user1.recv() => {
+                let reopened = crate::access_log::reopen_files();
+                tracing::info!(files = reopened, "SIGUSR1: access logs reopened");
+            }
+        }
+    }
+}
+
 /// Drops to --uid/--gid once the listeners are bound (unless --keep-user).
 fn drop_privileges(args: &ProxyArgs) -> anyhow::Result<()> {
     if args.keep_user {

@@ -40,8 +40,9 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         own_ports,
     });
-    let result = runtime.block_on(serve(listeners, settings));
-    // Connections still open are dropped with the runtime: shutdown is prompt, not a drain.
+    let drain_time = Duration::from_secs(args.drain_time_s);
+    let result = runtime.block_on(serve(listeners, settings, drain_time));
+    // Connections still open after the drain are dropped with the runtime.
     runtime.shutdown_background();
     result
 }
@@ -63,10 +64,18 @@ fn warn_if_inbound_source_v6_missing() {
     }
 }
 
-/// Accepts on every listener until SIGTERM or SIGINT.
-async fn serve(listeners: Vec<bind::Bound>, settings: Arc<tcp::Settings>) -> anyhow::Result<()> {
+/// Accepts on every listener until SIGTERM or SIGINT, then drains: the listeners close
+/// and open connections run on until they end or `drain_time` is over. SIGHUP is
+/// ignored and SIGUSR1 reopens access log files, as in Envoy.
+async fn serve(
+    listeners: Vec<bind::Bound>,
+    settings: Arc<tcp::Settings>,
+    drain_time: Duration,
+) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let mut housekeeping = super::HousekeepingSignals::install()?;
+    let connections = Arc::new(super::Connections::default());
 
     let mut accepting = JoinSet::new();
     for bound in listeners {
@@ -78,18 +87,30 @@ async fn serve(listeners: Vec<bind::Bound>, settings: Arc<tcp::Settings>) -> any
             bound.direction,
             bound.addr,
             settings.clone(),
+            connections.clone(),
         ));
     }
 
-    tokio::select! {
-        _ = sigterm.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = sigint.recv() => tracing::info!("SIGINT: stopping"),
-        Some(ended) = accepting.join_next() => {
-            anyhow::bail!("an accept loop ended unexpectedly: {ended:?}");
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => {
+                tracing::info!("SIGTERM: draining and stopping");
+                break;
+            }
+            _ = sigint.recv() => {
+                tracing::info!("SIGINT: draining and stopping");
+                break;
+            }
+            () = housekeeping.handle_next() => {}
+            Some(ended) = accepting.join_next() => {
+                anyhow::bail!("an accept loop ended unexpectedly: {ended:?}");
+            }
         }
     }
     // Dropping the accept loops closes the listening sockets: no new connections.
     accepting.abort_all();
+    while accepting.join_next().await.is_some() {}
+    super::drain(&connections, drain_time).await;
     Ok(())
 }
 
@@ -98,17 +119,17 @@ async fn accept_loop(
     direction: Direction,
     addr: SocketAddr,
     settings: Arc<tcp::Settings>,
+    connections: Arc<super::Connections>,
 ) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                tokio::spawn(handle(
-                    stream,
-                    peer,
-                    direction,
-                    addr.port(),
-                    settings.clone(),
-                ));
+                let open = connections.open();
+                let handled = handle(stream, peer, direction, addr.port(), settings.clone());
+                tokio::spawn(async move {
+                    handled.await;
+                    drop(open);
+                });
             }
             // The client gave up while queued; nothing to back off from.
             Err(err) if err.kind() == std::io::ErrorKind::ConnectionAborted => {}

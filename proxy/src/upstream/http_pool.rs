@@ -29,6 +29,25 @@ use super::host::Host;
 /// request's access log line).
 pub trait BodyObserver: Send + Sync + std::fmt::Debug {
     fn received(&self, bytes: u64);
+    /// The downstream's body broke HTTP's framing (a bad chunk size, say): the request
+    /// is the downstream's fault, not the upstream's.
+    fn protocol_error(&self) {}
+}
+
+/// Whether a body error is the peer breaking HTTP/1.1's framing (hyper's decoder says
+/// `InvalidInput` or `InvalidData`), rather than the peer going away.
+fn is_framing_error(error: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
+            );
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// A request body sent upstream.
@@ -68,11 +87,16 @@ impl Body for RequestBody {
             return Poll::Ready(None);
         };
         let frame = Pin::new(incoming).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &frame
-            && let Some(data) = frame.data_ref()
-            && let Some(observer) = &this.observer
-        {
-            observer.received(data.len() as u64);
+        if let Some(observer) = &this.observer {
+            match &frame {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        observer.received(data.len() as u64);
+                    }
+                }
+                Poll::Ready(Some(Err(err))) if is_framing_error(err) => observer.protocol_error(),
+                _ => {}
+            }
         }
         frame
     }
