@@ -64,9 +64,21 @@ pub async fn serve<IO>(
         config,
         downstream,
     });
+    let limits = shared.hcm.limits.clone();
+    let stats = shared.hcm.stats.clone();
+    let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let service = service_fn(move |request: Request<Incoming>| {
         let shared = shared.clone();
-        async move { Ok::<_, Infallible>(handle(request, &shared).await) }
+        let last = super::limits::last_request(&shared.hcm, &requests, request.version());
+        async move {
+            let mut response = handle(request, &shared).await;
+            if last {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(response)
+        }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder = match codec {
@@ -74,10 +86,27 @@ pub async fn serve<IO>(
         Codec::Http1 => builder.http1_only(),
         Codec::Http2 => builder.http2_only(),
     };
+    // The codecs bound what one connection may hold while a request's headers arrive;
+    // the exact limits (Envoy's counting, its 431 body) are checked per request.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.request_headers_timeout)
+        .max_headers(limits.max_headers_count)
+        .max_buf_size(super::limits::http1_buffer(&limits));
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
     if let Err(err) = builder
         .serve_connection_with_upgrades(TokioIo::new(io), service)
         .await
     {
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            stats.downstream_rq_header_timeout.inc();
+        }
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
 }
@@ -119,6 +148,7 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
     let downstream = &shared.downstream;
     hcm.stats.downstream_rq_total.inc();
     let (mut parts, body) = request.into_parts();
+    let refused = super::limits::check_request(hcm, parts.version, &mut parts.headers);
     let authority = parts
         .uri
         .authority()
@@ -155,6 +185,10 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         log: log.clone(),
     };
     let entry = pending.entry.as_mut().expect("just set");
+    if let Some(reply) = refused {
+        let reply = reply.response().map(ResponseBody::full);
+        return finish(shared, reply, pending.take(), &log, false);
+    }
     let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
