@@ -471,7 +471,7 @@ mod limits {
     use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
     use crate::stats::Store;
 
-    #[derive(Default)]
+    #[derive(Default, Clone)]
     struct Empty {
         clusters: crate::upstream::Clusters,
         secrets: crate::tls::Secrets,
@@ -491,7 +491,7 @@ mod limits {
 
     impl ConfigProvider for Empty {
         fn request_config(&self) -> Arc<dyn RequestConfig> {
-            Arc::new(Empty::default())
+            Arc::new(self.clone())
         }
     }
 
@@ -523,6 +523,14 @@ mod limits {
 
     /// Writes `request` on a new connection and reads until the connection closes.
     async fn exchange(hcm: Arc<crate::http::HttpConnectionManager>, request: Vec<u8>) -> String {
+        exchange_with(hcm, Empty::default(), request).await
+    }
+
+    async fn exchange_with(
+        hcm: Arc<crate::http::HttpConnectionManager>,
+        config: Empty,
+        request: Vec<u8>,
+    ) -> String {
         let (mut client, server) = tokio::io::duplex(1 << 20);
         let downstream = Downstream {
             remote: "10.0.0.1:1234".parse().unwrap(),
@@ -532,7 +540,7 @@ mod limits {
             secure: false,
             own_ports: Arc::from(Vec::new()),
         };
-        let served = tokio::spawn(serve(hcm, Arc::new(Empty::default()), server, downstream));
+        let served = tokio::spawn(serve(hcm, Arc::new(config), server, downstream));
         // The server may answer and close before all is written.
         let _ = client.write_all(&request).await;
         let mut response = Vec::new();
@@ -671,5 +679,98 @@ mod limits {
             "{response}"
         );
         assert_eq!(hcm.stats.downstream_cx_max_requests_reached.value(), 1);
+    }
+
+    /// An HTTP/1.1 upstream on loopback answering 200 to everything.
+    async fn upstream() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|_request| async {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from_static(b"up")),
+                        ))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
+        let store = Store::new();
+        let at = upstream().await;
+        let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
+            crate::config::message_from_json(json!({
+                "name": "up", "type": "STATIC", "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
+                ]}]}
+            }))
+            .unwrap();
+        let mut problems = Diagnostics::default();
+        let compiled = crate::upstream::compile::compile(
+            &cluster,
+            "c",
+            0,
+            &store,
+            &mut Vec::new(),
+            &mut problems,
+        )
+        .unwrap();
+        let mut config = Empty::default();
+        config.clusters.insert("up".into(), compiled);
+        let hcm_config: EnvoyHcm = crate::config::message_from_json(json!({
+            "stat_prefix": "proxied",
+            "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "up"}}
+            ]}]},
+            "http_filters": [{"name": "router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+        }))
+        .unwrap();
+        let hcm = crate::http::compile::compile(
+            &hcm_config,
+            &config.clusters,
+            &store,
+            "hcm",
+            &mut problems,
+        )
+        .unwrap();
+        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let last = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+        let response = exchange_with(
+            Arc::new(hcm),
+            config,
+            format!("{one}{one}{last}").into_bytes(),
+        )
+        .await;
+        assert_eq!(response.matches("HTTP/1.1 200").count(), 3, "{response}");
+        let counter = |name: &str| store.counter(name).value();
+        for (stat, value) in [
+            ("cluster.up.upstream_rq_total", 3),
+            ("cluster.up.upstream_rq_200", 3),
+            ("cluster.up.upstream_rq_2xx", 3),
+            ("cluster.up.upstream_rq_completed", 3),
+            ("http.proxied.downstream_rq_total", 3),
+            ("http.proxied.downstream_rq_2xx", 3),
+            ("http.proxied.downstream_cx_total", 1),
+        ] {
+            assert_eq!(counter(stat), value, "{stat}");
+        }
+        assert_eq!(
+            store
+                .histogram("cluster.up.upstream_rq_time")
+                .summary()
+                .count,
+            3
+        );
     }
 }
