@@ -197,12 +197,101 @@ fn merge(mut base: Bootstrap, overlay: &Bootstrap) -> Result<Bootstrap, prost::D
 /// whose key is tagged `!ignore` dropped (Envoy's way to hold anchors outside the schema),
 /// scalar map keys as strings. One document only.
 fn yaml_to_json(text: &str) -> Result<Value, String> {
+    if let Some((line, column)) = flow_nesting_beyond(text, MAX_YAML_FLOW_DEPTH) {
+        return Err(format!(
+            "invalid YAML: flow collections ([...] or {{...}}) nested deeper than \
+             {MAX_YAML_FLOW_DEPTH} levels at line {line} column {column}"
+        ));
+    }
     let mut value: serde_yaml_ng::Value =
         serde_yaml_ng::from_str(text).map_err(|err| format!("invalid YAML: {err}"))?;
     value
         .apply_merge()
         .map_err(|err| format!("invalid YAML merge key: {err}"))?;
     convert_yaml(value, &mut Vec::new())?.ok_or_else(|| "the whole document is !ignore".into())
+}
+
+/// How deep `[...]` and `{...}` may nest in a YAML bootstrap. The YAML parser's time grows
+/// with the square of that depth (each token looks at every open level), so a deeper
+/// document is refused before it is parsed; its value parser refuses more than 128
+/// levels of any kind anyway, as serde_json does for JSON.
+pub const MAX_YAML_FLOW_DEPTH: usize = 128;
+
+/// Where (1-based line and column) flow collections in `text` first nest deeper than
+/// `limit`, in one pass. Brackets count where a flow collection can start (at the start of
+/// a line, or after `[`, `{`, `,`, `- `, `: `, `? `), not inside quoted scalars or
+/// comments: `^[a-z]+$` or `"[["` open nothing.
+fn flow_nesting_beyond(text: &str, limit: usize) -> Option<(usize, usize)> {
+    let mut depth = 0usize;
+    // The last significant character, and whether blanks came after it; `None` at the
+    // start of a block-context line.
+    let mut prev: Option<char> = None;
+    let mut blank = false;
+    let (mut line, mut column) = (1usize, 0usize);
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        column += 1;
+        if c == '\n' {
+            line += 1;
+            column = 0;
+            blank = true;
+            if depth == 0 {
+                prev = None;
+            }
+            continue;
+        }
+        if c == ' ' || c == '\t' || c == '\r' {
+            blank = true;
+            continue;
+        }
+        let token_start = match prev {
+            None => true,
+            Some('[' | '{' | ',') => true,
+            Some(':') => blank || depth > 0,
+            Some('-' | '?') => blank,
+            Some(_) => false,
+        };
+        if c == '#' && (blank || prev.is_none()) {
+            // A comment, to the end of the line.
+            while chars.next_if(|&c| c != '\n').is_some() {}
+            continue;
+        }
+        if token_start && (c == '\'' || c == '"') {
+            // A quoted scalar, to its closing quote ('' and \" are escapes).
+            while let Some(q) = chars.next() {
+                column += 1;
+                if q == '\n' {
+                    line += 1;
+                    column = 0;
+                } else if c == '"' && q == '\\' {
+                    chars.next();
+                    column += 1;
+                } else if q == c {
+                    if c == '\'' && chars.next_if_eq(&'\'').is_some() {
+                        column += 1;
+                        continue;
+                    }
+                    break;
+                }
+            }
+        } else if token_start && (c == '[' || c == '{') {
+            depth += 1;
+            if depth > limit {
+                return Some((line, column));
+            }
+        } else if (c == ']' || c == '}') && depth > 0 {
+            depth -= 1;
+        }
+        // Only indicators matter to what follows; anything else is inside a scalar.
+        prev = Some(match c {
+            '[' | '{' if token_start => c,
+            ',' if depth > 0 => c,
+            ':' | '-' | '?' => c,
+            _ => 'a',
+        });
+        blank = false;
+    }
+    None
 }
 
 /// `None` for a value tagged `!ignore`.
@@ -319,6 +408,48 @@ static_resources:
         let clusters = bootstrap.static_resources.unwrap().clusters;
         assert_eq!(clusters[0].connect_timeout.unwrap().seconds, 2);
         assert_eq!(clusters[1].connect_timeout.unwrap().seconds, 3);
+    }
+
+    #[test]
+    fn deep_flow_nesting_is_refused_before_parsing_with_the_limit_and_where() {
+        // 100,000 levels took the YAML parser minutes (quadratic); the scan is linear.
+        for (open, close) in [("{a: ", "}"), ("[", "]"), ("[a: ", "]")] {
+            let levels = 100_000;
+            let text = format!(
+                "admin:\n  address: {}{}\n",
+                open.repeat(levels),
+                close.repeat(levels)
+            );
+            let err = parse_yaml(&text).unwrap_err().to_string();
+            let column = 12 + MAX_YAML_FLOW_DEPTH * open.len();
+            assert_eq!(
+                err,
+                format!(
+                    "test.yaml: invalid YAML: flow collections ([...] or {{...}}) nested deeper \
+                     than 128 levels at line 2 column {column}"
+                ),
+                "{open}"
+            );
+        }
+    }
+
+    #[test]
+    fn flow_nesting_counts_only_collections() {
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        assert_eq!(flow_nesting_beyond(&deep(128), 128), None);
+        assert_eq!(flow_nesting_beyond(&deep(129), 128), Some((1, 129)));
+        let brackets = "[".repeat(200);
+        for text in [
+            format!("a: \"{brackets}\"\nb: [x]"),
+            format!("a: '{brackets}'' {brackets}'\nb: [x]"),
+            format!("a: ^{brackets}$\nb: [x]"),
+            format!("# {brackets}\nb: [x]"),
+            format!("a: [\"]{brackets}\", '{brackets}']"),
+        ] {
+            assert_eq!(flow_nesting_beyond(&text, 128), None, "{text}");
+        }
+        // A regex in a route with brackets still loads.
+        parse_yaml("node: {id: \"a[b\", cluster: '[[['}\n").unwrap();
     }
 
     #[test]

@@ -16,7 +16,8 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use hyper::header::HeaderValue;
 
 use super::config::{
-    Codec, HttpConnectionManager, HttpStats, RouteSource, ServerHeader, StripHostPort,
+    Codec, HttpConnectionManager, HttpStats, Limits, RouteSource, ServerHeader, StripHostPort,
+    Underscores,
 };
 use super::route::{Action, ClusterChoice, RouteConfig};
 use crate::config::Diagnostics;
@@ -156,6 +157,7 @@ pub fn compile(
             problems.warning(format!("{path}.{field}"), "not implemented; ignored");
         }
     }
+    let limits = limits(hcm, path, problems);
     let access_log =
         crate::access_log::compile(&hcm.access_log, &format!("{path}.access_log"), problems);
     if problems.errors.len() > errors_before {
@@ -177,8 +179,68 @@ pub fn compile(
         upgrades,
         suppress_envoy_headers,
         access_log,
+        limits,
         stats: HttpStats::new(stats, &hcm.stat_prefix),
     })
+}
+
+/// The limits on what a downstream may send, Envoy's defaults where unset.
+fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
+    use envoy_types::pb::envoy::config::core::v3::http_protocol_options::HeadersWithUnderscoresAction;
+    let mut limits = Limits::default();
+    if let Some(kb) = hcm.max_request_headers_kb {
+        // Envoy's validation: 0 < kb <= 8192.
+        if kb.value == 0 || kb.value > 8192 {
+            problems.error(
+                format!("{path}.max_request_headers_kb"),
+                format!("must be between 1 and 8192, not {}", kb.value),
+            );
+        } else {
+            limits.max_request_headers_bytes = kb.value as usize * 1024;
+        }
+    }
+    if let Some(timeout) = &hcm.request_headers_timeout {
+        limits.request_headers_timeout = crate::config::convert::duration(
+            timeout,
+            &format!("{path}.request_headers_timeout"),
+            problems,
+        )
+        .filter(|d| !d.is_zero());
+    }
+    let Some(common) = &hcm.common_http_protocol_options else {
+        return limits;
+    };
+    let c_path = format!("{path}.common_http_protocol_options");
+    if let Some(count) = common.max_headers_count {
+        if count.value == 0 {
+            problems.error(format!("{c_path}.max_headers_count"), "must be at least 1");
+        } else {
+            limits.max_headers_count = count.value as usize;
+        }
+    }
+    limits.underscores =
+        match HeadersWithUnderscoresAction::try_from(common.headers_with_underscores_action) {
+            Ok(HeadersWithUnderscoresAction::RejectRequest) => Underscores::Reject,
+            Ok(HeadersWithUnderscoresAction::DropHeader) => Underscores::Drop,
+            _ => Underscores::Allow,
+        };
+    limits.max_requests_per_connection = common
+        .max_requests_per_connection
+        .map(|n| n.value)
+        .filter(|&n| n > 0);
+    for (field, set) in [
+        ("idle_timeout", common.idle_timeout.is_some()),
+        (
+            "max_connection_duration",
+            common.max_connection_duration.is_some(),
+        ),
+        ("max_stream_duration", common.max_stream_duration.is_some()),
+    ] {
+        if set {
+            problems.warning(format!("{c_path}.{field}"), "not implemented; ignored");
+        }
+    }
+    limits
 }
 
 /// Checks the HTTP filter chain: only the router does anything, and it must be last.

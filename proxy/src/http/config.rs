@@ -67,7 +67,47 @@ pub struct HttpConnectionManager {
     /// The router's `suppress_envoy_headers`: no `x-envoy-upstream-service-time`.
     pub suppress_envoy_headers: bool,
     pub access_log: Vec<Sink>,
+    pub limits: Limits,
     pub stats: HttpStats,
+}
+
+/// Envoy's `headers_with_underscores_action`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Underscores {
+    Allow,
+    /// 400, stat `http1.requests_rejected_with_underscores_in_headers`.
+    Reject,
+    /// The header is removed, stat `http1.dropped_headers_with_underscores`.
+    Drop,
+}
+
+/// What a downstream may send, with Envoy's defaults.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// `max_request_headers_kb` (60) in bytes: the sum of the header names' and values'
+    /// lengths, as Envoy counts it; more gets a 431.
+    pub max_request_headers_bytes: usize,
+    /// `common_http_protocol_options.max_headers_count` (100); more gets a 431.
+    pub max_headers_count: usize,
+    pub underscores: Underscores,
+    /// `request_headers_timeout` (none): the connection closes if a request's headers do
+    /// not arrive in time (`downstream_rq_header_timeout`).
+    pub request_headers_timeout: Option<std::time::Duration>,
+    /// `common_http_protocol_options.max_requests_per_connection` (none): the response
+    /// to the last one closes the connection (`downstream_cx_max_requests_reached`).
+    pub max_requests_per_connection: Option<u32>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_request_headers_bytes: 60 * 1024,
+            max_headers_count: 100,
+            underscores: Underscores::Allow,
+            request_headers_timeout: None,
+            max_requests_per_connection: None,
+        }
+    }
 }
 
 /// The filter's `http.<stat_prefix>.*` stats.
@@ -83,6 +123,14 @@ pub struct HttpStats {
     pub no_cluster: Counter,
     pub rq_direct_response: Counter,
     pub rq_redirect: Counter,
+    /// Connections closed because a request's headers did not arrive in time.
+    pub downstream_rq_header_timeout: Counter,
+    /// Connections closed after `max_requests_per_connection` requests.
+    pub downstream_cx_max_requests_reached: Counter,
+    /// The codecs' (not prefixed) `http1.*` / `http2.*` underscore counters, at index
+    /// 0 for HTTP/1, 1 for HTTP/2.
+    pub requests_rejected_with_underscores_in_headers: [Counter; 2],
+    pub dropped_headers_with_underscores: [Counter; 2],
 }
 
 impl HttpStats {
@@ -97,6 +145,15 @@ impl HttpStats {
             no_cluster: counter("no_cluster"),
             rq_direct_response: counter("rq_direct_response"),
             rq_redirect: counter("rq_redirect"),
+            downstream_rq_header_timeout: counter("downstream_rq_header_timeout"),
+            downstream_cx_max_requests_reached: counter("downstream_cx_max_requests_reached"),
+            requests_rejected_with_underscores_in_headers: ["http1", "http2"].map(|codec| {
+                store.counter(&format!(
+                    "{codec}.requests_rejected_with_underscores_in_headers"
+                ))
+            }),
+            dropped_headers_with_underscores: ["http1", "http2"]
+                .map(|codec| store.counter(&format!("{codec}.dropped_headers_with_underscores"))),
         }
     }
 }

@@ -69,9 +69,21 @@ pub async fn serve<IO>(
         config,
         downstream,
     });
+    let limits = shared.hcm.limits.clone();
+    let stats = shared.hcm.stats.clone();
+    let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let service = service_fn(move |request: Request<Incoming>| {
         let shared = shared.clone();
-        async move { Ok::<_, Infallible>(handle(request, &shared).await) }
+        let last = super::limits::last_request(&shared.hcm, &requests, request.version());
+        async move {
+            let mut response = handle(request, &shared).await;
+            if last {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(response)
+        }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder = match codec {
@@ -79,6 +91,17 @@ pub async fn serve<IO>(
         Codec::Http1 => builder.http1_only(),
         Codec::Http2 => builder.http2_only(),
     };
+    // The codecs bound what one connection may hold while a request's headers arrive;
+    // the exact limits (Envoy's counting, its 431 body) are checked per request.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.request_headers_timeout)
+        .max_headers(limits.max_headers_count)
+        .max_buf_size(super::limits::http1_buffer(&limits));
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(connection, drain);
     let result = tokio::select! {
@@ -89,6 +112,12 @@ pub async fn serve<IO>(
         }
     };
     if let Err(err) = result {
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            stats.downstream_rq_header_timeout.inc();
+        }
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
 }
@@ -134,6 +163,7 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         super::upgrade::ignore_h2c(&mut parts.headers);
     }
     let hosts = parts.headers.get_all(header::HOST).iter().count();
+    let refused = super::limits::check_request(hcm, parts.version, &mut parts.headers);
     let authority = parts
         .uri
         .authority()
@@ -176,6 +206,11 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         log: log.clone(),
     };
     let entry = pending.entry.as_mut().expect("just set");
+    // Envoy's codec limits come first: a request over them is refused as it arrives.
+    if let Some(reply) = refused {
+        let reply = reply.response().map(ResponseBody::full);
+        return finish(shared, reply, pending.take(), &log, false);
+    }
     if parts.method == hyper::Method::CONNECT {
         return refuse_connect(shared, &parts, pending.take(), &log);
     }

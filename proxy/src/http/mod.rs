@@ -13,6 +13,7 @@ pub mod compile;
 pub mod config;
 pub mod connection_manager;
 pub mod header_rules;
+pub mod limits;
 pub mod matcher;
 
 pub mod route;

@@ -323,12 +323,18 @@ async fn attempt_once(
             }
         };
         let reused = sender.reused();
+        let sent = Instant::now();
         match sender.send(request).await {
             Ok(response) => {
-                cluster.stats.upstream_rq_total.inc();
-                if let Some(counter) =
-                    class_counter(&cluster.stats.upstream_rq_class, response.status().as_u16())
-                {
+                let stats = &cluster.stats;
+                let code = response.status().as_u16();
+                stats.upstream_rq_total.inc();
+                stats.upstream_rq_completed.inc();
+                stats.upstream_rq_code.inc(code);
+                stats
+                    .upstream_rq_time
+                    .record(sent.elapsed().as_secs_f64() * 1000.0);
+                if let Some(counter) = class_counter(&stats.upstream_rq_class, code) {
                     counter.inc();
                 }
                 return Attempt::Response(response);

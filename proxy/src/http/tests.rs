@@ -477,3 +477,328 @@ fn a_hash_policy_hashes_what_the_request_has() {
         None
     );
 }
+
+/// The connection manager over an in-memory connection: limits on what a downstream
+/// sends, checked as Envoy checks them.
+mod limits {
+    use std::sync::Arc;
+
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use crate::access_log::Direction;
+    use crate::config::Diagnostics;
+    use crate::http::connection_manager::{Downstream, serve};
+    use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
+    use crate::stats::Store;
+
+    #[derive(Default, Clone)]
+    struct Empty {
+        clusters: crate::upstream::Clusters,
+        secrets: crate::tls::Secrets,
+    }
+
+    impl RequestConfig for Empty {
+        fn route_config(&self, _: &str) -> Option<&Arc<RouteConfig>> {
+            None
+        }
+        fn clusters(&self) -> &crate::upstream::Clusters {
+            &self.clusters
+        }
+        fn secrets(&self) -> &crate::tls::Secrets {
+            &self.secrets
+        }
+    }
+
+    impl ConfigProvider for Empty {
+        fn request_config(&self) -> Arc<dyn RequestConfig> {
+            Arc::new(self.clone())
+        }
+    }
+
+    /// An HCM answering every request with 200 `ok`, with `extra` merged into its config.
+    fn hcm(extra: Value, store: &Store) -> Arc<crate::http::HttpConnectionManager> {
+        let mut config = json!({
+            "stat_prefix": "limits",
+            "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
+            ]}]},
+            "http_filters": [{"name": "router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        let config: EnvoyHcm = crate::config::message_from_json(config).unwrap();
+        let mut problems = Diagnostics::default();
+        let compiled = crate::http::compile::compile(
+            &config,
+            &Default::default(),
+            store,
+            "hcm",
+            &mut problems,
+        );
+        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        Arc::new(compiled.unwrap())
+    }
+
+    /// Writes `request` on a new connection and reads until the connection closes.
+    async fn exchange(hcm: Arc<crate::http::HttpConnectionManager>, request: Vec<u8>) -> String {
+        exchange_with(hcm, Empty::default(), request).await
+    }
+
+    async fn exchange_with(
+        hcm: Arc<crate::http::HttpConnectionManager>,
+        config: Empty,
+        request: Vec<u8>,
+    ) -> String {
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let downstream = Downstream {
+            remote: "10.0.0.1:1234".parse().unwrap(),
+            local: "10.0.0.2:80".parse().unwrap(),
+            original_dst: None,
+            direction: Direction::Inbound,
+            secure: false,
+            own_ports: Arc::from(Vec::new()),
+        };
+        let served = tokio::spawn(serve(
+            hcm,
+            Arc::new(config),
+            server,
+            downstream,
+            std::future::pending(),
+        ));
+        // The server may answer and close before all is written.
+        let _ = client.write_all(&request).await;
+        let mut response = Vec::new();
+        // A bound so that a connection left open fails the test instead of hanging it.
+        let read = client.read_to_end(&mut response);
+        if tokio::time::timeout(std::time::Duration::from_secs(10), read)
+            .await
+            .is_ok()
+        {
+            served.await.unwrap();
+        } else {
+            served.abort();
+        }
+        String::from_utf8_lossy(&response).into_owned()
+    }
+
+    fn get(headers: &[(String, String)]) -> Vec<u8> {
+        let mut request = String::from("GET / HTTP/1.1\r\nhost: a\r\n");
+        for (name, value) in headers {
+            request.push_str(&format!("{name}: {value}\r\n"));
+        }
+        request.push_str("connection: close\r\n\r\n");
+        request.into_bytes()
+    }
+
+    fn status(response: &str) -> &str {
+        response.get(9..12).unwrap_or(response)
+    }
+
+    #[tokio::test]
+    async fn headers_over_max_request_headers_kb_get_431() {
+        let store = Store::new();
+        let limited = hcm(json!({"max_request_headers_kb": 8}), &store);
+        // Under the limit.
+        let small = get(&[("x-pad".into(), "a".repeat(7000))]);
+        assert_eq!(status(&exchange(limited.clone(), small).await), "200");
+        // Just over Envoy's count (names and values): Envoy's reply and body.
+        let over = get(&[("x-pad".into(), "a".repeat(8 * 1024))]);
+        let response = exchange(limited.clone(), over).await;
+        assert_eq!(status(&response), "431", "{response}");
+        assert!(
+            response.ends_with("Request Header Fields Too Large"),
+            "{response}"
+        );
+        // Far over: the codec refuses it before it is all read.
+        let huge = get(&[("x-pad".into(), "a".repeat(30 * 1024))]);
+        assert_eq!(status(&exchange(limited, huge).await), "431");
+        // Envoy's default is 60 KiB.
+        let default = hcm(json!({}), &store);
+        let k59 = get(&[("x-pad".into(), "a".repeat(59 * 1024))]);
+        assert_eq!(status(&exchange(default.clone(), k59).await), "200");
+        let k61 = get(&[("x-pad".into(), "a".repeat(61 * 1024))]);
+        assert_eq!(status(&exchange(default.clone(), k61).await), "431");
+        let k400 = get(&[("x-pad".into(), "a".repeat(400 * 1024))]);
+        assert_eq!(status(&exchange(default, k400).await), "431");
+    }
+
+    #[tokio::test]
+    async fn more_headers_than_max_headers_count_get_431() {
+        let store = Store::new();
+        let headers = |n: usize| -> Vec<(String, String)> {
+            (0..n).map(|i| (format!("x-h{i}"), "v".into())).collect()
+        };
+        // host and connection count too.
+        let default = hcm(json!({}), &store);
+        assert_eq!(
+            status(&exchange(default.clone(), get(&headers(98))).await),
+            "200"
+        );
+        assert_eq!(status(&exchange(default, get(&headers(99))).await), "431");
+        let ten = hcm(
+            json!({"common_http_protocol_options": {"max_headers_count": 10}}),
+            &store,
+        );
+        assert_eq!(
+            status(&exchange(ten.clone(), get(&headers(8))).await),
+            "200"
+        );
+        assert_eq!(status(&exchange(ten, get(&headers(9))).await), "431");
+    }
+
+    #[tokio::test]
+    async fn headers_with_underscores_are_allowed_rejected_or_dropped() {
+        let store = Store::new();
+        let underscored = || get(&[("x_user".into(), "a".into())]);
+        let allow = hcm(json!({}), &store);
+        assert_eq!(status(&exchange(allow, underscored()).await), "200");
+        let reject = hcm(
+            json!({"common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"}}),
+            &store,
+        );
+        let response = exchange(reject, underscored()).await;
+        assert_eq!(status(&response), "400", "{response}");
+        let drop = hcm(
+            json!({"common_http_protocol_options": {"headers_with_underscores_action": "DROP_HEADER"}}),
+            &store,
+        );
+        assert_eq!(status(&exchange(drop, underscored()).await), "200");
+        let value = |name: &str| store.counter(name).value();
+        assert_eq!(
+            value("http1.requests_rejected_with_underscores_in_headers"),
+            1
+        );
+        assert_eq!(value("http1.dropped_headers_with_underscores"), 1);
+    }
+
+    #[tokio::test]
+    async fn request_headers_timeout_closes_a_connection_whose_headers_stall() {
+        let store = Store::new();
+        let hcm = hcm(json!({"request_headers_timeout": "0.2s"}), &store);
+        // Never finished: the connection closes, no response, as Envoy ends the stream.
+        let response = exchange(
+            hcm.clone(),
+            b"GET / HTTP/1.1\r\nhost: a\r\nx-slow: 1\r\n".to_vec(),
+        )
+        .await;
+        assert_eq!(response, "");
+        assert_eq!(hcm.stats.downstream_rq_header_timeout.value(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_last_request_of_max_requests_per_connection_closes_it() {
+        let store = Store::new();
+        let hcm = hcm(
+            json!({"common_http_protocol_options": {"max_requests_per_connection": 2}}),
+            &store,
+        );
+        // Three keep-alive requests pipelined: two answered, the second with
+        // `connection: close`, then the connection closes.
+        let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let response = exchange(hcm.clone(), one.repeat(3).into_bytes()).await;
+        assert_eq!(response.matches("HTTP/1.1 200").count(), 2, "{response}");
+        assert_eq!(
+            response.matches("connection: close").count(),
+            1,
+            "{response}"
+        );
+        assert_eq!(hcm.stats.downstream_cx_max_requests_reached.value(), 1);
+    }
+
+    /// An HTTP/1.1 upstream on loopback answering 200 to everything.
+    async fn upstream() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|_request| async {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from_static(b"up")),
+                        ))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
+        let store = Store::new();
+        let at = upstream().await;
+        let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
+            crate::config::message_from_json(json!({
+                "name": "up", "type": "STATIC", "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
+                ]}]}
+            }))
+            .unwrap();
+        let mut problems = Diagnostics::default();
+        let compiled = crate::upstream::compile::compile(
+            &cluster,
+            "c",
+            0,
+            &store,
+            &mut Vec::new(),
+            &mut problems,
+        )
+        .unwrap();
+        let mut config = Empty::default();
+        config.clusters.insert("up".into(), compiled);
+        let hcm_config: EnvoyHcm = crate::config::message_from_json(json!({
+            "stat_prefix": "proxied",
+            "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "up"}}
+            ]}]},
+            "http_filters": [{"name": "router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+        }))
+        .unwrap();
+        let hcm = crate::http::compile::compile(
+            &hcm_config,
+            &config.clusters,
+            &store,
+            "hcm",
+            &mut problems,
+        )
+        .unwrap();
+        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let last = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+        let response = exchange_with(
+            Arc::new(hcm),
+            config,
+            format!("{one}{one}{last}").into_bytes(),
+        )
+        .await;
+        assert_eq!(response.matches("HTTP/1.1 200").count(), 3, "{response}");
+        let counter = |name: &str| store.counter(name).value();
+        for (stat, value) in [
+            ("cluster.up.upstream_rq_total", 3),
+            ("cluster.up.upstream_rq_200", 3),
+            ("cluster.up.upstream_rq_2xx", 3),
+            ("cluster.up.upstream_rq_completed", 3),
+            ("http.proxied.downstream_rq_total", 3),
+            ("http.proxied.downstream_rq_2xx", 3),
+            ("http.proxied.downstream_cx_total", 1),
+        ] {
+            assert_eq!(counter(stat), value, "{stat}");
+        }
+        assert_eq!(
+            store
+                .histogram("cluster.up.upstream_rq_time")
+                .summary()
+                .count,
+            3
+        );
+    }
+}

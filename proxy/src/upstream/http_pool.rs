@@ -318,6 +318,7 @@ async fn connect_http1(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
+    cluster.stats.upstream_cx_http1_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/1.1");
     sender.ready().await.map_err(CheckoutError::Handshake)?;
     Ok(sender)
@@ -336,6 +337,7 @@ async fn connect_http2(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
+    cluster.stats.upstream_cx_http2_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/2");
     Ok(sender)
 }

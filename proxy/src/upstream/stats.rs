@@ -5,7 +5,42 @@
 //! A cluster compiled without a store (tests, `--mode validate`) gets handles that belong
 //! to no store: they count, and nobody reads them.
 
+use std::sync::{Arc, OnceLock};
+
 use crate::stats::{self, Counter, Gauge, Histogram, Store};
+
+/// `upstream_rq_<code>` (`upstream_rq_200`, ...), each made in the store the first
+/// time a response has that code, then kept.
+#[derive(Debug, Default)]
+pub struct CodeCounters {
+    /// The store and the cluster's observability name; `None`: counts go nowhere.
+    store: Option<(Store, String)>,
+    /// Codes 100 to 599.
+    by_code: Vec<OnceLock<Counter>>,
+}
+
+impl CodeCounters {
+    fn new(store: &Store, name: &str) -> Self {
+        CodeCounters {
+            store: Some((store.clone(), name.to_owned())),
+            by_code: (100..600).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// Counts one response with `code`.
+    pub fn inc(&self, code: u16) {
+        let (Some((store, name)), Some(slot)) = (
+            &self.store,
+            self.by_code.get(usize::from(code).wrapping_sub(100)),
+        ) else {
+            return;
+        };
+        slot.get_or_init(|| {
+            store.counter(&stats::cluster_stat(name, &format!("upstream_rq_{code}")))
+        })
+        .inc();
+    }
+}
 
 #[derive(Debug, Clone, Default)]
 pub struct ClusterStats {
@@ -35,6 +70,14 @@ pub struct ClusterStats {
     /// status class: `upstream_rq_1xx` .. `upstream_rq_5xx` at index 0 .. 4.
     pub upstream_rq_total: Counter,
     pub upstream_rq_class: [Counter; 5],
+    /// HTTP responses by code (`upstream_rq_200`).
+    pub upstream_rq_code: Arc<CodeCounters>,
+    /// HTTP requests that got a response, and how long it took to its head.
+    pub upstream_rq_completed: Counter,
+    pub upstream_rq_time: Histogram,
+    /// Upstream HTTP connections by protocol.
+    pub upstream_cx_http1_total: Counter,
+    pub upstream_cx_http2_total: Counter,
     /// HTTP requests that got no response within the route's timeout.
     pub upstream_rq_timeout: Counter,
     /// HTTP requests sent again under a route's retry policy.
@@ -67,6 +110,11 @@ impl ClusterStats {
             upstream_rq_total: counter("upstream_rq_total"),
             upstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
                 .map(|class| counter(&format!("upstream_rq_{class}"))),
+            upstream_rq_code: Arc::new(CodeCounters::new(store, name)),
+            upstream_rq_completed: counter("upstream_rq_completed"),
+            upstream_rq_time: store.histogram(&stats::cluster_stat(name, "upstream_rq_time")),
+            upstream_cx_http1_total: counter("upstream_cx_http1_total"),
+            upstream_cx_http2_total: counter("upstream_cx_http2_total"),
             upstream_rq_timeout: counter("upstream_rq_timeout"),
             upstream_rq_retry: counter("upstream_rq_retry"),
             ssl: crate::tls::SslStats::new(store, &format!("cluster.{name}")),

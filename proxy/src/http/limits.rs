@@ -1,0 +1,89 @@
+//! What a downstream may send, enforced as Envoy does: `max_request_headers_kb` and
+//! `max_headers_count` (431 `Request Header Fields Too Large`),
+//! `headers_with_underscores_action` (400, or the header dropped),
+//! `max_requests_per_connection` (the last response closes the connection). hyper's
+//! codecs bound the bytes held while headers arrive; the exact checks are here.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use hyper::header::HeaderMap;
+use hyper::{StatusCode, Version};
+
+use super::config::{HttpConnectionManager, Limits, Underscores};
+use super::router::LocalReply;
+
+/// hyper's HTTP/1 read buffer: the header limit plus room for the request line and each
+/// header's `: ` and CRLF, which Envoy does not count. A request whose head does not fit
+/// gets hyper's own 431 (with no body) and the connection closes; one that fits but is
+/// over Envoy's count gets [`check_request`]'s.
+pub fn http1_buffer(limits: &Limits) -> usize {
+    const REQUEST_LINE: usize = 16 * 1024;
+    // hyper refuses less than 8 KiB.
+    (limits.max_request_headers_bytes + 4 * limits.max_headers_count + REQUEST_LINE).max(8192)
+}
+
+/// Whether the request numbered by `requests` is the connection's last under
+/// `max_requests_per_connection`; counts `downstream_cx_max_requests_reached` once.
+/// Only HTTP/1 responses carry `connection: close`.
+pub fn last_request(hcm: &HttpConnectionManager, requests: &AtomicU32, version: Version) -> bool {
+    let Some(max) = hcm.limits.max_requests_per_connection else {
+        return false;
+    };
+    let n = requests.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+    if n == max {
+        hcm.stats.downstream_cx_max_requests_reached.inc();
+    }
+    n >= max && version <= Version::HTTP_11
+}
+
+/// Envoy's header checks on a request as it arrived: the local reply that refuses it,
+/// or `None` (headers with underscores dropped if so configured).
+pub fn check_request(
+    hcm: &HttpConnectionManager,
+    version: Version,
+    headers: &mut HeaderMap,
+) -> Option<LocalReply> {
+    let limits = &hcm.limits;
+    // Envoy's HTTP/1 codec counts each header's name and value.
+    let size: usize = headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum();
+    if size > limits.max_request_headers_bytes || headers.len() > limits.max_headers_count {
+        tracing::debug!(
+            size,
+            count = headers.len(),
+            "request headers over the limit"
+        );
+        return Some(LocalReply::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "Request Header Fields Too Large",
+            None,
+        ));
+    }
+    if limits.underscores == Underscores::Allow {
+        return None;
+    }
+    let codec = usize::from(version == Version::HTTP_2);
+    let underscored: Vec<_> = headers
+        .keys()
+        .filter(|name| name.as_str().contains('_'))
+        .cloned()
+        .collect();
+    if underscored.is_empty() {
+        return None;
+    }
+    if limits.underscores == Underscores::Reject {
+        hcm.stats.requests_rejected_with_underscores_in_headers[codec].inc();
+        return Some(LocalReply::new(
+            StatusCode::BAD_REQUEST,
+            "Bad Request",
+            None,
+        ));
+    }
+    for name in underscored {
+        hcm.stats.dropped_headers_with_underscores[codec].inc();
+        headers.remove(name);
+    }
+    None
+}
