@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::route::RouteConfig;
 use crate::access_log::Sink;
-use crate::stats::{Counter, Store};
+use crate::stats::{Counter, Gauge, Store};
 
 /// Envoy's `codec_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +114,18 @@ impl Default for Limits {
 #[derive(Debug, Clone, Default)]
 pub struct HttpStats {
     pub downstream_cx_total: Counter,
+    pub downstream_cx_active: Gauge,
+    /// Connections by the protocol they turned out to speak (known at their first
+    /// request under `codec_type: AUTO`): HTTP/1 at index 0, HTTP/2 at 1.
+    pub downstream_cx_protocol_total: [Counter; 2],
+    pub downstream_cx_protocol_active: [Gauge; 2],
     pub downstream_rq_total: Counter,
+    /// Requests by protocol: HTTP/1 at index 0, HTTP/2 at 1.
+    pub downstream_rq_protocol_total: [Counter; 2],
+    /// Requests being handled (to their response head).
+    pub downstream_rq_active: Gauge,
+    /// Requests answered (by the upstream or a local reply).
+    pub downstream_rq_completed: Counter,
     /// `downstream_rq_1xx` .. `downstream_rq_5xx` at index 0 .. 4.
     pub downstream_rq_class: [Counter; 5],
     /// Requests no route matched (404, flag NR).
@@ -136,9 +147,19 @@ pub struct HttpStats {
 impl HttpStats {
     pub fn new(store: &Store, stat_prefix: &str) -> Self {
         let counter = |stat: &str| store.counter(&format!("http.{stat_prefix}.{stat}"));
+        let gauge = |stat: &str| store.gauge(&format!("http.{stat_prefix}.{stat}"));
         HttpStats {
             downstream_cx_total: counter("downstream_cx_total"),
+            downstream_cx_active: gauge("downstream_cx_active"),
+            downstream_cx_protocol_total: ["http1", "http2"]
+                .map(|p| counter(&format!("downstream_cx_{p}_total"))),
+            downstream_cx_protocol_active: ["http1", "http2"]
+                .map(|p| gauge(&format!("downstream_cx_{p}_active"))),
             downstream_rq_total: counter("downstream_rq_total"),
+            downstream_rq_protocol_total: ["http1", "http2"]
+                .map(|p| counter(&format!("downstream_rq_{p}_total"))),
+            downstream_rq_active: gauge("downstream_rq_active"),
+            downstream_rq_completed: counter("downstream_rq_completed"),
             downstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
                 .map(|class| counter(&format!("downstream_rq_{class}"))),
             no_route: counter("no_route"),
@@ -155,6 +176,72 @@ impl HttpStats {
             dropped_headers_with_underscores: ["http1", "http2"]
                 .map(|codec| store.counter(&format!("{codec}.dropped_headers_with_underscores"))),
         }
+    }
+}
+
+impl HttpStats {
+    /// Counts a downstream connection (`downstream_cx_total`, `downstream_cx_active`):
+    /// the guard keeps it active, and counts its protocol once its first request shows it.
+    pub fn connection(&self) -> DownstreamConnection {
+        self.downstream_cx_total.inc();
+        self.downstream_cx_active.inc();
+        DownstreamConnection {
+            stats: self.clone(),
+            protocol: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Counts a request (`downstream_rq_total`, by protocol, active while the guard lives).
+    pub fn request(&self, version: hyper::Version) -> DownstreamRequest {
+        self.downstream_rq_total.inc();
+        self.downstream_rq_protocol_total[protocol_index(version)].inc();
+        self.downstream_rq_active.inc();
+        DownstreamRequest(self.downstream_rq_active.clone())
+    }
+}
+
+/// HTTP/1 at 0, HTTP/2 at 1.
+fn protocol_index(version: hyper::Version) -> usize {
+    usize::from(version == hyper::Version::HTTP_2)
+}
+
+/// A downstream connection counted in `downstream_cx_active` (and its protocol's
+/// `_active`) until dropped.
+#[derive(Debug)]
+pub struct DownstreamConnection {
+    stats: HttpStats,
+    protocol: std::sync::OnceLock<usize>,
+}
+
+impl DownstreamConnection {
+    /// A request of `version` arrived on the connection: the first one counts the
+    /// connection's protocol (`downstream_cx_http1_total`, ...).
+    pub fn saw(&self, version: hyper::Version) {
+        self.protocol.get_or_init(|| {
+            let index = protocol_index(version);
+            self.stats.downstream_cx_protocol_total[index].inc();
+            self.stats.downstream_cx_protocol_active[index].inc();
+            index
+        });
+    }
+}
+
+impl Drop for DownstreamConnection {
+    fn drop(&mut self) {
+        self.stats.downstream_cx_active.dec();
+        if let Some(&index) = self.protocol.get() {
+            self.stats.downstream_cx_protocol_active[index].dec();
+        }
+    }
+}
+
+/// A request counted in `downstream_rq_active` until dropped.
+#[derive(Debug)]
+pub struct DownstreamRequest(Gauge);
+
+impl Drop for DownstreamRequest {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
