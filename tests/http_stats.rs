@@ -482,6 +482,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
             "downstream_rq_2xx",
             "downstream_rq_4xx",
             "downstream_rq_5xx",
+            "downstream_rq_completed",
         ] {
             names.push(format!("listener.{addr}.http.{prefix}.{s}"));
         }

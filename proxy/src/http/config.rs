@@ -142,6 +142,34 @@ pub struct HttpStats {
     /// 0 for HTTP/1, 1 for HTTP/2.
     pub requests_rejected_with_underscores_in_headers: [Counter; 2],
     pub dropped_headers_with_underscores: [Counter; 2],
+    /// `listener.<listener>.http.<stat_prefix>.*` of the listener the filter is in.
+    pub listener: ListenerHttpStats,
+}
+
+/// Envoy's per-listener connection manager stats (`ALL_HTTP_CONN_MAN_LISTENER_STATS`),
+/// `listener.<listener>.http.<stat_prefix>.*`; not in a listener: counts go nowhere.
+#[derive(Debug, Clone, Default)]
+pub struct ListenerHttpStats {
+    /// `downstream_rq_1xx` .. `downstream_rq_5xx` at index 0 .. 4.
+    pub downstream_rq_class: [Counter; 5],
+    pub downstream_rq_completed: Counter,
+}
+
+impl ListenerHttpStats {
+    /// The stats of the filter with `stat_prefix` in the listener whose stat names start
+    /// `listener.<listener_prefix>`.
+    pub fn new(store: &Store, listener_prefix: &str, stat_prefix: &str) -> Self {
+        let counter = |stat: &str| {
+            store.counter(&format!(
+                "listener.{listener_prefix}.http.{stat_prefix}.{stat}"
+            ))
+        };
+        ListenerHttpStats {
+            downstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
+                .map(|class| counter(&format!("downstream_rq_{class}"))),
+            downstream_rq_completed: counter("downstream_rq_completed"),
+        }
+    }
 }
 
 impl HttpStats {
@@ -175,6 +203,7 @@ impl HttpStats {
             }),
             dropped_headers_with_underscores: ["http1", "http2"]
                 .map(|codec| store.counter(&format!("{codec}.dropped_headers_with_underscores"))),
+            listener: ListenerHttpStats::default(),
         }
     }
 }
@@ -188,6 +217,21 @@ impl HttpStats {
         DownstreamConnection {
             stats: self.clone(),
             protocol: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Counts a response sent downstream: `downstream_rq_completed` and
+    /// `downstream_rq_<class>`, the filter's and its listener's.
+    pub fn response(&self, status: u16) {
+        self.downstream_rq_completed.inc();
+        self.listener.downstream_rq_completed.inc();
+        for classes in [
+            &self.downstream_rq_class,
+            &self.listener.downstream_rq_class,
+        ] {
+            if let Some(counter) = class_counter(classes, status) {
+                counter.inc();
+            }
         }
     }
 

@@ -19,9 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ConfigProvider;
 use super::body::{LogSlot, ResponseBody};
-use super::config::{
-    Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort, class_counter,
-};
+use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort};
 use super::matcher::RequestView;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
@@ -579,10 +577,7 @@ fn finish(
         }
     }
     let status = response.status().as_u16();
-    hcm.stats.downstream_rq_completed.inc();
-    if let Some(counter) = class_counter(&hcm.stats.downstream_rq_class, status) {
-        counter.inc();
-    }
+    hcm.stats.response(status);
     if let Some(http) = entry.http.as_mut() {
         http.response_code = status;
     }
