@@ -28,6 +28,8 @@ const STATIC_PORT: u16 = 10001;
 /// The EDS cluster `backend`'s endpoint and the STATIC cluster `web`'s.
 const BACKEND: u16 = 9001;
 const WEB: u16 = 9002;
+/// Where nothing listens: cluster `refused`'s endpoint.
+const REFUSED: u16 = 9099;
 
 fn local(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
@@ -177,6 +179,7 @@ fn bootstrap(socket: &std::path::Path) -> Value {
     statics["clusters"].as_array_mut().unwrap().extend([
         static_cluster("web", &[local(WEB)]),
         static_cluster("empty", &[]),
+        static_cluster("refused", &[local(REFUSED)]),
     ]);
     let hcm = json!({
         "name": "envoy.filters.network.http_connection_manager",
@@ -378,7 +381,12 @@ fn http_stats_match_envoys_on_the_same_traffic() {
             "routes",
             &route_config(
                 "routes",
-                &[("/web", "web"), ("/none", "empty"), ("/", "backend")],
+                &[
+                    ("/web", "web"),
+                    ("/none", "empty"),
+                    ("/refused", "refused"),
+                    ("/", "backend"),
+                ],
             ),
         )],
     );
@@ -429,7 +437,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     // The listener serves once its routes are in: give the last step a moment.
     std::thread::sleep(Duration::from_millis(500));
 
-    let clusters = ["backend", "web", "empty"];
+    let clusters = ["backend", "web", "empty", "refused"];
     let cluster_stats = [
         "upstream_rq_total",
         "upstream_rq_completed",
@@ -446,6 +454,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
         "upstream_cx_http1_total",
         "upstream_cx_none_healthy",
         "upstream_cx_connect_fail",
+        "upstream_rq_pending_failure_eject",
         "membership_total",
         "membership_healthy",
     ];
@@ -461,6 +470,9 @@ fn http_stats_match_envoys_on_the_same_traffic() {
         "downstream_cx_active",
         "downstream_cx_http1_total",
         "downstream_cx_http1_active",
+        "downstream_cx_http2_total",
+        "downstream_cx_http2_active",
+        "downstream_rq_http2_total",
         "no_route",
         "no_cluster",
     ];
@@ -504,6 +516,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                 ("/web/ok", 200, 5),
                 ("/web/missing", 404, 3),
                 ("/none", 503, 4),
+                ("/refused", 503, 2),
             ] {
                 for _ in 0..times {
                     expect.push(status);
@@ -517,6 +530,24 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                     got.push(fixed.get(path));
                 }
             }
+            // HTTP/2 downstream: one connection, three concurrent streams. (curl's
+            // sequential requests on one HTTP/2 connection fail against shunt with
+            // "Error in the HTTP2 framing layer": a codec defect of its own.)
+            let url = |path: &str| format!("http://127.0.0.1:{RDS_PORT}{path}");
+            let out = pod
+                .command("nghttp")
+                .arg("-v")
+                .args([url("/eds/ok1"), url("/eds/ok2"), url("/eds/missing")])
+                .output()
+                .expect("run nghttp");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut codes: Vec<u16> = text
+                .lines()
+                .filter_map(|l| l.split(":status: ").nth(1)?.trim().parse().ok())
+                .collect();
+            codes.sort_unstable();
+            expect.extend([200, 200, 404]);
+            got.extend(codes);
             // Two more downstream connections, one request each.
             for _ in 0..2 {
                 expect.push(200);
@@ -564,7 +595,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     );
     // Nothing above was vacuous: the traffic was counted.
     let ours = stats(&shunt_pod);
-    assert_eq!(ours.get("cluster.backend.upstream_rq_total"), Some(&25));
+    assert_eq!(ours.get("cluster.backend.upstream_rq_total"), Some(&28));
     drop(envoy);
     drop(shunt);
 }

@@ -263,7 +263,9 @@ impl Pools {
             if !waited {
                 pending_total.inc();
             }
-            let sender = connect_http2(cluster, host, secrets).await?;
+            let sender = connect_http2(cluster, host, secrets)
+                .await
+                .inspect_err(|err| ejected(cluster, err))?;
             *shared = Some(sender.clone());
             return Ok(Sender::Http2(sender, false));
         }
@@ -315,7 +317,9 @@ impl Pools {
             }
         };
         drop(pending);
-        let sender = connect_http1(cluster, host, secrets, slot).await?;
+        let sender = connect_http1(cluster, host, secrets, slot)
+            .await
+            .inspect_err(|err| ejected(cluster, err))?;
         Ok(Sender::Http1(sender, pool, false))
     }
 }
@@ -334,6 +338,14 @@ impl HostPool {
     }
 }
 
+/// A request waiting for a connection that failed: Envoy's
+/// `upstream_rq_pending_failure_eject`.
+fn ejected(cluster: &Cluster, err: &CheckoutError) {
+    if !matches!(err, CheckoutError::Overflow) {
+        cluster.stats.upstream_rq_pending_failure_eject.inc();
+    }
+}
+
 /// The breaker slot and the accounting guard of a new connection.
 fn open(cluster: &Cluster) -> Result<OwnedConnectionSlot, CheckoutError> {
     cluster
@@ -348,6 +360,8 @@ async fn connect_http1(
     secrets: &crate::tls::Secrets,
     slot: OwnedConnectionSlot,
 ) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
+    // Envoy counts the protocol as the connection is made, failed connects too.
+    cluster.stats.upstream_cx_http1_total.inc();
     let (io, guard) = connect_upstream(cluster, host, secrets)
         .await
         .map_err(CheckoutError::Connect)?;
@@ -355,7 +369,6 @@ async fn connect_http1(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    cluster.stats.upstream_cx_http1_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/1.1");
     sender.ready().await.map_err(CheckoutError::Handshake)?;
     Ok(sender)
@@ -367,6 +380,7 @@ async fn connect_http2(
     secrets: &crate::tls::Secrets,
 ) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
     let slot = open(cluster)?;
+    cluster.stats.upstream_cx_http2_total.inc();
     let (io, guard) = connect_upstream(cluster, host, secrets)
         .await
         .map_err(CheckoutError::Connect)?;
@@ -374,7 +388,6 @@ async fn connect_http2(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    cluster.stats.upstream_cx_http2_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/2");
     Ok(sender)
 }

@@ -86,6 +86,8 @@ pub struct ClusterStats {
     pub upstream_rq_active: Gauge,
     /// HTTP requests that waited for a connection to be made (none was free).
     pub upstream_rq_pending_total: Counter,
+    /// HTTP requests that waited for a connection whose connect failed.
+    pub upstream_rq_pending_failure_eject: Counter,
     /// HTTP responses by code (`upstream_rq_200`) and class (`upstream_rq_2xx`): the
     /// upstream's, and the router's own replies for the cluster (503 no healthy
     /// upstream, connect failure, overflow, reset; 504 timeout), as Envoy charges them.
@@ -129,6 +131,7 @@ impl ClusterStats {
             upstream_rq_total: counter("upstream_rq_total"),
             upstream_rq_active: gauge("upstream_rq_active"),
             upstream_rq_pending_total: counter("upstream_rq_pending_total"),
+            upstream_rq_pending_failure_eject: counter("upstream_rq_pending_failure_eject"),
             upstream_rq_code: Arc::new(CodeCounters::new(store, name)),
             upstream_rq_completed: counter("upstream_rq_completed"),
             upstream_rq_time: store.histogram(&stats::cluster_stat(name, "upstream_rq_time")),
