@@ -530,9 +530,9 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                     got.push(fixed.get(path));
                 }
             }
-            // HTTP/2 downstream: one connection, three concurrent streams. (curl's
-            // sequential requests on one HTTP/2 connection fail against shunt with
-            // "Error in the HTTP2 framing layer": a codec defect of its own.)
+            // HTTP/2 downstream: one connection, three concurrent streams. (Not curl:
+            // Debian's curl 7.88.1 fails a second request on a reused prior-knowledge
+            // HTTP/2 connection, "Error in the HTTP2 framing layer", against Envoy too.)
             let url = |path: &str| format!("http://127.0.0.1:{RDS_PORT}{path}");
             let out = pod
                 .command("nghttp")
