@@ -180,6 +180,12 @@ fn bootstrap(socket: &std::path::Path) -> Value {
         static_cluster("web", &[local(WEB)]),
         static_cluster("empty", &[]),
         static_cluster("refused", &[local(REFUSED)]),
+        // Its stats are `cluster.alt_stats.*`.
+        {
+            let mut alt = static_cluster("alt", &[local(WEB)]);
+            alt["alt_stat_name"] = json!("alt_stats");
+            alt
+        },
     ]);
     let hcm = json!({
         "name": "envoy.filters.network.http_connection_manager",
@@ -385,6 +391,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                     ("/web", "web"),
                     ("/none", "empty"),
                     ("/refused", "refused"),
+                    ("/alt", "alt"),
                     ("/", "backend"),
                 ],
             ),
@@ -437,7 +444,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     // The listener serves once its routes are in: give the last step a moment.
     std::thread::sleep(Duration::from_millis(500));
 
-    let clusters = ["backend", "web", "empty", "refused"];
+    let clusters = ["backend", "web", "empty", "refused", "alt_stats"];
     let cluster_stats = [
         "upstream_rq_total",
         "upstream_rq_completed",
@@ -517,6 +524,8 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                 ("/web/missing", 404, 3),
                 ("/none", 503, 4),
                 ("/refused", 503, 2),
+                ("/alt/ok", 200, 3),
+                ("/alt/missing", 404, 1),
             ] {
                 for _ in 0..times {
                     expect.push(status);
