@@ -28,6 +28,8 @@ const STATIC_PORT: u16 = 10001;
 /// The EDS cluster `backend`'s endpoint and the STATIC cluster `web`'s.
 const BACKEND: u16 = 9001;
 const WEB: u16 = 9002;
+/// The TLS cluster `secure`'s endpoint.
+const SECURE: u16 = 9003;
 /// Where nothing listens: cluster `refused`'s endpoint.
 const REFUSED: u16 = 9099;
 
@@ -71,9 +73,8 @@ fn http_backend(pod: &Pod, port: u16) {
     });
 }
 
-fn serve_http(stream: TcpStream) {
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
+fn serve_http(stream: impl Read + Write) {
+    let mut reader = BufReader::new(stream);
     loop {
         let mut length = 0usize;
         let mut line = String::new();
@@ -108,10 +109,47 @@ fn serve_http(stream: TcpStream) {
             "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         );
-        if writer.write_all(answer.as_bytes()).is_err() {
+        let writer = reader.get_mut();
+        if writer
+            .write_all(answer.as_bytes())
+            .and_then(|()| writer.flush())
+            .is_err()
+        {
             return;
         }
     }
+}
+
+/// [`http_backend`] over TLS with the certificate `chain` and its `key` (PEM).
+fn https_backend(pod: &Pod, port: u16, chain: &str, key: &str) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain.as_bytes())
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .unwrap();
+    let config = std::sync::Arc::new(config);
+    let listener = pod
+        .run_in_netns(move || TcpListener::bind(local(port)))
+        .expect("entering the pod")
+        .expect("binding the backend");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let config = config.clone();
+            std::thread::spawn(move || {
+                let conn = rustls::ServerConnection::new(config).unwrap();
+                serve_http(rustls::StreamOwned::new(conn, stream));
+            });
+        }
+    });
 }
 
 /// A keep-alive HTTP/1.1 client connection from inside `pod`.
@@ -173,13 +211,26 @@ fn static_cluster(name: &str, endpoints: &[SocketAddr]) -> Value {
 
 /// The xDS tests' ADS bootstrap, with STATIC clusters `web` and `empty` (no endpoints)
 /// and a static HTTP listener on `STATIC_PORT` routing to `web`.
-fn bootstrap(socket: &std::path::Path) -> Value {
+fn bootstrap(socket: &std::path::Path, ca: &str) -> Value {
     let mut bootstrap = xds::bootstrap(socket, false);
     let statics = &mut bootstrap["static_resources"];
     statics["clusters"].as_array_mut().unwrap().extend([
         static_cluster("web", &[local(WEB)]),
         static_cluster("empty", &[]),
         static_cluster("refused", &[local(REFUSED)]),
+        // TLS to its endpoint through `transport_socket_matches` (Istio's shape).
+        {
+            let mut secure = static_cluster("secure", &[local(SECURE)]);
+            secure["transport_socket_matches"] = json!([{
+                "name": "tls", "match": {},
+                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": "server.test",
+                    "common_tls_context": {"validation_context": {"trusted_ca": {"filename": ca}}}
+                }}
+            }]);
+            secure
+        },
         // Its stats are `cluster.alt_stats.*`.
         {
             let mut alt = static_cluster("alt", &[local(WEB)]);
@@ -392,6 +443,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                     ("/none", "empty"),
                     ("/refused", "refused"),
                     ("/alt", "alt"),
+                    ("/secure", "secure"),
                     ("/", "backend"),
                 ],
             ),
@@ -402,14 +454,18 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     let mut node = Node::new().unwrap();
     let shunt_pod = node.add_pod("s").unwrap();
     let envoy_pod = node.add_pod("e").unwrap();
+    let pki = support::pki::Pki::new("httpstats-pki");
+    let (chain, key) = pki.server("backend");
+    pki.open_to_the_proxy();
     for pod in [&shunt_pod, &envoy_pod] {
         http_backend(pod, BACKEND);
         http_backend(pod, WEB);
+        https_backend(pod, SECURE, &chain, &key);
     }
     let shunt = start_shunt(
         &shunt_pod,
         &config,
-        &bootstrap(&socket),
+        &bootstrap(&socket, &pki.file("ca.pem")),
         &["--concurrency", "1"],
     );
     let envoy = envoy_pod
@@ -444,7 +500,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     // The listener serves once its routes are in: give the last step a moment.
     std::thread::sleep(Duration::from_millis(500));
 
-    let clusters = ["backend", "web", "empty", "refused", "alt_stats"];
+    let clusters = ["backend", "web", "empty", "refused", "alt_stats", "secure"];
     let cluster_stats = [
         "upstream_rq_total",
         "upstream_rq_completed",
@@ -487,6 +543,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     for c in clusters {
         names.extend(cluster_stats.iter().map(|s| format!("cluster.{c}.{s}")));
     }
+    names.push("cluster.secure.ssl.handshake".to_owned());
     for prefix in ["h1", "static_http"] {
         names.extend(hcm_stats.iter().map(|s| format!("http.{prefix}.{s}")));
     }
@@ -526,6 +583,8 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                 ("/refused", 503, 2),
                 ("/alt/ok", 200, 3),
                 ("/alt/missing", 404, 1),
+                ("/secure/ok", 200, 3),
+                ("/secure/missing", 404, 2),
             ] {
                 for _ in 0..times {
                     expect.push(status);
