@@ -30,6 +30,8 @@ const BACKEND: u16 = 9001;
 const WEB: u16 = 9002;
 /// The TLS cluster `secure`'s endpoint.
 const SECURE: u16 = 9003;
+/// nginx over h2c: cluster `h2`'s endpoint.
+const H2: u16 = 9004;
 /// Where nothing listens: cluster `refused`'s endpoint.
 const REFUSED: u16 = 9099;
 
@@ -152,6 +154,33 @@ fn https_backend(pod: &Pod, port: u16, chain: &str, key: &str) {
     });
 }
 
+/// nginx in `pod` serving h2c on [`H2`] (404 under `/h2/missing`, else 200), its files
+/// in `dir`.
+fn h2_backend(pod: &Pod, dir: &std::path::Path) -> PodProcess {
+    std::fs::create_dir_all(dir).unwrap();
+    let d = dir.display();
+    let config = format!(
+        "daemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+         events {{ worker_connections 256; }}\n\
+         http {{\n access_log off;\n client_body_temp_path {d}/body;\n proxy_temp_path {d}/proxy;\n\
+         fastcgi_temp_path {d}/fastcgi;\n uwsgi_temp_path {d}/uwsgi;\n scgi_temp_path {d}/scgi;\n\
+         server {{ listen 127.0.0.1:{H2} http2; location / {{ return 200 \"ok\"; }}\n\
+         location /h2/missing {{ return 404 \"missing\"; }} }}\n}}\n"
+    );
+    std::fs::write(dir.join("nginx.conf"), config).unwrap();
+    let nginx = pod
+        .command("/usr/sbin/nginx")
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(dir.join("nginx.conf"))
+        .spawn()
+        .expect("start nginx");
+    harness::wait_for_port(pod, local(H2), Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("nginx on {H2}: {e}\n{}", nginx.stderr_text()));
+    nginx
+}
+
 /// A keep-alive HTTP/1.1 client connection from inside `pod`.
 struct HttpClient {
     reader: BufReader<TcpStream>,
@@ -230,6 +259,17 @@ fn bootstrap(socket: &std::path::Path, ca: &str) -> Value {
                 }}
             }]);
             secure
+        },
+        // HTTP/2 to its endpoint.
+        {
+            let mut h2 = static_cluster("h2", &[local(H2)]);
+            h2["typed_extension_protocol_options"] = json!({
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            });
+            h2
         },
         // Its stats are `cluster.alt_stats.*`.
         {
@@ -444,6 +484,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                     ("/refused", "refused"),
                     ("/alt", "alt"),
                     ("/secure", "secure"),
+                    ("/h2", "h2"),
                     ("/", "backend"),
                 ],
             ),
@@ -462,6 +503,8 @@ fn http_stats_match_envoys_on_the_same_traffic() {
         http_backend(pod, WEB);
         https_backend(pod, SECURE, &chain, &key);
     }
+    let _nginx = [&shunt_pod, &envoy_pod]
+        .map(|pod| h2_backend(pod, &dir.0.join(format!("nginx-{}", pod.name()))));
     let shunt = start_shunt(
         &shunt_pod,
         &config,
@@ -500,7 +543,15 @@ fn http_stats_match_envoys_on_the_same_traffic() {
     // The listener serves once its routes are in: give the last step a moment.
     std::thread::sleep(Duration::from_millis(500));
 
-    let clusters = ["backend", "web", "empty", "refused", "alt_stats", "secure"];
+    let clusters = [
+        "backend",
+        "web",
+        "empty",
+        "refused",
+        "alt_stats",
+        "secure",
+        "h2",
+    ];
     let cluster_stats = [
         "upstream_rq_total",
         "upstream_rq_completed",
@@ -515,6 +566,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
         "upstream_cx_total",
         "upstream_cx_active",
         "upstream_cx_http1_total",
+        "upstream_cx_http2_total",
         "upstream_cx_none_healthy",
         "upstream_cx_connect_fail",
         "upstream_rq_pending_failure_eject",
@@ -585,6 +637,8 @@ fn http_stats_match_envoys_on_the_same_traffic() {
                 ("/alt/missing", 404, 1),
                 ("/secure/ok", 200, 3),
                 ("/secure/missing", 404, 2),
+                ("/h2/ok", 200, 4),
+                ("/h2/missing", 404, 1),
             ] {
                 for _ in 0..times {
                     expect.push(status);
