@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::route::RouteConfig;
 use crate::access_log::Sink;
-use crate::stats::{Counter, Store};
+use crate::stats::{Counter, Gauge, Store};
 
 /// Envoy's `codec_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +114,18 @@ impl Default for Limits {
 #[derive(Debug, Clone, Default)]
 pub struct HttpStats {
     pub downstream_cx_total: Counter,
+    pub downstream_cx_active: Gauge,
+    /// Connections by the protocol they turned out to speak (known at their first
+    /// request under `codec_type: AUTO`): HTTP/1 at index 0, HTTP/2 at 1.
+    pub downstream_cx_protocol_total: [Counter; 2],
+    pub downstream_cx_protocol_active: [Gauge; 2],
     pub downstream_rq_total: Counter,
+    /// Requests by protocol: HTTP/1 at index 0, HTTP/2 at 1.
+    pub downstream_rq_protocol_total: [Counter; 2],
+    /// Requests being handled (to their response head).
+    pub downstream_rq_active: Gauge,
+    /// Requests answered (by the upstream or a local reply).
+    pub downstream_rq_completed: Counter,
     /// `downstream_rq_1xx` .. `downstream_rq_5xx` at index 0 .. 4.
     pub downstream_rq_class: [Counter; 5],
     /// Requests no route matched (404, flag NR).
@@ -131,14 +142,52 @@ pub struct HttpStats {
     /// 0 for HTTP/1, 1 for HTTP/2.
     pub requests_rejected_with_underscores_in_headers: [Counter; 2],
     pub dropped_headers_with_underscores: [Counter; 2],
+    /// `listener.<listener>.http.<stat_prefix>.*` of the listener the filter is in.
+    pub listener: ListenerHttpStats,
+}
+
+/// Envoy's per-listener connection manager stats (`ALL_HTTP_CONN_MAN_LISTENER_STATS`),
+/// `listener.<listener>.http.<stat_prefix>.*`; not in a listener: counts go nowhere.
+#[derive(Debug, Clone, Default)]
+pub struct ListenerHttpStats {
+    /// `downstream_rq_1xx` .. `downstream_rq_5xx` at index 0 .. 4.
+    pub downstream_rq_class: [Counter; 5],
+    pub downstream_rq_completed: Counter,
+}
+
+impl ListenerHttpStats {
+    /// The stats of the filter with `stat_prefix` in the listener whose stat names start
+    /// `listener.<listener_prefix>`.
+    pub fn new(store: &Store, listener_prefix: &str, stat_prefix: &str) -> Self {
+        let counter = |stat: &str| {
+            store.counter(&format!(
+                "listener.{listener_prefix}.http.{stat_prefix}.{stat}"
+            ))
+        };
+        ListenerHttpStats {
+            downstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
+                .map(|class| counter(&format!("downstream_rq_{class}"))),
+            downstream_rq_completed: counter("downstream_rq_completed"),
+        }
+    }
 }
 
 impl HttpStats {
     pub fn new(store: &Store, stat_prefix: &str) -> Self {
         let counter = |stat: &str| store.counter(&format!("http.{stat_prefix}.{stat}"));
+        let gauge = |stat: &str| store.gauge(&format!("http.{stat_prefix}.{stat}"));
         HttpStats {
             downstream_cx_total: counter("downstream_cx_total"),
+            downstream_cx_active: gauge("downstream_cx_active"),
+            downstream_cx_protocol_total: ["http1", "http2"]
+                .map(|p| counter(&format!("downstream_cx_{p}_total"))),
+            downstream_cx_protocol_active: ["http1", "http2"]
+                .map(|p| gauge(&format!("downstream_cx_{p}_active"))),
             downstream_rq_total: counter("downstream_rq_total"),
+            downstream_rq_protocol_total: ["http1", "http2"]
+                .map(|p| counter(&format!("downstream_rq_{p}_total"))),
+            downstream_rq_active: gauge("downstream_rq_active"),
+            downstream_rq_completed: counter("downstream_rq_completed"),
             downstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
                 .map(|class| counter(&format!("downstream_rq_{class}"))),
             no_route: counter("no_route"),
@@ -154,7 +203,89 @@ impl HttpStats {
             }),
             dropped_headers_with_underscores: ["http1", "http2"]
                 .map(|codec| store.counter(&format!("{codec}.dropped_headers_with_underscores"))),
+            listener: ListenerHttpStats::default(),
         }
+    }
+}
+
+impl HttpStats {
+    /// Counts a downstream connection (`downstream_cx_total`, `downstream_cx_active`):
+    /// the guard keeps it active, and counts its protocol once its first request shows it.
+    pub fn connection(&self) -> DownstreamConnection {
+        self.downstream_cx_total.inc();
+        self.downstream_cx_active.inc();
+        DownstreamConnection {
+            stats: self.clone(),
+            protocol: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Counts a response sent downstream: `downstream_rq_completed` and
+    /// `downstream_rq_<class>`, the filter's and its listener's.
+    pub fn response(&self, status: u16) {
+        self.downstream_rq_completed.inc();
+        self.listener.downstream_rq_completed.inc();
+        for classes in [
+            &self.downstream_rq_class,
+            &self.listener.downstream_rq_class,
+        ] {
+            if let Some(counter) = class_counter(classes, status) {
+                counter.inc();
+            }
+        }
+    }
+
+    /// Counts a request (`downstream_rq_total`, by protocol, active while the guard lives).
+    pub fn request(&self, version: hyper::Version) -> DownstreamRequest {
+        self.downstream_rq_total.inc();
+        self.downstream_rq_protocol_total[protocol_index(version)].inc();
+        self.downstream_rq_active.inc();
+        DownstreamRequest(self.downstream_rq_active.clone())
+    }
+}
+
+/// HTTP/1 at 0, HTTP/2 at 1.
+fn protocol_index(version: hyper::Version) -> usize {
+    usize::from(version == hyper::Version::HTTP_2)
+}
+
+/// A downstream connection counted in `downstream_cx_active` (and its protocol's
+/// `_active`) until dropped.
+#[derive(Debug)]
+pub struct DownstreamConnection {
+    stats: HttpStats,
+    protocol: std::sync::OnceLock<usize>,
+}
+
+impl DownstreamConnection {
+    /// A request of `version` arrived on the connection: the first one counts the
+    /// connection's protocol (`downstream_cx_http1_total`, ...).
+    pub fn saw(&self, version: hyper::Version) {
+        self.protocol.get_or_init(|| {
+            let index = protocol_index(version);
+            self.stats.downstream_cx_protocol_total[index].inc();
+            self.stats.downstream_cx_protocol_active[index].inc();
+            index
+        });
+    }
+}
+
+impl Drop for DownstreamConnection {
+    fn drop(&mut self) {
+        self.stats.downstream_cx_active.dec();
+        if let Some(&index) = self.protocol.get() {
+            self.stats.downstream_cx_protocol_active[index].dec();
+        }
+    }
+}
+
+/// A request counted in `downstream_rq_active` until dropped.
+#[derive(Debug)]
+pub struct DownstreamRequest(Gauge);
+
+impl Drop for DownstreamRequest {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -19,9 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ConfigProvider;
 use super::body::{LogSlot, ResponseBody};
-use super::config::{
-    Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort, class_counter,
-};
+use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort};
 use super::matcher::RequestView;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
@@ -61,7 +59,7 @@ pub async fn serve<IO>(
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    hcm.stats.downstream_cx_total.inc();
+    let counted = Arc::new(hcm.stats.connection());
     let codec = hcm.codec;
     let remote = downstream.remote;
     let shared = Arc::new(Shared {
@@ -74,6 +72,7 @@ pub async fn serve<IO>(
     let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let service = service_fn(move |request: Request<Incoming>| {
         let shared = shared.clone();
+        counted.saw(request.version());
         let last = super::limits::last_request(&shared.hcm, &requests, request.version());
         async move {
             let mut response = handle(request, &shared).await;
@@ -157,7 +156,7 @@ pub fn uuid4() -> String {
 async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
     let downstream = &shared.downstream;
-    hcm.stats.downstream_rq_total.inc();
+    let _active = hcm.stats.request(request.version());
     let (mut parts, body) = request.into_parts();
     if parts.version != Version::HTTP_2 {
         super::upgrade::ignore_h2c(&mut parts.headers);
@@ -578,9 +577,7 @@ fn finish(
         }
     }
     let status = response.status().as_u16();
-    if let Some(counter) = class_counter(&hcm.stats.downstream_rq_class, status) {
-        counter.inc();
-    }
+    hcm.stats.response(status);
     if let Some(http) = entry.http.as_mut() {
         http.response_code = status;
     }

@@ -12,13 +12,13 @@ use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
 
-use super::config::class_counter;
 use super::route::{RetryPolicy, RouteAction};
 use crate::access_log::{Entry, ResponseFlag};
 use crate::upstream::backoff::Backoff;
 use crate::upstream::cluster::UpstreamProtocol;
 use crate::upstream::http_pool::RequestBody;
 use crate::upstream::http_pool::{CheckoutError, SendError};
+use crate::upstream::stats::ActiveRequest;
 use crate::upstream::{Cluster, LbContext};
 
 /// A response shunt makes itself (Envoy's local reply).
@@ -179,8 +179,24 @@ impl Head {
     }
 }
 
-/// Forwards one request to `upstream.cluster`.
+/// Forwards one request to `upstream.cluster`. A reply of the router's own for the
+/// cluster (no healthy upstream, connect failure, overflow, reset, timeout) is charged
+/// to the cluster's code stats, as Envoy's `chargeUpstreamAbort` does.
 pub async fn forward(
+    upstream: &Upstream<'_>,
+    action: &RouteAction,
+    head: Head,
+    body: RequestBody,
+    entry: &mut Entry,
+) -> Result<Forwarded, LocalReply> {
+    let forwarded = forward_attempts(upstream, action, head, body, entry).await;
+    if let Err(reply) = &forwarded {
+        upstream.cluster.stats.charge(reply.status.as_u16());
+    }
+    forwarded
+}
+
+async fn forward_attempts(
     upstream: &Upstream<'_>,
     action: &RouteAction,
     mut head: Head,
@@ -306,6 +322,7 @@ async fn attempt_once(
         return Attempt::Fatal(LocalReply::no_healthy_upstream());
     }
     entry.upstream_host = Some(host.address);
+    let _active = ActiveRequest::new(&cluster.stats);
     let mut request = head.request(http2, body);
     // A request that never left a reused connection (the upstream closed it while
     // idle) goes on another one; a few times at most, the last one new.
@@ -327,16 +344,11 @@ async fn attempt_once(
         match sender.send(request).await {
             Ok(response) => {
                 let stats = &cluster.stats;
-                let code = response.status().as_u16();
                 stats.upstream_rq_total.inc();
-                stats.upstream_rq_completed.inc();
-                stats.upstream_rq_code.inc(code);
+                stats.charge(response.status().as_u16());
                 stats
                     .upstream_rq_time
                     .record(sent.elapsed().as_secs_f64() * 1000.0);
-                if let Some(counter) = class_counter(&stats.upstream_rq_class, code) {
-                    counter.inc();
-                }
                 return Attempt::Response(response);
             }
             Err(SendError {

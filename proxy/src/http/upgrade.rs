@@ -136,11 +136,7 @@ pub async fn forward(
                 Some(ResponseFlag::UpstreamConnectionTermination),
             )
         })?;
-    if let Some(counter) =
-        super::config::class_counter(&cluster.stats.upstream_rq_class, response.status().as_u16())
-    {
-        counter.inc();
-    }
+    cluster.stats.charge(response.status().as_u16());
     if response.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
         let (mut parts, incoming) = response.into_parts();
         router::strip_hop_by_hop(&mut parts.headers);

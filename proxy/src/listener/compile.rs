@@ -51,11 +51,7 @@ impl ListenerStats {
     /// The stats of `listener`: named by its `stat_prefix`, else by its configured
     /// address as Envoy writes it (`0.0.0.0_15001`; port 0 stays 0, as in Envoy).
     pub fn new(store: &Store, listener: &EnvoyListener, address: Option<SocketAddr>) -> Self {
-        let prefix = if !listener.stat_prefix.is_empty() {
-            listener.stat_prefix.clone()
-        } else if let Some(address) = address {
-            stats::listener_stat_prefix(&address)
-        } else {
+        let Some(prefix) = Self::prefix(listener, address) else {
             return ListenerStats::default();
         };
         let name = |stat: &str| format!("listener.{prefix}.{stat}");
@@ -65,6 +61,16 @@ impl ListenerStats {
             no_filter_chain_match: store.counter(&name("no_filter_chain_match")),
             downstream_cx_length_ms: store.histogram(&name("downstream_cx_length_ms")),
             ssl: crate::tls::SslStats::new(store, &format!("listener.{prefix}")),
+        }
+    }
+
+    /// What the listener's stat names start with after `listener.`: its `stat_prefix`,
+    /// else its address (`0.0.0.0_15001`); `None` without either.
+    pub fn prefix(listener: &EnvoyListener, address: Option<SocketAddr>) -> Option<String> {
+        if !listener.stat_prefix.is_empty() {
+            Some(listener.stat_prefix.clone())
+        } else {
+            address.map(|address| stats::listener_stat_prefix(&address))
         }
     }
 
@@ -255,6 +261,7 @@ fn compile(
             addresses.push(addr);
         }
     }
+    let listener_prefix = ListenerStats::prefix(listener, addresses.first().copied());
 
     let mut filters = ListenerFilters {
         timeout: Some(DEFAULT_LISTENER_FILTERS_TIMEOUT),
@@ -328,7 +335,7 @@ fn compile(
             chain,
             &format!("filter_chains[{j}]"),
             clusters,
-            stats,
+            (stats, listener_prefix.as_deref()),
             &c_path,
             problems,
         );
@@ -345,7 +352,7 @@ fn compile(
             chain,
             "default_filter_chain",
             clusters,
-            stats,
+            (stats, listener_prefix.as_deref()),
             &c_path,
             problems,
         )
@@ -480,11 +487,13 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -
     }
 }
 
+/// `stats`: the store, and the listener's stat prefix (for its connection managers'
+/// `listener.<prefix>.http.<stat_prefix>.*`).
 fn compile_chain(
     chain: &EnvoyFilterChain,
     default_name: &str,
     clusters: &Clusters,
-    stats: &Store,
+    (stats, listener_prefix): (&Store, Option<&str>),
     path: &str,
     problems: &mut Diagnostics,
 ) -> Option<FilterChain> {
@@ -535,9 +544,16 @@ fn compile_chain(
             }
             HCM => {
                 let config = decode::<EnvoyHcm>(any, &typed_path, problems)?;
-                network = Some(NetworkFilter::Http(Arc::new(
-                    crate::http::compile::compile(&config, clusters, stats, &typed_path, problems)?,
-                )));
+                let mut hcm =
+                    crate::http::compile::compile(&config, clusters, stats, &typed_path, problems)?;
+                if let Some(listener_prefix) = listener_prefix {
+                    hcm.stats.listener = crate::http::config::ListenerHttpStats::new(
+                        stats,
+                        listener_prefix,
+                        &config.stat_prefix,
+                    );
+                }
+                network = Some(NetworkFilter::Http(Arc::new(hcm)));
             }
             other => {
                 problems.error(

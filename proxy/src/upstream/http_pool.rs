@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use std::pin::Pin;
@@ -173,12 +173,19 @@ impl Drop for Pending<'_> {
     }
 }
 
+/// How many times a request that finds no idle HTTP/1.1 connection lets other tasks
+/// run while one is on its way back, before it opens a new one.
+const RETURN_YIELDS: usize = 4;
+
 #[derive(Debug, Default)]
 pub struct HostPool {
     /// HTTP/1.1 connections ready for a request.
     idle: Mutex<Vec<http1::SendRequest<RequestBody>>>,
     /// Woken when a connection goes back to `idle`.
     returned: tokio::sync::Notify,
+    /// HTTP/1.1 connections whose response head arrived, going back to `idle` once
+    /// their body has been read.
+    returning: AtomicUsize,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
     h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody>>>,
@@ -238,19 +245,51 @@ impl Pools {
         secrets: &crate::tls::Secrets,
     ) -> Result<Sender, CheckoutError> {
         let pool = self.host(host.address);
+        // Envoy's `upstream_rq_pending_total`: the request found no connection ready
+        // and waited for one (being made, or coming back to the pool).
+        let pending_total = &cluster.stats.upstream_rq_pending_total;
         if http2 {
-            let mut shared = pool.h2.lock().await;
+            let (mut shared, waited) = match pool.h2.try_lock() {
+                Ok(shared) => (shared, false),
+                // Another request is making the connection: this one waits for it.
+                Err(_) => {
+                    pending_total.inc();
+                    (pool.h2.lock().await, true)
+                }
+            };
             if let Some(sender) = shared.as_ref().filter(|s| !s.is_closed()) {
                 return Ok(Sender::Http2(sender.clone(), true));
             }
-            let sender = connect_http2(cluster, host, secrets).await?;
+            if !waited {
+                pending_total.inc();
+            }
+            let sender = connect_http2(cluster, host, secrets)
+                .await
+                .inspect_err(|err| ejected(cluster, err))?;
             *shared = Some(sender.clone());
             return Ok(Sender::Http2(sender, false));
         }
         let mut pending = None;
+        let mut waited = false;
         let slot = loop {
             if let Some(sender) = pool.take_idle() {
                 return Ok(Sender::Http1(sender, pool, true));
+            }
+            if !waited {
+                // A connection whose response just ended comes back in a moment, as
+                // soon as the tasks it woke run: Envoy would hand it on (its pool gets
+                // it back as the response ends), so let them run before opening one.
+                for _ in 0..RETURN_YIELDS {
+                    if pool.returning.load(Ordering::Acquire) == 0 {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                    if let Some(sender) = pool.take_idle() {
+                        return Ok(Sender::Http1(sender, pool, true));
+                    }
+                }
+                pending_total.inc();
+                waited = true;
             }
             // The first refusal counts as an overflow; then only room is watched for.
             let slot = if pending.is_none() || !cluster.circuit_breaker.is_full() {
@@ -278,7 +317,9 @@ impl Pools {
             }
         };
         drop(pending);
-        let sender = connect_http1(cluster, host, secrets, slot).await?;
+        let sender = connect_http1(cluster, host, secrets, slot)
+            .await
+            .inspect_err(|err| ejected(cluster, err))?;
         Ok(Sender::Http1(sender, pool, false))
     }
 }
@@ -297,6 +338,14 @@ impl HostPool {
     }
 }
 
+/// A request waiting for a connection that failed: Envoy's
+/// `upstream_rq_pending_failure_eject`.
+fn ejected(cluster: &Cluster, err: &CheckoutError) {
+    if !matches!(err, CheckoutError::Overflow) {
+        cluster.stats.upstream_rq_pending_failure_eject.inc();
+    }
+}
+
 /// The breaker slot and the accounting guard of a new connection.
 fn open(cluster: &Cluster) -> Result<OwnedConnectionSlot, CheckoutError> {
     cluster
@@ -311,6 +360,8 @@ async fn connect_http1(
     secrets: &crate::tls::Secrets,
     slot: OwnedConnectionSlot,
 ) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
+    // Envoy counts the protocol as the connection is made, failed connects too.
+    cluster.stats.upstream_cx_http1_total.inc();
     let (io, guard) = connect_upstream(cluster, host, secrets)
         .await
         .map_err(CheckoutError::Connect)?;
@@ -318,7 +369,6 @@ async fn connect_http1(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    cluster.stats.upstream_cx_http1_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/1.1");
     sender.ready().await.map_err(CheckoutError::Handshake)?;
     Ok(sender)
@@ -330,6 +380,7 @@ async fn connect_http2(
     secrets: &crate::tls::Secrets,
 ) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
     let slot = open(cluster)?;
+    cluster.stats.upstream_cx_http2_total.inc();
     let (io, guard) = connect_upstream(cluster, host, secrets)
         .await
         .map_err(CheckoutError::Connect)?;
@@ -337,7 +388,6 @@ async fn connect_http2(
         .handshake(TokioIo::new(io))
         .await
         .map_err(CheckoutError::Handshake)?;
-    cluster.stats.upstream_cx_http2_total.inc();
     drive(connection, (slot, guard), host.address, "HTTP/2");
     Ok(sender)
 }
@@ -385,6 +435,7 @@ impl Sender {
             Sender::Http1(mut sender, pool, _) => {
                 let response = sender.try_send_request(request).await;
                 if response.is_ok() {
+                    pool.returning.fetch_add(1, Ordering::AcqRel);
                     tokio::spawn(async move {
                         if sender.ready().await.is_ok() {
                             pool.idle
@@ -393,6 +444,7 @@ impl Sender {
                                 .push(sender);
                             pool.returned.notify_one();
                         }
+                        pool.returning.fetch_sub(1, Ordering::AcqRel);
                     });
                 }
                 response

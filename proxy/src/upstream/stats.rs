@@ -9,14 +9,17 @@ use std::sync::{Arc, OnceLock};
 
 use crate::stats::{self, Counter, Gauge, Histogram, Store};
 
-/// `upstream_rq_<code>` (`upstream_rq_200`, ...), each made in the store the first
-/// time a response has that code, then kept.
+/// `upstream_rq_<code>` (`upstream_rq_200`, ...) and `upstream_rq_<class>`
+/// (`upstream_rq_2xx`, ...), each made in the store the first time a response has that
+/// code or class, then kept: Envoy's code stats exist once charged, never at zero.
 #[derive(Debug, Default)]
 pub struct CodeCounters {
     /// The store and the cluster's observability name; `None`: counts go nowhere.
     store: Option<(Store, String)>,
     /// Codes 100 to 599.
     by_code: Vec<OnceLock<Counter>>,
+    /// Classes 1xx to 5xx.
+    by_class: [OnceLock<Counter>; 5],
 }
 
 impl CodeCounters {
@@ -24,21 +27,32 @@ impl CodeCounters {
         CodeCounters {
             store: Some((store.clone(), name.to_owned())),
             by_code: (100..600).map(|_| OnceLock::new()).collect(),
+            by_class: Default::default(),
         }
     }
 
-    /// Counts one response with `code`.
+    /// Counts one response with `code`, by code and by class.
     pub fn inc(&self, code: u16) {
-        let (Some((store, name)), Some(slot)) = (
-            &self.store,
-            self.by_code.get(usize::from(code).wrapping_sub(100)),
-        ) else {
+        let Some((store, name)) = &self.store else {
+            return;
+        };
+        let Some(slot) = self.by_code.get(usize::from(code).wrapping_sub(100)) else {
             return;
         };
         slot.get_or_init(|| {
             store.counter(&stats::cluster_stat(name, &format!("upstream_rq_{code}")))
         })
         .inc();
+        let class = code / 100;
+        if let Some(slot) = self.by_class.get(usize::from(class).wrapping_sub(1)) {
+            slot.get_or_init(|| {
+                store.counter(&stats::cluster_stat(
+                    name,
+                    &format!("upstream_rq_{class}xx"),
+                ))
+            })
+            .inc();
+        }
     }
 }
 
@@ -66,13 +80,20 @@ pub struct ClusterStats {
     /// Hosts in the cluster, and those of them that are healthy.
     pub membership_total: Gauge,
     pub membership_healthy: Gauge,
-    /// HTTP requests sent to the cluster (each retry counts), and their responses by
-    /// status class: `upstream_rq_1xx` .. `upstream_rq_5xx` at index 0 .. 4.
+    /// HTTP requests sent to the cluster (each retry counts).
     pub upstream_rq_total: Counter,
-    pub upstream_rq_class: [Counter; 5],
-    /// HTTP responses by code (`upstream_rq_200`).
+    /// HTTP requests on their way to the cluster or waiting for its response head.
+    pub upstream_rq_active: Gauge,
+    /// HTTP requests that waited for a connection to be made (none was free).
+    pub upstream_rq_pending_total: Counter,
+    /// HTTP requests that waited for a connection whose connect failed.
+    pub upstream_rq_pending_failure_eject: Counter,
+    /// HTTP responses by code (`upstream_rq_200`) and class (`upstream_rq_2xx`): the
+    /// upstream's, and the router's own replies for the cluster (503 no healthy
+    /// upstream, connect failure, overflow, reset; 504 timeout), as Envoy charges them.
     pub upstream_rq_code: Arc<CodeCounters>,
-    /// HTTP requests that got a response, and how long it took to its head.
+    /// HTTP requests answered (by the upstream or the router, as above); how long the
+    /// upstream took to a response head.
     pub upstream_rq_completed: Counter,
     pub upstream_rq_time: Histogram,
     /// Upstream HTTP connections by protocol.
@@ -108,8 +129,9 @@ impl ClusterStats {
             membership_total: gauge("membership_total"),
             membership_healthy: gauge("membership_healthy"),
             upstream_rq_total: counter("upstream_rq_total"),
-            upstream_rq_class: ["1xx", "2xx", "3xx", "4xx", "5xx"]
-                .map(|class| counter(&format!("upstream_rq_{class}"))),
+            upstream_rq_active: gauge("upstream_rq_active"),
+            upstream_rq_pending_total: counter("upstream_rq_pending_total"),
+            upstream_rq_pending_failure_eject: counter("upstream_rq_pending_failure_eject"),
             upstream_rq_code: Arc::new(CodeCounters::new(store, name)),
             upstream_rq_completed: counter("upstream_rq_completed"),
             upstream_rq_time: store.histogram(&stats::cluster_stat(name, "upstream_rq_time")),
@@ -119,6 +141,31 @@ impl ClusterStats {
             upstream_rq_retry: counter("upstream_rq_retry"),
             ssl: crate::tls::SslStats::new(store, &format!("cluster.{name}")),
         }
+    }
+
+    /// Charges one answer to a request for the cluster, as Envoy's router's
+    /// `chargeUpstreamCode`: `upstream_rq_completed`, `upstream_rq_<code>` and
+    /// `upstream_rq_<class>`.
+    pub fn charge(&self, code: u16) {
+        self.upstream_rq_completed.inc();
+        self.upstream_rq_code.inc(code);
+    }
+}
+
+/// Counts a request active (`upstream_rq_active`) until dropped.
+#[derive(Debug)]
+pub struct ActiveRequest(Gauge);
+
+impl ActiveRequest {
+    pub fn new(stats: &ClusterStats) -> Self {
+        stats.upstream_rq_active.inc();
+        ActiveRequest(stats.upstream_rq_active.clone())
+    }
+}
+
+impl Drop for ActiveRequest {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
