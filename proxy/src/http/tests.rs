@@ -899,8 +899,11 @@ mod limits {
         assert_eq!(status(&response), "408", "{response}");
         assert!(response.ends_with("request timeout"), "{response}");
         assert_eq!(hcm.stats.downstream_rq_timeout.value(), 1);
-        // A complete request is past it: the route's timeout answers.
-        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        // A complete request is past it (its body read): the route's timeout answers.
+        let response = exchange_with(hcm.clone(), config.clone(), GET.to_vec()).await;
+        assert_eq!(status(&response), "504", "{response}");
+        let post = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\n0123456789";
+        let response = exchange_with(hcm.clone(), config, post.to_vec()).await;
         assert_eq!(status(&response), "504", "{response}");
         assert_eq!(hcm.stats.downstream_rq_timeout.value(), 1);
     }
