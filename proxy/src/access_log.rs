@@ -69,6 +69,8 @@ pub enum ResponseFlag {
     DownstreamProtocolError,
     /// `UPE`: the upstream's HTTP response broke the protocol (it could not be parsed).
     UpstreamProtocolError,
+    /// `SI`: the stream was idle for `stream_idle_timeout`.
+    StreamIdleTimeout,
 }
 
 impl ResponseFlag {
@@ -82,6 +84,7 @@ impl ResponseFlag {
             Self::UpstreamOverflow => "UO",
             Self::NoClusterFound => "NC",
             Self::UpstreamRequestTimeout => "UT",
+            Self::StreamIdleTimeout => "SI",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
             Self::DownstreamProtocolError => "DPE",

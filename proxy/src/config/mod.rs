@@ -86,6 +86,12 @@ pub fn release_idle_pool(idle: std::time::Duration) -> bool {
     pool::release_if_idle(idle)
 }
 
+/// Returns glibc's free heap to the kernel once it holds `min_free` bytes (see
+/// [`pool::trim_free_heap`]).
+pub fn trim_free_heap(min_free: usize) -> Option<usize> {
+    pool::trim_free_heap(min_free)
+}
+
 /// Loads and validates the bootstrap the options name.
 pub fn check(options: &Options) -> anyhow::Result<(Loaded, Report)> {
     let loaded = load::load(options)?;

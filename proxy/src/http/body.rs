@@ -13,13 +13,22 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::config::HttpConnectionManager;
+use super::config::{HttpConnectionManager, HttpStats, StreamTimeouts};
+use super::timeouts::Timeout;
 use crate::access_log::{Entry, ResponseFlag};
 use crate::stats::Counter;
 
 /// The access log line of one request, written when the last holder lets go.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LogSlot {
+    /// When the stream started, and when a byte last moved (ms after the start): the
+    /// stream timers' clock.
+    started: tokio::time::Instant,
+    activity_ms: AtomicU64,
+    /// The whole request body was read.
+    request_complete: AtomicBool,
+    /// The stream timer that ended the stream, if one did.
+    ended_by: Mutex<Option<Timeout>>,
     /// Data bytes read from the downstream (`bytes_received`) and written to it.
     received: AtomicU64,
     sent: AtomicU64,
@@ -31,7 +40,51 @@ pub struct LogSlot {
 
 impl LogSlot {
     pub fn new() -> Arc<LogSlot> {
-        Arc::default()
+        Arc::new(LogSlot {
+            started: tokio::time::Instant::now(),
+            activity_ms: AtomicU64::new(0),
+            request_complete: AtomicBool::new(false),
+            ended_by: Mutex::new(None),
+            received: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            downstream_protocol_error: AtomicBool::new(false),
+            line: Mutex::new(None),
+        })
+    }
+
+    pub fn started(&self) -> tokio::time::Instant {
+        self.started
+    }
+
+    pub fn last_activity(&self) -> tokio::time::Instant {
+        self.started + std::time::Duration::from_millis(self.activity_ms.load(Ordering::Relaxed))
+    }
+
+    /// A byte moved on the stream: its idle timer starts again.
+    pub fn active(&self) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.activity_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    pub fn request_complete(&self) -> bool {
+        self.request_complete.load(Ordering::Relaxed)
+    }
+
+    pub fn set_request_complete(&self) {
+        self.request_complete.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes the timer that ended the stream (flag, 408 if the request is then dropped
+    /// unanswered).
+    pub fn ended_by(&self, why: Timeout) {
+        *self.ended_by.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+        if let Some(flag) = why.flag() {
+            self.flag(flag);
+        }
+    }
+
+    pub fn timeout(&self) -> Option<Timeout> {
+        *self.ended_by.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The entry to write, to `hcm`'s access logs.
@@ -77,6 +130,12 @@ impl Drop for LogSlot {
 impl crate::upstream::http_pool::BodyObserver for LogSlot {
     fn received(&self, bytes: u64) {
         self.received.fetch_add(bytes, Ordering::Relaxed);
+        self.active();
+    }
+
+    fn ended(&self) {
+        self.set_request_complete();
+        self.active();
     }
 
     fn protocol_error(&self) {
@@ -97,11 +156,28 @@ enum Content {
 #[error("upstream request timeout")]
 struct UpstreamRequestTimeout;
 
+/// Why a response body stopped short: a stream timer.
+#[derive(Debug, thiserror::Error)]
+#[error("downstream stream timeout: {0:?}")]
+struct StreamTimeout(Timeout);
+
+type Watch = Pin<Box<dyn std::future::Future<Output = Timeout> + Send>>;
+
 /// A response body sent downstream.
-#[derive(Debug)]
 pub struct ResponseBody {
     content: Content,
     log: Option<Arc<LogSlot>>,
+    /// The stream timers still running once the response started.
+    watch: Option<Watch>,
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody")
+            .field("content", &self.content)
+            .field("log", &self.log)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ResponseBody {
@@ -109,6 +185,7 @@ impl ResponseBody {
         ResponseBody {
             content: Content::Full((!bytes.is_empty()).then_some(bytes)),
             log: None,
+            watch: None,
         }
     }
 
@@ -124,12 +201,28 @@ impl ResponseBody {
         ResponseBody {
             content: Content::Upstream(incoming, deadline),
             log: None,
+            watch: None,
         }
     }
 
     /// Counts what is sent in `log`, and holds it until sent or dropped.
     pub fn logged(mut self, log: Arc<LogSlot>) -> Self {
         self.log = Some(log);
+        self
+    }
+
+    /// Ends the body (a stream reset) when a stream timer fires while it is sent.
+    pub fn watched(
+        mut self,
+        timeouts: StreamTimeouts,
+        stats: HttpStats,
+        log: Arc<LogSlot>,
+    ) -> Self {
+        if timeouts.idle.is_some() || timeouts.max_duration.is_some() {
+            self.watch = Some(Box::pin(async move {
+                super::timeouts::watch(timeouts, &stats, &log, true).await
+            }));
+        }
         self
     }
 }
@@ -168,12 +261,22 @@ impl Body for ResponseBody {
                 frame.map(|f| f.map(|r| r.map_err(BoxError::from)))
             }
         };
+        if frame.is_pending()
+            && let Some(watch) = this.watch.as_mut()
+            && let Poll::Ready(why) = watch.as_mut().poll(cx)
+        {
+            this.watch = None;
+            this.content = Content::Full(None);
+            return Poll::Ready(Some(Err(Box::new(StreamTimeout(why)))));
+        }
         match &frame {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(data), Some(log)) = (frame.data_ref(), this.log.as_ref()) {
                     log.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    log.active();
                 }
             }
+            Poll::Ready(Some(Err(err))) if err.is::<StreamTimeout>() => {}
             Poll::Ready(Some(Err(err))) => {
                 tracing::debug!(%err, "upstream response body failed");
                 if let Some(log) = this.log.as_ref() {
@@ -181,7 +284,10 @@ impl Body for ResponseBody {
                 }
             }
             // Sent: let go of the line, which is written once the request body is done too.
-            Poll::Ready(None) => this.log = None,
+            Poll::Ready(None) => {
+                this.log = None;
+                this.watch = None;
+            }
             Poll::Pending => {}
         }
         frame

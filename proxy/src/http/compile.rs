@@ -149,8 +149,6 @@ pub fn compile(
         ),
         ("merge_slashes", hcm.merge_slashes),
         ("local_reply_config", hcm.local_reply_config.is_some()),
-        ("stream_idle_timeout", hcm.stream_idle_timeout.is_some()),
-        ("request_timeout", hcm.request_timeout.is_some()),
         ("xff_num_trusted_hops", hcm.xff_num_trusted_hops > 0),
     ] {
         if set {
@@ -207,6 +205,18 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
         )
         .filter(|d| !d.is_zero());
     }
+    let duration = |value: &Option<envoy_types::pb::google::protobuf::Duration>,
+                    field: &str,
+                    problems: &mut Diagnostics| {
+        value.as_ref().and_then(|d| {
+            crate::config::convert::duration(d, &format!("{path}.{field}"), problems)
+                .filter(|d| !d.is_zero())
+        })
+    };
+    if hcm.stream_idle_timeout.is_some() {
+        limits.stream.idle = duration(&hcm.stream_idle_timeout, "stream_idle_timeout", problems);
+    }
+    limits.stream.request = duration(&hcm.request_timeout, "request_timeout", problems);
     let Some(common) = &hcm.common_http_protocol_options else {
         return limits;
     };
@@ -228,17 +238,18 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
         .max_requests_per_connection
         .map(|n| n.value)
         .filter(|&n| n > 0);
-    for (field, set) in [
-        ("idle_timeout", common.idle_timeout.is_some()),
-        (
-            "max_connection_duration",
-            common.max_connection_duration.is_some(),
-        ),
-        ("max_stream_duration", common.max_stream_duration.is_some()),
-    ] {
-        if set {
-            problems.warning(format!("{c_path}.{field}"), "not implemented; ignored");
-        }
+    limits.max_connection_duration = duration(
+        &common.max_connection_duration,
+        "common_http_protocol_options.max_connection_duration",
+        problems,
+    );
+    limits.stream.max_duration = duration(
+        &common.max_stream_duration,
+        "common_http_protocol_options.max_stream_duration",
+        problems,
+    );
+    if common.idle_timeout.is_some() {
+        problems.warning(format!("{c_path}.idle_timeout"), "not implemented; ignored");
     }
     limits
 }

@@ -96,6 +96,36 @@ pub struct Limits {
     /// `common_http_protocol_options.max_requests_per_connection` (none): the response
     /// to the last one closes the connection (`downstream_cx_max_requests_reached`).
     pub max_requests_per_connection: Option<u32>,
+    /// The per-stream timers (`stream_idle_timeout`, `request_timeout`,
+    /// `common_http_protocol_options.max_stream_duration`).
+    pub stream: StreamTimeouts,
+    /// `common_http_protocol_options.max_connection_duration` (none): the connection
+    /// drains once it is this old (`downstream_cx_max_duration_reached`).
+    pub max_connection_duration: Option<std::time::Duration>,
+}
+
+/// A stream's timers, `None` when disabled (Envoy's 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamTimeouts {
+    /// `stream_idle_timeout` (5 minutes): no byte either way for this long ends the
+    /// stream (`downstream_rq_idle_timeout`, flag SI).
+    pub idle: Option<std::time::Duration>,
+    /// `request_timeout` (none): the whole request must arrive within it, unless the
+    /// response started first (`downstream_rq_timeout`).
+    pub request: Option<std::time::Duration>,
+    /// `max_stream_duration` (none): a stream this old is ended
+    /// (`downstream_rq_max_duration_reached`).
+    pub max_duration: Option<std::time::Duration>,
+}
+
+impl Default for StreamTimeouts {
+    fn default() -> Self {
+        StreamTimeouts {
+            idle: Some(std::time::Duration::from_secs(300)),
+            request: None,
+            max_duration: None,
+        }
+    }
 }
 
 impl Default for Limits {
@@ -106,6 +136,8 @@ impl Default for Limits {
             underscores: Underscores::Allow,
             request_headers_timeout: None,
             max_requests_per_connection: None,
+            stream: StreamTimeouts::default(),
+            max_connection_duration: None,
         }
     }
 }
@@ -138,6 +170,12 @@ pub struct HttpStats {
     pub downstream_rq_header_timeout: Counter,
     /// Connections closed after `max_requests_per_connection` requests.
     pub downstream_cx_max_requests_reached: Counter,
+    /// Connections drained after `max_connection_duration`.
+    pub downstream_cx_max_duration_reached: Counter,
+    /// Streams ended by `stream_idle_timeout`, `request_timeout`, `max_stream_duration`.
+    pub downstream_rq_idle_timeout: Counter,
+    pub downstream_rq_timeout: Counter,
+    pub downstream_rq_max_duration_reached: Counter,
     /// The codecs' (not prefixed) `http1.*` / `http2.*` underscore counters, at index
     /// 0 for HTTP/1, 1 for HTTP/2.
     pub requests_rejected_with_underscores_in_headers: [Counter; 2],
@@ -196,6 +234,10 @@ impl HttpStats {
             rq_redirect: counter("rq_redirect"),
             downstream_rq_header_timeout: counter("downstream_rq_header_timeout"),
             downstream_cx_max_requests_reached: counter("downstream_cx_max_requests_reached"),
+            downstream_cx_max_duration_reached: counter("downstream_cx_max_duration_reached"),
+            downstream_rq_idle_timeout: counter("downstream_rq_idle_timeout"),
+            downstream_rq_timeout: counter("downstream_rq_timeout"),
+            downstream_rq_max_duration_reached: counter("downstream_rq_max_duration_reached"),
             requests_rejected_with_underscores_in_headers: ["http1", "http2"].map(|codec| {
                 store.counter(&format!(
                     "{codec}.requests_rejected_with_underscores_in_headers"

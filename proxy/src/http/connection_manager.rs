@@ -70,13 +70,20 @@ pub async fn serve<IO>(
     let limits = shared.hcm.limits.clone();
     let stats = shared.hcm.stats.clone();
     let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    // HTTP/2's last request under `max_requests_per_connection`: GOAWAY.
+    let goaway = Arc::new(tokio::sync::Notify::new());
+    let reached = goaway.clone();
     let service = service_fn(move |request: Request<Incoming>| {
         let shared = shared.clone();
-        counted.saw(request.version());
-        let last = super::limits::last_request(&shared.hcm, &requests, request.version());
+        let version = request.version();
+        counted.saw(version);
+        let last = super::limits::last_request(&shared.hcm, &requests);
+        if last && version == Version::HTTP_2 {
+            reached.notify_one();
+        }
         async move {
-            let mut response = handle(request, &shared).await;
-            if last {
+            let mut response = handle_timed(request, &shared).await;
+            if last && version <= Version::HTTP_11 {
                 response
                     .headers_mut()
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -102,13 +109,31 @@ pub async fn serve<IO>(
         .http2()
         .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    tokio::pin!(connection, drain);
-    let result = tokio::select! {
-        result = connection.as_mut() => result,
-        () = &mut drain => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
+    // `max_connection_duration`: then the connection drains as on the drain signal.
+    let max_duration = async {
+        match limits.max_connection_duration {
+            Some(max) => tokio::time::sleep(max).await,
+            None => std::future::pending().await,
         }
+    };
+    tokio::pin!(connection, drain, max_duration);
+    let mut draining = false;
+    let result = loop {
+        tokio::select! {
+            result = connection.as_mut() => break result,
+            () = &mut drain, if !draining => {}
+            () = &mut max_duration, if !draining => {
+                tracing::debug!(%remote, "max_connection_duration reached: draining");
+                stats.downstream_cx_max_duration_reached.inc();
+            }
+            () = goaway.notified(), if !draining => {
+                tracing::debug!(%remote, "max_requests_per_connection reached: GOAWAY");
+            }
+        }
+        // Requests in flight finish; an idle HTTP/1 connection closes, a busy one
+        // closes after its response; HTTP/2 sends GOAWAY.
+        draining = true;
+        connection.as_mut().graceful_shutdown();
     };
     if let Err(err) = result {
         if err
@@ -153,7 +178,40 @@ pub fn uuid4() -> String {
     )
 }
 
-async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
+/// [`handle`] under the stream's timers: one that fires before the response is ready
+/// answers 408 (the request's work dropped); once it is, they run with its body.
+async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    let timeouts = hcm.limits.stream;
+    let http1 = request.version() <= Version::HTTP_11;
+    let log = LogSlot::new();
+    if hyper::body::Body::is_end_stream(request.body()) {
+        log.set_request_complete();
+    }
+    let handled = handle(request, shared, log.clone());
+    let watch = super::timeouts::watch(timeouts, &hcm.stats, &log, false);
+    let response = tokio::select! {
+        response = handled => response,
+        why = watch => {
+            let reply = LocalReply::new(StatusCode::REQUEST_TIMEOUT, why.body(), why.flag());
+            let mut response = reply.response();
+            // The rest of the request will not be read.
+            if http1 && !log.request_complete() {
+                close_connection(&mut response);
+            }
+            response.headers_mut().insert(header::SERVER, hcm.server_name.clone());
+            hcm.stats.response(StatusCode::REQUEST_TIMEOUT.as_u16());
+            return response.map(|body| ResponseBody::full(body).logged(log));
+        }
+    };
+    response.map(|body| body.watched(timeouts, hcm.stats.clone(), log))
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    shared: &Shared,
+    log: Arc<LogSlot>,
+) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
     let downstream = &shared.downstream;
     let _active = hcm.stats.request(request.version());
@@ -198,7 +256,6 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Respons
         request_id: header_string(&parts.headers, &request_id),
         user_agent: header_string(&parts.headers, header::USER_AGENT),
     }));
-    let log = LogSlot::new();
     let mut pending = Pending {
         entry: Some(entry),
         hcm: hcm.clone(),
@@ -545,7 +602,18 @@ impl Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         if let Some(mut entry) = self.entry.take() {
-            entry.flag(ResponseFlag::DownstreamConnectionTermination);
+            // Dropped for a stream timer's 408, or because the downstream went away.
+            match self.log.timeout() {
+                Some(why) => {
+                    if let Some(flag) = why.flag() {
+                        entry.flag(flag);
+                    }
+                    if let Some(http) = entry.http.as_mut() {
+                        http.response_code = 408;
+                    }
+                }
+                None => entry.flag(ResponseFlag::DownstreamConnectionTermination),
+            }
             self.log.fill(entry, self.hcm.clone());
         }
     }

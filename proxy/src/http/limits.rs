@@ -1,7 +1,8 @@
 //! What a downstream may send, enforced as Envoy does: `max_request_headers_kb` and
 //! `max_headers_count` (431 `Request Header Fields Too Large`),
 //! `headers_with_underscores_action` (400, or the header dropped),
-//! `max_requests_per_connection` (the last response closes the connection). hyper's
+//! `max_requests_per_connection` (the last response closes the connection, or HTTP/2's
+//! GOAWAY). hyper's
 //! codecs bound the bytes held while headers arrive; the exact checks are here.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,9 +24,9 @@ pub fn http1_buffer(limits: &Limits) -> usize {
 }
 
 /// Whether the request numbered by `requests` is the connection's last under
-/// `max_requests_per_connection`; counts `downstream_cx_max_requests_reached` once.
-/// Only HTTP/1 responses carry `connection: close`.
-pub fn last_request(hcm: &HttpConnectionManager, requests: &AtomicU32, version: Version) -> bool {
+/// `max_requests_per_connection` (or past it); counts `downstream_cx_max_requests_reached`
+/// once. Its HTTP/1 response carries `connection: close`; HTTP/2 sends GOAWAY.
+pub fn last_request(hcm: &HttpConnectionManager, requests: &AtomicU32) -> bool {
     let Some(max) = hcm.limits.max_requests_per_connection else {
         return false;
     };
@@ -33,7 +34,7 @@ pub fn last_request(hcm: &HttpConnectionManager, requests: &AtomicU32, version: 
     if n == max {
         hcm.stats.downstream_cx_max_requests_reached.inc();
     }
-    n >= max && version <= Version::HTTP_11
+    n >= max
 }
 
 /// Envoy's header checks on a request as it arrived: the local reply that refuses it,

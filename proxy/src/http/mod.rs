@@ -20,6 +20,7 @@ pub mod route;
 pub mod route_action;
 pub mod route_config;
 pub mod router;
+pub mod timeouts;
 pub mod upgrade;
 
 #[cfg(test)]

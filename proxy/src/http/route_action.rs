@@ -193,6 +193,8 @@ pub fn route_action(
         ("hedge_policy", a.hedge_policy.is_some()),
         ("cors", a.cors.is_some()),
         ("idle_timeout", a.idle_timeout.is_some()),
+        // The route's override of the connection manager's max_stream_duration.
+        ("max_stream_duration", a.max_stream_duration.is_some()),
         (
             "internal_redirect_policy",
             a.internal_redirect_policy.is_some(),

@@ -801,4 +801,234 @@ mod limits {
             3
         );
     }
+
+    /// An upstream that reads what it is sent and answers `answer` (then keeps the
+    /// connection open); `trickle`: then one more byte every `every`, `n` times.
+    async fn raw_upstream(answer: &'static [u8], trickle: usize) -> std::net::SocketAddr {
+        trickling_upstream(answer, trickle, std::time::Duration::from_secs(2)).await
+    }
+
+    async fn trickling_upstream(
+        answer: &'static [u8],
+        trickle: usize,
+        every: std::time::Duration,
+    ) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = stream.read(&mut buf).await;
+                    if !answer.is_empty() {
+                        let _ = stream.write_all(answer).await;
+                    }
+                    for _ in 0..trickle {
+                        tokio::time::sleep(every).await;
+                        let _ = stream.write_all(b"x").await;
+                    }
+                    // Held open, read until the proxy lets go.
+                    while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
+                });
+            }
+        });
+        address
+    }
+
+    /// A connection manager routing everything to an upstream at `at`, `extra` merged
+    /// into its config; the route's timeout is 8 s.
+    fn proxying(
+        extra: Value,
+        store: &Store,
+        at: std::net::SocketAddr,
+    ) -> (Arc<crate::http::HttpConnectionManager>, Empty) {
+        let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
+            crate::config::message_from_json(json!({
+                "name": "up", "type": "STATIC", "connect_timeout": "100s",
+                "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
+                ]}]}
+            }))
+            .unwrap();
+        let mut problems = Diagnostics::default();
+        let compiled = crate::upstream::compile::compile(
+            &cluster,
+            "c",
+            0,
+            store,
+            &mut Vec::new(),
+            &mut problems,
+        )
+        .unwrap();
+        let mut config = Empty::default();
+        config.clusters.insert("up".into(), compiled);
+        let mut hcm_config = json!({
+            "stat_prefix": "timeouts",
+            "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "up", "timeout": "8s"}}
+            ]}]},
+            "http_filters": [{"name": "router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            hcm_config[key] = value.clone();
+        }
+        let hcm_config: EnvoyHcm = crate::config::message_from_json(hcm_config).unwrap();
+        let hcm = crate::http::compile::compile(
+            &hcm_config,
+            &config.clusters,
+            store,
+            "hcm",
+            &mut problems,
+        )
+        .unwrap();
+        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        (Arc::new(hcm), config)
+    }
+
+    const GET: &[u8] = b"GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+    /// A request whose body (10 bytes announced) never all arrives.
+    const UNFINISHED_POST: &[u8] = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\nabc";
+
+    #[tokio::test(start_paused = true)]
+    async fn request_timeout_answers_408_until_the_request_is_complete() {
+        let store = Store::new();
+        let at = raw_upstream(b"", 0).await;
+        let (hcm, config) = proxying(json!({"request_timeout": "2s"}), &store, at);
+        let response = exchange_with(hcm.clone(), config.clone(), UNFINISHED_POST.to_vec()).await;
+        assert_eq!(status(&response), "408", "{response}");
+        assert!(response.ends_with("request timeout"), "{response}");
+        assert_eq!(hcm.stats.downstream_rq_timeout.value(), 1);
+        // A complete request is past it (its body read): the route's timeout answers.
+        let response = exchange_with(hcm.clone(), config.clone(), GET.to_vec()).await;
+        assert_eq!(status(&response), "504", "{response}");
+        let post = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\n0123456789";
+        let response = exchange_with(hcm.clone(), config, post.to_vec()).await;
+        assert_eq!(status(&response), "504", "{response}");
+        assert_eq!(hcm.stats.downstream_rq_timeout.value(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stream_idle_timeout_answers_408_then_resets_once_the_response_started() {
+        let store = Store::new();
+        let silent = raw_upstream(b"", 0).await;
+        let (hcm, config) = proxying(json!({"stream_idle_timeout": "3s"}), &store, silent);
+        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        assert_eq!(status(&response), "408", "{response}");
+        assert!(response.ends_with("stream timeout"), "{response}");
+        assert_eq!(hcm.stats.downstream_rq_idle_timeout.value(), 1);
+        // Headers then part of the body, then nothing: the response is cut short.
+        let store = Store::new();
+        let stalled = raw_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc", 0).await;
+        let (hcm, config) = proxying(json!({"stream_idle_timeout": "3s"}), &store, stalled);
+        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        assert_eq!(status(&response), "200", "{response}");
+        assert!(response.ends_with("abc"), "{response}");
+        assert_eq!(hcm.stats.downstream_rq_idle_timeout.value(), 1);
+    }
+
+    /// Real time: with the clock paused, the runtime may skip ahead while a byte is on
+    /// its way through loopback.
+    #[tokio::test]
+    async fn stream_idle_timeout_restarts_with_each_byte() {
+        let store = Store::new();
+        let every = std::time::Duration::from_millis(100);
+        let trickling =
+            trickling_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\na", 5, every).await;
+        // Longer in all than the idle timeout, but never idle for it.
+        let (hcm, config) = proxying(json!({"stream_idle_timeout": "0.4s"}), &store, trickling);
+        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        assert!(response.ends_with("\r\n\r\naxxxxx"), "{response}");
+        assert_eq!(hcm.stats.downstream_rq_idle_timeout.value(), 0);
+    }
+
+    #[test]
+    fn stream_idle_timeout_defaults_to_5_minutes_and_0_disables_it() {
+        let store = Store::new();
+        let idle = |extra| hcm(extra, &store).limits.stream.idle;
+        assert_eq!(idle(json!({})), Some(std::time::Duration::from_secs(300)));
+        assert_eq!(idle(json!({"stream_idle_timeout": "0s"})), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn max_stream_duration_ends_a_stream_however_active() {
+        let store = Store::new();
+        let limit = json!({"common_http_protocol_options": {"max_stream_duration": "3s"}});
+        let silent = raw_upstream(b"", 0).await;
+        let (hcm, config) = proxying(limit.clone(), &store, silent);
+        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        assert_eq!(status(&response), "408", "{response}");
+        assert!(
+            response.ends_with("downstream duration timeout"),
+            "{response}"
+        );
+        assert_eq!(hcm.stats.downstream_rq_max_duration_reached.value(), 1);
+        // Active, but longer than that: reset after the response started.
+        let store = Store::new();
+        let trickling = raw_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\na", 9).await;
+        let (hcm, config) = proxying(limit, &store, trickling);
+        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
+        assert_eq!(status(&response), "200", "{response}");
+        // Cut short: some of `axxxxxxxxx`.
+        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+        assert!(body.starts_with('a') && body.len() < 10, "{response}");
+        assert_eq!(hcm.stats.downstream_rq_max_duration_reached.value(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn max_connection_duration_drains_the_connection() {
+        let store = Store::new();
+        let hcm = hcm(
+            json!({"common_http_protocol_options": {"max_connection_duration": "5s"}}),
+            &store,
+        );
+        // Keep-alive: without the limit the connection would stay open.
+        let response = exchange(hcm.clone(), b"GET / HTTP/1.1\r\nhost: a\r\n\r\n".to_vec()).await;
+        assert_eq!(status(&response), "200", "{response}");
+        assert_eq!(hcm.stats.downstream_cx_max_duration_reached.value(), 1);
+    }
+
+    #[tokio::test]
+    async fn http2_sends_goaway_after_max_requests_per_connection() {
+        let store = Store::new();
+        let hcm = hcm(
+            json!({"common_http_protocol_options": {"max_requests_per_connection": 2}}),
+            &store,
+        );
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let downstream = Downstream {
+            remote: "10.0.0.1:1234".parse().unwrap(),
+            local: "10.0.0.2:80".parse().unwrap(),
+            original_dst: None,
+            direction: Direction::Inbound,
+            secure: false,
+            own_ports: Arc::from(Vec::new()),
+        };
+        let served = tokio::spawn(serve(
+            hcm.clone(),
+            Arc::new(Empty::default()),
+            server,
+            downstream,
+            std::future::pending(),
+        ));
+        let (mut sender, connection) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(client),
+        )
+        .await
+        .unwrap();
+        let connection = tokio::spawn(connection);
+        for _ in 0..2 {
+            let request = hyper::Request::get("http://a/")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            assert_eq!(response.status(), 200);
+        }
+        // GOAWAY: the connection ends without the client closing it.
+        let bound = std::time::Duration::from_secs(10);
+        tokio::time::timeout(bound, served).await.unwrap().unwrap();
+        let _ = tokio::time::timeout(bound, connection).await.unwrap();
+        assert_eq!(hcm.stats.downstream_cx_max_requests_reached.value(), 1);
+    }
 }

@@ -170,6 +170,11 @@ fn bind(listener: &Listener, addr: SocketAddr) -> std::io::Result<StdListener> {
 /// after start-up it serves only `/config_dump` (and xDS JSON), and costs ~15 MiB.
 const POOL_IDLE: Duration = Duration::from_secs(5);
 
+/// Free heap glibc may keep (checked as often as the pool) before it is trimmed: a
+/// burst of connections (each with its read buffer, up to ~80 KiB while headers
+/// arrive) otherwise leaves RSS at its peak for good.
+const HEAP_TRIM_FREE: usize = 8 << 20;
+
 /// A listening socket's accept loop, for `/drain_listeners`.
 struct AcceptLoop {
     listener: Arc<str>,
@@ -252,6 +257,9 @@ async fn serve(
             _ = pool_check.tick() => {
                 if crate::config::release_idle_pool(POOL_IDLE) {
                     tracing::debug!("descriptor pool released while idle");
+                }
+                if let Some(free) = crate::config::trim_free_heap(HEAP_TRIM_FREE) {
+                    tracing::debug!(free, "free heap returned to the kernel");
                 }
             }
             _ = sigterm.recv() => {

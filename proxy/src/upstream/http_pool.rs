@@ -32,6 +32,8 @@ pub trait BodyObserver: Send + Sync + std::fmt::Debug {
     /// The downstream's body broke HTTP's framing (a bad chunk size, say): the request
     /// is the downstream's fault, not the upstream's.
     fn protocol_error(&self) {}
+    /// The whole body was read.
+    fn ended(&self) {}
 }
 
 /// Whether a body error is the peer breaking HTTP/1.1's framing (hyper's decoder says
@@ -86,7 +88,7 @@ impl Body for RequestBody {
         let Some(incoming) = this.incoming.as_mut() else {
             return Poll::Ready(None);
         };
-        let frame = Pin::new(incoming).poll_frame(cx);
+        let frame = Pin::new(&mut *incoming).poll_frame(cx);
         if let Some(observer) = &this.observer {
             match &frame {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -95,7 +97,11 @@ impl Body for RequestBody {
                     }
                 }
                 Poll::Ready(Some(Err(err))) if is_framing_error(err) => observer.protocol_error(),
+                Poll::Ready(None) => observer.ended(),
                 _ => {}
+            }
+            if matches!(frame, Poll::Ready(Some(Ok(_)))) && Body::is_end_stream(incoming) {
+                observer.ended();
             }
         }
         frame
