@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     for end in (0..data.len()).step_by(1 + data.len() / 64) {
         match inspector::parse_client_hello(&data[..end]) {
             TlsVerdict::NeedMore => {}
-            verdict => assert_eq!(format!("{verdict:?}"), format!("{whole_tls:?}"), "prefix {end}"),
+            verdict => assert_eq!(verdict, whole_tls, "prefix {end}"),
         }
         match inspector::inspect_http(&data[..end]) {
             HttpVerdict::NeedMore => {}

@@ -251,8 +251,7 @@ impl ConfigProvider for Current {
 }
 
 fn connection_manager() -> &'static (Arc<shunt::http::HttpConnectionManager>, Arc<Current>) {
-    static HCM: OnceLock<(Arc<shunt::http::HttpConnectionManager>, Arc<Current>)> =
-        OnceLock::new();
+    static HCM: OnceLock<(Arc<shunt::http::HttpConnectionManager>, Arc<Current>)> = OnceLock::new();
     HCM.get_or_init(|| {
         let hcm: EnvoyHcm = shunt::config::message_from_json(json!({
             "stat_prefix": "fuzz",
