@@ -47,7 +47,7 @@ pub struct Options {
 }
 
 /// How one target's run went.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub struct Outcome {
     pub execs: u64,
     pub seconds: f64,
