@@ -112,7 +112,7 @@ pub struct CaptureArgs {
 }
 
 impl CaptureArgs {
-    fn config(&self) -> anyhow::Result<CaptureConfig> {
+    pub fn config(&self) -> anyhow::Result<CaptureConfig> {
         let c = || -> Result<CaptureConfig, String> {
             Ok(CaptureConfig {
                 proxy_port: config::parse_port("-p", &self.proxy_port)?,

@@ -7,6 +7,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod layers;
 mod lint;
 mod pods;
@@ -37,6 +38,9 @@ enum Cmd {
         /// Do not run `cargo xtask lint` first.
         #[arg(long)]
         skip_lint: bool,
+        /// How long each fuzz target runs after the tests (0: not at all).
+        #[arg(long, default_value_t = 10)]
+        fuzz_seconds: u64,
         /// Passed to every test binary (e.g. a test name filter, `--nocapture`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -54,6 +58,21 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "ebpf")]
         backend: pods::Backend,
     },
+    /// Build the libFuzzer targets (fuzz/) and run each for a bounded time; fails on a crash,
+    /// naming the input that crashed.
+    Fuzz {
+        /// How long each target runs.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Write new corpus entries into fuzz/corpus/TARGET/ (default: fuzz/target/corpus/).
+        #[arg(long)]
+        save_corpus: bool,
+        /// Skip `cargo xtask setup` (`cargo xtask test` ran it already).
+        #[arg(long, hide = true)]
+        no_setup: bool,
+        /// Targets to run (default: all).
+        targets: Vec<String>,
+    },
     /// Benchmarks on a node of pods, with release builds (results under target/bench/).
     Bench {
         #[command(subcommand)]
@@ -68,6 +87,7 @@ fn main() -> ExitCode {
         Cmd::Test {
             binary_timeout_s,
             skip_lint,
+            fuzz_seconds,
             mut args,
         } => {
             // `cargo xtask test -- --nocapture`: the `--` is ours, not the binaries'.
@@ -78,6 +98,7 @@ fn main() -> ExitCode {
                 args,
                 binary_timeout: std::time::Duration::from_secs(binary_timeout_s),
                 skip_lint,
+                fuzz_seconds,
             };
             runner::run(&options, setup::run())
         }
@@ -91,6 +112,18 @@ fn main() -> ExitCode {
             })
         }
         Cmd::Demo { backend } => setup::run().and_then(|()| demo::run(backend)),
+        Cmd::Fuzz {
+            seconds,
+            save_corpus,
+            no_setup,
+            targets,
+        } => (if no_setup { Ok(()) } else { setup::run() }).and_then(|()| {
+            fuzz::run(&fuzz::Options {
+                seconds,
+                targets,
+                save_corpus,
+            })
+        }),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
     match result {

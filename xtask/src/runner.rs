@@ -36,6 +36,8 @@ pub struct Options {
     pub binary_timeout: Duration,
     /// Skip `cargo xtask lint` (fmt, clippy, layer check).
     pub skip_lint: bool,
+    /// How long each fuzz target runs as the last step (0: no fuzz step).
+    pub fuzz_seconds: u64,
 }
 
 /// libtest's counts, summed over the `test result:` lines of one run.
@@ -178,6 +180,23 @@ pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
             println!("\n=== doc tests (cargo test --workspace --doc)");
             rows.push(run_step("doc tests", doc, opts.binary_timeout));
         }
+    }
+
+    // The fuzz targets, briefly each (`cargo xtask fuzz`): one step, failed by a crash.
+    if opts.fuzz_seconds > 0 {
+        let name = format!(
+            "fuzz ({} targets x {} s)",
+            crate::fuzz::TARGETS.len(),
+            opts.fuzz_seconds
+        );
+        println!("\n=== {name}");
+        // Set-up ran already; the build is most of the time a first run takes.
+        let xtask = std::env::current_exe().unwrap_or_else(|_| "xtask".into());
+        let mut fuzz = Command::new(xtask);
+        fuzz.args(["fuzz", "--no-setup", "--seconds"])
+            .arg(opts.fuzz_seconds.to_string());
+        let runs = Duration::from_secs(2 * opts.fuzz_seconds * crate::fuzz::TARGETS.len() as u64);
+        rows.push(run_step(&name, fuzz, opts.binary_timeout + runs));
     }
 
     let total = summary(&rows, start.elapsed());

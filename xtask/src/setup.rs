@@ -24,6 +24,8 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
     ("openssl", "openssl"),
+    // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
+    ("g++", "g++"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

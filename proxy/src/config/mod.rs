@@ -15,7 +15,7 @@ mod diagnostic;
 mod extensions;
 pub mod health_ports;
 mod json;
-mod load;
+pub mod load;
 mod pool;
 pub mod references;
 mod resources;

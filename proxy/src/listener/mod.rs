@@ -9,7 +9,7 @@ pub mod compile;
 pub mod config;
 pub mod connection_handler;
 pub mod filter_chain;
-mod inspector;
+pub mod inspector;
 pub mod original_dst;
 
 use std::net::SocketAddr;
