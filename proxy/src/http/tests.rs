@@ -730,13 +730,11 @@ mod limits {
         address
     }
 
-    #[tokio::test]
-    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
-        let store = Store::new();
-        let at = upstream().await;
+    /// A config with one STATIC cluster `up` whose host is `at`.
+    fn with_upstream(store: &Store, at: std::net::SocketAddr, connect_timeout: &str) -> Empty {
         let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
             crate::config::message_from_json(json!({
-                "name": "up", "type": "STATIC", "connect_timeout": "1s",
+                "name": "up", "type": "STATIC", "connect_timeout": connect_timeout,
                 "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
                     {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
                 ]}]}
@@ -747,13 +745,22 @@ mod limits {
             &cluster,
             "c",
             0,
-            &store,
+            store,
             &mut Vec::new(),
             &mut problems,
         )
         .unwrap();
         let mut config = Empty::default();
         config.clusters.insert("up".into(), compiled);
+        config
+    }
+
+    #[tokio::test]
+    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
+        let store = Store::new();
+        let at = upstream().await;
+        let config = with_upstream(&store, at, "1s");
+        let mut problems = Diagnostics::default();
         let hcm_config: EnvoyHcm = crate::config::message_from_json(json!({
             "stat_prefix": "proxied",
             "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
@@ -842,26 +849,8 @@ mod limits {
         store: &Store,
         at: std::net::SocketAddr,
     ) -> (Arc<crate::http::HttpConnectionManager>, Empty) {
-        let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
-            crate::config::message_from_json(json!({
-                "name": "up", "type": "STATIC", "connect_timeout": "100s",
-                "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
-                ]}]}
-            }))
-            .unwrap();
+        let config = with_upstream(store, at, "100s");
         let mut problems = Diagnostics::default();
-        let compiled = crate::upstream::compile::compile(
-            &cluster,
-            "c",
-            0,
-            store,
-            &mut Vec::new(),
-            &mut problems,
-        )
-        .unwrap();
-        let mut config = Empty::default();
-        config.clusters.insert("up".into(), compiled);
         let mut hcm_config = json!({
             "stat_prefix": "timeouts",
             "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
