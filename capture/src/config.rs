@@ -62,6 +62,23 @@ pub struct CaptureConfig {
     pub outbound_ports_exclude: Vec<u16>,
     /// Short-circuit local socket pairs through the sockmap (eBPF backend).
     pub sockmap: bool,
+    /// DNS capture to the agent's DNS proxy (istio-iptables `--redirect-dns`).
+    pub dns: DnsCapture,
+}
+
+/// The agent's DNS proxy port (Istio's 15053).
+pub const DNS_PROXY_PORT: u16 = 15053;
+
+/// DNS capture: UDP and TCP to port 53 go to the DNS proxy instead.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DnsCapture {
+    /// Capture DNS at all (`--redirect-dns`, env `REDIRECT_DNS`).
+    pub redirect: bool,
+    /// Capture queries to any resolver, not only the pod's (`--capture-all-dns`).
+    pub capture_all: bool,
+    /// The pod's resolvers (from `resolv.conf`, or the flags): only these are captured
+    /// unless `capture_all`.
+    pub servers: Vec<std::net::IpAddr>,
 }
 
 /// istio-iptables adds SSH to the inbound exclusions when every port is captured.

@@ -264,6 +264,7 @@ mod tests {
             inbound_exclude: vec![15090, 15021, 15020],
             outbound_ports_exclude: vec![],
             sockmap: true,
+            dns: Default::default(),
         }
     }
 

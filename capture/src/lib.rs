@@ -126,6 +126,7 @@ impl CaptureArgs {
                 inbound_exclude: config::parse_ports("-d", &self.inbound_ports_exclude)?,
                 outbound_ports_exclude: config::parse_ports("-o", &self.outbound_ports_exclude)?,
                 sockmap: !self.no_sockmap,
+                dns: Default::default(),
             })
         };
         c().map_err(|e| anyhow::anyhow!("invalid flag {e}"))
