@@ -217,6 +217,13 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
         limits.stream.idle = duration(&hcm.stream_idle_timeout, "stream_idle_timeout", problems);
     }
     limits.stream.request = duration(&hcm.request_timeout, "request_timeout", problems);
+    if hcm.delayed_close_timeout.is_some() {
+        limits.delayed_close_timeout = duration(
+            &hcm.delayed_close_timeout,
+            "delayed_close_timeout",
+            problems,
+        );
+    }
     let Some(common) = &hcm.common_http_protocol_options else {
         return limits;
     };

@@ -102,6 +102,10 @@ pub struct Limits {
     /// `common_http_protocol_options.max_connection_duration` (none): the connection
     /// drains once it is this old (`downstream_cx_max_duration_reached`).
     pub max_connection_duration: Option<std::time::Duration>,
+    /// `delayed_close_timeout` (1 s): how long a connection shunt closes keeps reading
+    /// (and discarding) after its last response, so that unread request bytes do not
+    /// turn the close into a reset that loses the response. `None` closes at once.
+    pub delayed_close_timeout: Option<std::time::Duration>,
 }
 
 /// A stream's timers, `None` when disabled (Envoy's 0).
@@ -138,6 +142,7 @@ impl Default for Limits {
             max_requests_per_connection: None,
             stream: StreamTimeouts::default(),
             max_connection_duration: None,
+            delayed_close_timeout: Some(std::time::Duration::from_secs(1)),
         }
     }
 }

@@ -108,6 +108,7 @@ pub async fn serve<IO>(
     builder
         .http2()
         .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
+    let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     // `max_connection_duration`: then the connection drains as on the drain signal.
     let max_duration = async {

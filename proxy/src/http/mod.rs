@@ -12,6 +12,7 @@ pub mod body;
 pub mod compile;
 pub mod config;
 pub mod connection_manager;
+pub mod delayed_close;
 pub mod header_rules;
 pub mod limits;
 pub mod matcher;

@@ -626,6 +626,61 @@ mod limits {
         assert_eq!(status(&exchange(default, k400).await), "431");
     }
 
+    /// Over real TCP: the client is still sending when the 431 goes out. Without the
+    /// delayed close the unread bytes turn the close into a reset, which fails the
+    /// client's write and can drop the response.
+    #[tokio::test]
+    async fn an_oversized_head_still_gets_its_431_over_tcp() {
+        let store = Store::new();
+        let hcm = hcm(json!({}), &store);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (socket, remote) = listener.accept().await.unwrap();
+            let downstream = Downstream {
+                remote,
+                local: addr,
+                original_dst: None,
+                direction: Direction::Inbound,
+                secure: false,
+                own_ports: Arc::from(Vec::new()),
+            };
+            serve(
+                hcm,
+                Arc::new(Empty::default()),
+                socket,
+                downstream,
+                std::future::pending(),
+            )
+            .await;
+        });
+        let (written, read, response) = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut socket = std::net::TcpStream::connect(addr).unwrap();
+            // 8 MiB: more than the socket buffers hold, so the client is mid-write.
+            let written = (|| {
+                socket.write_all(b"GET / HTTP/1.1\r\nhost: a\r\nx-pad: ")?;
+                for _ in 0..128 {
+                    socket.write_all(&[b'a'; 64 * 1024])?;
+                }
+                socket.write_all(b"\r\n\r\n")
+            })();
+            let mut response = Vec::new();
+            let read = socket.read_to_end(&mut response);
+            (
+                written.map_err(|e| e.kind()),
+                read.map_err(|e| e.kind()),
+                String::from_utf8_lossy(&response).into_owned(),
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(written, Ok(()), "the client's write was reset");
+        assert!(read.is_ok(), "{read:?}");
+        assert_eq!(status(&response), "431", "{response}");
+        server.await.unwrap();
+    }
+
     #[tokio::test]
     async fn more_headers_than_max_headers_count_get_431() {
         let store = Store::new();
