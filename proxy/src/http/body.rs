@@ -29,6 +29,10 @@ pub struct LogSlot {
     request_complete: AtomicBool,
     /// The stream timer that ended the stream, if one did.
     ended_by: Mutex<Option<Timeout>>,
+    /// The route's `max_stream_duration`, once routed: `Some(None)` turns it off.
+    max_duration: Mutex<Option<Option<std::time::Duration>>>,
+    /// Wakes the stream timers when the route changes their deadline.
+    rescheduled: tokio::sync::Notify,
     /// Data bytes read from the downstream (`bytes_received`) and written to it.
     received: AtomicU64,
     sent: AtomicU64,
@@ -45,6 +49,8 @@ impl LogSlot {
             activity_ms: AtomicU64::new(0),
             request_complete: AtomicBool::new(false),
             ended_by: Mutex::new(None),
+            max_duration: Mutex::new(None),
+            rescheduled: tokio::sync::Notify::new(),
             received: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             downstream_protocol_error: AtomicBool::new(false),
@@ -72,6 +78,37 @@ impl LogSlot {
 
     pub fn set_request_complete(&self) {
         self.request_complete.store(true, Ordering::Relaxed);
+    }
+
+    /// The route's `max_stream_duration` replaces the connection manager's (Envoy
+    /// recomputes the timer once the route is known; the stream's age still counts).
+    pub fn set_max_duration(&self, max: Option<std::time::Duration>) {
+        *self.max_duration.lock().unwrap_or_else(|e| e.into_inner()) = Some(max);
+        self.rescheduled.notify_waiters();
+    }
+
+    /// The stream's duration limit: the route's if it set one, else `default`.
+    pub fn max_duration(
+        &self,
+        default: Option<std::time::Duration>,
+    ) -> Option<std::time::Duration> {
+        self.max_duration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or(default)
+    }
+
+    /// Resolves when the route changed the stream's deadlines.
+    pub fn rescheduled(&self) -> tokio::sync::futures::Notified<'_> {
+        self.rescheduled.notified()
+    }
+
+    /// Whether the route set its own duration limit.
+    pub fn has_route_max_duration(&self) -> bool {
+        self.max_duration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Notes the timer that ended the stream (flag, 408 if the request is then dropped
@@ -218,7 +255,10 @@ impl ResponseBody {
         stats: HttpStats,
         log: Arc<LogSlot>,
     ) -> Self {
-        if timeouts.idle.is_some() || timeouts.max_duration.is_some() {
+        if timeouts.idle.is_some()
+            || timeouts.max_duration.is_some()
+            || log.has_route_max_duration()
+        {
             self.watch = Some(Box::pin(async move {
                 super::timeouts::watch(timeouts, &stats, &log, true).await
             }));

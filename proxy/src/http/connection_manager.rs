@@ -347,6 +347,12 @@ async fn handle(
             response
         }
         Action::Route(action) => {
+            if let Some(max) = action
+                .stream_duration
+                .and_then(|d| d.for_request(&parts.headers))
+            {
+                log.set_max_duration(max);
+            }
             let picked = action.cluster.pick(&view);
             if let Some((name, _)) = &picked {
                 entry.upstream_cluster = Some(name.clone());

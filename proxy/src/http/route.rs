@@ -240,6 +240,62 @@ pub struct RouteAction {
     pub cluster_not_found: StatusCode,
     /// What RING_HASH and MAGLEV clusters hash for this route's requests.
     pub hash_policy: Vec<HashPolicy>,
+    /// `max_stream_duration`: the route's override of the connection manager's.
+    pub stream_duration: Option<StreamDuration>,
+}
+
+/// A route's `max_stream_duration` block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamDuration {
+    /// `max_stream_duration`; `Some(None)`: set to 0, which turns the connection
+    /// manager's off for this route.
+    pub max: Option<Option<Duration>>,
+    /// `grpc_timeout_header_max`: a request's `grpc-timeout` header sets the duration,
+    /// capped by this (0: not capped).
+    pub grpc_header_max: Option<Duration>,
+    /// `grpc_timeout_header_offset`: subtracted from the header's value.
+    pub grpc_header_offset: Option<Duration>,
+}
+
+impl StreamDuration {
+    /// The stream's duration limit for a request with `headers`, as Envoy's connection
+    /// manager recomputes it once the route is known: `None` keeps the connection
+    /// manager's, `Some(None)` turns the limit off.
+    pub fn for_request(&self, headers: &hyper::HeaderMap) -> Option<Option<Duration>> {
+        let grpc = self.grpc_header_max.zip(
+            headers
+                .get("grpc-timeout")
+                .and_then(|v| grpc_timeout(v.as_bytes())),
+        );
+        let Some((cap, mut timeout)) = grpc else {
+            return self.max;
+        };
+        if !cap.is_zero() && timeout > cap {
+            timeout = cap;
+        }
+        if let Some(offset) = self.grpc_header_offset {
+            timeout = timeout.saturating_sub(offset);
+        }
+        Some((!timeout.is_zero()).then_some(timeout))
+    }
+}
+
+/// gRPC's `grpc-timeout` value: at most 8 digits and a unit (H, M, S, m, u, n).
+pub fn grpc_timeout(value: &[u8]) -> Option<Duration> {
+    let (&unit, digits) = value.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 #[derive(Debug)]

@@ -15,7 +15,7 @@ use hyper::header::HeaderName;
 use super::header_rules;
 use super::route::{
     ClusterChoice, DEFAULT_ROUTE_TIMEOUT, HashKey, HashPolicy, PathRedirect, Redirect, RetryPolicy,
-    RouteAction, RouteMatch, WeightedCluster, retry_on,
+    RouteAction, RouteMatch, StreamDuration, WeightedCluster, retry_on,
 };
 use crate::config::Diagnostics;
 use crate::config::convert::duration_or;
@@ -193,8 +193,6 @@ pub fn route_action(
         ("hedge_policy", a.hedge_policy.is_some()),
         ("cors", a.cors.is_some()),
         ("idle_timeout", a.idle_timeout.is_some()),
-        // The route's override of the connection manager's max_stream_duration.
-        ("max_stream_duration", a.max_stream_duration.is_some()),
         (
             "internal_redirect_policy",
             a.internal_redirect_policy.is_some(),
@@ -205,6 +203,10 @@ pub fn route_action(
             problems.warning(format!("{path}.{field}"), "not implemented; ignored");
         }
     }
+    let stream_duration = a
+        .max_stream_duration
+        .as_ref()
+        .map(|d| stream_duration(d, &format!("{path}.max_stream_duration"), problems));
     let mut hash_policy = Vec::new();
     for (i, policy) in a.hash_policy.iter().enumerate() {
         use route_action::hash_policy::PolicySpecifier;
@@ -272,7 +274,37 @@ pub fn route_action(
         retry_policy,
         cluster_not_found,
         hash_policy,
+        stream_duration,
     })
+}
+
+/// A route's `max_stream_duration` block; a value of 0 is kept (it means "off").
+fn stream_duration(
+    d: &route_action::MaxStreamDuration,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> StreamDuration {
+    let field = |value: &Option<envoy_types::pb::google::protobuf::Duration>,
+                 name: &str,
+                 problems: &mut Diagnostics| {
+        value
+            .as_ref()
+            .and_then(|v| crate::config::convert::duration(v, &format!("{path}.{name}"), problems))
+    };
+    StreamDuration {
+        max: field(&d.max_stream_duration, "max_stream_duration", problems)
+            .map(|v| (!v.is_zero()).then_some(v)),
+        grpc_header_max: field(
+            &d.grpc_timeout_header_max,
+            "grpc_timeout_header_max",
+            problems,
+        ),
+        grpc_header_offset: field(
+            &d.grpc_timeout_header_offset,
+            "grpc_timeout_header_offset",
+            problems,
+        ),
+    }
 }
 
 /// A route's or virtual host's `retry_policy`.

@@ -1020,6 +1020,88 @@ mod limits {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_route_max_stream_duration_overrides_the_connection_managers() {
+        // The route's timeout is 8s: a stream limit under it answers 408, one over it
+        // (or none) lets the route timeout answer 504.
+        let outcome = |hcm_limit: Option<&'static str>, route_limit: Value, request: &[u8]| {
+            let request = request.to_vec();
+            async move {
+                let mut extra = json!({"route_config": {"virtual_hosts": [{
+                    "name": "v", "domains": ["*"], "routes": [{"match": {"prefix": "/"},
+                    "route": {"cluster": "up", "timeout": "8s", "max_stream_duration": route_limit}}]}]}});
+                if let Some(limit) = hcm_limit {
+                    extra["common_http_protocol_options"] = json!({"max_stream_duration": limit});
+                }
+                let store = Store::new();
+                let silent = raw_upstream(b"", 0).await;
+                let (hcm, config) = proxying(extra, &store, silent);
+                let response = exchange_with(hcm.clone(), config, request).await;
+                let reached = hcm.stats.downstream_rq_max_duration_reached.value();
+                (status(&response).to_owned(), reached)
+            }
+        };
+        let grpc = |timeout: &str| {
+            format!(
+                "GET / HTTP/1.1\r\nhost: a\r\ngrpc-timeout: {timeout}\r\nconnection: close\r\n\r\n"
+            )
+            .into_bytes()
+        };
+        // The route's own limit, with none on the connection manager.
+        let route_2s = json!({"max_stream_duration": "2s"});
+        assert_eq!(outcome(None, route_2s, GET).await, ("408".into(), 1));
+        // 0 on the route turns the connection manager's 3s off.
+        let route_off = json!({"max_stream_duration": "0s"});
+        assert_eq!(outcome(Some("3s"), route_off, GET).await, ("504".into(), 0));
+        // An empty block keeps the connection manager's.
+        assert_eq!(outcome(Some("3s"), json!({}), GET).await, ("408".into(), 1));
+        // grpc-timeout sets it, capped by grpc_timeout_header_max...
+        let capped = json!({"grpc_timeout_header_max": "2s"});
+        assert_eq!(outcome(None, capped, &grpc("20S")).await, ("408".into(), 1));
+        // ...not capped when that is 0: the route timeout comes first.
+        let uncapped = json!({"grpc_timeout_header_max": "0s"});
+        assert_eq!(
+            outcome(None, uncapped.clone(), &grpc("20S")).await,
+            ("504".into(), 0)
+        );
+        assert_eq!(
+            outcome(None, uncapped, &grpc("1500m")).await,
+            ("408".into(), 1)
+        );
+        // The offset is taken off the header's value; without the header the route's
+        // max_stream_duration applies.
+        let offset = json!({"grpc_timeout_header_max": "0s", "grpc_timeout_header_offset": "15s",
+                            "max_stream_duration": "30s"});
+        assert_eq!(
+            outcome(None, offset.clone(), &grpc("20S")).await,
+            ("408".into(), 1)
+        );
+        assert_eq!(outcome(None, offset, GET).await, ("504".into(), 0));
+    }
+
+    #[test]
+    fn grpc_timeout_values_parse_as_grpc_defines_them() {
+        use crate::http::route::grpc_timeout;
+        use std::time::Duration;
+        assert_eq!(grpc_timeout(b"1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(grpc_timeout(b"2M"), Some(Duration::from_secs(120)));
+        assert_eq!(grpc_timeout(b"30S"), Some(Duration::from_secs(30)));
+        assert_eq!(grpc_timeout(b"1500m"), Some(Duration::from_millis(1500)));
+        assert_eq!(grpc_timeout(b"7u"), Some(Duration::from_micros(7)));
+        assert_eq!(
+            grpc_timeout(b"99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        for bad in [&b""[..], b"S", b"123456789S", b"10s", b"-1S", b"1.5S"] {
+            assert_eq!(
+                grpc_timeout(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn max_connection_duration_drains_the_connection() {
         let store = Store::new();
         let hcm = hcm(

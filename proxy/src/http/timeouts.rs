@@ -50,13 +50,18 @@ pub async fn watch(
     response_started: bool,
 ) -> Timeout {
     loop {
+        // Registered before the deadlines are read, so a route setting its own
+        // `max_stream_duration` in between is not missed.
+        let rescheduled = log.rescheduled();
+        tokio::pin!(rescheduled);
+        rescheduled.as_mut().enable();
         let mut next: Option<(Instant, Timeout)> = None;
         let mut consider = |at: Instant, why: Timeout| {
             if next.is_none_or(|(n, _)| at < n) {
                 next = Some((at, why));
             }
         };
-        if let Some(max) = timeouts.max_duration {
+        if let Some(max) = log.max_duration(timeouts.max_duration) {
             consider(log.started() + max, Timeout::MaxDuration);
         }
         if let Some(request) = timeouts.request
@@ -69,7 +74,8 @@ pub async fn watch(
             consider(log.last_activity() + idle, Timeout::Idle);
         }
         let Some((at, why)) = next else {
-            return std::future::pending().await;
+            rescheduled.await;
+            continue;
         };
         if at <= Instant::now() {
             tracing::debug!(?why, response_started, "stream timeout");
@@ -77,7 +83,11 @@ pub async fn watch(
             log.ended_by(why);
             return why;
         }
-        // Activity (or the request's end) moves the deadlines: check again then.
-        tokio::time::sleep_until(at).await;
+        // Activity (or the request's end) moves the deadlines: check again then, or
+        // at once when the route changed them.
+        tokio::select! {
+            () = tokio::time::sleep_until(at) => {}
+            () = rescheduled => {}
+        }
     }
 }
