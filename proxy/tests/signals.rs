@@ -71,6 +71,50 @@ fn sighup_is_ignored_and_traffic_goes_on() {
     still_running(&mut shunt);
 }
 
+/// The bootstrap is a FIFO, so shunt is held while loading it: the signals sent then
+/// find no tokio handler yet, and must not take the process down.
+#[test]
+fn signals_while_the_bootstrap_loads_do_not_kill_the_proxy() {
+    let a = echo("A");
+    let fifo = std::env::temp_dir().join(format!("shunt-signals-{}.yaml", std::process::id()));
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success(), "mkfifo");
+    let mut shunt = Shunt::spawn(fifo.clone(), &[]);
+    // Until a writer opens the FIFO, shunt sits in openat(2) (x86_64: 257).
+    let syscall = format!("/proc/{}/syscall", shunt.child.id());
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while !std::fs::read_to_string(&syscall).is_ok_and(|s| s.starts_with("257 ")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "shunt never opened its bootstrap"
+        );
+        still_running(&mut shunt);
+        thread::sleep(std::time::Duration::from_millis(5));
+    }
+    send_signal(&shunt, "HUP");
+    send_signal(&shunt, "USR1");
+    // Non-blocking: with no reader left (the signal killed shunt) the open fails with
+    // ENXIO instead of waiting forever.
+    let mut writer = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap_or_else(|e| panic!("shunt no longer reads its bootstrap: {e}"))
+    };
+    let yaml = bootstrap(
+        &[listener("front", "cluster: a")],
+        &[cluster("a", "", &[a.addr])],
+    );
+    writer.write_all(yaml.as_bytes()).unwrap();
+    drop(writer);
+    let front = shunt.listening("front");
+    assert_eq!(call(front).0.as_deref(), Some("A"));
+    still_running(&mut shunt);
+}
+
 /// The access log lines in `path` (none if it does not exist), as JSON.
 fn log_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

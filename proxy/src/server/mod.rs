@@ -71,6 +71,7 @@ pub struct ProxyArgs {
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    HousekeepingSignals::ignore_until_installed()?;
     init_logging(&args.log_level)?;
     user::raise_open_files_limit();
     let bootstrap = crate::config::Options {
@@ -165,6 +166,20 @@ struct HousekeepingSignals {
 }
 
 impl HousekeepingSignals {
+    /// Loading a bootstrap can take a while (a large file, a slow volume): a logrotate
+    /// SIGUSR1 or a SIGHUP in that time must not kill the process either. Ignored until
+    /// [`HousekeepingSignals::install`] replaces the disposition with its handler.
+    fn ignore_until_installed() -> anyhow::Result<()> {
+        use nix::sys::signal::{SigHandler, Signal, signal};
+        for sig in [Signal::SIGHUP, Signal::SIGUSR1] {
+            // SAFETY: SIG_IGN runs no code in the handler, and no other signal handler
+            // is installed yet that this could race with.
+            unsafe { signal(sig, SigHandler::SigIgn) }
+                .with_context(|| format!("ignoring {sig} while starting"))?;
+        }
+        Ok(())
+    }
+
     fn install() -> anyhow::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok(HousekeepingSignals {

@@ -135,6 +135,11 @@ impl Shunt {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::write(&path, config).unwrap();
+        Shunt::spawn(path, args)
+    }
+
+    /// `shunt proxy --keep-user ARGS -c PATH`; PATH is removed when the proxy is.
+    pub fn spawn(path: std::path::PathBuf, args: &[&str]) -> Shunt {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shunt"))
             .args(["proxy", "--keep-user", "--log-level", "info"])
             .args(args)
