@@ -194,14 +194,21 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
     let response = tokio::select! {
         response = handled => response,
         why = watch => {
-            let reply = LocalReply::new(StatusCode::REQUEST_TIMEOUT, why.body(), why.flag());
+            // Envoy: 408 while the request is still arriving, 504 once it is all in
+            // (then it is the answer that is late).
+            let code = if log.request_complete() {
+                StatusCode::GATEWAY_TIMEOUT
+            } else {
+                StatusCode::REQUEST_TIMEOUT
+            };
+            let reply = LocalReply::new(code, why.body(), why.flag());
             let mut response = reply.response();
             // The rest of the request will not be read.
             if http1 && !log.request_complete() {
                 close_connection(&mut response);
             }
             response.headers_mut().insert(header::SERVER, hcm.server_name.clone());
-            hcm.stats.response(StatusCode::REQUEST_TIMEOUT.as_u16());
+            hcm.stats.response(code.as_u16());
             return response.map(|body| ResponseBody::full(body).logged(log));
         }
     };

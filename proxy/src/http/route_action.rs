@@ -270,7 +270,9 @@ pub fn route_action(
         prefix_rewrite,
         regex_rewrite,
         host_rewrite,
-        timeout: (!timeout.is_zero()).then_some(timeout),
+        // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
+        // stream with it alone, and its `timeout` no longer applies.
+        timeout: (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout),
         retry_policy,
         cluster_not_found,
         hash_policy,

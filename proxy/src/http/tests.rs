@@ -953,14 +953,26 @@ mod limits {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn stream_idle_timeout_answers_408_then_resets_once_the_response_started() {
+    async fn stream_idle_timeout_answers_504_or_408_before_the_response() {
         let store = Store::new();
         let silent = raw_upstream(b"", 0).await;
         let (hcm, config) = proxying(json!({"stream_idle_timeout": "3s"}), &store, silent);
-        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
-        assert_eq!(status(&response), "408", "{response}");
+        // The request all in: the answer is late, 504 (as Envoy 1.40).
+        let response = exchange_with(hcm.clone(), config.clone(), GET.to_vec()).await;
+        assert_eq!(status(&response), "504", "{response}");
         assert!(response.ends_with("stream timeout"), "{response}");
         assert_eq!(hcm.stats.downstream_rq_idle_timeout.value(), 1);
+        // Still arriving: 408.
+        let response = exchange_with(hcm.clone(), config, UNFINISHED_POST.to_vec()).await;
+        assert_eq!(status(&response), "408", "{response}");
+        assert!(response.ends_with("stream timeout"), "{response}");
+        assert_eq!(hcm.stats.downstream_rq_idle_timeout.value(), 2);
+    }
+
+    /// Its own runtime: with the clock paused, tasks left by another exchange can let
+    /// the clock skip past the timer while the upstream's bytes are on loopback.
+    #[tokio::test(start_paused = true)]
+    async fn stream_idle_timeout_resets_a_stream_once_the_response_started() {
         // Headers then part of the body, then nothing: the response is cut short.
         let store = Store::new();
         let stalled = raw_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc", 0).await;
@@ -995,18 +1007,25 @@ mod limits {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn max_stream_duration_ends_a_stream_however_active() {
+    async fn max_stream_duration_answers_504_or_408_before_the_response() {
         let store = Store::new();
         let limit = json!({"common_http_protocol_options": {"max_stream_duration": "3s"}});
         let silent = raw_upstream(b"", 0).await;
         let (hcm, config) = proxying(limit.clone(), &store, silent);
-        let response = exchange_with(hcm.clone(), config, GET.to_vec()).await;
-        assert_eq!(status(&response), "408", "{response}");
+        let response = exchange_with(hcm.clone(), config.clone(), GET.to_vec()).await;
+        assert_eq!(status(&response), "504", "{response}");
         assert!(
             response.ends_with("downstream duration timeout"),
             "{response}"
         );
-        assert_eq!(hcm.stats.downstream_rq_max_duration_reached.value(), 1);
+        let response = exchange_with(hcm.clone(), config, UNFINISHED_POST.to_vec()).await;
+        assert_eq!(status(&response), "408", "{response}");
+        assert_eq!(hcm.stats.downstream_rq_max_duration_reached.value(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn max_stream_duration_resets_a_stream_however_active() {
+        let limit = json!({"common_http_protocol_options": {"max_stream_duration": "3s"}});
         // Active, but longer than that: reset after the response started.
         let store = Store::new();
         let trickling = raw_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\na", 9).await;
@@ -1019,63 +1038,76 @@ mod limits {
         assert_eq!(hcm.stats.downstream_rq_max_duration_reached.value(), 1);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_route_max_stream_duration_overrides_the_connection_managers() {
-        // The route's timeout is 8s: a stream limit under it answers 408, one over it
-        // (or none) lets the route timeout answer 504.
-        let outcome = |hcm_limit: Option<&'static str>, route_limit: Value, request: &[u8]| {
+    /// Each case in a runtime of its own with the clock paused (see
+    /// `stream_idle_timeout_resets_a_stream_once_the_response_started`).
+    #[test]
+    fn a_route_max_stream_duration_overrides_the_connection_managers() {
+        // A silent upstream; the route's timeout is 8s and the stream idle timeout 9s.
+        // Which timer answered is in the body (Envoy 1.40 gives the same outcomes).
+        let ended = |hcm_limit: Option<&'static str>,
+                     route_limit: Option<Value>,
+                     request: &[u8]| {
             let request = request.to_vec();
-            async move {
-                let mut extra = json!({"route_config": {"virtual_hosts": [{
-                    "name": "v", "domains": ["*"], "routes": [{"match": {"prefix": "/"},
-                    "route": {"cluster": "up", "timeout": "8s", "max_stream_duration": route_limit}}]}]}});
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let mut route = json!({"cluster": "up", "timeout": "8s"});
+                if let Some(limit) = route_limit {
+                    route["max_stream_duration"] = limit;
+                }
+                let mut extra = json!({"stream_idle_timeout": "9s",
+                    "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}]}]}});
                 if let Some(limit) = hcm_limit {
                     extra["common_http_protocol_options"] = json!({"max_stream_duration": limit});
                 }
                 let store = Store::new();
                 let silent = raw_upstream(b"", 0).await;
                 let (hcm, config) = proxying(extra, &store, silent);
-                let response = exchange_with(hcm.clone(), config, request).await;
-                let reached = hcm.stats.downstream_rq_max_duration_reached.value();
-                (status(&response).to_owned(), reached)
-            }
+                let response = exchange_with(hcm, config, request).await;
+                assert_eq!(status(&response), "504", "{response}");
+                response
+                    .split("\r\n\r\n")
+                    .nth(1)
+                    .unwrap_or_default()
+                    .to_owned()
+            })
         };
+        const ROUTE: &str = "upstream request timeout";
+        const DURATION: &str = "downstream duration timeout";
+        const IDLE: &str = "stream timeout";
         let grpc = |timeout: &str| {
             format!(
                 "GET / HTTP/1.1\r\nhost: a\r\ngrpc-timeout: {timeout}\r\nconnection: close\r\n\r\n"
             )
             .into_bytes()
         };
-        // The route's own limit, with none on the connection manager.
+        assert_eq!(ended(None, None, GET), ROUTE);
+        // The route's own limit.
         let route_2s = json!({"max_stream_duration": "2s"});
-        assert_eq!(outcome(None, route_2s, GET).await, ("408".into(), 1));
-        // 0 on the route turns the connection manager's 3s off.
+        assert_eq!(ended(None, Some(route_2s), GET), DURATION);
+        // A block turns the route's `timeout` off ("new timeouts").
+        let route_30s = json!({"max_stream_duration": "30s"});
+        assert_eq!(ended(None, Some(route_30s.clone()), GET), IDLE);
+        // 0 turns the connection manager's off; an empty block keeps it.
         let route_off = json!({"max_stream_duration": "0s"});
-        assert_eq!(outcome(Some("3s"), route_off, GET).await, ("504".into(), 0));
-        // An empty block keeps the connection manager's.
-        assert_eq!(outcome(Some("3s"), json!({}), GET).await, ("408".into(), 1));
-        // grpc-timeout sets it, capped by grpc_timeout_header_max...
+        assert_eq!(ended(Some("3s"), Some(route_off), GET), IDLE);
+        assert_eq!(ended(Some("3s"), Some(json!({})), GET), DURATION);
+        assert_eq!(ended(Some("3s"), Some(route_30s), GET), IDLE);
+        // grpc-timeout sets it, capped by grpc_timeout_header_max (0: not capped)...
         let capped = json!({"grpc_timeout_header_max": "2s"});
-        assert_eq!(outcome(None, capped, &grpc("20S")).await, ("408".into(), 1));
-        // ...not capped when that is 0: the route timeout comes first.
+        assert_eq!(ended(None, Some(capped), &grpc("20S")), DURATION);
         let uncapped = json!({"grpc_timeout_header_max": "0s"});
-        assert_eq!(
-            outcome(None, uncapped.clone(), &grpc("20S")).await,
-            ("504".into(), 0)
-        );
-        assert_eq!(
-            outcome(None, uncapped, &grpc("1500m")).await,
-            ("408".into(), 1)
-        );
-        // The offset is taken off the header's value; without the header the route's
-        // max_stream_duration applies.
+        assert_eq!(ended(None, Some(uncapped.clone()), &grpc("20S")), IDLE);
+        assert_eq!(ended(None, Some(uncapped), &grpc("1500m")), DURATION);
+        // ...less grpc_timeout_header_offset; without the header, max_stream_duration.
         let offset = json!({"grpc_timeout_header_max": "0s", "grpc_timeout_header_offset": "15s",
                             "max_stream_duration": "30s"});
-        assert_eq!(
-            outcome(None, offset.clone(), &grpc("20S")).await,
-            ("408".into(), 1)
-        );
-        assert_eq!(outcome(None, offset, GET).await, ("504".into(), 0));
+        assert_eq!(ended(None, Some(offset.clone()), &grpc("20S")), DURATION);
+        assert_eq!(ended(None, Some(offset), GET), IDLE);
     }
 
     #[test]

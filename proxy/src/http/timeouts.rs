@@ -1,7 +1,8 @@
 //! A stream's timers, as Envoy's connection manager runs them: `stream_idle_timeout`
 //! (no byte either way), `request_timeout` (the whole request, until the response
 //! starts) and `max_stream_duration`. One that fires before the response headers are
-//! sent is answered 408; after, the stream is reset (the response body fails: HTTP/1
+//! sent is answered 408 while the request is still arriving, 504 once it is all in (as
+//! Envoy 1.40 answers); after, the stream is reset (the response body fails: HTTP/1
 //! closes the connection, HTTP/2 resets the stream).
 
 use tokio::time::Instant;
