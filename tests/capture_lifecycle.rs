@@ -160,7 +160,7 @@ fn bad_input_is_refused_naming_the_problem_and_installs_nothing() {
     let bpffs = bpffs_root("bad-input");
     let cg = pod.cgroup_path();
     let cg = cg.to_str().unwrap();
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 17] = [
         (
             &["--backend", "ebpf", "--cgroup", cg, "-x", "10.0.0.0/33"],
             &["-x", "10.0.0.0/33", "0..=32"],
@@ -190,6 +190,60 @@ fn bad_input_is_refused_naming_the_problem_and_installs_nothing() {
             ],
         ),
         (&["--backend", "ebpf"], &["--backend ebpf needs --cgroup"]),
+        (&["--backend", "iptables", "-u", "1337,x"], &["-u", "'x'"]),
+        (
+            &["--backend", "iptables", "-k", "eth/1"],
+            &["-k", "'eth/1'"],
+        ),
+        (&["--backend", "iptables", "-q", "0"], &["-q", "'0'"]),
+        (&["--backend", "iptables", "-t", "mark"], &["-t", "'mark'"]),
+        (
+            &["--backend", "iptables", "--redirect-dns=maybe"],
+            &["--redirect-dns", "'maybe'"],
+        ),
+        (
+            &["--backend", "iptables", "--dns-servers-v4", "fd00::1"],
+            &["--dns-servers-v4", "'fd00::1'", "other IP family"],
+        ),
+        (
+            &[
+                "--backend",
+                "iptables",
+                "--redirect-dns",
+                "--resolv-conf",
+                "/nonexistent/resolv.conf",
+            ],
+            &["--redirect-dns", "/nonexistent/resolv.conf"],
+        ),
+        (
+            &[
+                "--backend",
+                "iptables",
+                "--host-ipv4-loopback-cidr",
+                "10.0.0.1/8",
+            ],
+            &["--host-ipv4-loopback-cidr", "'10.0.0.1/8'", "loopback"],
+        ),
+        (
+            &["--backend", "iptables", "--probe-timeout", "soon"],
+            &["--probe-timeout", "'soon'"],
+        ),
+        (
+            &[
+                "--backend",
+                "ebpf",
+                "--cgroup",
+                cg,
+                "-c",
+                "eth1",
+                "--drop-invalid",
+            ],
+            &[
+                "--backend ebpf",
+                "does not implement -c, --drop-invalid",
+                "--backend iptables",
+            ],
+        ),
     ];
     for (args, expected) in cases {
         let out = capture_in(&pod, &bpffs, args);

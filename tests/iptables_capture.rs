@@ -19,9 +19,19 @@ const UPSTREAM_NAME: &str = "only-upstream.example.test";
 const UPSTREAM_ANSWER: &str = "10.9.9.9";
 
 /// dnsmasq answering `name` with `answer` and nothing else (no upstream, no hosts file).
-fn dnsmasq(pod: &Pod, uid: u32, listen: IpAddr, port: u16, name: &str, answer: &str) -> PodProcess {
-    pod.command("dnsmasq")
-        .uid(uid)
+fn dnsmasq(
+    pod: &Pod,
+    uid: u32,
+    listen: &[IpAddr],
+    port: u16,
+    name: &str,
+    answer: &str,
+) -> PodProcess {
+    let mut cmd = pod.command("dnsmasq");
+    for addr in listen {
+        cmd = cmd.arg(format!("--listen-address={addr}"));
+    }
+    cmd.uid(uid)
         .gid(uid)
         .args([
             "--keep-in-foreground",
@@ -33,7 +43,6 @@ fn dnsmasq(pod: &Pod, uid: u32, listen: IpAddr, port: u16, name: &str, answer: &
             "--log-queries",
             "--pid-file=",
         ])
-        .arg(format!("--listen-address={listen}"))
         .arg(format!("--port={port}"))
         .arg(format!("--address=/{name}/{answer}"))
         .arg(format!(
@@ -100,42 +109,52 @@ fn the_apps_dns_reaches_the_proxy_on_15053_and_the_proxys_own_reaches_the_resolv
     let mut node = Node::new().expect("node");
     let app = node.add_pod("app").expect("pod app");
     let resolver_pod = node.add_pod("resolver").expect("pod resolver");
-    let resolver = IpAddr::V4(resolver_pod.ipv4());
+    let resolvers = [
+        IpAddr::V4(resolver_pod.ipv4()),
+        IpAddr::V6(resolver_pod.ipv6()),
+    ];
 
     let upstream = dnsmasq(
         &resolver_pod,
         0,
-        resolver,
+        &resolvers,
         53,
         UPSTREAM_NAME,
         UPSTREAM_ANSWER,
     );
-    wait_for_answer(
-        &resolver_pod,
-        0,
-        (resolver, 53),
-        UPSTREAM_NAME,
-        UPSTREAM_ANSWER,
-        &upstream,
-    );
-    // The agent's DNS proxy stands in: uid 1337 on 127.0.0.1:15053, no upstream.
-    let loopback = "127.0.0.1".parse().unwrap();
-    let stand_in = dnsmasq(&app, PROXY_UID, loopback, 15053, PROXY_NAME, PROXY_ANSWER);
-    wait_for_answer(
-        &app,
-        PROXY_UID,
-        (loopback, 15053),
-        PROXY_NAME,
-        PROXY_ANSWER,
-        &stand_in,
-    );
+    for resolver in resolvers {
+        wait_for_answer(
+            &resolver_pod,
+            0,
+            (resolver, 53),
+            UPSTREAM_NAME,
+            UPSTREAM_ANSWER,
+            &upstream,
+        );
+    }
+    // The agent's DNS proxy stands in: uid 1337 on loopback port 15053, no upstream.
+    let loopback: [IpAddr; 2] = ["127.0.0.1".parse().unwrap(), "::1".parse().unwrap()];
+    let stand_in = dnsmasq(&app, PROXY_UID, &loopback, 15053, PROXY_NAME, PROXY_ANSWER);
+    for lo in loopback {
+        wait_for_answer(
+            &app,
+            PROXY_UID,
+            (lo, 15053),
+            PROXY_NAME,
+            PROXY_ANSWER,
+            &stand_in,
+        );
+    }
 
-    // The pod's resolver comes from its resolv.conf, as istio-iptables reads it.
+    // The pod's resolvers come from its resolv.conf, as istio-iptables reads them.
     let dir = TempDir::new("dns-resolv");
     let resolv = dir.0.join("resolv.conf");
     std::fs::write(
         &resolv,
-        format!("search default.svc.cluster.local\nnameserver {resolver}\noptions ndots:5\n"),
+        format!(
+            "search default.svc.cluster.local\nnameserver {}\nnameserver {}\noptions ndots:5\n",
+            resolvers[0], resolvers[1]
+        ),
     )
     .unwrap();
     let capture = Capture::new("iptables", "dns");
@@ -144,43 +163,50 @@ fn the_apps_dns_reaches_the_proxy_on_15053_and_the_proxys_own_reaches_the_resolv
         &["--redirect-dns", "--resolv-conf", resolv.to_str().unwrap()],
     );
     let rules = saved_rules(&app);
+    let (v4, v6) = (resolvers[0], resolvers[1]);
     for rule in [
         format!(
-            "-A ISTIO_OUTPUT_DNS -d {resolver}/32 -p udp -m udp --dport 53 -j REDIRECT --to-ports 15053"
+            "-A ISTIO_OUTPUT_DNS -d {v4}/32 -p udp -m udp --dport 53 -j REDIRECT --to-ports 15053"
         ),
-        format!("-A ISTIO_OUTPUT_DNS -d {resolver}/32 -p udp -m udp --dport 53 -j CT --zone 2"),
-        format!("-A ISTIO_INBOUND -s {resolver}/32 -p udp -m udp --sport 53 -j CT --zone 1"),
+        format!("-A ISTIO_OUTPUT_DNS -d {v4}/32 -p udp -m udp --dport 53 -j CT --zone 2"),
+        format!("-A ISTIO_INBOUND -s {v4}/32 -p udp -m udp --sport 53 -j CT --zone 1"),
+        format!(
+            "-A ISTIO_OUTPUT_DNS -d {v6}/128 -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053"
+        ),
+        format!("-A ISTIO_INBOUND -s {v6}/128 -p udp -m udp --sport 53 -j CT --zone 1"),
     ] {
         assert!(rules.contains(&rule), "missing {rule:?} in:\n{rules}");
     }
 
     let mut wrong = Vec::new();
-    let mut expect = |who: &str, uid: u32, name: &str, tcp: bool, want: Option<&str>| {
-        let got = dig(&app, uid, resolver, name, tcp);
-        let ok = match want {
-            Some(answer) => got == answer,
-            None => got != PROXY_ANSWER && got != UPSTREAM_ANSWER,
+    for resolver in resolvers {
+        let mut expect = |who: &str, uid: u32, name: &str, tcp: bool, want: Option<&str>| {
+            let got = dig(&app, uid, resolver, name, tcp);
+            let ok = match want {
+                Some(answer) => got == answer,
+                None => got != PROXY_ANSWER && got != UPSTREAM_ANSWER,
+            };
+            if !ok {
+                wrong.push(format!(
+                    "{who} (uid {uid}) {} {name} @{resolver}: got {got:?}, want {want:?}",
+                    if tcp { "TCP" } else { "UDP" }
+                ));
+            }
         };
-        if !ok {
-            wrong.push(format!(
-                "{who} (uid {uid}) {} {name} @{resolver}: got {got:?}, want {want:?}",
-                if tcp { "TCP" } else { "UDP" }
-            ));
+        for tcp in [false, true] {
+            // The app asks its resolver; the stand-in answers, the resolver never sees it.
+            expect("app", APP_UID, PROXY_NAME, tcp, Some(PROXY_ANSWER));
+            expect("app", APP_UID, UPSTREAM_NAME, tcp, None);
+            // The proxy's own queries (its forwards) leave the pod.
+            expect(
+                "proxy",
+                PROXY_UID,
+                UPSTREAM_NAME,
+                tcp,
+                Some(UPSTREAM_ANSWER),
+            );
+            expect("proxy", PROXY_UID, PROXY_NAME, tcp, None);
         }
-    };
-    for tcp in [false, true] {
-        // The app asks its resolver; the stand-in answers, the resolver never sees it.
-        expect("app", APP_UID, PROXY_NAME, tcp, Some(PROXY_ANSWER));
-        expect("app", APP_UID, UPSTREAM_NAME, tcp, None);
-        // The proxy's own queries (its forwards) leave the pod.
-        expect(
-            "proxy",
-            PROXY_UID,
-            UPSTREAM_NAME,
-            tcp,
-            Some(UPSTREAM_ANSWER),
-        );
-        expect("proxy", PROXY_UID, PROXY_NAME, tcp, None);
     }
     assert!(
         wrong.is_empty(),
@@ -189,11 +215,14 @@ fn the_apps_dns_reaches_the_proxy_on_15053_and_the_proxys_own_reaches_the_resolv
         stand_in.stderr_text(),
         upstream.stderr_text()
     );
-    // The resolver saw the proxy's four queries (two names, UDP and TCP), none of the app's.
+    // The resolver saw the proxy's queries (two names, UDP and TCP, per family), none
+    // of the app's.
     let seen = upstream.stderr_text();
-    for name in [PROXY_NAME, UPSTREAM_NAME] {
-        let asked = format!("query[A] {name} from {}", app.ipv4());
-        assert_eq!(seen.matches(&asked).count(), 2, "{asked:?} in:\n{seen}");
+    for source in [IpAddr::V4(app.ipv4()), IpAddr::V6(app.ipv6())] {
+        for name in [PROXY_NAME, UPSTREAM_NAME] {
+            let asked = format!("query[A] {name} from {source}\n");
+            assert_eq!(seen.matches(&asked).count(), 2, "{asked:?} in:\n{seen}");
+        }
     }
 
     capture.cleanup(&app);
@@ -202,10 +231,13 @@ fn the_apps_dns_reaches_the_proxy_on_15053_and_the_proxys_own_reaches_the_resolv
         "{}",
         saved_rules(&app)
     );
-    assert_eq!(
-        dig(&app, APP_UID, resolver, UPSTREAM_NAME, false),
-        UPSTREAM_ANSWER
-    );
+    for resolver in resolvers {
+        assert_eq!(
+            dig(&app, APP_UID, resolver, UPSTREAM_NAME, false),
+            UPSTREAM_ANSWER,
+            "after cleanup the app reaches its resolver"
+        );
+    }
 }
 
 fn capture_run(pod: &Pod, flags: &[&str]) -> std::process::Output {
