@@ -394,4 +394,87 @@ mod tests {
         assert!(parse_ports("-d", "70000").is_err());
         assert!(parse_ports("-d", "0").is_err());
     }
+
+    #[test]
+    fn resolv_conf_nameservers_in_order() {
+        let text = "# generated\nsearch default.svc.cluster.local svc.cluster.local\n\
+                    nameserver 10.96.0.10\n  nameserver   fd00::a  \n; comment\n\
+                    nameserver fe80::1%eth0\nnameserver dns.example\noptions ndots:5\n\
+                    nameserver\nnameserver 127.0.0.53 # stub\n";
+        assert_eq!(
+            resolv_conf_servers(text),
+            ["10.96.0.10", "fd00::a", "127.0.0.53"]
+                .map(|a| a.parse::<IpAddr>().unwrap())
+                .to_vec()
+        );
+        assert!(resolv_conf_servers("").is_empty());
+    }
+
+    #[test]
+    fn the_new_flags_parse_and_reject_naming_the_flag() {
+        assert_eq!(parse_ids("-u", "3, 4").unwrap(), vec![3, 4]);
+        assert!(parse_ids("-u", "").unwrap_err().starts_with("-u:"));
+        assert!(parse_ids("-g", "1,root").unwrap_err().contains("'root'"));
+        assert_eq!(
+            parse_interfaces("-k", "eth0,,eth1").unwrap(),
+            ["eth0", "eth1"]
+        );
+        assert!(
+            parse_interfaces("-c", "a-very-long-interface")
+                .unwrap_err()
+                .starts_with("-c:")
+        );
+        assert_eq!(
+            parse_owner_groups("java,202", "ignored").unwrap(),
+            OwnerGroups::Only(vec!["java".into(), "202".into()])
+        );
+        assert_eq!(
+            parse_owner_groups("*", "888,ftp").unwrap(),
+            OwnerGroups::AllExcept(vec!["888".into(), "ftp".into()])
+        );
+        let many = (0..65).map(|g| g.to_string()).collect::<Vec<_>>().join(",");
+        assert!(
+            parse_owner_groups(&many, "")
+                .unwrap_err()
+                .contains("at most 64")
+        );
+        assert!(
+            parse_owner_groups("*", "a b")
+                .unwrap_err()
+                .contains("_EXCLUDE")
+        );
+        assert_eq!(
+            parse_loopback_cidr("-l", "127.0.0.1/8")
+                .unwrap()
+                .to_string(),
+            "127.0.0.1/8"
+        );
+        assert!(parse_loopback_cidr("-l", "127.0.0.1/7").is_err());
+        assert!(parse_loopback_cidr("-l", "10.0.0.1/32").is_err());
+        assert!(parse_loopback_cidr("-l", "::1/128").is_err());
+        assert!(parse_bool("--drop-invalid", "T").unwrap());
+        assert!(
+            parse_bool("--drop-invalid", "yes")
+                .unwrap_err()
+                .contains("'yes'")
+        );
+        assert_eq!(
+            parse_duration("-t", "500ms").unwrap(),
+            std::time::Duration::from_millis(500)
+        );
+        assert!(parse_duration("-t", "5").is_err());
+    }
+
+    #[test]
+    fn dns_capture_needs_resolvers_or_capture_all() {
+        let mut dns = DnsCapture {
+            redirect: true,
+            ..Default::default()
+        };
+        assert!(!dns.active());
+        dns.capture_all = true;
+        assert!(dns.active());
+        dns.redirect = false;
+        assert!(!dns.active());
+    }
 }
