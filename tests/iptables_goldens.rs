@@ -483,3 +483,101 @@ fn the_comparison_sees_order_and_ignores_layout() {
         problems[0]
     );
 }
+
+fn dry_run(args: &[&str], env: &[(&str, &str)]) -> Result<String, String> {
+    let out = std::process::Command::new(shunt_bin())
+        .args(["capture", "--backend", "iptables", "--dry-run"])
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .expect("run shunt capture");
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// istio-init's environment (SEEDS.md section 1) configures shunt as its command line does.
+#[test]
+fn the_seeds_environment_renders_what_its_command_line_does() {
+    let flags = dry_run(
+        &[
+            "-p",
+            "15001",
+            "-z",
+            "15006",
+            "-u",
+            "1337",
+            "-m",
+            "REDIRECT",
+            "-i",
+            "*",
+            "-x",
+            "",
+            "-b",
+            "*",
+            "-d",
+            "15090,15021,15020",
+        ],
+        &[],
+    )
+    .unwrap();
+    let env = dry_run(
+        &[],
+        &[
+            ("PROXY_PORT", "15001"),
+            ("PROXY_INBOUND_CAPTURE_PORT", "15006"),
+            ("PROXY_UID", "1337"),
+            ("PROXY_GID", "1337"),
+            ("INBOUND_INTERCEPTION_MODE", "REDIRECT"),
+            ("INBOUND_TPROXY_MARK", "1337"),
+            ("INBOUND_TPROXY_ROUTE_TABLE", "133"),
+            ("INBOUND_PORTS_INCLUDE", "*"),
+            ("INBOUND_PORTS_EXCLUDE", "15090,15021,15020"),
+            ("OUTBOUND_IP_RANGES_INCLUDE", "*"),
+            ("OUTBOUND_IP_RANGES_EXCLUDE", ""),
+            ("OUTBOUND_PORTS_EXCLUDE", ""),
+        ],
+    )
+    .unwrap();
+    assert_eq!(env, flags);
+    // And a different environment does change them.
+    let other = dry_run(&[], &[("INBOUND_PORTS_EXCLUDE", "15090")]).unwrap();
+    assert_ne!(other, flags);
+}
+
+/// istio-iptables' precedence: the command line, then ISTIO_META_DNS_CAPTURE (its
+/// additional name), then REDIRECT_DNS.
+#[test]
+fn dns_capture_follows_istio_iptables_precedence() {
+    let servers = ("DNS_SERVERS_V4", "10.96.0.10");
+    let dns_on = |args: &[&str], env: &[(&str, &str)]| {
+        let mut env = env.to_vec();
+        env.push(servers);
+        dry_run(args, &env).unwrap().contains("ISTIO_OUTPUT_DNS")
+    };
+    assert!(!dns_on(&[], &[]));
+    assert!(dns_on(&[], &[("REDIRECT_DNS", "true")]));
+    assert!(!dns_on(
+        &[],
+        &[
+            ("REDIRECT_DNS", "true"),
+            ("ISTIO_META_DNS_CAPTURE", "false")
+        ]
+    ));
+    assert!(dns_on(
+        &["--redirect-dns"],
+        &[("ISTIO_META_DNS_CAPTURE", "false")]
+    ));
+    assert!(!dns_on(
+        &["--redirect-dns=false"],
+        &[("REDIRECT_DNS", "true")]
+    ));
+    let err = dry_run(&[], &[("REDIRECT_DNS", "sure"), servers]).unwrap_err();
+    assert!(
+        err.contains("--redirect-dns (env REDIRECT_DNS): 'sure'"),
+        "{err}"
+    );
+}
