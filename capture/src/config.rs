@@ -196,6 +196,10 @@ impl CaptureConfig {
         if self.host_ipv4_loopback != default_loopback() {
             flags.push("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR");
         }
+        if !self.ipv6 {
+            // The eBPF programs capture both families.
+            flags.push("ENABLE_INBOUND_IPV6=false");
+        }
         flags
     }
 }
