@@ -1,5 +1,10 @@
-//! The fallback backend: istio-iptables' exact nat rules (SEEDS.md section 2), written
-//! with iptables-restore / ip6tables-restore, removed rule by rule on cleanup.
+//! The fallback backend: istio-iptables' exact rules ([`plan`]), written with
+//! iptables-restore / ip6tables-restore, TPROXY's policy routing with `ip`, checked by
+//! istio-iptables' validation probe ([`validation`]) and removed on cleanup.
+
+pub mod builder;
+pub mod plan;
+pub mod validation;
 
 use std::{
     io::Write,
@@ -7,18 +12,8 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use ipnet::IpNet;
 
-use crate::config::{CaptureConfig, CidrSet, InterceptionMode, PortSet};
-
-const CHAINS: [&str; 4] = [
-    "ISTIO_INBOUND",
-    "ISTIO_REDIRECT",
-    "ISTIO_IN_REDIRECT",
-    "ISTIO_OUTPUT",
-];
-/// The jumps from the built-in chains; everything else lives in our own chains.
-const JUMPS: [(&str, &str); 2] = [("PREROUTING", "ISTIO_INBOUND"), ("OUTPUT", "ISTIO_OUTPUT")];
+use crate::config::{CaptureConfig, InterceptionMode, PortSet};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -39,126 +34,84 @@ impl Family {
             Family::V6 => "ip6tables",
         }
     }
-    /// Envoy's inbound passthrough source and the loopback host, per family.
-    fn passthrough_src(self) -> &'static str {
+    fn ip_flag(self) -> &'static str {
         match self {
-            Family::V4 => "127.0.0.6/32",
-            Family::V6 => "::6/128",
-        }
-    }
-    fn localhost(self) -> &'static str {
-        match self {
-            Family::V4 => "127.0.0.1/32",
-            Family::V6 => "::1/128",
+            Family::V4 => "-4",
+            Family::V6 => "-6",
         }
     }
 }
 
-/// The `-A` rules for one family, in istio-iptables' order.
+/// The families a config installs: IPv6 only with `ENABLE_INBOUND_IPV6`.
+fn families(cfg: &CaptureConfig) -> Vec<Family> {
+    if cfg.ipv6 {
+        vec![Family::V4, Family::V6]
+    } else {
+        vec![Family::V4]
+    }
+}
+
+/// Every rule line (`-A ...` / `-I ...`) for one family, all tables, in order.
 pub fn rules(cfg: &CaptureConfig, family: Family) -> Vec<String> {
-    let mut r = Vec::new();
-    let lo = family.localhost();
-    r.push(format!(
-        "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports {}",
-        cfg.proxy_port
-    ));
-    r.push(format!(
-        "-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports {}",
-        cfg.inbound_capture_port
-    ));
-    let inbound_on = cfg.inbound_include != PortSet::Only(vec![]);
-    if inbound_on {
-        r.push("-A PREROUTING -p tcp -j ISTIO_INBOUND".into());
-        match &cfg.inbound_include {
-            PortSet::All => {
-                for port in cfg.inbound_exclusions() {
-                    r.push(format!("-A ISTIO_INBOUND -p tcp --dport {port} -j RETURN"));
-                }
-                r.push("-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT".into());
-            }
-            PortSet::Only(ports) => {
-                for port in ports {
-                    r.push(format!(
-                        "-A ISTIO_INBOUND -p tcp --dport {port} -j ISTIO_IN_REDIRECT"
-                    ));
-                }
-            }
-        }
-    }
-    r.push("-A OUTPUT -p tcp -j ISTIO_OUTPUT".into());
-    for port in &cfg.outbound_ports_exclude {
-        r.push(format!("-A ISTIO_OUTPUT -p tcp --dport {port} -j RETURN"));
-    }
-    r.push(format!(
-        "-A ISTIO_OUTPUT -o lo -s {} -j RETURN",
-        family.passthrough_src()
-    ));
-    for (owner, id) in [
-        ("--uid-owner", cfg.proxy_uid),
-        ("--gid-owner", cfg.proxy_gid),
-    ] {
-        r.push(format!(
-            "-A ISTIO_OUTPUT -o lo ! -d {lo} -m owner {owner} {id} -j ISTIO_IN_REDIRECT"
-        ));
-        r.push(format!(
-            "-A ISTIO_OUTPUT -o lo -m owner ! {owner} {id} -j RETURN"
-        ));
-        r.push(format!("-A ISTIO_OUTPUT -m owner {owner} {id} -j RETURN"));
-    }
-    r.push(format!("-A ISTIO_OUTPUT -d {lo} -j RETURN"));
-    let ours = |c: &&IpNet| matches!(c, IpNet::V4(_)) == (family == Family::V4);
-    for cidr in cfg.outbound_exclude.iter().filter(ours) {
-        r.push(format!("-A ISTIO_OUTPUT -d {cidr} -j RETURN"));
-    }
-    match &cfg.outbound_include {
-        CidrSet::All => r.push("-A ISTIO_OUTPUT -j ISTIO_REDIRECT".into()),
-        CidrSet::Only(cidrs) => {
-            for cidr in cidrs.iter().filter(ours) {
-                r.push(format!("-A ISTIO_OUTPUT -d {cidr} -j ISTIO_REDIRECT"));
-            }
-        }
-    }
-    r
+    plan::plan(cfg)
+        .rules(family)
+        .iter()
+        .map(|r| r.line.clone())
+        .collect()
 }
 
 /// The iptables-restore input for one family.
 pub fn restore_text(cfg: &CaptureConfig, family: Family) -> String {
-    let mut text = String::from("*nat\n");
-    for chain in CHAINS {
-        text.push_str(&format!(":{chain} - [0:0]\n"));
+    plan::plan(cfg).restore(family)
+}
+
+/// TPROXY's policy routing: marked packets are delivered locally through lo.
+fn tproxy_routes(cfg: &CaptureConfig) -> Vec<(Family, Vec<String>)> {
+    if cfg.mode != InterceptionMode::Tproxy || cfg.inbound_include == PortSet::Only(vec![]) {
+        return vec![];
     }
-    for rule in rules(cfg, family) {
-        text.push_str(&rule);
-        text.push('\n');
+    let (mark, table) = (
+        cfg.tproxy.mark.to_string(),
+        cfg.tproxy.route_table.to_string(),
+    );
+    let mut cmds = Vec::new();
+    for family in families(cfg) {
+        let f = family.ip_flag().to_owned();
+        let rule = ["rule", "add", "fwmark", &mark, "lookup", &table];
+        let route = [
+            "route", "add", "local", "default", "dev", "lo", "table", &table,
+        ];
+        for args in [&rule[..], &route[..]] {
+            let mut cmd = vec![f.clone()];
+            cmd.extend(args.iter().map(|s| s.to_string()));
+            cmds.push((family, cmd));
+        }
     }
-    text.push_str("COMMIT\n");
-    text
+    cmds
 }
 
 pub fn dry_run(cfg: &CaptureConfig) -> anyhow::Result<String> {
-    check_mode(cfg)?;
-    Ok(format!(
-        "# iptables-restore --noflush\n{}# ip6tables-restore --noflush\n{}",
-        restore_text(cfg, Family::V4),
-        restore_text(cfg, Family::V6)
-    ))
-}
-
-fn check_mode(cfg: &CaptureConfig) -> anyhow::Result<()> {
-    if cfg.mode == InterceptionMode::Tproxy {
-        bail!(
-            "-m TPROXY: the iptables backend renders REDIRECT rules only; use -m REDIRECT, or \
-             --backend ebpf (its sk_lookup keeps the original destination as TPROXY does)"
-        );
-    }
-    Ok(())
-}
-
-/// Writes the rules for both families; if the second fails the first is taken back.
-pub fn install(cfg: &CaptureConfig) -> anyhow::Result<()> {
-    check_mode(cfg)?;
+    let plan = plan::plan(cfg);
+    let mut out = String::new();
     for family in [Family::V4, Family::V6] {
-        if chain_exists(family, "ISTIO_OUTPUT") {
+        if family == Family::V6 && !cfg.ipv6 {
+            out.push_str("# ip6tables: IPv6 off (ENABLE_INBOUND_IPV6=false)\n");
+            continue;
+        }
+        out.push_str(&format!("# {} --noflush\n", family.restore_tool()));
+        out.push_str(&plan.restore(family));
+    }
+    for (_, cmd) in tproxy_routes(cfg) {
+        out.push_str(&format!("# ip {}\n", cmd.join(" ")));
+    }
+    Ok(out)
+}
+
+/// Writes the rules (and TPROXY's routes); if any step fails, what was written is
+/// taken back.
+pub fn install(cfg: &CaptureConfig) -> anyhow::Result<()> {
+    for family in families(cfg) {
+        if chain_exists(family, "nat", "ISTIO_OUTPUT") {
             bail!(
                 "{}: chain ISTIO_OUTPUT already exists in this network namespace's nat table: \
                  capture is already installed (run `shunt capture --cleanup` first)",
@@ -166,18 +119,45 @@ pub fn install(cfg: &CaptureConfig) -> anyhow::Result<()> {
             );
         }
     }
-    restore(Family::V4, &restore_text(cfg, Family::V4))?;
-    if let Err(err) = restore(Family::V6, &restore_text(cfg, Family::V6)) {
-        let _ = cleanup_family(Family::V4);
-        return Err(err.context("IPv4 rules rolled back"));
+    let plan = plan::plan(cfg);
+    let applied = (|| -> anyhow::Result<()> {
+        for family in families(cfg) {
+            restore(family, &plan.restore(family))?;
+        }
+        for (_, args) in tproxy_routes(cfg) {
+            run("ip", &args)?;
+        }
+        Ok(())
+    })();
+    if let Err(err) = applied {
+        let _ = cleanup(cfg);
+        return Err(err.context("nothing left installed"));
+    }
+    Ok(())
+}
+
+fn run(tool: &str, args: &[String]) -> anyhow::Result<()> {
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .with_context(|| format!("cannot run {tool}"))?;
+    if !out.status.success() {
+        bail!(
+            "{tool} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
 
 fn restore(family: Family, text: &str) -> anyhow::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
     let tool = family.restore_tool();
     let mut child = Command::new(tool)
-        .arg("--noflush")
+        .args(["-w", "--noflush"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -198,19 +178,13 @@ fn restore(family: Family, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn chain_exists(family: Family, chain: &str) -> bool {
-    Command::new(family.tool())
-        .args(["-w", "-t", "nat", "-S", chain])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+fn chain_exists(family: Family, table: &str, chain: &str) -> bool {
+    ipt(family, table, &["-S", chain])
 }
 
-fn ipt(family: Family, args: &[&str]) -> bool {
+fn ipt(family: Family, table: &str, args: &[&str]) -> bool {
     Command::new(family.tool())
-        .arg("-w")
-        .args(["-t", "nat"])
+        .args(["-w", "-t", table])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -218,31 +192,93 @@ fn ipt(family: Family, args: &[&str]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Removes the jumps and our chains, nothing else. Returns whether anything was there.
-fn cleanup_family(family: Family) -> anyhow::Result<bool> {
+/// `iptables -t TABLE -S`: the table's chains and rules as `-N` / `-A` lines.
+fn list(family: Family, table: &str) -> Vec<String> {
+    Command::new(family.tool())
+        .args(["-w", "-t", table, "-S"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes what `install` writes for this config, then every jump to an ISTIO_ chain
+/// and every ISTIO_ chain left in nat, mangle and raw (so `--cleanup` without the
+/// install's flags still removes the capture). Returns whether anything was there.
+fn cleanup_family(cfg: &CaptureConfig, family: Family) -> anyhow::Result<bool> {
     let mut found = false;
-    for (builtin, target) in JUMPS {
-        while ipt(family, &["-D", builtin, "-p", "tcp", "-j", target]) {
+    let plan = plan::plan(&CaptureConfig {
+        ipv6: true,
+        ..cfg.clone()
+    });
+    // Rules in built-in chains that do not jump to our chains (-c, -k, TPROXY marks,
+    // --drop-invalid): only the config says which.
+    for rule in plan.rules(family).iter().rev() {
+        if builder::is_built_in(&rule.chain) {
+            let mut args = vec!["-D", rule.chain.as_str()];
+            args.extend(rule.spec().split_whitespace());
+            found |= ipt(family, rule.table, &args);
+        }
+    }
+    for (table, _) in plan::CHAINS {
+        let lines = list(family, table);
+        for line in &lines {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if let ["-A", chain, .., "-j", target] = words.as_slice()
+                && builder::is_built_in(chain)
+                && target.starts_with("ISTIO_")
+            {
+                let mut args = vec!["-D"];
+                args.extend(&words[1..]);
+                found |= ipt(family, table, &args);
+            }
+        }
+        let ours: Vec<&str> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("-N "))
+            .map(str::trim)
+            .filter(|c| c.starts_with("ISTIO_"))
+            .collect();
+        for chain in &ours {
             found = true;
+            ipt(family, table, &["-F", chain]);
+        }
+        for chain in &ours {
+            if !ipt(family, table, &["-X", chain]) {
+                bail!("{} -t {table}: cannot delete chain {chain}", family.tool());
+            }
         }
     }
-    for chain in CHAINS {
-        if chain_exists(family, chain) {
-            found = true;
-            ipt(family, &["-F", chain]);
-        }
+    let (mark, table) = (
+        cfg.tproxy.mark.to_string(),
+        cfg.tproxy.route_table.to_string(),
+    );
+    let f = family.ip_flag();
+    while Command::new("ip")
+        .args([f, "rule", "del", "fwmark", &mark, "lookup", &table])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        found = true;
     }
-    for chain in CHAINS {
-        if chain_exists(family, chain) && !ipt(family, &["-X", chain]) {
-            bail!("{}: cannot delete chain {chain}", family.tool());
-        }
-    }
+    let _ = Command::new("ip")
+        .args([f, "route", "flush", "table", &table])
+        .stderr(Stdio::null())
+        .status();
     Ok(found)
 }
 
-pub fn cleanup() -> anyhow::Result<bool> {
-    let v4 = cleanup_family(Family::V4)?;
-    let v6 = cleanup_family(Family::V6)?;
+pub fn cleanup(cfg: &CaptureConfig) -> anyhow::Result<bool> {
+    let v4 = cleanup_family(cfg, Family::V4)?;
+    let v6 = cleanup_family(cfg, Family::V6)?;
     Ok(v4 || v6)
 }
 
@@ -255,14 +291,25 @@ mod tests {
         CaptureConfig {
             proxy_port: 15001,
             inbound_capture_port: 15006,
+            inbound_tunnel_port: 15008,
             proxy_uid: 1337,
             proxy_gid: 1337,
+            proxy_uids: vec![1337],
+            proxy_gids: vec![1337],
             mode: InterceptionMode::Redirect,
+            tproxy: Tproxy::default(),
             outbound_include: CidrSet::All,
             outbound_exclude: vec![],
             inbound_include: PortSet::All,
             inbound_exclude: vec![15090, 15021, 15020],
             outbound_ports_exclude: vec![],
+            outbound_ports_include: vec![],
+            kube_virt_interfaces: vec![],
+            exclude_interfaces: vec![],
+            owner_groups: OwnerGroups::AllExcept(vec![]),
+            drop_invalid: false,
+            ipv6: true,
+            host_ipv4_loopback: default_loopback(),
             sockmap: true,
             dns: Default::default(),
         }
@@ -271,13 +318,33 @@ mod tests {
     /// SEEDS.md section 2, rules 6-23, verbatim (whitespace normalised).
     const SEED_RULES: &str = include_str!("../../tests/fixtures/istio-iptables-seed.rules");
 
+    /// The seed's rules come from Istio 1.6-1.14; today's istio-iptables (the goldens)
+    /// writes the same chains with three differences, and shunt writes today's:
+    /// ISTIO_INBOUND first returns the HBONE tunnel port 15008 (and the proxy's loopback
+    /// calls to it are not redirected), OUTPUT jumps for every protocol, and SSH's 22 is
+    /// no longer excluded unless `-d` names it.
     #[test]
-    fn seed_flags_render_the_seed_rules_in_order() {
-        let expected: Vec<String> = SEED_RULES
+    fn seed_flags_render_the_seed_rules_as_istio_iptables_writes_them_today() {
+        let seed: Vec<String> = SEED_RULES
             .lines()
             .filter(|l| l.starts_with("-A"))
             .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .filter(|l| l != "-A ISTIO_INBOUND -p tcp --dport 22 -j RETURN")
+            .map(|l| {
+                l.replace("-A OUTPUT -p tcp -j", "-A OUTPUT -j").replace(
+                    "-m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT",
+                    "-p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT",
+                )
+            })
+            .map(|l| {
+                l.replace(
+                    "-m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT",
+                    "-p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT",
+                )
+            })
             .collect();
+        let mut expected = vec!["-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN".to_owned()];
+        expected.extend(seed);
         assert_eq!(rules(&seed_config(), Family::V4), expected);
     }
 
@@ -291,14 +358,10 @@ mod tests {
             ..seed_config()
         };
         let v4 = rules(&cfg, Family::V4);
-        assert!(
-            !v4.iter().any(|r| r.contains("--dport 22")),
-            "22 only with -b '*'"
-        );
         assert!(v4.contains(&"-A ISTIO_INBOUND -p tcp --dport 8080 -j ISTIO_IN_REDIRECT".into()));
         let pos = |r: &str| v4.iter().position(|x| x == r).unwrap();
         assert!(
-            pos("-A ISTIO_OUTPUT -p tcp --dport 3306 -j RETURN")
+            pos("-A ISTIO_OUTPUT -p udp --dport 3306 -j RETURN")
                 < pos("-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN")
         );
         assert!(
@@ -309,6 +372,9 @@ mod tests {
         assert!(v6.contains(&"-A ISTIO_OUTPUT -d fd00::/8 -j ISTIO_REDIRECT".into()));
         assert!(v6.contains(&"-A ISTIO_OUTPUT -o lo -s ::6/128 -j RETURN".into()));
         assert!(!v6.iter().any(|r| r.contains("10.0.0.0")));
+        let off = CaptureConfig { ipv6: false, ..cfg };
+        assert!(rules(&off, Family::V6).is_empty());
+        assert!(!dry_run(&off).unwrap().contains("ip6tables-restore"));
     }
 
     #[test]
@@ -325,15 +391,57 @@ mod tests {
     }
 
     #[test]
-    fn tproxy_is_refused_with_the_alternative_named() {
+    fn tproxy_renders_mangle_rules_and_its_routes() {
         let cfg = CaptureConfig {
             mode: InterceptionMode::Tproxy,
+            tproxy: Tproxy {
+                mark: 7,
+                route_table: 70,
+            },
             ..seed_config()
         };
-        let err = dry_run(&cfg).unwrap_err().to_string();
+        let text = dry_run(&cfg).unwrap();
         assert!(
-            err.contains("TPROXY") && err.contains("--backend ebpf"),
-            "{err}"
+            text.contains("-A ISTIO_TPROXY ! -d 127.0.0.1/32 -p tcp -j TPROXY --tproxy-mark 7/0xffffffff --on-port 15006"),
+            "{text}"
         );
+        assert!(
+            text.contains("# ip -4 rule add fwmark 7 lookup 70"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# ip -6 route add local default dev lo table 70"),
+            "{text}"
+        );
+        assert!(!text.contains(
+            "-A PREROUTING -p tcp -j ISTIO_INBOUND\n-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT"
+        ));
+    }
+
+    #[test]
+    fn dns_capture_without_resolvers_is_off_as_in_istio_iptables() {
+        let cfg = CaptureConfig {
+            dns: DnsCapture {
+                redirect: true,
+                ..Default::default()
+            },
+            ..seed_config()
+        };
+        assert!(!dry_run(&cfg).unwrap().contains("ISTIO_OUTPUT_DNS"));
+        let all = CaptureConfig {
+            dns: DnsCapture {
+                redirect: true,
+                capture_all: true,
+                servers: vec![],
+            },
+            ..seed_config()
+        };
+        let v4 = rules(&all, Family::V4);
+        assert!(
+            v4.contains(
+                &"-A ISTIO_OUTPUT_DNS -p udp --dport 53 -j REDIRECT --to-port 15053".into()
+            )
+        );
+        assert!(v4.contains(&"-A ISTIO_INBOUND -p udp --sport 53 -j CT --zone 1".into()));
     }
 }

@@ -16,7 +16,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Install (or remove) traffic capture in the current network namespace, as istio-init.
-    Capture(capture::CaptureArgs),
+    // Boxed: istio-iptables has many flags.
+    Capture(Box<capture::CaptureArgs>),
     /// Run the proxy: outbound (15001) and inbound (15006) listeners.
     Proxy(shunt::server::ProxyArgs),
     /// Show what capture installed: pods, links, decision counters, live redirections.
@@ -26,7 +27,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Capture(args) => capture::run(args),
+        Command::Capture(args) => capture::run(*args),
         Command::Proxy(args) => shunt::server::run(args),
         Command::Inspect(args) => inspect::run(args),
     };

@@ -24,6 +24,9 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
     ("openssl", "openssl"),
+    // DNS capture tests: dig asks, dnsmasq stands in for the DNS proxy and the resolver.
+    ("bind9-dnsutils", "dig"),
+    ("dnsmasq-base", "dnsmasq"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
