@@ -81,6 +81,30 @@ pub struct DnsCapture {
     pub servers: Vec<std::net::IpAddr>,
 }
 
+/// Where the pod's resolvers are listed.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// The `nameserver` addresses of a `resolv.conf`, in order and without repeats. Lines
+/// that are not a nameserver with a parseable address (comments, `search`, `options`)
+/// are skipped, as the C library's resolver skips them; an IPv6 zone (`%eth0`) is dropped.
+pub fn resolv_conf_servers(text: &str) -> Vec<IpAddr> {
+    let mut servers = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("nameserver") {
+            continue;
+        }
+        let Some(addr) = words.next() else { continue };
+        let addr = addr.split('%').next().unwrap_or(addr);
+        if let Ok(ip) = addr.parse::<IpAddr>()
+            && !servers.contains(&ip)
+        {
+            servers.push(ip);
+        }
+    }
+    servers
+}
+
 /// istio-iptables adds SSH to the inbound exclusions when every port is captured.
 pub const SSH_PORT: u16 = 22;
 
@@ -163,6 +187,16 @@ mod tests {
         // Host bits are kept as written, as istio-iptables hands them to iptables.
         assert_eq!(parse_cidr("10.1.2.3/8").unwrap().to_string(), "10.1.2.3/8");
         assert_eq!(parse_cidr("fd00::1").unwrap().prefix_len(), 128);
+    }
+
+    #[test]
+    fn resolv_conf_nameservers_are_read_in_order() {
+        let text = "# generated\nsearch ns.svc.cluster.local svc.cluster.local\n\
+                    nameserver 10.96.0.10\nnameserver fd00::a%eth0\n;nameserver 1.1.1.1\n\
+                    nameserver   10.96.0.10\nnameserver bogus\nnameserver\noptions ndots:5\n";
+        let want: Vec<IpAddr> = vec!["10.96.0.10".parse().unwrap(), "fd00::a".parse().unwrap()];
+        assert_eq!(resolv_conf_servers(text), want);
+        assert!(resolv_conf_servers("").is_empty());
     }
 
     #[test]

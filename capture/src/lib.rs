@@ -106,6 +106,12 @@ pub struct CaptureArgs {
     /// Runtime switch for an installed pod: turn the short-circuit on or off.
     #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
     set_sockmap: Option<String>,
+    /// Send the pod's DNS (UDP and TCP to its resolvers' port 53) to the DNS proxy on 15053.
+    #[arg(long)]
+    redirect_dns: bool,
+    /// With --redirect-dns: DNS to any address, not only the resolvers in resolv.conf.
+    #[arg(long)]
+    capture_all_dns: bool,
     /// Where the eBPF maps and links are pinned.
     #[arg(long, env = "SHUNT_BPFFS", default_value = "/sys/fs/bpf/shunt")]
     bpffs: PathBuf,
@@ -126,7 +132,17 @@ impl CaptureArgs {
                 inbound_exclude: config::parse_ports("-d", &self.inbound_ports_exclude)?,
                 outbound_ports_exclude: config::parse_ports("-o", &self.outbound_ports_exclude)?,
                 sockmap: !self.no_sockmap,
-                dns: Default::default(),
+                dns: config::DnsCapture {
+                    redirect: self.redirect_dns,
+                    capture_all: self.capture_all_dns,
+                    servers: if self.redirect_dns {
+                        config::resolv_conf_servers(
+                            &std::fs::read_to_string(config::RESOLV_CONF).unwrap_or_default(),
+                        )
+                    } else {
+                        Vec::new()
+                    },
+                },
             })
         };
         c().map_err(|e| anyhow::anyhow!("invalid flag {e}"))
