@@ -462,3 +462,90 @@ fn without_redirect_dns_queries_go_to_the_resolver() {
     let counters = w.counters();
     assert_eq!(counters.get("dns_captured_udp"), 0, "{:?}", counters.0);
 }
+
+/// A stand-in DNS proxy on TCP: accepts one connection on `[ADDR]:15053` and prints the
+/// original destination `getsockopt(SO_ORIGINAL_DST)` gives it, as the proxy asks.
+const ORIGINAL_DST_SERVER: &str = r#"
+import socket, struct, sys
+fam = socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET
+s = socket.socket(fam)
+s.bind((sys.argv[1], 15053))
+s.listen()
+print('listening', flush=True)
+c, _ = s.accept()
+if fam == socket.AF_INET:
+    d = c.getsockopt(socket.SOL_IP, 80, 16)
+    print('%s:%d' % (socket.inet_ntop(fam, d[4:8]), struct.unpack('!H', d[2:4])[0]), flush=True)
+else:
+    d = c.getsockopt(socket.IPPROTO_IPV6, 80, 28)
+    print('[%s]:%d' % (socket.inet_ntop(fam, d[8:24]), struct.unpack('!H', d[2:4])[0]), flush=True)
+"#;
+
+#[test]
+fn tcp_dns_keeps_its_original_destination_for_the_proxy() {
+    let mut node = Node::new().expect("node");
+    let app = node.add_pod("app").expect("pod app");
+    let resolver = node.add_pod("resolver").expect("pod resolver");
+    let dir = TempDir::new("dns-orig-dst");
+    let resolv = dir.0.join("resolv.conf");
+    let text = format!(
+        "nameserver {}\nnameserver {}\n",
+        resolver.ipv4(),
+        resolver.ipv6()
+    );
+    std::fs::write(&resolv, text).unwrap();
+    let capture = Capture::new("ebpf", "dns-orig-dst");
+    let out = capture
+        .command(&app, &["--redirect-dns"])
+        .resolv_conf(&resolv)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let targets = [
+        (
+            "127.0.0.1",
+            SocketAddr::new(IpAddr::V4(resolver.ipv4()), 53),
+        ),
+        ("::1", SocketAddr::new(IpAddr::V6(resolver.ipv6()), 53)),
+    ];
+    for (listen, target) in targets {
+        let mut server = app
+            .command("python3")
+            .args(["-c", ORIGINAL_DST_SERVER, listen])
+            .uid(PROXY_UID)
+            .gid(PROXY_UID)
+            .spawn()
+            .unwrap();
+        server
+            .wait_for_stdout(|l| l == "listening", Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e:#}: {}", server.stderr_text()));
+        let client = format!(
+            "import socket; socket.create_connection(('{}', 53), timeout=5).close()",
+            target.ip()
+        );
+        let out = app
+            .command("python3")
+            .args(["-c", &client])
+            .uid(APP_UID)
+            .gid(APP_UID)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        server.wait_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            server.stdout_text().lines().nth(1),
+            Some(target.to_string().as_str()),
+            "SO_ORIGINAL_DST of a TCP query to {target}: {}",
+            server.stderr_text()
+        );
+    }
+}
