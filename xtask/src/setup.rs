@@ -24,6 +24,10 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
     ("openssl", "openssl"),
+    // DNS capture tests: dnsmasq as the resolvers and the stand-in DNS proxy (the -base
+    // package starts no system service), dig as a client.
+    ("dnsmasq-base", "dnsmasq"),
+    ("bind9-dnsutils", "dig"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
