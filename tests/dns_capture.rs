@@ -344,6 +344,47 @@ fn glibc_and_python_resolvers_accept_the_proxys_replies() {
     );
 }
 
+/// `tests/dnsclient/musl_lookup.c`, built statically against musl into `dir`.
+fn musl_lookup(dir: &std::path::Path) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("dnsclient/musl_lookup.c");
+    let bin = dir.join("musl_lookup");
+    let out = std::process::Command::new("musl-gcc")
+        .args(["-static", "-O1", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("musl-gcc: {e} (Debian's musl-tools: run `cargo xtask setup`)"));
+    assert!(
+        out.status.success(),
+        "musl-gcc {}: {}",
+        src.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    bin
+}
+
+#[test]
+fn musls_resolver_accepts_the_proxys_replies() {
+    let w = World::new("dns-musl", &["--redirect-dns"]);
+    let lookup = musl_lookup(&w.dir.0);
+    let before = w.counters();
+    // v4 only: an IPv4 socket; v6 only; both: one IPv6 socket asking both at once, the
+    // IPv4 resolver as ::ffff:a.b.c.d.
+    for resolv in ["resolv-v4.conf", "resolv-v6.conf", "resolv.conf"] {
+        let got = output_of(as_app(&w, resolv, lookup.to_str().unwrap()).arg("only.mesh.test"));
+        let mut got = answers(&got);
+        got.sort();
+        got.dedup();
+        assert_eq!(got, [PROXY_V6, PROXY_V4], "musl getaddrinfo with {resolv}");
+    }
+    let after = w.counters();
+    assert!(
+        after.since(&before, "dns_reply_restored") >= 6,
+        "{:?}",
+        after.0
+    );
+}
+
 #[test]
 fn replies_show_the_resolvers_address_to_connected_and_unconnected_sockets() {
     let w = World::new("dns-sockets", &["--redirect-dns"]);

@@ -28,6 +28,8 @@ const PACKAGES: &[(&str, &str)] = &[
     // package starts no system service), dig as a client.
     ("dnsmasq-base", "dnsmasq"),
     ("bind9-dnsutils", "dig"),
+    // musl's resolver (stricter about a reply's source than glibc's), built by the test.
+    ("musl-tools", "musl-gcc"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
