@@ -95,6 +95,8 @@ impl World {
         conf("resolv.conf", &[r4, r6]);
         conf("resolv-v4.conf", &[r4]);
         conf("resolv-v6.conf", &[r6]);
+        // A node-local resolver, as systemd-resolved's stub.
+        conf("resolv-local.conf", &["127.0.0.53".parse().unwrap()]);
 
         let mut servers = Vec::new();
         for (pod, whoami) in [(&resolver, RESOLVER_WHOAMI), (&other, OTHER_WHOAMI)] {
@@ -136,16 +138,17 @@ impl World {
             capture,
             _servers: servers,
         };
-        w.install(flags);
+        w.install(flags, "resolv.conf");
         w
     }
 
-    /// `shunt capture` in `app`, reading the app's resolv.conf as istio-init does.
-    fn install(&self, flags: &[&str]) {
+    /// `shunt capture` in `app`, reading `resolv` as the app's resolv.conf, as
+    /// istio-init reads the pod's.
+    fn install(&self, flags: &[&str], resolv: &str) {
         let out = self
             .capture
             .command(&self.app, flags)
-            .resolv_conf(self.resolv("resolv.conf"))
+            .resolv_conf(self.resolv(resolv))
             .output()
             .expect("run shunt capture");
         assert!(
@@ -472,7 +475,7 @@ fn another_resolver_is_captured_only_with_capture_all_dns() {
     assert_eq!(after.since(&before, "dns_captured_udp"), 0, "{:?}", after.0);
 
     w.capture.cleanup(&w.app);
-    w.install(&["--redirect-dns", "--capture-all-dns"]);
+    w.install(&["--redirect-dns", "--capture-all-dns"], "resolv.conf");
     for at in [&at_other, &at_other6] {
         let captured = dig(as_app(&w, "resolv-v4.conf", "dig"), &[at, "whoami.test"]);
         assert_eq!(
@@ -493,6 +496,34 @@ fn another_resolver_is_captured_only_with_capture_all_dns() {
     let counters = w.counters();
     assert!(counters.get("dns_captured_udp") >= 2, "{:?}", counters.0);
     assert!(counters.get("dns_captured_tcp") >= 2, "{:?}", counters.0);
+}
+
+#[test]
+fn a_node_local_resolver_on_loopback_is_captured_over_udp_and_tcp() {
+    // Nothing listens on 127.0.0.53:53: only the proxy can answer.
+    let w = World::new("dns-local", &[]);
+    w.capture.cleanup(&w.app);
+    w.install(&["--redirect-dns"], "resolv-local.conf");
+    let before = w.counters();
+    let udp = dig(as_app(&w, "resolv-local.conf", "dig"), &["only.mesh.test"]);
+    assert_eq!(answers(&udp), [PROXY_V4], "dig via 127.0.0.53: {udp}");
+    // Rule 17 (`-o lo ! --dport 53 -j RETURN`) lets TCP to a local resolver through.
+    let tcp = dig(
+        as_app(&w, "resolv-local.conf", "dig"),
+        &["+tcp", "only.mesh.test"],
+    );
+    assert_eq!(answers(&tcp), [PROXY_V4], "dig +tcp via 127.0.0.53: {tcp}");
+    let after = w.counters();
+    assert!(
+        after.since(&before, "dns_captured_udp") >= 1,
+        "{:?}",
+        after.0
+    );
+    assert!(
+        after.since(&before, "dns_captured_tcp") >= 1,
+        "{:?}",
+        after.0
+    );
 }
 
 #[test]

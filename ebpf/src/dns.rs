@@ -33,7 +33,7 @@ use crate::{
         unmap_v4,
     },
     connect::{Dial, IPPROTO_UDP, dial},
-    maps::{DNS_ORIG_DST, DNS_SERVERS, POD_CONFIG, count_pod},
+    maps::{DNS_ORIG_DST, DNS_SERVERS, POD_CONFIG, count, count_pod},
 };
 
 const ALLOW: i32 = 1;
@@ -94,11 +94,14 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
+        count(Decision::SkipNotEnrolled);
         return;
     };
     // SAFETY: a value pointer from a successful lookup.
     let cfg = unsafe { *cfg };
     if cfg.flags & flags::DNS_REDIRECT == 0 {
+        // Only the connect hooks get here without DNS capture: a UDP connect as before.
+        count(Decision::SkipNotTcp);
         return;
     }
     let dial = dial(ctx, v6);
