@@ -113,12 +113,8 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     // SAFETY: `sa` is this program's context, the kernel's bpf_sock_addr, live for the run.
     let protocol = unsafe { (*sa).protocol };
     if protocol == IPPROTO_UDP {
-        // glibc's resolver connects its UDP socket: a query may never pass sendmsg.
-        let port_be = {
-            // SAFETY: a field of this program's context.
-            unsafe { (*sa).user_port }
-        } as u16;
-        if u16::from_be(port_be) == DNS_PORT {
+        // glibc's resolver connects its UDP socket: its queries never pass sendmsg.
+        if dns::is_udp_to_port_53(ctx) {
             dns::capture_query(ctx, v6);
         } else {
             count(Decision::SkipNotTcp);

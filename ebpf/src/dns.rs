@@ -40,7 +40,7 @@ const ALLOW: i32 = 1;
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn capture_dns4(ctx: SockAddrContext) -> i32 {
-    if is_dns_query(&ctx) {
+    if is_udp_to_port_53(&ctx) {
         capture_query(&ctx, false);
     }
     ALLOW
@@ -48,7 +48,7 @@ pub fn capture_dns4(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn capture_dns6(ctx: SockAddrContext) -> i32 {
-    if is_dns_query(&ctx) {
+    if is_udp_to_port_53(&ctx) {
         capture_query(&ctx, true);
     }
     ALLOW
@@ -68,7 +68,7 @@ pub fn restore_dns_reply6(ctx: SockAddrContext) -> i32 {
 
 /// Port 53, checked before any map lookup: these hooks see every datagram the pod sends.
 #[inline(always)]
-fn is_dns_query(ctx: &SockAddrContext) -> bool {
+pub fn is_udp_to_port_53(ctx: &SockAddrContext) -> bool {
     // SAFETY: fields of this program's context, the kernel's bpf_sock_addr.
     let (protocol, port_be) = unsafe { ((*ctx.sock_addr).protocol, (*ctx.sock_addr).user_port) };
     protocol == IPPROTO_UDP && u16::from_be(port_be as u16) == DNS_PORT
