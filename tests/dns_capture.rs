@@ -89,7 +89,7 @@ impl World {
                 .iter()
                 .map(|s| format!("nameserver {s}\n"))
                 .collect();
-            std::fs::write(dir.0.join(name), text + "options timeout:2 attempts:1\n").unwrap();
+            std::fs::write(dir.0.join(name), text + "options timeout:5 attempts:1\n").unwrap();
         };
         let (r4, r6) = (IpAddr::V4(resolver.ipv4()), IpAddr::V6(resolver.ipv6()));
         conf("resolv.conf", &[r4, r6]);
@@ -211,7 +211,7 @@ fn output_of(cmd: harness::PodCommand) -> String {
 
 /// `dig +short` with the given arguments: the answers, one a line.
 fn dig(cmd: harness::PodCommand, args: &[&str]) -> String {
-    output_of(cmd.args(["+short", "+time=2", "+tries=1"]).args(args))
+    output_of(cmd.args(["+short", "+time=5", "+tries=1"]).args(args))
 }
 
 fn answers(text: &str) -> Vec<String> {
