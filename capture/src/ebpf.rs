@@ -975,6 +975,52 @@ mod tests {
         }
     }
 
+    /// The configuration `shunt capture FLAGS` makes.
+    fn config(flags: &[&str]) -> CaptureConfig {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: crate::CaptureArgs,
+        }
+        let argv = std::iter::once("capture").chain(flags.iter().copied());
+        <Cli as clap::Parser>::parse_from(argv)
+            .args
+            .config()
+            .unwrap()
+    }
+
+    #[test]
+    fn dns_capture_sets_its_flags_and_attaches_its_programs_only_when_asked() {
+        let pod = PodIdentity {
+            id: 7,
+            netns_cookie: 1,
+            addresses: vec![],
+        };
+        let dns_programs = |cfg: &CaptureConfig| {
+            cgroup_programs(cfg)
+                .iter()
+                .filter(|(name, _)| name.contains("dns"))
+                .count()
+        };
+        let off = config(&["--capture-all-dns"]);
+        assert_eq!(
+            pod_config(&off, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            0
+        );
+        assert_eq!(dns_programs(&off), 0);
+        let on = config(&["--redirect-dns"]);
+        assert_eq!(
+            pod_config(&on, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT
+        );
+        assert_eq!(dns_programs(&on), 4);
+        let all = config(&["--redirect-dns", "--capture-all-dns"]);
+        assert_eq!(
+            pod_config(&all, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL
+        );
+    }
+
     #[test]
     fn a_build_without_programs_says_why_and_what_to_do() {
         match built_with_programs() {
