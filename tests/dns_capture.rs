@@ -2,7 +2,11 @@
 //! resolvers go to the DNS proxy on the pod's 127.0.0.1/[::1]:15053, and the replies
 //! reach the app as if the resolver had sent them, through the real resolver paths:
 //! `dig` (UDP and TCP), glibc's `getent` and Python's `getaddrinfo` (connected UDP),
-//! and `testapp dns-query` (connected and unconnected sockets, v4, v6, v4-mapped).
+//! musl's `getaddrinfo` (one unconnected socket for every nameserver, checking each
+//! reply's source), and `testapp dns-query` (connected and unconnected sockets, v4, v6,
+//! v4-mapped). TCP queries keep their original destination for the proxy
+//! (`SO_ORIGINAL_DST`), a node-local resolver on 127.0.0.53 is captured too, and the
+//! proxy's own queries, and other resolvers without `--capture-all-dns`, are not.
 //!
 //! The node: pod `app` is captured; its stand-in DNS proxy is dnsmasq on 15053, run as
 //! the proxy's uid 1337, answering `only.mesh.test` itself and forwarding the rest to
