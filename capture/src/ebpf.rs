@@ -213,7 +213,7 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
     }
     if cfg.dns.redirect {
         out.push_str(&format!(
-            "DNS to {} port 53 (UDP and TCP) -> 127.0.0.1/::1 port {}\n",
+            "DNS (UDP and TCP) to port 53 of {} -> 127.0.0.1/::1 port {}\n",
             if cfg.dns.capture_all {
                 "any address"
             } else {
