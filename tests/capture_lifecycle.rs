@@ -351,6 +351,10 @@ fn ebpf_install_is_visible_to_bpftool_and_cleanup_leaves_nothing() {
             "{name} not attached: {attached:?}"
         );
     }
+    assert!(
+        !attached.iter().any(|a| a.contains("dns")),
+        "DNS programs attached without --redirect-dns: {attached:?}"
+    );
     assert_eq!(
         sk_lookup_links_for(&pod),
         1,
@@ -467,4 +471,84 @@ fn maps_pinned_by_an_incompatible_build_are_refused_and_left_alone() {
         "the other build's map is not ours to remove"
     );
     assert!(!capture.bpffs.join("pods").exists());
+}
+
+const DNS_PROGRAMS: [&str; 4] = [
+    "capture_dns4",
+    "capture_dns6",
+    "restore_dns_reply4",
+    "restore_dns_reply6",
+];
+
+#[test]
+fn dns_capture_attaches_its_programs_lists_the_resolvers_and_cleanup_takes_them_away() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("a").unwrap();
+    let dir = TempDir::new("lifecycle-dns");
+    let resolv = dir.0.join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        "search svc.cluster.local\nnameserver 10.96.0.10\nnameserver fd00::a\n",
+    )
+    .unwrap();
+    let capture = Capture::new("ebpf", "lifecycle-dns");
+
+    let plan = capture
+        .command(&pod, &["--redirect-dns", "--dry-run"])
+        .resolv_conf(&resolv)
+        .output()
+        .unwrap();
+    let plan = String::from_utf8_lossy(&plan.stdout);
+    for name in DNS_PROGRAMS {
+        assert!(plan.contains(&format!("attach {name} to cgroup")), "{plan}");
+    }
+    assert!(plan.contains("DNS_SERVERS[10.96.0.10]"), "{plan}");
+    assert!(plan.contains("DNS_SERVERS[fd00::a]"), "{plan}");
+    assert!(!capture.bpffs.exists(), "a dry run pins nothing");
+
+    let out = capture
+        .command(&pod, &["--redirect-dns"])
+        .resolv_conf(&resolv)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let attached: Vec<String> = cgroup_programs(&pod)
+        .iter()
+        .filter_map(|p| p["name"].as_str().map(String::from))
+        .collect();
+    for name in DNS_PROGRAMS
+        .iter()
+        .chain(&["capture_connect4", "capture_connect6"])
+    {
+        assert!(
+            attached.iter().any(|a| a == name),
+            "{name} not attached: {attached:?}"
+        );
+    }
+    let inspect = std::process::Command::new(shunt_bin())
+        .args(["inspect", "--bpffs"])
+        .arg(&capture.bpffs)
+        .output()
+        .unwrap();
+    let inspect = String::from_utf8_lossy(&inspect.stdout);
+    assert!(
+        inspect.contains("DNS capture: port 53 of 10.96.0.10, fd00::a -> :15053")
+            || inspect.contains("DNS capture: port 53 of fd00::a, 10.96.0.10 -> :15053"),
+        "{inspect}"
+    );
+    assert!(
+        inspect.contains("restore_dns_reply6 -> cgroup"),
+        "{inspect}"
+    );
+
+    capture.cleanup(&pod);
+    assert!(
+        cgroup_programs(&pod).is_empty(),
+        "programs still attached after cleanup"
+    );
+    assert!(
+        !capture.bpffs.exists(),
+        "pins left under {}",
+        capture.bpffs.display()
+    );
 }

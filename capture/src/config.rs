@@ -143,16 +143,25 @@ impl DnsCapture {
     }
 }
 
-/// The `nameserver` addresses of a `resolv.conf`, in order; other lines, comments and
-/// entries that are not an IP address (or carry a zone, `fe80::1%eth0`) are skipped.
+/// The `nameserver` addresses of a `resolv.conf`, in order and without repeats. Lines
+/// that are not a nameserver with a parseable address (comments, `search`, `options`)
+/// are skipped, as the C library's resolver skips them; an IPv6 zone (`%eth0`) is dropped.
 pub fn resolv_conf_servers(text: &str) -> Vec<IpAddr> {
-    text.lines()
-        .filter_map(|line| {
-            let mut words = line.split_whitespace();
-            (words.next()? == "nameserver").then(|| words.next())?
-        })
-        .filter_map(|addr| addr.parse().ok())
-        .collect()
+    let mut servers = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("nameserver") {
+            continue;
+        }
+        let Some(addr) = words.next() else { continue };
+        let addr = addr.split('%').next().unwrap_or(addr);
+        if let Ok(ip) = addr.parse::<IpAddr>()
+            && !servers.contains(&ip)
+        {
+            servers.push(ip);
+        }
+    }
+    servers
 }
 
 impl CaptureConfig {
@@ -387,6 +396,16 @@ mod tests {
     }
 
     #[test]
+    fn resolv_conf_nameservers_are_read_in_order() {
+        let text = "# generated\nsearch ns.svc.cluster.local svc.cluster.local\n\
+                    nameserver 10.96.0.10\nnameserver fd00::a%eth0\n;nameserver 1.1.1.1\n\
+                    nameserver   10.96.0.10\nnameserver bogus\nnameserver\noptions ndots:5\n";
+        let want: Vec<IpAddr> = vec!["10.96.0.10".parse().unwrap(), "fd00::a".parse().unwrap()];
+        assert_eq!(resolv_conf_servers(text), want);
+        assert!(resolv_conf_servers("").is_empty());
+    }
+
+    #[test]
     fn ports_parse_and_reject() {
         assert_eq!(
             parse_ports("-d", "15090,15021, 15020").unwrap(),
@@ -407,7 +426,7 @@ mod tests {
                     nameserver\nnameserver 127.0.0.53 # stub\n";
         assert_eq!(
             resolv_conf_servers(text),
-            ["10.96.0.10", "fd00::a", "127.0.0.53"]
+            ["10.96.0.10", "fd00::a", "fe80::1", "127.0.0.53"]
                 .map(|a| a.parse::<IpAddr>().unwrap())
                 .to_vec()
         );

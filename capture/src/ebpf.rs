@@ -1,6 +1,7 @@
 //! The eBPF backend: loads shunt's programs, pins the shared maps under the bpffs root,
-//! writes the pod's settings, attaches connect4/6, getsockopt and sockops to the pod's
-//! cgroup and sk_lookup to its network namespace, pinning each link under
+//! writes the pod's settings, attaches connect4/6, getsockopt and sockops (and with DNS
+//! capture sendmsg4/6 and recvmsg4/6) to the pod's cgroup and sk_lookup to its network
+//! namespace, pinning each link under
 //! `<root>/pods/pod_<netns inode>/` so capture outlives this process. Anything that
 //! fails part-way is rolled back.
 
@@ -18,8 +19,9 @@ use aya::{
 };
 use ipnet::IpNet;
 use shunt_common::{
-    AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, ListenerKey,
-    OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind, flags, pins, port_kind,
+    AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, DnsServerKey,
+    ListenerKey, OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind, flags, pins,
+    port_kind,
 };
 
 use crate::{
@@ -55,7 +57,24 @@ const CGROUP_PROGRAMS: [(&str, u32); 4] = [
     ("original_dst", link::BPF_CGROUP_GETSOCKOPT),
     ("track_sockets", link::BPF_CGROUP_SOCK_OPS),
 ];
+/// DNS capture's UDP half, attached only with `--redirect-dns` (they see every datagram).
+const DNS_PROGRAMS: [(&str, u32); 4] = [
+    ("capture_dns4", link::BPF_CGROUP_UDP4_SENDMSG),
+    ("capture_dns6", link::BPF_CGROUP_UDP6_SENDMSG),
+    ("restore_dns_reply4", link::BPF_CGROUP_UDP4_RECVMSG),
+    ("restore_dns_reply6", link::BPF_CGROUP_UDP6_RECVMSG),
+];
 const NETNS_PROGRAM: &str = "steer_inbound";
+
+/// The cgroup programs this configuration attaches, in order.
+fn cgroup_programs(cfg: &CaptureConfig) -> Vec<(&'static str, u32)> {
+    let dns = if cfg.dns.redirect {
+        &DNS_PROGRAMS[..]
+    } else {
+        &[]
+    };
+    CGROUP_PROGRAMS.iter().chain(dns).copied().collect()
+}
 const SK_MSG_PROGRAM: &str = "short_circuit";
 
 /// The pod `shunt capture` runs in.
@@ -112,6 +131,12 @@ fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
     if cfg.outbound_include == CidrSet::All {
         f |= flags::OUTBOUND_ALL_V4 | flags::OUTBOUND_ALL_V6;
     }
+    if cfg.dns.redirect {
+        f |= flags::DNS_REDIRECT;
+        if cfg.dns.capture_all {
+            f |= flags::DNS_CAPTURE_ALL;
+        }
+    }
     match &cfg.inbound_include {
         PortSet::All => f |= flags::INBOUND | flags::INBOUND_ALL_PORTS,
         PortSet::Only(p) if !p.is_empty() => f |= flags::INBOUND,
@@ -148,7 +173,7 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
         out.push_str(&format!("# {err}\n"));
     }
     let cg = cgroup.map_or("<--cgroup required>".into(), |c| c.display().to_string());
-    for (prog, _) in CGROUP_PROGRAMS {
+    for (prog, _) in cgroup_programs(cfg) {
         out.push_str(&format!("attach {prog} to cgroup {cg}\n"));
     }
     out.push_str(&format!(
@@ -184,6 +209,20 @@ pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::
     if let CidrSet::Only(cidrs) = &cfg.outbound_include {
         for c in cidrs {
             out.push_str(&format!("CIDR[{c}] = include\n"));
+        }
+    }
+    if cfg.dns.redirect {
+        out.push_str(&format!(
+            "DNS (UDP and TCP) to port 53 of {} -> 127.0.0.1/::1 port {}\n",
+            if cfg.dns.capture_all {
+                "any address"
+            } else {
+                "the pod's resolvers"
+            },
+            shunt_common::DNS_PROXY_PORT
+        ));
+        for s in &cfg.dns.servers {
+            out.push_str(&format!("DNS_SERVERS[{s}] = pod_{}\n", pod.id));
         }
     }
     Ok(out)
@@ -223,7 +262,7 @@ fn install_pod(
     write_config(root, cfg, pod)?;
     let cgroup_fd = File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
     let netns_fd = File::open("/proc/self/ns/net")?;
-    for (name, attach_type) in CGROUP_PROGRAMS {
+    for (name, attach_type) in cgroup_programs(cfg) {
         let prog_fd = load_program(&mut bpf, name)?;
         let link = link::create(prog_fd.as_fd(), cgroup_fd.as_fd(), attach_type)
             .with_context(|| format!("attaching {name} to cgroup {}", cgroup.display()))?;
@@ -269,7 +308,7 @@ fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
 
 /// Key and value sizes of every map, as this build defines them (LPM keys carry a 4-byte
 /// prefix length; SOCKHASH values are socket fds).
-fn expected_map_sizes() -> [(&'static str, usize, usize); 13] {
+fn expected_map_sizes() -> [(&'static str, usize, usize); 15] {
     use std::mem::size_of as sz;
     [
         (pins::POD_CONFIG, sz::<u64>(), sz::<PodConfig>()),
@@ -285,6 +324,8 @@ fn expected_map_sizes() -> [(&'static str, usize, usize); 13] {
         (pins::PAIR_STATE, sz::<SockTuple>(), 4),
         (pins::PROXY_SOCKS, 8, 4),
         (pins::POD_COUNTERS, sz::<PodCounterKey>(), 8),
+        (pins::DNS_SERVERS, sz::<DnsServerKey>(), 1),
+        (pins::DNS_ORIG_DST, sz::<u64>(), sz::<OriginalDst>()),
     ]
 }
 
@@ -437,6 +478,28 @@ fn write_config(root: &Path, cfg: &CaptureConfig, pod: &PodIdentity) -> anyhow::
                 .with_context(|| format!("CIDR_V6[{cidr}]"))?;
         }
     }
+    if cfg.dns.redirect {
+        let mut servers = maps.hash::<DnsServerKey, u8>(pins::DNS_SERVERS)?;
+        for ip in &cfg.dns.servers {
+            // A v4-mapped resolver is matched as the IPv4 address the hooks see.
+            let ip = match ip {
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(*ip, IpAddr::V4),
+                IpAddr::V4(_) => *ip,
+            };
+            let (addr, family) = addr_words(&ip);
+            servers
+                .insert(
+                    DnsServerKey {
+                        pod_id: pod.id,
+                        family,
+                        addr,
+                    },
+                    1,
+                    0,
+                )
+                .with_context(|| format!("DNS_SERVERS[{ip}]"))?;
+        }
+    }
     // Last: this entry enrols the namespace; until now the programs ignored it.
     let mut config = maps.hash::<u64, PodConfig>(pins::POD_CONFIG)?;
     config
@@ -491,6 +554,12 @@ fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
         retain_other_pods(&mut m, |_, v| v.pod_id == id);
     }
     if let Ok(mut m) = maps.hash::<SockTuple, OriginalDst>(pins::ORIG_DST_TUPLE) {
+        retain_other_pods(&mut m, |_, v| v.pod_id == id);
+    }
+    if let Ok(mut m) = maps.hash::<DnsServerKey, u8>(pins::DNS_SERVERS) {
+        retain_other_pods(&mut m, |k, _| k.pod_id == id);
+    }
+    if let Ok(mut m) = maps.hash::<u64, OriginalDst>(pins::DNS_ORIG_DST) {
         retain_other_pods(&mut m, |_, v| v.pod_id == id);
     }
     if let Ok(mut m) = maps.hash::<SockTuple, u32>(pins::PAIR_STATE) {
@@ -645,6 +714,10 @@ pub struct PodState {
     /// Each pinned link: the program and where it is attached.
     pub links: Vec<String>,
     pub inbound_listeners: Vec<String>,
+    /// `off`, `resolvers` (`--redirect-dns`) or `all` (`--capture-all-dns`).
+    pub dns_capture: &'static str,
+    /// The resolvers whose DNS goes to the DNS proxy.
+    pub dns_servers: Vec<String>,
     /// This pod's non-zero decision counters (all but the per-message sk_msg ones).
     pub counters: Vec<(String, u64)>,
 }
@@ -768,6 +841,11 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
     let addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
     let listeners = SockHash::<MapData, ListenerKey>::try_from(maps.map(pins::LISTENERS)?)?;
     let listener_keys: Vec<ListenerKey> = listeners.keys().filter_map(Result::ok).collect();
+    let dns_servers: Vec<DnsServerKey> = maps
+        .hash::<DnsServerKey, u8>(pins::DNS_SERVERS)?
+        .keys()
+        .filter_map(Result::ok)
+        .collect();
     let mut pods = Vec::new();
     for (cookie, pc) in config.iter().filter_map(Result::ok) {
         let links = attached_links(&pod_dir(root, pc.pod_id));
@@ -785,6 +863,19 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
                 .map(|(k, _)| words_addr(&k.addr, k.family).to_string())
                 .collect(),
             links,
+            dns_capture: match (
+                pc.flags & flags::DNS_REDIRECT != 0,
+                pc.flags & flags::DNS_CAPTURE_ALL != 0,
+            ) {
+                (false, _) => "off",
+                (true, false) => "resolvers",
+                (true, true) => "all",
+            },
+            dns_servers: dns_servers
+                .iter()
+                .filter(|k| k.pod_id == pc.pod_id)
+                .map(|k| words_addr(&k.addr, k.family).to_string())
+                .collect(),
             counters: pod_counters(&maps, pc.pod_id),
             inbound_listeners: listener_keys
                 .iter()
@@ -882,6 +973,52 @@ mod tests {
             let (words, family) = addr_words(&ip);
             assert_eq!(words_addr(&words, family), ip);
         }
+    }
+
+    /// The configuration `shunt capture FLAGS` makes.
+    fn config(flags: &[&str]) -> CaptureConfig {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: crate::CaptureArgs,
+        }
+        let argv = std::iter::once("capture").chain(flags.iter().copied());
+        <Cli as clap::Parser>::parse_from(argv)
+            .args
+            .config()
+            .unwrap()
+    }
+
+    #[test]
+    fn dns_capture_sets_its_flags_and_attaches_its_programs_only_when_asked() {
+        let pod = PodIdentity {
+            id: 7,
+            netns_cookie: 1,
+            addresses: vec![],
+        };
+        let dns_programs = |cfg: &CaptureConfig| {
+            cgroup_programs(cfg)
+                .iter()
+                .filter(|(name, _)| name.contains("dns"))
+                .count()
+        };
+        let off = config(&["--capture-all-dns"]);
+        assert_eq!(
+            pod_config(&off, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            0
+        );
+        assert_eq!(dns_programs(&off), 0);
+        let on = config(&["--redirect-dns"]);
+        assert_eq!(
+            pod_config(&on, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT
+        );
+        assert_eq!(dns_programs(&on), 4);
+        let all = config(&["--redirect-dns", "--capture-all-dns"]);
+        assert_eq!(
+            pod_config(&all, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL
+        );
     }
 
     #[test]

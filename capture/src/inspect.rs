@@ -47,6 +47,18 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         for link in &pod.links {
             println!("    {link}");
         }
+        let to = shunt_common::DNS_PROXY_PORT;
+        match pod.dns_capture {
+            "off" => println!("    DNS capture: off"),
+            "all" => println!("    DNS capture: port 53 of any address -> :{to}"),
+            _ if pod.dns_servers.is_empty() => {
+                println!("    DNS capture: on, but the pod has no resolvers")
+            }
+            _ => println!(
+                "    DNS capture: port 53 of {} -> :{to}",
+                pod.dns_servers.join(", ")
+            ),
+        }
         let counts: Vec<String> = pod
             .counters
             .iter()

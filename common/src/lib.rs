@@ -33,8 +33,10 @@ pub mod pins {
     pub const PAIR_STATE: &str = "PAIR_STATE";
     pub const PROXY_SOCKS: &str = "PROXY_SOCKS";
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
+    pub const DNS_SERVERS: &str = "DNS_SERVERS";
+    pub const DNS_ORIG_DST: &str = "DNS_ORIG_DST";
     /// Every map, in the order userspace pins and removes them.
-    pub const MAPS: [&str; 13] = [
+    pub const MAPS: [&str; 15] = [
         POD_CONFIG,
         POD_ADDRS,
         POD_PORTS,
@@ -48,6 +50,8 @@ pub mod pins {
         PAIR_STATE,
         PROXY_SOCKS,
         POD_COUNTERS,
+        DNS_SERVERS,
+        DNS_ORIG_DST,
     ];
 }
 
@@ -67,6 +71,27 @@ pub mod flags {
     pub const INBOUND_ALL_PORTS: u32 = 1 << 3;
     /// Local socket pairs of this pod skip the TCP/IP stack (off with `--no-sockmap`).
     pub const SOCKMAP: u32 = 1 << 4;
+    /// DNS to the pod's resolvers goes to the DNS proxy (`--redirect-dns`).
+    pub const DNS_REDIRECT: u32 = 1 << 5;
+    /// With `DNS_REDIRECT`: DNS to any address, not only the pod's resolvers
+    /// (`--capture-all-dns`).
+    pub const DNS_CAPTURE_ALL: u32 = 1 << 6;
+}
+
+/// The agent's DNS proxy port (Istio's 15053), on loopback.
+pub const DNS_PROXY_PORT: u16 = 15053;
+/// The port DNS capture looks at.
+pub const DNS_PORT: u16 = 53;
+
+/// `DNS_SERVERS` key: one of a pod's resolvers (from its `resolv.conf`); the value is a
+/// `u8` set to 1. An IPv4 resolver is also matched when a dual-stack socket asks
+/// `::ffff:a.b.c.d`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DnsServerKey {
+    pub pod_id: u32,
+    pub family: u32,
+    pub addr: Addr,
 }
 
 /// Capture settings of one pod, keyed by its network namespace cookie (`POD_CONFIG`).
@@ -168,7 +193,9 @@ pub mod pair_state {
 pub const CIDR_KEY_PREFIX_BITS: u32 = 64;
 
 /// Where a captured connection was going. Value of `ORIG_DST_COOKIE` (by the
-/// connecting socket's cookie, written at connect) and `ORIG_DST_TUPLE`.
+/// connecting socket's cookie, written at connect), `ORIG_DST_TUPLE`, and
+/// `DNS_ORIG_DST` (by the cookie of a UDP socket whose query went to the DNS proxy:
+/// the resolver its replies must appear to come from).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OriginalDst {
@@ -268,10 +295,25 @@ pub enum Decision {
     BytesRedirected,
     /// sk_msg: the peer was not in the map; this socket uses TCP from now on.
     MsgFallback,
+    /// sendmsg/connect (UDP): a query to a resolver sent to the DNS proxy.
+    DnsCapturedUdp,
+    /// connect (TCP): a connection to a resolver's port 53 sent to the DNS proxy.
+    DnsCapturedTcp,
+    /// sendmsg/connect (UDP): a query from the proxy's uid (its own forwarded queries).
+    DnsSkipProxyUid,
+    /// sendmsg/connect (UDP): a query from the proxy's gid.
+    DnsSkipProxyGid,
+    /// sendmsg/connect (UDP): port 53 of an address that is not one of the pod's
+    /// resolvers (and no `--capture-all-dns`).
+    DnsSkipNotResolver,
+    /// sendmsg/connect (UDP): from 127.0.0.6/::6 over lo (rule 15 has no protocol).
+    DnsSkipInboundPassthrough,
+    /// recvmsg: a reply from the DNS proxy given back the resolver's address as source.
+    DnsReplyRestored,
 }
 
 impl Decision {
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 33;
     pub const ALL: [Decision; Self::COUNT as usize] = [
         Decision::OutboundRedirected,
         Decision::InboundRedirectedLocal,
@@ -299,6 +341,13 @@ impl Decision {
         Decision::MsgRedirected,
         Decision::BytesRedirected,
         Decision::MsgFallback,
+        Decision::DnsCapturedUdp,
+        Decision::DnsCapturedTcp,
+        Decision::DnsSkipProxyUid,
+        Decision::DnsSkipProxyGid,
+        Decision::DnsSkipNotResolver,
+        Decision::DnsSkipInboundPassthrough,
+        Decision::DnsReplyRestored,
     ];
 
     /// The counter's name in `shunt` output and the demo.
@@ -330,6 +379,13 @@ impl Decision {
             Decision::MsgRedirected => "sockmap_msg_redirected",
             Decision::BytesRedirected => "sockmap_bytes_redirected",
             Decision::MsgFallback => "sockmap_fallback",
+            Decision::DnsCapturedUdp => "dns_captured_udp",
+            Decision::DnsCapturedTcp => "dns_captured_tcp",
+            Decision::DnsSkipProxyUid => "dns_skip_proxy_uid",
+            Decision::DnsSkipProxyGid => "dns_skip_proxy_gid",
+            Decision::DnsSkipNotResolver => "dns_skip_not_resolver",
+            Decision::DnsSkipInboundPassthrough => "dns_skip_inbound_passthrough_source",
+            Decision::DnsReplyRestored => "dns_reply_restored",
         }
     }
 }
@@ -347,6 +403,8 @@ mod user {
     unsafe impl aya::Pod for SockTuple {}
     unsafe impl aya::Pod for ListenerKey {}
     unsafe impl aya::Pod for PodCounterKey {}
+    unsafe impl aya::Pod for DnsServerKey {}
 }
 
+pub mod dns;
 pub mod outbound;

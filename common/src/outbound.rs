@@ -1,6 +1,8 @@
 //! istio-iptables' ISTIO_OUTPUT chain as one pure function, so the connect hooks and
 //! the host tests share the exact rule order (SEEDS.md section 2, rules 14-23, plus
-//! the `-o` port and `-x`/`-i` CIDR rules istio-iptables adds around them).
+//! the `-o` port and `-x`/`-i` CIDR rules istio-iptables adds around them, and with
+//! `--redirect-dns` its TCP half of ISTIO_OUTPUT_DNS and the `! --dport 53` it adds to
+//! rules 16, 17 and 20).
 
 use crate::Decision;
 
@@ -23,6 +25,10 @@ pub struct ConnectFacts {
     pub cidr_excluded: bool,
     /// `-i '*'`, or the destination is in an `-i` CIDR.
     pub cidr_included: bool,
+    /// DNS capture is on and the destination port is 53.
+    pub dns_port: bool,
+    /// `--capture-all-dns`, or the destination is one of the pod's resolvers.
+    pub dns_resolver: bool,
 }
 
 /// The chain walked top to bottom; the first rule that matches decides.
@@ -37,11 +43,13 @@ pub fn decide(f: &ConnectFacts) -> Decision {
         return Decision::SkipInboundPassthrough;
     }
     // 16: -o lo ! -d 127.0.0.1/32 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
-    if f.via_lo && !f.dst_localhost && f.uid == f.proxy_uid {
+    // (with DNS capture: `-m multiport ! --dports 53,15008`)
+    if f.via_lo && !f.dst_localhost && f.uid == f.proxy_uid && !f.dns_port {
         return Decision::InboundRedirectedLocal;
     }
-    // 17: -o lo -m owner ! --uid-owner 1337 -j RETURN
-    if f.via_lo && f.uid != f.proxy_uid {
+    // 17: -o lo -m owner ! --uid-owner 1337 -j RETURN (with DNS capture: `! --dport 53`,
+    // so the app's TCP DNS to a local resolver such as 127.0.0.53 reaches the DNS rules)
+    if f.via_lo && f.uid != f.proxy_uid && !f.dns_port {
         return Decision::SkipAppLocal;
     }
     // 18: -m owner --uid-owner 1337 -j RETURN
@@ -49,16 +57,21 @@ pub fn decide(f: &ConnectFacts) -> Decision {
         return Decision::SkipProxyUid;
     }
     // 19: -o lo ! -d 127.0.0.1/32 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+    // (istio-iptables leaves port 53 in this one)
     if f.via_lo && !f.dst_localhost && f.gid == f.proxy_gid {
         return Decision::InboundRedirectedLocal;
     }
-    // 20: -o lo -m owner ! --gid-owner 1337 -j RETURN
-    if f.via_lo && f.gid != f.proxy_gid {
+    // 20: -o lo -m owner ! --gid-owner 1337 -j RETURN (with DNS capture: `! --dport 53`)
+    if f.via_lo && f.gid != f.proxy_gid && !f.dns_port {
         return Decision::SkipAppLocal;
     }
     // 21: -m owner --gid-owner 1337 -j RETURN
     if f.gid == f.proxy_gid {
         return Decision::SkipProxyGid;
+    }
+    // -j ISTIO_OUTPUT_DNS: -p tcp --dport 53 [-d RESOLVER] -j REDIRECT --to-ports 15053
+    if f.dns_port && f.dns_resolver {
+        return Decision::DnsCapturedTcp;
     }
     // 22: -d 127.0.0.1/32 -j RETURN
     if f.dst_localhost {
@@ -161,5 +174,62 @@ mod tests {
             ..app()
         };
         assert_eq!(decide(&f), Decision::SkipExcludedPort);
+    }
+
+    #[test]
+    fn tcp_dns_to_a_resolver_goes_to_the_dns_proxy_even_over_lo() {
+        let dns = ConnectFacts {
+            dns_port: true,
+            dns_resolver: true,
+            ..app()
+        };
+        assert_eq!(decide(&dns), Decision::DnsCapturedTcp);
+        // 127.0.0.53 (a local resolver): rule 17 no longer returns for port 53.
+        let local = ConnectFacts {
+            via_lo: true,
+            ..dns
+        };
+        assert_eq!(decide(&local), Decision::DnsCapturedTcp);
+        // The proxy's own queries leave.
+        let proxy = ConnectFacts { uid: 1337, ..dns };
+        assert_eq!(decide(&proxy), Decision::SkipProxyUid);
+        let proxy = ConnectFacts { gid: 1337, ..dns };
+        assert_eq!(decide(&proxy), Decision::SkipProxyGid);
+        // -o still wins, as istio-iptables puts it first.
+        let excluded = ConnectFacts {
+            port_excluded: true,
+            ..dns
+        };
+        assert_eq!(decide(&excluded), Decision::SkipExcludedPort);
+    }
+
+    #[test]
+    fn tcp_dns_to_another_address_is_ordinary_outbound_traffic() {
+        let other = ConnectFacts {
+            dns_port: true,
+            ..app()
+        };
+        assert_eq!(decide(&other), Decision::OutboundRedirected);
+        // Over lo it falls past rule 17 (`! --dport 53`) to the loopback and CIDR rules.
+        let local = ConnectFacts {
+            via_lo: true,
+            dst_localhost: true,
+            ..other
+        };
+        assert_eq!(decide(&local), Decision::SkipLoopback);
+        // The proxy dialling its own pod address on 53 is not sent inbound (16 excludes
+        // 53), but by gid it is (19 does not).
+        let proxy_uid = ConnectFacts {
+            uid: 1337,
+            via_lo: true,
+            ..other
+        };
+        assert_eq!(decide(&proxy_uid), Decision::SkipProxyUid);
+        let proxy_gid = ConnectFacts {
+            gid: 1337,
+            via_lo: true,
+            ..other
+        };
+        assert_eq!(decide(&proxy_gid), Decision::InboundRedirectedLocal);
     }
 }

@@ -3,6 +3,8 @@
 //! local route, like REDIRECT's loopback, but the source the kernel then picks is the
 //! pod address, exactly what the proxy sees under iptables), and its original
 //! destination is kept by socket cookie until sockops learns the 4-tuple. The connect itself is always allowed.
+//! With DNS capture, TCP to a resolver's port 53 goes to the DNS proxy on loopback
+//! (recorded the same way), and a UDP socket connected to port 53 is handed to `dns.rs`.
 
 use core::ptr::write_volatile;
 
@@ -14,8 +16,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use shunt_common::{
-    AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, OriginalDst, PodConfig,
-    PortKey, cidr_kind, direction, flags,
+    AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, DNS_PORT, DNS_PROXY_PORT,
+    Decision, OriginalDst, PodConfig, PortKey, cidr_kind, direction, flags,
     outbound::{ConnectFacts, decide},
     port_kind,
 };
@@ -25,6 +27,7 @@ use crate::{
         LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, is_unspecified6,
         map_v4, read6, unmap_v4, v4,
     },
+    dns,
     maps::{
         CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, PROXY_SOCKS, count, count_pod,
         is_pod_addr,
@@ -32,6 +35,7 @@ use crate::{
 };
 
 const IPPROTO_TCP: u32 = 6;
+pub const IPPROTO_UDP: u32 = 17;
 const ALLOW: i32 = 1;
 
 #[cgroup_sock_addr(connect4)]
@@ -46,34 +50,26 @@ pub fn capture_connect6(ctx: SockAddrContext) -> i32 {
     ALLOW
 }
 
-/// One connect as the rules see it: IPv4 also when a dual-stack socket dials `::ffff:a.b.c.d`.
-struct Dial {
-    family: u32,
-    dst: Addr,
-    src: Addr,
-    v4_mapped: bool,
+/// One connect (or datagram) as the rules see it: IPv4 also when a dual-stack socket
+/// dials `::ffff:a.b.c.d`.
+pub struct Dial {
+    pub family: u32,
+    pub dst: Addr,
+    pub src: Addr,
+    pub v4_mapped: bool,
+    /// Network byte order, as in the context.
+    pub port_be: u16,
 }
 
+/// The destination the program may rewrite, and the socket's own address.
 #[inline(always)]
-fn capture(ctx: &SockAddrContext, v6: bool) {
+pub fn dial(ctx: &SockAddrContext, v6: bool) -> Dial {
     let sa = ctx.sock_addr;
-    // SAFETY: `sa` is this program's context, the kernel's bpf_sock_addr, live for the run.
-    let protocol = unsafe { (*sa).protocol };
-    if protocol != IPPROTO_TCP {
-        count(Decision::SkipNotTcp);
-        return;
-    }
-    // SAFETY: a helper this program type may call, given its own context pointer.
-    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
-        count(Decision::SkipNotEnrolled);
-        return;
-    };
-    // SAFETY: a value pointer from a successful lookup.
-    let cfg = unsafe { *cfg };
-    // SAFETY: a context field; connect hooks always set `sk` (the connecting socket).
+    // SAFETY: a context field; sock_addr hooks always set `sk` (the socket at hand).
     let sk = unsafe { (*sa).__bindgen_anon_1.sk };
-    let dial = if v6 {
+    // SAFETY: a field of this program's context.
+    let port_be = unsafe { (*sa).user_port } as u16;
+    if v6 {
         // SAFETY: `user_ip6` and `src_ip6` are four-word fields of the context and of its
         // socket; the verifier checks every load.
         let (dst, src) = unsafe {
@@ -88,30 +84,62 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 dst: v4(dst4),
                 src: v4(unmap_v4(&src).unwrap_or(0)),
                 v4_mapped: true,
+                port_be,
             },
             None => Dial {
                 family: AF_INET6,
                 dst,
                 src,
                 v4_mapped: false,
+                port_be,
             },
         }
     } else {
         Dial {
             family: AF_INET,
-            // SAFETY: fields of the context and of its socket (`sk`, set for connect hooks).
+            // SAFETY: fields of the context and of its socket (`sk`, always set).
             dst: v4(unsafe { (*sa).user_ip4 }),
             // SAFETY: as above.
             src: v4(unsafe { (*sk).src_ip4 }),
             v4_mapped: false,
+            port_be,
         }
+    }
+}
+
+#[inline(always)]
+fn capture(ctx: &SockAddrContext, v6: bool) {
+    let sa = ctx.sock_addr;
+    // SAFETY: `sa` is this program's context, the kernel's bpf_sock_addr, live for the run.
+    let protocol = unsafe { (*sa).protocol };
+    if protocol == IPPROTO_UDP {
+        // glibc's resolver connects its UDP socket: its queries never pass sendmsg.
+        if dns::is_udp_to_port_53(ctx) {
+            dns::capture_query(ctx, v6);
+        } else {
+            count(Decision::SkipNotTcp);
+        }
+        return;
+    }
+    if protocol != IPPROTO_TCP {
+        count(Decision::SkipNotTcp);
+        return;
+    }
+    // SAFETY: a helper this program type may call, given its own context pointer.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
+        count(Decision::SkipNotEnrolled);
+        return;
     };
-    // SAFETY: a field of this program's context.
-    let port_be = unsafe { (*sa).user_port } as u16;
+    // SAFETY: a value pointer from a successful lookup.
+    let cfg = unsafe { *cfg };
+    let dial = dial(ctx, v6);
+    let port_be = dial.port_be;
     let decision = decide(&facts(&cfg, &dial, u16::from_be(port_be)));
     let (to_port, direction) = match decision {
         Decision::OutboundRedirected => (cfg.outbound_port, direction::OUTBOUND),
         Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
+        Decision::DnsCapturedTcp => (DNS_PROXY_PORT, direction::OUTBOUND),
         skipped => {
             count_pod(cfg.pod_id, skipped);
             if matches!(skipped, Decision::SkipProxyUid | Decision::SkipProxyGid)
@@ -141,6 +169,12 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         return;
     }
     count_pod(cfg.pod_id, decision);
+    if decision == Decision::DnsCapturedTcp {
+        // The DNS proxy listens on loopback, as iptables' REDIRECT of a local packet
+        // delivers it there.
+        dns::rewrite_to_proxy(ctx, &dial, v6);
+        return;
+    }
     // To the pod's own address (loopback if it has none): routed over lo, with the pod
     // address as source, so the proxy sees the app where iptables' REDIRECT shows it.
     let to4 = if cfg.addr_v4 != 0 {
@@ -174,6 +208,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
 fn facts(cfg: &PodConfig, dial: &Dial, port: u16) -> ConnectFacts {
     let uid_gid = bpf_get_current_uid_gid();
     let v4 = dial.family == AF_INET;
+    let dns_port = cfg.flags & flags::DNS_REDIRECT != 0 && port == DNS_PORT;
     let all = if v4 {
         cfg.flags & flags::OUTBOUND_ALL_V4 != 0
     } else {
@@ -205,6 +240,8 @@ fn facts(cfg: &PodConfig, dial: &Dial, port: u16) -> ConnectFacts {
         },
         cidr_excluded: in_cidr(cfg.pod_id, cidr_kind::EXCLUDE, &dial.dst, dial.family),
         cidr_included: all || in_cidr(cfg.pod_id, cidr_kind::INCLUDE, &dial.dst, dial.family),
+        dns_port,
+        dns_resolver: dns_port && dns::is_resolver(cfg, dial),
     }
 }
 

@@ -2,6 +2,8 @@
 //!
 //! - `connect.rs`: `cgroup/connect4|6` decide capture (istio-iptables' ISTIO_OUTPUT) and
 //!   rewrite the destination to the proxy, remembering the original by socket cookie.
+//! - `dns.rs`: `cgroup/sendmsg4|6` send the pod's UDP DNS queries to the DNS proxy and
+//!   `cgroup/recvmsg4|6` give its replies the resolver's address back.
 //! - `original_dst.rs`: `sockops` moves that record to the connection's 4-tuple, and
 //!   `cgroup/getsockopt` answers `SO_ORIGINAL_DST` from it; `sockops` also registers each
 //!   pod's inbound listener for `sk_lookup`.
@@ -16,6 +18,7 @@
 
 mod addr;
 mod connect;
+mod dns;
 mod inbound;
 mod maps;
 mod original_dst;

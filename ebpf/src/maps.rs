@@ -6,8 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use shunt_common::{
-    AddrKey, Cidr4, Cidr6, Decision, ListenerKey, OriginalDst, PodConfig, PodCounterKey, PortKey,
-    SockTuple,
+    AddrKey, Cidr4, Cidr6, Decision, DnsServerKey, ListenerKey, OriginalDst, PodConfig,
+    PodCounterKey, PortKey, SockTuple,
 };
 
 /// Network namespace cookie → the pod's capture settings.
@@ -62,6 +62,15 @@ pub static PROXY_SOCKS: LruHashMap<u64, u32, 65536> = LruHashMap::new();
 /// The same counters per pod, where the program knows the pod (not per message).
 #[btf_map]
 pub static POD_COUNTERS: PerCpuHashMap<PodCounterKey, u64, 65536> = PerCpuHashMap::new();
+
+/// Each pod's resolvers (value unused, 1): DNS to them goes to the DNS proxy.
+#[btf_map]
+pub static DNS_SERVERS: HashMap<DnsServerKey, u8, 16384> = HashMap::new();
+
+/// Socket cookie → the resolver a captured UDP query was sent to, so its reply can
+/// show that address again. LRU: UDP sockets have no close hook to clean up after.
+#[btf_map]
+pub static DNS_ORIG_DST: LruHashMap<u64, OriginalDst, 65536> = LruHashMap::new();
 
 /// Counts `decision` globally and for `pod_id`.
 #[inline(always)]

@@ -8,7 +8,7 @@
 //! thread that asked for the spawn ends.
 
 use crate::pod::Pod;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use std::{
     ffi::{OsStr, OsString},
     fs::{File, OpenOptions},
@@ -37,6 +37,7 @@ pub struct PodCommand {
     timeout: Duration,
     stdin: Option<Vec<u8>>,
     current_dir: Option<PathBuf>,
+    resolv_conf: Option<PathBuf>,
 }
 
 impl PodCommand {
@@ -51,6 +52,7 @@ impl PodCommand {
             timeout: DEFAULT_TIMEOUT,
             stdin: None,
             current_dir: None,
+            resolv_conf: None,
         }
     }
 
@@ -102,6 +104,14 @@ impl PodCommand {
 
     pub fn current_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.current_dir = Some(dir.into());
+        self
+    }
+
+    /// Give the process (and its children) this file as `/etc/resolv.conf`: it runs in
+    /// a mount namespace of its own where the file is bind-mounted there, as a pod's
+    /// containers get their own resolv.conf. The host's file is never touched.
+    pub fn resolv_conf(mut self, path: impl Into<PathBuf>) -> Self {
+        self.resolv_conf = Some(path.into());
         self
     }
 
@@ -198,12 +208,28 @@ impl PodCommand {
             cmd.current_dir(dir);
         }
         let (uid, gid) = (self.uid, self.gid);
+        let resolv_conf = match &self.resolv_conf {
+            Some(path) => {
+                ensure!(
+                    path.is_file(),
+                    "{desc}: resolv.conf {} is not a file",
+                    path.display()
+                );
+                Some(std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?)
+            }
+            None => None,
+        };
         // SAFETY: getpid is always safe.
         let parent = unsafe { libc::getpid() };
         // SAFETY: the closure only makes async-signal-safe syscalls and allocates
-        // nothing (io::Error::last_os_error does not allocate).
+        // nothing (io::Error::last_os_error does not allocate; the path was made above).
         unsafe {
-            cmd.pre_exec(move || enter_pod(&cgroup_procs, &netns, uid, gid, parent));
+            cmd.pre_exec(move || {
+                if let Some(path) = &resolv_conf {
+                    own_resolv_conf(path)?;
+                }
+                enter_pod(&cgroup_procs, &netns, uid, gid, parent)
+            });
         }
         let mut child = spawn_on_spawner_thread(cmd).with_context(|| format!("starting {desc}"))?;
 
@@ -229,6 +255,37 @@ impl PodCommand {
             stderr,
             desc,
         })
+    }
+}
+
+/// Runs in the forked child, before it gives up root: a private mount namespace with
+/// `path` bind-mounted over `/etc/resolv.conf`.
+fn own_resolv_conf(path: &std::ffi::CStr) -> io::Result<()> {
+    let check = |rc: libc::c_int| {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    // SAFETY: async-signal-safe syscalls; every string is NUL-terminated and outlives them.
+    unsafe {
+        check(libc::unshare(libc::CLONE_NEWNS))?;
+        // Private first, so the bind mount does not propagate back to the host.
+        check(libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ))?;
+        check(libc::mount(
+            path.as_ptr(),
+            c"/etc/resolv.conf".as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        ))
     }
 }
 

@@ -6,12 +6,14 @@
 //! testapp bench-connect ADDR:PORT [--duration-ms MS] [--concurrency C] [--payload B] [--timeout-ms MS]
 //! testapp bench-rr ADDR:PORT [--duration-ms MS] [--payload B] [--timeout-ms MS]
 //! testapp probe ADDR:PORT [--timeout-ms MS]
+//! testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect yes|no] [--timeout-ms MS]
 //! ```
 //!
 //! Protocol: the server first sends `HELLO peer=<ip:port> local=<ip:port>\n` (its view
 //! of the connection), then echoes every byte until the client's EOF, then shuts down
 //! its write side.
 
+mod dns;
 mod sock;
 
 use serde::Serialize;
@@ -31,6 +33,7 @@ usage:
   testapp bench-connect ADDR:PORT [--duration-ms 3000] [--concurrency 4] [--payload 64] [--timeout-ms 2000]
   testapp bench-rr ADDR:PORT [--duration-ms 3000] [--payload 64] [--timeout-ms 2000]
   testapp probe ADDR:PORT [--timeout-ms 200]
+  testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect no] [--timeout-ms 3000]
 IPv6 addresses are written [addr]:port.";
 
 fn main() -> ExitCode {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         "probe" => probe(rest),
         "many" => report(many(rest)),
         "half-close" => report(half_close(rest)),
+        "dns-query" => report(dns::query(rest)),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             ExitCode::SUCCESS

@@ -24,9 +24,12 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
     ("openssl", "openssl"),
-    // DNS capture tests: dig asks, dnsmasq stands in for the DNS proxy and the resolver.
+    // DNS capture tests: dig asks, dnsmasq stands in for the DNS proxy and the resolver
+    // (the -base package starts no system service).
     ("bind9-dnsutils", "dig"),
     ("dnsmasq-base", "dnsmasq"),
+    // musl's resolver (stricter about a reply's source than glibc's), built by a test.
+    ("musl-tools", "musl-gcc"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
