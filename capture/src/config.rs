@@ -120,8 +120,8 @@ pub enum OwnerGroups {
 /// One iptables rule holds every included group as a match; istio-iptables caps it.
 pub const MAX_OWNER_GROUPS_INCLUDE: usize = 64;
 
-/// The agent's DNS proxy port (Istio's 15053).
-pub const DNS_PROXY_PORT: u16 = 15053;
+/// The agent's DNS proxy port (Istio's 15053), shared with the eBPF programs.
+pub use shunt_common::DNS_PROXY_PORT;
 
 /// DNS capture: UDP and TCP to port 53 go to the DNS proxy instead.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
