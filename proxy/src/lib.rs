@@ -22,6 +22,7 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod agent;
 pub mod config;
 pub mod http;
 pub mod listener;
