@@ -253,8 +253,8 @@ fn config_dump_of_the_istio_bootstrap_parses_as_a_config_dump() {
 /// same config types and the same static clusters, listeners and routes.
 #[test]
 fn config_dump_matches_envoys_for_the_same_bootstrap() {
-    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/corpus/envoy-1.40-generated/istio-default_golden__config_dump.json");
+    let corpus = crate::config::tests::corpus()
+        .join("envoy-1.40-generated/istio-default_golden__config_dump.json");
     let envoys: Value = serde_json::from_str(&std::fs::read_to_string(&corpus).unwrap()).unwrap();
     let proxy = BootstrapOnly::new(istio_bootstrap());
     let ours = config_dump::config_dump(&proxy, SystemTime::now(), &Default::default()).unwrap();

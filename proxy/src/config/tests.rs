@@ -11,15 +11,9 @@ use super::*;
 
 pub const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/config/testdata");
 
-/// `shared/corpus` beside the repository. CI always has it, so its absence is a failure.
-fn corpus() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/corpus");
-    assert!(
-        dir.is_dir(),
-        "the shared corpus is missing: expected {} (shared/ beside the repository)",
-        dir.display()
-    );
-    dir
+/// The third-party inputs, in the repository (`tests/fixtures/`, see its SOURCES.md).
+pub fn corpus() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
 /// Files in `dir` ending in `suffix`, sorted, at least one.
