@@ -14,7 +14,7 @@
 
 pub mod manager;
 pub mod source;
-mod stream;
+pub mod stream;
 
 pub use manager::Manager;
 

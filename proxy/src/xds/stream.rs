@@ -195,7 +195,9 @@ fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (Stri
     Ok(request)
 }
 
-async fn connect(
+/// A gRPC channel to `target` (TLS when given): the manager's streams use it, and so
+/// does the agent's xDS proxy for its upstream.
+pub async fn connect(
     target: &Target,
     tls: Option<&Tls>,
     timeout: Option<Duration>,

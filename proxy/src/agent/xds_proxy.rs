@@ -1,0 +1,332 @@
+//! pilot-agent's xDS proxy: the agent holds the connection to istiod and the proxy
+//! (a supervised Envoy) talks to the agent over a Unix socket
+//! (`./etc/istio/proxy/XDS`), so the proxy needs neither istiod's address nor a
+//! credential. Each stream the proxy opens gets its own stream upstream; requests go
+//! up and responses come down unchanged, except the name table (NDS), which the agent
+//! asks for itself and keeps for its DNS proxy: the proxy never sees that type.
+//!
+//! When either side's stream ends the other is ended too, so Envoy's own reconnect
+//! logic (with its back-off) drives the retries, as with pilot-agent.
+
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::Context;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::xds::source::{Target, Tls};
+
+/// The name table istiod sends to the agent's DNS proxy.
+pub const NAME_TABLE: &str = "type.googleapis.com/istio.networking.nds.v1.NameTable";
+
+const ADS_SOTW: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+const ADS_DELTA: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+
+/// Takes a pushed name table; an error NACKs it (the DNS proxy keeps its last good one).
+pub type NameTableSink = Arc<dyn Fn(&Any) -> Result<(), String> + Send + Sync>;
+
+/// Where the agent reaches istiod, and with what.
+#[derive(Clone)]
+pub struct Upstream {
+    pub target: Target,
+    pub tls: Option<Tls>,
+    /// gRPC metadata on every upstream stream (pilot-agent's `ClusterID`, ...).
+    pub metadata: Vec<(String, String)>,
+    /// A bearer token file, read at every connect (Kubernetes rotates it):
+    /// `authorization: Bearer <token>`.
+    pub token_path: Option<PathBuf>,
+}
+
+/// The proxy, and what it counts.
+pub struct XdsProxy {
+    upstream: Upstream,
+    name_table: Option<NameTableSink>,
+    /// Downstream streams accepted, name tables taken, name tables refused.
+    pub streams: AtomicU64,
+    pub name_tables: AtomicU64,
+    pub name_tables_rejected: AtomicU64,
+}
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+impl XdsProxy {
+    /// `name_table`: where NDS goes; `None` means the agent runs no DNS proxy and does not
+    /// ask for it.
+    pub fn new(upstream: Upstream, name_table: Option<NameTableSink>) -> Arc<XdsProxy> {
+        Arc::new(XdsProxy {
+            upstream,
+            name_table,
+            streams: AtomicU64::new(0),
+            name_tables: AtomicU64::new(0),
+            name_tables_rejected: AtomicU64::new(0),
+        })
+    }
+
+    /// Serves the ADS service on the Unix socket `path` (replacing a stale socket file)
+    /// until `shutdown` resolves.
+    pub async fn serve_unix(
+        self: Arc<Self>,
+        path: &Path,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> anyhow::Result<()> {
+        if path.exists() {
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing the stale socket {}", path.display()))?;
+        }
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let listener = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("listening on {}", path.display()))?;
+        tracing::info!(socket = %path.display(), upstream = %self.upstream.target, "xDS proxy listening");
+        // One service: served without a router.
+        let service = AggregatedDiscoveryServiceServer::new(Downstream(self));
+        tonic::transport::Server::builder()
+            .serve_with_incoming_shutdown(service, UnixListenerStream::new(listener), shutdown)
+            .await
+            .context("serving the xDS proxy")
+    }
+
+    async fn channel(&self) -> Result<tonic::transport::Channel, Status> {
+        crate::xds::stream::connect(&self.upstream.target, self.upstream.tls.as_ref(), None)
+            .await
+            .map_err(|e| Status::unavailable(format!("istiod at {}: {e}", self.upstream.target)))
+    }
+
+    /// The upstream request with the agent's metadata and a freshly read token.
+    fn upstream_request<T>(&self, body: T) -> Result<Request<T>, Status> {
+        let mut request = Request::new(body);
+        let mut metadata = self.upstream.metadata.clone();
+        if let Some(path) = &self.upstream.token_path {
+            let token = std::fs::read_to_string(path).map_err(|e| {
+                Status::unauthenticated(format!("reading the token {}: {e}", path.display()))
+            })?;
+            metadata.push(("authorization".into(), format!("Bearer {}", token.trim())));
+        }
+        for (key, value) in metadata {
+            let key = tonic::metadata::MetadataKey::from_bytes(key.as_bytes())
+                .map_err(|_| Status::internal(format!("bad metadata key {key:?}")))?;
+            let value = value
+                .parse()
+                .map_err(|_| Status::internal(format!("bad metadata value for {key}")))?;
+            request.metadata_mut().insert(key, value);
+        }
+        Ok(request)
+    }
+
+    /// Hands a name table to the sink; the error to NACK it with, if refused.
+    fn take_name_table(&self, resources: &[Any]) -> Option<String> {
+        let sink = self.name_table.as_ref()?;
+        let result = match resources {
+            [table] => sink(table),
+            [] => Err("the response has no NameTable".into()),
+            more => Err(format!("{} NameTables in one response", more.len())),
+        };
+        match result {
+            Ok(()) => {
+                self.name_tables.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(error) => {
+                self.name_tables_rejected.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "name table refused");
+                Some(error)
+            }
+        }
+    }
+}
+
+struct Downstream(Arc<XdsProxy>);
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Downstream {
+    type StreamAggregatedResourcesStream = ResponseStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let proxy = self.0.clone();
+        proxy.streams.fetch_add(1, Ordering::Relaxed);
+        let (up_tx, up_rx) = mpsc::unbounded_channel::<DiscoveryRequest>();
+        let upstream: Streaming<DiscoveryResponse> = open(&proxy, up_rx, ADS_SOTW).await?;
+        let (down_tx, down_rx) = mpsc::unbounded_channel();
+        // Proxy -> istiod, with the agent's own NDS subscription after the first request
+        // (which carries the node).
+        let ask_nds = proxy.name_table.is_some();
+        let requests = up_tx.clone();
+        let downstream_requests = request.into_inner();
+        tokio::spawn(forward_requests(
+            downstream_requests,
+            requests,
+            // istiod has the node from the first request of the stream.
+            move |_: &DiscoveryRequest| {
+                ask_nds.then(|| DiscoveryRequest {
+                    type_url: NAME_TABLE.into(),
+                    ..Default::default()
+                })
+            },
+        ));
+        // istiod -> proxy, minus the name table, which the agent ACKs itself.
+        let responses = upstream;
+        tokio::spawn(async move {
+            let mut responses = responses;
+            loop {
+                let response = match responses.message().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    Err(status) => {
+                        let _ = down_tx.send(Err(status));
+                        break;
+                    }
+                };
+                if response.type_url == NAME_TABLE {
+                    let error = proxy.take_name_table(&response.resources);
+                    let ack = DiscoveryRequest {
+                        version_info: response.version_info.clone(),
+                        response_nonce: response.nonce.clone(),
+                        type_url: NAME_TABLE.into(),
+                        error_detail: error.map(nack),
+                        ..Default::default()
+                    };
+                    if up_tx.send(ack).is_err() {
+                        break;
+                    }
+                } else if down_tx.send(Ok(response)).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
+            down_rx,
+        ))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let proxy = self.0.clone();
+        proxy.streams.fetch_add(1, Ordering::Relaxed);
+        let (up_tx, up_rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
+        let upstream: Streaming<DeltaDiscoveryResponse> = open(&proxy, up_rx, ADS_DELTA).await?;
+        let (down_tx, down_rx) = mpsc::unbounded_channel();
+        let ask_nds = proxy.name_table.is_some();
+        tokio::spawn(forward_requests(
+            request.into_inner(),
+            up_tx.clone(),
+            move |_: &DeltaDiscoveryRequest| {
+                // A wildcard subscription: no names.
+                ask_nds.then(|| DeltaDiscoveryRequest {
+                    type_url: NAME_TABLE.into(),
+                    ..Default::default()
+                })
+            },
+        ));
+        tokio::spawn(async move {
+            let mut responses = upstream;
+            loop {
+                let response = match responses.message().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    Err(status) => {
+                        let _ = down_tx.send(Err(status));
+                        break;
+                    }
+                };
+                if response.type_url == NAME_TABLE {
+                    let tables: Vec<Any> = response
+                        .resources
+                        .iter()
+                        .filter_map(|r| r.resource.clone())
+                        .collect();
+                    let error = proxy.take_name_table(&tables);
+                    let ack = DeltaDiscoveryRequest {
+                        response_nonce: response.nonce.clone(),
+                        type_url: NAME_TABLE.into(),
+                        error_detail: error.map(nack),
+                        ..Default::default()
+                    };
+                    if up_tx.send(ack).is_err() {
+                        break;
+                    }
+                } else if down_tx.send(Ok(response)).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
+            down_rx,
+        ))))
+    }
+}
+
+fn nack(message: String) -> RpcStatus {
+    RpcStatus {
+        // INVALID_ARGUMENT, as Envoy NACKs.
+        code: 3,
+        message,
+        details: Vec::new(),
+    }
+}
+
+/// Opens the upstream stream of `path`, fed from `requests`.
+async fn open<Req, Resp>(
+    proxy: &XdsProxy,
+    requests: mpsc::UnboundedReceiver<Req>,
+    path: &'static str,
+) -> Result<Streaming<Resp>, Status>
+where
+    Req: prost::Message + Send + 'static,
+    Resp: prost::Message + Default + Send + 'static,
+{
+    let channel = proxy.channel().await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("istiod not ready: {e}")))?;
+    let request = proxy.upstream_request(UnboundedReceiverStream::new(requests))?;
+    let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+    Ok(grpc.streaming(request, path, codec).await?.into_inner())
+}
+
+/// Forwards the proxy's requests upstream; after the first, sends `extra(first)` if any.
+/// Ends (dropping the upstream sender, which ends the upstream stream) when the proxy's
+/// stream ends.
+async fn forward_requests<Req>(
+    mut downstream: Streaming<Req>,
+    upstream: mpsc::UnboundedSender<Req>,
+    extra: impl FnOnce(&Req) -> Option<Req>,
+) where
+    Req: prost::Message + Clone + Default + Send + 'static,
+{
+    let mut extra = Some(extra);
+    while let Some(Ok(request)) = downstream.next().await {
+        let follow = extra.take().and_then(|f| f(&request));
+        if upstream.send(request).is_err() {
+            return;
+        }
+        if let Some(follow) = follow
+            && upstream.send(follow).is_err()
+        {
+            return;
+        }
+    }
+}
