@@ -288,8 +288,15 @@ fn grpc_service_cluster(
         if k.probes > 0 {
             ka.insert("keepalive_probes".into(), k.probes.into());
         }
-        for (key, d) in [("keepalive_time", &k.time), ("keepalive_interval", &k.interval)] {
-            if let Some(secs) = d.as_deref().and_then(proto_duration_secs).filter(|s| *s > 0) {
+        for (key, d) in [
+            ("keepalive_time", &k.time),
+            ("keepalive_interval", &k.interval),
+        ] {
+            if let Some(secs) = d
+                .as_deref()
+                .and_then(proto_duration_secs)
+                .filter(|s| *s > 0)
+            {
                 ka.insert(key.into(), secs.into());
             }
         }
@@ -311,10 +318,14 @@ pub fn socket_address(field: &str, addr: &str, host_ip: &str) -> Result<Value, B
         reason: format!("{addr:?}: {reason}"),
     };
     let (host, port) = if let Some(rest) = addr.strip_prefix('[') {
-        let (h, p) = rest.split_once("]:").ok_or_else(|| bad("expected [host]:port"))?;
+        let (h, p) = rest
+            .split_once("]:")
+            .ok_or_else(|| bad("expected [host]:port"))?;
         (h, p)
     } else {
-        let (h, p) = addr.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;
+        let (h, p) = addr
+            .rsplit_once(':')
+            .ok_or_else(|| bad("expected host:port"))?;
         if h.contains(':') {
             return Err(bad("an IPv6 host needs brackets"));
         }
@@ -358,10 +369,15 @@ fn transport_socket(tls: &ClientTls, sni: &str, h2: bool) -> Option<Value> {
     }
     let root = |ca: &str| (!ca.is_empty()).then(|| format!("file-root:{ca}"));
     let (certs, root, alpn, sni) = match tls.mode.as_str() {
-        "SIMPLE" => (vec![], root(&tls.ca_certificates), vec!["h2"], tls.sni.clone()),
+        "SIMPLE" => (
+            vec![],
+            root(&tls.ca_certificates),
+            vec!["h2"],
+            tls.sni.clone(),
+        ),
         "MUTUAL" => {
-            let cert = (!tls.client_certificate.is_empty() && !tls.private_key.is_empty())
-                .then(|| {
+            let cert =
+                (!tls.client_certificate.is_empty() && !tls.private_key.is_empty()).then(|| {
                     sds(&format!(
                         "file-cert:{}~{}",
                         tls.client_certificate, tls.private_key

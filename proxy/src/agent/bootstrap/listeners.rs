@@ -8,8 +8,7 @@ use serde_json::{Value, json};
 use super::proxy_config::ProxyConfigView;
 use super::{BootstrapInputs, Network};
 
-const HCM: &str =
-    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+const HCM: &str = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 
 pub fn static_listeners(
     inputs: &BootstrapInputs,
@@ -52,7 +51,10 @@ pub fn static_listeners(
         (
             inputs.secure_merged_metrics_port,
             "secure_merged_stats",
-            json!([route("/stats/prometheus", "agent"), route("/metrics", "agent")]),
+            json!([
+                route("/stats/prometheus", "agent"),
+                route("/metrics", "agent")
+            ]),
         ),
     ] {
         if port == 0 {
@@ -92,7 +94,8 @@ pub fn static_listeners(
 }
 
 fn listener(address: &str, port: u16, additional: Option<&str>) -> Value {
-    let sa = |a: &str| json!({"socket_address": {"protocol": "TCP", "address": a, "port_value": port}});
+    let sa =
+        |a: &str| json!({"socket_address": {"protocol": "TCP", "address": a, "port_value": port}});
     let mut l = json!({
         "name": format!("{address}_{port}"),
         "address": sa(address),

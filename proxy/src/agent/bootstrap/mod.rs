@@ -384,9 +384,12 @@ fn runtime_flags(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Value {
             true.into(),
         );
     }
-    let strip_fragment = node::env_value(&inputs.env, "HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED")
-        .and_then(|v| v.parse::<bool>().ok())
-        .unwrap_or(true);
+    let strip_fragment = node::env_value(
+        &inputs.env,
+        "HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED",
+    )
+    .and_then(|v| v.parse::<bool>().ok())
+    .unwrap_or(true);
     if !strip_fragment {
         flags.insert(
             "envoy.reloadable_features.http_strip_fragment_from_path_unsafe_if_disabled".into(),

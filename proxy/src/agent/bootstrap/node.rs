@@ -179,10 +179,7 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
     if inputs.sts_port != 0 {
         typed.insert("STS_PORT".into(), inputs.sts_port.to_string().into());
     }
-    typed.insert(
-        "ENVOY_STATUS_PORT".into(),
-        inputs.envoy_status_port.into(),
-    );
+    typed.insert("ENVOY_STATUS_PORT".into(), inputs.envoy_status_port.into());
     typed.insert(
         "ENVOY_PROMETHEUS_PORT".into(),
         inputs.envoy_prometheus_port.into(),
@@ -241,10 +238,7 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
         }
     }
     if !inputs.platform_metadata.is_empty() {
-        typed.insert(
-            "PLATFORM_METADATA".into(),
-            json!(inputs.platform_metadata),
-        );
+        typed.insert("PLATFORM_METADATA".into(), json!(inputs.platform_metadata));
     }
     if let Some(pod_labels) = &inputs.pod_labels {
         let mut merged = static_labels.clone().unwrap_or_default();
@@ -288,7 +282,11 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
     }
     let labels = labels.unwrap_or_default();
     put_map(&mut typed, "LABELS", &labels);
-    put_map(&mut typed, "STATIC_LABELS", &static_labels.unwrap_or_default());
+    put_map(
+        &mut typed,
+        "STATIC_LABELS",
+        &static_labels.unwrap_or_default(),
+    );
     put_map(&mut typed, "ANNOTATIONS", &annotations);
 
     typed.insert("PILOT_SAN".into(), json!(inputs.pilot_san));
@@ -353,20 +351,30 @@ fn convert(key: &str, kind: Kind, v: &Value) -> Result<Value, BootstrapError> {
     Ok(match kind {
         Kind::Str => Value::String(v.as_str().ok_or_else(|| bad("expected a string"))?.into()),
         Kind::Bool => {
-            let s = v.as_str().ok_or_else(|| bad("expected \"true\" or \"false\""))?;
+            let s = v
+                .as_str()
+                .ok_or_else(|| bad("expected \"true\" or \"false\""))?;
             bool_str(parse_go_bool(s).ok_or_else(|| bad("expected \"true\" or \"false\""))?)
         }
         Kind::Int => Value::from(v.as_i64().ok_or_else(|| bad("expected a number"))?),
         Kind::StrMap => {
-            let m = v.as_object().ok_or_else(|| bad("expected a map of strings"))?;
+            let m = v
+                .as_object()
+                .ok_or_else(|| bad("expected a map of strings"))?;
             if m.values().any(|x| !x.is_string()) {
                 return Err(bad("expected a map of strings"));
             }
             v.clone()
         }
-        Kind::List => Value::String(v.as_str().ok_or_else(|| bad("expected a comma-separated string"))?.into()),
+        Kind::List => Value::String(
+            v.as_str()
+                .ok_or_else(|| bad("expected a comma-separated string"))?
+                .into(),
+        ),
         Kind::Array => {
-            let a = v.as_array().ok_or_else(|| bad("expected a list of strings"))?;
+            let a = v
+                .as_array()
+                .ok_or_else(|| bad("expected a list of strings"))?;
             if a.iter().any(|x| !x.is_string()) {
                 return Err(bad("expected a list of strings"));
             }
@@ -414,7 +422,10 @@ fn put_map(typed: &mut Map<String, Value>, key: &str, m: &BTreeMap<String, Strin
 }
 
 pub(super) fn env_value(env: &[(String, String)], name: &str) -> Option<String> {
-    env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    env.iter()
+        .rev()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
 }
 
 pub(super) fn dedup(values: &[String]) -> Vec<String> {
@@ -473,9 +484,13 @@ fn service_cluster(
 
 /// The app name, with Istio's backward-compatible label order.
 fn app_label(labels: &BTreeMap<String, String>) -> Option<&String> {
-    ["app", "app.kubernetes.io/name", "service.istio.io/canonical-name"]
-        .iter()
-        .find_map(|k| labels.get(*k).filter(|v| !v.is_empty()))
+    [
+        "app",
+        "app.kubernetes.io/name",
+        "service.istio.io/canonical-name",
+    ]
+    .iter()
+    .find_map(|k| labels.get(*k).filter(|v| !v.is_empty()))
 }
 
 fn canonical_service(labels: &BTreeMap<String, String>, workload: &str) -> String {

@@ -14,6 +14,14 @@ use super::BootstrapError;
 /// written (a `proxyMetadata` key like `ISTIO_META_X` is not a proto field name).
 const MAP_FIELDS: [&str; 3] = ["proxyMetadata", "runtimeValues", "customTags"];
 
+/// Enum fields at their zero value, which protojson leaves out (as it does "").
+const ENUM_DEFAULTS: [(&str, &str); 4] = [
+    ("controlPlaneAuthPolicy", "NONE"),
+    ("interceptionMode", "REDIRECT"),
+    ("tracingServiceName", "APP_LABEL_AND_NAMESPACE"),
+    ("mode", "DISABLE"),
+];
+
 /// A merged ProxyConfig in protojson form.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ProxyConfig(Map<String, Value>);
@@ -117,8 +125,14 @@ impl ProxyConfig {
 /// snake_case field names to protojson's camelCase, except inside map fields.
 fn canonical_keys(m: Map<String, Value>) -> Map<String, Value> {
     m.into_iter()
+        .map(|(k, v)| (camel(&k), v))
+        .filter(|(k, v)| {
+            let zero_enum = ENUM_DEFAULTS
+                .iter()
+                .any(|(f, d)| k == f && v.as_str() == Some(d));
+            !zero_enum && v.as_str() != Some("")
+        })
         .map(|(k, v)| {
-            let k = camel(&k);
             let v = if MAP_FIELDS.contains(&k.as_str()) {
                 v
             } else {
@@ -277,6 +291,9 @@ mod tests {
     fn a_bad_field_is_named_with_its_source() {
         let err = ProxyConfig::parse("proxyAdminPort: lots", "PROXY_CONFIG").unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("PROXY_CONFIG") && msg.contains("proxyAdminPort"), "{msg}");
+        assert!(
+            msg.contains("PROXY_CONFIG") && msg.contains("proxyAdminPort"),
+            "{msg}"
+        );
     }
 }

@@ -20,7 +20,12 @@ const REQUIRED_PREFIXES: [&str; 5] = [
     "cluster.xds-grpc",
     "wasm",
 ];
-const RBAC_SUFFIXES: [&str; 4] = ["rbac.allowed", "rbac.denied", "shadow_allowed", "shadow_denied"];
+const RBAC_SUFFIXES: [&str; 4] = [
+    "rbac.allowed",
+    "rbac.denied",
+    "shadow_allowed",
+    "shadow_denied",
+];
 /// Needed to drain until no connection is left.
 const DRAIN_SUFFIX: &str = "downstream_cx_active";
 /// Stats named from a VirtualService route's stat_prefix.
@@ -125,14 +130,20 @@ impl Stats {
         let mut buckets: Vec<(String, Vec<f64>)> = node
             .annotations
             .get(ANNO_BUCKETS)
-            .and_then(|b| serde_json::from_str::<std::collections::BTreeMap<String, Vec<f64>>>(b).ok())
+            .and_then(|b| {
+                serde_json::from_str::<std::collections::BTreeMap<String, Vec<f64>>>(b).ok()
+            })
             .map(|m| m.into_iter().collect())
             .unwrap_or_default();
         buckets.sort_by(|a, b| a.0.cmp(&b.0));
 
         let mut flush = DEFAULT_FLUSH;
         let mut flush_interval = None;
-        if let Some(d) = node.annotations.get(ANNO_FLUSH).and_then(|v| parse_go_duration(v)) {
+        if let Some(d) = node
+            .annotations
+            .get(ANNO_FLUSH)
+            .and_then(|v| parse_go_duration(v))
+        {
             flush = d;
             flush_interval = Some(format_go_duration(d));
         }
