@@ -5,6 +5,8 @@
 //! stats tags, inclusion lists and sinks ([`stats`]), static clusters ([`clusters`]),
 //! the 15090/15021 (and secure metrics) listeners ([`listeners`]) — and [`render`] puts
 //! them together in the shape of Istio's `envoy_bootstrap.json` template.
+//! [`BootstrapInputs::from_pod`] ([`pod`]) fills the inputs from a pod's environment and
+//! files.
 //!
 //! Checked against the 30 golden bootstraps of Istio's `pkg/bootstrap` test
 //! (`tests/agent_bootstrap.rs`).
@@ -12,6 +14,7 @@
 mod clusters;
 mod listeners;
 mod node;
+mod pod;
 mod proxy_config;
 mod stats;
 
@@ -20,6 +23,7 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value, json};
 
+pub use pod::{PodFiles, parse_downward_api};
 pub use proxy_config::{ProxyConfig, ProxyConfigView};
 
 /// Everything pilot-agent's bootstrap depends on. `shunt agent` fills it from its
