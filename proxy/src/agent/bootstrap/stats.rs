@@ -145,7 +145,9 @@ impl Stats {
             .and_then(|v| parse_go_duration(v))
         {
             flush = d;
-            flush_interval = Some(format_go_duration(d));
+            // pilot-agent prints Go's form ("1m30s"), which Envoy refuses past a minute;
+            // protojson's seconds are the same for "10s" and load for every value.
+            flush_interval = Some(proto_duration(d));
         }
         // Envoy needs the eviction interval to be a multiple of the flush interval.
         let eviction_interval = node
@@ -291,39 +293,12 @@ pub fn parse_go_duration(s: &str) -> Option<Duration> {
     Some(Duration::from_secs_f64(total))
 }
 
-/// Go's `time.Duration.String` for whole and fractional seconds ("10s", "1m30s").
-pub fn format_go_duration(d: Duration) -> String {
-    if d.is_zero() {
-        return "0s".into();
+/// A protojson Duration: seconds with an 's' ("90s", "1.500000000s").
+pub fn proto_duration(d: Duration) -> String {
+    match d.subsec_nanos() {
+        0 => format!("{}s", d.as_secs()),
+        n => format!("{}.{n:09}s", d.as_secs()),
     }
-    if d < Duration::from_secs(1) {
-        let ns = d.as_nanos();
-        return if ns < 1_000 {
-            format!("{ns}ns")
-        } else if ns < 1_000_000 {
-            format!("{}µs", trim(ns as f64 / 1e3))
-        } else {
-            format!("{}ms", trim(ns as f64 / 1e6))
-        };
-    }
-    let secs = d.as_secs();
-    let (h, m, s) = (secs / 3600, (secs / 60) % 60, secs % 60);
-    let frac = d.subsec_nanos();
-    let sec = if frac == 0 {
-        s.to_string()
-    } else {
-        trim(s as f64 + frac as f64 / 1e9)
-    };
-    match (h, m) {
-        (0, 0) => format!("{sec}s"),
-        (0, m) => format!("{m}m{sec}s"),
-        (h, m) => format!("{h}h{m}m{sec}s"),
-    }
-}
-
-fn trim(x: f64) -> String {
-    let s = format!("{x:.9}");
-    s.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
 #[cfg(test)]
@@ -331,13 +306,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn go_durations_read_and_print_as_go_does() {
+    fn go_durations_read_as_go_reads_them_and_print_as_protojson() {
         assert_eq!(parse_go_duration("10s"), Some(Duration::from_secs(10)));
         assert_eq!(parse_go_duration("1m30s"), Some(Duration::from_secs(90)));
         assert_eq!(parse_go_duration("ten"), None);
-        assert_eq!(format_go_duration(Duration::from_secs(10)), "10s");
-        assert_eq!(format_go_duration(Duration::from_secs(90)), "1m30s");
-        assert_eq!(format_go_duration(Duration::from_secs(3600)), "1h0m0s");
-        assert_eq!(format_go_duration(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(parse_go_duration("1.5h"), Some(Duration::from_secs(5400)));
+        assert_eq!(proto_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(proto_duration(Duration::from_millis(1500)), "1.500000000s");
     }
 }
