@@ -59,9 +59,8 @@ impl ProxyConfig {
         Ok(cfg)
     }
 
-    /// Applies one more layer on top, as pilot-agent's `MergeProxyConfig` does: fields
-    /// it sets replace ours, messages merge field by field, `proxyMetadata` entries are
-    /// added to ours (same key: the new value wins).
+    /// Applies one more layer on top, as pilot-agent's `MergeProxyConfig` does (see
+    /// [`merge`]).
     pub fn apply(&mut self, text: &str, source: &str) -> Result<(), BootstrapError> {
         if text.trim().is_empty() {
             return Ok(());
@@ -167,11 +166,17 @@ fn camel(name: &str) -> String {
     out
 }
 
+/// pilot-agent's `MergeProxyConfig`: protobuf's JSON decoding into the existing config
+/// replaces each field it names, messages included (a later `tracing` replaces the
+/// whole `tracing`); then `proxyMetadata` gets the earlier entries back (the later wins
+/// a key), and `proxyHeaders` its earlier headers the later one leaves unset.
 fn merge(into: &mut Map<String, Value>, from: Map<String, Value>) {
     for (k, v) in from {
-        match (into.get_mut(&k), v) {
-            (Some(Value::Object(a)), Value::Object(b)) => merge(a, b),
-            (_, v) => {
+        match (k.as_str(), into.get_mut(&k), v) {
+            ("proxyMetadata" | "proxyHeaders", Some(Value::Object(a)), Value::Object(b)) => {
+                a.extend(b);
+            }
+            (_, _, v) => {
                 into.insert(k, v);
             }
         }
@@ -280,10 +285,12 @@ mod tests {
         .unwrap();
         pc.apply(r#"{"proxyMetadata": {"ISTIO_META_B": "2"}, "tracing": {"zipkin": {"address": "z:9411"}}}"#, "env")
             .unwrap();
+        pc.apply("tracing: {sampling: 10}", "annotation").unwrap();
         let v = pc.view().unwrap();
         assert_eq!(v.discovery_address, "a:1");
         assert_eq!(v.proxy_metadata.len(), 2);
-        assert_eq!(v.tracing.unwrap().zipkin.unwrap().address, "z:9411");
+        // A later message replaces the earlier one whole.
+        assert!(v.tracing.unwrap().zipkin.is_none());
         assert_eq!(v.proxy_admin_port, 15000);
     }
 
