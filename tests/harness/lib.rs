@@ -25,6 +25,7 @@
 //! ```
 
 pub mod ads;
+pub mod ca;
 mod bins;
 mod cgroup;
 mod limits;
