@@ -70,7 +70,11 @@ fn next_bundle(
 fn eventually(what: &str, mut check: impl FnMut() -> bool, context: impl Fn() -> String) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !check() {
-        assert!(Instant::now() < deadline, "timed out: {what}\n{}", context());
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {what}\n{}",
+            context()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -113,16 +117,23 @@ fn the_ca_issues_a_spiffe_certificate_and_it_is_rotated_before_it_expires() {
     let ca = TestCa::start(&dir.0, TOKEN, Duration::from_secs(4)).unwrap();
     std::fs::write(dir.0.join("istio-token"), format!("{TOKEN}\n")).unwrap();
     let rt = runtime();
-    let (provider, _task) = rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
+    let (provider, _task) =
+        rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
 
     let first = next_bundle(&rt, &provider, None);
     assert_eq!(first.uris, [IDENTITY]);
     assert_eq!(key_algorithm(&leaf(&first.cert_chain)), EC_PUBLIC_KEY);
     assert_eq!(first.root_cert, ca.root_pem);
     let call = &ca.calls()[0];
-    assert_eq!(call.authorization.as_deref(), Some(&*format!("Bearer {TOKEN}")));
+    assert_eq!(
+        call.authorization.as_deref(),
+        Some(&*format!("Bearer {TOKEN}"))
+    );
     assert_eq!(call.cluster_id.as_deref(), Some("east"));
-    assert_eq!((call.validity_duration, &call.uris[..]), (3600, &[IDENTITY.to_owned()][..]));
+    assert_eq!(
+        (call.validity_duration, &call.uris[..]),
+        (3600, &[IDENTITY.to_owned()][..])
+    );
 
     let second = next_bundle(&rt, &provider, Some(&first));
     assert!(
@@ -130,7 +141,10 @@ fn the_ca_issues_a_spiffe_certificate_and_it_is_rotated_before_it_expires() {
         "rotated only after the first certificate expired"
     );
     assert!(second.not_after > first.not_after);
-    assert_ne!(second.private_key, first.private_key, "a new key for each certificate");
+    assert_ne!(
+        second.private_key, first.private_key,
+        "a new key for each certificate"
+    );
     assert_eq!(provider.status().issued, 2);
 
     // The in-process proxy's secret store takes the same two secrets.
@@ -160,7 +174,8 @@ fn a_ca_outage_keeps_the_old_certificate_backs_off_and_recovers() {
     let mut ca = TestCa::start(&dir.0, TOKEN, Duration::from_secs(4)).unwrap();
     std::fs::write(dir.0.join("istio-token"), TOKEN).unwrap();
     let rt = runtime();
-    let (provider, _task) = rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
+    let (provider, _task) =
+        rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
     let first = next_bundle(&rt, &provider, None);
 
     ca.stop();
@@ -171,10 +186,18 @@ fn a_ca_outage_keeps_the_old_certificate_backs_off_and_recovers() {
     );
     let status = provider.status();
     assert!(
-        status.last_error.as_deref().unwrap_or("").contains("connecting to the CA"),
+        status
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("connecting to the CA"),
         "{status:?}"
     );
-    assert_eq!(provider.current().unwrap().serial, first.serial, "the old certificate stays");
+    assert_eq!(
+        provider.current().unwrap().serial,
+        first.serial,
+        "the old certificate stays"
+    );
 
     ca.restart().unwrap();
     let recovered = next_bundle(&rt, &provider, Some(&first));
@@ -190,7 +213,8 @@ fn a_rejected_token_is_a_clear_error_and_is_retried_with_the_token_read_again() 
     let token_file = dir.0.join("istio-token");
     std::fs::write(&token_file, "an-expired-token").unwrap();
     let rt = runtime();
-    let (provider, _task) = rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
+    let (provider, _task) =
+        rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
 
     eventually(
         "the CA refuses the token, twice",
@@ -198,17 +222,25 @@ fn a_rejected_token_is_a_clear_error_and_is_retried_with_the_token_read_again() 
         || format!("{:?}", provider.status()),
     );
     let error = provider.status().last_error.unwrap();
-    assert!(error.contains("Unauthenticated") && error.contains("token"), "{error}");
+    assert!(
+        error.contains("Unauthenticated") && error.contains("token"),
+        "{error}"
+    );
     assert!(provider.current().is_none());
-    assert!(ca.calls().iter().all(|c| c.refused.is_some()
-        && c.authorization.as_deref() == Some("Bearer an-expired-token")));
+    assert!(
+        ca.calls().iter().all(|c| c.refused.is_some()
+            && c.authorization.as_deref() == Some("Bearer an-expired-token"))
+    );
 
     // Kubelet writes a fresh token: the next attempt reads it.
     std::fs::write(&token_file, TOKEN).unwrap();
     let bundle = next_bundle(&rt, &provider, None);
     assert_eq!(bundle.uris, [IDENTITY]);
     let last = ca.calls().pop().unwrap();
-    assert_eq!((last.authorization, last.refused), (Some(format!("Bearer {TOKEN}")), None));
+    assert_eq!(
+        (last.authorization, last.refused),
+        (Some(format!("Bearer {TOKEN}")), None)
+    );
 }
 
 /// Istio's `sds_config` for `default` and `ROOTCA`: the `sds-grpc` cluster.
@@ -292,11 +324,22 @@ fn mtls_exchange(
 ) -> Result<Vec<u8>, String> {
     let connect = format!("127.0.0.1:{port}");
     let mut args = vec![
-        "s_client", "-connect", &connect, "-CAfile", root.to_str().unwrap(),
-        "-verify_return_error", "-showcerts", "-ign_eof",
+        "s_client",
+        "-connect",
+        &connect,
+        "-CAfile",
+        root.to_str().unwrap(),
+        "-verify_return_error",
+        "-showcerts",
+        "-ign_eof",
     ];
     if let Some((cert, key)) = client {
-        args.extend(["-cert", cert.to_str().unwrap(), "-key", key.to_str().unwrap()]);
+        args.extend([
+            "-cert",
+            cert.to_str().unwrap(),
+            "-key",
+            key.to_str().unwrap(),
+        ]);
     }
     let out = pod
         .command("openssl")
@@ -307,7 +350,10 @@ fn mtls_exchange(
         .map_err(|e| e.to_string())?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     if !stdout.contains("hello over mTLS") || !stdout.contains("Verify return code: 0 (ok)") {
-        return Err(format!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     Ok(leaf(&stdout))
 }
@@ -318,7 +364,10 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
     let ca = TestCa::start(&dir.0, TOKEN, Duration::from_secs(8)).unwrap();
     std::fs::write(dir.0.join("istio-token"), TOKEN).unwrap();
     let (client_chain, client_key) = ca
-        .issue("spiffe://cluster.local/ns/default/sa/client", Duration::from_secs(3600))
+        .issue(
+            "spiffe://cluster.local/ns/default/sa/client",
+            Duration::from_secs(3600),
+        )
         .unwrap();
     let (client_cert, client_key_file) = (dir.0.join("client.pem"), dir.0.join("client.key"));
     std::fs::write(&client_cert, client_chain).unwrap();
@@ -326,9 +375,14 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
 
     let rt = runtime();
     let socket: PathBuf = dir.0.join("var/run/secrets/workload-spiffe-uds/socket");
-    let (provider, _task) = rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
+    let (provider, _task) =
+        rt.block_on(async { CertificateProvider::start_ca(options(&ca, &dir.0)) });
     let listener = rt.block_on(async { sds::bind(&socket) }).unwrap();
-    rt.spawn(sds::serve(listener, provider.clone(), std::future::pending()));
+    rt.spawn(sds::serve(
+        listener,
+        provider.clone(),
+        std::future::pending(),
+    ));
     let first = next_bundle(&rt, &provider, None);
 
     let mut node = Node::new().unwrap();
@@ -338,7 +392,15 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
     std::fs::write(&config, envoy_bootstrap(&socket, PORT).to_string()).unwrap();
     let envoy = pod
         .command(support::envoy::bin())
-        .args(["--concurrency", "1", "-l", "warning", "--base-id", "47", "-c"])
+        .args([
+            "--concurrency",
+            "1",
+            "-l",
+            "warning",
+            "--base-id",
+            "47",
+            "-c",
+        ])
         .arg(&config)
         .spawn()
         .expect("start envoy");
@@ -356,7 +418,11 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
         || format!("{:?}\nenvoy: {}", served.borrow(), envoy.stderr_text()),
     );
     let served_first = served.borrow().clone().unwrap();
-    assert_eq!(uris(&served_first), [IDENTITY], "Envoy serves the workload identity");
+    assert_eq!(
+        uris(&served_first),
+        [IDENTITY],
+        "Envoy serves the workload identity"
+    );
     // Envoy may already hold the second certificate if a rotation came meanwhile.
     let current = provider.current().unwrap();
     assert!(served_first == leaf(&first.cert_chain) || served_first == leaf(&current.cert_chain));
@@ -417,7 +483,11 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
         })
         .unwrap();
     let listener = rt.block_on(async { sds::bind(&socket) }).unwrap();
-    rt.spawn(sds::serve(listener, provider.clone(), std::future::pending()));
+    rt.spawn(sds::serve(
+        listener,
+        provider.clone(),
+        std::future::pending(),
+    ));
 
     rt.block_on(async {
         let path = socket.clone();
@@ -440,7 +510,11 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
             resource_names: names.clone(),
             type_url: sds::SECRET_TYPE_URL.into(),
             response_nonce: nonce.into(),
-            error_detail: error.map(|m| RpcStatus { code: 3, message: m.into(), ..Default::default() }),
+            error_detail: error.map(|m| RpcStatus {
+                code: 3,
+                message: m.into(),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         tx.send(request("", "", None)).unwrap();
@@ -463,10 +537,17 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
             (response, secrets)
         };
         let chain_of = |secrets: &[Secret]| match &secrets[0].r#type {
-            Some(secret::Type::TlsCertificate(c)) => match &c.certificate_chain.as_ref().unwrap().specifier {
-                Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(b)) => {
-                    String::from_utf8(b.clone()).unwrap()
-                }
+            Some(secret::Type::TlsCertificate(c)) => match &c
+                .certificate_chain
+                .as_ref()
+                .unwrap()
+                .specifier
+            {
+                Some(
+                    envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(
+                        b,
+                    ),
+                ) => String::from_utf8(b.clone()).unwrap(),
                 other => panic!("chain as {other:?}"),
             },
             other => panic!("default is {other:?}"),
@@ -479,12 +560,14 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
         );
         assert_eq!(chain_of(&secrets), chain1);
         match &secrets[1].r#type {
-            Some(secret::Type::ValidationContext(v)) => assert_eq!(
+            Some(secret::Type::ValidationContext(v)) => {
+                assert_eq!(
                 v.trusted_ca.as_ref().unwrap().specifier,
                 Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(
                     ca.root_pem.clone().into_bytes()
                 ))
-            ),
+            )
+            }
             other => panic!("ROOTCA is {other:?}"),
         }
         tx.send(request(&r1.version_info, &r1.nonce, None)).unwrap(); // ACK
@@ -498,7 +581,12 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
         assert_ne!((&r2.version_info, &r2.nonce), (&r1.version_info, &r1.nonce));
 
         // A NACK is logged, not fatal: the stream carries the next replacement.
-        tx.send(request(&r1.version_info, &r2.nonce, Some("rejected for the test"))).unwrap();
+        tx.send(request(
+            &r1.version_info,
+            &r2.nonce,
+            Some("rejected for the test"),
+        ))
+        .unwrap();
         let (chain3, key3) = issue();
         install("key.pem", &key3);
         install("cert-chain.pem", &chain3);

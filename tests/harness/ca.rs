@@ -130,8 +130,10 @@ impl TestCa {
 
     /// A certificate for `identity` (a URI SAN) from this CA's root: (chain, key) PEM.
     pub fn issue(&self, identity: &str, lifetime: Duration) -> Result<(String, String)> {
-        self.state
-            .issue(vec![SanType::URI(identity.to_owned().try_into()?)], lifetime)
+        self.state.issue(
+            vec![SanType::URI(identity.to_owned().try_into()?)],
+            lifetime,
+        )
     }
 
     /// Stops serving: the port is closed, open connections dropped.
@@ -159,8 +161,8 @@ impl TestCa {
                     .build()
                     .expect("test CA runtime");
                 runtime.block_on(async move {
-                    let listener = tokio::net::TcpListener::from_std(std_listener)
-                        .expect("test CA listener");
+                    let listener =
+                        tokio::net::TcpListener::from_std(std_listener).expect("test CA listener");
                     let incoming = tls_incoming(listener, tls);
                     let signal = async move {
                         let _ = stop_rx.wait_for(|s| *s).await;
@@ -317,8 +319,9 @@ impl Service<http::Request<tonic::body::Body>> for CaService {
         let state = self.0.clone();
         Box::pin(async move {
             if request.uri().path() != METHOD {
-                return Ok(tonic::Status::unimplemented(request.uri().path().to_owned())
-                    .into_http());
+                return Ok(
+                    tonic::Status::unimplemented(request.uri().path().to_owned()).into_http(),
+                );
             }
             let codec =
                 tonic_prost::ProstCodec::<IstioCertificateResponse, IstioCertificateRequest>::default();

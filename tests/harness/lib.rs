@@ -25,8 +25,8 @@
 //! ```
 
 pub mod ads;
-pub mod ca;
 mod bins;
+pub mod ca;
 mod cgroup;
 mod limits;
 mod netns;

@@ -60,10 +60,7 @@ impl Publisher {
                 bundle: tx,
                 status: status.clone(),
             },
-            CertificateProvider {
-                bundle: rx,
-                status,
-            },
+            CertificateProvider { bundle: rx, status },
         )
     }
 

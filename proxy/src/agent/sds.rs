@@ -41,7 +41,8 @@ use super::ca::{Bundle, CertificateProvider};
 /// directory, `/` in the istio-proxy container).
 pub const DEFAULT_SOCKET: &str = "./var/run/secrets/workload-spiffe-uds/socket";
 
-pub const SECRET_TYPE_URL: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+pub const SECRET_TYPE_URL: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 
 /// Binds the socket at `path`: makes its folder, replaces a stale socket left by an
 /// earlier run. The socket is open to every local user, as pilot-agent's is (Envoy runs
@@ -176,7 +177,8 @@ impl SotwStream {
             )));
         }
         let last_nonce = self.sent.as_ref().map(|(_, _, nonce)| nonce.as_str());
-        if !request.response_nonce.is_empty() && Some(request.response_nonce.as_str()) != last_nonce {
+        if !request.response_nonce.is_empty() && Some(request.response_nonce.as_str()) != last_nonce
+        {
             // Answers a response that a newer one has replaced.
             return Ok(());
         }

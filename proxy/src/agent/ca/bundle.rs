@@ -40,7 +40,11 @@ pub struct Bundle {
 impl Bundle {
     /// Checks and describes a bundle: the key must match the leaf and the chain must
     /// verify against `root_cert` now. The error says which of the three is wrong.
-    pub fn new(cert_chain: String, private_key: String, root_cert: String) -> Result<Bundle, String> {
+    pub fn new(
+        cert_chain: String,
+        private_key: String,
+        root_cert: String,
+    ) -> Result<Bundle, String> {
         let chain = crate::tls::pem::certificates(cert_chain.as_bytes())
             .map_err(|e| format!("certificate chain: {e}"))?;
         let roots = crate::tls::pem::roots(root_cert.as_bytes())

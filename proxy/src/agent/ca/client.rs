@@ -195,9 +195,12 @@ pub async fn fetch(options: &CaOptions) -> Result<Bundle, String> {
         subject_id: String::new(),
         validity_duration: options.ttl.as_secs() as i64,
     });
-    let bearer = format!("Bearer {}", token.trim())
-        .parse()
-        .map_err(|_| format!("the token {} is not a header value", options.token_path.display()))?;
+    let bearer = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+        format!(
+            "the token {} is not a header value",
+            options.token_path.display()
+        )
+    })?;
     request.metadata_mut().insert("authorization", bearer);
     request.metadata_mut().insert(
         "clusterid",
@@ -216,7 +219,10 @@ pub async fn fetch(options: &CaOptions) -> Result<Bundle, String> {
         .await
         .map_err(|_| format!("CA {}: no answer in {:?}", options.address, options.timeout))??;
     if response.cert_chain.is_empty() {
-        return Err(format!("CA {}: an empty certificate chain", options.address));
+        return Err(format!(
+            "CA {}: an empty certificate chain",
+            options.address
+        ));
     }
     let chain: String = response
         .cert_chain
@@ -226,7 +232,8 @@ pub async fn fetch(options: &CaOptions) -> Result<Bundle, String> {
             format!("{pem}\n")
         })
         .collect();
-    let bundle = Bundle::new(chain, key, root).map_err(|e| format!("CA {}: {e}", options.address))?;
+    let bundle =
+        Bundle::new(chain, key, root).map_err(|e| format!("CA {}: {e}", options.address))?;
     if !bundle.uris.contains(&identity) {
         return Err(format!(
             "CA {}: the certificate names {:?}, not {identity}",
@@ -242,18 +249,20 @@ async fn connect(options: &CaOptions, root: &str) -> Result<Channel, String> {
         .address
         .rsplit_once(':')
         .ok_or_else(|| format!("CA_ADDR {:?} is not host:port", options.address))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     let name = options.server_name.clone().unwrap_or_else(|| host.clone());
     let name = rustls::pki_types::ServerName::try_from(name)
         .map_err(|e| format!("CA server name: {e}"))?;
     let roots = crate::tls::pem::roots(root.as_bytes())
         .map_err(|e| format!("root {}: {e}", options.root_cert.display()))?;
-    let mut config =
-        rustls::ClientConfig::builder_with_provider(crate::tls::secret::provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+    let mut config = rustls::ClientConfig::builder_with_provider(crate::tls::secret::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let address = options.address.clone();
@@ -288,12 +297,21 @@ mod tests {
     fn rotation_comes_when_the_grace_ratio_of_the_lifetime_is_left() {
         let now = SystemTime::now();
         let wait = rotate_after(now, now + Duration::from_secs(100), 0.5);
-        assert!(wait <= Duration::from_secs(50) && wait > Duration::from_secs(49), "{wait:?}");
+        assert!(
+            wait <= Duration::from_secs(50) && wait > Duration::from_secs(49),
+            "{wait:?}"
+        );
         let wait = rotate_after(now, now + Duration::from_secs(100), 0.2);
-        assert!(wait <= Duration::from_secs(80) && wait > Duration::from_secs(79), "{wait:?}");
+        assert!(
+            wait <= Duration::from_secs(80) && wait > Duration::from_secs(79),
+            "{wait:?}"
+        );
         // Already past the grace point (a long outage): at once.
         let old = now - Duration::from_secs(90);
-        assert_eq!(rotate_after(old, old + Duration::from_secs(100), 0.5), Duration::ZERO);
+        assert_eq!(
+            rotate_after(old, old + Duration::from_secs(100), 0.5),
+            Duration::ZERO
+        );
     }
 
     #[test]
@@ -319,11 +337,27 @@ mod tests {
         .unwrap();
         assert_eq!(o.identity(), "spiffe://example.org/ns/prod/sa/api");
         assert_eq!(
-            (o.address.as_str(), o.cluster_id.as_str(), o.ttl, o.grace_period_ratio, o.key_type),
-            ("ca.test:15012", "east", Duration::from_secs(12 * 3600), 0.25, KeyType::Rsa2048)
+            (
+                o.address.as_str(),
+                o.cluster_id.as_str(),
+                o.ttl,
+                o.grace_period_ratio,
+                o.key_type
+            ),
+            (
+                "ca.test:15012",
+                "east",
+                Duration::from_secs(12 * 3600),
+                0.25,
+                KeyType::Rsa2048
+            )
         );
         let bad = CaOptions::from_vars(vars(&[("SECRET_GRACE_PERIOD_RATIO", "1.5")])).unwrap_err();
-        assert!(bad.to_string().contains("SECRET_GRACE_PERIOD_RATIO=\"1.5\""), "{bad}");
+        assert!(
+            bad.to_string()
+                .contains("SECRET_GRACE_PERIOD_RATIO=\"1.5\""),
+            "{bad}"
+        );
         let bad = CaOptions::from_vars(vars(&[("SECRET_TTL", "soon")])).unwrap_err();
         assert!(bad.to_string().contains("SECRET_TTL"), "{bad}");
     }

@@ -77,7 +77,10 @@ mod tests {
             params.params.subject_alt_names,
             vec![SanType::URI(id.try_into().unwrap())]
         );
-        assert_eq!(params.public_key.algorithm(), &rcgen::PKCS_ECDSA_P256_SHA256);
+        assert_eq!(
+            params.public_key.algorithm(),
+            &rcgen::PKCS_ECDSA_P256_SHA256
+        );
         assert!(key.contains("BEGIN PRIVATE KEY"), "{key}");
     }
 

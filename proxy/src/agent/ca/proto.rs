@@ -35,7 +35,8 @@ pub async fn create_certificate(
         .ready()
         .await
         .map_err(|e| tonic::Status::unavailable(format!("CA connection: {e}")))?;
-    let codec = tonic_prost::ProstCodec::<IstioCertificateRequest, IstioCertificateResponse>::default();
+    let codec =
+        tonic_prost::ProstCodec::<IstioCertificateRequest, IstioCertificateResponse>::default();
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(CREATE_CERTIFICATE);
     client
         .unary(request, path, codec)
@@ -94,7 +95,12 @@ mod tests {
         let file = protox_parse::parse("ca.proto", CA_PROTO).unwrap();
         let service = &file.service[0];
         assert_eq!(
-            format!("/{}.{}/{}", file.package(), service.name(), service.method[0].name()),
+            format!(
+                "/{}.{}/{}",
+                file.package(),
+                service.name(),
+                service.method[0].name()
+            ),
             CREATE_CERTIFICATE
         );
         // The wire form uses those numbers: field 1 (csr, length-delimited) then 3.
