@@ -128,9 +128,12 @@ impl CertificateProvider {
         }
     }
 
-    /// A receiver that wakes on every new bundle (`changed().await`).
+    /// A receiver whose `changed().await` wakes on each bundle published from now on
+    /// (`borrow()` has the current one).
     pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Bundle>>> {
-        self.bundle.clone()
+        let mut rx = self.bundle.clone();
+        rx.mark_unchanged();
+        rx
     }
 
     pub fn status(&self) -> Status {

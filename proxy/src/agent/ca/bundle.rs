@@ -174,3 +174,75 @@ fn describe(der: &CertificateDer<'_>) -> Result<Leaf, String> {
         uris,
     })
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+
+    use super::*;
+
+    /// A root (PEM) and a function issuing leaves for a URI from it: (chain, key).
+    pub(crate) fn root() -> (String, impl Fn(&str) -> (String, String)) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let pem = params.self_signed(&key).unwrap().pem();
+        let issue = move |uri: &str| {
+            let leaf_key = KeyPair::generate().unwrap();
+            let mut leaf = CertificateParams::default();
+            leaf.subject_alt_names = vec![SanType::URI(uri.to_owned().try_into().unwrap())];
+            leaf.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+            let issuer = Issuer::from_params(&params, &key);
+            let cert = leaf.signed_by(&leaf_key, &issuer).unwrap();
+            (cert.pem(), leaf_key.serialize_pem())
+        };
+        (pem, issue)
+    }
+
+    #[test]
+    fn a_bundle_describes_its_leaf_and_makes_istios_two_secrets() {
+        let (root, issue) = root();
+        let (chain, key) = issue("spiffe://td/ns/a/sa/b");
+        let bundle = Bundle::new(chain.clone(), key, root.clone()).unwrap();
+        assert_eq!(bundle.uris, ["spiffe://td/ns/a/sa/b"]);
+        assert!(bundle.not_before < bundle.not_after);
+        assert!(!bundle.serial.is_empty() && !bundle.serial.contains(':'));
+        let [default, rootca] = bundle.envoy_secrets();
+        assert_eq!(
+            (default.name.as_str(), rootca.name.as_str()),
+            ("default", "ROOTCA")
+        );
+        let secrets = bundle.tls_secrets().unwrap();
+        assert!(matches!(
+            secrets["default"].kind,
+            crate::tls::secret::SecretKind::TlsCertificate(_)
+        ));
+        assert!(matches!(
+            secrets["ROOTCA"].kind,
+            crate::tls::secret::SecretKind::ValidationContext(_)
+        ));
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_or_a_foreign_root_is_refused_by_name() {
+        let (root, issue) = root();
+        let (chain, _) = issue("spiffe://td/ns/a/sa/b");
+        let (_, other_key) = issue("spiffe://td/ns/a/sa/c");
+        let err = Bundle::new(chain.clone(), other_key, root).unwrap_err();
+        assert!(
+            err.contains("private key") && err.contains("does not match"),
+            "{err}"
+        );
+
+        let (foreign_root, _) = super::tests::root();
+        let (chain, key) = issue("spiffe://td/ns/a/sa/d");
+        let err = Bundle::new(chain, key, foreign_root).unwrap_err();
+        assert!(
+            err.starts_with("certificate chain does not verify against the root"),
+            "{err}"
+        );
+
+        let err = Bundle::new("not PEM".into(), String::new(), String::new()).unwrap_err();
+        assert!(err.starts_with("certificate chain:"), "{err}");
+    }
+}

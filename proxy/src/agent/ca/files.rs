@@ -2,8 +2,8 @@
 //! in one folder (`/etc/certs` by default), put there by something else (a Secret
 //! volume, cert-manager). The folder is polled: a change of any file's modification time,
 //! size or inode reloads all three, and the set is published only if it checks out, so a
-//! half-written replacement is not served (the old bundle stays until the next poll
-//! finds the set whole).
+//! half-written replacement is not served (the old bundle stays until a later change
+//! makes the set whole).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -58,7 +58,9 @@ pub(super) fn start(
     options: FileOptions,
     publisher: Publisher,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let mut seen = stamp(&options.dir);
+    // The files as last loaded, and as last tried: a bad set is reported once, and
+    // tried again when any file changes.
+    let mut tried = stamp(&options.dir);
     publisher.publish(load(&options.dir).map_err(anyhow::Error::msg)?);
     Ok(tokio::spawn(async move {
         let mut tick = tokio::time::interval(options.poll);
@@ -66,22 +68,85 @@ pub(super) fn start(
         while !publisher.bundle.is_closed() {
             tick.tick().await;
             let now = stamp(&options.dir);
-            if now == seen {
+            if now == tried {
                 continue;
             }
+            tried = now;
             match load(&options.dir) {
                 Ok(bundle) => {
-                    seen = now;
                     tracing::info!(serial = %bundle.serial, dir = %options.dir.display(), "mounted certificates reloaded");
                     publisher.publish(bundle);
                 }
-                // Keep `seen` as it was: the next poll tries again, whether or not
-                // the files change once more.
                 Err(error) => {
-                    publisher.failed(error.clone());
-                    tracing::warn!("mounted certificates not reloaded: {error}");
+                    tracing::warn!("mounted certificates not reloaded, the old ones stay: {error}");
+                    publisher.failed(error);
                 }
             }
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::ca::CertificateProvider;
+    use crate::agent::ca::bundle::tests::root;
+
+    #[tokio::test]
+    async fn a_half_written_replacement_is_not_served_and_the_whole_set_is() {
+        let dir = std::env::temp_dir().join(format!("shunt-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (root_pem, issue) = root();
+        let (chain1, key1) = issue("spiffe://td/ns/a/sa/one");
+        for (name, text) in [(ROOT_CERT, &root_pem), (KEY, &key1), (CERT_CHAIN, &chain1)] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        let options = FileOptions {
+            dir: dir.clone(),
+            poll: Duration::from_millis(20),
+        };
+        let (provider, _task) = CertificateProvider::start_files(options).unwrap();
+        let first = provider.current().unwrap();
+        assert_eq!(first.uris, ["spiffe://td/ns/a/sa/one"]);
+
+        // The new chain lands before its key: the pair does not match, the old stays.
+        let (chain2, key2) = issue("spiffe://td/ns/a/sa/two");
+        std::fs::write(dir.join(CERT_CHAIN), &chain2).unwrap();
+        let mut rx = provider.subscribe();
+        while provider.status().failures == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(provider.current().unwrap().serial, first.serial);
+        let error = provider.status().last_error.unwrap();
+        assert!(
+            error.contains(&dir.display().to_string()) && error.contains("private key"),
+            "{error}"
+        );
+
+        std::fs::write(dir.join(KEY), &key2).unwrap();
+        rx.changed().await.unwrap();
+        assert_eq!(
+            provider.current().unwrap().uris,
+            ["spiffe://td/ns/a/sa/two"]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn missing_files_are_an_error_at_start() {
+        let options = FileOptions {
+            dir: "/nonexistent/certs".into(),
+            poll: Duration::from_secs(1),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = runtime.enter();
+        let err = CertificateProvider::start_files(options)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("/nonexistent/certs/cert-chain.pem"), "{err}");
+    }
 }
