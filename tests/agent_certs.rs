@@ -490,19 +490,7 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
     ));
 
     rt.block_on(async {
-        let path = socket.clone();
-        let channel = tonic::transport::Endpoint::try_from("http://sds")
-            .unwrap()
-            .connect_with_connector(tower::service_fn(move |_: tonic::codegen::http::Uri| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                        tokio::net::UnixStream::connect(path).await?,
-                    ))
-                }
-            }))
-            .await
-            .unwrap();
+        let channel = sds_channel(&socket).await;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<DiscoveryRequest>();
         let names = vec!["default".to_owned(), "ROOTCA".to_owned()];
         let request = |version: &str, nonce: &str, error: Option<&str>| DiscoveryRequest {
@@ -595,4 +583,100 @@ fn mounted_files_are_served_over_sds_and_a_replacement_is_pushed() {
         assert_ne!(r3.nonce, r2.nonce);
     });
     assert_eq!(provider.current().unwrap().uris, [IDENTITY]);
+}
+
+/// A gRPC channel to the SDS server on the Unix socket `path`.
+async fn sds_channel(path: &Path) -> tonic::transport::Channel {
+    let path = path.to_owned();
+    tonic::transport::Endpoint::try_from("http://sds")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap()
+}
+
+#[test]
+fn sds_answers_new_names_ignores_stale_nonces_and_refuses_delta() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+    use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
+    use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
+    use prost::Message;
+
+    let dir = TempDir::new("sds-protocol");
+    let ca = TestCa::start(&dir.0, TOKEN, Duration::from_secs(3600)).unwrap();
+    let (chain, key) = ca.issue(IDENTITY, Duration::from_secs(3600)).unwrap();
+    let provider =
+        CertificateProvider::fixed(Bundle::new(chain, key, ca.root_pem.clone()).unwrap());
+    let rt = runtime();
+    let socket = dir.0.join("sds.sock");
+    let listener = rt.block_on(async { sds::bind(&socket) }).unwrap();
+    rt.spawn(sds::serve(listener, provider, std::future::pending()));
+
+    rt.block_on(async {
+        let mut client = SecretDiscoveryServiceClient::new(sds_channel(&socket).await);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<DiscoveryRequest>();
+        let request = |names: &[&str], version: &str, nonce: &str| DiscoveryRequest {
+            version_info: version.into(),
+            resource_names: names.iter().map(|n| n.to_string()).collect(),
+            type_url: sds::SECRET_TYPE_URL.into(),
+            response_nonce: nonce.into(),
+            ..Default::default()
+        };
+        tx.send(request(&["default"], "", "")).unwrap();
+        let mut responses = client
+            .stream_secrets(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut next = async || {
+            let response = tokio::time::timeout(Duration::from_secs(30), responses.message())
+                .await
+                .expect("an SDS response")
+                .unwrap()
+                .expect("the stream stays open");
+            let names: Vec<String> = response
+                .resources
+                .iter()
+                .map(|any| Secret::decode(&any.value[..]).unwrap().name)
+                .collect();
+            (response, names)
+        };
+        let (r1, names) = next().await;
+        assert_eq!(names, ["default"]);
+
+        // A request answering a nonce never sent is stale: its names are not taken. Had
+        // it been, the next response would carry ROOTCA alone.
+        tx.send(request(&["ROOTCA"], &r1.version_info, "not-a-nonce"))
+            .unwrap();
+        // The ACK of r1 asking for both: answered with both, the same version.
+        tx.send(request(&["default", "ROOTCA"], &r1.version_info, &r1.nonce))
+            .unwrap();
+        let (r2, names) = next().await;
+        assert_eq!(names, ["default", "ROOTCA"]);
+        assert_eq!(r2.version_info, r1.version_info);
+        assert_ne!(r2.nonce, r1.nonce);
+
+        // Unknown names are left out rather than invented.
+        tx.send(request(
+            &["ROOTCA", "file-cert:/x"],
+            &r2.version_info,
+            &r2.nonce,
+        ))
+        .unwrap();
+        let (_, names) = next().await;
+        assert_eq!(names, ["ROOTCA"]);
+
+        let delta = client
+            .delta_secrets(tokio_stream::iter([DeltaDiscoveryRequest::default()]))
+            .await
+            .unwrap_err();
+        assert_eq!(delta.code(), tonic::Code::Unimplemented);
+    });
 }

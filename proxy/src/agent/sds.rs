@@ -140,6 +140,7 @@ struct SotwStream {
 
 impl SotwStream {
     async fn run(mut self) {
+        let mut rotating = true;
         loop {
             tokio::select! {
                 request = self.requests.message() => match request {
@@ -155,10 +156,10 @@ impl SotwStream {
                         return;
                     }
                 },
-                changed = self.bundles.changed() => if changed.is_err() {
-                    // The certificate source is gone: the agent is stopping.
-                    let _ = self.responses.send(Err(Status::unavailable("the agent is stopping"))).await;
-                    return;
+                changed = self.bundles.changed(), if rotating => if changed.is_err() {
+                    // The source has ended (a fixed bundle, or the agent stopping): what
+                    // was served stays valid, there are just no more rotations.
+                    rotating = false;
                 },
                 _ = self.responses.closed() => return,
             }
