@@ -26,6 +26,7 @@
 
 pub mod ads;
 mod bins;
+pub mod ca;
 mod cgroup;
 mod limits;
 mod netns;

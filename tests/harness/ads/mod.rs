@@ -24,7 +24,7 @@
 
 mod delta;
 pub mod resources;
-mod server;
+pub(crate) mod server;
 mod sotw;
 mod state;
 mod store;

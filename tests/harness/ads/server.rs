@@ -248,7 +248,7 @@ fn tls_acceptor(
 
 /// Accepted connections after their TLS handshake (failed handshakes are logged and
 /// dropped, as a real server would).
-fn tls_incoming(
+pub(crate) fn tls_incoming(
     listener: tokio::net::TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
 ) -> UnboundedReceiverStream<std::io::Result<TlsConn>> {
@@ -278,7 +278,7 @@ fn tls_incoming(
 }
 
 /// A TLS connection as tonic's server takes it.
-struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+pub(crate) struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
 
 impl tonic::transport::server::Connected for TlsConn {
     type ConnectInfo = ();
