@@ -278,7 +278,8 @@ fn soak(
         in_pod(Box::new(move || {
             traffic::h1_keepalive(t, Kind::Mtls, MTLS_OUT_PORT, MTLS_PER_S)
         }));
-        s.spawn(|| traffic::h2(t, proxy_pod, H2_PER_S, H2_BATCH_S));
+        let h2_log = scratch.join("h2load.log");
+        s.spawn(move || traffic::h2(t, proxy_pod, H2_PER_S, H2_BATCH_S, &h2_log));
         s.spawn(|| traffic::mtls_curl(t, proxy_pod, &tls, MTLS_CURL_PER_BATCH));
         s.spawn(|| {
             update(
@@ -302,9 +303,11 @@ fn soak(
         let sample = Duration::from_secs(args.sample_s);
         let end = t.start + args.duration;
         let mut next = t.start + sample;
-        let mut prev_cpu = proxy_cpu_ticks(pid).unwrap_or(0);
-        let mut prev_at = t.start;
-        let mut prev_counts = counts(t);
+        let mut prev = Mark {
+            at: t.start,
+            cpu: proxy_cpu_ticks(pid).unwrap_or(0),
+            counts: counts(t),
+        };
         loop {
             while Instant::now() < next.min(end) {
                 if INTERRUPTED.load(Ordering::Relaxed) || t.stop.load(Ordering::Relaxed) {
@@ -327,21 +330,11 @@ fn soak(
                 cut_short = Some(format!("restarting an upstream: {problem}"));
                 break;
             }
-            match read_sample(
-                proxy_pod,
-                pid,
-                t,
-                &xds_acked,
-                prev_at,
-                prev_cpu,
-                &prev_counts,
-            ) {
-                Ok((reading, cpu, now_counts)) => {
-                    print_sample(&reading, args.sample_s as f64);
+            match read_sample(proxy_pod, pid, t, &xds_acked, &prev) {
+                Ok((reading, mark)) => {
+                    print_sample(&reading);
                     samples.push(reading);
-                    prev_cpu = cpu;
-                    prev_counts = now_counts;
-                    prev_at = Instant::now();
+                    prev = mark;
                 }
                 Err(e) => {
                     cut_short = Some(format!("sampling the proxy: {e:#}"));
@@ -392,7 +385,6 @@ fn soak(
             kernel(),
             cpus()
         ),
-        sample_s: args.sample_s as f64,
         warmup_s,
         samples,
         windows: windows.into_inner().unwrap(),
@@ -573,18 +565,33 @@ fn counts(traffic: &Traffic) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// One reading; also the CPU ticks and counts it was taken at, for the next one.
+/// When a reading was taken, the proxy's CPU ticks and the traffic's (ok, failed)
+/// counts then: what the next reading subtracts.
+struct Mark {
+    at: Instant,
+    cpu: u64,
+    counts: Vec<(u64, u64)>,
+}
+
+impl Mark {
+    fn now(traffic: &Traffic, pid: u32) -> Result<Mark> {
+        Ok(Mark {
+            at: Instant::now(),
+            cpu: proxy_cpu_ticks(pid)?,
+            counts: counts(traffic),
+        })
+    }
+}
+
+/// One reading, and its mark for the next one.
 fn read_sample(
     pod: &Pod,
     pid: u32,
     traffic: &Traffic,
     xds_acked: &AtomicU64,
-    prev_at: Instant,
-    prev_cpu: u64,
-    prev_counts: &[(u64, u64)],
-) -> Result<(Sample, u64, Vec<(u64, u64)>)> {
-    let now = Instant::now();
-    let cpu = proxy_cpu_ticks(pid)?;
+    prev: &Mark,
+) -> Result<(Sample, Mark)> {
+    let mark = Mark::now(traffic, pid)?;
     let (rss_kib, rss_anon_kib) = rss(pid)?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .with_context(|| format!("listing /proc/{pid}/fd"))?
@@ -603,36 +610,37 @@ fn read_sample(
             .map(|(_, v)| *v)
             .sum()
     };
-    let now_counts = counts(traffic);
-    let elapsed = (now - prev_at).as_secs_f64();
+    let elapsed = (mark.at - prev.at).as_secs_f64();
+    let (now, prev_counts) = (&mark.counts, &prev.counts);
     Ok((
         Sample {
-            t_s: (now - traffic.start).as_secs_f64(),
+            t_s: (mark.at - traffic.start).as_secs_f64(),
+            interval_s: elapsed,
             rss_kib,
             rss_anon_kib,
             fds,
             threads,
             downstream_cx: sum("listener.", ".downstream_cx_active"),
             upstream_cx: sum("cluster.", ".upstream_cx_active"),
-            cpu_pct: (cpu - prev_cpu) as f64 * TICK_US / 1e6 / elapsed * 100.0,
-            ok: now_counts
+            cpu_pct: (mark.cpu - prev.cpu) as f64 * TICK_US / 1e6 / elapsed * 100.0,
+            ok: now
                 .iter()
                 .zip(prev_counts)
                 .map(|(n, p)| n.0 - p.0)
                 .collect(),
-            failed: now_counts
+            failed: now
                 .iter()
                 .zip(prev_counts)
                 .map(|(n, p)| n.1 - p.1)
                 .collect(),
             xds_acked: xds_acked.load(Ordering::Relaxed),
         },
-        cpu,
-        now_counts,
+        mark,
     ))
 }
 
-fn print_sample(s: &Sample, interval_s: f64) {
+fn print_sample(s: &Sample) {
+    let interval_s = s.interval_s;
     let per_kind: Vec<String> = KINDS
         .iter()
         .zip(s.ok.iter().zip(&s.failed))

@@ -12,6 +12,8 @@ use super::traffic::{Failure, KINDS};
 #[derive(Clone, Serialize)]
 pub(crate) struct Sample {
     pub(crate) t_s: f64,
+    /// Since the previous sample (the counts below are over it).
+    pub(crate) interval_s: f64,
     pub(crate) rss_kib: u64,
     pub(crate) rss_anon_kib: u64,
     pub(crate) fds: u64,
@@ -40,8 +42,8 @@ impl Sample {
         self.fds as f64 - (self.downstream_cx + self.upstream_cx) as f64
     }
 
-    fn per_s(&self, interval_s: f64) -> f64 {
-        self.ok.iter().sum::<u64>() as f64 / interval_s
+    fn per_s(&self) -> f64 {
+        self.ok.iter().sum::<u64>() as f64 / self.interval_s
     }
 }
 
@@ -130,7 +132,6 @@ fn growth(samples: &[Sample], warmup_s: f64, value: fn(&Sample) -> f64, toleranc
 /// Everything the bench found.
 pub(crate) struct Report {
     pub(crate) description: String,
-    pub(crate) sample_s: f64,
     pub(crate) warmup_s: f64,
     pub(crate) samples: Vec<Sample>,
     pub(crate) windows: Vec<Window>,
@@ -240,7 +241,7 @@ impl Report {
                 s.fds_net(),
                 s.downstream_cx + s.upstream_cx,
                 s.threads,
-                s.per_s(self.sample_s),
+                s.per_s(),
                 s.cpu_pct,
                 s.failed.iter().sum::<u64>(),
                 if s.t_s < self.warmup_s {

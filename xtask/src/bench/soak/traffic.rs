@@ -8,11 +8,12 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream},
+    path::Path,
     sync::{
         Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use harness::Pod;
@@ -75,6 +76,8 @@ const KEEP_FAILURES: usize = 10_000;
 /// The counters every worker adds to, and the stop flag they watch.
 pub(crate) struct Traffic {
     pub(crate) start: Instant,
+    /// The same moment by the wall clock (h2load's log uses it).
+    start_wall: SystemTime,
     pub(crate) stop: AtomicBool,
     ok: [AtomicU64; KINDS.len()],
     failed: [AtomicU64; KINDS.len()],
@@ -87,6 +90,7 @@ impl Traffic {
     pub(crate) fn new(rate: f64) -> Traffic {
         Traffic {
             start: Instant::now(),
+            start_wall: SystemTime::now(),
             stop: AtomicBool::new(false),
             ok: Default::default(),
             failed: Default::default(),
@@ -118,18 +122,40 @@ impl Traffic {
         self.ok[Self::index(kind)].fetch_add(n, Ordering::Relaxed);
     }
 
+    /// `count` failures of `kind` between `from` and now.
     fn add_failed(&self, kind: Kind, from: Instant, count: u64, what: String) {
+        let from_s = (from - self.start).as_secs_f64();
+        self.add_failed_at(
+            kind,
+            from_s,
+            self.start.elapsed().as_secs_f64(),
+            count,
+            what,
+        );
+    }
+
+    /// `count` failures of `kind` between `from_s` and `to_s` since the start.
+    fn add_failed_at(&self, kind: Kind, from_s: f64, to_s: f64, count: u64, what: String) {
         self.failed[Self::index(kind)].fetch_add(count, Ordering::Relaxed);
         let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
         if failures.len() < KEEP_FAILURES {
             failures.push(Failure {
                 kind: kind.name(),
-                from_s: (from - self.start).as_secs_f64(),
-                to_s: self.start.elapsed().as_secs_f64(),
+                from_s,
+                to_s,
                 count,
                 what,
             });
         }
+    }
+
+    /// Seconds since the start of a time given in microseconds since the Unix epoch.
+    fn since_epoch_us(&self, us: u64) -> f64 {
+        let start_us = self
+            .start_wall
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        (us as f64 - start_us as f64) / 1e6
     }
 
     fn stopped(&self) -> bool {
@@ -364,47 +390,78 @@ fn echo(bytes: usize, seed: u8) -> Result<(), String> {
 }
 
 /// h2load batches of `batch_s` seconds: 2 clients (connections) of 4 streams each,
-/// `per_s` requests a second in all, to `http`.
-pub(crate) fn h2(traffic: &Traffic, pod: &Pod, per_s: f64, batch_s: u64) {
+/// `per_s` requests a second in all, to `http`. Its per-request log (`log`) dates each
+/// failed request; failures it counted but did not log (a connection that failed)
+/// span the batch.
+pub(crate) fn h2(traffic: &Traffic, pod: &Pod, per_s: f64, batch_s: u64, log: &Path) {
     let rps = ((per_s * traffic.rate / 2.0).round() as u64).max(1);
     while !traffic.stopped() {
         let from = Instant::now();
+        let _ = std::fs::remove_file(log);
         let out = pod
             .command("h2load")
             .args(["-c", "2", "-m", "4", "--rps", &rps.to_string(), "-D"])
             .arg(batch_s.to_string())
+            .arg("--log-file")
+            .arg(log)
             .arg(format!("http://127.0.0.1:{HTTP_PORT}/"))
             .timeout(Duration::from_secs(batch_s + 30))
             .output();
-        match out {
-            Ok(out) => {
-                let text = String::from_utf8_lossy(&out.stdout);
-                match h2load_counts(&text) {
-                    Some((ok, failed, detail)) => {
-                        traffic.add_ok(Kind::H2, ok);
-                        if failed > 0 || !out.status.success() {
-                            traffic.add_failed(
-                                Kind::H2,
-                                from,
-                                failed.max(1),
-                                format!("h2load ({}): {detail}", out.status),
-                            );
-                        }
-                    }
-                    None => traffic.add_failed(
-                        Kind::H2,
-                        from,
-                        1,
-                        format!(
-                            "h2load ({}) printed no counts: {}{}",
-                            out.status,
-                            text.trim(),
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        ),
-                    ),
-                }
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                traffic.add_failed(Kind::H2, from, 1, format!("h2load: {e:#}"));
+                continue;
             }
-            Err(e) => traffic.add_failed(Kind::H2, from, 1, format!("h2load: {e:#}")),
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let Some((ok, failed, detail)) = h2load_counts(&text) else {
+            traffic.add_failed(
+                Kind::H2,
+                from,
+                1,
+                format!(
+                    "h2load ({}) printed no counts: {}{}",
+                    out.status,
+                    text.trim(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            );
+            continue;
+        };
+        traffic.add_ok(Kind::H2, ok);
+        let mut logged = 0;
+        for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
+            let mut fields = line.split('\t');
+            let (Some(start_us), Some(status), Some(took_us)) =
+                (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            if status.starts_with('2') || logged >= failed {
+                continue;
+            }
+            let (Ok(start_us), Ok(took_us)) = (start_us.parse::<u64>(), took_us.parse::<u64>())
+            else {
+                continue;
+            };
+            let at = traffic.since_epoch_us(start_us);
+            traffic.add_failed_at(
+                Kind::H2,
+                at,
+                at + took_us as f64 / 1e6,
+                1,
+                format!("h2 request: status {status} ({detail})"),
+            );
+            logged += 1;
+        }
+        if failed > logged || !out.status.success() {
+            traffic.add_failed(
+                Kind::H2,
+                from,
+                (failed - logged).max(1),
+                format!("h2load ({}): {detail}", out.status),
+            );
         }
     }
 }
