@@ -61,7 +61,7 @@ pub struct SoakArgs {
     /// Seconds a crashed endpoint stays down.
     #[arg(long, default_value_t = 2)]
     down_s: u64,
-    /// Scales every kind of traffic's rate (1: ~400 requests/s and 10 echo connections/s).
+    /// Scales every kind of traffic's rate (1: ~2,700 requests/s, 50 echo connections/s).
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
     /// RSS growth after warm-up that still passes, MiB.
@@ -90,17 +90,21 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(n * scale))
 }
 
-/// Per kind at `--rate 1`: requests (or connections, or curl batches) a second.
-const H1_KEEPALIVE_PER_S: f64 = 100.0;
-const H1_KEEPALIVE_CONNECTIONS: usize = 2;
-const H1_NEW_PER_S: f64 = 30.0;
-const H2_PER_S: f64 = 80.0;
+/// Per kind at `--rate 1` (about half of one core for the proxy on the 2-vCPU VM, the
+/// clients and upstreams taking as much again): requests (or connections, or curl
+/// batches) a second, per client.
+const H1_KEEPALIVE_PER_S: f64 = 200.0;
+const H1_KEEPALIVE_CONNECTIONS: usize = 4;
+const H1_NEW_PER_S: f64 = 150.0;
+const H2_PER_S: f64 = 600.0;
 const H2_BATCH_S: u64 = 5;
-const TCP_PER_S: f64 = 10.0;
+const TCP_PER_S: f64 = 50.0;
 const TCP_BYTES: usize = 64 * 1024;
 const TCP_BULK_EVERY_S: f64 = 5.0;
 const TCP_BULK_BYTES: usize = 8 << 20;
-const MTLS_PER_S: f64 = 50.0;
+const MTLS_PER_S: f64 = 150.0;
+const MTLS_CONNECTIONS: usize = 2;
+const MTLS_CURL_BATCHES_PER_S: f64 = 5.0;
 const MTLS_CURL_PER_BATCH: usize = 5;
 
 /// How long the proxy may take to answer an update or become ready.
@@ -199,6 +203,7 @@ fn soak(
     let tls = Tls::new(&scratch.join("pki"))?;
     let config = Config {
         server: server.ipv4(),
+        proxy: proxy_pod.ipv4(),
         tls: &tls,
     };
 
@@ -234,9 +239,13 @@ fn soak(
         .spawn()?;
     let pid = proxy.pid();
     wait_ready(proxy_pod, &proxy, &ads)?;
-    proxy_pod
-        .run_in_netns(traffic::check)?
-        .map_err(|e| anyhow::anyhow!("before the soak: {e}"))?;
+    proxy_pod.run_in_netns(traffic::check)?.map_err(|e| {
+        anyhow::anyhow!(
+            "before the soak: {e}\nclusters: {}\nshunt said:\n{}",
+            admin_get(proxy_pod, "/clusters").unwrap_or_else(|e| format!("{e:#}")),
+            tail(&proxy.stderr_text())
+        )
+    })?;
     println!(
         "bench soak: shunt (pid {pid}, {}) in pod {} over ADS (Unix socket {}); {} upstream endpoints in pod {}; {:?} of traffic at --rate {}, an xDS update every {} ms, one endpoint of each cluster SIGKILLed every {} s for {} s; a sample every {} s, warm-up {warmup_s:.0} s; kernel {}, {} CPUs",
         shunt_args(&bootstrap_file).join(" "),
@@ -275,12 +284,22 @@ fn soak(
         in_pod(Box::new(move || {
             traffic::tcp(t, 1.0 / TCP_BULK_EVERY_S, TCP_BULK_BYTES)
         }));
-        in_pod(Box::new(move || {
-            traffic::h1_keepalive(t, Kind::Mtls, MTLS_OUT_PORT, MTLS_PER_S)
-        }));
+        for _ in 0..MTLS_CONNECTIONS {
+            in_pod(Box::new(move || {
+                traffic::h1_keepalive(t, Kind::Mtls, MTLS_OUT_PORT, MTLS_PER_S)
+            }));
+        }
         let h2_log = scratch.join("h2load.log");
         s.spawn(move || traffic::h2(t, proxy_pod, H2_PER_S, H2_BATCH_S, &h2_log));
-        s.spawn(|| traffic::mtls_curl(t, proxy_pod, &tls, MTLS_CURL_PER_BATCH));
+        s.spawn(|| {
+            traffic::mtls_curl(
+                t,
+                proxy_pod,
+                &tls,
+                MTLS_CURL_BATCHES_PER_S,
+                MTLS_CURL_PER_BATCH,
+            )
+        });
         s.spawn(|| {
             update(
                 t,
@@ -357,6 +376,9 @@ fn soak(
             tail(&proxy.stderr_text())
         ));
     }
+    let counters = admin_stats(proxy_pod)
+        .map(|stats| proxy_counters(&stats))
+        .unwrap_or_default();
     proxy.kill();
     let warnings: Vec<String> = proxy
         .stderr_text()
@@ -396,6 +418,7 @@ fn soak(
         xds_updates: xds_acked.load(Ordering::Relaxed),
         xds_problems: xds_problems.into_inner().unwrap(),
         cut_short,
+        counters,
         rss_tolerance_mib: args.rss_tolerance_mib,
         fd_tolerance: args.fd_tolerance,
     })
@@ -592,6 +615,8 @@ fn read_sample(
     prev: &Mark,
 ) -> Result<(Sample, Mark)> {
     let mark = Mark::now(traffic, pid)?;
+    // The connections right before the fds, so that fds net of connections is steady.
+    let stats = admin_stats(pod)?;
     let (rss_kib, rss_anon_kib) = rss(pid)?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .with_context(|| format!("listing /proc/{pid}/fd"))?
@@ -602,7 +627,6 @@ fn read_sample(
         .find_map(|l| l.strip_prefix("Threads:"))
         .and_then(|v| v.trim().parse().ok())
         .context("no Threads: in /proc/PID/status")?;
-    let stats = admin_stats(pod)?;
     let sum = |prefix: &str, suffix: &str| -> u64 {
         stats
             .iter()
@@ -671,19 +695,50 @@ fn print_sample(s: &Sample) {
     );
 }
 
-/// The admin API's `/stats` (counters and gauges), through curl in the pod.
-fn admin_stats(pod: &Pod) -> Result<HashMap<String, u64>> {
+/// What shows the flapping was felt and survived: the clusters' (but `xds-grpc`'s)
+/// connect failures and retries among their connections and requests, and the TLS
+/// handshakes of the listeners and clusters.
+fn proxy_counters(stats: &HashMap<String, u64>) -> Vec<(String, u64)> {
+    let sum = |prefix: &str, suffix: &str| -> u64 {
+        stats
+            .iter()
+            .filter(|(k, _)| {
+                k.starts_with(prefix) && k.ends_with(suffix) && !k.starts_with("cluster.xds-grpc.")
+            })
+            .map(|(_, v)| *v)
+            .sum()
+    };
+    [
+        ("cluster.", ".upstream_cx_total"),
+        ("cluster.", ".upstream_cx_connect_fail"),
+        ("cluster.", ".upstream_rq_total"),
+        ("cluster.", ".upstream_rq_retry"),
+        ("listener.", ".ssl.handshake"),
+        ("cluster.", ".ssl.handshake"),
+    ]
+    .iter()
+    .map(|(prefix, suffix)| (format!("{prefix}*{suffix}"), sum(prefix, suffix)))
+    .collect()
+}
+
+/// An admin API page, through curl in the pod.
+fn admin_get(pod: &Pod, path: &str) -> Result<String> {
     let out = pod
         .command("curl")
         .args(["-sSf", "-m", "5"])
-        .arg(format!("http://127.0.0.1:{ADMIN_PORT}/stats"))
+        .arg(format!("http://127.0.0.1:{ADMIN_PORT}{path}"))
         .output()?;
     ensure!(
         out.status.success(),
-        "GET /stats from the admin API: {}",
+        "GET {path} from the admin API: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(String::from_utf8_lossy(&out.stdout)
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The admin API's `/stats` (counters and gauges).
+fn admin_stats(pod: &Pod) -> Result<HashMap<String, u64>> {
+    Ok(admin_get(pod, "/stats")?
         .lines()
         .filter_map(|l| l.split_once(": "))
         .filter_map(|(k, v)| Some((k.to_owned(), v.trim().parse().ok()?)))

@@ -8,8 +8,11 @@
 //! - `tcp` :20001, `tcp_proxy` to `echo` (`max_connect_attempts` 3);
 //! - `mtls-out` :20002, plain HTTP whose routes go to cluster `mtls-in`: that cluster
 //!   originates mTLS (client certificate, the CA, SNI `server.test`) to
-//! - `mtls-in` :20003, which terminates it (server certificate, client certificate
-//!   required) and routes to `web-a`.
+//! - `mtls-in` on the proxy pod's own address :20003, which terminates it (server
+//!   certificate, client certificate required) and routes to `web-a`. Not on
+//!   127.0.0.1: shunt refuses an HTTP upstream that is one of its own listeners there
+//!   (a loop); through the pod's address it is what a request to another pod's sidecar
+//!   looks like.
 //!
 //! Every route retries twice on connect failures and resets (Istio's default of 2
 //! retries; other hosts are tried first), as a mesh's traffic would.
@@ -155,7 +158,9 @@ impl State {
 
 /// Everything the server holds for the state: (type URL, resources).
 pub(crate) struct Config<'a> {
+    /// The server pod's address (the upstreams) and the proxy pod's (`mtls-in`).
     pub(crate) server: Ipv4Addr,
+    pub(crate) proxy: Ipv4Addr,
     pub(crate) tls: &'a Tls,
 }
 
@@ -198,7 +203,7 @@ impl Config<'_> {
                 named(c, &load_assignment(c, &addrs))
             })
             .collect();
-        let own = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), MTLS_IN_PORT);
+        let own = SocketAddr::new(self.proxy.into(), MTLS_IN_PORT);
         assignments.push(named("mtls-in", &load_assignment("mtls-in", &[own])));
         assignments
     }
@@ -214,7 +219,11 @@ impl Config<'_> {
         };
         tcp.filter_chains[0].filters[0].config_type =
             Some(filter::ConfigType::TypedConfig(AdsServer::any(&proxy)));
-        let mut mtls_in = http_listener("mtls-in", at(MTLS_IN_PORT), "mtls-in");
+        let mut mtls_in = http_listener(
+            "mtls-in",
+            SocketAddr::new(self.proxy.into(), MTLS_IN_PORT),
+            "mtls-in",
+        );
         mtls_in.filter_chains[0].transport_socket =
             Some(tls_socket(AdsServer::any(&DownstreamTlsContext {
                 common_tls_context: Some(self.tls.common(&self.tls.server)),

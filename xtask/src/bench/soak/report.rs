@@ -143,6 +143,8 @@ pub(crate) struct Report {
     pub(crate) xds_problems: Vec<String>,
     /// Why the run ended early (Ctrl-C, the proxy exited, ...), if it did.
     pub(crate) cut_short: Option<String>,
+    /// Some of the proxy's own counters at the end (name pattern, sum).
+    pub(crate) counters: Vec<(String, u64)>,
     pub(crate) rss_tolerance_mib: f64,
     pub(crate) fd_tolerance: f64,
 }
@@ -261,10 +263,19 @@ impl Report {
         }
         let _ = writeln!(
             t,
-            "xDS updates ACKed: {} ({} NACKed or unanswered); upstream endpoints stopped: {} times",
+            "xDS updates ACKed: {} ({} NACKed or unanswered); upstream crash rounds (one endpoint of each cluster): {}",
             self.xds_updates,
             self.xds_problems.len(),
             self.windows.len()
+        );
+        let _ = writeln!(
+            t,
+            "proxy counters at the end: {}",
+            self.counters
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         for p in self.xds_problems.iter().take(5) {
             let _ = writeln!(t, "  xDS: {p}");
@@ -358,6 +369,7 @@ impl Report {
             "totals": self.totals.iter().zip(self.classified()).map(|((kind, ok, failed), (e, u))| json!({"kind": kind, "ok": ok, "failed": failed, "expected": e, "unexpected": u})).collect::<Vec<_>>(),
             "xds_updates_acked": self.xds_updates,
             "xds_problems": self.xds_problems,
+            "proxy_counters": self.counters.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "flap_windows": self.windows,
             "failures": self.failures.iter().map(|f| json!({"failure": f, "expected": expected(f, &self.windows)})).collect::<Vec<_>>(),
             "samples": self.samples,

@@ -489,9 +489,16 @@ fn h2load_counts(text: &str) -> Option<(u64, u64, String)> {
 
 /// curl with the client certificate straight to `mtls-in`: `per_batch` requests on one
 /// connection (one handshake), `batches_per_s` times a second.
-pub(crate) fn mtls_curl(traffic: &Traffic, pod: &Pod, tls: &Tls, per_batch: usize) {
+pub(crate) fn mtls_curl(
+    traffic: &Traffic,
+    pod: &Pod,
+    tls: &Tls,
+    batches_per_s: f64,
+    per_batch: usize,
+) {
+    let at = pod.ipv4();
     let url = format!("https://{SERVER_NAME}:{MTLS_IN_PORT}/");
-    traffic.paced(1.0, || {
+    traffic.paced(batches_per_s, || {
         let from = Instant::now();
         let mut cmd = pod
             .command("curl")
@@ -499,10 +506,7 @@ pub(crate) fn mtls_curl(traffic: &Traffic, pod: &Pod, tls: &Tls, per_batch: usiz
             .args(["--cacert", &tls.file("ca.pem")])
             .args(["--cert", &tls.file("client.pem")])
             .args(["--key", &tls.file("client.key")])
-            .args([
-                "--resolve",
-                &format!("{SERVER_NAME}:{MTLS_IN_PORT}:127.0.0.1"),
-            ])
+            .args(["--resolve", &format!("{SERVER_NAME}:{MTLS_IN_PORT}:{at}")])
             .args(["-w", "%{http_code}\\n"]);
         for _ in 0..per_batch {
             cmd = cmd.args(["-o", "/dev/null", &url]);
