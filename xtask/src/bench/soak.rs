@@ -481,13 +481,18 @@ fn update(
     let mut version = 1u64;
     let mut next = Instant::now() + interval;
     for step in CYCLE.iter().cycle() {
-        while Instant::now() < next {
+        loop {
             if traffic.stop.load(Ordering::Relaxed) {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(20).min(next - Instant::now()));
+            let now = Instant::now();
+            if now >= next {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20).min(next - now));
         }
-        next += interval;
+        // An update that took longer than the interval delays the next, no catching up.
+        next = (next + interval).max(Instant::now());
         version += 1;
         let type_url = state.apply(*step);
         let v = version.to_string();
