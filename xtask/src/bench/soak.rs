@@ -8,7 +8,7 @@
 //! `server` (`testapp serve` endpoints). What is served and how it changes is in
 //! `soak/config.rs`, the traffic in `soak/traffic.rs`, the verdict in `soak/report.rs`.
 //!
-//! Four threads besides the traffic: the xDS updater (one step of the cycle each
+//! Three threads besides the traffic's: the xDS updater (one step of the cycle each
 //! `--xds-interval-ms`, each waited for to its ACK; a NACK or no answer is an
 //! unexpected error), the flapper (every `--flap-s`, one endpoint of each upstream
 //! cluster is SIGKILLed and restarted `--down-s` later), and this one, which samples
@@ -748,4 +748,21 @@ fn admin_stats(pod: &Pod) -> Result<HashMap<String, u64>> {
         .filter_map(|l| l.split_once(": "))
         .filter_map(|(k, v)| Some((k.to_owned(), v.trim().parse().ok()?)))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("45"), Ok(Duration::from_secs(45)));
+        let err = parse_duration("10x").unwrap_err();
+        assert!(err.contains("unit \"x\""), "{err}");
+        assert!(parse_duration("m").is_err());
+    }
 }

@@ -376,3 +376,110 @@ impl Report {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(from_s: f64, to_s: f64) -> Failure {
+        Failure {
+            kind: "h1-new",
+            from_s,
+            to_s,
+            count: 1,
+            what: "status 503".into(),
+        }
+    }
+
+    #[test]
+    fn failures_near_a_crash_are_expected() {
+        let windows = [Window {
+            down_s: 15.0,
+            up_s: 17.5,
+        }];
+        assert!(expected(&failure(16.0, 16.1), &windows));
+        assert!(expected(&failure(14.5, 14.6), &windows));
+        assert!(expected(&failure(18.0, 18.2), &windows));
+        assert!(!expected(&failure(13.0, 13.9), &windows));
+        assert!(!expected(&failure(19.0, 19.1), &windows));
+        assert!(!expected(&failure(16.0, 16.1), &[]));
+    }
+
+    fn samples(rss_mib: impl Fn(f64) -> f64, fds: impl Fn(f64) -> u64) -> Vec<Sample> {
+        (1..=120)
+            .map(|i| {
+                let t = i as f64 * 5.0;
+                Sample {
+                    t_s: t,
+                    interval_s: 5.0,
+                    rss_kib: (rss_mib(t) * 1024.0) as u64,
+                    rss_anon_kib: 0,
+                    fds: fds(t) + 30,
+                    threads: 4,
+                    // Connections come and go; fds net of them stay put.
+                    downstream_cx: 10 + i % 7,
+                    upstream_cx: 20,
+                    cpu_pct: 50.0,
+                    ok: vec![0; KINDS.len()],
+                    failed: vec![0; KINDS.len()],
+                    xds_acked: i,
+                }
+            })
+            .map(|mut s| {
+                s.fds += s.downstream_cx;
+                s
+            })
+            .collect()
+    }
+
+    fn report(samples: Vec<Sample>) -> Report {
+        Report {
+            description: String::new(),
+            warmup_s: 60.0,
+            samples,
+            windows: Vec::new(),
+            failures: Vec::new(),
+            totals: vec![("h1-new", 10, 0)],
+            xds_updates: 600,
+            xds_problems: Vec::new(),
+            cut_short: None,
+            counters: Vec::new(),
+            rss_tolerance_mib: 4.0,
+            fd_tolerance: 4.0,
+        }
+    }
+
+    #[test]
+    fn flat_after_warm_up_passes() {
+        // Grows during warm-up, then stays.
+        let r = report(samples(|t| 20.0 + (t.min(60.0) / 10.0), |_| 0));
+        assert_eq!(r.problems(), Vec::<String>::new());
+        assert!(r.table().contains("verdict: PASS"));
+    }
+
+    #[test]
+    fn a_slow_leak_fails() {
+        // 1 MiB a minute and an fd every 30 s: 10 MiB and 20 fds over the run.
+        let r = report(samples(|t| 20.0 + t / 60.0, |t| (t / 30.0) as u64));
+        let problems = r.problems();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].starts_with("RSS grew"), "{problems:?}");
+        assert!(problems[1].starts_with("fds"), "{problems:?}");
+    }
+
+    #[test]
+    fn failures_outside_crashes_fail() {
+        let mut r = report(samples(|_| 20.0, |_| 0));
+        r.failures = vec![failure(100.0, 100.1)];
+        r.totals = vec![("h1-new", 10, 1)];
+        assert_eq!(r.problems(), vec!["1 unexpected errors".to_owned()]);
+        r.windows = vec![Window {
+            down_s: 99.0,
+            up_s: 101.0,
+        }];
+        assert_eq!(r.problems(), Vec::<String>::new());
+        // Counted but not kept (beyond the cap): unexpected.
+        r.totals = vec![("h1-new", 10, 2)];
+        assert_eq!(r.problems(), vec!["1 unexpected errors".to_owned()]);
+    }
+}

@@ -536,3 +536,19 @@ pub(crate) fn mtls_curl(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::h2load_counts;
+
+    #[test]
+    fn reads_h2loads_summary() {
+        let out = "finished in 5.00s, 299.80 req/s, 26.35KB/s\n\
+                   requests: 1500 total, 1500 started, 1499 done, 1497 succeeded, 3 failed, 2 errored, 0 timeout\n\
+                   status codes: 1497 2xx, 0 3xx, 0 4xx, 1 5xx\n";
+        let (ok, failed, detail) = h2load_counts(out).expect("counts");
+        assert_eq!((ok, failed), (1497, 3));
+        assert!(detail.contains("1 5xx"), "{detail}");
+        assert_eq!(h2load_counts("connect: Connection refused\n"), None);
+    }
+}
