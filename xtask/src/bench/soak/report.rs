@@ -68,19 +68,20 @@ pub(crate) fn expected(failure: &Failure, windows: &[Window]) -> bool {
     })
 }
 
-/// Least-squares slope of y over x, per unit of x (NaN with fewer than 2 points).
+/// Theil-Sen slope of y over x, per unit of x: the median of the slopes between every
+/// two points, which a few noisy samples (connections opening between reading the
+/// admin API and /proc) do not tilt the way they tilt least squares. NaN with fewer
+/// than 2 points.
 fn slope(points: &[(f64, f64)]) -> f64 {
-    let n = points.len() as f64;
-    if points.len() < 2 {
-        return f64::NAN;
+    let mut slopes = Vec::new();
+    for (i, a) in points.iter().enumerate() {
+        for b in &points[i + 1..] {
+            if b.0 != a.0 {
+                slopes.push((b.1 - a.1) / (b.0 - a.0));
+            }
+        }
     }
-    let (mx, my) = (
-        points.iter().map(|p| p.0).sum::<f64>() / n,
-        points.iter().map(|p| p.1).sum::<f64>() / n,
-    );
-    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    if sxx == 0.0 { f64::NAN } else { sxy / sxx }
+    median(slopes)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -95,7 +96,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Growth of one quantity after warm-up.
 #[derive(Serialize)]
 pub(crate) struct Growth {
-    /// Slope of a linear fit over the second half of the run, per minute.
+    /// Slope of a linear (Theil-Sen) fit over the second half of the run, per minute.
     pub(crate) slope_per_min: f64,
     /// That slope over the second half's length: what it would add in that time.
     pub(crate) fit_over_second_half: f64,
@@ -447,6 +448,17 @@ mod tests {
             rss_tolerance_mib: 4.0,
             fd_tolerance: 4.0,
         }
+    }
+
+    #[test]
+    fn slopes() {
+        let line: Vec<(f64, f64)> = (0..10).map(|x| (x as f64, 3.0 * x as f64 + 1.0)).collect();
+        assert_eq!(slope(&line), 3.0);
+        // One outlier does not tilt it.
+        let mut noisy: Vec<(f64, f64)> = (0..10).map(|x| (x as f64, 21.0)).collect();
+        noisy[9].1 = 30.0;
+        assert_eq!(slope(&noisy), 0.0);
+        assert!(slope(&line[..1]).is_nan());
     }
 
     #[test]
