@@ -154,7 +154,8 @@ pub fn run(bins: Bins, args: &SoakArgs) -> Result<()> {
     let mut node = Node::new()?;
     let proxy_pod = node.add_pod("proxy")?;
     let server = node.add_pod("server")?;
-    let scratch = std::env::temp_dir().join(format!("shunt-bench-soak-{}", std::process::id()));
+    sweep_scratch();
+    let scratch = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
     let result = soak(&bins, args, warmup_s, &proxy_pod, &server, &scratch);
     drop(node);
     let _ = std::fs::remove_dir_all(&scratch);
@@ -182,6 +183,27 @@ pub fn run(bins: Bins, args: &SoakArgs) -> Result<()> {
         bail!("soak failed: {}", problems.join("; "));
     }
     Ok(())
+}
+
+/// The scratch folder of a run (certificates, the ADS socket, h2load's log) is
+/// `<tmp>/shunt-bench-soak-<pid>`.
+const SCRATCH_PREFIX: &str = "shunt-bench-soak-";
+
+/// Removes the scratch folders of runs whose process is gone (a second Ctrl-C leaves
+/// without cleaning up; the harness sweeps its namespaces and cgroups, this the rest).
+fn sweep_scratch() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(SCRATCH_PREFIX) else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Sets up, runs the traffic, the updates and the flapping for `--duration`, samples.
