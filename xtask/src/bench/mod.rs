@@ -2,12 +2,14 @@
 //!
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
-//! `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
+//! `xds.rs` (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic
+//! for minutes through config changes and crashing upstreams); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
 mod capture;
 mod l4;
 mod measure;
+mod soak;
 mod sockmap;
 mod xds;
 
@@ -28,6 +30,10 @@ pub enum Which {
     /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
     /// then incremental EDS updates; send-to-ACK times and RSS.
     Xds(xds::XdsArgs),
+    /// Mixed HTTP/1.1, h2, TCP and mTLS traffic through shunt for 10 minutes while xDS
+    /// updates every second and upstreams crash; fails on any unexpected error or on fd
+    /// or memory growth after warm-up.
+    Soak(soak::SoakArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -37,5 +43,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Sockmap(args) => sockmap::run(&bins, &args),
         Which::L4(args) => l4::run(bins, &args),
         Which::Xds(args) => xds::run(bins, &args),
+        Which::Soak(args) => soak::run(bins, &args),
     }
 }

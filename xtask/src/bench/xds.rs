@@ -125,7 +125,7 @@ impl Proxy {
 
 const ECHO_PORTS: [u16; 2] = [8080, 8081];
 const FIRST_LISTEN_PORT: u16 = 20000;
-const ADMIN_PORT: u16 = 15000;
+pub(crate) const ADMIN_PORT: u16 = 15000;
 /// For each wait on the proxy: the full push of 10,000 clusters, or one update.
 const TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -236,7 +236,7 @@ fn route_config(i: usize) -> (String, Any) {
 
 /// The bootstrap both proxies run (Istio's shape): ADS over a Unix socket through a
 /// static cluster with a `pipe` endpoint, listeners and clusters from ADS.
-fn bootstrap(socket: &Path, api: Api) -> Value {
+pub(crate) fn bootstrap(socket: &Path, api: Api) -> Value {
     let api_type = match api {
         Api::Sotw => "GRPC",
         Api::Delta => "DELTA_GRPC",
@@ -502,7 +502,7 @@ pub fn run(bins: Bins, args: &XdsArgs) -> Result<()> {
 }
 
 /// The proxy runs as whatever user it is started as; let any reach the socket.
-fn open_to_the_proxy(socket: &Path) -> Result<()> {
+pub(crate) fn open_to_the_proxy(socket: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     for path in [socket.parent().expect("a folder"), socket] {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))
@@ -515,7 +515,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn type_name(type_url: &str) -> &'static str {
+pub(crate) fn type_name(type_url: &str) -> &'static str {
     match type_url {
         type_urls::CLUSTER => "cds",
         type_urls::ENDPOINT => "eds",
@@ -556,7 +556,7 @@ fn answer(ads: &AdsServer, proxy: &PodProcess, sent: &Sent) -> Result<Received> 
     Ok(answer)
 }
 
-fn tail(text: &str) -> &str {
+pub(crate) fn tail(text: &str) -> &str {
     let start = text.len().saturating_sub(4000);
     let start = (start..text.len())
         .find(|i| text.is_char_boundary(*i))
@@ -566,7 +566,7 @@ fn tail(text: &str) -> &str {
 
 /// An admin API answer's status (0 if it does not answer). From this process rather
 /// than curl: polled every few milliseconds, it must cost little and answer fast.
-fn admin_status(pod: &Pod, path: &str) -> u16 {
+pub(crate) fn admin_status(pod: &Pod, path: &str) -> u16 {
     let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
     let status = pod.run_in_netns(move || -> std::io::Result<u16> {
         let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, ADMIN_PORT));
