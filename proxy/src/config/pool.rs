@@ -54,6 +54,11 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
         "shunt/istio/alpn.proto",
         include_str!("protos/istio/alpn.proto"),
     ),
+    // Istio's DNS name table, for `/config_dump`.
+    (
+        "shunt/istio/nds.proto",
+        include_str!("protos/istio/nds.proto"),
+    ),
 ];
 
 /// The embedded descriptors did not build a pool: a defect of this build, not of input.
