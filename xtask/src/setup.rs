@@ -24,6 +24,10 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nginx-light", "nginx"),
     ("python3-minimal", "python3"),
     ("openssl", "openssl"),
+    // The DNS proxy's tests and bench: dig, a real upstream resolver, the load generator.
+    ("bind9-dnsutils", "dig"),
+    ("dnsmasq-base", "dnsmasq"),
+    ("dnsperf", "dnsperf"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
