@@ -66,7 +66,7 @@ pub fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn on_path(program: &str) -> bool {
+pub fn on_path(program: &str) -> bool {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
         .any(|d| d.join(program).exists())

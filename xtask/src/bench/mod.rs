@@ -3,9 +3,11 @@
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
 //! `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
-//! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
+//! goals, the testapp runner, CPU and memory readings) is in `measure.rs`; `dns.rs`
+//! (the DNS proxy's local answers and forwards against dnsmasq, with dnsperf).
 
 mod capture;
+mod dns;
 mod l4;
 mod measure;
 mod sockmap;
@@ -28,6 +30,9 @@ pub enum Which {
     /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
     /// then incremental EDS updates; send-to-ACK times and RSS.
     Xds(xds::XdsArgs),
+    /// The DNS proxy against dnsmasq answering directly (dnsperf): local answers,
+    /// cached and uncached forwards; queries/s and p99 as ratios.
+    Dns(dns::DnsArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -37,5 +42,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Sockmap(args) => sockmap::run(&bins, &args),
         Which::L4(args) => l4::run(bins, &args),
         Which::Xds(args) => xds::run(bins, &args),
+        Which::Dns(args) => dns::run(&bins, &args),
     }
 }
