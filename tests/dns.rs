@@ -20,8 +20,7 @@ use std::time::Duration;
 use harness::ads::{AdsServer, Any};
 use harness::{Node, Pod, PodProcess};
 use support::xds::{
-    self, TempDir, bootstrap, config_dump_at, dump_section, eventually, start_shunt, stat_at,
-    unix_server,
+    self, bootstrap, config_dump_at, dump_section, eventually, start_shunt, stat_at, unix_server,
 };
 
 const NDS: &str = "type.googleapis.com/istio.networking.nds.v1.NameTable";
