@@ -432,3 +432,60 @@ fn state_of_the_world_name_table_answers_the_mesh_and_forwards_the_rest() {
 fn delta_name_table_answers_the_mesh_and_forwards_the_rest() {
     answers_the_mesh_and_forwards_the_rest(true);
 }
+
+/// Without a bootstrap (the passthrough proxy) there is no xDS and so no name table:
+/// DNS is forwarded, from the proxy's own uid after it dropped root.
+#[test]
+fn the_passthrough_proxy_with_dns_forwards_every_query() {
+    let dir = support::TempDir::new("dns-passthrough");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("app").unwrap();
+    let resolver = node.add_pod("resolver").unwrap();
+    let dnsmasq = start_dnsmasq(&resolver);
+    let resolv_conf = dir.0.join("resolv.conf");
+    std::fs::write(&resolv_conf, format!("nameserver {}\n", resolver.ipv4())).unwrap();
+    let proxy = pod
+        .command(harness::shunt_bin())
+        .args([
+            "proxy",
+            "--dns-listen",
+            "127.0.0.1:15053",
+            "--dns-resolv-conf",
+        ])
+        .arg(&resolv_conf)
+        .spawn()
+        .expect("start shunt proxy");
+    let v4: IpAddr = "127.0.0.1".parse().unwrap();
+    support::wait_until(
+        "the DNS proxy answers",
+        &proxy,
+        || dig(&pod, v4, "upstream-only.test", "A", &[]).values("A") == ["192.0.2.10"],
+        String::new,
+    );
+    assert_eq!(dig(&pod, v4, "productpage", "A", &[]).status, "NXDOMAIN");
+    assert_eq!(upstream_queries(&dnsmasq, "productpage"), 1);
+}
+
+#[test]
+fn a_resolv_conf_that_cannot_be_read_stops_the_start_naming_it() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("app").unwrap();
+    let out = pod
+        .command(harness::shunt_bin())
+        .args([
+            "proxy",
+            "--dns-listen",
+            "127.0.0.1:15053",
+            "--dns-resolv-conf",
+            "/nonexistent/resolv.conf",
+        ])
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("reading /nonexistent/resolv.conf"),
+        "{stderr}"
+    );
+}

@@ -229,6 +229,8 @@ impl Resolver {
             self.stats.cache_hits.inc();
             cached.metadata.id = query.metadata.id;
             cached.metadata.recursion_desired = query.metadata.recursion_desired;
+            // The asker's own spelling of the name (0x20 case randomisation checks it).
+            cached.queries = query.queries.clone();
             return cached;
         }
         self.stats.upstream_requests.inc();
