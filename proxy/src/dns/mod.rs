@@ -140,6 +140,22 @@ impl DnsStats {
     }
 }
 
+/// What [`Resolver::answer_now`] could do.
+pub enum Step {
+    /// The answer (or `None`: nothing to answer).
+    Done(Option<Vec<u8>>),
+    /// It needs an upstream: [`Resolver::forward`].
+    Forward(Forward),
+}
+
+/// A query to forward upstream.
+pub struct Forward {
+    query: Message,
+    key: Option<Key>,
+    request: Vec<u8>,
+    transport: Transport,
+}
+
 /// How a query came in: it decides the answer's size limit and the upstream transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
@@ -173,76 +189,71 @@ impl Resolver {
     /// The answer to one query as it came on the wire, or `None` when there is nothing
     /// to answer (not a query, or not even a header).
     pub async fn answer(&self, request: &[u8], transport: Transport) -> Option<Vec<u8>> {
+        match self.answer_now(request, transport) {
+            Step::Done(reply) => reply,
+            Step::Forward(forward) => self.forward(forward).await,
+        }
+    }
+
+    /// Everything that needs no upstream: a local answer, a cached one, an error; or
+    /// what to forward. The UDP loop answers these without a task of their own.
+    pub fn answer_now(&self, request: &[u8], transport: Transport) -> Step {
         let query = match Message::from_vec(request) {
             Ok(query) => query,
             Err(error) => {
                 // Enough of a header to say FORMERR to: say it.
-                let header = Header::read(&mut BinDecoder::new(request)).ok()?;
+                let Ok(header) = Header::read(&mut BinDecoder::new(request)) else {
+                    return Step::Done(None);
+                };
                 if header.metadata.message_type != MessageType::Query {
-                    return None;
+                    return Step::Done(None);
                 }
                 tracing::debug!(%error, "a query that does not parse");
                 let mut reply = Message::response(header.metadata.id, header.metadata.op_code);
                 reply.metadata.response_code = ResponseCode::FormErr;
-                return reply.to_vec().ok();
+                return Step::Done(reply.to_vec().ok());
             }
         };
         if query.metadata.message_type != MessageType::Query {
-            return None;
+            return Step::Done(None);
         }
         self.stats.requests.inc();
         let response = if query.metadata.op_code != OpCode::Query {
             error_reply(&query, ResponseCode::NotImp)
         } else {
-            self.resolve(&query, request, transport).await
+            match self.resolve_now(&query) {
+                Ok(response) => response,
+                Err(key) => {
+                    return Step::Forward(Forward {
+                        query,
+                        key,
+                        request: request.to_vec(),
+                        transport,
+                    });
+                }
+            }
         };
-        if response.metadata.response_code == ResponseCode::NXDomain {
-            self.stats.nxdomain.inc();
-        }
-        encode(&query, response, transport)
+        Step::Done(self.finish(&query, response, transport))
     }
 
-    async fn resolve(&self, query: &Message, request: &[u8], transport: Transport) -> Message {
-        let Some(question) = query.queries.first() else {
-            return error_reply(query, ResponseCode::ServFail);
-        };
-        let Some(tables) = self.tables.current() else {
-            tracing::debug!("DNS query before the name table arrived: SERVFAIL");
-            return error_reply(query, ResponseCode::ServFail);
-        };
-        let mut hostname = question.name().to_ascii().to_ascii_lowercase();
-        if !hostname.ends_with('.') {
-            hostname.push('.');
-        }
-        if let Lookup::Local(records) = tables.lookup.lookup(question.query_type(), &hostname) {
-            drop(tables);
-            self.stats.answered_locally.inc();
-            let mut reply = reply_to(query);
-            // We are the authority for the mesh's names.
-            reply.metadata.authoritative = true;
-            reply.answers = round_robin(records);
-            return reply;
-        }
-        drop(tables);
-        let key = Key::of(query);
-        if let Some(mut cached) = key.as_ref().and_then(|k| self.cache.get(k)) {
-            self.stats.cache_hits.inc();
-            cached.metadata.id = query.metadata.id;
-            cached.metadata.recursion_desired = query.metadata.recursion_desired;
-            // The asker's own spelling of the name (0x20 case randomisation checks it).
-            cached.queries = query.queries.clone();
-            return cached;
-        }
+    /// Sends `forward` upstream and answers with what comes back (SERVFAIL if nothing).
+    pub async fn forward(&self, forward: Forward) -> Option<Vec<u8>> {
+        let Forward {
+            query,
+            key,
+            request,
+            transport,
+        } = forward;
         self.stats.upstream_requests.inc();
         let started = Instant::now();
         let result = self
             .upstreams
-            .exchange(request, query.metadata.id, transport == Transport::Tcp)
+            .exchange(&request, query.metadata.id, transport == Transport::Tcp)
             .await;
         self.stats
             .upstream_request_duration
             .record(started.elapsed().as_secs_f64() * 1000.0);
-        match result {
+        let response = match result {
             Ok(answer) => {
                 if answer.retried_over_tcp {
                     self.stats.upstream_tcp_retries.inc();
@@ -257,9 +268,50 @@ impl Resolver {
                 if errors.is_empty() {
                     tracing::warn!("no upstream DNS server to forward to (resolv.conf has none)");
                 }
-                error_reply(query, ResponseCode::ServFail)
+                error_reply(&query, ResponseCode::ServFail)
             }
+        };
+        self.finish(&query, response, transport)
+    }
+
+    fn finish(&self, query: &Message, response: Message, transport: Transport) -> Option<Vec<u8>> {
+        if response.metadata.response_code == ResponseCode::NXDomain {
+            self.stats.nxdomain.inc();
         }
+        encode(query, response, transport)
+    }
+
+    /// The answer from the table or the cache; else the cache key to forward under.
+    fn resolve_now(&self, query: &Message) -> Result<Message, Option<Key>> {
+        let Some(question) = query.queries.first() else {
+            return Ok(error_reply(query, ResponseCode::ServFail));
+        };
+        let Some(tables) = self.tables.current() else {
+            tracing::debug!("DNS query before the name table arrived: SERVFAIL");
+            return Ok(error_reply(query, ResponseCode::ServFail));
+        };
+        let mut hostname = question.name().to_ascii().to_ascii_lowercase();
+        if !hostname.ends_with('.') {
+            hostname.push('.');
+        }
+        if let Lookup::Local(records) = tables.lookup.lookup(question.query_type(), &hostname) {
+            self.stats.answered_locally.inc();
+            let mut reply = reply_to(query);
+            // We are the authority for the mesh's names.
+            reply.metadata.authoritative = true;
+            reply.answers = round_robin(records);
+            return Ok(reply);
+        }
+        let key = Key::of(query);
+        if let Some(mut cached) = key.as_ref().and_then(|k| self.cache.get(k)) {
+            self.stats.cache_hits.inc();
+            cached.metadata.id = query.metadata.id;
+            cached.metadata.recursion_desired = query.metadata.recursion_desired;
+            // The asker's own spelling of the name (0x20 case randomisation checks it).
+            cached.queries = query.queries.clone();
+            return Ok(cached);
+        }
+        Err(key)
     }
 
     pub fn stats(&self) -> &DnsStats {

@@ -1,8 +1,8 @@
 //! The DNS proxy's sockets: UDP and TCP on each listen address, bound while the process
 //! is still root (so a privileged address works) and served once the runtime runs.
 //!
-//! UDP: each datagram is answered from its own task, so a slow upstream never holds
-//! up local answers. TCP: each connection reads length-prefixed queries one after the
+//! UDP: local and cached answers are sent from the receive loop itself; a query that
+//! goes upstream gets a task of its own, so a slow upstream never holds up the rest. TCP: each connection reads length-prefixed queries one after the
 //! other (RFC 7766) and is closed after [`TCP_IDLE`] without one.
 
 use std::io;
@@ -14,7 +14,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use super::{Resolver, Transport};
+use super::{Resolver, Step, Transport};
 
 /// How long a TCP client may stay silent between queries.
 pub const TCP_IDLE: Duration = Duration::from_secs(10);
@@ -128,16 +128,36 @@ async fn serve_udp(socket: Arc<UdpSocket>, resolver: Arc<Resolver>) {
                 continue;
             }
         };
-        let request = buf[..len].to_vec();
+        // Local and cached answers go out from this loop: no task, no hand-off.
+        let forward = match resolver.answer_now(&buf[..len], Transport::Udp) {
+            Step::Done(None) => continue,
+            Step::Done(Some(reply)) => match socket.try_send_to(&reply, peer) {
+                Ok(_) => continue,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    let socket = socket.clone();
+                    tokio::spawn(async move { send(&socket, &reply, peer).await });
+                    continue;
+                }
+                Err(error) => {
+                    tracing::debug!(%peer, %error, "sending a DNS answer failed");
+                    continue;
+                }
+            },
+            Step::Forward(forward) => forward,
+        };
         let socket = socket.clone();
         let resolver = resolver.clone();
         tokio::spawn(async move {
-            if let Some(reply) = resolver.answer(&request, Transport::Udp).await
-                && let Err(error) = socket.send_to(&reply, peer).await
-            {
-                tracing::debug!(%peer, %error, "sending a DNS answer failed");
+            if let Some(reply) = resolver.forward(forward).await {
+                send(&socket, &reply, peer).await;
             }
         });
+    }
+}
+
+async fn send(socket: &UdpSocket, reply: &[u8], peer: SocketAddr) {
+    if let Err(error) = socket.send_to(reply, peer).await {
+        tracing::debug!(%peer, %error, "sending a DNS answer failed");
     }
 }
 
