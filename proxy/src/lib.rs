@@ -8,7 +8,7 @@
 //! | 1 | [`stats`], [`config`] (Envoy types in, diagnostics, conversions, the config tracker's resources), [`access_log`] |
 //! | 2 | [`tls`] (rustls contexts, SPIFFE verification, secrets, the raw-or-TLS stream) |
 //! | 3 | [`upstream`] (clusters, endpoints, load balancing, health, circuit breakers, connection pools) |
-//! | 4 | [`tcp`] (`tcp_proxy`), [`http`] (connection manager, router) |
+//! | 4 | [`tcp`] (`tcp_proxy`), [`http`] (connection manager, router), [`dns`] (Istio's DNS proxy and name table) |
 //! | 5 | [`listener`] (listener filters, filter-chain match, per-connection handling) |
 //! | 6 | [`snapshot`] (assembles one immutable compiled config), [`xds`] (the xDS client) |
 //! | 7 | [`admin`] (the admin API over the live proxy) |
@@ -24,6 +24,7 @@ pub mod access_log;
 pub mod admin;
 pub mod agent;
 pub mod config;
+pub mod dns;
 pub mod http;
 pub mod listener;
 pub mod server;

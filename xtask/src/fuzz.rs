@@ -26,6 +26,7 @@ pub const TARGETS: &[&str] = &[
     "http_request",
     "listener_sniff",
     "capture_flags",
+    "dns_message",
 ];
 
 /// What cargo-fuzz passes rustc (its defaults, with AddressSanitizer).

@@ -30,6 +30,8 @@ const PACKAGES: &[(&str, &str)] = &[
     ("dnsmasq-base", "dnsmasq"),
     // musl's resolver (stricter about a reply's source than glibc's), built by a test.
     ("musl-tools", "musl-gcc"),
+    // The DNS proxy's bench: the load generator.
+    ("dnsperf", "dnsperf"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
 ];
@@ -68,7 +70,7 @@ pub fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn on_path(program: &str) -> bool {
+pub fn on_path(program: &str) -> bool {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
         .any(|d| d.join(program).exists())

@@ -3,7 +3,8 @@
 //!
 //! - The dump holds one message per config type, in Envoy's order: BootstrapConfigDump,
 //!   ClustersConfigDump, EndpointsConfigDump (only with `?include_eds`),
-//!   ListenersConfigDump, ScopedRoutesConfigDump, RoutesConfigDump, SecretsConfigDump.
+//!   ListenersConfigDump, ScopedRoutesConfigDump, RoutesConfigDump, SecretsConfigDump;
+//!   then, with the DNS proxy on, Istio's `istio.networking.nds.v1.NameTable` in use.
 //! - `?resource=static_clusters` dumps the elements of the first config's repeated field
 //!   of that name instead, each packed on its own.
 //! - `?mask=a.b,c` is a protobuf field mask: on each config (those it does not fit are
@@ -367,10 +368,19 @@ fn configs(
         dynamic(&routes_dump, pool)?,
         dynamic(&secrets_dump, pool)?,
     ]);
+    // Not Envoy's: the DNS proxy's name table, as istiod sent it (pilot-agent shows it
+    // on its own debug endpoint; shunt has one dump).
+    if let Some(table) = state.name_table() {
+        let desc = pool
+            .get_message_by_name(NAME_TABLE)
+            .ok_or_else(|| internal(format!("{NAME_TABLE} is not in the pool")))?;
+        configs.push(DynamicMessage::decode(desc, table.value.as_slice()).map_err(internal)?);
+    }
     Ok(configs)
 }
 
 const CLUSTER: &str = "envoy.config.cluster.v3.Cluster";
+const NAME_TABLE: &str = "istio.networking.nds.v1.NameTable";
 const LISTENER: &str = "envoy.config.listener.v3.Listener";
 const ROUTE_CONFIGURATION: &str = "envoy.config.route.v3.RouteConfiguration";
 

@@ -38,6 +38,8 @@ pub struct Live {
     bound: Mutex<Vec<(String, Vec<SocketAddr>)>>,
     drains: mpsc::UnboundedSender<Drain>,
     shutdown: watch::Sender<bool>,
+    /// The DNS proxy's name table, when DNS is on.
+    name_tables: std::sync::OnceLock<Arc<crate::dns::Tables>>,
 }
 
 /// What the serve loop receives from the admin API.
@@ -69,6 +71,7 @@ impl Live {
             bound: Mutex::new(Vec::new()),
             drains,
             shutdown,
+            name_tables: std::sync::OnceLock::new(),
         };
         let requests = Requests {
             drains: drain_requests,
@@ -89,6 +92,11 @@ impl Live {
             Some((_, existing)) => existing.extend(addresses),
             None => bound.push((name.to_owned(), addresses)),
         }
+    }
+
+    /// The DNS proxy's name tables, shown by `/config_dump`.
+    pub fn set_name_tables(&self, tables: Arc<crate::dns::Tables>) {
+        let _ = self.name_tables.set(tables);
     }
 
     /// The stats store the data plane counts in.
@@ -129,6 +137,10 @@ impl ProxyState for Live {
 
     fn resources(&self) -> Resources {
         self.store.load().resources()
+    }
+
+    fn name_table(&self) -> Option<envoy_types::pb::google::protobuf::Any> {
+        self.name_tables.get()?.to_any()
     }
 
     /// The configured clusters, each with the hosts its load balancer has now (DNS

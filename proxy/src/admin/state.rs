@@ -30,6 +30,13 @@ pub trait ProxyState: Send + Sync + 'static {
     /// Every resource in use, static and dynamic (Envoy's config tracker).
     fn resources(&self) -> Resources;
 
+    /// The DNS proxy's current name table (`istio.networking.nds.v1.NameTable`), which
+    /// `/config_dump` shows after Envoy's configs; `None` when DNS is off or no table
+    /// arrived yet.
+    fn name_table(&self) -> Option<envoy_types::pb::google::protobuf::Any> {
+        None
+    }
+
     /// `/clusters`: the clusters with their hosts, host stats and circuit breakers. The
     /// default is built from [`ProxyState::resources`] with zero host stats.
     fn clusters(&self) -> Vec<ClusterStatus> {

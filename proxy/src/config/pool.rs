@@ -13,8 +13,9 @@
 //!   Cargo.lock and rewrites it with `SHUNT_UPDATE_DESCRIPTORS=1`.
 //! - `protos/` holds shunt's own minimal declarations (field names and numbers are the
 //!   wire contract) of the types found missing by loading the corpus: `TypedStruct`
-//!   (udpa and xds), xds `IPMatcher`, and the configs of Istio's own filters that istiod
-//!   sends. They are parsed at start-up with `protox-parse` (pure Rust, no protoc, no
+//!   (udpa and xds), xds `IPMatcher`, the configs of Istio's own filters that istiod
+//!   sends, and Istio's DNS `NameTable` (`istio/nds.proto`, Istio's file as the shared
+//!   corpus has it), which `/config_dump` shows. They are parsed at start-up with `protox-parse` (pure Rust, no protoc, no
 //!   build step) and linked by prost-reflect against the envoy-types files they import.
 //!   To add a type: add a `.proto` under `protos/` and list it in [`EXTRA_PROTOS`].
 
@@ -53,6 +54,11 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
     (
         "shunt/istio/alpn.proto",
         include_str!("protos/istio/alpn.proto"),
+    ),
+    // Istio's DNS name table, for `/config_dump`.
+    (
+        "shunt/istio/nds.proto",
+        include_str!("protos/istio/nds.proto"),
     ),
 ];
 

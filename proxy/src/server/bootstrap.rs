@@ -58,7 +58,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         );
     }
     let bootstrap = loaded.bootstrap;
-    let xds = crate::xds::source::plan(&bootstrap)
+    let mut xds = crate::xds::source::plan(&bootstrap)
         .map_err(|err| anyhow::anyhow!("{}: {err:#}", options.origin()))?;
     let stats = crate::stats::Store::new();
     let compiled = snapshot::compile(&bootstrap, &stats)
@@ -107,12 +107,30 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         live.set_bound(&listener.name, addresses);
     }
     drop(snapshot);
+    // The DNS proxy's sockets, bound as root too.
+    let dns = super::dns::prepare(args, &bootstrap, live.stats_store())?;
+    if let Some(dns) = &dns {
+        live.set_name_tables(dns.tables.clone());
+        let over_xds = xds.as_mut().is_some_and(|plan| plan.add_name_table());
+        if !over_xds {
+            // No ADS to bring a table: every name is forwarded.
+            tracing::warn!(
+                "DNS proxy without an ADS stream: no name table, forwarding every query"
+            );
+            let _ = dns.tables.apply(Default::default(), "");
+        }
+    }
     let mut own_ports: Vec<u16> = bound.iter().map(|b| b.addr.port()).collect();
     own_ports.sort_unstable();
     own_ports.dedup();
 
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
+    let dns_tables = dns.as_ref().map(|d| d.tables.clone());
+    if let Some(dns) = dns {
+        let _entered = runtime.enter();
+        crate::dns::server::serve(dns.sockets, dns.resolver).context("starting the DNS proxy")?;
+    }
     let context = Arc::new(Context {
         config: store.clone(),
         own_ports: std::sync::RwLock::new(own_ports.into()),
@@ -123,6 +141,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         plan,
         bootstrap,
         stats: live.stats_store().clone(),
+        dns: dns_tables,
     });
     let result = runtime.block_on(serve(
         bound, store, context, live, requests, drain_time, xds,
@@ -138,6 +157,8 @@ struct Xds {
     plan: crate::xds::source::Plan,
     bootstrap: envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
     stats: crate::stats::Store,
+    /// The DNS proxy's name table, set from NDS.
+    dns: Option<Arc<crate::dns::Tables>>,
 }
 
 /// Binds one listener address as Envoy does: SO_REUSEADDR, IPV6_V6ONLY on IPv6, and
@@ -242,6 +263,7 @@ async fn serve(
                 },
                 bind,
                 bound,
+                xds.dns,
             ))
         }
         None => {

@@ -9,6 +9,7 @@
 
 mod bind;
 mod bootstrap;
+mod dns;
 mod passthrough;
 mod user;
 mod validate;
@@ -68,6 +69,21 @@ pub struct ProxyArgs {
     /// (non-zero if it is invalid).
     #[arg(long, value_enum, default_value_t = crate::config::Mode::Serve)]
     pub mode: crate::config::Mode,
+    /// Serve Istio's DNS proxy on ADDR, UDP and TCP (repeatable). Without it the DNS
+    /// proxy is on when ISTIO_META_DNS_CAPTURE=true or the node metadata has
+    /// DNS_CAPTURE=true, on 127.0.0.1:15053 and [::1]:15053.
+    #[arg(long = "dns-listen", value_name = "ADDR")]
+    pub dns_listen: Vec<std::net::SocketAddr>,
+    /// The resolv.conf whose nameservers get the queries not for the mesh, and whose
+    /// first search domain the name table expands names with.
+    #[arg(long, default_value = "/etc/resolv.conf", value_name = "PATH")]
+    pub dns_resolv_conf: std::path::PathBuf,
+    /// Time an upstream DNS server has to answer before the next one is asked.
+    #[arg(long, default_value_t = 5000, value_name = "MS")]
+    pub dns_upstream_timeout_ms: u64,
+    /// Forwarded answers kept for their TTL; 0 turns the cache off.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub dns_cache_size: usize,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {

@@ -2,7 +2,8 @@
 //! on 0.0.0.0 and [::]. Every accepted connection gets its own task: the original
 //! destination is read (Envoy's `original_dst` listener filter) and the connection is
 //! handed to [`crate::tcp`] (PassthroughCluster outbound, InboundPassthroughClusterIpv4
-//! inbound).
+//! inbound). With DNS on (`--dns-listen`, `ISTIO_META_DNS_CAPTURE`) the DNS proxy
+//! serves too, forwarding every query: there is no name table without xDS.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,8 +35,18 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         warn_if_inbound_source_v6_missing();
     }
 
+    // DNS without a bootstrap has no xDS, so no name table: every query is forwarded.
+    let dns = super::dns::prepare(args, &Default::default(), &crate::stats::Store::new())?;
+    if let Some(dns) = &dns {
+        let _ = dns.tables.apply(Default::default(), "");
+    }
+
     drop_privileges(args)?;
     let runtime = data_plane_runtime(args.concurrency)?;
+    if let Some(dns) = dns {
+        let _entered = runtime.enter();
+        crate::dns::server::serve(dns.sockets, dns.resolver).context("starting the DNS proxy")?;
+    }
     let settings = Arc::new(tcp::Settings {
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         own_ports,

@@ -26,15 +26,18 @@ pub enum TypeUrl {
     Listener,
     RouteConfiguration,
     Secret,
+    /// Istio's DNS name table (NDS), asked for over ADS when the DNS proxy is on.
+    NameTable,
 }
 
 impl TypeUrl {
-    pub const ALL: [TypeUrl; 5] = [
+    pub const ALL: [TypeUrl; 6] = [
         TypeUrl::Cluster,
         TypeUrl::ClusterLoadAssignment,
         TypeUrl::Listener,
         TypeUrl::RouteConfiguration,
         TypeUrl::Secret,
+        TypeUrl::NameTable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +53,7 @@ impl TypeUrl {
             TypeUrl::Secret => {
                 "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
             }
+            TypeUrl::NameTable => crate::dns::name_table::TYPE_URL,
         }
     }
 
@@ -65,14 +69,19 @@ impl TypeUrl {
             TypeUrl::Listener => "lds",
             TypeUrl::RouteConfiguration => "rds",
             TypeUrl::Secret => "sds",
+            TypeUrl::NameTable => "nds",
         }
     }
 
-    /// Listeners and clusters are asked for whole (wildcard); the others by name, as the
-    /// accepted listeners and clusters reference them. In state of the world, only a
-    /// wildcard type's response is its complete set, so only there does omission remove.
+    /// Listeners, clusters and the name table are asked for whole (wildcard); the others
+    /// by name, as the accepted listeners and clusters reference them. In state of the
+    /// world, only a wildcard type's response is its complete set, so only there does
+    /// omission remove.
     pub fn is_wildcard(self) -> bool {
-        matches!(self, TypeUrl::Cluster | TypeUrl::Listener)
+        matches!(
+            self,
+            TypeUrl::Cluster | TypeUrl::Listener | TypeUrl::NameTable
+        )
     }
 
     /// The gRPC method of a stream carrying only this type.
@@ -107,6 +116,13 @@ impl TypeUrl {
             }
             (TypeUrl::Secret, true) => {
                 "/envoy.service.secret.v3.SecretDiscoveryService/DeltaSecrets"
+            }
+            // Istio serves the name table on ADS only.
+            (TypeUrl::NameTable, false) => {
+                "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+            }
+            (TypeUrl::NameTable, true) => {
+                "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
             }
         }
     }

@@ -80,6 +80,26 @@ pub struct Plan {
     pub initial_fetch_timeout: Duration,
 }
 
+impl Plan {
+    /// Asks for Istio's name table on the ADS stream, as istio-agent does when its DNS
+    /// proxy is on. False when there is no ADS stream (istiod serves it on ADS only).
+    pub fn add_name_table(&mut self) -> bool {
+        match self
+            .streams
+            .iter_mut()
+            .find(|s| s.path == "dynamic_resources.ads_config")
+        {
+            Some(ads) => {
+                if !ads.types.contains(&TypeUrl::NameTable) {
+                    ads.types.push(TypeUrl::NameTable);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// A bootstrap's xDS plan; `None` without `dynamic_resources` asking for LDS or CDS.
 pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
     let Some(dynamic) = &bootstrap.dynamic_resources else {

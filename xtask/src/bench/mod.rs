@@ -3,10 +3,12 @@
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
 //! `xds.rs` (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic
-//! for minutes through config changes and crashing upstreams); what they share (medians,
+//! for minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
+//! local answers and forwards against dnsmasq, with dnsperf); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
 mod capture;
+mod dns;
 mod l4;
 mod measure;
 mod soak;
@@ -34,6 +36,9 @@ pub enum Which {
     /// updates every second and upstreams crash; fails on any unexpected error or on fd
     /// or memory growth after warm-up.
     Soak(soak::SoakArgs),
+    /// The DNS proxy against dnsmasq answering directly (dnsperf): local answers,
+    /// cached and uncached forwards; queries/s and p99 as ratios.
+    Dns(dns::DnsArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -44,5 +49,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::L4(args) => l4::run(bins, &args),
         Which::Xds(args) => xds::run(bins, &args),
         Which::Soak(args) => soak::run(bins, &args),
+        Which::Dns(args) => dns::run(&bins, &args),
     }
 }

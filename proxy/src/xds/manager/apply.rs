@@ -65,6 +65,9 @@ impl Manager {
         change: Edit,
         version: &str,
     ) -> Result<(), Vec<(String, String)>> {
+        if kind == TypeUrl::NameTable {
+            return self.apply_name_table(change, version);
+        }
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         let mut removed_any = false;
         let (undo, touched): (Undo, Vec<String>) = match change {
@@ -166,6 +169,54 @@ impl Manager {
         }
     }
 
+    /// Istio's name table: one unnamed resource, which replaces the DNS proxy's table
+    /// when it builds (else NACK, and the last good table keeps answering). A response
+    /// without one, or a Delta removal, changes nothing: istio-agent keeps its table.
+    fn apply_name_table(
+        &mut self,
+        change: Edit,
+        version: &str,
+    ) -> Result<(), Vec<(String, String)>> {
+        let entry = match change {
+            Edit::Replace(set) => set.into_iter().next_back(),
+            Edit::Patch { upserts, .. } => upserts.into_iter().next_back(),
+        };
+        let Some((name, entry)) = entry else {
+            let state = self
+                .types
+                .get_mut(&TypeUrl::NameTable)
+                .expect("a subscribed type");
+            state.version_info = version.to_owned();
+            return Ok(());
+        };
+        let Resource::NameTable(table) = &entry.resource else {
+            return Err(vec![(name, "not a NameTable".into())]);
+        };
+        let result = match &self.dns {
+            Some(dns) => dns.apply((**table).clone(), version),
+            None => Ok(()),
+        };
+        match result {
+            Ok(()) => {
+                let state = self
+                    .types
+                    .get_mut(&TypeUrl::NameTable)
+                    .expect("a subscribed type");
+                state.resources.clear();
+                state.resources.insert(name, entry);
+                state.applied = true;
+                state.version_info = version.to_owned();
+                self.count(TypeUrl::NameTable, "update_success");
+                Ok(())
+            }
+            Err(err) => {
+                self.count(TypeUrl::NameTable, "update_rejected");
+                tracing::warn!(version, "xDS update rejected: {err}");
+                Err(vec![(name, err.to_string())])
+            }
+        }
+    }
+
     pub(super) fn count(&self, kind: TypeUrl, what: &str) {
         let prefix = match kind {
             TypeUrl::Cluster => "cluster_manager.cds",
@@ -173,6 +224,7 @@ impl Manager {
             TypeUrl::ClusterLoadAssignment => "cluster_manager.eds",
             TypeUrl::RouteConfiguration => "http.rds",
             TypeUrl::Secret => "sds",
+            TypeUrl::NameTable => "nds",
         };
         self.stats.counter(&format!("{prefix}.{what}")).inc();
     }

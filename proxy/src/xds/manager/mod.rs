@@ -106,11 +106,15 @@ pub struct Manager {
     bound: BTreeSet<(Arc<str>, SocketAddr)>,
     listeners_requested: bool,
     ready: bool,
+    /// Where an accepted name table goes (the DNS proxy), when it is on.
+    dns: Option<Arc<crate::dns::Tables>>,
 }
 
 impl Manager {
     /// Starts the streams of `plan` and the manager on the current runtime. Listener
-    /// changes reach the serve loop through the returned channel.
+    /// changes reach the serve loop through the returned channel. Name tables (when
+    /// `plan` asks for them) are applied to `dns`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         bootstrap: Bootstrap,
         plan: Plan,
@@ -119,6 +123,7 @@ impl Manager {
         on_ready: Box<dyn FnOnce() + Send>,
         binder: Binder,
         bound: impl IntoIterator<Item = (Arc<str>, SocketAddr)>,
+        dns: Option<Arc<crate::dns::Tables>>,
     ) -> mpsc::UnboundedReceiver<ListenerChange> {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (changes, changes_rx) = mpsc::unbounded_channel();
@@ -180,6 +185,7 @@ impl Manager {
             bound: bound.into_iter().collect(),
             listeners_requested: false,
             ready: false,
+            dns,
         };
         tokio::spawn(manager.run(events));
         changes_rx

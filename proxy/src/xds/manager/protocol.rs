@@ -83,7 +83,8 @@ impl Manager {
     pub(super) fn wanted(&self, kind: TypeUrl) -> bool {
         match kind {
             TypeUrl::Cluster => true,
-            TypeUrl::Listener => self.listeners_requested,
+            // istio-agent asks for the name table once Envoy asked for listeners.
+            TypeUrl::Listener | TypeUrl::NameTable => self.listeners_requested,
             _ => self.types.get(&kind).is_some_and(|t| !t.names.is_empty()),
         }
     }

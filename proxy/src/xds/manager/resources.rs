@@ -16,6 +16,7 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use crate::config::Tracked;
+use crate::dns::name_table::NameTable;
 use crate::xds::TypeUrl;
 
 /// A decoded resource, shared with the snapshots built from it.
@@ -26,6 +27,8 @@ pub(super) enum Resource {
     Endpoints(Arc<ClusterLoadAssignment>),
     Route(Arc<RouteConfiguration>),
     Secret(Arc<Secret>),
+    /// Istio's one unnamed name table.
+    NameTable(Arc<NameTable>),
 }
 
 impl Resource {
@@ -50,6 +53,9 @@ impl Resource {
                 RouteConfiguration::decode(bytes).map(|r| Resource::Route(Arc::new(r)))
             }
             TypeUrl::Secret => Secret::decode(bytes).map(|r| Resource::Secret(Arc::new(r))),
+            TypeUrl::NameTable => {
+                NameTable::decode(bytes).map(|r| Resource::NameTable(Arc::new(r)))
+            }
         };
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
@@ -61,6 +67,7 @@ impl Resource {
             Resource::Endpoints(r) => &r.cluster_name,
             Resource::Route(r) => &r.name,
             Resource::Secret(r) => &r.name,
+            Resource::NameTable(_) => "",
         }
     }
 
@@ -71,6 +78,7 @@ impl Resource {
             Resource::Endpoints(r) => r.encode_to_vec(),
             Resource::Route(r) => r.encode_to_vec(),
             Resource::Secret(r) => r.encode_to_vec(),
+            Resource::NameTable(r) => r.encode_to_vec(),
         };
         Any {
             type_url: kind.as_str().to_owned(),

@@ -1,0 +1,179 @@
+//! Turning the DNS proxy on, as pilot-agent does: with `ISTIO_META_DNS_CAPTURE=true` in
+//! the environment, `DNS_CAPTURE: "true"` in the bootstrap's node metadata (where
+//! pilot-agent copies every `ISTIO_META_*`), or `--dns-listen`. Its sockets are bound
+//! here, as root, before privileges drop; its upstream queries leave later as the
+//! proxy's own uid, which the capture lets through.
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+use envoy_types::pb::google::protobuf::value::Kind;
+
+use super::ProxyArgs;
+use crate::dns::name_table::Scope;
+use crate::dns::server::{self, Sockets};
+use crate::dns::upstream::{ResolvConf, Upstreams};
+use crate::dns::{DEFAULT_PORT, DnsStats, Resolver, Tables};
+
+/// The DNS proxy, bound and ready to serve.
+pub struct Dns {
+    pub sockets: Sockets,
+    pub resolver: Arc<Resolver>,
+    pub tables: Arc<Tables>,
+}
+
+/// Whether DNS is on, and then its sockets (bound now) and resolver.
+pub fn prepare(
+    args: &ProxyArgs,
+    bootstrap: &Bootstrap,
+    stats: &crate::stats::Store,
+) -> anyhow::Result<Option<Dns>> {
+    let env_on = std::env::var("ISTIO_META_DNS_CAPTURE").is_ok_and(|v| truthy(&v));
+    let metadata_on = node_metadata(bootstrap, "DNS_CAPTURE").is_some_and(|v| truthy(&v));
+    if !env_on && !metadata_on && args.dns_listen.is_empty() {
+        return Ok(None);
+    }
+    let default_listen = args.dns_listen.is_empty();
+    let listen = if default_listen {
+        vec![
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), DEFAULT_PORT),
+            SocketAddr::new(Ipv6Addr::LOCALHOST.into(), DEFAULT_PORT),
+        ]
+    } else {
+        args.dns_listen.clone()
+    };
+    let resolv = ResolvConf::load(&args.dns_resolv_conf)
+        .context("the DNS proxy forwards to the resolv.conf servers")?;
+    let (namespace, domain) = namespace_and_domain(bootstrap);
+    tracing::info!(
+        servers = ?resolv.servers,
+        search = ?resolv.search,
+        %namespace,
+        %domain,
+        "DNS proxy on"
+    );
+    let sockets = server::bind(&listen, default_listen)?;
+    let tables = Arc::new(Tables::new(Scope::new(&namespace, &domain, resolv.search)));
+    let upstreams = Upstreams {
+        servers: resolv.servers,
+        timeout: Duration::from_millis(args.dns_upstream_timeout_ms),
+    };
+    let resolver = Arc::new(Resolver::new(
+        tables.clone(),
+        upstreams,
+        args.dns_cache_size,
+        DnsStats::new(stats),
+    ));
+    Ok(Some(Dns {
+        sockets,
+        resolver,
+        tables,
+    }))
+}
+
+fn truthy(value: &str) -> bool {
+    value.eq_ignore_ascii_case("true") || value == "1"
+}
+
+/// A node metadata value as text (a string, or a bool as pilot-agent may write it).
+fn node_metadata(bootstrap: &Bootstrap, key: &str) -> Option<String> {
+    let value = bootstrap
+        .node
+        .as_ref()?
+        .metadata
+        .as_ref()?
+        .fields
+        .get(key)?;
+    match value.kind.as_ref()? {
+        Kind::StringValue(s) => Some(s.clone()),
+        Kind::BoolValue(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+/// The pod's namespace and Istio's proxy DNS domain: from the node id
+/// (`sidecar~10.0.0.1~pod.ns~ns.svc.cluster.local`), the metadata's `NAMESPACE`, or
+/// `POD_NAMESPACE`; the domain defaults to `ns.svc.cluster.local`.
+fn namespace_and_domain(bootstrap: &Bootstrap) -> (String, String) {
+    let id = bootstrap.node.as_ref().map_or("", |n| n.id.as_str());
+    let fields: Vec<&str> = id.split('~').collect();
+    let namespace = node_metadata(bootstrap, "NAMESPACE")
+        .or_else(|| {
+            fields
+                .get(2)
+                .and_then(|pod| pod.split_once('.'))
+                .map(|(_, ns)| ns.to_owned())
+        })
+        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+        .filter(|ns| !ns.is_empty())
+        .unwrap_or_else(|| "default".to_owned());
+    let domain = fields
+        .get(3)
+        .filter(|d| !d.is_empty())
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| format!("{namespace}.svc.cluster.local"));
+    (namespace, domain)
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::core::v3::Node;
+    use envoy_types::pb::google::protobuf::{Struct, Value};
+
+    use super::*;
+
+    fn with_node(id: &str, metadata: &[(&str, Kind)]) -> Bootstrap {
+        Bootstrap {
+            node: Some(Node {
+                id: id.into(),
+                metadata: Some(Struct {
+                    fields: metadata
+                        .iter()
+                        .map(|(k, v)| {
+                            (
+                                k.to_string(),
+                                Value {
+                                    kind: Some(v.clone()),
+                                },
+                            )
+                        })
+                        .collect(),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_namespace_and_domain_come_from_the_node_as_pilot_agent_writes_it() {
+        let b = with_node("sidecar~10.0.0.1~p.shop~shop.svc.cluster.local", &[]);
+        assert_eq!(
+            namespace_and_domain(&b),
+            ("shop".into(), "shop.svc.cluster.local".into())
+        );
+        let b = with_node(
+            "router~10.0.0.1~gw~",
+            &[("NAMESPACE", Kind::StringValue("istio-system".into()))],
+        );
+        assert_eq!(
+            namespace_and_domain(&b),
+            (
+                "istio-system".into(),
+                "istio-system.svc.cluster.local".into()
+            )
+        );
+    }
+
+    #[test]
+    fn dns_capture_in_the_node_metadata_is_read_as_text_or_bool() {
+        let b = with_node("x", &[("DNS_CAPTURE", Kind::StringValue("true".into()))]);
+        assert_eq!(node_metadata(&b, "DNS_CAPTURE").as_deref(), Some("true"));
+        let b = with_node("x", &[("DNS_CAPTURE", Kind::BoolValue(true))]);
+        assert!(node_metadata(&b, "DNS_CAPTURE").is_some_and(|v| truthy(&v)));
+        assert_eq!(node_metadata(&with_node("x", &[]), "DNS_CAPTURE"), None);
+    }
+}
