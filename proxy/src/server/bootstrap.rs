@@ -107,7 +107,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         live.set_bound(&listener.name, addresses);
     }
     drop(snapshot);
-    // The DNS proxy's sockets, bound as root too.
+    // The DNS proxy: its sockets are bound after the privilege drop.
     let dns = super::dns::prepare(args, &bootstrap, live.stats_store())?;
     if let Some(dns) = &dns {
         live.set_name_tables(dns.tables.clone());
@@ -127,9 +127,10 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
     let dns_tables = dns.as_ref().map(|d| d.tables.clone());
-    if let Some(dns) = dns {
+    if let Some(mut dns) = dns {
         let _entered = runtime.enter();
-        crate::dns::server::serve(dns.sockets, dns.resolver).context("starting the DNS proxy")?;
+        let sockets = dns.bind()?;
+        crate::dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
     }
     let context = Arc::new(Context {
         config: store.clone(),

@@ -1,8 +1,11 @@
 //! Turning the DNS proxy on, as pilot-agent does: with `ISTIO_META_DNS_CAPTURE=true` in
 //! the environment, `DNS_CAPTURE: "true"` in the bootstrap's node metadata (where
 //! pilot-agent copies every `ISTIO_META_*`), or `--dns-listen`. Its sockets are bound
-//! here, as root, before privileges drop; its upstream queries leave later as the
-//! proxy's own uid, which the capture lets through.
+//! after privileges drop (only a privileged port is bound before, as root): a socket
+//! belongs to the uid that made it, and istio-iptables' DNS rules find the DNS proxy's
+//! replies by that owner (`--sport 15053 -m owner --uid-owner 1337 -j CT --zone 2`); a
+//! root-owned socket's replies miss the app's conntrack zone and never reach it. Its
+//! upstream queries leave as the proxy's own uid too, which the capture lets through.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -18,11 +21,25 @@ use crate::dns::server::{self, Sockets};
 use crate::dns::upstream::{ResolvConf, Upstreams};
 use crate::dns::{DEFAULT_PORT, DnsStats, Resolver, Tables};
 
-/// The DNS proxy, bound and ready to serve.
+/// The DNS proxy, ready to serve once bound ([`Dns::bind`]).
 pub struct Dns {
-    pub sockets: Sockets,
+    listen: Vec<SocketAddr>,
+    default_listen: bool,
+    /// Bound already: a privileged port, which only root may bind.
+    early: Option<Sockets>,
     pub resolver: Arc<Resolver>,
     pub tables: Arc<Tables>,
+}
+
+impl Dns {
+    /// The listening sockets: bound now, as the user the proxy runs as (see the module
+    /// doc), unless a privileged port had them bound as root already.
+    pub fn bind(&mut self) -> anyhow::Result<Sockets> {
+        if let Some(sockets) = self.early.take() {
+            return Ok(sockets);
+        }
+        Ok(server::bind(&self.listen, self.default_listen)?)
+    }
 }
 
 /// Whether DNS is on, and then its sockets (bound now) and resolver.
@@ -55,7 +72,15 @@ pub fn prepare(
         %domain,
         "DNS proxy on"
     );
-    let sockets = server::bind(&listen, default_listen)?;
+    let early = if listen.iter().any(|a| a.port() < 1024) {
+        tracing::warn!(
+            ?listen,
+            "a privileged DNS port is bound as root: istio-iptables' conntrack zones will not match its replies"
+        );
+        Some(server::bind(&listen, default_listen)?)
+    } else {
+        None
+    };
     let tables = Arc::new(Tables::new(Scope::new(&namespace, &domain, resolv.search)));
     let upstreams = Upstreams {
         servers: resolv.servers,
@@ -68,7 +93,9 @@ pub fn prepare(
         DnsStats::new(stats),
     ));
     Ok(Some(Dns {
-        sockets,
+        listen,
+        default_listen,
+        early,
         resolver,
         tables,
     }))

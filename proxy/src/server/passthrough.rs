@@ -43,9 +43,10 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
 
     drop_privileges(args)?;
     let runtime = data_plane_runtime(args.concurrency)?;
-    if let Some(dns) = dns {
+    if let Some(mut dns) = dns {
         let _entered = runtime.enter();
-        crate::dns::server::serve(dns.sockets, dns.resolver).context("starting the DNS proxy")?;
+        let sockets = dns.bind()?;
+        crate::dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
     }
     let settings = Arc::new(tcp::Settings {
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
