@@ -36,8 +36,9 @@ const ECHO: u16 = 9001;
 
 /// One HTTP/1.1 request in the pod: status and body (0 if nothing answered).
 fn http(pod: &Pod, to: SocketAddr, method: &str, path: &str, host: &str) -> (u16, String) {
-    let request =
-        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    );
     pod.run_in_netns(move || -> std::io::Result<(u16, String)> {
         let mut stream = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
         stream.set_read_timeout(Some(Duration::from_secs(15)))?;
@@ -45,7 +46,11 @@ fn http(pod: &Pod, to: SocketAddr, method: &str, path: &str, host: &str) -> (u16
         let mut raw = String::new();
         stream.read_to_string(&mut raw)?;
         let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
         Ok((status, body.to_owned()))
     })
     .expect("entering the pod")
@@ -63,8 +68,16 @@ fn status(pod: &Pod, path: &str) -> (u16, String) {
 fn wait_for(what: &str, agent: &PodProcess, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !check() {
-        assert!(agent.try_wait().is_none(), "agent exited while waiting for {what}:\n{}", agent.stderr_text());
-        assert!(Instant::now() < deadline, "timed out waiting for {what}:\n{}", agent.stderr_text());
+        assert!(
+            agent.try_wait().is_none(),
+            "agent exited while waiting for {what}:\n{}",
+            agent.stderr_text()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}:\n{}",
+            agent.stderr_text()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -126,22 +139,50 @@ fn readiness_follows_the_first_xds_push_and_wait_blocks_until_then() {
     let agent = start_agent(&pod, &config, &[], &[]);
     let waiter = pod
         .command(shunt_bin())
-        .args(["agent", "wait", "--timeout-seconds", "60", "--period-millis", "100"])
+        .args([
+            "agent",
+            "wait",
+            "--timeout-seconds",
+            "60",
+            "--period-millis",
+            "100",
+        ])
         .spawn()
         .expect("start shunt agent wait");
 
     // Before any config: both readiness ports answer 503, and `wait` keeps waiting.
-    wait_for("the status server", &agent, || status(&pod, "/healthz/ready").0 != 0);
+    wait_for("the status server", &agent, || {
+        status(&pod, "/healthz/ready").0 != 0
+    });
     assert_eq!(status(&pod, "/healthz/ready").0, 503);
-    assert_eq!(http(&pod, local(READINESS), "GET", "/healthz/ready", "localhost").0, 503);
+    assert_eq!(
+        http(&pod, local(READINESS), "GET", "/healthz/ready", "localhost").0,
+        503
+    );
     let short = pod
         .command(shunt_bin())
-        .args(["agent", "wait", "--timeout-seconds", "1", "--period-millis", "100"])
+        .args([
+            "agent",
+            "wait",
+            "--timeout-seconds",
+            "1",
+            "--period-millis",
+            "100",
+        ])
         .output()
         .unwrap();
-    assert!(!short.status.success(), "wait must fail on timeout while not ready");
-    assert!(String::from_utf8_lossy(&short.stderr).contains("503"), "{short:?}");
-    assert!(waiter.try_wait().is_none(), "wait returned before the proxy was ready");
+    assert!(
+        !short.status.success(),
+        "wait must fail on timeout while not ready"
+    );
+    assert!(
+        String::from_utf8_lossy(&short.stderr).contains("503"),
+        "{short:?}"
+    );
+    assert!(
+        waiter.try_wait().is_none(),
+        "wait returned before the proxy was ready"
+    );
 
     // The first push: listeners and clusters applied and bound, so ready.
     xds::serve_backend(&server, eds_cluster("backend", 1), ECHO, 10000);
@@ -149,7 +190,10 @@ fn readiness_follows_the_first_xds_push_and_wait_blocks_until_then() {
         http(&pod, local(READINESS), "GET", "/healthz/ready", "localhost").0 == 200
     });
     assert_eq!(status(&pod, "/healthz/ready").0, 200);
-    assert!(xds::reaches(&pod, local(10000)).is_some(), "the pushed listener serves");
+    assert!(
+        xds::reaches(&pod, local(10000)).is_some(),
+        "the pushed listener serves"
+    );
     let mut waiter = waiter;
     let exit = waiter.wait_timeout(Duration::from_secs(10)).unwrap();
     assert!(exit.success(), "wait: {}", waiter.stderr_text());
@@ -171,7 +215,10 @@ fn start_http_app(pod: &Pod, port: u16) -> HttpApp {
         .unwrap();
     let healthy = Arc::new(AtomicBool::new(true));
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let app = HttpApp { healthy: healthy.clone(), seen: seen.clone() };
+    let app = HttpApp {
+        healthy: healthy.clone(),
+        seen: seen.clone(),
+    };
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             let healthy = healthy.clone();
@@ -198,7 +245,11 @@ fn start_http_app(pod: &Pod, port: u16) -> HttpApp {
                 let (status, extra, body) = match path.as_str() {
                     "/healthz" if healthy.load(Ordering::SeqCst) => ("200 OK", "", "ok"),
                     "/healthz" => ("503 Service Unavailable", "", "app is sick"),
-                    "/metrics" => ("200 OK", "", "# TYPE app_requests_total counter\napp_requests_total 7\n"),
+                    "/metrics" => (
+                        "200 OK",
+                        "",
+                        "# TYPE app_requests_total counter\napp_requests_total 7\n",
+                    ),
                     "/moved" => ("302 Found", "Location: http://example.com/\r\n", ""),
                     "/loop" => ("302 Found", "Location: /loop\r\n", ""),
                     "/slow" => {
@@ -226,11 +277,19 @@ fn start_grpc_health(pod: &Pod, port: u16) -> tokio::runtime::Runtime {
         .unwrap()
         .unwrap();
     listener.set_nonblocking(true).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
     runtime.spawn(async move {
         let (reporter, service) = tonic_health::server::health_reporter();
-        reporter.set_service_status("web", tonic_health::ServingStatus::Serving).await;
-        reporter.set_service_status("down", tonic_health::ServingStatus::NotServing).await;
+        reporter
+            .set_service_status("web", tonic_health::ServingStatus::Serving)
+            .await;
+        reporter
+            .set_service_status("down", tonic_health::ServingStatus::NotServing)
+            .await;
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(
             tokio::net::TcpListener::from_std(listener).unwrap(),
         );
@@ -248,7 +307,10 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("probes").unwrap();
     let app = start_http_app(&pod, APP_HTTP);
-    let _tcp = pod.run_in_netns(|| TcpListener::bind(("0.0.0.0", APP_TCP))).unwrap().unwrap();
+    let _tcp = pod
+        .run_in_netns(|| TcpListener::bind(("0.0.0.0", APP_TCP)))
+        .unwrap()
+        .unwrap();
     let _grpc = start_grpc_health(&pod, APP_GRPC);
     let probers = json!({
         "/app-health/web/livez": {"httpGet": {"path": "/healthz", "port": APP_HTTP, "scheme": "HTTP"}, "timeoutSeconds": 2},
@@ -268,13 +330,25 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
         &config,
         &[
             ("ISTIO_KUBE_APP_PROBERS", probers.to_string()),
-            ("ISTIO_PROMETHEUS_ANNOTATIONS", json!({"scrape": "true", "port": APP_HTTP.to_string(), "path": "/metrics"}).to_string()),
+            (
+                "ISTIO_PROMETHEUS_ANNOTATIONS",
+                json!({"scrape": "true", "port": APP_HTTP.to_string(), "path": "/metrics"})
+                    .to_string(),
+            ),
         ],
         &[],
     );
     wait_for("ready", &agent, || status(&pod, "/healthz/ready").0 == 200);
     let pod_status = SocketAddr::new(pod.ipv4().into(), STATUS);
-    let kubelet = |path: &str| http(&pod, pod_status, "GET", path, &format!("{}:{STATUS}", pod.ipv4()));
+    let kubelet = |path: &str| {
+        http(
+            &pod,
+            pod_status,
+            "GET",
+            path,
+            &format!("{}:{STATUS}", pod.ipv4()),
+        )
+    };
 
     // httpGet: the app's status and body; the kubelet's Host with the app's port; from 127.0.0.6.
     assert_eq!(kubelet("/app-health/web/livez"), (200, "ok".into()));
@@ -282,7 +356,10 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
     assert_eq!(host, format!("{}:{APP_HTTP}", pod.ipv4()));
     assert_eq!(peer.ip().to_string(), "127.0.0.6");
     app.healthy.store(false, Ordering::SeqCst);
-    assert_eq!(kubelet("/app-health/web/livez"), (503, "app is sick".into()));
+    assert_eq!(
+        kubelet("/app-health/web/livez"),
+        (503, "app is sick".into())
+    );
     app.healthy.store(true, Ordering::SeqCst);
     // A redirect off the app's host is success; one that never ends, or no answer in time, is 500.
     assert_eq!(kubelet("/app-health/web/startupz").0, 200);
@@ -303,14 +380,20 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
     // Merged Prometheus: the agent's, the proxy's and the app's metrics in one answer.
     let (code, metrics) = status(&pod, "/stats/prometheus");
     assert_eq!(code, 200);
-    assert!(metrics.contains("\nistio_agent_scrapes_total 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\nistio_agent_scrapes_total 1\n"),
+        "{metrics}"
+    );
     assert!(metrics.contains("envoy_server_live"), "{metrics}");
     assert!(metrics.contains("\napp_requests_total 7\n"), "{metrics}");
 
     // /quitquitquit: POST from localhost only; the agent exits 0.
     assert_eq!(status(&pod, "/quitquitquit").0, 405);
     assert_eq!(kubelet_post(&pod, pod_status, "/quitquitquit"), 403);
-    assert_eq!(http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0, 200);
+    assert_eq!(
+        http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
+        200
+    );
     let mut agent = agent;
     let exit = agent.wait_timeout(Duration::from_secs(10)).unwrap();
     assert!(exit.success(), "{}", agent.stderr_text());
@@ -357,7 +440,10 @@ fn sigterm_keeps_an_in_flight_transfer_and_refuses_new_inbound() {
                 tcp_listener_json("virtualInbound", INBOUND, "slow", "INBOUND"),
                 tcp_listener_json("virtualOutbound", OUTBOUND, "echo", "OUTBOUND"),
             ],
-            vec![static_cluster("slow", SLOW_APP), static_cluster("echo", ECHO)],
+            vec![
+                static_cluster("slow", SLOW_APP),
+                static_cluster("echo", ECHO),
+            ],
         ),
     );
     let mut agent = start_agent(
@@ -388,15 +474,23 @@ fn sigterm_keeps_an_in_flight_transfer_and_refuses_new_inbound() {
     agent.signal(libc::SIGTERM).unwrap();
 
     // Draining: not ready, inbound refused, outbound still served, the agent still up.
-    wait_for("readiness to drop", &agent, || status(&pod, "/healthz/ready").0 == 503);
+    wait_for("readiness to drop", &agent, || {
+        status(&pod, "/healthz/ready").0 == 503
+    });
     wait_for("inbound to close", &agent, || {
         pod.run_in_netns(|| TcpStream::connect(local(INBOUND)))
             .unwrap()
             .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
     });
     let outbound = support::Caller::app(&pod).call(local(OUTBOUND));
-    assert!(outbound.is_ok(), "outbound still served while draining: {outbound:?}");
-    assert!(agent.try_wait().is_none(), "the agent left before the transfer ended");
+    assert!(
+        outbound.is_ok(),
+        "outbound still served while draining: {outbound:?}"
+    );
+    assert!(
+        agent.try_wait().is_none(),
+        "the agent left before the transfer ended"
+    );
 
     // The transfer completes intact; then, no connection left, the agent exits 0.
     let (clean, bytes) = transfer.join().unwrap();
@@ -409,9 +503,16 @@ fn sigterm_keeps_an_in_flight_transfer_and_refuses_new_inbound() {
 /// The children of `pid` (its threads' `children` files).
 fn children(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
-            out.extend(text.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+            out.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok()),
+            );
         }
     }
     out
@@ -434,23 +535,42 @@ fn supervises_envoy_restarting_it_and_draining_it_on_sigterm() {
     write_json(
         &config,
         &static_bootstrap(
-            vec![tcp_listener_json("virtualInbound", INBOUND, "echo", "INBOUND")],
+            vec![tcp_listener_json(
+                "virtualInbound",
+                INBOUND,
+                "echo",
+                "INBOUND",
+            )],
             vec![static_cluster("echo", ECHO)],
         ),
     );
     let mut agent = start_agent(
         &pod,
         &config,
-        &[("TERMINATION_DRAIN_DURATION_SECONDS", "3".into())],
-        &["--proxy", "envoy", "--envoy-binary", envoy.to_str().unwrap()],
+        &[("TERMINATION_DRAIN_DURATION_SECONDS", "4".into())],
+        &[
+            "--proxy",
+            "envoy",
+            "--envoy-binary",
+            envoy.to_str().unwrap(),
+            "--drain-time-s",
+            "1",
+        ],
     );
-    let ready = |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0 == 200;
+    let ready =
+        |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0 == 200;
     wait_for("Envoy ready", &agent, || ready(&pod));
     let first = children(agent.pid());
     assert_eq!(first.len(), 1, "one Envoy under the agent: {first:?}");
     let cmdline = std::fs::read_to_string(format!("/proc/{}/cmdline", first[0])).unwrap();
     let argv: Vec<&str> = cmdline.split('\0').filter(|a| !a.is_empty()).collect();
-    for flag in ["--drain-time-s", "--parent-shutdown-time-s", "--disable-hot-restart", "--allow-unknown-static-fields", "--component-log-level"] {
+    for flag in [
+        "--drain-time-s",
+        "--parent-shutdown-time-s",
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+        "--component-log-level",
+    ] {
         assert!(argv.contains(&flag), "Envoy's argv lacks {flag}: {argv:?}");
     }
 
@@ -461,19 +581,38 @@ fn supervises_envoy_restarting_it_and_draining_it_on_sigterm() {
         now.len() == 1 && now[0] != first[0] && xds::admin_at(&pod, ADMIN, "/ready").0 == 200
     });
     let (_, metrics) = status(&pod, "/stats/prometheus");
-    assert!(metrics.contains("\nistio_agent_proxy_restarts_total 1\n"), "{metrics}");
-    assert!(metrics.contains("envoy_server_live"), "Envoy's own metrics merged: {metrics}");
+    assert!(
+        metrics.contains("\nistio_agent_proxy_restarts_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("envoy_server_live"),
+        "Envoy's own metrics merged: {metrics}"
+    );
     let second = children(agent.pid())[0];
 
-    // SIGTERM: Envoy is told to drain (its /ready says DRAINING), then stopped; the agent exits 0.
+    // SIGTERM: Envoy's inbound listeners drain (closed after its --drain-time-s) while
+    // the agent waits out the termination period; then Envoy is stopped, the agent exits 0.
+    assert!(
+        inbound_accepts(&pod),
+        "Envoy's inbound listener serves before SIGTERM"
+    );
     agent.signal(libc::SIGTERM).unwrap();
-    wait_for("Envoy to drain", &agent, || {
-        let (code, body) = xds::admin_at(&pod, ADMIN, "/ready");
-        code == 503 && body.contains("DRAINING")
+    wait_for("Envoy's inbound listener to close", &agent, || {
+        !inbound_accepts(&pod)
     });
+    assert!(
+        alive(second),
+        "Envoy stopped before the termination period ended"
+    );
     let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
     assert!(exit.success(), "{}", agent.stderr_text());
     assert!(!alive(second), "Envoy outlived its agent");
+}
+
+fn inbound_accepts(pod: &Pod) -> bool {
+    pod.run_in_netns(|| TcpStream::connect(local(INBOUND)).is_ok())
+        .unwrap()
 }
 
 fn nix_kill(pid: u32, signal: libc::c_int) {
@@ -491,20 +630,46 @@ fn shunt_proxy_runs_with_pilot_agents_envoy_command_line() {
     let config = config.to_str().unwrap().to_owned();
     // pkg/envoy/proxy.go's args(), with the injector's extra args and the node flags.
     let argv = [
-        "proxy", "-c", &config, "--drain-time-s", "45", "--drain-strategy", "immediate",
-        "--local-address-ip-version", "v4", "--file-flush-interval-msec", "1000",
-        "--disable-hot-restart", "--allow-unknown-static-fields", "--log-format",
-        "%Y-%m-%dT%T.%fZ\t%l\tenvoy %n %g:%#\t%v\tthread=%t", "-l", "warning",
-        "--component-log-level", "misc:error", "--concurrency", "2",
-        "--parent-shutdown-time-s", "60", "--restart-epoch", "0",
-        "--service-cluster", "sleep.default", "--service-node",
+        "proxy",
+        "-c",
+        &config,
+        "--drain-time-s",
+        "45",
+        "--drain-strategy",
+        "immediate",
+        "--local-address-ip-version",
+        "v4",
+        "--file-flush-interval-msec",
+        "1000",
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+        "--log-format",
+        "%Y-%m-%dT%T.%fZ\t%l\tenvoy %n %g:%#\t%v\tthread=%t",
+        "-l",
+        "warning",
+        "--component-log-level",
+        "misc:error",
+        "--concurrency",
+        "2",
+        "--parent-shutdown-time-s",
+        "60",
+        "--restart-epoch",
+        "0",
+        "--service-cluster",
+        "sleep.default",
+        "--service-node",
         "sidecar~10.80.3.109~sleep-xxx.default~default.svc.cluster.local",
     ];
     let proxy = pod.command(shunt_bin()).args(argv).spawn().unwrap();
-    wait_for("ready", &proxy, || xds::admin_at(&pod, ADMIN, "/ready").0 == 200);
+    wait_for("ready", &proxy, || {
+        xds::admin_at(&pod, ADMIN, "/ready").0 == 200
+    });
     let (_, info) = xds::admin_at(&pod, ADMIN, "/server_info");
     let info: Value = serde_json::from_str(&info).unwrap();
-    assert_eq!(info["node"]["id"], "sidecar~10.80.3.109~sleep-xxx.default~default.svc.cluster.local");
+    assert_eq!(
+        info["node"]["id"],
+        "sidecar~10.80.3.109~sleep-xxx.default~default.svc.cluster.local"
+    );
     assert_eq!(info["node"]["cluster"], "sleep.default");
     assert_eq!(info["command_line_options"]["drain_time"], "45s");
     drop(proxy);
@@ -516,12 +681,18 @@ fn shunt_proxy_runs_with_pilot_agents_envoy_command_line() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--restart-epoch 1"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--restart-epoch 1"),
+        "{out:?}"
+    );
     let out = pod
         .command(shunt_bin())
         .args(["proxy", "-c", &config, "--component-log-level", "misc:loud"])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("misc:loud"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("misc:loud"),
+        "{out:?}"
+    );
 }
