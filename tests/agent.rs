@@ -29,6 +29,7 @@ const APP_HTTP: u16 = 8080;
 const APP_TCP: u16 = 8081;
 const APP_TCP_DOWN: u16 = 8082;
 const APP_GRPC: u16 = 8083;
+const APP_HTTPS: u16 = 8443;
 const INBOUND: u16 = 15006;
 const OUTBOUND: u16 = 15001;
 const SLOW_APP: u16 = 9090;
@@ -312,11 +313,29 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
         .unwrap()
         .unwrap();
     let _grpc = start_grpc_health(&pod, APP_GRPC);
+    // HTTPS: openssl's test server, whose certificate no probe could verify.
+    let pki = support::pki::Pki::new("agent-probes-pki");
+    pki.server("app");
+    let _https = pod
+        .command("openssl")
+        .args([
+            "s_server",
+            "-4",
+            "-quiet",
+            "-www",
+            "-accept",
+            &APP_HTTPS.to_string(),
+        ])
+        .args(["-cert", &pki.file("app.pem"), "-key", &pki.file("app.key")])
+        .spawn()
+        .unwrap();
+    harness::wait_for_port(&pod, local(APP_HTTPS), Duration::from_secs(10)).unwrap();
     let probers = json!({
         "/app-health/web/livez": {"httpGet": {"path": "/healthz", "port": APP_HTTP, "scheme": "HTTP"}, "timeoutSeconds": 2},
         "/app-health/web/startupz": {"httpGet": {"path": "/moved", "port": APP_HTTP}},
         "/app-health/loop/livez": {"httpGet": {"path": "/loop", "port": APP_HTTP}, "timeoutSeconds": 5},
         "/app-health/slow/livez": {"httpGet": {"path": "/slow", "port": APP_HTTP}, "timeoutSeconds": 1},
+        "/app-health/tls/livez": {"httpGet": {"path": "/", "port": APP_HTTPS, "scheme": "HTTPS"}, "timeoutSeconds": 3},
         "/app-health/web/readyz": {"tcpSocket": {"port": APP_TCP}, "timeoutSeconds": 1},
         "/app-health/down/readyz": {"tcpSocket": {"port": APP_TCP_DOWN}, "timeoutSeconds": 1},
         "/app-health/grpc/livez": {"grpc": {"port": APP_GRPC, "service": "web"}, "timeoutSeconds": 2},
@@ -365,6 +384,10 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
     assert_eq!(kubelet("/app-health/web/startupz").0, 200);
     assert_eq!(kubelet("/app-health/loop/livez").0, 500);
     assert_eq!(kubelet("/app-health/slow/livez").0, 500);
+    // HTTPS without verification (openssl's -www page), as the kubelet probes.
+    let (code, body) = kubelet("/app-health/tls/livez");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("s_server"), "{body}");
     // tcpSocket: a connection or 500.
     assert_eq!(kubelet("/app-health/web/readyz").0, 200);
     assert_eq!(kubelet("/app-health/down/readyz").0, 500);
