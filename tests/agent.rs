@@ -719,3 +719,40 @@ fn shunt_proxy_runs_with_pilot_agents_envoy_command_line() {
         "{out:?}"
     );
 }
+
+#[test]
+fn bad_probe_or_scrape_settings_are_refused_with_what_is_wrong() {
+    let dir = TempDir::new("agent-bad");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("bad").unwrap();
+    let config = dir.0.join("bootstrap.json");
+    write_json(&config, &static_bootstrap(vec![], vec![]));
+    let run = |key: &str, value: &str| {
+        let out = pod
+            .command(shunt_bin())
+            .args(["agent", "-c", config.to_str().unwrap()])
+            .env(key, value)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{key}={value} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(
+        "ISTIO_KUBE_APP_PROBERS",
+        r#"{"/app-health/web/livez": {"httpGet": {"path": "/", "port": "http"}}}"#,
+    );
+    assert!(
+        err.contains("/app-health/web/livez") && err.contains("\"http\""),
+        "{err}"
+    );
+    let err = run(
+        "ISTIO_PROMETHEUS_ANNOTATIONS",
+        r#"{"scrape": "true", "port": "15020"}"#,
+    );
+    assert!(
+        err.contains("15020") && err.contains("status port"),
+        "{err}"
+    );
+    let err = run("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "maybe");
+    assert!(err.contains("maybe"), "{err}");
+}

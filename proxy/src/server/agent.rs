@@ -405,8 +405,12 @@ impl Proxy {
                 Ok(result) => result.context("the proxy stopped"),
                 Err(_) => anyhow::bail!("the proxy's thread ended without a result"),
             },
-            // The supervisor restarts Envoy; it ends only when told to.
-            Proxy::Envoy(_) => std::future::pending().await,
+            // The supervisor restarts Envoy; it ends by itself only when it cannot.
+            Proxy::Envoy(envoy) => match (&mut envoy.task).await {
+                Ok(Ok(())) => anyhow::bail!("the Envoy supervisor ended"),
+                Ok(Err(err)) => Err(err.context("supervising Envoy")),
+                Err(err) => Err(anyhow::anyhow!("the Envoy supervisor failed: {err}")),
+            },
         }
     }
 
