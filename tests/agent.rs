@@ -756,3 +756,45 @@ fn bad_probe_or_scrape_settings_are_refused_with_what_is_wrong() {
     let err = run("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "maybe");
     assert!(err.contains("maybe"), "{err}");
 }
+
+#[test]
+fn drain_closes_inbound_keeps_outbound_and_a_later_sigterm_exits_at_once() {
+    let dir = TempDir::new("agent-drain-now");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("drainnow").unwrap();
+    let _echo = support::start_app(&pod, &[ECHO]);
+    let config = dir.0.join("bootstrap.json");
+    write_json(
+        &config,
+        &static_bootstrap(
+            vec![
+                tcp_listener_json("virtualInbound", INBOUND, "echo", "INBOUND"),
+                tcp_listener_json("virtualOutbound", OUTBOUND, "echo", "OUTBOUND"),
+            ],
+            vec![static_cluster("echo", ECHO)],
+        ),
+    );
+    // A termination drain far longer than the test: only skipping it ends the agent.
+    let mut agent = start_agent(
+        &pod,
+        &config,
+        &[("TERMINATION_DRAIN_DURATION_SECONDS", "600".into())],
+        &[],
+    );
+    wait_for("ready", &agent, || status(&pod, "/healthz/ready").0 == 200);
+    assert!(inbound_accepts(&pod));
+
+    assert_eq!(status(&pod, "/drain").0, 405, "/drain is POST only");
+    assert_eq!(
+        http(&pod, local(STATUS), "POST", "/drain", "localhost").0,
+        200
+    );
+    wait_for("inbound to close", &agent, || !inbound_accepts(&pod));
+    let outbound = support::Caller::app(&pod).call(local(OUTBOUND));
+    assert!(outbound.is_ok(), "outbound still served: {outbound:?}");
+    assert!(agent.try_wait().is_none(), "/drain is not an exit");
+
+    agent.signal(libc::SIGTERM).unwrap();
+    let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+    assert!(exit.success(), "{}", agent.stderr_text());
+}

@@ -353,21 +353,31 @@ async fn lifecycle(
     drain: Drain,
 ) -> anyhow::Result<()> {
     let mut housekeeping = super::HousekeepingSignals::install()?;
+    // After `/drain` the drain has happened: termination stops at once (pilot-agent's
+    // DrainNow).
+    let mut drained = false;
     loop {
         tokio::select! {
             name = signals.next() => {
-                tracing::info!("{name}: draining the proxy for termination");
                 server.lifecycle.set_terminating();
-                proxy.close_inbound().await;
-                proxy.drain(&drain).await;
-                tracing::info!("the drain is over: stopping the proxy");
+                if drained {
+                    tracing::info!("{name}: already drained, stopping the proxy");
+                } else {
+                    tracing::info!("{name}: draining the proxy for termination");
+                    proxy.close_inbound(false).await;
+                    proxy.drain(&drain).await;
+                    tracing::info!("the drain is over: stopping the proxy");
+                }
                 return proxy.stop().await;
             }
             () = server.lifecycle.quit.notified() => {
                 server.lifecycle.set_terminating();
                 return proxy.stop().await;
             }
-            () = server.lifecycle.drain.notified() => proxy.close_inbound().await,
+            () = server.lifecycle.drain.notified() => {
+                proxy.close_inbound(true).await;
+                drained = true;
+            }
             // Only the in-process proxy: ends with the process (housekeeping goes to it).
             () = housekeeping.handle_next(), if matches!(proxy, Proxy::Envoy(_)) => {}
             result = proxy.ended() => return result,
@@ -414,10 +424,12 @@ impl Proxy {
         }
     }
 
-    async fn close_inbound(&mut self) {
+    /// Inbound listeners stop accepting; `skip_exit`: Envoy is not to exit once its
+    /// drain time is over (`/drain`, where the pod is not terminating yet).
+    async fn close_inbound(&mut self, skip_exit: bool) {
         match self {
             Proxy::InProcess { embedded, .. } => embedded.close_inbound.notify_one(),
-            Proxy::Envoy(envoy) => envoy.drain_inbound().await,
+            Proxy::Envoy(envoy) => envoy.drain_inbound(skip_exit).await,
         }
     }
 
@@ -596,12 +608,13 @@ impl Supervisor {
     }
 
     /// pilot-agent's drain: Envoy's inbound listeners drain gracefully.
-    async fn drain_inbound(&self) {
-        let mut call = Call::get(
-            self.admin,
-            "/drain_listeners?inboundonly&graceful",
-            Duration::from_secs(2),
-        );
+    async fn drain_inbound(&self, skip_exit: bool) {
+        let path = if skip_exit {
+            "/drain_listeners?inboundonly&graceful&skip_exit"
+        } else {
+            "/drain_listeners?inboundonly&graceful"
+        };
+        let mut call = Call::get(self.admin, path, Duration::from_secs(2));
         call.method = hyper::Method::POST;
         match call.send().await {
             Ok(answer) if answer.status.is_success() => {}
