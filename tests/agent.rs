@@ -343,7 +343,10 @@ fn rewritten_probes_reach_the_apps_http_tcp_and_grpc_health() {
         "/app-health/nogrpc/livez": {"grpc": {"port": APP_TCP_DOWN}, "timeoutSeconds": 1},
     });
     let config = dir.0.join("bootstrap.json");
-    write_json(&config, &static_bootstrap(vec![], vec![]));
+    // Not Istio's 15000: the agent finds the admin API where the bootstrap puts it.
+    let mut bootstrap = static_bootstrap(vec![], vec![]);
+    bootstrap["admin"]["address"]["socket_address"]["port_value"] = json!(15100);
+    write_json(&config, &bootstrap);
     let agent = start_agent(
         &pod,
         &config,

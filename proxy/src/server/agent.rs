@@ -54,9 +54,10 @@ pub struct AgentArgs {
     /// listener on it (Istio's does, routed to the status port); 0: none.
     #[arg(long, default_value_t = 15021, value_name = "PORT")]
     pub readiness_port: u16,
-    /// The proxy's admin port on localhost (pilot-agent's --proxyAdminPort).
-    #[arg(long, default_value_t = 15000, value_name = "PORT")]
-    pub proxy_admin_port: u16,
+    /// The proxy's admin port on localhost (pilot-agent's --proxyAdminPort); default
+    /// the bootstrap's admin address, else 15000.
+    #[arg(long, value_name = "PORT")]
+    pub proxy_admin_port: Option<u16>,
     /// The pod's IP, where app probes are sent; localhost if unset.
     #[arg(long, env = "INSTANCE_IP", value_name = "IP")]
     pub instance_ip: Option<IpAddr>,
@@ -175,14 +176,13 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     };
     let config = bootstrap_path(&args)?;
     let argv = proxy_command_line(&args, &config);
-    let readiness_port = readiness_port(&args, &config)?;
+    let (readiness_port, admin) = read_bootstrap(&args, &config)?;
 
     let status = bind(args.status_port, "--status-port")?;
     let readiness = match readiness_port {
         Some(port) => Some(bind(port, "--readiness-port")?),
         None => None,
     };
-    let admin = SocketAddr::from(([127, 0, 0, 1], args.proxy_admin_port));
     let server = Arc::new(StatusServer::new(
         admin,
         probers,
@@ -270,25 +270,37 @@ fn proxy_command_line(args: &AgentArgs, config: &Path) -> Vec<OsString> {
     argv
 }
 
-/// The readiness port to serve here: none when the bootstrap has a listener there.
-fn readiness_port(args: &AgentArgs, config: &Path) -> anyhow::Result<Option<u16>> {
-    if args.readiness_port == 0 {
-        return Ok(None);
-    }
+/// From the bootstrap: the readiness port to serve here (none when the bootstrap has
+/// a listener there), and where the proxy's admin API answers.
+fn read_bootstrap(args: &AgentArgs, config: &Path) -> anyhow::Result<(Option<u16>, SocketAddr)> {
     let options = crate::config::Options {
         config_path: Some(config.to_owned()),
         ..Default::default()
     };
-    let loaded = crate::config::load::load(&options)
-        .map_err(|err| anyhow::anyhow!("{}: {err}", config.display()))?;
-    let served = loaded
-        .bootstrap
+    let bootstrap = crate::config::load::load(&options)
+        .map_err(|err| anyhow::anyhow!("{}: {err}", config.display()))?
+        .bootstrap;
+    let served = bootstrap
         .static_resources
         .iter()
         .flat_map(|r| &r.listeners)
         .filter_map(|l| crate::config::socket_addr(l.address.as_ref()?))
         .any(|addr| addr.port() == args.readiness_port);
-    Ok((!served).then_some(args.readiness_port))
+    let readiness = (args.readiness_port != 0 && !served).then_some(args.readiness_port);
+    let admin = bootstrap
+        .admin
+        .as_ref()
+        .and_then(|a| crate::config::socket_addr(a.address.as_ref()?));
+    let admin = match (args.proxy_admin_port, admin) {
+        (Some(port), _) => SocketAddr::from(([127, 0, 0, 1], port)),
+        // A wildcard admin address answers on loopback too.
+        (None, Some(addr)) if addr.ip().is_unspecified() => {
+            SocketAddr::from(([127, 0, 0, 1], addr.port()))
+        }
+        (None, Some(addr)) => addr,
+        (None, None) => SocketAddr::from(([127, 0, 0, 1], 15000)),
+    };
+    Ok((readiness, admin))
 }
 
 fn bind(port: u16, flag: &str) -> anyhow::Result<std::net::TcpListener> {
