@@ -801,3 +801,63 @@ fn drain_closes_inbound_keeps_outbound_and_a_later_sigterm_exits_at_once() {
     let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
     assert!(exit.success(), "{}", agent.stderr_text());
 }
+
+/// Istio's bootstrap (the corpus's `default_golden.json`, its sockets moved into a
+/// scratch folder): its own 15021 listener answers readiness, routed (for Envoy) to the
+/// agent's 15020, which asks the proxy's admin API. Not ready before the first xDS push,
+/// ready after, for the in-process proxy and for Envoy.
+#[test]
+fn istios_bootstrap_is_ready_through_its_own_15021_after_the_first_push() {
+    let golden =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/istio/bootstrap/default_golden.json");
+    let golden = std::fs::read_to_string(&golden).unwrap();
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("istio").unwrap();
+    let _echo = support::start_app(&pod, &[ECHO]);
+    let envoy = support::envoy::bin();
+    for proxy in ["shunt", "envoy"] {
+        let dir = TempDir::new(&format!("agent-istio-{proxy}"));
+        let socket = dir.0.join("XDS");
+        let bootstrap = golden
+            .replace("/tmp/XDS", socket.to_str().unwrap())
+            .replace(
+                "./var/run/secrets/workload-spiffe-uds/test.sock",
+                dir.0.join("SDS").to_str().unwrap(),
+            );
+        let config = dir.0.join("envoy-rev.json");
+        std::fs::write(&config, bootstrap).unwrap();
+        let server =
+            harness::ads::AdsServer::start(harness::ads::Listen::Unix(socket.clone())).unwrap();
+        xds::open_to_the_proxy(&dir.0, &socket);
+        let mut agent = start_agent(
+            &pod,
+            &config,
+            &[],
+            &["--proxy", proxy, "--envoy-binary", envoy.to_str().unwrap()],
+        );
+        let readiness =
+            |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0;
+        wait_for("the status server", &agent, || {
+            status(&pod, "/healthz/ready").0 == 503
+        });
+        assert_ne!(readiness(&pod), 200, "{proxy}: ready before any config");
+
+        xds::serve_backend(&server, eds_cluster("backend", 1), ECHO, 10000);
+        wait_for(&format!("{proxy}: 15021 ready"), &agent, || {
+            readiness(&pod) == 200
+        });
+        assert_eq!(status(&pod, "/healthz/ready").0, 200, "{proxy}");
+        assert!(
+            xds::reaches(&pod, local(10000)).is_some(),
+            "{proxy}: the pushed listener serves"
+        );
+
+        assert_eq!(
+            http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
+            200
+        );
+        let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+        assert!(exit.success(), "{proxy}: {}", agent.stderr_text());
+        server.stop();
+    }
+}
