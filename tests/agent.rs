@@ -198,6 +198,14 @@ fn readiness_follows_the_first_xds_push_and_wait_blocks_until_then() {
     let mut waiter = waiter;
     let exit = waiter.wait_timeout(Duration::from_secs(10)).unwrap();
     assert!(exit.success(), "wait: {}", waiter.stderr_text());
+    // The status server listens on IPv6 too, as pilot-agent's `:15020`.
+    let v6 = pod
+        .command(shunt_bin())
+        .args(["agent", "wait", "--timeout-seconds", "5"])
+        .args(["--url", "http://[::1]:15020/healthz/ready"])
+        .output()
+        .unwrap();
+    assert!(v6.status.success(), "{v6:?}");
     drop(server);
 }
 

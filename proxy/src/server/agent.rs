@@ -303,9 +303,26 @@ fn read_bootstrap(args: &AgentArgs, config: &Path) -> anyhow::Result<(Option<u16
     Ok((readiness, admin))
 }
 
+/// Listens on every address, IPv4 and IPv6 (pilot-agent's `:port`); IPv4 alone where
+/// the host has no IPv6.
 fn bind(port: u16, flag: &str) -> anyhow::Result<std::net::TcpListener> {
-    let listener = std::net::TcpListener::bind(SocketAddr::from(([0, 0, 0, 0], port)))
-        .with_context(|| format!("{flag} {port}: cannot listen"))?;
+    use socket2::{Domain, Socket, Type};
+    let dual_stack = || -> std::io::Result<std::net::TcpListener> {
+        let socket = Socket::new(Domain::IPV6, Type::STREAM, None)?;
+        socket.set_only_v6(false)?;
+        socket.set_reuse_address(true)?;
+        socket.bind(&SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)).into())?;
+        socket.listen(1024)?;
+        Ok(socket.into())
+    };
+    let listener = match dual_stack() {
+        Ok(listener) => listener,
+        Err(err) if err.kind() == std::io::ErrorKind::AddrInUse => {
+            return Err(err).with_context(|| format!("{flag} {port}: cannot listen"));
+        }
+        Err(_) => std::net::TcpListener::bind(SocketAddr::from(([0, 0, 0, 0], port)))
+            .with_context(|| format!("{flag} {port}: cannot listen"))?,
+    };
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
@@ -716,30 +733,36 @@ fn run_wait(args: &WaitArgs) -> anyhow::Result<()> {
                 ),
                 () = tokio::time::sleep(Duration::from_millis(args.period_millis)) => {}
             }
-            let target = match tokio::net::lookup_host((host.as_str(), port)).await {
-                Ok(mut addrs) => addrs.next(),
-                Err(err) => {
-                    last = format!("resolving {host}: {err}");
-                    continue;
-                }
-            };
-            let Some(target) = target else {
+            let targets: Vec<SocketAddr> =
+                match tokio::net::lookup_host((host.as_str(), port)).await {
+                    Ok(addrs) => addrs.collect(),
+                    Err(err) => {
+                        last = format!("resolving {host}: {err}");
+                        continue;
+                    }
+                };
+            if targets.is_empty() {
                 last = format!("{host} has no address");
-                continue;
-            };
-            let mut call = Call::get(
-                target,
-                &path,
-                Duration::from_millis(args.request_timeout_millis),
-            );
-            call.host = uri.authority().map(|a| a.as_str());
-            match call.send().await {
-                Ok(answer) if answer.status == hyper::StatusCode::OK => {
-                    eprintln!("shunt agent wait: the proxy is ready");
-                    return Ok(());
+            }
+            // `localhost` is ::1 and 127.0.0.1: the first that answers counts.
+            for target in targets {
+                let mut call = Call::get(
+                    target,
+                    &path,
+                    Duration::from_millis(args.request_timeout_millis),
+                );
+                call.host = uri.authority().map(|a| a.as_str());
+                match call.send().await {
+                    Ok(answer) if answer.status == hyper::StatusCode::OK => {
+                        eprintln!("shunt agent wait: the proxy is ready");
+                        return Ok(());
+                    }
+                    Ok(answer) => {
+                        last = format!("HTTP status code {}", answer.status.as_u16());
+                        break;
+                    }
+                    Err(err) => last = format!("{err:#}"),
                 }
-                Ok(answer) => last = format!("HTTP status code {}", answer.status.as_u16()),
-                Err(err) => last = format!("{err:#}"),
             }
         }
     })

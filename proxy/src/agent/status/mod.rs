@@ -157,7 +157,8 @@ impl StatusServer {
         match path.as_str() {
             "/stats/prometheus" | "/metrics" => self.merged_metrics(&request).await,
             "/quitquitquit" | "/drain" => {
-                if !peer.ip().is_loopback() {
+                // `to_canonical`: on the dual-stack socket 127.0.0.1 is ::ffff:127.0.0.1.
+                if !peer.ip().to_canonical().is_loopback() {
                     return reply(
                         StatusCode::FORBIDDEN,
                         "Only requests from localhost are allowed\n",
