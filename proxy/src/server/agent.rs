@@ -713,7 +713,13 @@ fn run_wait(args: &WaitArgs) -> anyhow::Result<()> {
     if uri.scheme_str() != Some("http") {
         anyhow::bail!("--url {:?}: only http:// URLs", args.url);
     }
-    let host = uri.host().context("--url has no host")?.to_owned();
+    // An IPv6 literal comes bracketed.
+    let host = uri
+        .host()
+        .context("--url has no host")?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     let port = uri.port_u16().unwrap_or(80);
     let path = uri.path_and_query().map_or("/".into(), |p| p.to_string());
     let runtime = tokio::runtime::Builder::new_current_thread()
