@@ -2,9 +2,11 @@
 //!
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
-//! `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
+//! `xds.rs` (shunt and Envoy taking a large config over ADS), `agent.rs` (`shunt agent`
+//! against Envoy plus an agent: time to ready and RSS); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
+mod agent;
 mod capture;
 mod l4;
 mod measure;
@@ -28,6 +30,9 @@ pub enum Which {
     /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
     /// then incremental EDS updates; send-to-ACK times and RSS.
     Xds(xds::XdsArgs),
+    /// One `shunt agent` against pilot-agent's shape (Envoy plus an agent) from Istio's
+    /// bootstrap with a 1,000-cluster push: seconds to 15021 ready, RSS.
+    Agent(agent::AgentArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -37,5 +42,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Sockmap(args) => sockmap::run(&bins, &args),
         Which::L4(args) => l4::run(bins, &args),
         Which::Xds(args) => xds::run(bins, &args),
+        Which::Agent(args) => agent::run(bins, &args),
     }
 }
