@@ -458,7 +458,14 @@ impl Proxy {
     async fn close_inbound(&mut self, skip_exit: bool) {
         match self {
             Proxy::InProcess { embedded, .. } => embedded.close_inbound.notify_one(),
-            Proxy::Envoy(envoy) => envoy.drain_inbound(skip_exit).await,
+            Proxy::Envoy(envoy) => {
+                if !skip_exit {
+                    envoy
+                        .no_restart
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+                envoy.drain_inbound(skip_exit).await
+            }
         }
     }
 
@@ -564,6 +571,8 @@ impl Embedded {
 /// with backoff when it dies, drained and stopped with the agent.
 struct Supervisor {
     admin: SocketAddr,
+    /// Set once termination starts: an Envoy that exits then is not restarted.
+    no_restart: Arc<std::sync::atomic::AtomicBool>,
     pid: Arc<Mutex<Option<u32>>>,
     stopping: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
@@ -585,9 +594,11 @@ impl Supervisor {
         admin: SocketAddr,
     ) -> Supervisor {
         let pid = Arc::new(Mutex::new(None));
+        let no_restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (stopping, mut stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn({
             let pid = pid.clone();
+            let no_restart = no_restart.clone();
             async move {
                 let mut backoff = FIRST_BACKOFF;
                 loop {
@@ -609,7 +620,8 @@ impl Supervisor {
                         return Ok(());
                     };
                     *pid.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                    if *stop.borrow() {
+                    if *stop.borrow() || no_restart.load(std::sync::atomic::Ordering::SeqCst) {
+                        tracing::info!(%status, "Envoy exited during termination");
                         return Ok(());
                     }
                     if started.elapsed() >= HEALTHY_RUN {
@@ -630,6 +642,7 @@ impl Supervisor {
         });
         Supervisor {
             admin,
+            no_restart,
             pid,
             stopping,
             task,
