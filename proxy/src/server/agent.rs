@@ -177,6 +177,10 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     let config = bootstrap_path(&args)?;
     let argv = proxy_command_line(&args, &config);
     let (readiness_port, admin) = read_bootstrap(&args, &config)?;
+    // Reading the bootstrap built the descriptor pool (~15 MiB); a supervised Envoy
+    // never needs it here, and the in-process proxy builds it again while it loads.
+    crate::config::release_idle_pool(Duration::ZERO);
+    let _ = crate::config::trim_free_heap(0);
 
     let status = bind(args.status_port, "--status-port")?;
     let readiness = match readiness_port {

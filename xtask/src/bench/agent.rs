@@ -57,6 +57,8 @@ impl Shape {
 struct Run {
     ready_s: f64,
     rss_mib: f64,
+    /// The agent process alone (the same as `rss_mib` for the in-process proxy).
+    agent_rss_mib: f64,
 }
 
 pub fn run(bins: Bins, args: &AgentArgs) -> Result<()> {
@@ -74,10 +76,11 @@ pub fn run(bins: Bins, args: &AgentArgs) -> Result<()> {
         for shape in order {
             let run = measure(&bins, &envoy, &golden, shape, args.clusters)?;
             println!(
-                "round {round}: {:<14} ready in {:.3} s, RSS {:.1} MiB",
+                "round {round}: {:<14} ready in {:.3} s, RSS {:.1} MiB (agent process {:.1})",
                 shape.name(),
                 run.ready_s,
-                run.rss_mib
+                run.rss_mib,
+                run.agent_rss_mib
             );
             results.push((shape, run));
         }
@@ -119,10 +122,19 @@ pub fn run(bins: Bins, args: &AgentArgs) -> Result<()> {
         "| RSS, all processes (MiB) | {shunt_rss:.1} | {pilot_rss:.1} | {:.2} |",
         shunt_rss / pilot_rss
     )?;
+    writeln!(
+        text,
+        "| of which the agent process (MiB) | {:.1} | {:.1} | |",
+        of(Shape::Shunt, |r| r.agent_rss_mib),
+        of(Shape::PilotShape, |r| r.agent_rss_mib)
+    )?;
     print!("{text}");
     let runs: Vec<_> = results
         .iter()
-        .map(|(s, r)| json!({"proxy": s.name(), "ready_s": r.ready_s, "rss_mib": r.rss_mib}))
+        .map(|(s, r)| {
+            json!({"proxy": s.name(), "ready_s": r.ready_s, "rss_mib": r.rss_mib,
+                   "agent_rss_mib": r.agent_rss_mib})
+        })
         .collect();
     save(
         "agent",
@@ -198,15 +210,23 @@ fn measure(bins: &Bins, envoy: &Path, golden: &str, shape: Shape, clusters: usiz
     }
     let ready_s = start.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_secs(1));
-    let rss_mib = tree_rss_kib(&agent)? as f64 / KIB_PER_MIB;
+    let (agent_kib, total_kib) = tree_rss_kib(&agent)?;
+    let (rss_mib, agent_rss_mib) = (
+        total_kib as f64 / KIB_PER_MIB,
+        agent_kib as f64 / KIB_PER_MIB,
+    );
     drop(agent);
     server.stop();
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(Run { ready_s, rss_mib })
+    Ok(Run {
+        ready_s,
+        rss_mib,
+        agent_rss_mib,
+    })
 }
 
-/// The agent's RSS plus its children's (Envoy), KiB.
-fn tree_rss_kib(agent: &PodProcess) -> Result<u64> {
+/// The agent's RSS, and with its children's (Envoy), KiB.
+fn tree_rss_kib(agent: &PodProcess) -> Result<(u64, u64)> {
     let mut pids = vec![agent.pid()];
     for task in std::fs::read_dir(format!("/proc/{}/task", agent.pid()))?.flatten() {
         if let Ok(children) = std::fs::read_to_string(task.path().join("children")) {
@@ -217,11 +237,12 @@ fn tree_rss_kib(agent: &PodProcess) -> Result<u64> {
             );
         }
     }
+    let agent_kib = rss(agent.pid())?.0;
     let mut total = 0;
     for pid in pids {
         total += rss(pid)?.0;
     }
-    Ok(total)
+    Ok((agent_kib, total))
 }
 
 /// 15021 `/healthz/ready`'s status, 0 if nothing answers.
