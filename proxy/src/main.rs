@@ -19,7 +19,11 @@ enum Command {
     // Boxed: istio-iptables has many flags.
     Capture(Box<capture::CaptureArgs>),
     /// Run the proxy: outbound (15001) and inbound (15006) listeners.
-    Proxy(shunt::server::ProxyArgs),
+    // Boxed: it takes Envoy's command line.
+    Proxy(Box<shunt::server::ProxyArgs>),
+    /// pilot-agent's role: the proxy (in process, or a supervised Envoy), the status
+    /// server (15020/15021), app probes, merged metrics and the drain on SIGTERM.
+    Agent(Box<shunt::server::agent::AgentArgs>),
     /// Show what capture installed: pods, links, decision counters, live redirections.
     Inspect(inspect::InspectArgs),
 }
@@ -28,7 +32,8 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Capture(args) => capture::run(*args),
-        Command::Proxy(args) => shunt::server::run(args),
+        Command::Proxy(args) => shunt::server::run(*args),
+        Command::Agent(args) => shunt::server::agent::run(*args),
         Command::Inspect(args) => inspect::run(args),
     };
     match result {

@@ -145,7 +145,14 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         dns: dns_tables,
     });
     let result = runtime.block_on(serve(
-        bound, store, context, live, requests, drain_time, xds,
+        bound,
+        store,
+        context,
+        live,
+        requests,
+        drain_time,
+        xds,
+        args.embedded.clone(),
     ));
     runtime.shutdown_background();
     // After /quitquitquit the admin API has stopped by itself once it answered.
@@ -205,6 +212,7 @@ struct AcceptLoop {
     handle: AbortHandle,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     bound: Vec<Bound>,
     store: Arc<Current>,
@@ -213,11 +221,21 @@ async fn serve(
     mut requests: Requests,
     drain_time: Duration,
     xds: Option<Xds>,
+    embedded: Option<Arc<super::agent::Embedded>>,
 ) -> anyhow::Result<()> {
-    let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    // In `shunt agent` the agent owns SIGTERM and SIGINT (its drain is Istio's).
+    let mut stop_signals = match embedded {
+        None => Some((
+            signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
+            signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+        )),
+        Some(_) => None,
+    };
     let mut housekeeping = super::HousekeepingSignals::install()?;
     let connections = Arc::new(super::Connections::default());
+    if let Some(embedded) = &embedded {
+        embedded.started(connections.clone());
+    }
 
     // Cluster warming: first DNS answers before the first connection.
     let snapshot = store.load();
@@ -285,13 +303,21 @@ async fn serve(
                     tracing::debug!(free, "free heap returned to the kernel");
                 }
             }
-            _ = sigterm.recv() => {
-                tracing::info!("SIGTERM: draining and stopping");
+            Some(name) = stop_signal(&mut stop_signals) => {
+                tracing::info!("{name}: draining and stopping");
                 break true;
             }
-            _ = sigint.recv() => {
-                tracing::info!("SIGINT: draining and stopping");
-                break true;
+            () = super::agent::Embedded::close_inbound_requested(embedded.as_deref()) => {
+                drain_listeners(
+                    Drain { graceful: false, inbound_only: true, skip_exit: true },
+                    &mut loops,
+                    &live,
+                    drain_time,
+                );
+            }
+            () = super::agent::Embedded::exit_requested(embedded.as_deref()) => {
+                tracing::info!("the agent's drain is over: stopping");
+                break false;
             }
             () = housekeeping.handle_next() => {}
             _ = requests.shutdown.wait_for(|quit| *quit) => {
@@ -321,6 +347,19 @@ async fn serve(
         super::drain(&connections, drain_time).await;
     }
     Ok(())
+}
+
+/// The next SIGTERM or SIGINT, by name; never without the handlers.
+async fn stop_signal(
+    signals: &mut Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+) -> Option<&'static str> {
+    match signals {
+        Some((term, int)) => tokio::select! {
+            _ = term.recv() => Some("SIGTERM"),
+            _ = int.recv() => Some("SIGINT"),
+        },
+        None => std::future::pending().await,
+    }
 }
 
 async fn recv_change(

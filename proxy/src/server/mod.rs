@@ -7,9 +7,11 @@
 //! serves the bootstrap's listeners and clusters, static or from xDS ([`bootstrap`]);
 //! `--mode validate` only reports on the bootstrap ([`validate`]).
 
+pub mod agent;
 mod bind;
 mod bootstrap;
 mod dns;
+mod envoy_flags;
 mod passthrough;
 mod user;
 mod validate;
@@ -43,10 +45,17 @@ pub struct ProxyArgs {
     /// Time allowed for an upstream connect before the downstream is reset (flag UF).
     #[arg(long, default_value_t = 10_000, value_name = "MS")]
     pub connect_timeout_ms: u64,
-    /// Log filter for stderr logs: a level (error, warn, info, debug, trace) or
-    /// tracing directives. The access log always goes to stdout.
-    #[arg(long, default_value = "info", value_name = "FILTER")]
+    /// Log level for stderr logs: Envoy's names (trace, debug, info, warning/warn,
+    /// error, critical, off) or tracing directives. The access log always goes to stdout.
+    #[arg(short = 'l', long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,
+    /// Envoy's per-component levels (`misc:error,upstream:debug`): components shunt has
+    /// a module for get that module's level, the others are accepted and have no logs.
+    #[arg(long, value_name = "COMPONENT:LEVEL,...")]
+    pub component_log_level: Option<String>,
+    /// Envoy's log line format: accepted; shunt's stderr log has its own format.
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<String>,
     /// Envoy v3 bootstrap file, JSON or YAML (by extension, else by content).
     #[arg(short = 'c', long, value_name = "FILE")]
     pub config_path: Option<std::path::PathBuf>,
@@ -65,6 +74,29 @@ pub struct ProxyArgs {
     /// Time before a hot-restarted parent is shut down.
     #[arg(long, default_value_t = 900, value_name = "SECONDS")]
     pub parent_shutdown_time_s: u64,
+    /// Envoy's drain strategy: shunt drains `immediate`ly (HTTP connections are told to
+    /// close as soon as the drain starts); `gradual` is accepted and drains the same way.
+    #[arg(long, value_enum, default_value_t = envoy_flags::DrainStrategy::Gradual)]
+    pub drain_strategy: envoy_flags::DrainStrategy,
+    /// Envoy's address family for the local address (node metadata): accepted.
+    #[arg(long, value_enum, default_value_t = envoy_flags::IpVersion::V4)]
+    pub local_address_ip_version: envoy_flags::IpVersion,
+    /// Envoy's access log flush interval: accepted; shunt writes each entry at once.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    pub file_flush_interval_msec: u64,
+    /// Envoy's access log buffer size before a flush: accepted, as above.
+    #[arg(long, value_name = "KB")]
+    pub file_flush_min_size_kb: Option<u64>,
+    /// shunt has no hot restart: accepted.
+    #[arg(long)]
+    pub disable_hot_restart: bool,
+    /// Hot restart epoch: only 0 (a first start), as shunt has no hot restart.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub restart_epoch: u32,
+    /// Envoy's leniency for unknown fields in the bootstrap: accepted; shunt reports
+    /// unknown fields as warnings and serves what it knows either way.
+    #[arg(long)]
+    pub allow_unknown_static_fields: bool,
     /// serve: run the proxy; validate: check the bootstrap, print a summary and exit
     /// (non-zero if it is invalid).
     #[arg(long, value_enum, default_value_t = crate::config::Mode::Serve)]
@@ -84,11 +116,24 @@ pub struct ProxyArgs {
     /// Forwarded answers kept for their TTL; 0 turns the cache off.
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub dns_cache_size: usize,
+    /// Set by `shunt agent` when it runs the proxy in its own process: the agent then
+    /// owns SIGTERM/SIGINT and the drain.
+    #[arg(skip)]
+    pub embedded: Option<std::sync::Arc<agent::Embedded>>,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     HousekeepingSignals::ignore_until_installed()?;
-    init_logging(&args.log_level)?;
+    init_logging(&envoy_flags::log_filter(
+        &args.log_level,
+        args.component_log_level.as_deref(),
+    )?)?;
+    run_initialized(args)
+}
+
+/// `shunt proxy` once logging is up (`shunt agent` sets it up itself).
+fn run_initialized(args: ProxyArgs) -> anyhow::Result<()> {
+    envoy_flags::check(&args)?;
     user::raise_open_files_limit();
     let bootstrap = crate::config::Options {
         config_path: args.config_path.clone(),

@@ -4,9 +4,11 @@
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
 //! `xds.rs` (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic
 //! for minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
-//! local answers and forwards against dnsmasq, with dnsperf); what they share (medians,
+//! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
+//! against Envoy plus an agent: time to ready and RSS); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
+mod agent;
 mod capture;
 mod dns;
 mod l4;
@@ -39,6 +41,9 @@ pub enum Which {
     /// The DNS proxy against dnsmasq answering directly (dnsperf): local answers,
     /// cached and uncached forwards; queries/s and p99 as ratios.
     Dns(dns::DnsArgs),
+    /// One `shunt agent` against pilot-agent's shape (Envoy plus an agent) from Istio's
+    /// bootstrap with a 1,000-cluster push: seconds to 15021 ready, RSS.
+    Agent(agent::AgentArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -50,5 +55,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Xds(args) => xds::run(bins, &args),
         Which::Soak(args) => soak::run(bins, &args),
         Which::Dns(args) => dns::run(&bins, &args),
+        Which::Agent(args) => agent::run(bins, &args),
     }
 }

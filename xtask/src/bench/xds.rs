@@ -178,12 +178,12 @@ fn listen_port(i: usize) -> u16 {
     FIRST_LISTEN_PORT + i as u16
 }
 
-fn cluster(i: usize) -> (String, Any) {
+pub(super) fn cluster(i: usize) -> (String, Any) {
     let name = cluster_name(i);
     named(&name, &eds_cluster(&name, ads_source(), 1))
 }
 
-fn assignment(i: usize, server: Ipv4Addr, ports: &[u16]) -> (String, Any) {
+pub(super) fn assignment(i: usize, server: Ipv4Addr, ports: &[u16]) -> (String, Any) {
     let name = cluster_name(i);
     let endpoints: Vec<SocketAddr> = ports
         .iter()
