@@ -2,10 +2,12 @@
 //!
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
-//! `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
+//! `http.rs` (shunt, Envoy, haproxy and nginx as HTTP
+//! reverse proxies), `xds.rs` (shunt and Envoy taking a large config over ADS); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
 mod capture;
+mod http;
 mod l4;
 mod measure;
 mod sockmap;
@@ -28,6 +30,9 @@ pub enum Which {
     /// shunt vs Envoy as xDS clients: a push of 10,000 EDS clusters and 1,000 listeners,
     /// then incremental EDS updates; send-to-ACK times and RSS.
     Xds(xds::XdsArgs),
+    /// shunt vs Envoy, haproxy and nginx as HTTP reverse proxies (one worker each, six
+    /// virtual hosts): req/s, p50/p99, CPU per request, RSS; wrk (h1) and h2load (h2).
+    Http(http::HttpArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -37,5 +42,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Sockmap(args) => sockmap::run(&bins, &args),
         Which::L4(args) => l4::run(bins, &args),
         Which::Xds(args) => xds::run(bins, &args),
+        Which::Http(args) => http::run(bins, &args),
     }
 }
