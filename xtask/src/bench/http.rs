@@ -37,8 +37,8 @@ use serde_json::{Value, json};
 
 use super::l4::{envoy_version, validate};
 use super::measure::{
-    KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks,
-    rss, save,
+    KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks, rss,
+    save,
 };
 use crate::pods::{Bins, secs, target_dir};
 
@@ -147,7 +147,9 @@ impl Setup {
         match (scenario, load) {
             (Scenario::Direct, Load::H1) => self.upstream(UPSTREAM_PORT),
             (Scenario::Direct, Load::H2) => self.upstream(UPSTREAM_H2_PORT),
-            (Scenario::Shunt | Scenario::Envoy | Scenario::Before, _) | (_, Load::H1) => local(H1_PORT),
+            (Scenario::Shunt | Scenario::Envoy | Scenario::Before, _) | (_, Load::H1) => {
+                local(H1_PORT)
+            }
             (_, Load::H2) => local(H2_PORT),
         }
     }
@@ -203,7 +205,9 @@ impl Setup {
         };
         let stale = tcp_listeners(&self.client)?;
         ensure!(
-            !stale.iter().any(|a| a.port() == H1_PORT || a.port() == H2_PORT),
+            !stale
+                .iter()
+                .any(|a| a.port() == H1_PORT || a.port() == H2_PORT),
             "before starting {}: something already listens on port {H1_PORT} or {H2_PORT} in the client pod: {stale:?}",
             scenario.name()
         );
@@ -288,7 +292,11 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
                 SCENARIOS
                     .into_iter()
                     .find(|s| s.name() == name)
-                    .with_context(|| format!("--only: no scenario {name:?} (direct, shunt, envoy, haproxy, nginx)"))
+                    .with_context(|| {
+                        format!(
+                            "--only: no scenario {name:?} (direct, shunt, envoy, haproxy, nginx)"
+                        )
+                    })
             })
             .collect::<Result<_>>()?
     };
@@ -437,13 +445,13 @@ fn bootstrap(upstream: SocketAddr) -> String {
         let _ = write!(
             hosts,
             r#"
-          - name: svc{i}
-            domains: ["svc{i}.bench.local", "svc{i}.bench.local:*"]
-            routes:
-            - match: {{ prefix: "/api/" }}
-              route: {{ cluster: upstream, timeout: 5s }}
-            - match: {{ prefix: "/" }}
-              route: {{ cluster: upstream }}"#
+            - name: svc{i}
+              domains: ["svc{i}.bench.local", "svc{i}.bench.local:*"]
+              routes:
+              - match: {{ prefix: "/api/" }}
+                route: {{ cluster: upstream, timeout: 5s }}
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: upstream }}"#
         );
     }
     let (ip, port) = (upstream.ip(), upstream.port());
@@ -499,7 +507,7 @@ fn haproxy_config(upstream: SocketAddr) -> String {
     }
     format!(
         "# Written by `cargo xtask bench http`: the bootstrap's routes for haproxy.\n\
-         global\n  nbthread 1\n  maxconn 20000\n\
+         global\n  nbthread 1\n  maxconn 4096\n\
          defaults\n  mode http\n  timeout connect 1s\n  timeout client 30s\n  timeout server 30s\n  http-reuse always\n\
          frontend http\n  bind 127.0.0.1:{H1_PORT}\n  bind 127.0.0.1:{H2_PORT} proto h2\n{rules}\
          backend upstream\n  server nginx {upstream}\n"
@@ -517,9 +525,11 @@ fn nginx_proxy_config(dir: &Path, upstream: SocketAddr) -> String {
              location / {{ proxy_pass http://upstream; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }}"
         );
     }
+    // A host outside the table gets 404, as from Envoy (nginx would use the first server).
     format!(
         "# Written by `cargo xtask bench http`: the bootstrap's routes for nginx.\n{}\
          http {{\n{}\
+         server {{ listen 127.0.0.1:{H1_PORT} default_server; listen 127.0.0.1:{H2_PORT} http2 default_server; return 404; }}\n\
          upstream upstream {{ server {upstream}; keepalive 64; keepalive_requests 1000000; }}\n{servers}}}\n",
         nginx_common(dir, "proxy"),
         nginx_http_common(dir),
@@ -563,12 +573,17 @@ fn measure(setup: &Setup, scenario: Scenario, round: usize, args: &HttpArgs) -> 
     let mut runs = Vec::new();
     for load in [Load::H1, Load::H2] {
         let target = setup.target(scenario, load);
-        load_run(setup, load, target, 1, args)
-            .with_context(|| format!("{load:?} warm-up"))?;
-        let before = proxy.as_ref().map(|p| proxy_cpu_ticks(p.pid())).transpose()?;
+        load_run(setup, load, target, 1, args).with_context(|| format!("{load:?} warm-up"))?;
+        let before = proxy
+            .as_ref()
+            .map(|p| proxy_cpu_ticks(p.pid()))
+            .transpose()?;
         let result = load_run(setup, load, target, args.seconds, args)
             .with_context(|| format!("{load:?} load"))?;
-        let after = proxy.as_ref().map(|p| proxy_cpu_ticks(p.pid())).transpose()?;
+        let after = proxy
+            .as_ref()
+            .map(|p| proxy_cpu_ticks(p.pid()))
+            .transpose()?;
         if let Some(p) = &proxy {
             ensure!(
                 p.try_wait().is_none(),
@@ -588,7 +603,11 @@ fn measure(setup: &Setup, scenario: Scenario, round: usize, args: &HttpArgs) -> 
             proxy_cpu_us_per_req: before
                 .zip(after)
                 .map(|(b, a)| (a - b) as f64 * TICK_US / result.requests as f64),
-            rss_kib: proxy.as_ref().map(|p| rss(p.pid())).transpose()?.map(|r| r.0),
+            rss_kib: proxy
+                .as_ref()
+                .map(|p| rss(p.pid()))
+                .transpose()?
+                .map(|r| r.0),
         });
     }
     Ok(runs)
@@ -707,7 +726,10 @@ fn duration_us(v: &str) -> Result<f64> {
     } else {
         bail!("unknown duration {v:?}")
     };
-    Ok(num.parse::<f64>().with_context(|| format!("duration {v:?}"))? * scale)
+    Ok(num
+        .parse::<f64>()
+        .with_context(|| format!("duration {v:?}"))?
+        * scale)
 }
 
 /// `h2load -c10 -m10` (h2 prior knowledge) with a per-request log: every request must be
@@ -727,7 +749,8 @@ fn h2load(setup: &Setup, target: SocketAddr, seconds: u64) -> Result<LoadResult>
             .arg(format!("http://{target}/api/x"))
             .timeout(Duration::from_secs(seconds + 60)),
     )?;
-    let text = std::fs::read_to_string(&log).with_context(|| format!("h2load log {}", log.display()))?;
+    let text =
+        std::fs::read_to_string(&log).with_context(|| format!("h2load log {}", log.display()))?;
     parse_h2load(&out, &text).with_context(|| format!("h2load printed:\n{out}"))
 }
 
@@ -738,7 +761,11 @@ fn parse_h2load(out: &str, log: &str) -> Result<LoadResult> {
     let count = |name: &str| -> u64 {
         counts
             .split(',')
-            .find_map(|c| c.trim().strip_suffix(name).map(|n| n.trim().parse().unwrap_or(0)))
+            .find_map(|c| {
+                c.trim()
+                    .strip_suffix(name)
+                    .map(|n| n.trim().parse().unwrap_or(0))
+            })
             .unwrap_or(0)
     };
     let (done, succeeded) = (count("done"), count("succeeded"));
@@ -757,7 +784,10 @@ fn parse_h2load(out: &str, log: &str) -> Result<LoadResult> {
         let f: Vec<&str> = line.split('\t').collect();
         ensure!(f.len() >= 3, "malformed h2load log line {line:?}");
         ensure!(f[1] == "200", "a request was answered {}: {line:?}", f[1]);
-        elapsed.push(f[2].parse::<f64>().with_context(|| format!("log line {line:?}"))?);
+        elapsed.push(
+            f[2].parse::<f64>()
+                .with_context(|| format!("log line {line:?}"))?,
+        );
     }
     ensure!(
         done > 0 && succeeded == done && elapsed.len() as u64 == done,
@@ -784,9 +814,23 @@ fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
     let data = target_dir().join("bench/http-shunt.perf.data");
     let seconds = args.seconds.max(3);
     let mut perf = Command::new("perf")
-        .args(["record", "-q", "-F", "499", "--call-graph", "dwarf,16384", "-o"])
+        .args([
+            "record",
+            "-q",
+            "-F",
+            "499",
+            "--call-graph",
+            "dwarf,16384",
+            "-o",
+        ])
         .arg(&data)
-        .args(["-p", &proxy.pid().to_string(), "--", "sleep", &seconds.to_string()])
+        .args([
+            "-p",
+            &proxy.pid().to_string(),
+            "--",
+            "sleep",
+            &seconds.to_string(),
+        ])
         .spawn()
         .context("starting perf record")?;
     let load = wrk(setup, target, seconds, args.connections);
@@ -818,7 +862,11 @@ fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
         std::fs::File::create(&svg)?,
     )
     .context("drawing the flamegraph")?;
-    println!("flamegraph: {} (stacks in {})", svg.display(), folded_path.display());
+    println!(
+        "flamegraph: {} (stacks in {})",
+        svg.display(),
+        folded_path.display()
+    );
     print!("{}", top_frames(&String::from_utf8_lossy(&folded), 15));
     Ok(())
 }
@@ -833,13 +881,19 @@ fn top_frames(folded: &str, n: usize) -> String {
         };
         let count: u64 = count.parse().unwrap_or(0);
         total += count;
-        *by_leaf.entry(stack.rsplit(';').next().unwrap_or(stack)).or_default() += count;
+        *by_leaf
+            .entry(stack.rsplit(';').next().unwrap_or(stack))
+            .or_default() += count;
     }
     let mut leaves: Vec<_> = by_leaf.into_iter().collect();
     leaves.sort_by(|a, b| b.1.cmp(&a.1));
     let mut t = format!("  top leaf functions of {total} samples:\n");
     for (leaf, count) in leaves.into_iter().take(n) {
-        let _ = writeln!(t, "  {:>5.1}%  {leaf}", count as f64 * 100.0 / total.max(1) as f64);
+        let _ = writeln!(
+            t,
+            "  {:>5.1}%  {leaf}",
+            count as f64 * 100.0 / total.max(1) as f64
+        );
     }
     t
 }
@@ -914,7 +968,11 @@ impl Report<'_> {
                 }
                 for (a, b) in self.ratios() {
                     let r = self.median(a, load, m) / self.median(b, load, m);
-                    let cell = if r.is_finite() { format!("{r:.2}x") } else { "-".into() };
+                    let cell = if r.is_finite() {
+                        format!("{r:.2}x")
+                    } else {
+                        "-".into()
+                    };
                     let _ = write!(t, "{cell:>15}");
                 }
                 t.push('\n');
