@@ -649,6 +649,7 @@ fn check_answer(setup: &Setup, scenario: Scenario, proxy: Option<&PodProcess>) -
     Ok(())
 }
 
+#[derive(Debug)]
 struct LoadResult {
     requests: u64,
     req_per_sec: f64,
@@ -886,7 +887,7 @@ fn top_frames(folded: &str, n: usize) -> String {
             .or_default() += count;
     }
     let mut leaves: Vec<_> = by_leaf.into_iter().collect();
-    leaves.sort_by(|a, b| b.1.cmp(&a.1));
+    leaves.sort_by_key(|leaf| std::cmp::Reverse(leaf.1));
     let mut t = format!("  top leaf functions of {total} samples:\n");
     for (leaf, count) in leaves.into_iter().take(n) {
         let _ = writeln!(
@@ -1021,5 +1022,73 @@ impl Report<'_> {
             }).collect::<serde_json::Map<_, _>>(),
             "runs": self.runs,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WRK: &str = "Running 3s test @ http://127.0.0.1:10000/api/x
+  1 threads and 50 connections
+  Latency Distribution
+     50%  812.00us
+     75%    1.10ms
+     90%    1.50ms
+     99%    2.00s
+  90210 requests in 3.00s, 20.00MB read
+Requests/sec:  30070.00
+Transfer/sec:      6.67MB
+";
+
+    #[test]
+    fn a_clean_wrk_run_gives_its_rate_and_percentiles() {
+        let r = parse_wrk(WRK).unwrap();
+        assert_eq!(r.requests, 90210);
+        assert_eq!(r.req_per_sec, 30070.0);
+        assert_eq!(r.p50_us, 812.0);
+        assert_eq!(r.p99_us, 2_000_000.0);
+    }
+
+    #[test]
+    fn a_wrk_run_with_errors_or_non_2xx_answers_is_refused() {
+        let errors = WRK.replace(
+            "Requests/sec",
+            "  Socket errors: connect 0, read 3, write 0, timeout 0\nRequests/sec",
+        );
+        assert!(parse_wrk(&errors).is_err());
+        let non_2xx = WRK.replace(
+            "Requests/sec",
+            "  Non-2xx or 3xx responses: 7\nRequests/sec",
+        );
+        let err = parse_wrk(&non_2xx).unwrap_err().to_string();
+        assert!(err.contains("7 answers"), "{err}");
+    }
+
+    const H2LOAD: &str = "finished in 3.00s, 3.00 req/s, 1KB/s
+requests: 3 total, 3 started, 3 done, 3 succeeded, 0 failed, 0 errored, 0 timeout
+status codes: 3 2xx, 0 3xx, 0 4xx, 0 5xx
+";
+
+    #[test]
+    fn h2load_latencies_come_from_its_log_and_every_request_must_be_200() {
+        let log = "1\t200\t300\n2\t200\t100\n3\t200\t200\n";
+        let r = parse_h2load(H2LOAD, log).unwrap();
+        assert_eq!(
+            (r.requests, r.req_per_sec, r.p50_us, r.p99_us),
+            (3, 3.0, 200.0, 300.0)
+        );
+        assert!(parse_h2load(H2LOAD, "1\t200\t300\n2\t503\t100\n3\t200\t200\n").is_err());
+        // A request the log misses is not counted as a success.
+        assert!(parse_h2load(H2LOAD, "1\t200\t300\n").is_err());
+    }
+
+    #[test]
+    fn shunt_and_envoy_share_one_bootstrap_of_six_virtual_hosts() {
+        let yaml = bootstrap(SocketAddr::from(([10, 0, 0, 2], UPSTREAM_PORT)));
+        assert_eq!(yaml.matches("- name: svc").count(), VIRTUAL_HOSTS);
+        assert!(yaml.contains(HOST));
+        let haproxy = haproxy_config(SocketAddr::from(([10, 0, 0, 2], UPSTREAM_PORT)));
+        assert_eq!(haproxy.matches("use_backend").count(), VIRTUAL_HOSTS);
     }
 }
