@@ -89,6 +89,21 @@ fn debian_packages() -> anyhow::Result<()> {
     apt_install(&missing)
 }
 
+/// Packages only a bench needs (haproxy, wrk, perf), installed on its first run so
+/// `cargo xtask setup` stays what the tests and the demo need.
+pub fn ensure_packages(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(_, bin)| !on_path(bin))
+        .map(|(pkg, _)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {} for this bench", missing.join(" "));
+    apt_install(&missing)
+}
+
 /// `apt-get install` (after `apt-get update` if the first try fails: a fresh machine has
 /// no package lists yet).
 fn apt_install(packages: &[&str]) -> anyhow::Result<()> {

@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::config::{HttpConnectionManager, HttpStats, StreamTimeouts};
+use super::config::{HttpConnectionManager, StreamTimeouts};
 use super::timeouts::Timeout;
 use crate::access_log::{Entry, ResponseFlag};
 use crate::stats::Counter;
@@ -252,15 +252,16 @@ impl ResponseBody {
     pub fn watched(
         mut self,
         timeouts: StreamTimeouts,
-        stats: HttpStats,
+        hcm: Arc<HttpConnectionManager>,
         log: Arc<LogSlot>,
     ) -> Self {
         if timeouts.idle.is_some()
             || timeouts.max_duration.is_some()
             || log.has_route_max_duration()
         {
+            // The manager, not a copy of its stats: one reference count, not dozens.
             self.watch = Some(Box::pin(async move {
-                super::timeouts::watch(timeouts, &stats, &log, true).await
+                super::timeouts::watch(timeouts, &hcm.stats, &log, true).await
             }));
         }
         self

@@ -166,17 +166,24 @@ fn header_string(headers: &hyper::HeaderMap, name: impl header::AsHeaderName) ->
 
 /// A random UUID (version 4), Envoy's `x-request-id`.
 pub fn uuid4() -> String {
-    let (a, b) = (fastrand::u64(..), fastrand::u64(..));
-    let a = (a & !0xf000) | 0x4000;
-    let b = (b & !(0b11 << 62)) | (0b10 << 62);
-    format!(
-        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-        a >> 32,
-        (a >> 16) & 0xffff,
-        a & 0xffff,
-        b >> 48,
-        b & 0xffff_ffff_ffff
-    )
+    String::from_utf8_lossy(&uuid4_bytes()).into_owned()
+}
+
+/// [`uuid4`] as its 36 ASCII bytes: every request gets one, so no formatting machinery.
+fn uuid4_bytes() -> [u8; 36] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let a = (fastrand::u64(..) & !0xf000) | 0x4000;
+    let b = (fastrand::u64(..) & !(0b11 << 62)) | (0b10 << 62);
+    let mut out = [b'-'; 36];
+    // 8-4-4-4-12 hex digits: a's 16, then b's 16.
+    let digits = (0..16)
+        .map(|i| (a >> (60 - 4 * i)) & 0xf)
+        .chain((0..16).map(|i| (b >> (60 - 4 * i)) & 0xf));
+    let positions = (0..36).filter(|i| ![8, 13, 18, 23].contains(i));
+    for (at, digit) in positions.zip(digits) {
+        out[at] = HEX[digit as usize];
+    }
+    out
 }
 
 /// [`handle`] under the stream's timers: one that fires before the response is ready
@@ -212,7 +219,7 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
             return response.map(|body| ResponseBody::full(body).logged(log));
         }
     };
-    response.map(|body| body.watched(timeouts, hcm.stats.clone(), log))
+    response.map(|body| body.watched(timeouts, hcm.clone(), log))
 }
 
 async fn handle(
@@ -249,21 +256,24 @@ async fn handle(
     let request_id = HeaderName::from_static("x-request-id");
     if hcm.generate_request_id
         && !parts.headers.contains_key(&request_id)
-        && let Ok(id) = HeaderValue::from_str(&uuid4())
+        && let Ok(id) = HeaderValue::from_bytes(&uuid4_bytes())
     {
         parts.headers.insert(request_id.clone(), id);
     }
     let mut entry = Entry::start(downstream.direction, downstream.remote, downstream.local);
     entry.original_dst = downstream.original_dst;
-    entry.http = Some(Box::new(HttpFields {
-        method: parts.method.to_string(),
-        path: path.clone(),
-        protocol: protocol(parts.version),
-        response_code: 0,
-        authority: (!authority.is_empty()).then(|| authority.clone()),
-        request_id: header_string(&parts.headers, &request_id),
-        user_agent: header_string(&parts.headers, header::USER_AGENT),
-    }));
+    // The line's HTTP fields are copies of the request's: made only when a log is on.
+    if !hcm.access_log.is_empty() {
+        entry.http = Some(Box::new(HttpFields {
+            method: parts.method.to_string(),
+            path: path.clone(),
+            protocol: protocol(parts.version),
+            response_code: 0,
+            authority: (!authority.is_empty()).then(|| authority.clone()),
+            request_id: header_string(&parts.headers, &request_id),
+            user_agent: header_string(&parts.headers, header::USER_AGENT),
+        }));
+    }
     let mut pending = Pending {
         entry: Some(entry),
         hcm: hcm.clone(),
@@ -415,32 +425,40 @@ async fn handle(
                     headers.insert(xff, value);
                 }
             }
-            let mut upstream_path = path.clone();
-            if let (Some(rewrite), Some(len)) =
+            // Most routes rewrite nothing: then the request's path goes on as it is.
+            let rewritten = if let (Some(rewrite), Some(len)) =
                 (&action.prefix_rewrite, route.matcher.matched_prefix_len())
             {
-                let rest = upstream_path.get(len..).unwrap_or("");
-                upstream_path = format!("{rewrite}{rest}");
+                let rest = path.get(len..).unwrap_or("");
+                Some(format!("{rewrite}{rest}"))
             } else if let Some((pattern, substitution)) = &action.regex_rewrite {
                 let (only, query) = match path.split_once('?') {
                     Some((p, q)) => (p, Some(q)),
                     None => (path.as_str(), None),
                 };
                 let rewritten = pattern.replace_all(only, substitution.as_str());
-                upstream_path = match query {
+                Some(match query {
                     Some(q) => format!("{rewritten}?{q}"),
                     None => rewritten.into_owned(),
-                };
-            }
-            if upstream_path != path
-                && let Ok(original) = HeaderValue::from_str(&path)
-            {
-                headers.insert(HeaderName::from_static("x-envoy-original-path"), original);
-            }
+                })
+            } else {
+                None
+            };
+            let upstream_path = match rewritten {
+                Some(rewritten) => {
+                    if rewritten != path
+                        && let Ok(original) = HeaderValue::from_str(&path)
+                    {
+                        headers.insert(HeaderName::from_static("x-envoy-original-path"), original);
+                    }
+                    rewritten
+                }
+                None => path,
+            };
             let upstream_authority = weighted
                 .and_then(|w| w.host_rewrite.clone())
                 .or_else(|| action.host_rewrite.clone())
-                .unwrap_or_else(|| authority.clone());
+                .unwrap_or(authority);
             let head = Head {
                 method: parts.method.clone(),
                 authority: upstream_authority,

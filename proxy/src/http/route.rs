@@ -85,11 +85,18 @@ impl RouteConfig {
     /// manager's `strip_*_host_port` removed it first): `host:9999` that no domain
     /// names goes to `*`, not to the virtual host of `host`.
     pub fn virtual_host(&self, authority: &str) -> Option<&VirtualHost> {
-        let host = authority.to_ascii_lowercase();
-        let host = if self.ignore_port_in_host_matching {
-            strip_port(&host)
+        // Hosts arrive lower-case nearly always: copy only one that is not.
+        let lowered;
+        let host = if authority.bytes().any(|b| b.is_ascii_uppercase()) {
+            lowered = authority.to_ascii_lowercase();
+            lowered.as_str()
         } else {
-            &host
+            authority
+        };
+        let host = if self.ignore_port_in_host_matching {
+            strip_port(host)
+        } else {
+            host
         };
         self.domains
             .find(host)

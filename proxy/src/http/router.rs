@@ -154,11 +154,16 @@ pub struct Head {
 
 impl Head {
     /// The request for one attempt, in the upstream's HTTP version: HTTP/1.1 in origin
-    /// form with a Host header, HTTP/2 with the authority in the URI.
-    pub fn request(&self, http2: bool, body: RequestBody) -> Request<RequestBody> {
+    /// form with a Host header, HTTP/2 with the authority in the URI. The `last` attempt
+    /// takes the headers rather than copying them (nothing will send them again).
+    pub fn request(&mut self, http2: bool, body: RequestBody, last: bool) -> Request<RequestBody> {
         let mut request = Request::new(body);
         *request.method_mut() = self.method.clone();
-        *request.headers_mut() = self.headers.clone();
+        *request.headers_mut() = if last {
+            std::mem::take(&mut self.headers)
+        } else {
+            self.headers.clone()
+        };
         if http2 {
             *request.version_mut() = Version::HTTP_2;
             *request.uri_mut() = Uri::builder()
@@ -240,7 +245,16 @@ async fn forward_attempts(
         };
         let body = body.take().unwrap_or_else(RequestBody::empty);
         let started = Instant::now();
-        let run = attempt_once(upstream, &head, http2, body, &tried, entry);
+        let final_attempt = attempt + 1 == attempts;
+        let run = attempt_once(
+            upstream,
+            &mut head,
+            http2,
+            body,
+            final_attempt,
+            &tried,
+            entry,
+        );
         let outcome = match per_try {
             Some(limit) => tokio::time::timeout(limit, run).await,
             None => Ok(run.await),
@@ -303,9 +317,10 @@ const RETRY_BACKOFF: Backoff =
 
 async fn attempt_once(
     upstream: &Upstream<'_>,
-    head: &Head,
+    head: &mut Head,
     http2: bool,
     body: RequestBody,
+    last: bool,
     tried: &[SocketAddr],
     entry: &mut Entry,
 ) -> Attempt {
@@ -323,7 +338,7 @@ async fn attempt_once(
     }
     entry.upstream_host = Some(host.address);
     let _active = ActiveRequest::new(&cluster.stats);
-    let mut request = head.request(http2, body);
+    let mut request = head.request(http2, body, last);
     // A request that never left a reused connection (the upstream closed it while
     // idle) goes on another one; a few times at most, the last one new.
     for _ in 0..3 {

@@ -123,7 +123,7 @@ pub async fn forward(
     }
     cluster.stats.upstream_rq_total.inc();
     let mut response = sender
-        .send_request(head.request(false, body))
+        .send_request(head.request(false, body, true))
         .await
         .map_err(|err| {
             tracing::debug!(%err, "upstream reset an upgrade request");

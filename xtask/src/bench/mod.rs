@@ -2,8 +2,9 @@
 //!
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
-//! `xds.rs` (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic
-//! for minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
+//! `http.rs` (shunt, Envoy, haproxy and nginx as HTTP reverse proxies), `xds.rs`
+//! (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic for
+//! minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
 //! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
 //! against Envoy plus an agent: time to ready and RSS); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
@@ -11,6 +12,7 @@
 mod agent;
 mod capture;
 mod dns;
+mod http;
 mod l4;
 mod measure;
 mod soak;
@@ -44,6 +46,9 @@ pub enum Which {
     /// One `shunt agent` against pilot-agent's shape (Envoy plus an agent) from Istio's
     /// bootstrap with a 1,000-cluster push: seconds to 15021 ready, RSS.
     Agent(agent::AgentArgs),
+    /// shunt vs Envoy, haproxy and nginx as HTTP reverse proxies (one worker each, six
+    /// virtual hosts): req/s, p50/p99, CPU per request, RSS; wrk (h1) and h2load (h2).
+    Http(http::HttpArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -56,5 +61,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Soak(args) => soak::run(bins, &args),
         Which::Dns(args) => dns::run(&bins, &args),
         Which::Agent(args) => agent::run(bins, &args),
+        Which::Http(args) => http::run(bins, &args),
     }
 }
