@@ -17,36 +17,18 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use harness::ads::{AdsServer, Any};
+use harness::ads::AdsServer;
 use harness::{Node, Pod, PodProcess};
+use support::nds::{NameInfo, NameTable, push, service_entry};
 use support::xds::{
     self, bootstrap, config_dump_at, dump_section, eventually, start_shunt, stat_at, unix_server,
 };
 
-const NDS: &str = "type.googleapis.com/istio.networking.nds.v1.NameTable";
+const NDS: &str = support::nds::TYPE_URL;
 const CDS: &str = harness::ads::type_urls::CLUSTER;
 const LDS: &str = harness::ads::type_urls::LISTENER;
 /// TXT records for `big.test`: more than dnsmasq puts in 512 bytes.
 const BIG_TXT_RECORDS: usize = 12;
-
-/// istio.networking.nds.v1.NameTable, as istiod encodes it.
-#[derive(Clone, PartialEq, prost::Message)]
-struct NameTable {
-    #[prost(map = "string, message", tag = "1")]
-    table: HashMap<String, NameInfo>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct NameInfo {
-    #[prost(string, repeated, tag = "1")]
-    ips: Vec<String>,
-    #[prost(string, tag = "2")]
-    registry: String,
-    #[prost(string, tag = "3")]
-    shortname: String,
-    #[prost(string, tag = "4")]
-    namespace: String,
-}
 
 fn service(ips: &[&str], ns: &str, name: &str) -> NameInfo {
     NameInfo {
@@ -54,14 +36,6 @@ fn service(ips: &[&str], ns: &str, name: &str) -> NameInfo {
         registry: "Kubernetes".into(),
         shortname: name.into(),
         namespace: ns.into(),
-    }
-}
-
-fn service_entry(ips: &[&str]) -> NameInfo {
-    NameInfo {
-        ips: ips.iter().map(|s| s.to_string()).collect(),
-        registry: "External".into(),
-        ..Default::default()
     }
 }
 
@@ -84,15 +58,6 @@ fn mesh(productpage_ip: &str) -> NameTable {
     );
     table.insert("v4only.mesh.test".into(), service_entry(&["10.96.0.30"]));
     NameTable { table }
-}
-
-fn push(server: &AdsServer, version: &str, table: &NameTable) {
-    use prost::Message;
-    let any = Any {
-        type_url: NDS.into(),
-        value: table.encode_to_vec(),
-    };
-    server.set(NDS, version, vec![(String::new(), any)]);
 }
 
 /// What dig printed: the status, the header flags and the answer records.
@@ -456,6 +421,13 @@ fn the_passthrough_proxy_with_dns_forwards_every_query() {
         .spawn()
         .expect("start shunt proxy");
     let v4: IpAddr = "127.0.0.1".parse().unwrap();
+    // Its sockets are bound once it runs as 1337: the TCP one says they are.
+    harness::wait_for_port(
+        &pod,
+        std::net::SocketAddr::new(v4, 15053),
+        Duration::from_secs(30),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", proxy.stderr_text()));
     support::wait_until(
         "the DNS proxy answers",
         &proxy,

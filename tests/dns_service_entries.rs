@@ -20,10 +20,11 @@ use std::time::Duration;
 use harness::ads::{AdsServer, Any};
 use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
+use support::nds::{NameTable, push, service_entry};
 use support::xds::{self, bootstrap, eventually, unix_server};
 use support::*;
 
-const NDS: &str = "type.googleapis.com/istio.networking.nds.v1.NameTable";
+const NDS: &str = support::nds::TYPE_URL;
 const CDS: &str = harness::ads::type_urls::CLUSTER;
 const LDS: &str = harness::ads::type_urls::LISTENER;
 /// The ServiceEntries' port, and where their upstreams really listen.
@@ -35,24 +36,6 @@ const A_VIP: &str = "240.240.0.1";
 const B_VIP: &str = "240.240.0.2";
 /// What the pod's real resolver answers for a name outside the mesh.
 const UPSTREAM_ONLY: &str = "192.0.2.10";
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct NameTable {
-    #[prost(map = "string, message", tag = "1")]
-    table: HashMap<String, NameInfo>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct NameInfo {
-    #[prost(string, repeated, tag = "1")]
-    ips: Vec<String>,
-    #[prost(string, tag = "2")]
-    registry: String,
-    #[prost(string, tag = "3")]
-    shortname: String,
-    #[prost(string, tag = "4")]
-    namespace: String,
-}
 
 fn any<M: prost::Message + prost::Name + Default>(value: Value) -> Any {
     let message: M = shunt::config::message_from_json(value).expect("valid resource");
@@ -128,29 +111,13 @@ fn push_mesh(server: &AdsServer, a: SocketAddr, b: SocketAddr) {
             service_listener(B_VIP, &b_cluster),
         ],
     );
-    let entry = |vip: &str| NameInfo {
-        ips: vec![vip.into()],
-        registry: "External".into(),
-        ..Default::default()
-    };
     let table = NameTable {
         table: HashMap::from([
-            ("a.external.test".to_owned(), entry(A_VIP)),
-            ("b.external.test".to_owned(), entry(B_VIP)),
+            ("a.external.test".to_owned(), service_entry(&[A_VIP])),
+            ("b.external.test".to_owned(), service_entry(&[B_VIP])),
         ]),
     };
-    use prost::Message;
-    server.set(
-        NDS,
-        "n1",
-        vec![(
-            String::new(),
-            Any {
-                type_url: NDS.into(),
-                value: table.encode_to_vec(),
-            },
-        )],
-    );
+    push(server, "n1", &table);
 }
 
 /// dnsmasq as the pod's real resolver: `upstream-only.test`, nothing else.

@@ -5,6 +5,7 @@
 
 pub mod envoy;
 pub mod http_client;
+pub mod nds;
 pub mod pki;
 pub mod xds;
 

@@ -184,35 +184,15 @@ impl AggregatedDiscoveryService for Downstream {
             },
         ));
         // istiod -> proxy, minus the name table, which the agent ACKs itself.
-        let responses = upstream;
-        tokio::spawn(async move {
-            let mut responses = responses;
-            loop {
-                let response = match responses.message().await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => break,
-                    Err(status) => {
-                        let _ = down_tx.send(Err(status));
-                        break;
-                    }
-                };
-                if response.type_url == NAME_TABLE {
-                    let error = proxy.take_name_table(&response.resources);
-                    let ack = DiscoveryRequest {
-                        version_info: response.version_info.clone(),
-                        response_nonce: response.nonce.clone(),
-                        type_url: NAME_TABLE.into(),
-                        error_detail: error.map(nack),
-                        ..Default::default()
-                    };
-                    if up_tx.send(ack).is_err() {
-                        break;
-                    }
-                } else if down_tx.send(Ok(response)).is_err() {
-                    break;
-                }
-            }
-        });
+        tokio::spawn(relay_responses(upstream, down_tx, up_tx, move |r| {
+            (r.type_url == NAME_TABLE).then(|| DiscoveryRequest {
+                version_info: r.version_info.clone(),
+                response_nonce: r.nonce.clone(),
+                type_url: NAME_TABLE.into(),
+                error_detail: proxy.take_name_table(&r.resources).map(nack),
+                ..Default::default()
+            })
+        }));
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
             down_rx,
         ))))
@@ -239,38 +219,21 @@ impl AggregatedDiscoveryService for Downstream {
                 })
             },
         ));
-        tokio::spawn(async move {
-            let mut responses = upstream;
-            loop {
-                let response = match responses.message().await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => break,
-                    Err(status) => {
-                        let _ = down_tx.send(Err(status));
-                        break;
-                    }
-                };
-                if response.type_url == NAME_TABLE {
-                    let tables: Vec<Any> = response
-                        .resources
-                        .iter()
-                        .filter_map(|r| r.resource.clone())
-                        .collect();
-                    let error = proxy.take_name_table(&tables);
-                    let ack = DeltaDiscoveryRequest {
-                        response_nonce: response.nonce.clone(),
-                        type_url: NAME_TABLE.into(),
-                        error_detail: error.map(nack),
-                        ..Default::default()
-                    };
-                    if up_tx.send(ack).is_err() {
-                        break;
-                    }
-                } else if down_tx.send(Ok(response)).is_err() {
-                    break;
+        tokio::spawn(relay_responses(upstream, down_tx, up_tx, move |r| {
+            (r.type_url == NAME_TABLE).then(|| {
+                let tables: Vec<Any> = r
+                    .resources
+                    .iter()
+                    .filter_map(|r| r.resource.clone())
+                    .collect();
+                DeltaDiscoveryRequest {
+                    response_nonce: r.nonce.clone(),
+                    type_url: NAME_TABLE.into(),
+                    error_detail: proxy.take_name_table(&tables).map(nack),
+                    ..Default::default()
                 }
-            }
-        });
+            })
+        }));
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
             down_rx,
         ))))
@@ -283,6 +246,34 @@ fn nack(message: String) -> RpcStatus {
         code: 3,
         message,
         details: Vec::new(),
+    }
+}
+
+/// istiod -> proxy: every response goes down, except those `keep` takes (the name
+/// table), whose ACK or NACK it returns to go back up. Ends with either stream; an
+/// upstream error goes down as the stream's status, so the proxy reconnects.
+async fn relay_responses<Req, Resp>(
+    mut responses: Streaming<Resp>,
+    down: mpsc::UnboundedSender<Result<Resp, Status>>,
+    up: mpsc::UnboundedSender<Req>,
+    keep: impl Fn(&Resp) -> Option<Req>,
+) {
+    loop {
+        let response = match responses.message().await {
+            Ok(Some(r)) => r,
+            Ok(None) => return,
+            Err(status) => {
+                let _ = down.send(Err(status));
+                return;
+            }
+        };
+        let sent = match keep(&response) {
+            Some(ack) => up.send(ack).is_ok(),
+            None => down.send(Ok(response)).is_ok(),
+        };
+        if !sent {
+            return;
+        }
     }
 }
 
