@@ -36,6 +36,7 @@ fn service(ips: &[&str], ns: &str, name: &str) -> NameInfo {
         registry: "Kubernetes".into(),
         shortname: name.into(),
         namespace: ns.into(),
+        ..Default::default()
     }
 }
 

@@ -78,7 +78,7 @@ pub struct AgentArgs {
     #[arg(long, default_value = "./etc/certs", value_name = "DIR")]
     pub cert_dir: PathBuf,
     /// The SDS server's socket (the generated bootstrap's `sds-grpc`).
-    #[arg(long, default_value = sds_default_socket(), value_name = "PATH")]
+    #[arg(long, default_value = crate::agent::sds::DEFAULT_SOCKET, value_name = "PATH")]
     pub sds_socket: PathBuf,
     /// Status server: readiness, merged Prometheus, app probes, /quitquitquit.
     #[arg(
@@ -284,10 +284,6 @@ fn bootstrap_path(args: &AgentArgs) -> anyhow::Result<PathBuf> {
     args.config_path
         .clone()
         .context("shunt agent: no -c FILE and no generated bootstrap")
-}
-
-const fn sds_default_socket() -> &'static str {
-    crate::agent::sds::DEFAULT_SOCKET
 }
 
 /// pilot-agent's Envoy command line (`pkg/envoy/proxy.go`), for either proxy.
