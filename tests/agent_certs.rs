@@ -383,7 +383,8 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
         provider.clone(),
         std::future::pending(),
     ));
-    let first = next_bundle(&rt, &provider, None);
+    // Envoy starts once shunt has a certificate to serve.
+    next_bundle(&rt, &provider, None);
 
     let mut node = Node::new().unwrap();
     let pod = node.add_pod("e").unwrap();
@@ -423,24 +424,27 @@ fn envoy_gets_its_certificates_from_shunts_sds_does_mtls_and_follows_a_rotation(
         [IDENTITY],
         "Envoy serves the workload identity"
     );
-    // Envoy may already hold the second certificate if a rotation came meanwhile.
-    let current = provider.current().unwrap();
-    assert!(served_first == leaf(&first.cert_chain) || served_first == leaf(&current.cert_chain));
+    // The certificates live seconds: on a loaded machine more than one rotation may
+    // pass before the handshake, so the served leaf is one shunt issued (the chain was
+    // verified against the test CA, the identity above), not necessarily the first.
     assert!(
         mtls_exchange(&pod, PORT, &ca.root_file, None).is_err(),
         "a client without a certificate is refused (require_client_certificate)"
     );
 
-    // A rotation reaches Envoy: the next handshakes serve the new certificate.
-    let rotated = next_bundle(&rt, &provider, Some(&current));
+    // A rotation reaches Envoy: the next handshakes serve the provider's current
+    // certificate, a newer one than the first served.
+    let current = provider.current().unwrap();
+    let _ = next_bundle(&rt, &provider, Some(&current));
     eventually(
         "Envoy serves the rotated certificate",
         || {
             *served.borrow_mut() = mtls_exchange(&pod, PORT, &ca.root_file, client);
+            let now = provider.current().unwrap();
             served
                 .borrow()
                 .as_ref()
-                .is_ok_and(|der| *der == leaf(&rotated.cert_chain))
+                .is_ok_and(|der| *der != served_first && *der == leaf(&now.cert_chain))
         },
         || format!("{:?}\nenvoy: {}", served.borrow(), envoy.stderr_text()),
     );
