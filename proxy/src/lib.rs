@@ -11,7 +11,7 @@
 //! | 4 | [`tcp`] (`tcp_proxy`), [`http`] (connection manager, router), [`dns`] (Istio's DNS proxy and name table) |
 //! | 5 | [`listener`] (listener filters, filter-chain match, per-connection handling) |
 //! | 6 | [`snapshot`] (assembles one immutable compiled config), [`xds`] (the xDS client) |
-//! | 7 | [`admin`] (the admin API over the live proxy) |
+//! | 7 | [`admin`] (the admin API over the live proxy), [`agent`] (pilot-agent's jobs), [`node`] (node mode: every enrolled pod in one process) |
 //! | 8 | [`server`] (start-up, runtimes, privilege drop, serve loops, `--mode validate`) |
 //!
 //! The kernel side (eBPF capture, the iptables fallback, `shunt inspect`) is the
@@ -27,6 +27,7 @@ pub mod config;
 pub mod dns;
 pub mod http;
 pub mod listener;
+pub mod node;
 pub mod server;
 pub mod snapshot;
 pub mod stats;
