@@ -872,9 +872,10 @@ fn istios_bootstrap_is_ready_through_its_own_15021_after_the_first_push() {
 
 /// Without `-c` the agent is pilot-agent: it writes `etc/istio/proxy/envoy-rev.json`
 /// from the pod's environment (Istio's bootstrap: its node id, its `xds-grpc` cluster
-/// on the Unix socket `./etc/istio/proxy/XDS`), serves that socket with its xDS proxy
-/// to the control plane (here `--xds-address unix:...`, the test's ADS server), and the
-/// in-process proxy gets its listeners through it: ready on 15021, traffic flows.
+/// on the Unix socket `./etc/istio/proxy/XDS`), relays the proxy's ADS stream to the
+/// control plane (here `--xds-address unix:...`, the test's ADS server) by call, with no
+/// socket, and the in-process proxy gets its listeners through it: ready on 15021,
+/// traffic flows.
 #[test]
 fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
     let (_dir, socket, server) = unix_server("agent-generated");

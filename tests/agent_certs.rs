@@ -19,7 +19,8 @@ use shunt::agent::ca::{Bundle, CaOptions, CertificateProvider, FileOptions, KeyT
 use shunt::agent::sds;
 use shunt::upstream::backoff::Backoff;
 use support::TempDir;
-use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+use support::pki::{leaf, uris};
+use x509_parser::prelude::{FromDer, X509Certificate};
 
 const TOKEN: &str = "the-service-account-token";
 const IDENTITY: &str = "spiffe://cluster.local/ns/default/sa/sleep";
@@ -77,30 +78,6 @@ fn eventually(what: &str, mut check: impl FnMut() -> bool, context: impl Fn() ->
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn leaf(chain_pem: &str) -> Vec<u8> {
-    use rustls::pki_types::{CertificateDer, pem::PemObject};
-    CertificateDer::pem_slice_iter(chain_pem.as_bytes())
-        .next()
-        .expect("a certificate")
-        .unwrap()
-        .to_vec()
-}
-
-fn uris(der: &[u8]) -> Vec<String> {
-    let (_, cert) = X509Certificate::from_der(der).unwrap();
-    let mut uris = Vec::new();
-    for ext in cert.extensions() {
-        if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
-            for name in &san.general_names {
-                if let GeneralName::URI(uri) = name {
-                    uris.push(uri.to_string());
-                }
-            }
-        }
-    }
-    uris
 }
 
 fn key_algorithm(der: &[u8]) -> String {

@@ -879,4 +879,5 @@ fn an_upgrade_the_config_names_is_tunnelled_and_others_are_refused() {
     assert_eq!(upgrade("websocket"), "HTTP/1.1 403 Forbidden\n");
     assert_eq!(s.stat("cluster.echo.upstream_rq_1xx"), 1);
     assert_eq!(s.stat("http.ingress.downstream_rq_1xx"), 1);
+    assert_eq!(s.stat("http.ingress.downstream_cx_upgrades_total"), 1);
 }

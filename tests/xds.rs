@@ -587,7 +587,7 @@ fn istio_bootstraps_drive_the_client() {
 
 /// The edges of applying updates: a cluster whose endpoints never come stops warming
 /// after `initial_fetch_timeout` and is served without hosts; a listener whose port is
-/// taken is NACKed while the others keep serving; a removed cluster lets its open
+/// taken is NACKed by name while the rest of its update applies; a removed cluster lets its open
 /// connections finish while new ones find no cluster.
 #[test]
 fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
@@ -644,7 +644,8 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
         "no hosts: accepted and closed (UH)"
     );
 
-    // A listener on a taken port: NACKed, the others keep serving.
+    // A listener on a taken port: NACKed, the others as the update says (judged listener
+    // by listener, as Envoy does: l1 stays, silent goes).
     server.set(
         type_urls::LISTENER,
         "l2",
@@ -663,11 +664,37 @@ fn fetch_timeouts_unbindable_ports_and_removed_clusters() {
         message.contains(&format!("cannot listen on 127.0.0.1:{ECHO_B}")),
         "{message}"
     );
-    assert_eq!(reaches(&pod), Some(ECHO_A));
     assert!(
-        pod.run_in_netns(|| TcpStream::connect(local(LISTEN_PORT + 1)).is_ok())
-            .unwrap(),
-        "l2 was refused whole: listener silent is still there"
+        message.starts_with("Error adding/updating listener(s) taken: "),
+        "{message}"
+    );
+    assert_eq!(
+        nack.version_info, "l1",
+        "a NACK names the last version accepted whole"
+    );
+    assert_eq!(reaches(&pod), Some(ECHO_A));
+    eventually("silent removed", &proxy, &server, || {
+        pod.run_in_netns(|| TcpStream::connect(local(LISTEN_PORT + 1)).is_err())
+            .unwrap()
+    });
+    let dump = config_dump(&pod);
+    let listeners = dump_section(&dump, "ListenersConfigDump");
+    assert_eq!(
+        listeners["version_info"], "l2",
+        "l2 changed listeners: {listeners}"
+    );
+    let taken = listeners["dynamic_listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "taken")
+        .unwrap_or_else(|| panic!("no error state for taken: {listeners}"));
+    assert!(taken["active_state"].is_null(), "{taken}");
+    assert!(
+        taken["error_state"]["details"]
+            .as_str()
+            .is_some_and(|d| d.contains("cannot listen on")),
+        "{taken}"
     );
 
     // The cluster goes while a connection through it is open: that one finishes, new
@@ -712,6 +739,7 @@ fn tls_to_the_xds_server() {
         addr: local(0),
         cert: pki.dir.0.join("xds.pem"),
         key: pki.dir.0.join("xds.key"),
+        client_ca: None,
     };
     // The server lives in the pod, where the proxy reaches it on 127.0.0.1.
     let server = pod

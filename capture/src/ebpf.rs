@@ -64,10 +64,10 @@ const DNS_PROGRAMS: [(&str, u32); 4] = [
     ("restore_dns_reply4", link::BPF_CGROUP_UDP4_RECVMSG),
     ("restore_dns_reply6", link::BPF_CGROUP_UDP6_RECVMSG),
 ];
-const NETNS_PROGRAM: &str = "steer_inbound";
+pub(crate) const NETNS_PROGRAM: &str = "steer_inbound";
 
 /// The cgroup programs this configuration attaches, in order.
-fn cgroup_programs(cfg: &CaptureConfig) -> Vec<(&'static str, u32)> {
+pub(crate) fn cgroup_programs(cfg: &CaptureConfig) -> Vec<(&'static str, u32)> {
     let dns = if cfg.dns.redirect {
         &DNS_PROGRAMS[..]
     } else {
@@ -123,8 +123,8 @@ pub fn words_addr(addr: &Addr, family: u32) -> IpAddr {
     }
 }
 
-fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
-    let mut f = 0;
+fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity, extra_flags: u32) -> PodConfig {
+    let mut f = extra_flags;
     if cfg.sockmap {
         f |= flags::SOCKMAP;
     }
@@ -163,7 +163,7 @@ fn pod_config(cfg: &CaptureConfig, pod: &PodIdentity) -> PodConfig {
 /// What `--dry-run` prints for this backend.
 pub fn plan(cfg: &CaptureConfig, cgroup: Option<&Path>, root: &Path) -> anyhow::Result<String> {
     let pod = PodIdentity::current()?;
-    let pc = pod_config(cfg, &pod);
+    let pc = pod_config(cfg, &pod, 0);
     let mut out = String::new();
     out.push_str(&format!(
         "# eBPF capture for pod_{} (netns cookie {})\n",
@@ -259,21 +259,16 @@ fn install_pod(
     let dir = pod_dir(root, pod.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut bpf = load(root)?;
-    write_config(root, cfg, pod)?;
+    write_config(root, cfg, pod, 0)?;
     let cgroup_fd = File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
-    let netns_fd = File::open("/proc/self/ns/net")?;
+    let netns_fd = File::open("/proc/thread-self/ns/net")?;
     for (name, attach_type) in cgroup_programs(cfg) {
         let prog_fd = load_program(&mut bpf, name)?;
         let link = link::create(prog_fd.as_fd(), cgroup_fd.as_fd(), attach_type)
             .with_context(|| format!("attaching {name} to cgroup {}", cgroup.display()))?;
         link::pin(&link, &dir.join(name)).with_context(|| format!("pinning link {name}"))?;
     }
-    // Attached to the shared map whatever this pod's setting: the per-pod SOCKMAP flag
-    // decides which sockets join, so the runtime switch needs no reload.
-    let prog_fd = load_program(&mut bpf, SK_MSG_PROGRAM)?;
-    let map = MapData::from_pin(root.join(pins::SOCK_PAIRS)).context("opening SOCK_PAIRS")?;
-    link::attach_to_map(prog_fd.as_fd(), map.fd().as_fd(), link::BPF_SK_MSG_VERDICT)
-        .context("attaching the sk_msg program to SOCK_PAIRS")?;
+    attach_sk_msg(&mut bpf, root)?;
     let prog_fd = load_program(&mut bpf, NETNS_PROGRAM)?;
     let link = link::create(prog_fd.as_fd(), netns_fd.as_fd(), link::BPF_SK_LOOKUP)
         .context("attaching sk_lookup to this network namespace")?;
@@ -281,8 +276,18 @@ fn install_pod(
     Ok(())
 }
 
+/// Attaches the short-circuit's sk_msg program to the shared SOCK_PAIRS map whatever
+/// the pod's setting: the per-pod SOCKMAP flag decides which sockets join, so the
+/// runtime switch needs no reload.
+pub(crate) fn attach_sk_msg(bpf: &mut Ebpf, root: &Path) -> anyhow::Result<()> {
+    let prog_fd = load_program(bpf, SK_MSG_PROGRAM)?;
+    let map = MapData::from_pin(root.join(pins::SOCK_PAIRS)).context("opening SOCK_PAIRS")?;
+    link::attach_to_map(prog_fd.as_fd(), map.fd().as_fd(), link::BPF_SK_MSG_VERDICT)
+        .context("attaching the sk_msg program to SOCK_PAIRS")
+}
+
 /// Loads one program into the kernel (the verifier runs here) and returns its fd.
-fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
+pub(crate) fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd> {
     use aya::programs::Program;
     let prog = bpf
         .program_mut(name)
@@ -331,7 +336,7 @@ fn expected_map_sizes() -> [(&'static str, usize, usize); 15] {
 
 /// Maps pinned by another shunt build with other layouts would be reused silently and
 /// misread: refuse, before anything is installed, and say how to recover.
-fn check_pinned_maps(root: &Path) -> anyhow::Result<()> {
+pub(crate) fn check_pinned_maps(root: &Path) -> anyhow::Result<()> {
     for (name, key, value) in expected_map_sizes() {
         let path = root.join(name);
         if !path.exists() {
@@ -354,7 +359,7 @@ fn check_pinned_maps(root: &Path) -> anyhow::Result<()> {
 }
 
 /// Loads the object; maps already pinned under `root` are reused, so every pod shares them.
-fn load(root: &Path) -> anyhow::Result<Ebpf> {
+pub(crate) fn load(root: &Path) -> anyhow::Result<Ebpf> {
     std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
     let paths: Vec<(&str, PathBuf)> = pins::MAPS.iter().map(|m| (*m, root.join(m))).collect();
     let mut loader = EbpfLoader::new();
@@ -401,9 +406,14 @@ fn masked(cidr: &IpNet) -> Addr {
     addr_words(&cidr.network()).0
 }
 
-fn write_config(root: &Path, cfg: &CaptureConfig, pod: &PodIdentity) -> anyhow::Result<()> {
+pub(crate) fn write_config(
+    root: &Path,
+    cfg: &CaptureConfig,
+    pod: &PodIdentity,
+    extra_flags: u32,
+) -> anyhow::Result<()> {
     let maps = Maps { root };
-    let pc = pod_config(cfg, pod);
+    let pc = pod_config(cfg, pod, extra_flags);
     let mut addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
     for ip in &pod.addresses {
         let (addr, family) = addr_words(ip);
@@ -527,7 +537,7 @@ fn retain_other_pods<K: Pod, V: Pod>(
     doomed.iter().filter(|k| map.remove(k).is_ok()).count()
 }
 
-fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
+pub(crate) fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool> {
     let mut found = false;
     let dir = pod_dir(root, pod.id);
     if dir.exists() {
@@ -663,12 +673,13 @@ fn remove_pod_cidrs<K: Pod>(trie: &mut LpmTrie<MapData, K, u8>, belongs: impl Fn
 }
 
 /// With no pod left, the maps' pins go too, and with them the maps.
-fn remove_root_if_unused(root: &Path) -> anyhow::Result<()> {
+pub(crate) fn remove_root_if_unused(root: &Path) -> anyhow::Result<()> {
     let pods = root.join("pods");
     let any_pod = std::fs::read_dir(&pods)
         .map(|mut d| d.next().is_some())
         .unwrap_or(false);
-    if any_pod {
+    // A node's links (`shunt node`) keep the maps for the pods still to come.
+    if any_pod || crate::node::node_dir(root).exists() {
         return Ok(());
     }
     let _ = std::fs::remove_dir(&pods);
@@ -1004,19 +1015,19 @@ mod tests {
         };
         let off = config(&["--capture-all-dns"]);
         assert_eq!(
-            pod_config(&off, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            pod_config(&off, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
             0
         );
         assert_eq!(dns_programs(&off), 0);
         let on = config(&["--redirect-dns"]);
         assert_eq!(
-            pod_config(&on, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            pod_config(&on, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
             flags::DNS_REDIRECT
         );
         assert_eq!(dns_programs(&on), 4);
         let all = config(&["--redirect-dns", "--capture-all-dns"]);
         assert_eq!(
-            pod_config(&all, &pod).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            pod_config(&all, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
             flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL
         );
     }

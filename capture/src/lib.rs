@@ -15,6 +15,7 @@ pub mod inspect;
 pub mod iptables;
 pub mod link;
 pub mod netns;
+pub mod node;
 
 use std::path::PathBuf;
 
@@ -253,6 +254,16 @@ struct Switches {
 }
 
 impl CaptureArgs {
+    /// `--cgroup`: in node mode, the pods' common parent the programs attach to.
+    pub fn cgroup(&self) -> Option<&std::path::Path> {
+        self.cgroup.as_deref()
+    }
+
+    /// `--bpffs`: where maps and links are pinned.
+    pub fn bpffs(&self) -> &std::path::Path {
+        &self.bpffs
+    }
+
     pub fn config(&self) -> anyhow::Result<CaptureConfig> {
         let c = || -> Result<CaptureConfig, String> {
             let uids = config::parse_ids("-u", &self.proxy_uid)?;

@@ -22,7 +22,8 @@ const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
 
 /// The pod's id in the shared maps: its network namespace inode (unique while it lives).
 pub fn netns_inode() -> io::Result<u32> {
-    let ino = std::fs::metadata("/proc/self/ns/net")?.ino();
+    // thread-self: a helper thread may have entered a pod's namespace (node mode).
+    let ino = std::fs::metadata("/proc/thread-self/ns/net")?.ino();
     u32::try_from(ino).map_err(|_| io::Error::other(format!("netns inode {ino} exceeds 32 bits")))
 }
 

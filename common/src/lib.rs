@@ -76,7 +76,14 @@ pub mod flags {
     /// With `DNS_REDIRECT`: DNS to any address, not only the pod's resolvers
     /// (`--capture-all-dns`).
     pub const DNS_CAPTURE_ALL: u32 = 1 << 6;
+    /// Node mode's `fail-open`: with no proxy listening for the pod, connects go
+    /// straight to their destination and inbound straight to the app (default: closed).
+    pub const FAIL_OPEN: u32 = 1 << 7;
 }
+
+/// The mark node mode's proxy puts on the upstream sockets it opens inside a pod
+/// (Istio's 0x539): the connect hooks let them through uncaptured.
+pub const NODE_PROXY_MARK: u32 = 0x539;
 
 /// The agent's DNS proxy port (Istio's 15053), on loopback.
 pub const DNS_PROXY_PORT: u16 = 15053;
@@ -310,10 +317,14 @@ pub enum Decision {
     DnsSkipInboundPassthrough,
     /// recvmsg: a reply from the DNS proxy given back the resolver's address as source.
     DnsReplyRestored,
+    /// connect(): node mode's proxy opening an upstream in the pod (its socket mark).
+    SkipNodeProxyMark,
+    /// connect()/sk_lookup: a `fail-open` pod with no proxy listening: passed straight.
+    FailOpenNoProxy,
 }
 
 impl Decision {
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 35;
     pub const ALL: [Decision; Self::COUNT as usize] = [
         Decision::OutboundRedirected,
         Decision::InboundRedirectedLocal,
@@ -348,6 +359,8 @@ impl Decision {
         Decision::DnsSkipNotResolver,
         Decision::DnsSkipInboundPassthrough,
         Decision::DnsReplyRestored,
+        Decision::SkipNodeProxyMark,
+        Decision::FailOpenNoProxy,
     ];
 
     /// The counter's name in `shunt` output and the demo.
@@ -386,6 +399,8 @@ impl Decision {
             Decision::DnsSkipNotResolver => "dns_skip_not_resolver",
             Decision::DnsSkipInboundPassthrough => "dns_skip_inbound_passthrough_source",
             Decision::DnsReplyRestored => "dns_reply_restored",
+            Decision::SkipNodeProxyMark => "skip_node_proxy_mark",
+            Decision::FailOpenNoProxy => "fail_open_no_proxy",
         }
     }
 }

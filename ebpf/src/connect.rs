@@ -10,14 +10,21 @@ use core::ptr::write_volatile;
 
 use aya_ebpf::{
     EbpfContext,
+    bindings::{
+        BPF_F_CURRENT_NETNS, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2,
+    },
     btf_maps::lpm_trie::Key,
-    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    helpers::{
+        bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie,
+        bpf_sk_lookup_tcp, bpf_sk_release,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use shunt_common::{
     AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, DNS_PORT, DNS_PROXY_PORT,
-    Decision, OriginalDst, PodConfig, PortKey, cidr_kind, direction, flags,
+    Decision, NODE_PROXY_MARK, OriginalDst, PodConfig, PortKey, cidr_kind, direction, flags,
     outbound::{ConnectFacts, decide},
     port_kind,
 };
@@ -133,6 +140,13 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     };
     // SAFETY: a value pointer from a successful lookup.
     let cfg = unsafe { *cfg };
+    // SAFETY: sock_addr hooks always set `sk` (the socket at hand); `mark` is one of
+    // its readable fields.
+    if unsafe { (*(*sa).__bindgen_anon_1.sk).mark } == NODE_PROXY_MARK {
+        // Node mode's proxy connecting upstream from inside the pod.
+        count_pod(cfg.pod_id, Decision::SkipNodeProxyMark);
+        return;
+    }
     let dial = dial(ctx, v6);
     let port_be = dial.port_be;
     let decision = decide(&facts(&cfg, &dial, u16::from_be(port_be)));
@@ -153,6 +167,14 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
             return;
         }
     };
+    if cfg.flags & flags::FAIL_OPEN != 0
+        && decision != Decision::DnsCapturedTcp
+        && !proxy_listening(ctx, &cfg, &dial, v6, to_port)
+    {
+        // Nothing serves the pod now (node mode, the proxy down): straight through.
+        count_pod(cfg.pod_id, Decision::FailOpenNoProxy);
+        return;
+    }
     let original = OriginalDst {
         addr: dial.dst,
         port: port_be,
@@ -177,11 +199,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     }
     // To the pod's own address (loopback if it has none): routed over lo, with the pod
     // address as source, so the proxy sees the app where iptables' REDIRECT shows it.
-    let to4 = if cfg.addr_v4 != 0 {
-        cfg.addr_v4
-    } else {
-        LOCALHOST4
-    };
+    let to4 = proxy_addr_v4(&cfg);
     // SAFETY: context fields writable by connect hooks, one 32-bit store each.
     unsafe {
         if !v6 {
@@ -189,10 +207,8 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         } else {
             let to = if dial.v4_mapped {
                 map_v4(to4)
-            } else if is_unspecified6(&cfg.addr_v6) {
-                LOCALHOST6
             } else {
-                cfg.addr_v6
+                proxy_addr_v6(&cfg)
             };
             let p = (&raw mut (*sa).user_ip6) as *mut u32;
             write_volatile(p, to[0]);
@@ -202,6 +218,69 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
         }
         write_volatile(&raw mut (*sa).user_port, u32::from(to_port.to_be()));
     }
+}
+
+/// Where captured IPv4 connects go: the pod's own address, loopback if it has none.
+#[inline(always)]
+fn proxy_addr_v4(cfg: &PodConfig) -> u32 {
+    if cfg.addr_v4 != 0 {
+        cfg.addr_v4
+    } else {
+        LOCALHOST4
+    }
+}
+
+#[inline(always)]
+fn proxy_addr_v6(cfg: &PodConfig) -> Addr {
+    if is_unspecified6(&cfg.addr_v6) {
+        LOCALHOST6
+    } else {
+        cfg.addr_v6
+    }
+}
+
+/// Whether a socket listens where this connect would be sent (the pod's proxy port), in
+/// the socket's own namespace. The source given is the pod's address, so the lookup is
+/// local as the real connect would be (`sk_lookup` leaves local sources alone).
+#[inline(always)]
+fn proxy_listening(ctx: &SockAddrContext, cfg: &PodConfig, dial: &Dial, v6: bool, port: u16) -> bool {
+    // SAFETY: a plain C struct of integers, all-zero is a valid value.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = if !v6 || dial.v4_mapped {
+        let a = proxy_addr_v4(cfg);
+        tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+            saddr: a,
+            daddr: a,
+            sport: 0,
+            dport: port.to_be(),
+        };
+        size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>()
+    } else {
+        let a = proxy_addr_v6(cfg);
+        tuple.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
+            saddr: a,
+            daddr: a,
+            sport: 0,
+            dport: port.to_be(),
+        };
+        size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2>()
+    };
+    // SAFETY: helpers connect hooks may call: the tuple is a live local of `size` bytes,
+    // and a socket returned is released at once.
+    unsafe {
+        let sk = bpf_sk_lookup_tcp(
+            ctx.as_ptr(),
+            &mut tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        );
+        if sk.is_null() {
+            return false;
+        }
+        bpf_sk_release(sk.cast());
+    }
+    true
 }
 
 #[inline(always)]

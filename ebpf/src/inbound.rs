@@ -68,6 +68,11 @@ fn steer(ctx: &SkLookupContext) -> u32 {
             count_pod(cfg.pod_id, Decision::InboundSteered);
             SK_PASS
         }
+        Err(_) if cfg.flags & flags::FAIL_OPEN != 0 => {
+            // Node mode's fail-open pod with nothing serving it: straight to the app.
+            count_pod(cfg.pod_id, Decision::FailOpenNoProxy);
+            SK_PASS
+        }
         Err(_) => {
             // As with iptables, nothing reaches the app around its proxy (fail closed).
             count_pod(cfg.pod_id, Decision::InboundNoListener);

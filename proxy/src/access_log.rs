@@ -71,6 +71,12 @@ pub enum ResponseFlag {
     UpstreamProtocolError,
     /// `SI`: the stream was idle for `stream_idle_timeout`.
     StreamIdleTimeout,
+    /// `FI`: the fault filter aborted the request.
+    FaultInjected,
+    /// `DI`: the fault filter delayed the request.
+    DelayInjected,
+    /// `UAEX`: the external authorization service denied the request.
+    UnauthorizedExternalService,
 }
 
 impl ResponseFlag {
@@ -85,6 +91,9 @@ impl ResponseFlag {
             Self::NoClusterFound => "NC",
             Self::UpstreamRequestTimeout => "UT",
             Self::StreamIdleTimeout => "SI",
+            Self::FaultInjected => "FI",
+            Self::DelayInjected => "DI",
+            Self::UnauthorizedExternalService => "UAEX",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
             Self::DownstreamProtocolError => "DPE",

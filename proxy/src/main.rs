@@ -26,15 +26,28 @@ enum Command {
     Agent(Box<shunt::server::agent::AgentArgs>),
     /// Show what capture installed: pods, links, decision counters, live redirections.
     Inspect(inspect::InspectArgs),
+    /// Node mode: one privileged process enrolling and serving every pod of the node
+    /// (the DaemonSet); `install-cni` / `uninstall-cni` set up the `shunt-cni` plugin.
+    Node(Box<shunt::server::node::NodeArgs>),
 }
 
 fn main() -> std::process::ExitCode {
+    // Installed as `shunt-cni`, the binary is a CNI plugin: the runtime gives it no
+    // arguments, only `CNI_*` variables and the network configuration on stdin.
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    if std::path::Path::new(&argv0)
+        .file_name()
+        .is_some_and(|name| name == shunt::node::cni::install::PLUGIN_TYPE)
+    {
+        return shunt::node::cni::plugin::main();
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Capture(args) => capture::run(*args),
         Command::Proxy(args) => shunt::server::run(*args),
         Command::Agent(args) => shunt::server::agent::run(*args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Node(args) => shunt::server::node::run(*args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -7,6 +7,11 @@
 //! never waits for a scrape. Only creating a name takes the store's lock. Tags (Prometheus
 //! labels) are not stored: the admin API extracts them from the names as Envoy does, with
 //! the bootstrap's `stats_config` (see `admin::tags`).
+//!
+//! Except for tagged stats ([`Store::tagged_counter`] and kin): those are created with
+//! their tags, as Envoy's `counterFromStatNameWithTags` does for Istio's metrics, and keep
+//! them (no extraction), under a name in a custom namespace (`istiocustom.`) that
+//! `/stats/prometheus` writes without Envoy's `envoy_` prefix.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,6 +34,42 @@ pub struct Stat {
     pub value: StatValue,
     /// Whether it was ever written (Envoy's `usedonly`).
     pub used: bool,
+    /// A tagged stat's own tags (no extraction applies to it); `None` for the others.
+    pub tags: Option<Arc<TagSet>>,
+}
+
+/// The tags a tagged stat was created with, and its name without them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TagSet {
+    /// `istiocustom.istio_requests_total`.
+    pub extracted_name: String,
+    /// In the order given: Prometheus shows labels in this order.
+    pub tags: Vec<(String, String)>,
+}
+
+/// Envoy's registered custom stat namespaces: a stat under one is shown by
+/// `/stats/prometheus` without the `envoy_` prefix and without the namespace. Istio's
+/// stats filter registers `istiocustom`.
+pub const CUSTOM_NAMESPACES: &[&str] = &["istiocustom"];
+
+/// Envoy's full name of a tagged stat: the name, then each tag's name and value, all
+/// joined by dots (`istiocustom.istio_requests_total.reporter.source...`).
+pub fn tagged_name(name: &str, tags: &[(&str, &str)]) -> String {
+    let mut full = String::with_capacity(
+        name.len()
+            + tags
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 2)
+                .sum::<usize>(),
+    );
+    full.push_str(name);
+    for (key, value) in tags {
+        full.push('.');
+        full.push_str(key);
+        full.push('.');
+        full.push_str(value);
+    }
+    full
 }
 
 impl Stat {
@@ -37,6 +78,7 @@ impl Stat {
             name: name.into(),
             value: StatValue::Counter(value),
             used: value > 0,
+            tags: None,
         }
     }
 
@@ -45,6 +87,7 @@ impl Stat {
             name: name.into(),
             value: StatValue::Gauge(value),
             used: true,
+            tags: None,
         }
     }
 }
@@ -215,10 +258,15 @@ enum Metric {
     Histogram(Histogram),
 }
 
+/// Tagged stats by full name, with their tags.
+type TaggedMetrics = BTreeMap<String, (Metric, Arc<TagSet>)>;
+
 /// Every stat of the process by name. Cloning shares the store.
 #[derive(Debug, Clone, Default)]
 pub struct Store {
     metrics: Arc<RwLock<BTreeMap<String, Metric>>>,
+    /// Tagged stats by full name ([`tagged_name`]), with their tags.
+    tagged: Arc<RwLock<TaggedMetrics>>,
     /// Names asked for as two different kinds, reported once each.
     conflicts: Arc<Mutex<Vec<String>>>,
 }
@@ -261,28 +309,89 @@ impl Store {
         }
     }
 
+    /// The tagged counter `name` with `tags` (in that order), created at zero on first use.
+    pub fn tagged_counter(&self, name: &str, tags: &[(&str, &str)]) -> Counter {
+        match self.get_or_insert_tagged(name, tags, || Metric::Counter(Counter::default())) {
+            Metric::Counter(counter) => counter,
+            _ => {
+                self.conflict(name, "counter");
+                Counter::default()
+            }
+        }
+    }
+
+    /// The tagged gauge `name` with `tags`, created at zero on first use.
+    pub fn tagged_gauge(&self, name: &str, tags: &[(&str, &str)]) -> Gauge {
+        match self.get_or_insert_tagged(name, tags, || Metric::Gauge(Gauge::default())) {
+            Metric::Gauge(gauge) => gauge,
+            _ => {
+                self.conflict(name, "gauge");
+                Gauge::default()
+            }
+        }
+    }
+
+    /// The tagged histogram `name` with `tags`, created empty on first use.
+    pub fn tagged_histogram(&self, name: &str, tags: &[(&str, &str)]) -> Histogram {
+        match self.get_or_insert_tagged(name, tags, || Metric::Histogram(Histogram::default())) {
+            Metric::Histogram(histogram) => histogram,
+            _ => {
+                self.conflict(name, "histogram");
+                Histogram::default()
+            }
+        }
+    }
+
     /// Every stat, sorted by name.
     pub fn snapshot(&self) -> Vec<Stat> {
-        let metrics = self.metrics.read().unwrap_or_else(|e| e.into_inner());
-        metrics
-            .iter()
-            .map(|(name, metric)| match metric {
-                Metric::Counter(counter) => Stat::counter(name.clone(), counter.value()),
-                Metric::Gauge(gauge) => Stat {
-                    name: name.clone(),
-                    value: StatValue::Gauge(gauge.value()),
-                    used: gauge.0.used.load(Ordering::Relaxed),
-                },
-                Metric::Histogram(histogram) => {
-                    let summary = histogram.summary();
-                    Stat {
-                        name: name.clone(),
-                        used: summary.count > 0,
-                        value: StatValue::Histogram(summary),
-                    }
-                }
-            })
-            .collect()
+        let mut stats: Vec<Stat> = {
+            let metrics = self.metrics.read().unwrap_or_else(|e| e.into_inner());
+            metrics
+                .iter()
+                .map(|(name, metric)| read(name, metric, None))
+                .collect()
+        };
+        let tagged = self.tagged.read().unwrap_or_else(|e| e.into_inner());
+        if !tagged.is_empty() {
+            stats.extend(
+                tagged
+                    .iter()
+                    .map(|(name, (metric, tags))| read(name, metric, Some(tags.clone()))),
+            );
+            stats.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        stats
+    }
+
+    fn get_or_insert_tagged(
+        &self,
+        name: &str,
+        tags: &[(&str, &str)],
+        new: impl FnOnce() -> Metric,
+    ) -> Metric {
+        let full = tagged_name(name, tags);
+        if let Some((metric, _)) = self
+            .tagged
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&full)
+        {
+            return metric.clone();
+        }
+        let tag_set = Arc::new(TagSet {
+            extracted_name: name.to_owned(),
+            tags: tags
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        });
+        self.tagged
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(full)
+            .or_insert_with(|| (new(), tag_set))
+            .0
+            .clone()
     }
 
     fn get_or_insert(&self, name: &str, new: impl FnOnce() -> Metric) -> Metric {
@@ -310,6 +419,30 @@ impl Store {
                 stat = name,
                 "stat asked for as a {wanted} but exists as another kind; updates are dropped"
             );
+        }
+    }
+}
+
+fn read(name: &str, metric: &Metric, tags: Option<Arc<TagSet>>) -> Stat {
+    match metric {
+        Metric::Counter(counter) => Stat {
+            tags,
+            ..Stat::counter(name, counter.value())
+        },
+        Metric::Gauge(gauge) => Stat {
+            name: name.to_owned(),
+            value: StatValue::Gauge(gauge.value()),
+            used: gauge.0.used.load(Ordering::Relaxed),
+            tags,
+        },
+        Metric::Histogram(histogram) => {
+            let summary = histogram.summary();
+            Stat {
+                name: name.to_owned(),
+                used: summary.count > 0,
+                value: StatValue::Histogram(summary),
+                tags,
+            }
         }
     }
 }
@@ -379,6 +512,37 @@ mod tests {
         let median = summary.quantile(0.5).unwrap();
         assert!((1.0..=5.0).contains(&median), "{median}");
         assert_eq!(Histogram::default().summary().quantile(0.5), None);
+    }
+
+    #[test]
+    fn tagged_stats_keep_their_tags_in_order_under_envoys_joined_name() {
+        let store = Store::new();
+        let tags = [("reporter", "source"), ("response_code", "200")];
+        store
+            .tagged_counter("istiocustom.istio_requests_total", &tags)
+            .inc();
+        store
+            .tagged_counter("istiocustom.istio_requests_total", &tags)
+            .add(2);
+        store.counter("a.plain").inc();
+        let stats = store.snapshot();
+        assert_eq!(stats.len(), 2);
+        assert_eq!(stats[0], Stat::counter("a.plain", 1));
+        let tagged = &stats[1];
+        assert_eq!(
+            tagged.name,
+            "istiocustom.istio_requests_total.reporter.source.response_code.200"
+        );
+        assert_eq!(tagged.value, StatValue::Counter(3));
+        let tag_set = tagged.tags.as_deref().unwrap();
+        assert_eq!(tag_set.extracted_name, "istiocustom.istio_requests_total");
+        assert_eq!(
+            tag_set.tags,
+            vec![
+                ("reporter".to_owned(), "source".to_owned()),
+                ("response_code".to_owned(), "200".to_owned())
+            ]
+        );
     }
 
     #[test]

@@ -241,7 +241,7 @@ fn run(delta: bool) {
         addr
     });
     let sink_tables = tables.clone();
-    let sink: NameTableSink = Arc::new(move |table: &Any| {
+    let sink: NameTableSink = Arc::new(move |table: &Any, _version: &str| {
         sink_tables.lock().unwrap().push(table.value.clone());
         Ok(())
     });
@@ -251,6 +251,7 @@ fn run(delta: bool) {
             tls: None,
             metadata: vec![("clusterid".into(), "Kubernetes".into())],
             token_path: Some(token.clone()),
+            certificates: None,
         },
         Some(sink),
     );

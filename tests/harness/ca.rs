@@ -77,6 +77,17 @@ impl TestCa {
     /// A new root (written to `dir/root-cert.pem`) and a CA serving on 127.0.0.1 that
     /// accepts `token` and issues certificates for `lifetime`.
     pub fn start(dir: &Path, token: &str, lifetime: Duration) -> Result<TestCa> {
+        Self::start_on(dir, token, lifetime, "127.0.0.1".parse()?)
+    }
+
+    /// As [`TestCa::start`], serving on `ip` (its certificate names that address): a
+    /// node's gateway address, say, so every pod reaches the one CA.
+    pub fn start_on(
+        dir: &Path,
+        token: &str,
+        lifetime: Duration,
+        ip: std::net::IpAddr,
+    ) -> Result<TestCa> {
         let root_key = KeyPair::generate()?;
         let mut root_params = CertificateParams::default();
         root_params
@@ -97,17 +108,14 @@ impl TestCa {
             calls: Mutex::new(Vec::new()),
             serial: AtomicU64::new(0x1000 + u64::from(std::process::id()) * 0x10000),
         });
-        // The CA's own serving certificate, for 127.0.0.1, from the same root.
-        let (chain, key) = state.issue(
-            vec![SanType::IpAddress("127.0.0.1".parse()?)],
-            Duration::from_secs(3600),
-        )?;
+        // The CA's own serving certificate, for its address, from the same root.
+        let (chain, key) = state.issue(vec![SanType::IpAddress(ip)], Duration::from_secs(3600))?;
         let tls = acceptor(&chain, &key)?;
         let mut ca = TestCa {
             state,
             root_pem,
             root_file,
-            addr: "127.0.0.1:0".parse()?,
+            addr: SocketAddr::new(ip, 0),
             tls,
             running: None,
         };
@@ -134,6 +142,16 @@ impl TestCa {
             vec![SanType::URI(identity.to_owned().try_into()?)],
             lifetime,
         )
+    }
+
+    /// A serving certificate for `ip` (an IP SAN, as istiod's for an address) from
+    /// this CA's root: (chain, key) PEM.
+    pub fn issue_for_ip(
+        &self,
+        ip: std::net::IpAddr,
+        lifetime: Duration,
+    ) -> Result<(String, String)> {
+        self.state.issue(vec![SanType::IpAddress(ip)], lifetime)
     }
 
     /// Stops serving: the port is closed, open connections dropped.

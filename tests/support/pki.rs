@@ -146,3 +146,30 @@ impl Pki {
         }
     }
 }
+
+/// The first certificate of a PEM chain, DER.
+pub fn leaf(chain_pem: &str) -> Vec<u8> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+        .next()
+        .expect("a certificate")
+        .unwrap()
+        .to_vec()
+}
+
+/// A certificate's URI SANs (its SPIFFE identity).
+pub fn uris(der: &[u8]) -> Vec<String> {
+    use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+    let (_, cert) = X509Certificate::from_der(der).unwrap();
+    let mut uris = Vec::new();
+    for ext in cert.extensions() {
+        if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
+            for name in &san.general_names {
+                if let GeneralName::URI(uri) = name {
+                    uris.push(uri.to_string());
+                }
+            }
+        }
+    }
+    uris
+}

@@ -27,6 +27,7 @@ pub const TARGETS: &[&str] = &[
     "listener_sniff",
     "capture_flags",
     "dns_message",
+    "peer_exchange",
 ];
 
 /// What cargo-fuzz passes rustc (its defaults, with AddressSanitizer).

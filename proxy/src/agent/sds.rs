@@ -12,6 +12,8 @@
 //! is refused (`UNIMPLEMENTED`); Envoy's `sds-grpc` cluster in Istio's bootstrap uses
 //! `GRPC`, not `DELTA_GRPC`.
 //!
+//! The in-process proxy gets the same streams by call ([`local`]): no socket.
+//!
 //! ```ignore
 //! let (provider, _task) = CertificateProvider::start_ca(CaOptions::from_env()?);
 //! let listener = sds::bind(Path::new(sds::DEFAULT_SOCKET))?;
@@ -32,10 +34,12 @@ use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::ca::{Bundle, CertificateProvider};
+use crate::xds::local::{LocalServer, MessageStream};
 
 /// Where Istio's Envoy looks for its SDS server (relative to the proxy's working
 /// directory, `/` in the istio-proxy container).
@@ -91,17 +95,10 @@ impl SecretDiscoveryService for Sds {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamSecretsStream>, Status> {
-        let (tx, rx) = mpsc::channel(4);
-        let stream = SotwStream {
-            requests: request.into_inner(),
-            bundles: self.provider.subscribe(),
-            responses: tx,
-            names: Vec::new(),
-            sent: None,
-            nonce: 0,
-        };
-        tokio::spawn(stream.run());
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(ReceiverStream::new(open(
+            &self.provider,
+            Box::pin(request.into_inner()),
+        ))))
     }
 
     async fn delta_secrets(
@@ -126,9 +123,65 @@ impl SecretDiscoveryService for Sds {
     }
 }
 
+/// Starts one `StreamSecrets` stream: its responses come out of the receiver.
+fn open(
+    provider: &CertificateProvider,
+    requests: MessageStream<DiscoveryRequest>,
+) -> mpsc::Receiver<Result<DiscoveryResponse, Status>> {
+    let (tx, rx) = mpsc::channel(4);
+    let stream = SotwStream {
+        requests,
+        bundles: provider.subscribe(),
+        responses: tx,
+        names: Vec::new(),
+        sent: None,
+        nonce: 0,
+    };
+    tokio::spawn(stream.run());
+    rx
+}
+
+/// The SDS server for the in-process proxy: the same streams as over the socket, by
+/// call (see [`crate::xds::local`]), so `default`/`ROOTCA` and every rotation reach the
+/// proxy's secret store with no socket.
+pub fn local(provider: CertificateProvider) -> Arc<dyn LocalServer> {
+    Arc::new(Sds { provider })
+}
+
+#[tonic::async_trait]
+impl LocalServer for Sds {
+    async fn sotw(
+        &self,
+        method: &'static str,
+        requests: MessageStream<DiscoveryRequest>,
+    ) -> Result<MessageStream<DiscoveryResponse>, Status> {
+        if method != STREAM_SECRETS {
+            return Err(Status::unimplemented(format!(
+                "the agent's SDS server serves {STREAM_SECRETS}, not {method}"
+            )));
+        }
+        Ok(Box::pin(ReceiverStream::new(open(
+            &self.provider,
+            requests,
+        ))))
+    }
+
+    async fn delta(
+        &self,
+        _method: &'static str,
+        _requests: MessageStream<DeltaDiscoveryRequest>,
+    ) -> Result<MessageStream<DeltaDiscoveryResponse>, Status> {
+        Err(Status::unimplemented(
+            "delta SDS is not served: use the state-of-the-world StreamSecrets (api_type GRPC)",
+        ))
+    }
+}
+
+const STREAM_SECRETS: &str = "/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets";
+
 /// One `StreamSecrets` stream.
 struct SotwStream {
-    requests: Streaming<DiscoveryRequest>,
+    requests: MessageStream<DiscoveryRequest>,
     bundles: watch::Receiver<Option<Arc<Bundle>>>,
     responses: mpsc::Sender<Result<DiscoveryResponse, Status>>,
     /// What the last accepted request asked for.
@@ -143,15 +196,15 @@ impl SotwStream {
         let mut rotating = true;
         loop {
             tokio::select! {
-                request = self.requests.message() => match request {
-                    Ok(Some(request)) => {
+                request = self.requests.next() => match request {
+                    Some(Ok(request)) => {
                         if let Err(status) = self.on_request(request) {
                             let _ = self.responses.send(Err(status)).await;
                             return;
                         }
                     }
-                    Ok(None) => return,
-                    Err(status) => {
+                    None => return,
+                    Some(Err(status)) => {
                         tracing::debug!("SDS stream ended: {status}");
                         return;
                     }

@@ -9,7 +9,6 @@
 //! logic (with its back-off) drives the retries, as with pilot-agent.
 
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -23,10 +22,12 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
-use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+use super::ca::CertificateProvider;
+use crate::xds::local::{LocalServer, MessageStream};
 use crate::xds::source::{Target, Tls};
 
 /// The name table istiod sends to the agent's DNS proxy.
@@ -37,8 +38,9 @@ const ADS_SOTW: &str =
 const ADS_DELTA: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
-/// Takes a pushed name table; an error NACKs it (the DNS proxy keeps its last good one).
-pub type NameTableSink = Arc<dyn Fn(&Any) -> Result<(), String> + Send + Sync>;
+/// Takes a pushed name table and its version; an error NACKs it (the DNS proxy keeps
+/// its last good one).
+pub type NameTableSink = Arc<dyn Fn(&Any, &str) -> Result<(), String> + Send + Sync>;
 
 /// Where the agent reaches istiod, and with what.
 #[derive(Clone)]
@@ -50,6 +52,9 @@ pub struct Upstream {
     /// A bearer token file, read at every connect (Kubernetes rotates it):
     /// `authorization: Bearer <token>`.
     pub token_path: Option<PathBuf>,
+    /// The workload certificate: once there is one, each TLS connect presents the
+    /// current one as its client certificate (mTLS to istiod).
+    pub certificates: Option<CertificateProvider>,
 }
 
 /// The proxy, and what it counts.
@@ -62,7 +67,7 @@ pub struct XdsProxy {
     pub name_tables_rejected: AtomicU64,
 }
 
-type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+type ResponseStream<T> = MessageStream<T>;
 
 impl XdsProxy {
     /// `name_table`: where NDS goes; `None` means the agent runs no DNS proxy and does not
@@ -103,7 +108,19 @@ impl XdsProxy {
     }
 
     async fn channel(&self) -> Result<tonic::transport::Channel, Status> {
-        crate::xds::stream::connect(&self.upstream.target, self.upstream.tls.as_ref(), None)
+        let mut tls = self.upstream.tls.clone();
+        let workload = self
+            .upstream
+            .certificates
+            .as_ref()
+            .and_then(|c| c.current());
+        if let (Some(tls), Some(bundle)) = (tls.as_mut(), workload) {
+            tls.client_certificate = Some((
+                bundle.cert_chain.as_bytes().to_vec(),
+                bundle.private_key.as_bytes().to_vec(),
+            ));
+        }
+        crate::xds::stream::connect(&self.upstream.target, tls.as_ref(), None)
             .await
             .map_err(|e| Status::unavailable(format!("istiod at {}: {e}", self.upstream.target)))
     }
@@ -130,10 +147,10 @@ impl XdsProxy {
     }
 
     /// Hands a name table to the sink; the error to NACK it with, if refused.
-    fn take_name_table(&self, resources: &[Any]) -> Option<String> {
+    fn take_name_table(&self, resources: &[Any], version: &str) -> Option<String> {
         let sink = self.name_table.as_ref()?;
         let result = match resources {
-            [table] => sink(table),
+            [table] => sink(table, version),
             [] => Err("the response has no NameTable".into()),
             more => Err(format!("{} NameTables in one response", more.len())),
         };
@@ -162,7 +179,62 @@ impl AggregatedDiscoveryService for Downstream {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let proxy = self.0.clone();
+        let responses = self.0.clone().sotw(Box::pin(request.into_inner())).await?;
+        Ok(Response::new(responses))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let responses = self.0.clone().delta(Box::pin(request.into_inner())).await?;
+        Ok(Response::new(responses))
+    }
+}
+
+/// The in-process proxy's ADS stream, by call (see [`crate::xds::local`]): relayed as
+/// a supervised Envoy's is, with no socket in between.
+#[tonic::async_trait]
+impl LocalServer for Downstream {
+    async fn sotw(
+        &self,
+        method: &'static str,
+        requests: MessageStream<DiscoveryRequest>,
+    ) -> Result<MessageStream<DiscoveryResponse>, Status> {
+        if method != ADS_SOTW {
+            return Err(Status::unimplemented(format!(
+                "the xDS proxy serves ADS, not {method}"
+            )));
+        }
+        self.0.clone().sotw(requests).await
+    }
+
+    async fn delta(
+        &self,
+        method: &'static str,
+        requests: MessageStream<DeltaDiscoveryRequest>,
+    ) -> Result<MessageStream<DeltaDiscoveryResponse>, Status> {
+        if method != ADS_DELTA {
+            return Err(Status::unimplemented(format!(
+                "the xDS proxy serves ADS, not {method}"
+            )));
+        }
+        self.0.clone().delta(requests).await
+    }
+}
+
+impl XdsProxy {
+    /// This proxy as a server the in-process proxy's streams call.
+    pub fn local(self: &Arc<Self>) -> Arc<dyn LocalServer> {
+        Arc::new(Downstream(self.clone()))
+    }
+
+    /// One downstream SotW ADS stream, relayed over a stream of its own upstream.
+    async fn sotw(
+        self: Arc<Self>,
+        downstream_requests: MessageStream<DiscoveryRequest>,
+    ) -> Result<ResponseStream<DiscoveryResponse>, Status> {
+        let proxy = self;
         proxy.streams.fetch_add(1, Ordering::Relaxed);
         let (up_tx, up_rx) = mpsc::unbounded_channel::<DiscoveryRequest>();
         let upstream: Streaming<DiscoveryResponse> = open(&proxy, up_rx, ADS_SOTW).await?;
@@ -171,7 +243,6 @@ impl AggregatedDiscoveryService for Downstream {
         // (which carries the node).
         let ask_nds = proxy.name_table.is_some();
         let requests = up_tx.clone();
-        let downstream_requests = request.into_inner();
         tokio::spawn(forward_requests(
             downstream_requests,
             requests,
@@ -189,27 +260,28 @@ impl AggregatedDiscoveryService for Downstream {
                 version_info: r.version_info.clone(),
                 response_nonce: r.nonce.clone(),
                 type_url: NAME_TABLE.into(),
-                error_detail: proxy.take_name_table(&r.resources).map(nack),
+                error_detail: proxy
+                    .take_name_table(&r.resources, &r.version_info)
+                    .map(nack),
                 ..Default::default()
             })
         }));
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
-            down_rx,
-        ))))
+        Ok(Box::pin(UnboundedReceiverStream::new(down_rx)))
     }
 
-    async fn delta_aggregated_resources(
-        &self,
-        request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let proxy = self.0.clone();
+    /// One downstream Delta ADS stream, relayed over a stream of its own upstream.
+    async fn delta(
+        self: Arc<Self>,
+        downstream_requests: MessageStream<DeltaDiscoveryRequest>,
+    ) -> Result<ResponseStream<DeltaDiscoveryResponse>, Status> {
+        let proxy = self;
         proxy.streams.fetch_add(1, Ordering::Relaxed);
         let (up_tx, up_rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
         let upstream: Streaming<DeltaDiscoveryResponse> = open(&proxy, up_rx, ADS_DELTA).await?;
         let (down_tx, down_rx) = mpsc::unbounded_channel();
         let ask_nds = proxy.name_table.is_some();
         tokio::spawn(forward_requests(
-            request.into_inner(),
+            downstream_requests,
             up_tx.clone(),
             move |_: &DeltaDiscoveryRequest| {
                 // A wildcard subscription: no names.
@@ -229,14 +301,14 @@ impl AggregatedDiscoveryService for Downstream {
                 DeltaDiscoveryRequest {
                     response_nonce: r.nonce.clone(),
                     type_url: NAME_TABLE.into(),
-                    error_detail: proxy.take_name_table(&tables).map(nack),
+                    error_detail: proxy
+                        .take_name_table(&tables, &r.system_version_info)
+                        .map(nack),
                     ..Default::default()
                 }
             })
         }));
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
-            down_rx,
-        ))))
+        Ok(Box::pin(UnboundedReceiverStream::new(down_rx)))
     }
 }
 
@@ -302,7 +374,7 @@ where
 /// Ends (dropping the upstream sender, which ends the upstream stream) when the proxy's
 /// stream ends.
 async fn forward_requests<Req>(
-    mut downstream: Streaming<Req>,
+    mut downstream: MessageStream<Req>,
     upstream: mpsc::UnboundedSender<Req>,
     extra: impl FnOnce(&Req) -> Option<Req>,
 ) where

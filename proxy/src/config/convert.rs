@@ -160,3 +160,17 @@ pub fn decode<M: Message + Name + Default>(
         }
     }
 }
+
+/// Wasm filters, HTTP and network: shunt runs no Wasm, so a listener that needs one is
+/// refused (Istio's own filters have native equivalents).
+pub const WASM_FILTERS: [&str; 2] = [
+    "envoy.extensions.filters.http.wasm.v3.Wasm",
+    "envoy.extensions.filters.network.wasm.v3.Wasm",
+];
+
+/// The refusal of filter `name` of config type `kind`, if it is a Wasm filter.
+pub fn wasm_unsupported(kind: &str, name: &str) -> Option<String> {
+    WASM_FILTERS
+        .contains(&kind)
+        .then(|| format!("filter {name:?} ({kind}) runs Wasm, and Wasm is not supported by shunt"))
+}

@@ -26,10 +26,26 @@ use super::pool::{PoolError, pool};
 pub const NETWORK_FILTERS: &[&str] = &[
     "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+    "envoy.extensions.filters.network.rbac.v3.RBAC",
+    "io.istio.network.authn.Config",
 ];
 
 /// HTTP filters (`http_connection_manager`'s `http_filters`).
-pub const HTTP_FILTERS: &[&str] = &["envoy.extensions.filters.http.router.v3.Router"];
+pub const HTTP_FILTERS: &[&str] = &[
+    "envoy.extensions.filters.http.router.v3.Router",
+    "envoy.extensions.filters.http.rbac.v3.RBAC",
+    "envoy.extensions.filters.http.fault.v3.HTTPFault",
+    "envoy.extensions.filters.http.cors.v3.Cors",
+    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+];
+
+/// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
+pub const HTTP_FILTER_PER_ROUTE: &[&str] = &[
+    "envoy.extensions.filters.http.fault.v3.HTTPFault",
+    "envoy.extensions.filters.http.cors.v3.CorsPolicy",
+    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+    "envoy.extensions.filters.http.rbac.v3.RBACPerRoute",
+];
 
 /// HTTP filters shunt does not implement but may leave out of a chain without changing
 /// what a request means or who may make it: they only change how a response is encoded.
@@ -37,11 +53,34 @@ pub const HTTP_FILTERS: &[&str] = &["envoy.extensions.filters.http.router.v3.Rou
 pub const HTTP_FILTERS_SAFE_TO_SKIP: &[&str] =
     &["envoy.extensions.filters.http.compressor.v3.Compressor"];
 
+/// HTTP filters Istio puts in every sidecar's connection managers that change nothing
+/// about where a request goes or what it gets back when left out: shunt accepts them
+/// with a warning saying what is lost (`--mode validate` and xDS alike).
+pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[
+    (
+        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+        "gRPC stats are not collected",
+    ),
+    (
+        "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
+        "upstream ALPN overrides are not applied",
+    ),
+    (
+        "io.istio.http.peer_metadata.Config",
+        "peer metadata is not exchanged (telemetry only)",
+    ),
+    (
+        "stats.PluginConfig",
+        "Istio's request metrics are not produced",
+    ),
+];
+
 /// Listener filters (a listener's `listener_filters`).
 pub const LISTENER_FILTERS: &[&str] = &[
     "envoy.extensions.filters.listener.original_dst.v3.OriginalDst",
     "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
     "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
+    "istio.set_internal_dst_address.v1.Config",
 ];
 
 /// Transport sockets (a filter chain's or a cluster's `transport_socket`).
@@ -49,7 +88,12 @@ pub const TRANSPORT_SOCKETS: &[&str] = &[
     "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer",
     "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
     "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+    "envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
 ];
+
+/// Bootstrap extensions (`bootstrap_extensions`).
+pub const BOOTSTRAP_EXTENSIONS: &[&str] =
+    &["envoy.extensions.bootstrap.internal_listener.v3.InternalListener"];
 
 /// Cluster discovery types (`Cluster.type`), by enum name.
 pub const CLUSTER_TYPES: &[&str] = &["STATIC", "STRICT_DNS", "LOGICAL_DNS", "EDS", "ORIGINAL_DST"];
@@ -66,6 +110,21 @@ pub const ACCESS_LOGGERS: &[&str] = &[
 /// Cluster protocol options (`Cluster.typed_extension_protocol_options`). The HTTP one
 /// chooses the upstream HTTP version: every ADS cluster uses it to ask for HTTP/2.
 pub const PROTOCOL_OPTIONS: &[&str] = &["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+
+/// What a listener's `filter_chain_matcher` reads and matches with
+/// (`crate::listener::chain_matcher`).
+pub const FILTER_CHAIN_MATCHING: &[&str] = &[
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourcePortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DirectSourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceTypeInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ServerNameInput",
+    "envoy.extensions.matching.common_inputs.network.v3.TransportProtocolInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ApplicationProtocolInput",
+    "xds.type.matcher.v3.IPMatcher",
+];
 
 /// Types that wrap an extension's config as JSON, naming the real type inside.
 const TYPED_STRUCTS: &[&str] = &["udpa.type.v1.TypedStruct", "xds.type.v3.TypedStruct"];
@@ -123,7 +182,8 @@ impl Role {
             Role::ClusterType => CUSTOM_CLUSTER_TYPES,
             Role::AccessLogger => ACCESS_LOGGERS,
             Role::ProtocolOptions => PROTOCOL_OPTIONS,
-            Role::StatsSink | Role::Tracer | Role::BootstrapExtension | Role::Other => &[],
+            Role::BootstrapExtension => BOOTSTRAP_EXTENSIONS,
+            Role::StatsSink | Role::Tracer | Role::Other => &[],
         }
     }
 
@@ -153,11 +213,13 @@ impl Role {
             || [
                 NETWORK_FILTERS,
                 HTTP_FILTERS,
+                HTTP_FILTER_PER_ROUTE,
                 LISTENER_FILTERS,
                 TRANSPORT_SOCKETS,
                 CUSTOM_CLUSTER_TYPES,
                 ACCESS_LOGGERS,
                 PROTOCOL_OPTIONS,
+                FILTER_CHAIN_MATCHING,
             ]
             .iter()
             .any(|list| list.contains(&type_name))
@@ -304,6 +366,13 @@ impl Walker<'_> {
         path: &Path,
     ) {
         let parent_type = parent.descriptor().full_name().to_owned();
+        if let Some(refusal) =
+            super::convert::wasm_unsupported(type_name, &string_field(parent, "name"))
+        {
+            self.findings
+                .push(Diagnostic::error(path.to_string(), refusal));
+            return;
+        }
         let what = format!(
             "{} {}({}{})",
             role.noun(),
@@ -330,6 +399,12 @@ impl Walker<'_> {
                     Severity::Warning,
                     "; shunt leaves it out, responses are not re-encoded",
                 ),
+                None if HTTP_FILTERS_SKIPPED_WITH_A_WARNING
+                    .iter()
+                    .any(|(name, _)| *name == type_name) =>
+                {
+                    (Severity::Warning, "; shunt leaves it out (telemetry only)")
+                }
                 None => (Severity::Error, "the listener cannot be served without it"),
             },
             _ => (Severity::Warning, "ignored"),
@@ -463,14 +538,21 @@ mod tests {
                 "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
                 "type_url": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
             }
+        }, {
+            "name": "envoy.bootstrap.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService"
+            }
         }]}));
         assert_eq!(findings.len(), 1);
         assert_eq!(findings[0].severity, Severity::Warning);
-        assert_eq!(findings[0].path, "bootstrap_extensions[0].typed_config");
+        // The internal listener extension is implemented: only Wasm is named.
+        assert_eq!(findings[0].path, "bootstrap_extensions[1].typed_config");
         assert!(
-            findings[0].message.contains(
-                "envoy.extensions.bootstrap.internal_listener.v3.InternalListener, as a TypedStruct"
-            ),
+            findings[0]
+                .message
+                .contains("envoy.extensions.wasm.v3.WasmService, as a TypedStruct"),
             "{}",
             findings[0].message
         );
@@ -491,8 +573,8 @@ mod tests {
                 }]}]
             }]}})
         };
-        let rbac = json!({"name": "rbac", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"}});
+        let rbac = json!({"name": "lua", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"}});
         let mut optional_rbac = rbac.clone();
         optional_rbac["is_optional"] = json!(true);
         let compressor = json!({"name": "gzip", "typed_config": {

@@ -12,13 +12,14 @@
 
 pub mod convert;
 mod diagnostic;
-mod extensions;
+pub mod extensions;
 pub mod health_ports;
 mod json;
 pub mod load;
 mod pool;
 pub mod references;
 mod resources;
+pub mod typed_struct;
 mod validate;
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;

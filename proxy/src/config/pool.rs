@@ -57,6 +57,10 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
     ),
     // Istio's DNS name table, for `/config_dump`.
     (
+        "shunt/istio/authn.proto",
+        include_str!("protos/istio/authn.proto"),
+    ),
+    (
         "shunt/istio/nds.proto",
         include_str!("protos/istio/nds.proto"),
     ),

@@ -109,11 +109,11 @@ fn istio_bootstrap_from_testdata_loads_with_the_expected_warnings() {
             .iter()
             .any(|(p, m)| *p == path && m.contains(words))
     };
+    // Istio's internal listener extension is implemented: no warning for it.
     assert!(
-        has(
-            "bootstrap_extensions[0].typed_config",
-            "envoy.extensions.bootstrap.internal_listener.v3.InternalListener, as a TypedStruct"
-        ),
+        !warnings
+            .iter()
+            .any(|(p, _)| p.starts_with("bootstrap_extensions")),
         "{warnings:#?}"
     );
     // Istio's http_conn_manager_listener_prefix tag uses a lookahead, which Envoy's old

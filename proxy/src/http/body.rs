@@ -14,6 +14,7 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::config::{HttpConnectionManager, StreamTimeouts};
+use super::filter::chain::ActiveChain;
 use super::timeouts::Timeout;
 use crate::access_log::{Entry, ResponseFlag};
 use crate::stats::Counter;
@@ -40,6 +41,8 @@ pub struct LogSlot {
     downstream_protocol_error: AtomicBool,
     /// Set once the request has its response (or was given up); empty: no line.
     line: Mutex<Option<(Entry, Arc<HttpConnectionManager>)>>,
+    /// The stream's HTTP filters, told when the stream is over.
+    chain: Mutex<Option<ActiveChain>>,
 }
 
 impl LogSlot {
@@ -55,6 +58,7 @@ impl LogSlot {
             sent: AtomicU64::new(0),
             downstream_protocol_error: AtomicBool::new(false),
             line: Mutex::new(None),
+            chain: Mutex::new(None),
         })
     }
 
@@ -129,6 +133,15 @@ impl LogSlot {
         *self.line.lock().unwrap_or_else(|e| e.into_inner()) = Some((entry, hcm));
     }
 
+    /// Keeps the stream's filters until the stream ends ([`ActiveChain::complete`]).
+    pub fn set_chain(&self, chain: ActiveChain) {
+        *self.chain.lock().unwrap_or_else(|e| e.into_inner()) = Some(chain);
+    }
+
+    pub fn take_chain(&self) -> Option<ActiveChain> {
+        self.chain.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
     /// Bytes a tunnel moved (an upgraded connection): `received` from the downstream,
     /// `sent` to it.
     pub fn add(&self, received: u64, sent: u64) {
@@ -155,10 +168,18 @@ impl Drop for LogSlot {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
+        let chain = self
+            .chain
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         if let Some((mut entry, hcm)) = line {
             entry.bytes_received = *self.received.get_mut();
             entry.bytes_sent = *self.sent.get_mut();
             entry.emit_to(&hcm.access_log);
+            if let Some(chain) = chain {
+                chain.complete(&entry);
+            }
         }
     }
 }
@@ -184,6 +205,8 @@ impl crate::upstream::http_pool::BodyObserver for LogSlot {
 #[derive(Debug)]
 enum Content {
     Full(Option<Bytes>),
+    /// A body an HTTP filter read whole: data, then trailers.
+    Buffered(Option<Bytes>, Option<hyper::HeaderMap>),
     /// With the end of the route's timeout, and the counter a timeout raises.
     Upstream(Incoming, Option<(Pin<Box<tokio::time::Sleep>>, Counter)>),
 }
@@ -221,6 +244,15 @@ impl ResponseBody {
     pub fn full(bytes: Bytes) -> Self {
         ResponseBody {
             content: Content::Full((!bytes.is_empty()).then_some(bytes)),
+            log: None,
+            watch: None,
+        }
+    }
+
+    /// A body an HTTP filter read whole (and maybe changed), with its trailers.
+    pub fn buffered(data: Bytes, trailers: Option<hyper::HeaderMap>) -> Self {
+        ResponseBody {
+            content: Content::Buffered((!data.is_empty()).then_some(data), trailers),
             log: None,
             watch: None,
         }
@@ -281,6 +313,10 @@ impl Body for ResponseBody {
         let this = self.get_mut();
         let frame = match &mut this.content {
             Content::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Content::Buffered(data, trailers) => Poll::Ready(match data.take() {
+                Some(data) => Some(Ok(Frame::data(data))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
             Content::Upstream(incoming, deadline) => {
                 let frame = Pin::new(incoming).poll_frame(cx);
                 let timed_out = frame.is_pending()
@@ -337,13 +373,14 @@ impl Body for ResponseBody {
     fn is_end_stream(&self) -> bool {
         match &self.content {
             Content::Full(bytes) => bytes.is_none(),
+            Content::Buffered(data, trailers) => data.is_none() && trailers.is_none(),
             Content::Upstream(incoming, _) => incoming.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.content {
-            Content::Full(bytes) => {
+            Content::Full(bytes) | Content::Buffered(bytes, _) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
             Content::Upstream(incoming, _) => incoming.size_hint(),

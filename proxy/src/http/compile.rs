@@ -19,40 +19,15 @@ use super::config::{
     Codec, HttpConnectionManager, HttpStats, Limits, RouteSource, ServerHeader, StripHostPort,
     Underscores,
 };
+use super::filter::chain::{ConfiguredFilter, FilterChain};
+use super::filter::registry;
 use super::route::{Action, ClusterChoice, RouteConfig};
 use crate::config::Diagnostics;
 use crate::config::convert::{decode, type_name};
 use crate::stats::Store;
 
 const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
-const FAULT: &str = "envoy.extensions.filters.http.fault.v3.HTTPFault";
 
-/// HTTP filters Istio puts in every sidecar's connection managers that change nothing
-/// about where a request goes or what it gets back when left out: shunt accepts them
-/// with a warning saying what is lost.
-const IGNORED_WITH_A_WARNING: &[(&str, &str)] = &[
-    (
-        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-        "gRPC stats are not collected",
-    ),
-    (
-        "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
-        "upstream ALPN overrides are not applied",
-    ),
-    (
-        "io.istio.http.peer_metadata.Config",
-        "peer metadata is not exchanged (telemetry only)",
-    ),
-    (
-        "stats.PluginConfig",
-        "Istio's request metrics are not produced",
-    ),
-    (
-        "envoy.extensions.filters.http.cors.v3.Cors",
-        "CORS policies are not applied",
-    ),
-    (FAULT, "per-route faults are not injected"),
-];
 
 /// Compiles `hcm`; an inline route configuration's clusters must be among `clusters`.
 pub fn compile(
@@ -109,7 +84,7 @@ pub fn compile(
             None
         }
     };
-    let suppress_envoy_headers = http_filters(hcm, path, problems);
+    let (filters, suppress_envoy_headers) = http_filters(hcm, clusters, stats, path, problems);
     let server_name = if hcm.server_name.is_empty() {
         HeaderValue::from_static("envoy")
     } else {
@@ -142,12 +117,21 @@ pub fn compile(
             "tracing is not implemented; ignored",
         );
     }
+    let path_normalization = {
+        use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::PathWithEscapedSlashesAction as Action;
+        use super::path_normalization::{EscapedSlashes, PathNormalization};
+        PathNormalization {
+            normalize_path: hcm.normalize_path.is_some_and(|b| b.value),
+            merge_slashes: hcm.merge_slashes,
+            escaped_slashes: match Action::try_from(hcm.path_with_escaped_slashes_action) {
+                Ok(Action::RejectRequest) => EscapedSlashes::RejectRequest,
+                Ok(Action::UnescapeAndRedirect) => EscapedSlashes::UnescapeAndRedirect,
+                Ok(Action::UnescapeAndForward) => EscapedSlashes::UnescapeAndForward,
+                _ => EscapedSlashes::KeepUnchanged,
+            },
+        }
+    };
     for (field, set) in [
-        (
-            "normalize_path",
-            hcm.normalize_path.is_some_and(|b| b.value),
-        ),
-        ("merge_slashes", hcm.merge_slashes),
         ("local_reply_config", hcm.local_reply_config.is_some()),
         ("xff_num_trusted_hops", hcm.xff_num_trusted_hops > 0),
     ] {
@@ -176,6 +160,8 @@ pub fn compile(
         generate_request_id: hcm.generate_request_id.is_none_or(|b| b.value),
         upgrades,
         suppress_envoy_headers,
+        path_normalization,
+        filters,
         access_log,
         limits,
         stats: HttpStats::new(stats, &hcm.stat_prefix),
@@ -261,10 +247,17 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
     limits
 }
 
-/// Checks the HTTP filter chain: only the router does anything, and it must be last.
-/// Returns the router's `suppress_envoy_headers`.
-fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> bool {
+/// Compiles the HTTP filter chain, which must end in the router. Returns the filters
+/// before the router and the router's `suppress_envoy_headers`.
+fn http_filters(
+    hcm: &EnvoyHcm,
+    clusters: &crate::upstream::Clusters,
+    stats: &Store,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> (FilterChain, bool) {
     let mut suppress_envoy_headers = false;
+    let mut chain = FilterChain::default();
     let mut router_at = None;
     for (i, filter) in hcm.http_filters.iter().enumerate() {
         let f_path = format!("{path}.http_filters[{i}]");
@@ -293,9 +286,16 @@ fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> bool 
             }
         };
         let typed_path = format!("{f_path}.typed_config");
-        let kind = type_name(any);
+        let Some(any) = crate::config::typed_struct::unwrap(any, &typed_path, problems) else {
+            continue;
+        };
+        let kind = type_name(&any);
+        if let Some(refusal) = crate::config::convert::wasm_unsupported(kind, &filter.name) {
+            problems.error(&typed_path, refusal);
+            continue;
+        }
         if kind == ROUTER {
-            if let Some(router) = decode::<Router>(any, &typed_path, problems) {
+            if let Some(router) = decode::<Router>(&any, &typed_path, problems) {
                 suppress_envoy_headers = router.suppress_envoy_headers;
             }
             router_at = Some(i);
@@ -305,19 +305,26 @@ fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> bool 
             problems.error(&f_path, "comes after the terminal HTTP filter, the router");
             continue;
         }
-        if filter.disabled {
+        if let Some(factory) = registry::find(kind) {
+            let ctx = registry::CompileCtx {
+                name: &filter.name,
+                stat_prefix: &hcm.stat_prefix,
+                stats,
+                clusters,
+            };
+            if let Some(config) = (factory.compile)(&any, &ctx, &typed_path, problems) {
+                chain.filters.push(ConfiguredFilter {
+                    name: Arc::from(filter.name.as_str()),
+                    config,
+                    disabled: filter.disabled,
+                });
+            }
+        } else if filter.disabled {
             problems.warning(
                 &f_path,
-                format!("HTTP filter {kind} is disabled and never enabled (per-route configs are not implemented)"),
+                format!("HTTP filter {kind} is not implemented; it is disabled by default, so shunt leaves it out (also where a route enables it)"),
             );
-        } else if kind == FAULT && !any.value.is_empty() {
-            // Istio's fault filter is empty: its faults come per route. A configured one
-            // would change responses.
-            problems.error(
-                &typed_path,
-                "fault injection is not implemented yet (an empty HTTPFault is skipped)",
-            );
-        } else if let Some((_, lost)) = IGNORED_WITH_A_WARNING
+        } else if let Some((_, lost)) = crate::config::extensions::HTTP_FILTERS_SKIPPED_WITH_A_WARNING
             .iter()
             .find(|(name, _)| *name == kind)
         {
@@ -343,7 +350,7 @@ fn http_filters(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> bool 
             format!("the last HTTP filter must be the router ({ROUTER})"),
         );
     }
-    suppress_envoy_headers
+    (chain, suppress_envoy_headers)
 }
 
 /// Envoy's `validate_clusters`, on by default for an inline route configuration: every

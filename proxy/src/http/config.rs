@@ -66,6 +66,10 @@ pub struct HttpConnectionManager {
     pub upgrades: Vec<String>,
     /// The router's `suppress_envoy_headers`: no `x-envoy-upstream-service-time`.
     pub suppress_envoy_headers: bool,
+    /// `normalize_path`, `merge_slashes`, `path_with_escaped_slashes_action`.
+    pub path_normalization: super::path_normalization::PathNormalization,
+    /// The HTTP filters before the router.
+    pub filters: super::filter::chain::FilterChain,
     pub access_log: Vec<Sink>,
     pub limits: Limits,
     pub stats: HttpStats,
@@ -171,6 +175,9 @@ pub struct HttpStats {
     pub no_cluster: Counter,
     pub rq_direct_response: Counter,
     pub rq_redirect: Counter,
+    /// Requests refused (400) or redirected (307) by path normalization.
+    pub downstream_rq_failed_path_normalization: Counter,
+    pub downstream_rq_redirected_with_normalized_path: Counter,
     /// Connections closed because a request's headers did not arrive in time.
     pub downstream_rq_header_timeout: Counter,
     /// Connections closed after `max_requests_per_connection` requests.
@@ -181,12 +188,25 @@ pub struct HttpStats {
     pub downstream_rq_idle_timeout: Counter,
     pub downstream_rq_timeout: Counter,
     pub downstream_rq_max_duration_reached: Counter,
+    /// Upgrades (WebSocket, terminated CONNECT) tunnelled, and those open now.
+    pub downstream_cx_upgrades_total: Counter,
+    pub downstream_cx_upgrades_active: Gauge,
     /// The codecs' (not prefixed) `http1.*` / `http2.*` underscore counters, at index
     /// 0 for HTTP/1, 1 for HTTP/2.
     pub requests_rejected_with_underscores_in_headers: [Counter; 2],
     pub dropped_headers_with_underscores: [Counter; 2],
     /// `listener.<listener>.http.<stat_prefix>.*` of the listener the filter is in.
     pub listener: ListenerHttpStats,
+}
+
+/// One upgraded stream counted in `downstream_cx_upgrades_active`.
+#[derive(Debug)]
+pub struct UpgradeGuard(Gauge);
+
+impl Drop for UpgradeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Envoy's per-listener connection manager stats (`ALL_HTTP_CONN_MAN_LISTENER_STATS`),
@@ -237,12 +257,20 @@ impl HttpStats {
             no_cluster: counter("no_cluster"),
             rq_direct_response: counter("rq_direct_response"),
             rq_redirect: counter("rq_redirect"),
+            downstream_rq_failed_path_normalization: counter(
+                "downstream_rq_failed_path_normalization",
+            ),
+            downstream_rq_redirected_with_normalized_path: counter(
+                "downstream_rq_redirected_with_normalized_path",
+            ),
             downstream_rq_header_timeout: counter("downstream_rq_header_timeout"),
             downstream_cx_max_requests_reached: counter("downstream_cx_max_requests_reached"),
             downstream_cx_max_duration_reached: counter("downstream_cx_max_duration_reached"),
             downstream_rq_idle_timeout: counter("downstream_rq_idle_timeout"),
             downstream_rq_timeout: counter("downstream_rq_timeout"),
             downstream_rq_max_duration_reached: counter("downstream_rq_max_duration_reached"),
+            downstream_cx_upgrades_total: counter("downstream_cx_upgrades_total"),
+            downstream_cx_upgrades_active: gauge("downstream_cx_upgrades_active"),
             requests_rejected_with_underscores_in_headers: ["http1", "http2"].map(|codec| {
                 store.counter(&format!(
                     "{codec}.requests_rejected_with_underscores_in_headers"
@@ -256,6 +284,14 @@ impl HttpStats {
 }
 
 impl HttpStats {
+    /// Counts an upgrade that opened (`downstream_cx_upgrades_total`), active until the
+    /// guard drops.
+    pub fn upgrade(&self) -> UpgradeGuard {
+        self.downstream_cx_upgrades_total.inc();
+        self.downstream_cx_upgrades_active.inc();
+        UpgradeGuard(self.downstream_cx_upgrades_active.clone())
+    }
+
     /// Counts a downstream connection (`downstream_cx_total`, `downstream_cx_active`):
     /// the guard keeps it active, and counts its protocol once its first request shows it.
     pub fn connection(&self) -> DownstreamConnection {

@@ -20,7 +20,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use super::ConfigProvider;
 use super::body::{LogSlot, ResponseBody};
 use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort};
+use super::filter::chain::ActiveChain;
+use super::filter::{RequestHeaders, Routed, StreamCtx};
 use super::matcher::RequestView;
+use super::path_normalization::Normalized;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
 use crate::access_log::{Direction, Entry, HttpFields, ResponseFlag};
@@ -38,6 +41,8 @@ pub struct Downstream {
     pub secure: bool,
     /// The proxy's own listener ports (ORIGINAL_DST loop protection).
     pub own_ports: Arc<[u16]>,
+    /// What HTTP filters read about the connection (TLS peer, SNI, filter state).
+    pub connection: Arc<crate::stream_info::Connection>,
 }
 
 struct Shared {
@@ -283,10 +288,14 @@ async fn handle(
     // Envoy's codec limits come first: a request over them is refused as it arrives.
     if let Some(reply) = refused {
         let reply = reply.response().map(ResponseBody::full);
-        return finish(shared, reply, pending.take(), &log, false);
+        return finish(shared, reply, pending.take(), &log, false).await;
     }
-    if parts.method == hyper::Method::CONNECT {
-        return refuse_connect(shared, &parts, pending.take(), &log);
+    // A CONNECT goes on to routing only to a route with a connect_matcher.
+    if parts.method == hyper::Method::CONNECT
+        && (parts.version != Version::HTTP_2 && parts.uri.authority().is_none()
+            || !routes_connect(shared))
+    {
+        return refuse_connect(shared, &parts, pending.take(), &log).await;
     }
     // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
     // or any HTTP/1 request with more than one Host line, is answered 400.
@@ -303,14 +312,100 @@ async fn handle(
             pending.take(),
             &log,
             false,
-        );
+        )
+        .await;
     }
+    // Envoy's path normalization, before filters and routing read the path.
+    let path = match hcm.path_normalization.apply(&path) {
+        Normalized::Path(std::borrow::Cow::Borrowed(_)) => path,
+        Normalized::Path(std::borrow::Cow::Owned(normalized)) => normalized,
+        Normalized::Reject => {
+            hcm.stats.downstream_rq_failed_path_normalization.inc();
+            let reply = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
+            return finish(
+                shared,
+                reply.map(ResponseBody::full),
+                pending.take(),
+                &log,
+                false,
+            )
+            .await;
+        }
+        Normalized::Redirect(location) => {
+            hcm.stats
+                .downstream_rq_redirected_with_normalized_path
+                .inc();
+            let mut reply = LocalReply::new(StatusCode::TEMPORARY_REDIRECT, "", None).response();
+            if let Ok(location) = HeaderValue::from_str(&location) {
+                reply.headers_mut().insert(header::LOCATION, location);
+            }
+            return finish(
+                shared,
+                reply.map(ResponseBody::full),
+                pending.take(),
+                &log,
+                false,
+            )
+            .await;
+        }
+    };
     let snapshot = shared.config.request_config();
     let config: Option<Arc<RouteConfig>> = match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
         RouteSource::Rds(name) => snapshot.route_config(name).cloned(),
     };
     let scheme = if downstream.secure { "https" } else { "http" };
+    let mut request = RequestHeaders {
+        method: parts.method.clone(),
+        authority,
+        path,
+        scheme,
+        version: parts.version,
+        headers: std::mem::take(&mut parts.headers),
+    };
+    let mut routed = config
+        .as_ref()
+        .and_then(|c| Routed::find(c, &request.view()));
+    let mut body = RequestBody::new(body, log.clone());
+    // The HTTP filters, in front of the router (which is what follows).
+    if !hcm.filters.is_empty() {
+        let mut info = crate::stream_info::StreamInfo::new(downstream.connection.clone());
+        info.route_name = routed
+            .as_ref()
+            .map(|r| r.route().name.as_str())
+            .filter(|n| !n.is_empty())
+            .map(Arc::from);
+        let mut chain = ActiveChain::new(&hcm.filters, StreamCtx::new(info, routed.clone()));
+        let end_stream = hyper::body::Body::is_end_stream(&body);
+        let decoded = chain.decode(&mut request, &mut body, end_stream).await;
+        if chain.take_route_cache_cleared() {
+            routed = config
+                .as_ref()
+                .and_then(|c| Routed::find(c, &request.view()));
+            chain.ctx.route = routed.clone();
+        }
+        if let Err(reply) = decoded {
+            tracing::debug!(status = %reply.status, details = %reply.details, "HTTP filter local reply");
+            if let Some(flag) = reply.flag {
+                entry.flag(flag);
+            }
+            chain.note_reply(&reply);
+            log.set_chain(chain);
+            let response = reply.response().map(ResponseBody::full);
+            return finish(shared, response, pending.take(), &log, false).await;
+        }
+        log.set_chain(chain);
+    }
+    let RequestHeaders {
+        method,
+        authority,
+        path,
+        headers,
+        ..
+    } = request;
+    parts.method = method;
+    parts.headers = headers;
+    let entry = pending.entry.as_mut().expect("just set");
     let view = RequestView {
         method: parts.method.as_str(),
         authority: &authority,
@@ -318,10 +413,7 @@ async fn handle(
         scheme,
         headers: &parts.headers,
     };
-    let matched = config
-        .as_deref()
-        .and_then(|c| c.route(&view).map(|(v, r)| (c, v, r)));
-    let Some((config, vhost, route)) = matched else {
+    let Some(routed) = routed else {
         tracing::debug!(stat_prefix = %hcm.stat_prefix, %authority, %path, "no route");
         hcm.stats.no_route.inc();
         entry.flag(ResponseFlag::NoRouteFound);
@@ -332,8 +424,10 @@ async fn handle(
             pending.take(),
             &log,
             false,
-        );
+        )
+        .await;
     };
+    let (config, vhost, route) = (&*routed.config, routed.virtual_host(), routed.route());
     tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
     let response = match &route.action {
         Action::DirectResponse { status, body } => {
@@ -370,7 +464,10 @@ async fn handle(
             {
                 log.set_max_duration(max);
             }
-            let picked = action.cluster.pick(&view);
+            let picked = match routed.weighted_cluster() {
+                Some(weighted) => Some((weighted.name.clone(), Some(weighted))),
+                None => action.cluster.pick(&view),
+            };
             if let Some((name, _)) = &picked {
                 entry.upstream_cluster = Some(name.clone());
             }
@@ -392,8 +489,48 @@ async fn handle(
                     pending.take(),
                     &log,
                     false,
-                );
+                )
+                .await;
             };
+            if parts.method == hyper::Method::CONNECT {
+                let upstream = Upstream {
+                    cluster,
+                    destination: downstream.original_dst.unwrap_or(downstream.local),
+                    downstream_local: downstream.local,
+                    own_ports: &downstream.own_ports,
+                    retry_policy: None,
+                    suppress_envoy_headers: hcm.suppress_envoy_headers,
+                    hash: None,
+                    secrets: snapshot.secrets(),
+                };
+                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
+                let result = match (action.connect, on_upgrade) {
+                    (Some(connect), Some(on_upgrade)) if connect.terminate => {
+                        super::connect::terminate(
+                            &upstream,
+                            &authority,
+                            downstream.remote,
+                            on_upgrade,
+                            log.clone(),
+                            &hcm.stats,
+                            entry,
+                        )
+                        .await
+                    }
+                    // Envoy refuses a CONNECT the route does not upgrade.
+                    _ => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
+                };
+                let response = match result {
+                    Ok(response) => response,
+                    Err(reply) => {
+                        if let Some(flag) = reply.flag {
+                            entry.flag(flag);
+                        }
+                        reply.response().map(ResponseBody::full)
+                    }
+                };
+                return finish(shared, response, pending.take(), &log, true).await;
+            }
             // Request headers: weighted cluster, route, virtual host, route configuration.
             let hash =
                 super::route::request_hash(&action.hash_policy, &view, downstream.remote.ip());
@@ -479,7 +616,6 @@ async fn handle(
                 hash,
                 secrets: snapshot.secrets(),
             };
-            let body = RequestBody::new(body, log.clone());
             let result = if let Some((kind, value)) = upgrade {
                 let mut head = head;
                 head.headers.insert(header::UPGRADE, value);
@@ -493,6 +629,7 @@ async fn handle(
                             body,
                             on_upgrade,
                             log.clone(),
+                            &hcm.stats,
                             entry,
                         )
                         .await
@@ -531,7 +668,7 @@ async fn handle(
                     for rules in config.header_rules(vhost, route, true) {
                         rules.apply(response.headers_mut());
                     }
-                    return finish(shared, response, pending.take(), &log, true);
+                    return finish(shared, response, pending.take(), &log, true).await;
                 }
                 Err(reply) => {
                     // The upstream request failed because the downstream's body broke
@@ -558,7 +695,7 @@ async fn handle(
     for rules in config.header_rules(vhost, route, true) {
         rules.apply(response.headers_mut());
     }
-    finish(shared, response, pending.take(), &log, false)
+    finish(shared, response, pending.take(), &log, false).await
 }
 
 /// Envoy's `strip_any_host_port` / `strip_matching_host_port` (the latter when the port
@@ -580,11 +717,24 @@ fn strip_host_port(
     if strip { host.to_owned() } else { authority }
 }
 
-/// CONNECT, which only a route with a `connect_matcher` serves in Envoy; shunt compiles
-/// none (the config is refused), so every CONNECT is answered as Envoy answers one no
-/// route matches: 404 NR, and the HTTP/1 connection closed. A CONNECT whose target is
-/// not `host:port` is a malformed request to Envoy's HTTP/1 codec: 400 DPE.
-fn refuse_connect(
+/// Whether the connection manager's routes can serve a CONNECT at all (one has a
+/// `connect_matcher`); RDS routes are looked at as they are now.
+fn routes_connect(shared: &Shared) -> bool {
+    match &shared.hcm.routes {
+        RouteSource::Static(config) => config.has_connect_routes(),
+        RouteSource::Rds(name) => shared
+            .config
+            .request_config()
+            .route_config(name)
+            .is_some_and(|c| c.has_connect_routes()),
+    }
+}
+
+/// CONNECT, which only a route with a `connect_matcher` serves in Envoy: without one,
+/// a CONNECT is answered as Envoy answers one no route matches: 404 NR, and the HTTP/1
+/// connection closed. A CONNECT whose target is not `host:port` is a malformed request
+/// to Envoy's HTTP/1 codec: 400 DPE.
+async fn refuse_connect(
     shared: &Shared,
     parts: &hyper::http::request::Parts,
     mut entry: Entry,
@@ -605,7 +755,7 @@ fn refuse_connect(
     if http1 {
         close_connection(&mut response);
     }
-    finish(shared, response.map(ResponseBody::full), entry, log, false)
+    finish(shared, response.map(ResponseBody::full), entry, log, false).await
 }
 
 /// Asks hyper to close the downstream connection once this response is sent (and says
@@ -652,7 +802,7 @@ impl Drop for Pending {
 }
 
 /// Server header, version, stats, the access log line: what every response gets.
-fn finish(
+async fn finish(
     shared: &Shared,
     mut response: Response<ResponseBody>,
     mut entry: Entry,
@@ -660,6 +810,13 @@ fn finish(
     from_upstream: bool,
 ) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
+    // The encoder filters, last to first; the chain then waits in the log slot for the
+    // end of the stream.
+    if let Some(mut chain) = log.take_chain() {
+        response = chain.encode(response).await;
+        chain.ctx.info.response_code = Some(response.status().as_u16());
+        log.set_chain(chain);
+    }
     let headers = response.headers_mut();
     match hcm.server_header {
         ServerHeader::Overwrite => {

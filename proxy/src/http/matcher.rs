@@ -124,7 +124,11 @@ pub struct HeaderMatcher {
 impl HeaderMatcher {
     /// Envoy's `HeaderUtility::matchHeaders`, missing-header rules included.
     pub fn matches(&self, request: &RequestView<'_>) -> bool {
-        let value = request.header(&self.name);
+        self.matches_value(request.header(&self.name))
+    }
+
+    /// The same on the header's (joined) value, `None` when absent.
+    pub fn matches_value(&self, value: Option<String>) -> bool {
         let value = match value {
             Some(value) => value,
             None if self.treat_missing_as_empty => String::new(),

@@ -11,11 +11,17 @@
 pub mod body;
 pub mod compile;
 pub mod config;
+pub mod connect;
 pub mod connection_manager;
+pub mod cors;
 pub mod delayed_close;
+pub mod ext_authz;
+pub mod fault;
+pub mod filter;
 pub mod header_rules;
 pub mod limits;
 pub mod matcher;
+pub mod path_normalization;
 
 pub mod route;
 pub mod route_action;

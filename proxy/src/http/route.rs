@@ -12,6 +12,7 @@ use hyper::StatusCode;
 use hyper::header::HeaderName;
 use regex::Regex;
 
+use super::filter::PerFilterConfigs;
 use super::header_rules::HeaderRules;
 use super::matcher::{HeaderMatcher, QueryParameterMatcher, RequestView};
 
@@ -29,6 +30,8 @@ pub struct RouteConfig {
     pub most_specific_header_mutations_wins: bool,
     pub ignore_port_in_host_matching: bool,
     pub domains: Domains,
+    /// `typed_per_filter_config`, the least specific level.
+    pub per_filter_configs: PerFilterConfigs,
 }
 
 /// Virtual host indexes by domain, in Envoy's search order.
@@ -104,6 +107,14 @@ impl RouteConfig {
             .map(|index| &self.virtual_hosts[index])
     }
 
+    /// Whether a route has a `connect_matcher` (serves CONNECT).
+    pub fn has_connect_routes(&self) -> bool {
+        self.virtual_hosts
+            .iter()
+            .flat_map(|v| &v.routes)
+            .any(|r| matches!(r.matcher.path, PathMatch::Connect))
+    }
+
     /// The virtual host and the first of its routes that matches the request.
     pub fn route(&self, request: &RequestView<'_>) -> Option<(&VirtualHost, &Route)> {
         let vhost = self.virtual_host(request.authority)?;
@@ -144,6 +155,7 @@ pub struct VirtualHost {
     pub response_headers: HeaderRules,
     /// Used by routes without a retry policy of their own.
     pub retry_policy: Option<Arc<RetryPolicy>>,
+    pub per_filter_configs: PerFilterConfigs,
 }
 
 #[derive(Debug)]
@@ -153,6 +165,7 @@ pub struct Route {
     pub action: Action,
     pub request_headers: HeaderRules,
     pub response_headers: HeaderRules,
+    pub per_filter_configs: PerFilterConfigs,
 }
 
 #[derive(Debug)]
@@ -163,6 +176,8 @@ pub enum PathMatch {
     Regex(Regex),
     /// The path is the prefix, or the prefix then `/`.
     SeparatedPrefix(String),
+    /// `connect_matcher`: CONNECT requests, which no path matcher matches.
+    Connect,
 }
 
 #[derive(Debug)]
@@ -178,7 +193,12 @@ pub struct RouteMatch {
 
 impl RouteMatch {
     pub fn matches(&self, request: &RequestView<'_>) -> bool {
-        self.path_matches(request.path_only())
+        let connect = request.method == "CONNECT";
+        let path_ok = match self.path {
+            PathMatch::Connect => connect,
+            _ => !connect && self.path_matches(request.path_only()),
+        };
+        path_ok
             && self.headers.iter().all(|h| h.matches(request))
             && self.query_parameters.iter().all(|q| q.matches(request))
             && (!self.grpc
@@ -208,6 +228,7 @@ impl RouteMatch {
             PathMatch::Prefix(prefix) => path.starts_with(&norm(prefix)),
             PathMatch::Path(exact) => path == norm(exact),
             PathMatch::Regex(re) => re.is_match(path),
+            PathMatch::Connect => false,
             PathMatch::SeparatedPrefix(prefix) => {
                 let prefix = norm(prefix);
                 path == prefix
@@ -222,7 +243,7 @@ impl RouteMatch {
         match &self.path {
             PathMatch::Prefix(prefix) | PathMatch::SeparatedPrefix(prefix) => Some(prefix.len()),
             PathMatch::Path(path) => Some(path.len()),
-            PathMatch::Regex(_) => None,
+            PathMatch::Regex(_) | PathMatch::Connect => None,
         }
     }
 }
@@ -249,6 +270,8 @@ pub struct RouteAction {
     pub hash_policy: Vec<HashPolicy>,
     /// `max_stream_duration`: the route's override of the connection manager's.
     pub stream_duration: Option<StreamDuration>,
+    /// `upgrade_configs` `CONNECT`: the route terminates CONNECT requests.
+    pub connect: Option<super::connect::ConnectUpgrade>,
 }
 
 /// A route's `max_stream_duration` block.
@@ -376,6 +399,7 @@ pub struct WeightedCluster {
     pub request_headers: HeaderRules,
     pub response_headers: HeaderRules,
     pub host_rewrite: Option<String>,
+    pub per_filter_configs: PerFilterConfigs,
 }
 
 impl ClusterChoice {

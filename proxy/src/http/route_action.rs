@@ -88,6 +88,11 @@ pub fn route_action(
                         problems,
                     ),
                     host_rewrite,
+                    per_filter_configs: super::filter::per_route::compile(
+                        &c.typed_per_filter_config,
+                        &format!("{c_path}.typed_per_filter_config"),
+                        problems,
+                    ),
                 });
             }
             if clusters.iter().all(|c| c.weight == 0) {
@@ -197,11 +202,43 @@ pub fn route_action(
             "internal_redirect_policy",
             a.internal_redirect_policy.is_some(),
         ),
-        ("upgrade_configs", !a.upgrade_configs.is_empty()),
     ] {
         if set {
             problems.warning(format!("{path}.{field}"), "not implemented; ignored");
         }
+    }
+    let mut connect = None;
+    for (i, upgrade) in a.upgrade_configs.iter().enumerate() {
+        let u_path = format!("{path}.upgrade_configs[{i}]");
+        if !upgrade.upgrade_type.eq_ignore_ascii_case("CONNECT") {
+            problems.warning(&u_path, "per-route upgrades other than CONNECT are not implemented; the connection manager's upgrade_configs apply");
+            continue;
+        }
+        if upgrade.enabled.is_some_and(|b| !b.value) {
+            continue;
+        }
+        if let Some(config) = &upgrade.connect_config {
+            if config.proxy_protocol_config.is_some() {
+                problems.error(
+                    format!("{u_path}.connect_config.proxy_protocol_config"),
+                    "PROXY protocol on terminated CONNECT is not implemented",
+                );
+            }
+            if config.allow_post {
+                problems.warning(
+                    format!("{u_path}.connect_config.allow_post"),
+                    "not implemented; only CONNECT is terminated",
+                );
+            }
+        } else {
+            problems.error(
+                format!("{u_path}.connect_config"),
+                "proxying CONNECT on to the upstream is not implemented; only terminating it (connect_config)",
+            );
+        }
+        connect = Some(super::connect::ConnectUpgrade {
+            terminate: upgrade.connect_config.is_some(),
+        });
     }
     let stream_duration = a
         .max_stream_duration
@@ -277,6 +314,7 @@ pub fn route_action(
         cluster_not_found,
         hash_policy,
         stream_duration,
+        connect,
     })
 }
 

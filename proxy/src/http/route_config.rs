@@ -71,6 +71,11 @@ pub fn compile(
         ),
         most_specific_header_mutations_wins: config.most_specific_header_mutations_wins,
         ignore_port_in_host_matching: config.ignore_port_in_host_matching,
+        per_filter_configs: super::filter::per_route::compile(
+            &config.typed_per_filter_config,
+            &format!("{path}.typed_per_filter_config"),
+            problems,
+        ),
         ..Default::default()
     };
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -174,12 +179,6 @@ fn virtual_host(
             "require_tls is not implemented yet",
         );
     }
-    if !vhost.typed_per_filter_config.is_empty() {
-        problems.warning(
-            format!("{path}.typed_per_filter_config"),
-            "per-route HTTP filter configs are not implemented; ignored",
-        );
-    }
     if vhost.cors.is_some() {
         problems.warning(
             format!("{path}.cors"),
@@ -229,18 +228,17 @@ fn virtual_host(
             problems,
         ),
         retry_policy,
+        per_filter_configs: super::filter::per_route::compile(
+            &vhost.typed_per_filter_config,
+            &format!("{path}.typed_per_filter_config"),
+            problems,
+        ),
     };
     (problems.errors.len() == errors_before).then_some(compiled)
 }
 
 fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<Route> {
     let errors_before = problems.errors.len();
-    if !route.typed_per_filter_config.is_empty() {
-        problems.warning(
-            format!("{path}.typed_per_filter_config"),
-            "per-route HTTP filter configs are not implemented; ignored",
-        );
-    }
     let matcher = route_match(route.r#match.as_ref(), &format!("{path}.match"), problems);
     let action = match &route.action {
         Some(EnvoyActionKind::Route(action)) => {
@@ -317,6 +315,11 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<R
         action: action?,
         request_headers,
         response_headers,
+        per_filter_configs: super::filter::per_route::compile(
+            &route.typed_per_filter_config,
+            &format!("{path}.typed_per_filter_config"),
+            problems,
+        ),
     })
 }
 
@@ -345,13 +348,7 @@ fn route_match(
             }
             Some(PathMatch::SeparatedPrefix(prefix.clone()))
         }
-        Some(PathSpecifier::ConnectMatcher(_)) => {
-            problems.error(
-                format!("{path}.connect_matcher"),
-                "CONNECT is not implemented yet",
-            );
-            None
-        }
+        Some(PathSpecifier::ConnectMatcher(_)) => Some(PathMatch::Connect),
         Some(PathSpecifier::PathMatchPolicy(_)) => {
             problems.error(
                 format!("{path}.path_match_policy"),

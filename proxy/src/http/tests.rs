@@ -387,6 +387,10 @@ mod serving {
             direction: Direction::Inbound,
             secure: false,
             own_ports: Arc::from(Vec::new()),
+            connection: Arc::new(crate::stream_info::Connection::new(
+                "10.0.0.2:80".parse().unwrap(),
+                "10.0.0.1:1234".parse().unwrap(),
+            )),
         };
         tokio::spawn(serve(
             hcm.clone(),
@@ -561,6 +565,10 @@ mod limits {
             direction: Direction::Inbound,
             secure: false,
             own_ports: Arc::from(Vec::new()),
+            connection: Arc::new(crate::stream_info::Connection::new(
+                "10.0.0.2:80".parse().unwrap(),
+                "10.0.0.1:1234".parse().unwrap(),
+            )),
         };
         let served = tokio::spawn(serve(
             hcm,
@@ -644,6 +652,10 @@ mod limits {
                 direction: Direction::Inbound,
                 secure: false,
                 own_ports: Arc::from(Vec::new()),
+                connection: Arc::new(crate::stream_info::Connection::new(
+                    "10.0.0.2:80".parse().unwrap(),
+                    "10.0.0.1:1234".parse().unwrap(),
+                )),
             };
             serve(
                 hcm,
@@ -1161,6 +1173,10 @@ mod limits {
             direction: Direction::Inbound,
             secure: false,
             own_ports: Arc::from(Vec::new()),
+            connection: Arc::new(crate::stream_info::Connection::new(
+                "10.0.0.2:80".parse().unwrap(),
+                "10.0.0.1:1234".parse().unwrap(),
+            )),
         };
         let served = tokio::spawn(serve(
             hcm.clone(),

@@ -70,6 +70,7 @@ pub async fn forward(
     body: RequestBody,
     downstream: OnUpgrade,
     log: Arc<LogSlot>,
+    stats: &super::config::HttpStats,
     entry: &mut Entry,
 ) -> Result<Response<ResponseBody>, LocalReply> {
     let cluster = upstream.cluster.clone();
@@ -147,8 +148,10 @@ pub async fn forward(
     }
     let upstream_side = hyper::upgrade::on(&mut response);
     let tunnel_log = log.clone();
+    // `downstream_cx_upgrades_*`, as Envoy counts the upgrade once the 101 is the answer.
+    let upgraded = stats.upgrade();
     tokio::spawn(async move {
-        let _held = (slot, guard, tunnel_log.clone());
+        let _held = (slot, guard, tunnel_log.clone(), upgraded);
         let (Ok(down), Ok(up)) = (downstream.await, upstream_side.await) else {
             tracing::debug!("an upgrade did not complete");
             return;

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy as EnvoyTcpProxy, tcp_proxy::ClusterSpecifier as EnvoySpecifier,
 };
 
+use super::chain_matcher::ChainMatcher;
 use super::config::{
     DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
 };
@@ -30,6 +31,9 @@ use crate::upstream::Clusters;
 const ORIGINAL_DST: &str = "envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
 const TLS_INSPECTOR: &str = "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector";
 const HTTP_INSPECTOR: &str = "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector";
+/// Istio's listener filter for internal listeners, before Envoy's `original_dst` did
+/// the same job.
+const SET_INTERNAL_DST_ADDRESS: &str = "istio.set_internal_dst_address.v1.Config";
 const TCP_PROXY: &str = "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
 const HCM: &str =
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
@@ -69,6 +73,9 @@ impl ListenerStats {
     pub fn prefix(listener: &EnvoyListener, address: Option<SocketAddr>) -> Option<String> {
         if !listener.stat_prefix.is_empty() {
             Some(listener.stat_prefix.clone())
+        } else if let Some(ListenerSpecifier::InternalListener(_)) = &listener.listener_specifier {
+            // Envoy names an internal listener's stats by its address, `envoy://name`.
+            Some(format!("envoy_internal_{}", listener.name))
         } else {
             address.map(|address| stats::listener_stat_prefix(&address))
         }
@@ -239,15 +246,14 @@ fn compile(
         );
         return None;
     }
-    if let Some(ListenerSpecifier::InternalListener(_)) = &listener.listener_specifier {
-        problems.error(
-            format!("{path}.internal_listener"),
-            "internal listeners are not implemented yet",
-        );
-        return None;
-    }
+    let internal = matches!(
+        &listener.listener_specifier,
+        Some(ListenerSpecifier::InternalListener(_))
+    );
     let mut addresses = Vec::new();
-    if let Some(addr) = convert::ip_socket_addr(
+    if internal {
+        check_internal(listener, path, problems);
+    } else if let Some(addr) = convert::ip_socket_addr(
         listener.address.as_ref(),
         &format!("{path}.address"),
         problems,
@@ -287,15 +293,22 @@ fn compile(
             );
         }
         match &filter.config_type {
-            Some(listener_filter::ConfigType::TypedConfig(any)) => match convert::type_name(any) {
-                ORIGINAL_DST => filters.original_dst = true,
-                TLS_INSPECTOR => filters.tls_inspector = true,
-                HTTP_INSPECTOR => filters.http_inspector = true,
-                other => problems.error(
-                    format!("{f_path}.typed_config"),
-                    format!("listener filter {other} is not implemented yet"),
-                ),
-            },
+            Some(listener_filter::ConfigType::TypedConfig(any)) => {
+                match &*listener_filter_type(any) {
+                    ORIGINAL_DST => filters.original_dst = true,
+                    TLS_INSPECTOR => filters.tls_inspector = true,
+                    HTTP_INSPECTOR => filters.http_inspector = true,
+                    SET_INTERNAL_DST_ADDRESS if internal => filters.set_internal_dst_address = true,
+                    SET_INTERNAL_DST_ADDRESS => problems.error(
+                        format!("{f_path}.typed_config"),
+                        "set_internal_dst_address only works on an internal_listener",
+                    ),
+                    other => problems.error(
+                        format!("{f_path}.typed_config"),
+                        format!("listener filter {other} is not implemented yet"),
+                    ),
+                }
+            }
             Some(listener_filter::ConfigType::ConfigDiscovery(_)) => problems.error(
                 format!("{f_path}.config_discovery"),
                 "listener filters over ECDS are not implemented yet",
@@ -310,12 +323,6 @@ fn compile(
     // listener: Istio's virtualOutbound lists no listener filters and relies on it.
     if listener.use_original_dst.is_some_and(|b| b.value) {
         filters.original_dst = true;
-    }
-    if listener.filter_chain_matcher.is_some() {
-        problems.error(
-            format!("{path}.filter_chain_matcher"),
-            "the filter_chain_matcher API is not implemented yet; use filter_chain_match",
-        );
     }
 
     let mut chains = Vec::new();
@@ -339,6 +346,12 @@ fn compile(
             &c_path,
             problems,
         );
+        if internal && chain.transport_socket.is_some() {
+            problems.error(
+                format!("{c_path}.transport_socket"),
+                "TLS on an internal listener's filter chain is not implemented",
+            );
+        }
         if let Some(compiled) = compiled
             && match_ok
         {
@@ -358,7 +371,28 @@ fn compile(
         )
         .map(Arc::new)
     });
-    let filter_chains = FilterChains::new(chains, default);
+    let mut filter_chains = FilterChains::new(chains, default);
+    if let Some(matcher) = &listener.filter_chain_matcher {
+        // The matcher names chains; its actions point at their compiled places. A chain
+        // that did not compile has its own error, and the listener is refused anyway.
+        let by_name = |name: &str| {
+            let j = listener.filter_chains.iter().position(|c| c.name == name)?;
+            Some(
+                config_index
+                    .iter()
+                    .position(|&k| k == j)
+                    .unwrap_or(usize::MAX),
+            )
+        };
+        if let Some(matcher) = ChainMatcher::compile(
+            matcher,
+            &by_name,
+            &format!("{path}.filter_chain_matcher"),
+            problems,
+        ) {
+            filter_chains = filter_chains.with_matcher(matcher);
+        }
+    }
     if let Some((a, b)) = filter_chains.first_overlap() {
         let (a, b) = (config_index[a], config_index[b]);
         problems.error(
@@ -402,7 +436,8 @@ fn compile(
     Some(Listener {
         name: name.into(),
         addresses,
-        bind_to_port: listener.bind_to_port.is_none_or(|b| b.value),
+        bind_to_port: !internal && listener.bind_to_port.is_none_or(|b| b.value),
+        internal,
         use_original_dst: listener.use_original_dst.is_some_and(|b| b.value),
         transparent: listener.transparent.is_some_and(|b| b.value),
         freebind: listener.freebind.is_some_and(|b| b.value),
@@ -412,6 +447,53 @@ fn compile(
         access_log,
         draining: Default::default(),
     })
+}
+
+/// The head of `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct` (both put
+/// `type_url` first); the JSON `value` is not needed for the listener filters shunt
+/// knows, whose configs say nothing it reads.
+#[derive(Clone, PartialEq, prost::Message)]
+struct TypedStructHead {
+    #[prost(string, tag = "1")]
+    type_url: String,
+}
+
+/// A listener filter's config type, looking inside a TypedStruct (istiod wraps Istio's
+/// own listener filters in one).
+fn listener_filter_type(any: &envoy_types::pb::google::protobuf::Any) -> std::borrow::Cow<'_, str> {
+    let outer = convert::type_name(any);
+    if !matches!(
+        outer,
+        "udpa.type.v1.TypedStruct" | "xds.type.v3.TypedStruct"
+    ) {
+        return outer.into();
+    }
+    match <TypedStructHead as prost::Message>::decode(any.value.as_slice()) {
+        Ok(head) => head
+            .type_url
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+            .into(),
+        Err(_) => outer.into(),
+    }
+}
+
+/// What an `internal_listener` may not have: an address to bind.
+fn check_internal(listener: &EnvoyListener, path: &str, problems: &mut Diagnostics) {
+    if listener.address.is_some() || !listener.additional_addresses.is_empty() {
+        problems.error(
+            format!("{path}.address"),
+            "an internal_listener has no address",
+        );
+    }
+    if listener.use_original_dst.is_some_and(|b| b.value) {
+        problems.error(
+            format!("{path}.use_original_dst"),
+            "an internal_listener cannot hand connections off by address",
+        );
+    }
 }
 
 fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -> FilterChainMatch {
@@ -507,6 +589,7 @@ fn compile_chain(
         None => None,
     };
     let mut network = None;
+    let mut filters = crate::network::NetworkFilters::default();
     for (k, f) in chain.filters.iter().enumerate() {
         let f_path = format!("{path}.filters[{k}]");
         if network.is_some() {
@@ -531,9 +614,14 @@ fn compile_chain(
             }
         };
         let typed_path = format!("{f_path}.typed_config");
-        match convert::type_name(any) {
+        let any = crate::config::typed_struct::unwrap(any, &typed_path, problems)?;
+        if let Some(refusal) = convert::wasm_unsupported(convert::type_name(&any), &f.name) {
+            problems.error(&typed_path, refusal);
+            return None;
+        }
+        match convert::type_name(&any) {
             TCP_PROXY => {
-                let config = decode::<EnvoyTcpProxy>(any, &typed_path, problems)?;
+                let config = decode::<EnvoyTcpProxy>(&any, &typed_path, problems)?;
                 network = Some(NetworkFilter::TcpProxy(tcp_proxy::compile(
                     &config,
                     clusters,
@@ -543,7 +631,7 @@ fn compile_chain(
                 )?));
             }
             HCM => {
-                let config = decode::<EnvoyHcm>(any, &typed_path, problems)?;
+                let config = decode::<EnvoyHcm>(&any, &typed_path, problems)?;
                 let mut hcm =
                     crate::http::compile::compile(&config, clusters, stats, &typed_path, problems)?;
                 if let Some(listener_prefix) = listener_prefix {
@@ -556,11 +644,20 @@ fn compile_chain(
                 network = Some(NetworkFilter::Http(Arc::new(hcm)));
             }
             other => {
-                problems.error(
-                    &typed_path,
-                    format!("network filter {other} is not implemented yet"),
-                );
-                return None;
+                let Some(factory) = crate::network::registry::find(other) else {
+                    problems.error(
+                        &typed_path,
+                        format!("network filter {other} is not implemented yet"),
+                    );
+                    return None;
+                };
+                let ctx = crate::network::registry::CompileCtx {
+                    name: &f.name,
+                    stats,
+                    clusters,
+                };
+                let compiled = (factory.compile)(&any, &ctx, &typed_path, problems)?;
+                filters.filters.push((f.name.clone(), compiled));
             }
         }
     }
@@ -589,6 +686,7 @@ fn compile_chain(
                 )
             })
             .filter(|t| !t.is_zero()),
+        filters,
         network,
     })
 }

@@ -21,6 +21,9 @@ pub struct Listener {
     pub addresses: Vec<SocketAddr>,
     /// False: never bound; the listener only takes connections handed off to it.
     pub bind_to_port: bool,
+    /// `internal_listener`: no address; only upstream connections to
+    /// `envoy_internal_address`es in this process reach it.
+    pub internal: bool,
     /// Hands connections whose original destination was restored to the listener for
     /// that destination (Istio's virtualOutbound 15001).
     pub use_original_dst: bool,
@@ -67,6 +70,8 @@ impl Draining {
 #[derive(Debug, Clone, Default)]
 pub struct ListenerFilters {
     pub original_dst: bool,
+    /// Istio's `istio.set_internal_dst_address` (internal listeners only).
+    pub set_internal_dst_address: bool,
     pub tls_inspector: bool,
     pub http_inspector: bool,
     /// `None` when configured as 0s (no timeout).
@@ -90,6 +95,8 @@ pub struct FilterChain {
     /// `transport_socket_connect_timeout`: how long the TLS handshake may take; `None`
     /// waits as long as the client does (Envoy's default).
     pub transport_socket_connect_timeout: Option<Duration>,
+    /// The network filters before the terminal one (RBAC, istio_authn, ...).
+    pub filters: crate::network::NetworkFilters,
     pub network: NetworkFilter,
 }
 

@@ -3,12 +3,17 @@
 //! `listener_filters_timeout`), the `use_original_dst` hand-off to the listener for the
 //! restored destination (which then runs its own listener filters), filter chain
 //! matching, and the chain's network filter. The connection keeps the snapshot it was
-//! accepted under until it ends.
+//! accepted under until it ends. Connections to internal listeners arrive in process
+//! ([`handle_internal`]) and take the same path with a pipe instead of a socket.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
+
+use super::internal::Rewound;
+use crate::tls::internal_upstream::PassedMetadata;
+use crate::upstream::internal::{InternalConnection, SharedFilterState};
 
 use super::config::{Listener, ListenerFilters, NetworkFilter};
 use super::filter_chain::ConnectionInfo;
@@ -41,6 +46,11 @@ pub struct Facts {
     pub server_name: Option<String>,
     pub transport_protocol: &'static str,
     pub application_protocols: Vec<String>,
+    /// Where an ORIGINAL_DST cluster connects instead of `destination`
+    /// (`set_internal_dst_address`'s `tunnel.address`).
+    pub upstream_override: Option<SocketAddr>,
+    /// The remote address an internal listener's `original_dst` restored.
+    pub restored_remote: Option<SocketAddr>,
 }
 
 impl Facts {
@@ -51,12 +61,24 @@ impl Facts {
             server_name: None,
             transport_protocol: "raw_buffer",
             application_protocols: Vec::new(),
+            upstream_override: None,
+            restored_remote: None,
         }
     }
 }
 
 fn canonical(addr: SocketAddr) -> SocketAddr {
     SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// A connection as accepted: a socket, or a pipe to an internal listener.
+enum Accepted {
+    Tcp(TcpStream),
+    Internal {
+        stream: Rewound,
+        metadata: PassedMetadata,
+        filter_state: SharedFilterState,
+    },
 }
 
 /// Serves one connection accepted by `listener_name` on its socket bound to `bound`.
@@ -67,11 +89,6 @@ pub async fn handle(
     bound: SocketAddr,
     ctx: Arc<Context>,
 ) {
-    let snapshot = ctx.config.connection_config();
-    let Some(accepting) = snapshot.listener(&listener_name).cloned() else {
-        // The listener left the config after this socket was bound.
-        return;
-    };
     let local = match stream.local_addr() {
         Ok(local) => canonical(local),
         Err(err) => {
@@ -79,12 +96,79 @@ pub async fn handle(
             return;
         }
     };
-    let remote = canonical(peer);
+    serve(
+        Accepted::Tcp(stream),
+        canonical(peer),
+        local,
+        listener_name,
+        bound.port(),
+        ctx,
+    )
+    .await;
+}
+
+/// An internal connection has no socket address: Envoy's are `envoy://` names; shunt
+/// writes 0.0.0.0:0 until `original_dst` restores one.
+fn unaddressed() -> SocketAddr {
+    SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), 0)
+}
+
+/// Serves one connection an upstream opened to the internal listener it names.
+pub async fn handle_internal(connection: InternalConnection, ctx: Arc<Context>) {
+    let InternalConnection {
+        listener,
+        metadata,
+        filter_state,
+        stream,
+        ..
+    } = connection;
+    let accepted = Accepted::Internal {
+        stream: Rewound::new(stream),
+        metadata,
+        filter_state,
+    };
+    serve(accepted, unaddressed(), unaddressed(), listener, 0, ctx).await;
+}
+
+/// The process's internal listener registry: the current snapshot's internal
+/// listeners, served on the data plane's runtime.
+pub struct InternalListeners(pub Arc<Context>);
+
+impl crate::upstream::internal::Acceptor for InternalListeners {
+    fn accept(&self, connection: InternalConnection) -> std::io::Result<()> {
+        let snapshot = self.0.config.connection_config();
+        if !snapshot
+            .listener(&connection.listener)
+            .is_some_and(|l| l.internal)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                format!("no internal listener named {:?}", connection.listener),
+            ));
+        }
+        tokio::spawn(handle_internal(connection, self.0.clone()));
+        Ok(())
+    }
+}
+
+async fn serve(
+    mut accepted: Accepted,
+    remote: SocketAddr,
+    local: SocketAddr,
+    listener_name: Arc<str>,
+    bound_port: u16,
+    ctx: Arc<Context>,
+) {
+    let snapshot = ctx.config.connection_config();
+    let Some(accepting) = snapshot.listener(&listener_name).cloned() else {
+        // The listener left the config after this socket was bound.
+        return;
+    };
     let mut facts = Facts::new(local);
     if !run_listener_filters(
         &accepting.listener_filters,
-        &stream,
-        bound.port(),
+        &mut accepted,
+        bound_port,
         &mut facts,
     )
     .await
@@ -95,14 +179,25 @@ pub async fn handle(
         Some(target) => {
             tracing::debug!(from = %accepting.name, to = %target.name, destination = %facts.destination, "hand-off");
             let target = target.clone();
-            if !run_listener_filters(&target.listener_filters, &stream, bound.port(), &mut facts)
-                .await
+            if !run_listener_filters(
+                &target.listener_filters,
+                &mut accepted,
+                bound_port,
+                &mut facts,
+            )
+            .await
             {
                 return;
             }
             target
         }
         None => accepting,
+    };
+    let remote = facts.restored_remote.unwrap_or(remote);
+    // An internal connection's local address is the one restored.
+    let local = match accepted {
+        Accepted::Internal { .. } => facts.destination,
+        Accepted::Tcp(_) => local,
     };
 
     let mut entry = Entry::start(listener.direction, remote, local);
@@ -132,9 +227,15 @@ pub async fn handle(
     let _active = stats.connection();
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     let secure = chain.transport_socket.is_some();
-    let stream = match &chain.transport_socket {
-        None => TransportStream::Raw(stream),
-        Some(tls) => {
+    let stream = match (&chain.transport_socket, accepted) {
+        (None, Accepted::Tcp(stream)) => TransportStream::Raw(stream),
+        (None, Accepted::Internal { stream, .. }) => TransportStream::in_process(stream),
+        (Some(_), Accepted::Internal { .. }) => {
+            // Compiling refuses such chains; a pipe has no TLS to terminate.
+            tracing::debug!(listener = %listener.name, "TLS on an internal connection; closing");
+            return;
+        }
+        (Some(tls), Accepted::Tcp(stream)) => {
             let handshake = terminate_tls(tls, stream, &ctx, &stats);
             let timeout = async {
                 match chain.transport_socket_connect_timeout {
@@ -157,6 +258,43 @@ pub async fn handle(
             stream
         }
     };
+    // What filters read about the connection.
+    let mut connection = crate::stream_info::Connection::new(facts.destination, remote);
+    connection.socket_local = local;
+    connection.requested_server_name = facts.server_name.clone();
+    if let Some(session) = stream.session_info() {
+        if session.server_name.is_some() {
+            connection.requested_server_name = session.server_name;
+        }
+        connection.alpn = session.alpn;
+        let mut tls = session.tls;
+        if let Some(context) = &chain.transport_socket
+            && !chain.filters.is_empty()
+        {
+            tls.local_uri_sans = context.local_uri_sans(ctx.config.request_config().secrets());
+        }
+        connection.tls = Some(Arc::new(tls));
+    }
+    // The network filters before the terminal one.
+    let (stream, connection) = if chain.filters.is_empty() {
+        (Served::Plain(stream), Arc::new(connection))
+    } else {
+        let mut stream = stream;
+        let mut buffer = bytes::BytesMut::new();
+        let started = tokio::select! {
+            started = chain.filters.start(&mut connection, &mut stream, &mut buffer) => started,
+            () = listener.draining.closed() => None,
+        };
+        let Some(active) = started else {
+            if let NetworkFilter::TcpProxy(proxy) = &chain.network {
+                entry.emit_to(&proxy.access_log);
+            }
+            return;
+        };
+        let connection = Arc::new(connection);
+        let filtered = crate::network::Filtered::new(stream, buffer, active, connection.clone());
+        (Served::Filtered(filtered), connection)
+    };
     match &chain.network {
         NetworkFilter::TcpProxy(proxy) => {
             let own_ports = ctx
@@ -171,8 +309,9 @@ pub async fn handle(
                 own_ports: &own_ports,
                 secrets: current.secrets(),
             };
+            let destination = facts.upstream_override.unwrap_or(facts.destination);
             tokio::select! {
-                () = proxy.serve(&upstreams, stream, facts.destination, &mut entry) => {}
+                () = proxy.serve(&upstreams, stream.into_tcp(), destination, &mut entry) => {}
                 // An xDS update removed or replaced the listener and its drain time passed.
                 () = listener.draining.closed() => {
                     tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
@@ -186,9 +325,7 @@ pub async fn handle(
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
-            if let Err(err) = stream.tcp().set_nodelay(true) {
-                tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
-            }
+            stream.set_nodelay();
             let downstream = crate::http::connection_manager::Downstream {
                 remote,
                 local,
@@ -196,14 +333,32 @@ pub async fn handle(
                 direction: listener.direction,
                 secure,
                 own_ports,
+                connection,
             };
-            let serve = crate::http::connection_manager::serve(
-                hcm.clone(),
-                ctx.config.clone(),
-                stream,
-                downstream,
-                ctx.shutdown.closed(),
-            );
+            let serve = async {
+                match stream {
+                    Served::Plain(stream) => {
+                        crate::http::connection_manager::serve(
+                            hcm.clone(),
+                            ctx.config.clone(),
+                            stream,
+                            downstream,
+                            ctx.shutdown.closed(),
+                        )
+                        .await;
+                    }
+                    Served::Filtered(stream) => {
+                        crate::http::connection_manager::serve(
+                            hcm.clone(),
+                            ctx.config.clone(),
+                            stream,
+                            downstream,
+                            ctx.shutdown.closed(),
+                        )
+                        .await;
+                    }
+                }
+            };
             tokio::select! {
                 () = serve => {}
                 // As for tcp_proxy: the listener's drain time is over, close.
@@ -211,6 +366,35 @@ pub async fn handle(
                     tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
                 }
             }
+        }
+    }
+}
+
+/// A connection's stream once its network filters started: as accepted, or wrapped
+/// by them.
+enum Served {
+    Plain(TransportStream),
+    Filtered(crate::network::Filtered),
+}
+
+impl Served {
+    /// TCP_NODELAY on the socket underneath, if there is one.
+    fn set_nodelay(&self) {
+        let tcp = match self {
+            Served::Plain(stream) => stream.tcp(),
+            Served::Filtered(stream) => stream.tcp(),
+        };
+        if let Some(tcp) = tcp
+            && let Err(err) = tcp.set_nodelay(true)
+        {
+            tracing::debug!(%err, "TCP_NODELAY failed");
+        }
+    }
+
+    fn into_tcp(self) -> crate::tcp::Downstream {
+        match self {
+            Served::Plain(stream) => crate::tcp::Downstream::Transport(stream),
+            Served::Filtered(stream) => crate::tcp::Downstream::Filtered(Box::new(stream)),
         }
     }
 }
@@ -266,21 +450,49 @@ pub fn hand_off_target<'a>(
 /// Runs the listener filters; false if the connection must be closed (timeout).
 async fn run_listener_filters(
     filters: &ListenerFilters,
-    stream: &TcpStream,
+    accepted: &mut Accepted,
     listener_port: u16,
     facts: &mut Facts,
 ) -> bool {
-    if filters.original_dst
-        && !facts.restored
-        && let Ok(dst) = original_dst::original_dst(stream, facts.destination, listener_port)
-    {
-        facts.destination = dst;
-        facts.restored = true;
+    match accepted {
+        Accepted::Tcp(stream) => {
+            if filters.original_dst
+                && !facts.restored
+                && let Ok(dst) =
+                    original_dst::original_dst(stream, facts.destination, listener_port)
+            {
+                facts.destination = dst;
+                facts.restored = true;
+            }
+        }
+        Accepted::Internal {
+            metadata,
+            filter_state,
+            ..
+        } => {
+            let restored = if filters.set_internal_dst_address {
+                let (local, upstream) =
+                    super::internal::set_internal_dst_address(metadata, filter_state);
+                facts.upstream_override = upstream.or(facts.upstream_override);
+                (local, None)
+            } else if filters.original_dst {
+                super::internal::original_dst(metadata, filter_state)
+            } else {
+                (None, None)
+            };
+            if let (Some(local), false) = (restored.0, facts.restored) {
+                facts.destination = canonical(local);
+                facts.restored = true;
+            }
+            if let Some(remote) = restored.1 {
+                facts.restored_remote = Some(canonical(remote));
+            }
+        }
     }
     if !filters.inspects() {
         return true;
     }
-    let inspect = inspect(filters, stream, facts);
+    let inspect = inspect(filters, accepted, facts);
     match filters.timeout {
         None => {
             inspect.await;
@@ -297,10 +509,22 @@ async fn run_listener_filters(
     }
 }
 
+/// Peeks (a socket) or reads ahead (a pipe) until `decide` answers.
+async fn look<T>(
+    accepted: &mut Accepted,
+    max: usize,
+    decide: impl FnMut(&[u8], bool) -> Option<T>,
+) -> std::io::Result<T> {
+    match accepted {
+        Accepted::Tcp(stream) => inspector::peek_until(stream, max, decide).await,
+        Accepted::Internal { stream, .. } => stream.inspect(max, decide).await,
+    }
+}
+
 /// `tls_inspector`, then `http_inspector` unless the connection is TLS.
-async fn inspect(filters: &ListenerFilters, stream: &TcpStream, facts: &mut Facts) {
+async fn inspect(filters: &ListenerFilters, accepted: &mut Accepted, facts: &mut Facts) {
     if filters.tls_inspector {
-        let hello = inspector::peek_until(stream, inspector::MAX_CLIENT_HELLO, |buf, complete| {
+        let hello = look(accepted, inspector::MAX_CLIENT_HELLO, |buf, complete| {
             match inspector::parse_client_hello(buf) {
                 TlsVerdict::NeedMore if !complete => None,
                 TlsVerdict::ClientHello(hello) => Some(Some(hello)),
@@ -315,15 +539,14 @@ async fn inspect(filters: &ListenerFilters, stream: &TcpStream, facts: &mut Fact
         }
     }
     if filters.http_inspector && facts.transport_protocol != "tls" {
-        let protocol =
-            inspector::peek_until(stream, inspector::MAX_HTTP_INSPECT, |buf, complete| {
-                match inspector::inspect_http(buf) {
-                    HttpVerdict::NeedMore if !complete => None,
-                    HttpVerdict::Protocol(protocol) => Some(Some(protocol)),
-                    _ => Some(None),
-                }
-            })
-            .await;
+        let protocol = look(accepted, inspector::MAX_HTTP_INSPECT, |buf, complete| {
+            match inspector::inspect_http(buf) {
+                HttpVerdict::NeedMore if !complete => None,
+                HttpVerdict::Protocol(protocol) => Some(Some(protocol)),
+                _ => Some(None),
+            }
+        })
+        .await;
         if let Ok(Some(protocol)) = protocol {
             facts.application_protocols = vec![protocol.to_owned()];
         }

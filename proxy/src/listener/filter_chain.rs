@@ -17,6 +17,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
+use super::chain_matcher::ChainMatcher;
+
 /// What a connection offers to filter chain matching.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionInfo<'a> {
@@ -166,7 +168,7 @@ fn prefix_rank(ranges: &[IpNet], ip: IpAddr) -> Rank {
         .max()
 }
 
-fn is_local(conn: &ConnectionInfo<'_>) -> bool {
+pub(super) fn is_local(conn: &ConnectionInfo<'_>) -> bool {
     let source = conn.source.ip().to_canonical();
     source.is_loopback() || source == conn.destination.ip().to_canonical()
 }
@@ -176,15 +178,31 @@ fn is_local(conn: &ConnectionInfo<'_>) -> bool {
 pub struct FilterChains<T> {
     chains: Vec<(FilterChainMatch, T)>,
     default: Option<T>,
+    /// The listener's `filter_chain_matcher`: when set, it alone picks the chain.
+    matcher: Option<ChainMatcher>,
 }
 
 impl<T> FilterChains<T> {
     pub fn new(chains: Vec<(FilterChainMatch, T)>, default: Option<T>) -> Self {
-        FilterChains { chains, default }
+        FilterChains {
+            chains,
+            default,
+            matcher: None,
+        }
     }
 
-    /// The first pair of chains (by index) that no connection could tell apart.
+    /// Chains picked by a `filter_chain_matcher`, which names them by index.
+    pub fn with_matcher(mut self, matcher: ChainMatcher) -> Self {
+        self.matcher = Some(matcher);
+        self
+    }
+
+    /// The first pair of chains (by index) that no connection could tell apart (none
+    /// when a `filter_chain_matcher` picks them).
     pub fn first_overlap(&self) -> Option<(usize, usize)> {
+        if self.matcher.is_some() {
+            return None;
+        }
         for (i, (a, _)) in self.chains.iter().enumerate() {
             for (j, (b, _)) in self.chains.iter().enumerate().skip(i + 1) {
                 if a.overlaps(b) {
@@ -197,6 +215,12 @@ impl<T> FilterChains<T> {
 
     /// The chain `conn` runs, or `None` (no match and no default: Envoy closes).
     pub fn select(&self, conn: &ConnectionInfo<'_>) -> Option<&T> {
+        if let Some(matcher) = &self.matcher {
+            return match matcher.select(conn) {
+                Some(i) => self.chains.get(i).map(|(_, chain)| chain),
+                None => self.default.as_ref(),
+            };
+        }
         let mut candidates: Vec<(usize, [Rank; 9])> = self
             .chains
             .iter()

@@ -1,15 +1,19 @@
 //! Listeners: what happens between accept and a network filter. A listener's
 //! compiled config ([`config`], compiled from Envoy's by [`compile`]), its listener
 //! filters ([`inspector`]: `tls_inspector`, `http_inspector`; [`original_dst`]), filter
-//! chain matching in Envoy's order ([`filter_chain`]), and the per-connection handling
+//! chain matching in Envoy's order ([`filter_chain`]) or by the xDS matcher API
+//! ([`chain_matcher`]), and the per-connection handling
 //! that hands the connection to `tcp_proxy` or the HTTP connection manager
-//! ([`connection_handler`]).
+//! ([`connection_handler`]), for sockets and for internal listeners' in-process
+//! connections ([`internal`]).
 
+pub mod chain_matcher;
 pub mod compile;
 pub mod config;
 pub mod connection_handler;
 pub mod filter_chain;
 pub mod inspector;
+pub mod internal;
 pub mod original_dst;
 
 use std::net::SocketAddr;

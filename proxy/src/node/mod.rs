@@ -7,6 +7,10 @@
 //! - serving (each pod's proxy instance, its listeners opened inside the pod's network
 //!   namespace, its xDS node, certificate and stats) implements it.
 
+pub mod cni;
+pub mod enroll;
+pub mod serve;
+
 use std::net::IpAddr;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;

@@ -26,6 +26,7 @@ use tokio::sync::Notify;
 
 use super::{Connections, ProxyArgs};
 use crate::agent::status::{Call, StatusServer, probes, prometheus};
+use crate::xds::local::LocalServers;
 
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -77,6 +78,11 @@ pub struct AgentArgs {
     /// used when there is no CA_ADDR.
     #[arg(long, default_value = "./etc/certs", value_name = "DIR")]
     pub cert_dir: PathBuf,
+    /// With the in-process proxy, also serve SDS and the xDS proxy on their Unix
+    /// sockets (the proxy itself reaches them without; a supervised Envoy always gets
+    /// them).
+    #[arg(long)]
+    pub serve_proxy_sockets: bool,
     /// The SDS server's socket (the generated bootstrap's `sds-grpc`).
     #[arg(long, default_value = crate::agent::sds::DEFAULT_SOCKET, value_name = "PATH")]
     pub sds_socket: PathBuf,
@@ -221,7 +227,22 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         None => bootstrap_path(&args)?,
     };
     let argv = proxy_command_line(&args, &config);
-    let (readiness_port, admin) = read_bootstrap(&args, &config)?;
+    let (readiness_port, admin, bootstrap) = read_bootstrap(&args, &config)?;
+    let mut proxy_args = ProxyCommandLine::try_parse_from(
+        std::iter::once(OsString::from("shunt-proxy")).chain(argv.clone()),
+    )
+    .context("the proxy's command line")?
+    .args;
+    proxy_args.keep_user = args.keep_user;
+    // pilot-agent's DNS proxy beside Envoy (the in-process proxy runs its own), with
+    // the name table the xDS proxy takes off istiod's stream.
+    let mut dns = match (&generated, args.proxy) {
+        (Some(_), ProxyKind::Envoy) => {
+            super::dns::prepare(&proxy_args, &bootstrap, &crate::stats::Store::new())?
+        }
+        _ => None,
+    };
+    drop(bootstrap);
     // Reading the bootstrap built the descriptor pool (~15 MiB); a supervised Envoy
     // never needs it here, and the in-process proxy builds it again while it loads.
     crate::config::release_idle_pool(Duration::ZERO);
@@ -253,21 +274,38 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM while the proxy starts is a drain, not a kill.
     let signals = runtime.block_on(async { StopSignals::install() })?;
     runtime.spawn(server.clone().serve(status, readiness));
+    let mut local = LocalServers::default();
     if let Some(generated) = &generated {
         let _guard = runtime.enter();
-        super::agent_jobs::start_xds_proxy(&args, generated)?;
-        super::agent_jobs::start_certificates(&args)?;
+        // A supervised Envoy reaches the agent over the sockets; the in-process proxy
+        // by call, unless the sockets are asked for too.
+        let sockets = args.proxy == ProxyKind::Envoy || args.serve_proxy_sockets;
+        let certificates = super::agent_jobs::start_certificates(&args, sockets)?;
+        let name_table = match dns.take() {
+            Some(mut dns) => {
+                let sockets = dns.bind()?;
+                crate::dns::server::serve(sockets, dns.resolver.clone())
+                    .context("starting the DNS proxy")?;
+                Some(super::agent_jobs::name_table_sink(dns.tables.clone()))
+            }
+            None => None,
+        };
+        let xds = super::agent_jobs::start_xds_proxy(
+            &args,
+            generated,
+            certificates.clone(),
+            name_table,
+            sockets,
+        )?;
+        if args.proxy == ProxyKind::Shunt {
+            local.insert(&args.config_dir.join("XDS"), xds.local());
+            if let Some(certificates) = certificates {
+                local.insert(&args.sds_socket, crate::agent::sds::local(certificates));
+            }
+        }
     }
     let proxy = match args.proxy {
-        ProxyKind::Shunt => {
-            let mut proxy_args = ProxyCommandLine::try_parse_from(
-                std::iter::once(OsString::from("shunt-proxy")).chain(argv),
-            )
-            .context("the proxy's command line")?
-            .args;
-            proxy_args.keep_user = args.keep_user;
-            Proxy::start_in_process(proxy_args)?
-        }
+        ProxyKind::Shunt => Proxy::start_in_process(proxy_args, local)?,
         ProxyKind::Envoy => {
             let binary = envoy_binary(args.envoy_binary.as_deref())?;
             let _guard = runtime.enter();
@@ -321,7 +359,14 @@ fn proxy_command_line(args: &AgentArgs, config: &Path) -> Vec<OsString> {
 
 /// From the bootstrap: the readiness port to serve here (none when the bootstrap has
 /// a listener there), and where the proxy's admin API answers.
-fn read_bootstrap(args: &AgentArgs, config: &Path) -> anyhow::Result<(Option<u16>, SocketAddr)> {
+fn read_bootstrap(
+    args: &AgentArgs,
+    config: &Path,
+) -> anyhow::Result<(
+    Option<u16>,
+    SocketAddr,
+    envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+)> {
     let options = crate::config::Options {
         config_path: Some(config.to_owned()),
         ..Default::default()
@@ -349,7 +394,7 @@ fn read_bootstrap(args: &AgentArgs, config: &Path) -> anyhow::Result<(Option<u16
         (None, Some(addr)) => addr,
         (None, None) => SocketAddr::from(([127, 0, 0, 1], 15000)),
     };
-    Ok((readiness, admin))
+    Ok((readiness, admin, bootstrap))
 }
 
 /// Listens on every address, IPv4 and IPv6 (pilot-agent's `:port`); IPv4 alone where
@@ -473,8 +518,11 @@ enum Proxy {
 }
 
 impl Proxy {
-    fn start_in_process(mut args: ProxyArgs) -> anyhow::Result<Proxy> {
-        let embedded = Arc::new(Embedded::default());
+    fn start_in_process(mut args: ProxyArgs, local: LocalServers) -> anyhow::Result<Proxy> {
+        let embedded = Arc::new(Embedded {
+            local_xds: local,
+            ..Embedded::default()
+        });
         args.embedded = Some(embedded.clone());
         let (tell, done) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -575,6 +623,8 @@ impl Proxy {
 /// The agent's hold on an in-process proxy's serve loop (see [`ProxyArgs::embedded`]).
 #[derive(Default)]
 pub struct Embedded {
+    /// The agent's SDS server and xDS proxy, which the proxy's streams call.
+    pub(super) local_xds: LocalServers,
     connections: OnceLock<Arc<Connections>>,
     close_inbound: Notify,
     exit: Notify,

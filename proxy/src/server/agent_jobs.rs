@@ -2,10 +2,13 @@
 //! pilot-agent does: the bootstrap (from the environment, the mesh config and the
 //! downward-API files), the xDS proxy on `etc/istio/proxy/XDS` that the bootstrap's
 //! `xds-grpc` cluster reaches, and the workload certificate (mesh CA or mounted files)
-//! served over SDS on the socket the bootstrap's `sds-grpc` cluster reaches.
+//! served over SDS on the socket the bootstrap's `sds-grpc` cluster reaches. For the
+//! in-process proxy neither socket is bound (unless asked): its streams to those paths
+//! call the SDS server and the xDS proxy directly ([`crate::xds::local`]).
 
 use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
 
@@ -13,7 +16,7 @@ use super::agent::AgentArgs;
 use crate::agent::bootstrap::{BootstrapInputs, NodeType, PodFiles, render};
 use crate::agent::ca::{CaOptions, CertificateProvider, FileOptions};
 use crate::agent::sds;
-use crate::agent::xds_proxy::{Upstream, XdsProxy};
+use crate::agent::xds_proxy::{NameTableSink, Upstream, XdsProxy};
 use crate::xds::source::{Target, Tls};
 
 /// pilot-agent's default for `discoveryAddress`.
@@ -61,10 +64,17 @@ pub fn write_bootstrap(args: &AgentArgs) -> anyhow::Result<Generated> {
     })
 }
 
-/// The xDS proxy's upstream: `--xds-address` (`unix:PATH` or `host:port`), else the
-/// ProxyConfig's `discoveryAddress`; TLS with the mesh root when it is there (istiod's
-/// 15012), the service-account token as bearer when it is there.
-fn upstream(args: &AgentArgs, discovery_address: &str) -> anyhow::Result<Upstream> {
+/// The xDS proxy's upstream, as pilot-agent dials istiod: `--xds-address` (`unix:PATH`
+/// or `host:port`), else the ProxyConfig's `discoveryAddress`; TLS with the mesh root
+/// when it is there (istiod's 15012) and the workload certificate as client
+/// certificate once there is one; the service-account token as bearer when it is
+/// there (pilot-agent sends it with or without mTLS); the `ClusterID` header and each
+/// `XDS_HEADER_<NAME>=value` of the environment as header `<name>`.
+fn upstream(
+    args: &AgentArgs,
+    discovery_address: &str,
+    certificates: Option<CertificateProvider>,
+) -> anyhow::Result<Upstream> {
     let address = args.xds_address.as_deref().unwrap_or(discovery_address);
     let (target, host) = match address.strip_prefix("unix:") {
         Some(path) => (Target::Unix(PathBuf::from(path)), None),
@@ -98,30 +108,51 @@ fn upstream(args: &AgentArgs, discovery_address: &str) -> anyhow::Result<Upstrea
     if let Ok(cluster) = std::env::var("ISTIO_META_CLUSTER_ID") {
         metadata.push(("clusterid".to_owned(), cluster));
     }
+    for (name, value) in std::env::vars() {
+        if let Some(header) = name.strip_prefix("XDS_HEADER_").filter(|h| !h.is_empty()) {
+            // gRPC metadata keys are lower case (Go's grpc lowers them too).
+            metadata.push((header.to_ascii_lowercase(), value));
+        }
+    }
     Ok(Upstream {
         target,
         tls,
         metadata,
         token_path,
+        certificates,
     })
 }
 
-/// Starts the xDS proxy on `<config-dir>/XDS` (on the current runtime).
-pub fn start_xds_proxy(args: &AgentArgs, generated: &Generated) -> anyhow::Result<()> {
-    let upstream = upstream(args, &generated.discovery_address)?;
-    let socket = args.config_dir.join("XDS");
-    let proxy = XdsProxy::new(upstream, None);
-    tokio::spawn(async move {
-        if let Err(err) = proxy.serve_unix(&socket, std::future::pending()).await {
-            tracing::error!("xDS proxy: {err:#}");
-        }
-    });
-    Ok(())
+/// The xDS proxy to the control plane; served on `<config-dir>/XDS` (on the current
+/// runtime) when `socket`, else only to the in-process proxy by call.
+pub fn start_xds_proxy(
+    args: &AgentArgs,
+    generated: &Generated,
+    certificates: Option<CertificateProvider>,
+    name_table: Option<NameTableSink>,
+    socket: bool,
+) -> anyhow::Result<Arc<XdsProxy>> {
+    let upstream = upstream(args, &generated.discovery_address, certificates)?;
+    let proxy = XdsProxy::new(upstream, name_table);
+    if socket {
+        let path = args.config_dir.join("XDS");
+        let serving = proxy.clone();
+        tokio::spawn(async move {
+            if let Err(err) = serving.serve_unix(&path, std::future::pending()).await {
+                tracing::error!("xDS proxy: {err:#}");
+            }
+        });
+    }
+    Ok(proxy)
 }
 
 /// The workload certificate, from the mesh CA (`CA_ADDR`) or mounted files
-/// (`<cert-dir>/cert-chain.pem`), served over SDS; nothing when neither is there.
-pub fn start_certificates(args: &AgentArgs) -> anyhow::Result<Option<CertificateProvider>> {
+/// (`<cert-dir>/cert-chain.pem`), served over SDS on `--sds-socket` when `socket`;
+/// nothing when neither is there.
+pub fn start_certificates(
+    args: &AgentArgs,
+    socket: bool,
+) -> anyhow::Result<Option<CertificateProvider>> {
     let provider = if std::env::var_os("CA_ADDR").is_some() {
         let (provider, _task) = CertificateProvider::start_ca(CaOptions::from_env()?);
         provider
@@ -135,11 +166,24 @@ pub fn start_certificates(args: &AgentArgs) -> anyhow::Result<Option<Certificate
         tracing::info!("no CA_ADDR and no mounted certificates: no SDS server");
         return Ok(None);
     };
-    let listener = sds::bind(&args.sds_socket)?;
-    tokio::spawn(sds::serve(
-        listener,
-        provider.clone(),
-        std::future::pending(),
-    ));
+    if socket {
+        let listener = sds::bind(&args.sds_socket)?;
+        tokio::spawn(sds::serve(
+            listener,
+            provider.clone(),
+            std::future::pending(),
+        ));
+    }
     Ok(Some(provider))
+}
+
+/// Where the xDS proxy puts the name tables it takes off istiod's stream: the agent's
+/// DNS proxy (beside a supervised Envoy, which never sees NDS).
+pub fn name_table_sink(tables: Arc<crate::dns::Tables>) -> NameTableSink {
+    Arc::new(move |any, version| {
+        use prost::Message;
+        let table = crate::dns::name_table::NameTable::decode(any.value.as_slice())
+            .map_err(|e| format!("NameTable: {e}"))?;
+        tables.apply(table, version).map_err(|e| e.to_string())
+    })
 }

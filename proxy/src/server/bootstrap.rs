@@ -137,7 +137,18 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         own_ports: std::sync::RwLock::new(own_ports.into()),
         shutdown: Default::default(),
     });
+    // Internal listeners: upstream connections to them are served in this process.
+    crate::upstream::internal::set_acceptor(Arc::new(connection_handler::InternalListeners(
+        context.clone(),
+    )));
     let drain_time = options.drain_time;
+    let xds = xds.map(|mut plan| {
+        // Under `shunt agent`: its SDS server and xDS proxy, by call.
+        if let Some(embedded) = &args.embedded {
+            plan.local = embedded.local_xds.clone();
+        }
+        plan
+    });
     let xds = xds.map(|plan| Xds {
         plan,
         bootstrap,

@@ -13,6 +13,7 @@ mod bind;
 mod bootstrap;
 mod dns;
 mod envoy_flags;
+pub mod node;
 mod passthrough;
 mod user;
 mod validate;

@@ -257,6 +257,9 @@ pub struct DynamicResources {
     pub clusters_version: String,
     /// Resources whose last update was refused (NACKed), for `/config_dump`'s error state.
     pub errors: Vec<UpdateFailure>,
+    /// Compile the warming clusters and listeners too, only for their errors: Envoy
+    /// refuses a bad one when it comes, not once it is warm.
+    pub validate_warming: bool,
 }
 
 impl DynamicResources {
@@ -417,6 +420,121 @@ fn cluster_changes<'a>(
 /// refuses the config when `static_resources.secrets` lacks it, and so does shunt.
 /// Dynamic clusters the previous snapshot compiled as they are, and listeners when
 /// `listeners_changed` is false, were checked already.
+/// Envoy refuses an internal listener unless the bootstrap enables the
+/// `envoy.bootstrap.internal_listener` extension ("InternalListener bootstrap extension
+/// is mandatory").
+fn internal_listener_extension(
+    bootstrap: &Bootstrap,
+    listeners: &[listener::Source<'_>],
+    problems: &mut Diagnostics,
+) {
+    use envoy_types::pb::envoy::config::listener::v3::listener::ListenerSpecifier;
+    const EXTENSION: &str = "envoy.extensions.bootstrap.internal_listener.v3.InternalListener";
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct TypedStructHead {
+        #[prost(string, tag = "1")]
+        type_url: String,
+    }
+    let enabled = bootstrap.bootstrap_extensions.iter().any(|e| {
+        let Some(any) = &e.typed_config else {
+            return false;
+        };
+        let inner;
+        let url = if any.type_url.ends_with("TypedStruct") {
+            inner = <TypedStructHead as prost::Message>::decode(any.value.as_slice())
+                .map(|h| h.type_url)
+                .unwrap_or_default();
+            inner.as_str()
+        } else {
+            any.type_url.as_str()
+        };
+        url.rsplit('/').next() == Some(EXTENSION)
+    });
+    if enabled {
+        return;
+    }
+    for (index, l) in listeners {
+        if !matches!(
+            l.listener_specifier,
+            Some(ListenerSpecifier::InternalListener(_))
+        ) {
+            continue;
+        }
+        let path = match index {
+            Some(i) => format!("static_resources.listeners[{i}].internal_listener"),
+            None => format!("Listener {:?}.internal_listener", l.name),
+        };
+        problems.error(
+            path,
+            "an internal listener needs the bootstrap extension envoy.bootstrap.internal_listener \
+             (InternalListener), as in Envoy",
+        );
+    }
+}
+
+/// A static cluster's `envoy_internal_address` endpoint must name an internal listener
+/// of the bootstrap when no LDS can bring one: otherwise each of its connections would
+/// fail. (Over xDS, clusters arrive before the listeners they name.)
+fn unknown_internal_listeners(
+    bootstrap: &Bootstrap,
+    static_clusters: &[envoy_types::pb::envoy::config::cluster::v3::Cluster],
+    listeners: &[Arc<crate::listener::Listener>],
+    problems: &mut Diagnostics,
+) {
+    use envoy_types::pb::envoy::config::core::v3::address::Address;
+    use envoy_types::pb::envoy::config::core::v3::envoy_internal_address::AddressNameSpecifier;
+    use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+    if bootstrap
+        .dynamic_resources
+        .as_ref()
+        .is_some_and(|d| d.lds_config.is_some())
+    {
+        return;
+    }
+    let mut named = Vec::new();
+    for (i, cluster) in static_clusters.iter().enumerate() {
+        let Some(assignment) = &cluster.load_assignment else {
+            continue;
+        };
+        for (l, locality) in assignment.endpoints.iter().enumerate() {
+            for (e, endpoint) in locality.lb_endpoints.iter().enumerate() {
+                let Some(HostIdentifier::Endpoint(endpoint)) = &endpoint.host_identifier else {
+                    continue;
+                };
+                let Some(Address::EnvoyInternalAddress(internal)) =
+                    endpoint.address.as_ref().and_then(|a| a.address.as_ref())
+                else {
+                    continue;
+                };
+                let Some(AddressNameSpecifier::ServerListenerName(name)) =
+                    &internal.address_name_specifier
+                else {
+                    continue;
+                };
+                let address = crate::upstream::internal::InternalAddress {
+                    server_listener_name: name.as_str().into(),
+                    endpoint_id: internal.endpoint_id.clone(),
+                };
+                let path = format!(
+                    "static_resources.clusters[{i}].load_assignment.endpoints[{l}].lb_endpoints[{e}]\
+                     .endpoint.address.envoy_internal_address.server_listener_name"
+                );
+                named.push((address, path));
+            }
+        }
+    }
+    let unknown = crate::upstream::internal::unknown_listeners(
+        named.iter().map(|(a, p)| (a, p.clone())),
+        |name| listeners.iter().any(|l| l.internal && *l.name == *name),
+    );
+    for (name, path) in unknown {
+        problems.error(
+            path,
+            format!("no internal listener named {name:?} (a listener with internal_listener {{}})"),
+        );
+    }
+}
+
 fn unknown_static_secrets(
     statics: &[Secret],
     static_clusters: &[EnvoyCluster],
@@ -667,6 +785,8 @@ pub fn compile_with(
         unchanged_listeners.is_none(),
         &mut problems,
     );
+    unknown_internal_listeners(bootstrap, static_clusters, &listeners, &mut problems);
+    internal_listener_extension(bootstrap, &listener_sources, &mut problems);
     // Only pipe endpoints need to know which listeners route where.
     let routed = if clusters.pipe_endpoints.is_empty() {
         HashMap::new()
@@ -696,6 +816,9 @@ pub fn compile_with(
                 ),
             }
         }
+    }
+    if dynamic.validate_warming {
+        validate_warming(&dynamic, &health, &clusters.clusters, stats, &mut problems);
     }
     problems.finish()?;
     let mut snapshot = Snapshot {
@@ -727,5 +850,32 @@ pub fn compile_with(
     })
 }
 
+/// Compiles the warming clusters and listeners of `dynamic` aside, keeping only their
+/// errors (at their `Cluster "name"` / `Listener "name"` paths).
+fn validate_warming(
+    dynamic: &DynamicResources,
+    health: &HashSet<String>,
+    clusters: &Clusters,
+    stats: &StatsStore,
+    problems: &mut Diagnostics,
+) {
+    let mut aside = Diagnostics::default();
+    let sources: Vec<cluster::Source> = dynamic
+        .warming_clusters
+        .iter()
+        .map(|t| (None, &*t.resource, crate::config::digest(&*t.resource)))
+        .collect();
+    cluster::compile_all(&sources, None, stats, &mut aside);
+    let sources: Vec<listener::Source> = dynamic
+        .warming_listeners
+        .iter()
+        .map(|t| (None, &*t.resource))
+        .collect();
+    listener::compile_all(&sources, health, clusters, &|_, _| None, stats, &mut aside);
+    problems.errors.extend(aside.errors);
+}
+
+#[cfg(test)]
+mod internal_tests;
 #[cfg(test)]
 mod tests;

@@ -839,3 +839,87 @@ static_resources:
         assert!(hand_off_target(&snapshot, plain, &restored("10.96.0.10:80")).is_none());
     }
 }
+
+#[test]
+fn warming_resources_are_checked_when_asked_and_never_served() {
+    let bootstrap = bootstrap("static_resources: {clusters: [{name: s}]}");
+    let stats = Default::default();
+    let mut dynamic = super::DynamicResources {
+        clusters: vec![dynamic_cluster("a", 1, "1s")],
+        warming_clusters: vec![dynamic_cluster("w", 2, "-1s").tracked.clone()],
+        ..Default::default()
+    };
+    // Not asked: a warming cluster is not compiled.
+    let snapshot = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), None, &stats)
+        .unwrap()
+        .snapshot;
+    assert!(!snapshot.clusters.contains_key("w"));
+    // Asked: its errors come out at its path, as Envoy refuses it on arrival.
+    dynamic.validate_warming = true;
+    let err = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), None, &stats)
+        .expect_err("the warming cluster's error");
+    assert_eq!(err.errors.len(), 1, "{:?}", err.errors);
+    assert!(
+        err.errors[0]
+            .path
+            .starts_with(r#"Cluster "w".connect_timeout"#),
+        "{:?}",
+        err.errors
+    );
+    // A good warming cluster is checked and still not served.
+    dynamic.warming_clusters = vec![dynamic_cluster("w", 2, "1s").tracked.clone()];
+    let snapshot = super::compile_with(&bootstrap, Arc::new(dynamic), None, &stats)
+        .unwrap()
+        .snapshot;
+    assert!(!snapshot.clusters.contains_key("w"));
+    assert!(snapshot.clusters.contains_key("a"));
+}
+
+/// A listener whose chains a `filter_chain_matcher` picks: chains without matches of
+/// their own are no overlap, and each connection runs the chain the matcher names.
+#[test]
+fn filter_chain_matcher_picks_the_chain() {
+    let snapshot = compiled(
+        r#"
+static_resources:
+  clusters: [{name: a}, {name: b}]
+  listeners:
+  - name: l
+    address: {socket_address: {address: 0.0.0.0, port_value: 15010}}
+    filter_chains:
+    - name: to-a
+      filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: a, cluster: a}}]
+    - name: to-b
+      filters: [{name: t, typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: b, cluster: b}}]
+    filter_chain_matcher:
+      matcher_tree:
+        input: {name: port, typed_config: {"@type": type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput}}
+        exact_match_map:
+          map:
+            "80": {action: {name: a, typed_config: {"@type": type.googleapis.com/google.protobuf.StringValue, value: to-a}}}
+      on_no_match: {action: {name: b, typed_config: {"@type": type.googleapis.com/google.protobuf.StringValue, value: to-b}}}
+"#,
+    )
+    .snapshot;
+    let listener = snapshot.listener("l").unwrap();
+    let cluster_for = |destination: &str| {
+        let info = crate::listener::filter_chain::ConnectionInfo {
+            destination: destination.parse().unwrap(),
+            source: "10.0.0.1:1".parse().unwrap(),
+            direct_source: "10.0.0.1:1".parse().unwrap(),
+            server_name: None,
+            transport_protocol: "raw_buffer",
+            application_protocols: &[],
+        };
+        let NetworkFilter::TcpProxy(proxy) = &listener.filter_chains.select(&info).unwrap().network
+        else {
+            panic!("a tcp_proxy chain")
+        };
+        let ClusterSpecifier::Cluster(cluster) = &proxy.clusters else {
+            panic!()
+        };
+        cluster.to_string()
+    };
+    assert_eq!(cluster_for("10.1.2.3:80"), "a");
+    assert_eq!(cluster_for("10.1.2.3:81"), "b");
+}

@@ -87,12 +87,10 @@ pub fn compile(
             );
         }
     }
-    if proxy.tunneling_config.is_some() {
-        problems.error(
-            format!("{path}.tunneling_config"),
-            "tunneling over HTTP is not implemented yet",
-        );
-    }
+    let tunneling = proxy
+        .tunneling_config
+        .as_ref()
+        .and_then(|t| super::tunnel::compile(t, &format!("{path}.tunneling_config"), problems));
     if proxy.on_demand.is_some() {
         problems.error(
             format!("{path}.on_demand"),
@@ -123,5 +121,6 @@ pub fn compile(
         max_connect_attempts,
         access_log,
         stats: TcpProxyStats::new(stats, &proxy.stat_prefix),
+        tunneling,
     })
 }

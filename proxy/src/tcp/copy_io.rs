@@ -17,8 +17,8 @@ const BUFFER: usize = 64 * 1024;
 
 /// Copies both ways until both directions end, one side fails, or nothing moves for
 /// `idle_timeout`; then closes both (RST to the survivor of a failure).
-pub async fn copy(
-    downstream: TransportStream,
+pub async fn copy<D: super::DownstreamIo>(
+    downstream: D,
     upstream: TransportStream,
     idle_timeout: Option<Duration>,
 ) -> Outcome {
@@ -86,7 +86,7 @@ pub async fn copy(
     match &end {
         End::Failed { side, .. } => match side {
             Side::Downstream => upstream.abort(),
-            Side::Upstream => downstream.abort(),
+            Side::Upstream => super::DownstreamIo::abort(&downstream),
         },
         // Close both with close_notify and FIN, as the plain copy closes with FIN.
         End::IdleTimeout => {
@@ -203,7 +203,7 @@ mod tests {
         );
         let upstream = TcpStream::connect(backend_addr).await.unwrap();
         let (server, _) = backend.accept().await.unwrap();
-        let outcome = tokio::spawn(copy(
+        let outcome = tokio::spawn(copy::<TransportStream>(
             downstream.into(),
             TransportStream::Raw(upstream),
             idle_timeout,

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::DownstreamIo as _;
 use super::copy;
 use crate::access_log::{Entry, ResponseFlag, Sink};
 use crate::stats::{Counter, Store};
@@ -33,6 +34,8 @@ pub struct TcpProxy {
     pub max_connect_attempts: u32,
     pub access_log: Vec<Sink>,
     pub stats: TcpProxyStats,
+    /// `tunneling_config`: the bytes go through an HTTP CONNECT tunnel.
+    pub tunneling: Option<super::tunnel::Tunneling>,
 }
 
 /// The filter's `tcp.<stat_prefix>.*` stats.
@@ -95,7 +98,7 @@ impl TcpProxy {
     pub async fn serve(
         &self,
         upstreams: &Upstreams<'_>,
-        downstream: TransportStream,
+        downstream: super::Downstream,
         destination: SocketAddr,
         entry: &mut Entry,
     ) {
@@ -120,6 +123,15 @@ impl TcpProxy {
         ));
         let mut tried = Vec::new();
         let mut connected = None;
+        // HTTP/2 tunnels are streams of the cluster's pooled connection to the host.
+        let pooled_tunnel = self
+            .tunneling
+            .as_ref()
+            .filter(|_| cluster.http_protocol == crate::upstream::cluster::UpstreamProtocol::Http2);
+        let tunnel_downstream = super::tunnel::Downstream {
+            local: entry.downstream_local_address,
+            remote: entry.downstream_remote_address,
+        };
         for _ in 0..self.max_connect_attempts.max(1) {
             let ctx = LbContext {
                 hash,
@@ -139,9 +151,26 @@ impl TcpProxy {
                 return;
             }
             entry.upstream_host = Some(host.address);
+            if let Some(tunneling) = pooled_tunnel {
+                let opened = tunneling
+                    .open_pooled(cluster, &host, upstreams.secrets, &tunnel_downstream)
+                    .await;
+                match opened {
+                    Ok((tunnel, slot)) => {
+                        connected = Some((tunnel, Box::new(slot) as Box<dyn Send>));
+                        break;
+                    }
+                    Err(err) => {
+                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "tunnel not established");
+                        entry.upstream_transport_failure_reason = Some(err.to_string());
+                        tried.push(host.address);
+                        continue;
+                    }
+                }
+            }
             match transport_socket::connect(cluster, &host, upstreams.secrets).await {
-                Ok(connection) => {
-                    connected = Some(connection);
+                Ok((stream, guard)) => {
+                    connected = Some((stream, Box::new(guard) as Box<dyn Send>));
                     break;
                 }
                 Err(err) => {
@@ -155,19 +184,39 @@ impl TcpProxy {
         }
         let Some((upstream, _active)) = connected else {
             entry.flag(ResponseFlag::UpstreamConnectionFailure);
-            downstream.abort();
+            match &downstream {
+                super::Downstream::Transport(stream) => stream.abort(),
+                super::Downstream::Filtered(stream) => stream.abort(),
+            }
             return;
         };
         entry.upstream_local_address = upstream.local_addr().ok();
-        if let Err(err) = downstream.tcp().set_nodelay(true) {
-            tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
-        }
+        let upstream = match &self.tunneling {
+            Some(tunneling) if pooled_tunnel.is_none() => {
+                match tunneling.open(upstream, false, &tunnel_downstream).await {
+                    Ok(tunnel) => tunnel,
+                    Err(err) => {
+                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "tunnel not established");
+                        entry.upstream_transport_failure_reason = Some(err.to_string());
+                        entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                        downstream.abort();
+                        return;
+                    }
+                }
+            }
+            _ => upstream,
+        };
+        downstream.set_nodelay();
         let outcome = match (downstream, upstream) {
             // Plain TCP both ways keeps the socket fast path.
-            (TransportStream::Raw(downstream), TransportStream::Raw(upstream)) => {
-                copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await
+            (
+                super::Downstream::Transport(TransportStream::Raw(downstream)),
+                TransportStream::Raw(upstream),
+            ) => copy::copy_with_idle_timeout(downstream, upstream, self.idle_timeout).await,
+            (super::Downstream::Transport(downstream), upstream) => {
+                super::copy_io::copy(downstream, upstream, self.idle_timeout).await
             }
-            (downstream, upstream) => {
+            (super::Downstream::Filtered(downstream), upstream) => {
                 super::copy_io::copy(downstream, upstream, self.idle_timeout).await
             }
         };

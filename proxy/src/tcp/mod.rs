@@ -1,11 +1,13 @@
 //! TCP proxying, Envoy's `tcp_proxy` network filter: choose the passthrough cluster and
 //! upstream for a captured connection, connect to it, and hand both sockets to
-//! [`copy`]. Every connection ends in exactly one access log line.
+//! [`copy`] (or through an HTTP CONNECT tunnel, [`tunnel`]). Every connection ends in
+//! exactly one access log line.
 
 pub mod compile;
 pub mod copy;
 pub mod copy_io;
 pub mod filter;
+pub mod tunnel;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -20,6 +22,65 @@ use crate::access_log::{Direction, Entry, ResponseFlag};
 pub const INBOUND_PASSTHROUGH_SOURCE_V4: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 6);
 /// The IPv6 counterpart, `::6`.
 pub const INBOUND_PASSTHROUGH_SOURCE_V6: Ipv6Addr = Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6);
+
+/// A downstream byte stream `tcp_proxy` can serve: a transport stream, or one wrapped
+/// by network filters (`network::Filtered`).
+pub trait DownstreamIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {
+    /// The TCP socket underneath; `None` in process.
+    fn tcp(&self) -> Option<&TcpStream>;
+    /// Makes the coming close send RST instead of FIN.
+    fn abort(&self);
+}
+
+impl DownstreamIo for crate::tls::TransportStream {
+    fn tcp(&self) -> Option<&TcpStream> {
+        crate::tls::TransportStream::tcp(self)
+    }
+
+    fn abort(&self) {
+        crate::tls::TransportStream::abort(self);
+    }
+}
+
+impl DownstreamIo for Box<dyn DownstreamIo> {
+    fn tcp(&self) -> Option<&TcpStream> {
+        (**self).tcp()
+    }
+
+    fn abort(&self) {
+        (**self).abort();
+    }
+}
+
+/// What `tcp_proxy` serves: a transport stream (raw TCP keeps the socket fast path),
+/// or a stream network filters read first.
+pub enum Downstream {
+    Transport(crate::tls::TransportStream),
+    Filtered(Box<dyn DownstreamIo>),
+}
+
+impl Downstream {
+    fn io(&self) -> &dyn DownstreamIo {
+        match self {
+            Downstream::Transport(stream) => stream,
+            Downstream::Filtered(stream) => stream,
+        }
+    }
+
+    /// TCP_NODELAY on the socket underneath, if there is one.
+    pub fn set_nodelay(&self) {
+        if let Some(tcp) = self.io().tcp()
+            && let Err(err) = tcp.set_nodelay(true)
+        {
+            tracing::debug!(%err, "TCP_NODELAY on the downstream failed");
+        }
+    }
+
+    /// Makes the coming close send RST instead of FIN.
+    pub fn abort(&self) {
+        self.io().abort();
+    }
+}
 
 /// Settings shared by every connection, fixed at start-up.
 #[derive(Clone, Debug)]

@@ -545,6 +545,24 @@ impl DownstreamTls {
         })
     }
 
+    /// The URI SANs of the certificate this context serves first (Istio serves one),
+    /// for the local principal filters read; empty when its secret is missing.
+    pub fn local_uri_sans(&self, secrets: &Secrets) -> Vec<String> {
+        let Ok(resolved) = self.common.resolve(secrets) else {
+            return Vec::new();
+        };
+        let Some(leaf) = resolved.certificates.first().and_then(|c| c.cert.first()) else {
+            return Vec::new();
+        };
+        super::san::of_certificate(leaf)
+            .into_iter()
+            .filter_map(|san| match san {
+                super::san::San::Uri(uri) => Some(uri),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Terminates TLS on `stream`.
     pub async fn accept(
         &self,

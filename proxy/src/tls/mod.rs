@@ -4,9 +4,11 @@
 //! clusters and does their handshakes, [`verifier`] checks peers the way Envoy's
 //! validation context does (chain, then SAN matchers from [`san`]). [`data_source`] and
 //! [`pem`] read certificates and keys, for the xDS client's own TLS too.
+//! [`internal_upstream`] is the socket that wraps another for internal listeners.
 
 pub mod context;
 pub mod data_source;
+pub mod internal_upstream;
 pub mod pem;
 pub mod san;
 pub mod secret;

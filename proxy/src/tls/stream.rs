@@ -1,6 +1,7 @@
-//! A proxied connection's byte stream: raw TCP (Envoy's `raw_buffer` transport socket)
-//! or TLS over TCP, on either side. Raw pairs keep `tcp::copy`'s socket fast path;
-//! anything with TLS goes through `tcp::copy_io`.
+//! A proxied connection's byte stream: raw TCP (Envoy's `raw_buffer` transport socket),
+//! TLS over TCP, or an in-process stream (a connection to or from an internal listener,
+//! or a tunnel's HTTP/2 CONNECT stream), on either side. Raw pairs keep `tcp::copy`'s
+//! socket fast path; anything else goes through `tcp::copy_io`.
 
 use std::io;
 use std::net::SocketAddr;
@@ -11,10 +12,34 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 
-#[derive(Debug)]
+/// See [`TransportStream::session_info`].
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    pub tls: crate::stream_info::Tls,
+    pub server_name: Option<String>,
+    pub alpn: Option<String>,
+}
+
 pub enum TransportStream {
     Raw(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
+    /// No socket underneath: bytes move within the process.
+    InProcess(Box<dyn InProcessStream>),
+}
+
+/// What an in-process stream must be (a `tokio::io::DuplexStream`, an upgraded HTTP/2
+/// stream...).
+pub trait InProcessStream: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> InProcessStream for T {}
+
+impl std::fmt::Debug for TransportStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransportStream::Raw(tcp) => f.debug_tuple("Raw").field(tcp).finish(),
+            TransportStream::Tls(tls) => f.debug_tuple("Tls").field(tls).finish(),
+            TransportStream::InProcess(_) => f.write_str("InProcess"),
+        }
+    }
 }
 
 impl From<tokio_rustls::server::TlsStream<TcpStream>> for TransportStream {
@@ -30,21 +55,78 @@ impl From<tokio_rustls::client::TlsStream<TcpStream>> for TransportStream {
 }
 
 impl TransportStream {
-    /// The TCP socket underneath.
-    pub fn tcp(&self) -> &TcpStream {
+    /// An in-process stream.
+    pub fn in_process(stream: impl InProcessStream + 'static) -> Self {
+        TransportStream::InProcess(Box::new(stream))
+    }
+
+    /// The TCP socket underneath; `None` in process.
+    pub fn tcp(&self) -> Option<&TcpStream> {
         match self {
-            TransportStream::Raw(tcp) => tcp,
-            TransportStream::Tls(tls) => tls.get_ref().0,
+            TransportStream::Raw(tcp) => Some(tcp),
+            TransportStream::Tls(tls) => Some(tls.get_ref().0),
+            TransportStream::InProcess(_) => None,
         }
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.tcp().local_addr()
+        match self.tcp() {
+            Some(tcp) => tcp.local_addr(),
+            None => Err(io::Error::new(
+                io::ErrorKind::AddrNotAvailable,
+                "an in-process stream has no socket address",
+            )),
+        }
     }
 
-    /// Makes the coming close send RST instead of FIN. The socket is closed when dropped.
+    /// What a TLS session shunt terminated tells filters: the peer's identity, the SNI
+    /// and the ALPN protocol negotiated. `None` for raw TCP or a client session.
+    pub fn session_info(&self) -> Option<SessionInfo> {
+        let TransportStream::Tls(tls) = self else {
+            return None;
+        };
+        let TlsStream::Server(server) = tls.as_ref() else {
+            return None;
+        };
+        let session = server.get_ref().1;
+        let mut info = crate::stream_info::Tls {
+            version: session.protocol_version().and_then(|v| v.as_str()),
+            ..Default::default()
+        };
+        if let Some(leaf) = session.peer_certificates().and_then(|c| c.first()) {
+            info.peer_certificate_presented = true;
+            for san in super::san::of_certificate(leaf) {
+                match san {
+                    super::san::San::Uri(uri) => info.peer_uri_sans.push(uri),
+                    super::san::San::Dns(dns) => info.peer_dns_sans.push(dns),
+                    _ => {}
+                }
+            }
+        }
+        Some(SessionInfo {
+            tls: info,
+            server_name: session.server_name().map(str::to_owned),
+            alpn: session
+                .alpn_protocol()
+                .map(|p| String::from_utf8_lossy(p).into_owned()),
+        })
+    }
+
+    /// TCP_NODELAY on the socket underneath, if there is one.
+    pub fn set_nodelay(&self) {
+        if let Some(tcp) = self.tcp()
+            && let Err(err) = tcp.set_nodelay(true)
+        {
+            tracing::debug!(%err, "TCP_NODELAY failed");
+        }
+    }
+
+    /// Makes the coming close send RST instead of FIN. The socket is closed when dropped;
+    /// an in-process stream just ends.
     pub fn abort(&self) {
-        abort(self.tcp());
+        if let Some(tcp) = self.tcp() {
+            abort(tcp);
+        }
     }
 }
 
@@ -57,6 +139,7 @@ impl AsyncRead for TransportStream {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_read(cx, buf),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -70,6 +153,7 @@ impl AsyncWrite for TransportStream {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_write(cx, buf),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
@@ -77,6 +161,7 @@ impl AsyncWrite for TransportStream {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_flush(cx),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
@@ -85,6 +170,7 @@ impl AsyncWrite for TransportStream {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_shutdown(cx),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }

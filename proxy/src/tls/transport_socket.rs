@@ -1,6 +1,7 @@
 //! A `transport_socket` (on a filter chain or a cluster) as shunt serves it: Envoy's
 //! `raw_buffer` (plain bytes, the default) or `tls` (a `DownstreamTlsContext` /
-//! `UpstreamTlsContext`). Anything else is refused by name.
+//! `UpstreamTlsContext`), and upstream `internal_upstream` around either (the metadata it
+//! passes is read by [`passthrough`]). Anything else is refused by name.
 
 use std::sync::Arc;
 
@@ -76,6 +77,14 @@ pub fn upstream(
                 .map(|tls| Some(Arc::new(tls)))
                 .ok_or(Reported)
         }
+        (super::internal_upstream::INTERNAL_UPSTREAM, bytes) => {
+            let (_, inner) =
+                super::internal_upstream::compile(bytes, &typed, problems).ok_or(Reported)?;
+            match inner {
+                Some(inner) => upstream(&inner, &format!("{typed}.transport_socket"), problems),
+                None => Ok(None),
+            }
+        }
         (other, _) => {
             problems.error(
                 typed,
@@ -83,6 +92,18 @@ pub fn upstream(
             );
             Err(Reported)
         }
+    }
+}
+
+/// The metadata an upstream socket passes to internal listeners: `Some` only for
+/// `internal_upstream` (whose problems [`upstream`] reports).
+pub fn passthrough(socket: &TransportSocket) -> Option<Arc<super::internal_upstream::Passthrough>> {
+    match type_name(socket) {
+        (super::internal_upstream::INTERNAL_UPSTREAM, bytes) => {
+            let mut ignored = Diagnostics::default();
+            super::internal_upstream::compile(bytes, "", &mut ignored).map(|(p, _)| Arc::new(p))
+        }
+        _ => None,
     }
 }
 
@@ -118,6 +139,8 @@ pub struct SocketMatch {
     pub name: String,
     criteria: MatchMetadata,
     pub socket: Option<Arc<UpstreamTls>>,
+    /// `internal_upstream`'s metadata to pass, if the socket is one.
+    pub passthrough: Option<Arc<super::internal_upstream::Passthrough>>,
 }
 
 impl SocketMatch {
@@ -137,12 +160,12 @@ pub fn matches(
     let mut out = Vec::new();
     for (i, m) in matches.iter().enumerate() {
         let at = format!("{path}[{i}]");
-        let socket = match &m.transport_socket {
+        let (socket, passthrough) = match &m.transport_socket {
             Some(socket) => match upstream(socket, &format!("{at}.transport_socket"), problems) {
-                Ok(socket) => socket,
+                Ok(tls) => (tls, passthrough(socket)),
                 Err(Reported) => continue,
             },
-            None => None,
+            None => (None, None),
         };
         out.push(SocketMatch {
             name: m.name.clone(),
@@ -152,6 +175,7 @@ pub fn matches(
                 .map(|s| encoded(&s.fields))
                 .unwrap_or_default(),
             socket,
+            passthrough,
         });
     }
     out

@@ -107,6 +107,12 @@ pub struct ClusterConfig {
     /// `transport_socket_matches`: per-endpoint sockets, chosen by endpoint metadata
     /// before `transport_socket`.
     pub transport_socket_matches: Arc<[crate::tls::transport_socket::SocketMatch]>,
+    /// `transport_socket` when it is `internal_upstream`: the metadata it passes.
+    pub passthrough: Option<Arc<crate::tls::internal_upstream::Passthrough>>,
+    /// The cluster's `metadata` (for `internal_upstream`'s cluster sources).
+    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    /// ORIGINAL_DST's `original_dst_lb_config.upstream_port_override`.
+    pub port_override: Option<u16>,
 }
 
 impl ClusterConfig {
@@ -129,6 +135,9 @@ impl ClusterConfig {
             http_protocol: UpstreamProtocol::Http1,
             transport_socket: None,
             transport_socket_matches: Arc::new([]),
+            passthrough: None,
+            metadata: None,
+            port_override: None,
         }
     }
 }
@@ -150,8 +159,14 @@ pub struct Cluster {
     /// See [`ClusterConfig::transport_socket`].
     pub transport_socket: Option<Arc<crate::tls::UpstreamTls>>,
     pub transport_socket_matches: Arc<[crate::tls::transport_socket::SocketMatch]>,
+    /// See [`ClusterConfig::passthrough`].
+    pub passthrough: Option<Arc<crate::tls::internal_upstream::Passthrough>>,
+    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub port_override: Option<u16>,
     /// Keep-alive HTTP connections to the hosts, closed with the cluster.
     pub http_pools: super::http_pool::Pools,
+    /// HTTP/2 connections carrying `tcp_proxy` tunnels, closed with the cluster.
+    pub tunnel_pools: super::tunnel_pool::TunnelPools,
     panic_threshold: f64,
     overprovisioning_factor: u32,
     members: RwLock<Arc<Members>>,
@@ -196,7 +211,11 @@ impl Cluster {
             http_protocol: config.http_protocol,
             transport_socket: config.transport_socket,
             transport_socket_matches: config.transport_socket_matches,
+            passthrough: config.passthrough,
+            metadata: config.metadata,
+            port_override: config.port_override,
             http_pools: Default::default(),
+            tunnel_pools: Default::default(),
             panic_threshold: config.panic_threshold,
             overprovisioning_factor: config.overprovisioning_factor,
             members: RwLock::new(Arc::new(Members {
@@ -251,6 +270,8 @@ impl Cluster {
         // pool goes too, or passthrough HTTP would keep one per destination for ever.
         self.http_pools
             .retain(|address| hosts.contains_key(address));
+        self.tunnel_pools
+            .retain(|address| hosts.contains_key(address));
     }
 
     /// The hosts load balancing chooses from now.
@@ -289,7 +310,17 @@ impl Cluster {
         original_dst: Option<SocketAddr>,
     ) -> Option<Arc<Host>> {
         let host = match self.discovery {
-            Discovery::OriginalDst => original_dst.map(|dst| self.original_dst_host(dst)),
+            // An internal connection whose destination nothing restored has no IP
+            // address (Envoy's is `envoy://...`): no host, as in Envoy.
+            Discovery::OriginalDst => original_dst
+                .filter(|dst| !(dst.ip().is_unspecified() && dst.port() == 0))
+                .map(|dst| {
+                    let dst = match self.port_override {
+                        Some(port) => SocketAddr::new(dst.ip(), port),
+                        None => dst,
+                    };
+                    self.original_dst_host(dst)
+                }),
             _ => self.members().choose(ctx),
         };
         if host.is_none() {
@@ -305,6 +336,17 @@ impl Cluster {
         self: &Arc<Self>,
         host: &Arc<Host>,
     ) -> io::Result<(TcpStream, UpstreamConnection)> {
+        let dial = super::connect::connect(host.address, self.source_address, self.connect_timeout);
+        self.connect_with(host, dial).await
+    }
+
+    /// [`Cluster::connect`] with the connect itself given: `dial` (an internal
+    /// listener's pipe, a socket) is counted and reported the same way.
+    pub async fn connect_with<T>(
+        self: &Arc<Self>,
+        host: &Arc<Host>,
+        dial: impl std::future::Future<Output = io::Result<T>>,
+    ) -> io::Result<(T, UpstreamConnection)> {
         self.stats.upstream_cx_total.inc();
         let started = Instant::now();
         let mut guard = UpstreamConnection {
@@ -313,8 +355,7 @@ impl Cluster {
             connected: None,
         };
         guard.cluster_active.inc();
-        match super::connect::connect(host.address, self.source_address, self.connect_timeout).await
-        {
+        match dial.await {
             Ok(stream) => {
                 self.stats
                     .upstream_cx_connect_ms
@@ -349,6 +390,8 @@ impl Cluster {
                             && o.weight == host.weight
                             && o.priority == host.priority
                             && o.socket_match == host.socket_match
+                            && o.internal == host.internal
+                            && o.metadata == host.metadata
                     })
                     .cloned()
                     .unwrap_or_else(|| {

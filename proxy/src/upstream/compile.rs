@@ -170,6 +170,9 @@ struct Endpoint {
     unhealthy: bool,
     /// `metadata.filter_metadata["envoy.transport_socket_match"]`.
     socket_match: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
+    /// `envoy_internal_address` (then `host` is empty and `port` 0).
+    internal: Option<super::internal::InternalAddress>,
+    metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
 }
 
 /// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
@@ -254,12 +257,23 @@ pub fn compile(
     config.discovery = match kind {
         DiscoveryType::Static | DiscoveryType::Eds => {
             for (endpoint, endpoint_path) in &endpoints {
+                if let Some(internal) = &endpoint.internal {
+                    hosts.push(
+                        Host::internal(internal.clone())
+                            .with_weight(endpoint.weight)
+                            .with_priority(endpoint.priority)
+                            .with_socket_match(endpoint.socket_match.clone())
+                            .with_metadata(endpoint.metadata.clone()),
+                    );
+                    continue;
+                }
                 match endpoint.host.parse::<std::net::IpAddr>() {
                     Ok(ip) => hosts.push(
                         Host::new(std::net::SocketAddr::new(ip, endpoint.port))
                             .with_weight(endpoint.weight)
                             .with_priority(endpoint.priority)
                             .with_socket_match(endpoint.socket_match.clone())
+                            .with_metadata(endpoint.metadata.clone())
                             .with_health_flags(if endpoint.unhealthy {
                                 FAILED_EDS_HEALTH
                             } else {
@@ -418,6 +432,28 @@ pub fn compile(
         )
     {
         config.transport_socket = tls;
+        config.passthrough = crate::tls::transport_socket::passthrough(socket);
+    }
+    config.metadata = cluster.metadata.clone().map(Arc::new);
+    if let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config {
+        let o_path = format!("{path}.original_dst_lb_config");
+        if let Some(port) = original.upstream_port_override {
+            match u16::try_from(port.value) {
+                Ok(port) if port > 0 => config.port_override = Some(port),
+                _ => problems.error(
+                    format!("{o_path}.upstream_port_override"),
+                    format!("{} is not a TCP port", port.value),
+                ),
+            }
+        }
+        if original.use_http_header || original.metadata_key.is_some() {
+            // Istio sets metadata_key to steer to a waypoint named in the endpoint's
+            // metadata; without one the destination stays the original.
+            problems.warning(
+                &o_path,
+                "use_http_header and metadata_key are not implemented; the original destination is used",
+            );
+        }
     }
     config.transport_socket_matches = crate::tls::transport_socket::matches(
         &cluster.transport_socket_matches,
@@ -577,11 +613,44 @@ fn endpoints(
                 }
             };
             let address_path = format!("{endpoint_path}.endpoint.address");
-            if let Some(Address::Pipe(_)) =
-                endpoint.address.as_ref().and_then(|a| a.address.as_ref())
-            {
-                pipes.push(format!("{address_path}.pipe"));
-                continue;
+            let unhealthy = matches!(
+                HealthStatus::try_from(lb_endpoint.health_status),
+                Ok(HealthStatus::Unhealthy | HealthStatus::Draining | HealthStatus::Timeout)
+            );
+            let weight = lb_endpoint
+                .load_balancing_weight
+                .map_or(1, |w| w.value.max(1));
+            let socket_match = crate::tls::transport_socket::endpoint_match_metadata(
+                lb_endpoint.metadata.as_ref(),
+            );
+            let metadata = lb_endpoint.metadata.clone().map(Arc::new);
+            match endpoint.address.as_ref().and_then(|a| a.address.as_ref()) {
+                Some(Address::Pipe(_)) => {
+                    pipes.push(format!("{address_path}.pipe"));
+                    continue;
+                }
+                Some(Address::EnvoyInternalAddress(internal)) => {
+                    let internal_path = format!("{address_path}.envoy_internal_address");
+                    let Some(address) = internal_address(internal, kind, &internal_path, problems)
+                    else {
+                        continue;
+                    };
+                    out.push((
+                        Endpoint {
+                            host: String::new(),
+                            port: 0,
+                            weight,
+                            priority: locality.priority,
+                            unhealthy,
+                            socket_match,
+                            internal: Some(address),
+                            metadata,
+                        },
+                        internal_path,
+                    ));
+                    continue;
+                }
+                _ => {}
             }
             let Some(socket) =
                 convert::socket_address(endpoint.address.as_ref(), &address_path, problems)
@@ -599,28 +668,58 @@ fn endpoints(
                 );
                 continue;
             }
-            let unhealthy = matches!(
-                HealthStatus::try_from(lb_endpoint.health_status),
-                Ok(HealthStatus::Unhealthy | HealthStatus::Draining | HealthStatus::Timeout)
-            );
             out.push((
                 Endpoint {
                     host: socket.address.clone(),
                     port,
-                    weight: lb_endpoint
-                        .load_balancing_weight
-                        .map_or(1, |w| w.value.max(1)),
+                    weight,
                     priority: locality.priority,
                     unhealthy,
-                    socket_match: crate::tls::transport_socket::endpoint_match_metadata(
-                        lb_endpoint.metadata.as_ref(),
-                    ),
+                    socket_match,
+                    internal: None,
+                    metadata,
                 },
                 socket_path,
             ));
         }
     }
     out
+}
+
+/// An endpoint's `envoy_internal_address` at `path`: only STATIC and EDS clusters
+/// list internal listeners (Envoy resolves no names and restores no destination for
+/// them).
+fn internal_address(
+    internal: &envoy_types::pb::envoy::config::core::v3::EnvoyInternalAddress,
+    kind: DiscoveryType,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<super::internal::InternalAddress> {
+    use envoy_types::pb::envoy::config::core::v3::envoy_internal_address::AddressNameSpecifier;
+    let name = match &internal.address_name_specifier {
+        Some(AddressNameSpecifier::ServerListenerName(name)) if !name.is_empty() => name,
+        _ => {
+            problems.error(
+                format!("{path}.server_listener_name"),
+                "an internal address needs the name of an internal listener",
+            );
+            return None;
+        }
+    };
+    if !matches!(kind, DiscoveryType::Static | DiscoveryType::Eds) {
+        problems.error(
+            path,
+            format!(
+                "a {} cluster cannot have internal listener endpoints (only STATIC and EDS)",
+                kind.as_str_name()
+            ),
+        );
+        return None;
+    }
+    Some(super::internal::InternalAddress {
+        server_listener_name: name.as_str().into(),
+        endpoint_id: internal.endpoint_id.clone(),
+    })
 }
 
 fn outlier_detection(

@@ -6,7 +6,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use socket2::{Domain, Protocol, Socket, Type};
+use socket2::{Domain, Socket};
 use tokio::net::{TcpSocket, TcpStream};
 
 /// Connects to `host`, bound to `source` first if set, giving up after `timeout`.
@@ -15,7 +15,8 @@ pub async fn connect(
     source: Option<SocketAddr>,
     timeout: Duration,
 ) -> io::Result<TcpStream> {
-    let socket = Socket::new(Domain::for_address(host), Type::STREAM, Some(Protocol::TCP))?;
+    // In node mode, made in the pod's network namespace (see `super::netns`).
+    let socket = super::netns::tcp_socket(Domain::for_address(host))?;
     socket.set_nonblocking(true)?;
     socket.set_tcp_nodelay(true)?;
     if let Some(source) = source {
@@ -52,6 +53,7 @@ fn set_bind_address_no_port(socket: &Socket) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use socket2::Type;
 
     #[tokio::test]
     async fn a_full_accept_queue_makes_connect_time_out() {

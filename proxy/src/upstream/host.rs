@@ -29,6 +29,11 @@ pub struct Host {
     /// The endpoint's `envoy.transport_socket_match` metadata, which chooses among the
     /// cluster's `transport_socket_matches`.
     pub socket_match: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
+    /// `envoy_internal_address`: the host is an internal listener, and `address` only a
+    /// stand-in (see [`super::internal::InternalAddress::synthetic`]).
+    pub internal: Option<Arc<super::internal::InternalAddress>>,
+    /// The endpoint's metadata, for `internal_upstream`'s `passthrough_metadata`.
+    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     health: AtomicU8,
     /// Upstream connections open now (LEAST_REQUEST's "active requests" for TCP).
     active: AtomicU32,
@@ -50,6 +55,8 @@ impl Host {
             weight: 1,
             priority: 0,
             socket_match: None,
+            internal: None,
+            metadata: None,
             health: AtomicU8::new(0),
             active: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),
@@ -74,6 +81,21 @@ impl Host {
         metadata: Option<Arc<crate::tls::transport_socket::MatchMetadata>>,
     ) -> Self {
         self.socket_match = metadata;
+        self
+    }
+
+    /// A host that is the internal listener `address` names.
+    pub fn internal(address: super::internal::InternalAddress) -> Self {
+        let mut host = Host::new(address.synthetic());
+        host.internal = Some(Arc::new(address));
+        host
+    }
+
+    pub fn with_metadata(
+        mut self,
+        metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    ) -> Self {
+        self.metadata = metadata;
         self
     }
 

@@ -57,6 +57,8 @@ fn is_framing_error(error: &hyper::Error) -> bool {
 pub struct RequestBody {
     incoming: Option<Incoming>,
     observer: Option<Arc<dyn BodyObserver>>,
+    /// A body an HTTP filter read whole (and maybe changed): its data, then trailers.
+    buffered: Option<(Option<Bytes>, Option<hyper::HeaderMap>)>,
 }
 
 impl RequestBody {
@@ -64,6 +66,16 @@ impl RequestBody {
         RequestBody {
             incoming: Some(incoming),
             observer: Some(observer),
+            buffered: None,
+        }
+    }
+
+    /// A body read whole by an HTTP filter (already counted when it was read).
+    pub fn buffered(data: Bytes, trailers: Option<hyper::HeaderMap>) -> Self {
+        RequestBody {
+            incoming: None,
+            observer: None,
+            buffered: Some(((!data.is_empty()).then_some(data), trailers)),
         }
     }
 
@@ -72,6 +84,7 @@ impl RequestBody {
         RequestBody {
             incoming: None,
             observer: None,
+            buffered: None,
         }
     }
 }
@@ -85,6 +98,13 @@ impl Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
+        if let Some((data, trailers)) = this.buffered.as_mut() {
+            // The data, then the trailers, then the end.
+            if let Some(data) = data.take() {
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            return Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))));
+        }
         let Some(incoming) = this.incoming.as_mut() else {
             return Poll::Ready(None);
         };
@@ -108,10 +128,16 @@ impl Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        if let Some((data, trailers)) = &self.buffered {
+            return data.is_none() && trailers.is_none();
+        }
         self.incoming.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
+        if let Some((data, _)) = &self.buffered {
+            return SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64));
+        }
         self.incoming
             .as_ref()
             .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
@@ -140,9 +166,7 @@ pub async fn connect_upstream(
         Err(ConnectError::Connect(err)) => return Err(err),
         Err(err @ ConnectError::Tls(_)) => return Err(io::Error::other(err)),
     };
-    if let Err(err) = stream.tcp().set_nodelay(true) {
-        tracing::debug!(%err, "TCP_NODELAY on an upstream connection failed");
-    }
+    stream.set_nodelay();
     Ok((Box::new(stream), guard))
 }
 
@@ -380,7 +404,7 @@ async fn connect_http1(
     Ok(sender)
 }
 
-async fn connect_http2(
+pub(super) async fn connect_http2(
     cluster: &Arc<Cluster>,
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,

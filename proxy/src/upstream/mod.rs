@@ -3,7 +3,8 @@
 //! finds them: [`cluster`] (discovery types, host sets), [`load_balancer`] (`lb_policy`),
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
 //! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS), [`connect`] (the connect
-//! itself, with `upstream_bind_config` and `connect_timeout`) and [`stats`] (the
+//! itself, with `upstream_bind_config` and `connect_timeout`), [`internal`] (connections
+//! to internal listeners) and [`stats`] (the
 //! `cluster.<name>.*` stats the admin API shows). [`backoff`] is the retry back-off
 //! `tcp`, `http` and `xds` share.
 
@@ -16,10 +17,13 @@ pub mod dns;
 pub mod health_check;
 pub mod host;
 pub mod http_pool;
+pub mod internal;
 pub mod load_balancer;
+pub mod netns;
 pub mod outlier;
 pub mod stats;
 pub mod transport_socket;
+pub mod tunnel_pool;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
 pub use load_balancer::LbContext;

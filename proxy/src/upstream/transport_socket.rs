@@ -1,6 +1,8 @@
 //! An upstream connection with the cluster's transport socket: TCP, then TLS when the
 //! cluster has an `UpstreamTlsContext`. The handshake counts against `connect_timeout`,
 //! as in Envoy, where a connection is not connected until its transport socket is.
+//! A host that is an internal listener gets an in-process pipe instead, with the
+//! metadata the `internal_upstream` socket passes.
 
 use std::io;
 use std::sync::Arc;
@@ -8,6 +10,7 @@ use std::sync::Arc;
 use super::Cluster;
 use super::cluster::UpstreamConnection;
 use super::host::Host;
+use super::internal::SharedFilterState;
 use crate::tls::TransportStream;
 use crate::tls::{HandshakeError, Secrets};
 
@@ -27,20 +30,48 @@ pub async fn connect(
     host: &Arc<Host>,
     secrets: &Secrets,
 ) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
-    let (tcp, guard) = cluster.connect(host).await.map_err(ConnectError::Connect)?;
+    connect_sharing(cluster, host, secrets, SharedFilterState::default()).await
+}
+
+/// [`connect`], sharing `filter_state` with the internal listener `host` may be.
+pub async fn connect_sharing(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &Secrets,
+    filter_state: SharedFilterState,
+) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
     // The first of `transport_socket_matches` the endpoint's metadata satisfies, else
     // the cluster's own socket.
-    let socket = match cluster
+    let (socket, passthrough) = match cluster
         .transport_socket_matches
         .iter()
         .find(|m| m.matches(host.socket_match.as_deref()))
     {
         Some(m) => {
             tracing::trace!(cluster = %cluster.name, host = %host.address, socket_match = %m.name, "transport socket match");
-            &m.socket
+            (&m.socket, &m.passthrough)
         }
-        None => &cluster.transport_socket,
+        None => (&cluster.transport_socket, &cluster.passthrough),
     };
+    if let Some(internal) = &host.internal {
+        if socket.is_some() {
+            return Err(ConnectError::Connect(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "TLS to an internal listener is not implemented",
+            )));
+        }
+        let metadata = passthrough
+            .as_deref()
+            .map(|p| p.collect(cluster.metadata.as_deref(), host.metadata.as_deref()))
+            .unwrap_or_default();
+        let dial = async { super::internal::connect(internal, metadata, filter_state) };
+        let (pipe, guard) = cluster
+            .connect_with(host, dial)
+            .await
+            .map_err(ConnectError::Connect)?;
+        return Ok((TransportStream::in_process(pipe), guard));
+    }
+    let (tcp, guard) = cluster.connect(host).await.map_err(ConnectError::Connect)?;
     let Some(tls) = socket else {
         return Ok((TransportStream::Raw(tcp), guard));
     };

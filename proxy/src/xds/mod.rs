@@ -3,15 +3,19 @@
 //!
 //! - [`source`] reads the bootstrap's `dynamic_resources` into streams: one ADS stream,
 //!   or one per type, state of the world or Delta.
+//! - [`local`] holds the xDS servers of this process (`shunt agent`'s), which a stream
+//!   to their socket path calls instead of connecting.
 //! - [`stream`] keeps each gRPC stream connected (TCP or Unix socket), reconnecting with
 //!   jittered exponential back-off, and hands responses to the manager.
-//! - [`manager`] owns the accepted resources. Each response is applied whole: the new
-//!   resources are compiled with everything else into a snapshot; if that works the
-//!   snapshot is swapped in and the response ACKed, else it is NACKed with the errors
-//!   and the last good snapshot keeps serving. It follows Envoy's order: clusters first,
+//! - [`manager`] owns the accepted resources. Each response is judged resource by
+//!   resource, as Envoy does: the new resources are compiled with everything else into a
+//!   snapshot; one that does not compile goes back to its last good version, the others
+//!   are served; the response is ACKed, or NACKed naming what was refused, which keeps
+//!   its error state in `/config_dump`. It follows Envoy's order: clusters first,
 //!   an EDS cluster warms until its endpoints arrive (or `initial_fetch_timeout`), and
 //!   listeners are asked for once the first clusters are in.
 
+pub mod local;
 pub mod manager;
 pub mod source;
 pub mod stream;
@@ -59,6 +63,18 @@ impl TypeUrl {
 
     pub fn parse(url: &str) -> Option<TypeUrl> {
         TypeUrl::ALL.into_iter().find(|t| t.as_str() == url)
+    }
+
+    /// What Envoy calls one, in its messages ("duplicate listener NAME found").
+    pub fn noun(self) -> &'static str {
+        match self {
+            TypeUrl::Cluster => "cluster",
+            TypeUrl::ClusterLoadAssignment => "cluster load assignment",
+            TypeUrl::Listener => "listener",
+            TypeUrl::RouteConfiguration => "route configuration",
+            TypeUrl::Secret => "secret",
+            TypeUrl::NameTable => "name table",
+        }
     }
 
     /// Envoy's short name, for logs and stats.

@@ -78,6 +78,9 @@ pub struct Tls {
 pub struct Plan {
     pub streams: Vec<Stream>,
     pub initial_fetch_timeout: Duration,
+    /// Servers in this process (`shunt agent`'s SDS and xDS proxy): a stream to one of
+    /// their socket paths calls them instead of connecting.
+    pub local: super::local::LocalServers,
 }
 
 impl Plan {
@@ -160,6 +163,7 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
     Ok(Some(Plan {
         streams,
         initial_fetch_timeout: initial_fetch_timeout.unwrap_or(DEFAULT_INITIAL_FETCH_TIMEOUT),
+        local: Default::default(),
     }))
 }
 

@@ -10,11 +10,13 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use std::sync::Arc;
 
+use super::local::{LocalServer, LocalServers, MessageStream};
 use super::source::{Stream, Target, Tls};
 use crate::upstream::backoff::Backoff;
 
@@ -53,12 +55,25 @@ pub enum Event {
     },
 }
 
-/// Runs stream `index` until the manager goes away.
-pub async fn run(index: usize, config: Stream, events: mpsc::UnboundedSender<Event>) {
+/// Runs stream `index` until the manager goes away; a target among `local` is called
+/// in this process rather than connected to.
+pub async fn run(
+    index: usize,
+    config: Stream,
+    events: mpsc::UnboundedSender<Event>,
+    local: LocalServers,
+) {
     let path = super::method(&config.types, config.delta);
+    let server = local.get(&config.target);
+    if server.is_some() {
+        tracing::info!(target = %config.target, "xDS stream served in process: no socket");
+    }
     let mut attempt = 0u32;
     loop {
-        let result = session(index, &config, path, &events).await;
+        let result = match &server {
+            Some(server) => local_session(index, &config, path, server.as_ref(), &events).await,
+            None => session(index, &config, path, &events).await,
+        };
         if events.is_closed() {
             return;
         }
@@ -124,6 +139,73 @@ async fn session(
         };
         exchange(&mut grpc, sotw_rx, config, path, wrap, events).await
     }
+}
+
+/// One stream to a server in this process: the same exchange as [`session`], by call.
+async fn local_session(
+    index: usize,
+    config: &Stream,
+    path: &'static str,
+    server: &dyn LocalServer,
+    events: &mpsc::UnboundedSender<Event>,
+) -> Result<bool, (String, bool)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (sotw_tx, sotw_rx) = mpsc::unbounded_channel::<DiscoveryRequest>();
+    let (delta_tx, delta_rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
+    tokio::spawn(split(rx, sotw_tx, delta_tx));
+    if events
+        .send(Event::Connected {
+            stream: index,
+            requests: tx,
+        })
+        .is_err()
+    {
+        return Ok(false);
+    }
+    fn requests<T: Send + 'static>(rx: mpsc::UnboundedReceiver<T>) -> MessageStream<T> {
+        Box::pin(UnboundedReceiverStream::new(rx).map(Ok))
+    }
+    let fail = |status: tonic::Status, delivered: bool| {
+        (
+            format!("gRPC status {:?}: {}", status.code(), status.message()),
+            delivered,
+        )
+    };
+    let mut delivered = false;
+    if config.delta {
+        let mut responses = server
+            .delta(path, requests(delta_rx))
+            .await
+            .map_err(|s| fail(s, false))?;
+        while let Some(response) = responses.next().await {
+            let response = response.map_err(|s| fail(s, delivered))?;
+            delivered = true;
+            let event = Event::Delta {
+                stream: index,
+                response,
+            };
+            if events.send(event).is_err() {
+                break;
+            }
+        }
+    } else {
+        let mut responses = server
+            .sotw(path, requests(sotw_rx))
+            .await
+            .map_err(|s| fail(s, false))?;
+        while let Some(response) = responses.next().await {
+            let response = response.map_err(|s| fail(s, delivered))?;
+            delivered = true;
+            let event = Event::Sotw {
+                stream: index,
+                response,
+            };
+            if events.send(event).is_err() {
+                break;
+            }
+        }
+    }
+    Ok(delivered)
 }
 
 /// Streams `requests` to the server and hands every response to the manager, wrapped;

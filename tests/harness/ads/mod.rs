@@ -104,6 +104,10 @@ pub mod methods {
     }
 }
 
+/// The pseudo metadata entry (not a valid gRPC key, so never sent by a client) that
+/// carries the client's TLS certificate, hex DER, on an mTLS stream.
+pub(crate) const PEER_CERTIFICATE: &str = ":tls-peer-certificate";
+
 /// Where the server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Listen {
@@ -111,11 +115,14 @@ pub enum Listen {
     Tcp(SocketAddr),
     /// A stale socket file is replaced and missing parent directories are created.
     Unix(PathBuf),
-    /// TCP in TLS (ALPN h2) with this certificate chain and key (PEM files).
+    /// TCP in TLS (ALPN h2) with this certificate chain and key (PEM files). With
+    /// `client_ca`, clients must present a certificate chaining to it (mTLS); each
+    /// stream's [`Received::peer_certificate`] has the client's leaf.
     TcpTls {
         addr: SocketAddr,
         cert: PathBuf,
         key: PathBuf,
+        client_ca: Option<PathBuf>,
     },
 }
 
@@ -169,6 +176,15 @@ impl Received {
     }
 
     /// The value of a metadata key (keys are lowercase in gRPC).
+    /// The client's TLS certificate (DER) on an mTLS stream.
+    pub fn peer_certificate(&self) -> Option<Vec<u8>> {
+        let hex = self.metadata(PEER_CERTIFICATE)?;
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+            .collect()
+    }
+
     pub fn metadata(&self, key: &str) -> Option<&str> {
         self.metadata
             .iter()

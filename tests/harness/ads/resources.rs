@@ -281,3 +281,59 @@ pub fn tls_tcp_proxy_listener(
     });
     listener
 }
+
+/// `cluster` originating mTLS as Istio's outbound clusters do: its certificate
+/// (`certificate`) and trust (`validation`) over SDS from `source`, and the peer's
+/// SPIFFE identity `peer_uri` required.
+pub fn with_upstream_mtls(
+    mut cluster: Cluster,
+    source: ConfigSource,
+    certificate: &str,
+    validation: &str,
+    peer_uri: &str,
+) -> Cluster {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::subject_alt_name_matcher::SanType;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        SubjectAltNameMatcher, UpstreamTlsContext,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
+    let sds = |name: &str| SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(source.clone()),
+    };
+    let tls = UpstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![sds(certificate)],
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::CombinedValidationContext(
+                    common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(CertificateValidationContext {
+                            match_typed_subject_alt_names: vec![SubjectAltNameMatcher {
+                                san_type: SanType::Uri as i32,
+                                matcher: Some(StringMatcher {
+                                    match_pattern: Some(string_matcher::MatchPattern::Exact(
+                                        peer_uri.into(),
+                                    )),
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        }),
+                        validation_context_sds_secret_config: Some(sds(validation)),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    cluster.transport_socket = Some(TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(AdsServer::any(
+            &tls,
+        ))),
+    });
+    cluster
+}

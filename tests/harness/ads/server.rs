@@ -198,8 +198,13 @@ async fn bind(listen: &Listen) -> Result<Bound> {
             let addr = listener.local_addr()?;
             Ok(Bound::Tcp(listener, addr))
         }
-        Listen::TcpTls { addr, cert, key } => {
-            let acceptor = tls_acceptor(cert, key)?;
+        Listen::TcpTls {
+            addr,
+            cert,
+            key,
+            client_ca,
+        } => {
+            let acceptor = tls_acceptor(cert, key, client_ca.as_deref())?;
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the ADS server to {addr}"))?;
@@ -223,10 +228,12 @@ async fn bind(listen: &Listen) -> Result<Bound> {
     }
 }
 
-/// The server side of TLS: the certificate chain and key from PEM files, ALPN h2.
+/// The server side of TLS: the certificate chain and key from PEM files, ALPN h2;
+/// with `client_ca`, a client certificate chaining to it is required.
 fn tls_acceptor(
     cert: &std::path::Path,
     key: &std::path::Path,
+    client_ca: Option<&std::path::Path>,
 ) -> Result<tokio_rustls::TlsAcceptor> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -236,12 +243,27 @@ fn tls_acceptor(
         .with_context(|| format!("parsing {}", cert.display()))?;
     let key =
         PrivateKeyDer::from_pem_file(key).with_context(|| format!("reading {}", key.display()))?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_file_iter(ca)
+                .with_context(|| format!("reading {}", ca.display()))?
+            {
+                roots.add(cert.with_context(|| format!("parsing {}", ca.display()))?)?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
@@ -280,9 +302,21 @@ pub(crate) fn tls_incoming(
 /// A TLS connection as tonic's server takes it.
 pub(crate) struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
 
+/// The client's leaf certificate (DER), if it sent one.
+#[derive(Clone)]
+pub(crate) struct PeerCertificate(Option<Vec<u8>>);
+
 impl tonic::transport::server::Connected for TlsConn {
-    type ConnectInfo = ();
-    fn connect_info(&self) -> Self::ConnectInfo {}
+    type ConnectInfo = PeerCertificate;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        let leaf = self
+            .0
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first());
+        PeerCertificate(leaf.map(|c| c.to_vec()))
+    }
 }
 
 impl tokio::io::AsyncRead for TlsConn {
@@ -333,9 +367,7 @@ impl Ads {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<SotwResponses>, Status> {
         let (tx, rx) = unbounded_channel();
-        let id = self
-            .shared
-            .open_sotw(method, metadata(request.metadata()), tx);
+        let id = self.shared.open_sotw(method, metadata(&request), tx);
         let shared = self.shared.clone();
         tokio::spawn(read(
             request.into_inner(),
@@ -354,9 +386,7 @@ impl Ads {
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<DeltaResponses>, Status> {
         let (tx, rx) = unbounded_channel();
-        let id = self
-            .shared
-            .open_delta(method, metadata(request.metadata()), tx);
+        let id = self.shared.open_delta(method, metadata(&request), tx);
         let shared = self.shared.clone();
         tokio::spawn(read(
             request.into_inner(),
@@ -562,8 +592,18 @@ async fn read<T>(
     shared.close(id, None);
 }
 
-/// The stream's initial metadata; binary values are kept base64-encoded as sent.
-fn metadata(map: &MetadataMap) -> Vec<(String, String)> {
+/// The stream's initial metadata (binary values kept base64-encoded as sent), and the
+/// client's TLS certificate as [`super::PEER_CERTIFICATE`].
+fn metadata<T>(request: &Request<T>) -> Vec<(String, String)> {
+    let mut metadata = metadata_entries(request.metadata());
+    if let Some(PeerCertificate(Some(der))) = request.extensions().get::<PeerCertificate>() {
+        let hex = der.iter().map(|b| format!("{b:02x}")).collect();
+        metadata.push((super::PEER_CERTIFICATE.to_owned(), hex));
+    }
+    metadata
+}
+
+fn metadata_entries(map: &MetadataMap) -> Vec<(String, String)> {
     map.iter()
         .map(|kv| match kv {
             KeyAndValueRef::Ascii(k, v) => (

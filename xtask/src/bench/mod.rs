@@ -6,7 +6,8 @@
 //! (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic for
 //! minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
 //! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
-//! against Envoy plus an agent: time to ready and RSS); what they share (medians,
+//! against Envoy plus an agent: time to ready and RSS), `node.rs` (node mode: per-pod
+//! memory and enrollment, app-to-app against sidecars); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
 mod agent;
@@ -15,6 +16,7 @@ mod dns;
 mod http;
 mod l4;
 mod measure;
+mod node;
 mod soak;
 mod sockmap;
 mod xds;
@@ -49,9 +51,15 @@ pub enum Which {
     /// shunt vs Envoy, haproxy and nginx as HTTP reverse proxies (one worker each, six
     /// virtual hosts): req/s, p50/p99, CPU per request, RSS; wrk (h1) and h2load (h2).
     Http(http::HttpArgs),
+    /// Node mode (one process, every pod): per-pod RSS and enrollment time at 10/50/100
+    /// pods; same-node round trips through it against two eBPF sidecars and direct.
+    Node(node::NodeArgs),
 }
 
 pub fn run(which: Which) -> Result<()> {
+    if let Which::Node(args) = &which {
+        return node::run(&Bins::build(!args.debug)?, args);
+    }
     let bins = Bins::build(true)?;
     match which {
         Which::Capture(args) => capture::run(&bins, &args),
@@ -62,5 +70,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Dns(args) => dns::run(&bins, &args),
         Which::Agent(args) => agent::run(bins, &args),
         Which::Http(args) => http::run(bins, &args),
+        Which::Node(_) => unreachable!("handled above"),
     }
 }

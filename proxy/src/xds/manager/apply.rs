@@ -2,7 +2,7 @@
 //! else into a new snapshot, and kept (ACK) or undone (NACK); listener sockets are
 //! bound before the ACK, and the serve loop is told what changed.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::net::TcpListener as StdListener;
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime};
 use envoy_types::pb::google::protobuf::Any;
 
 use super::Manager;
-use super::resources::{Edit, Resource, Undo};
+use super::resources::{Accepted, Edit, Resource, eds_service_name};
 use crate::access_log::Direction;
 use crate::config::UpdateFailure;
 use crate::listener::Listener;
@@ -42,103 +42,258 @@ pub struct BoundSocket {
 pub type Binder = fn(&Listener, SocketAddr) -> std::io::Result<StdListener>;
 
 /// The resource a compile error is about: `Cluster "name"...`, `Listener "name"...`,
-/// `RouteConfiguration "name"...` or `Secret "name"...`.
-pub(super) fn resource_name(path: &str) -> String {
-    let quoted = ["Cluster ", "Listener ", "RouteConfiguration ", "Secret "]
-        .iter()
-        .find_map(|prefix| path.strip_prefix(prefix));
+/// `RouteConfiguration "name"...` or `Secret "name"...`; no type for anything else.
+pub(super) fn resource_name(path: &str) -> (Option<TypeUrl>, String) {
+    let quoted = [
+        ("Cluster ", TypeUrl::Cluster),
+        ("Listener ", TypeUrl::Listener),
+        ("RouteConfiguration ", TypeUrl::RouteConfiguration),
+        ("Secret ", TypeUrl::Secret),
+    ]
+    .into_iter()
+    .find_map(|(prefix, kind)| Some((kind, path.strip_prefix(prefix)?)));
     quoted
-        .and_then(|rest| {
+        .and_then(|(kind, rest)| {
             let mut de = serde_json::Deserializer::from_str(rest).into_iter::<String>();
-            de.next().and_then(Result::ok)
+            de.next()
+                .and_then(Result::ok)
+                .map(|name| (Some(kind), name))
         })
         .unwrap_or_default()
 }
 
+/// Whether a type's `resources` differ from what they were (`before`, by name).
+fn changes_anything(
+    before: &BTreeMap<String, Option<Accepted>>,
+    resources: &BTreeMap<String, Accepted>,
+) -> bool {
+    before
+        .iter()
+        .any(|(name, old)| match (old, resources.get(name)) {
+            (Some(old), Some(new)) => old.digest != new.digest,
+            (None, None) => false,
+            _ => true,
+        })
+}
+
+/// A compile error: the resource it is about, and the message.
+pub(super) type CompileError = ((Option<TypeUrl>, String), String);
+
+/// A resource refused before compiling (a duplicate name): why, and what came.
+pub(super) struct Refusal {
+    pub(super) name: String,
+    pub(super) details: String,
+    pub(super) config: Any,
+}
+
 impl Manager {
-    /// Applies `change` to the set of `kind` in place: compiles, swaps, binds. On failure
-    /// the change is undone and the errors (resource name, message) are returned for the
-    /// NACK.
+    /// Applies `change` to the set of `kind` resource by resource, as Envoy does: the
+    /// candidate set is compiled with everything else; each resource of the change the
+    /// compile (or binding its socket) refuses goes back to its last good version (or
+    /// out, if it had none) and the rest is compiled again, until it compiles. What was
+    /// refused keeps its error state in `/config_dump` and is returned for the NACK
+    /// (name, details); `refused` are resources refused before compiling (duplicates).
+    /// Only when an error names nothing of the change (a cluster removal breaking a
+    /// listener) is the whole change undone.
     pub(super) fn apply(
         &mut self,
         kind: TypeUrl,
         change: Edit,
         version: &str,
+        refused: Vec<Refusal>,
     ) -> Result<(), Vec<(String, String)>> {
         if kind == TypeUrl::NameTable {
             return self.apply_name_table(change, version);
         }
         let state = self.types.get_mut(&kind).expect("a subscribed type");
+        // The last good version of each resource the change adds, replaces or removes.
+        let mut before: BTreeMap<String, Option<Accepted>> = BTreeMap::new();
         let mut removed_any = false;
-        let (undo, touched): (Undo, Vec<String>) = match change {
+        let mut touched = Vec::new();
+        match change {
             Edit::Replace(set) => {
-                let touched = set.keys().cloned().collect();
-                (
-                    Undo::Replace(std::mem::replace(&mut state.resources, set)),
-                    touched,
-                )
+                let old = std::mem::replace(&mut state.resources, set);
+                touched = state.resources.keys().cloned().collect();
+                for name in &touched {
+                    before.insert(name.clone(), old.get(name).cloned());
+                }
+                for (name, entry) in old {
+                    if !state.resources.contains_key(&name) {
+                        removed_any = true;
+                        before.insert(name, Some(entry));
+                    }
+                }
             }
             Edit::Patch { upserts, removals } => {
-                let mut undo = Vec::new();
-                let mut touched = Vec::new();
                 for (name, entry) in upserts {
                     touched.push(name.clone());
-                    undo.push((name.clone(), state.resources.insert(name, entry)));
+                    let old = state.resources.insert(name.clone(), entry);
+                    before.entry(name).or_insert(old);
                 }
                 for name in removals {
                     if let Some(old) = state.resources.remove(&name) {
                         removed_any = true;
-                        undo.push((name, Some(old)));
+                        before.entry(name).or_insert(Some(old));
                     }
                 }
-                (Undo::Patch(undo), touched)
             }
-        };
+        }
         // New endpoints (none removed) change only the clusters they are for.
         let endpoints_changed =
-            (kind == TypeUrl::ClusterLoadAssignment && !removed_any).then_some(touched.as_slice());
-        let result = self.rebuild(endpoints_changed);
+            (kind == TypeUrl::ClusterLoadAssignment && !removed_any).then_some(touched.clone());
+        // The version `/config_dump` shows is the last one that changed anything, refused
+        // in part or not; the one a request carries, the last one accepted whole.
+        let old_system_version = state.system_version.clone();
+        let changes = changes_anything(&before, &state.resources);
+        if changes {
+            state.system_version = version.to_owned();
+        }
+        // The errors of what this change touches are its own now (Envoy's listener
+        // manager keeps only the last update's); kept to put back if the whole change
+        // is undone.
+        let (stale, kept): (Vec<UpdateFailure>, Vec<UpdateFailure>) =
+            std::mem::take(&mut self.errors).into_iter().partition(|e| {
+                e.type_url == kind.as_str()
+                    && (kind == TypeUrl::Listener || before.contains_key(&e.name))
+            });
+        self.errors = kept;
+        let now = SystemTime::now();
+        // Envoy's listener manager records no version with a listener's error state.
+        let failed_version = if kind == TypeUrl::Listener {
+            String::new()
+        } else {
+            version.to_owned()
+        };
+        let mut refusals: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for refusal in refused {
+            self.errors.push(UpdateFailure {
+                type_url: kind.as_str().into(),
+                name: refusal.name.clone(),
+                failed_configuration: Some(refusal.config),
+                details: refusal.details.clone(),
+                version_info: failed_version.clone(),
+                last_update_attempt: now,
+            });
+            refusals
+                .entry(refusal.name)
+                .or_default()
+                .push(refusal.details);
+        }
+        // What went back to its last good version.
+        let mut reverted = BTreeSet::new();
+        self.validating = matches!(kind, TypeUrl::Cluster | TypeUrl::Listener);
+        let result = loop {
+            let errors = match self.rebuild(endpoints_changed.as_deref()) {
+                Ok(()) => break Ok(()),
+                Err(errors) => errors,
+            };
+            // Each resource of the change an error names: its errors, joined.
+            let mut culprits: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for (resource, details) in &errors {
+                if let Some(name) = self.culprit(kind, resource)
+                    && before.contains_key(&name)
+                    && !reverted.contains(&name)
+                {
+                    culprits.entry(name).or_default().push(details.clone());
+                }
+            }
+            if culprits.is_empty() {
+                break Err(errors);
+            }
+            let state = self.types.get_mut(&kind).expect("a subscribed type");
+            for (name, details) in culprits {
+                let failed = state.resources.get(&name).map(|e| e.resource.to_any(kind));
+                match before.get(&name).cloned().flatten() {
+                    Some(old) => state.resources.insert(name.clone(), old),
+                    None => state.resources.remove(&name),
+                };
+                let all = refusals.entry(name.clone()).or_default();
+                all.extend(details);
+                self.errors
+                    .retain(|e| !(e.type_url == kind.as_str() && e.name == name));
+                self.errors.push(UpdateFailure {
+                    type_url: kind.as_str().into(),
+                    name: name.clone(),
+                    failed_configuration: failed,
+                    details: all.join("; "),
+                    version_info: failed_version.clone(),
+                    last_update_attempt: now,
+                });
+                reverted.insert(name);
+            }
+        };
+        self.validating = false;
         let state = self.types.get_mut(&kind).expect("a subscribed type");
+        // Envoy's init goes on after a refused update too.
+        state.applied = true;
         match result {
             Ok(()) => {
-                state.applied = true;
-                state.version_info = version.to_owned();
+                if changes && !changes_anything(&before, &state.resources) {
+                    // Everything that would have changed was refused.
+                    state.system_version = old_system_version;
+                    let _ = self.rebuild(endpoints_changed.as_deref());
+                }
+                let state = &self.types[&kind];
                 let resources = state.resources.len();
-                let touched: BTreeSet<&String> = touched.iter().collect();
-                self.errors
-                    .retain(|e| !(e.type_url == kind.as_str() && touched.contains(&e.name)));
-                self.count(kind, "update_success");
-                tracing::info!(
+                if refusals.is_empty() {
+                    if let Some(state) = self.types.get_mut(&kind) {
+                        state.version_info = version.to_owned();
+                    }
+                    self.count(kind, "update_success");
+                    tracing::info!(
+                        kind = kind.short(),
+                        version,
+                        resources,
+                        changed = touched.len(),
+                        "xDS update applied"
+                    );
+                    self.check_progress();
+                    return Ok(());
+                }
+                self.count(kind, "update_rejected");
+                let errors: Vec<(String, String)> = refusals
+                    .into_iter()
+                    .map(|(name, details)| (name, details.join("; ")))
+                    .collect();
+                tracing::warn!(
                     kind = kind.short(),
                     version,
                     resources,
-                    changed = touched.len(),
-                    "xDS update applied"
+                    "xDS update applied in part; refused: {}",
+                    errors
+                        .iter()
+                        .map(|(n, e)| format!("{n}: {e}"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 );
                 self.check_progress();
-                Ok(())
+                Err(errors)
             }
             Err(errors) => {
+                // Nothing of the change is to blame: undo all of it.
                 let rejected: HashMap<String, Any> = errors
                     .iter()
-                    .filter_map(|(name, _)| {
-                        let entry = state.resources.get(name)?;
-                        Some((name.clone(), entry.resource.to_any(kind)))
+                    .filter_map(|(resource, _)| {
+                        let name = self.culprit(kind, resource)?;
+                        let entry = self.types[&kind].resources.get(&name)?;
+                        Some((name, entry.resource.to_any(kind)))
                     })
                     .collect();
-                match undo {
-                    Undo::Replace(set) => state.resources = set,
-                    Undo::Patch(undo) => {
-                        // In reverse, so a name touched twice ends as it began.
-                        for (name, old) in undo.into_iter().rev() {
-                            match old {
-                                Some(old) => state.resources.insert(name, old),
-                                None => state.resources.remove(&name),
-                            };
-                        }
-                    }
+                let state = self.types.get_mut(&kind).expect("a subscribed type");
+                state.system_version = old_system_version;
+                for (name, old) in before {
+                    match old {
+                        Some(old) => state.resources.insert(name, old),
+                        None => state.resources.remove(&name),
+                    };
                 }
-                let now = SystemTime::now();
+                self.errors
+                    .retain(|e| !(e.type_url == kind.as_str() && refusals.contains_key(&e.name)));
+                self.errors.extend(stale);
+                let errors: Vec<(String, String)> = errors
+                    .into_iter()
+                    .map(|(resource, details)| (resource.1, details))
+                    .collect();
                 for (name, details) in &errors {
                     self.errors
                         .retain(|e| !(e.type_url == kind.as_str() && &e.name == name));
@@ -147,12 +302,12 @@ impl Manager {
                         name: name.clone(),
                         failed_configuration: rejected.get(name).cloned(),
                         details: details.clone(),
-                        version_info: version.to_owned(),
+                        version_info: failed_version.clone(),
                         last_update_attempt: now,
                     });
                 }
                 // Show the error state in /config_dump.
-                let _ = self.rebuild(endpoints_changed);
+                let _ = self.rebuild(endpoints_changed.as_deref());
                 self.count(kind, "update_rejected");
                 tracing::warn!(
                     kind = kind.short(),
@@ -164,8 +319,25 @@ impl Manager {
                         .collect::<Vec<_>>()
                         .join("; ")
                 );
+                self.check_progress();
                 Err(errors)
             }
+        }
+    }
+
+    /// The resource of `kind` a compile error about `resource` is to blame on: itself,
+    /// or for endpoints, the EDS service of the cluster it names.
+    fn culprit(&self, kind: TypeUrl, (of, name): &(Option<TypeUrl>, String)) -> Option<String> {
+        match (*of)? {
+            TypeUrl::Cluster if kind == TypeUrl::ClusterLoadAssignment => {
+                let entry = self.types.get(&TypeUrl::Cluster)?.resources.get(name)?;
+                match &entry.resource {
+                    Resource::Cluster(c) => eds_service_name(c).map(str::to_owned),
+                    _ => None,
+                }
+            }
+            of if of == kind => Some(name.clone()),
+            _ => None,
         }
     }
 
@@ -256,7 +428,7 @@ impl Manager {
     pub(super) fn rebuild(
         &mut self,
         endpoints_changed: Option<&[String]>,
-    ) -> Result<(), Vec<(String, String)>> {
+    ) -> Result<(), Vec<CompileError>> {
         let dynamic = Arc::new(self.dynamic_resources(endpoints_changed));
         let previous = self.store.load();
         let compiled = crate::snapshot::compile_with(
@@ -301,7 +473,7 @@ impl Manager {
         &mut self,
         previous: &Snapshot,
         next: &Snapshot,
-    ) -> Result<ListenerChange, Vec<(String, String)>> {
+    ) -> Result<ListenerChange, Vec<CompileError>> {
         let mut change = ListenerChange::default();
         // The very listeners (an update of clusters or endpoints): the sockets are bound.
         if next.shares_listeners_with(previous) {
@@ -324,7 +496,7 @@ impl Manager {
                     socket,
                 }),
                 Err(err) => errors.push((
-                    name.to_string(),
+                    (Some(TypeUrl::Listener), name.to_string()),
                     format!("Listener {name:?}: cannot listen on {addr}: {err}"),
                 )),
             }
@@ -388,10 +560,11 @@ impl Manager {
             listeners: listeners.active.clone(),
             warming_listeners: listeners.warming.clone(),
             listeners_version: listeners.version.clone(),
+            validate_warming: self.validating,
             ..Default::default()
         };
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
-            dynamic.clusters_version = clusters.version_info.clone();
+            dynamic.clusters_version = clusters.system_version.clone();
         }
         if let Some(endpoints) = self.types.get(&TypeUrl::ClusterLoadAssignment) {
             for entry in endpoints.resources.values() {
@@ -426,17 +599,23 @@ mod tests {
     fn compile_errors_name_their_resource() {
         assert_eq!(
             resource_name(r#"Cluster "outbound|80||a.b".connect_timeout"#),
-            "outbound|80||a.b"
+            (Some(TypeUrl::Cluster), "outbound|80||a.b".into())
         );
-        assert_eq!(resource_name(r#"Listener "x\"y".address"#), "x\"y");
+        assert_eq!(
+            resource_name(r#"Listener "x\"y".address"#),
+            (Some(TypeUrl::Listener), "x\"y".into())
+        );
         assert_eq!(
             resource_name(r#"RouteConfiguration "80".virtual_hosts[0]"#),
-            "80"
+            (Some(TypeUrl::RouteConfiguration), "80".into())
         );
         assert_eq!(
             resource_name(r#"Secret "default".tls_certificate"#),
-            "default"
+            (Some(TypeUrl::Secret), "default".into())
         );
-        assert_eq!(resource_name("static_resources.clusters[0]"), "");
+        assert_eq!(
+            resource_name("static_resources.clusters[0]"),
+            (None, String::new())
+        );
     }
 }

@@ -1,11 +1,14 @@
 //! The xDS manager: the one owner of the resources accepted from the control plane.
 //!
-//! Every response, state of the world or Delta, is applied whole: its resources are
-//! decoded, merged into a candidate of their type's set, and compiled together with the
-//! bootstrap and every other type into a new snapshot ([`crate::snapshot::compile_with`],
-//! which keeps unchanged clusters and listeners as they are). Only if that compiles is
-//! the candidate kept, the snapshot swapped in and the response ACKed; otherwise it is
-//! NACKed with the errors (each at its `Cluster "name"` path) and nothing changes.
+//! Every response, state of the world or Delta, is judged resource by resource, as
+//! Envoy does: its resources are decoded, merged into a candidate of their type's set,
+//! and compiled together with the bootstrap and every other type into a new snapshot
+//! ([`crate::snapshot::compile_with`], which keeps unchanged clusters and listeners as
+//! they are). A resource the compile refuses (each error is at its `Cluster "name"`
+//! path) goes back to its last good version and the rest is compiled again: the valid
+//! ones are served, the response is ACKed if nothing was refused, else NACKed naming the
+//! refused ones (Envoy's `Error adding/updating listener(s) ...`), which keep their
+//! `error_state` in `/config_dump`. A NACK carries the version last accepted whole.
 //!
 //! Envoy's order is kept: clusters are asked for first; an EDS cluster is left out of the
 //! snapshot (warming) until its endpoints arrive or `initial_fetch_timeout` passes;
@@ -43,8 +46,8 @@ use warming::{ServedClusters, ServedListeners, sleep_until};
 
 pub use apply::{Binder, BoundSocket, ListenerChange};
 
-/// gRPC INVALID_ARGUMENT, the code Envoy NACKs with.
-const INVALID_ARGUMENT: i32 = 3;
+/// gRPC INTERNAL, the code Envoy NACKs with.
+const INTERNAL: i32 = 13;
 
 /// One type's subscription and accepted resources.
 #[derive(Debug, Default)]
@@ -52,8 +55,12 @@ struct TypeState {
     /// Named subscriptions (not for wildcard types).
     names: BTreeSet<String>,
     resources: BTreeMap<String, Accepted>,
-    /// The last accepted version (SotW `version_info`, Delta `system_version_info`).
+    /// The version of the last response accepted whole (SotW `version_info`, Delta
+    /// `system_version_info`): what the next request carries.
     version_info: String,
+    /// The version of the last response that changed anything, even if it was refused in
+    /// part: what `/config_dump` shows (Envoy's `system_version_info`).
+    system_version: String,
     /// The nonce of the last response, echoed by the next request.
     nonce: String,
     /// Whether a request went out on the current stream.
@@ -106,6 +113,9 @@ pub struct Manager {
     bound: BTreeSet<(Arc<str>, SocketAddr)>,
     listeners_requested: bool,
     ready: bool,
+    /// An update of clusters or listeners is being compiled: the warming ones are
+    /// checked too.
+    validating: bool,
     /// Where an accepted name table goes (the DNS proxy), when it is on.
     dns: Option<Arc<crate::dns::Tables>>,
 }
@@ -144,7 +154,12 @@ impl Manager {
             })
             .collect();
         for (index, config) in plan.streams.iter().enumerate() {
-            tokio::spawn(stream::run(index, config.clone(), events_tx.clone()));
+            tokio::spawn(stream::run(
+                index,
+                config.clone(),
+                events_tx.clone(),
+                plan.local.clone(),
+            ));
         }
         let types = plan
             .streams
@@ -185,6 +200,7 @@ impl Manager {
             bound: bound.into_iter().collect(),
             listeners_requested: false,
             ready: false,
+            validating: false,
             dns,
         };
         tokio::spawn(manager.run(events));

@@ -11,8 +11,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use envoy_types::pb::google::rpc::Status;
 use tokio::sync::mpsc;
 
+use super::apply::Refusal;
 use super::resources::{Accepted, Edit, Resource, eds_service_name};
-use super::{INVALID_ARGUMENT, Manager};
+use super::{INTERNAL, Manager};
 use crate::config::references::{self, SecretSource};
 use crate::xds::TypeUrl;
 use crate::xds::source::Stream;
@@ -25,10 +26,23 @@ pub(super) struct StreamState {
     pub(super) node_sent: bool,
 }
 
+/// The NACK's status, in Envoy's words for listeners and clusters: `Error
+/// adding/updating listener(s) NAME: DETAILS\n...`, `Error adding/updating cluster(s)
+/// NAME: DETAILS, ...`.
 pub(super) fn nack_status(kind: TypeUrl, errors: &[(String, String)]) -> Status {
-    Status {
-        code: INVALID_ARGUMENT,
-        message: format!(
+    let each = errors
+        .iter()
+        .map(|(name, details)| format!("{name}: {details}"));
+    let message = match kind {
+        TypeUrl::Listener => format!(
+            "Error adding/updating listener(s) {}",
+            each.map(|e| e + "\n").collect::<String>()
+        ),
+        TypeUrl::Cluster => format!(
+            "Error adding/updating cluster(s) {}",
+            each.collect::<Vec<_>>().join(", ")
+        ),
+        _ => format!(
             "{} update rejected: {}",
             kind.short().to_uppercase(),
             errors
@@ -37,6 +51,10 @@ pub(super) fn nack_status(kind: TypeUrl, errors: &[(String, String)]) -> Status 
                 .collect::<Vec<_>>()
                 .join("; ")
         ),
+    };
+    Status {
+        code: INTERNAL,
+        message,
         details: Vec::new(),
     }
 }
@@ -164,27 +182,37 @@ impl Manager {
             .collect();
         let result = decoded.map_err(|e| vec![e]).and_then(|entries| {
             let state = &self.types[&kind];
-            // A resource resent unchanged keeps its `last_updated`.
-            let entries = entries.into_iter().map(|entry| {
+            // A resource resent unchanged is not updated: it keeps its version and
+            // `last_updated`, as in Envoy. A name given twice: the first counts, the
+            // others are refused (Envoy's "duplicate listener NAME found").
+            let mut refused = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            let mut unique = Vec::new();
+            for entry in entries {
                 let name = entry.resource.name().to_owned();
+                if kind.is_wildcard() && !seen.insert(name.clone()) {
+                    refused.push(Refusal {
+                        details: format!("duplicate {} {name} found", kind.noun()),
+                        config: entry.resource.to_any(kind),
+                        name,
+                    });
+                    continue;
+                }
                 let entry = match state.resources.get(&name) {
-                    Some(old) if old.digest == entry.digest => Accepted {
-                        version: shared.clone(),
-                        ..old.clone()
-                    },
+                    Some(old) if old.digest == entry.digest => old.clone(),
                     _ => entry,
                 };
-                (name, entry)
-            });
+                unique.push((name, entry));
+            }
             let change = if kind.is_wildcard() {
-                Edit::Replace(entries.collect())
+                Edit::Replace(unique.into_iter().collect())
             } else {
                 Edit::Patch {
-                    upserts: entries.collect(),
+                    upserts: unique,
                     removals: Vec::new(),
                 }
             };
-            self.apply(kind, change, &version)
+            self.apply(kind, change, &version, refused)
         });
         let state = &self.types[&kind];
         let mut request = DiscoveryRequest {
@@ -236,7 +264,7 @@ impl Manager {
             removals: response.removed_resources.clone(),
         };
         let result = if errors.is_empty() {
-            self.apply(kind, change, &version)
+            self.apply(kind, change, &version, Vec::new())
         } else {
             Err(errors)
         };
@@ -411,6 +439,11 @@ impl Manager {
             requests: None,
             node_sent: false,
         });
-        tokio::spawn(stream::run(index, config, self.events_tx.clone()));
+        tokio::spawn(stream::run(
+            index,
+            config,
+            self.events_tx.clone(),
+            self.plan.local.clone(),
+        ));
     }
 }

@@ -127,12 +127,6 @@ pub(super) enum Edit {
     },
 }
 
-/// What undoes a [`Edit`] applied in place.
-pub(super) enum Undo {
-    Replace(BTreeMap<String, Accepted>),
-    Patch(Vec<(String, Option<Accepted>)>),
-}
-
 /// An EDS cluster with its endpoints filled in: the digests of the cluster and the
 /// endpoints it was made from, the result, and the result's digest.
 pub(super) type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);

@@ -205,7 +205,7 @@ impl Manager {
         let mut warming_listeners = HashMap::new();
         let mut active_listeners = HashMap::new();
         if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
-            served.version = listeners.version_info.clone();
+            served.version = listeners.system_version.clone();
             for entry in listeners.resources.values() {
                 let Resource::Listener(l) = &entry.resource else {
                     continue;

@@ -1,0 +1,228 @@
+//! One pod's proxy instance: its listeners (opened in the pod), its accept loops on the
+//! node's shared runtime, its connections (upstreams made in the pod), its drain.
+//! Which pod a connection belongs to is known from the listener that accepted it.
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::listen::{PodListener, Role};
+use crate::access_log::{Direction, Entry};
+use crate::listener::original_dst;
+use crate::tcp;
+
+/// A pod's counters, named as Envoy's listener stats.
+#[derive(Debug, Default)]
+pub struct PodStats {
+    /// `downstream_cx_total`: connections accepted on the capture listeners.
+    pub downstream_cx_total: AtomicU64,
+    /// `downstream_cx_active`.
+    pub downstream_cx_active: AtomicU64,
+}
+
+/// A running instance; dropping it does not stop it, [`Instance::stop`] does.
+pub struct Instance {
+    accepting: Vec<JoinHandle<()>>,
+    /// Second handles on the listening sockets, so `stop` closes them at once (an
+    /// aborted accept task drops its listener only when the runtime gets to it).
+    controls: Vec<std::net::TcpListener>,
+    roles: Vec<Role>,
+    /// Set to true when the drain is over: connections still open are cut.
+    cut: watch::Sender<bool>,
+    pub stats: Arc<PodStats>,
+    pub addrs: Vec<SocketAddr>,
+}
+
+pub struct Settings {
+    pub tcp: Arc<tcp::Settings>,
+    pub drain_time: Duration,
+}
+
+impl Instance {
+    /// Starts serving `listeners` on `runtime`; upstream sockets are made in `netns`.
+    pub fn start(
+        runtime: &tokio::runtime::Handle,
+        listeners: Vec<PodListener>,
+        netns: Arc<OwnedFd>,
+        settings: &Settings,
+    ) -> std::io::Result<Instance> {
+        let _entered = runtime.enter();
+        let (cut, cut_rx) = watch::channel(false);
+        let stats = Arc::new(PodStats::default());
+        let mut accepting = Vec::new();
+        let mut addrs = Vec::new();
+        let mut controls = Vec::new();
+        let mut roles = Vec::new();
+        for l in listeners {
+            roles.push(l.role);
+            addrs.push(l.addr);
+            controls.push(l.listener.try_clone()?);
+            let listener = TcpListener::from_std(l.listener)?;
+            let job = Accept {
+                listener,
+                role: l.role,
+                addr: l.addr,
+                netns: netns.clone(),
+                tcp: settings.tcp.clone(),
+                stats: stats.clone(),
+                cut: cut_rx.clone(),
+            };
+            accepting.push(runtime.spawn(job.run()));
+        }
+        Ok(Instance {
+            accepting,
+            controls,
+            roles,
+            cut,
+            stats,
+            addrs,
+        })
+    }
+
+    /// The listening sockets with their roles and addresses.
+    pub fn listeners(&self) -> impl Iterator<Item = (Role, SocketAddr, &std::net::TcpListener)> {
+        self.roles
+            .iter()
+            .zip(&self.addrs)
+            .zip(&self.controls)
+            .map(|((r, a), l)| (*r, *a, l))
+    }
+
+    /// Closes the listeners at once; open connections run on for `drain_time`, then
+    /// are cut.
+    pub fn stop(self, runtime: &tokio::runtime::Handle, drain_time: Duration) {
+        for c in &self.controls {
+            // shutdown() on a listening socket stops it listening: from here on a
+            // connect is refused, not queued for an accept that never comes.
+            let _ = socket2::SockRef::from(c).shutdown(std::net::Shutdown::Both);
+        }
+        self.release(runtime, drain_time);
+    }
+
+    /// Stops accepting here but leaves the sockets listening (a new process accepts on
+    /// them now); open connections run on for `drain_time`, then are cut.
+    pub fn release(self, runtime: &tokio::runtime::Handle, drain_time: Duration) {
+        for a in &self.accepting {
+            a.abort();
+        }
+        let stats = self.stats.clone();
+        let cut = self.cut;
+        runtime.spawn(async move {
+            let drained = async {
+                while stats.downstream_cx_active.load(Ordering::SeqCst) > 0 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            let _ = tokio::time::timeout(drain_time, drained).await;
+            let _ = cut.send(true);
+        });
+    }
+}
+
+struct Accept {
+    listener: TcpListener,
+    role: Role,
+    addr: SocketAddr,
+    netns: Arc<OwnedFd>,
+    tcp: Arc<tcp::Settings>,
+    stats: Arc<PodStats>,
+    cut: watch::Receiver<bool>,
+}
+
+impl Accept {
+    async fn run(self) {
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, peer)) => self.spawn(stream, peer),
+                Err(err) if err.kind() == std::io::ErrorKind::ConnectionAborted => {}
+                Err(err) => {
+                    // Out of file descriptors or memory: back off, the backlog holds.
+                    tracing::warn!(addr = %self.addr, %err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn spawn(&self, stream: TcpStream, peer: SocketAddr) {
+        let mut cut = self.cut.clone();
+        match self.role {
+            Role::Health => {
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = health(stream) => {}
+                        _ = cut.wait_for(|c| *c) => {}
+                    }
+                });
+            }
+            Role::Capture(direction) => {
+                let stats = self.stats.clone();
+                stats.downstream_cx_total.fetch_add(1, Ordering::Relaxed);
+                stats.downstream_cx_active.fetch_add(1, Ordering::SeqCst);
+                let handled = crate::upstream::netns::scope(
+                    self.netns.clone(),
+                    handle(stream, peer, direction, self.addr.port(), self.tcp.clone()),
+                );
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = handled => {}
+                        _ = cut.wait_for(|c| *c) => {}
+                    }
+                    stats.downstream_cx_active.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        }
+    }
+}
+
+/// As the passthrough proxy: the original destination from the kernel, then `tcp`.
+async fn handle(
+    stream: TcpStream,
+    peer: SocketAddr,
+    direction: Direction,
+    listener_port: u16,
+    settings: Arc<tcp::Settings>,
+) {
+    let Ok(local) = stream.local_addr() else {
+        return;
+    };
+    let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+    let entry = Entry::start(direction, canonical(peer), canonical(local));
+    let original_dst = match original_dst::original_dst(&stream, local, listener_port) {
+        Ok(dst) => Some(dst),
+        Err(err) => {
+            tracing::warn!(%peer, %err, "closing connection");
+            None
+        }
+    };
+    tcp::proxy(stream, entry, original_dst, &settings).await;
+}
+
+/// The health port: `GET /healthz/ready` is 200 while the pod is served (the instance
+/// only exists then), anything else 404. One request per connection.
+async fn health(mut stream: TcpStream) {
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 512];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 && head.len() < 8192 => head.extend_from_slice(&buf[..n]),
+            _ => return,
+        }
+    }
+    let ready =
+        head.starts_with(b"GET /healthz/ready ") || head.starts_with(b"HEAD /healthz/ready ");
+    let reply: &[u8] = if ready {
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    } else {
+        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    };
+    let _ = stream.write_all(reply).await;
+    let _ = stream.shutdown().await;
+}

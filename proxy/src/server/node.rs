@@ -1,0 +1,241 @@
+//! `shunt node`: the node agent (the DaemonSet's process), and `shunt node install-cni`
+//! / `uninstall-cni`, the DaemonSet's CNI install step.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use shunt_capture::CaptureArgs;
+
+use crate::node::Pods;
+use crate::node::cni::install::{self, PluginSettings};
+use crate::node::cni::plugin::DEFAULT_SOCKET;
+use crate::node::enroll::Enrollment;
+use crate::node::enroll::cni_server::CniServer;
+use crate::node::enroll::zds::ZdsClient;
+use crate::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use crate::node::serve::{NodeOptions, NodePods, PodCapture};
+
+/// Where pods come from: the sockets and the state directory.
+#[derive(Args, Debug, Clone)]
+pub struct EnrollArgs {
+    /// The `shunt-cni` plugin's socket.
+    #[arg(long, default_value = DEFAULT_SOCKET, value_name = "PATH")]
+    pub cni_socket: PathBuf,
+    /// istio-cni's ZDS socket to connect to (as ztunnel does); none: no ZDS.
+    #[arg(long, value_name = "PATH")]
+    pub zds_socket: Option<PathBuf>,
+    /// Where enrolled pods are recorded, to be rebuilt after a restart.
+    #[arg(long, default_value = "/var/lib/shunt/node", value_name = "DIR")]
+    pub state_dir: PathBuf,
+}
+
+/// The enrollers, running until dropped.
+pub struct Enrollers {
+    pub enrollment: Arc<Enrollment>,
+    _cni: CniServer,
+    _zds: Option<ZdsClient>,
+}
+
+/// The node agent: the node's capture (loaded once), [`NodePods`] serving every pod, the
+/// enrollers feeding it.
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    super::init_logging(&args.log_level)?;
+    let capture: Option<Box<dyn PodCapture>> = if args.no_capture {
+        None
+    } else {
+        let cgroup = args.capture.cgroup().context(
+            "--cgroup: the pods' parent cgroup, where the capture programs attach (or --no-capture)",
+        )?;
+        let capture = NodeCapture::open(args.capture.config()?, cgroup, args.capture.bpffs())?;
+        Some(Box::new(EbpfCapture {
+            capture,
+            policies: Policies {
+                default: args.failure_policy,
+                fail_open_namespaces: args.fail_open_namespaces.clone(),
+            },
+        }))
+    };
+    serve_with(&args.enroll, args.concurrency, |runtime| {
+        let pods: Arc<dyn Pods> = Arc::new(NodePods::new(
+            NodeOptions::default(),
+            runtime.clone(),
+            capture,
+        ));
+        Ok(pods)
+    })
+}
+
+/// Runs the node agent until SIGTERM or SIGINT: a data-plane runtime for the pods'
+/// proxies, `make_pods` (serving, on that runtime), then the enrollers over it. On a
+/// signal the enrollers stop; pods stay recorded, to be rebuilt by the next start.
+pub fn serve_with(
+    enroll: &EnrollArgs,
+    workers: usize,
+    make_pods: impl FnOnce(&tokio::runtime::Handle) -> anyhow::Result<Arc<dyn Pods>>,
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers.max(1))
+        .thread_name("shunt-node")
+        .enable_all()
+        .build()
+        .context("starting the node's runtime")?;
+    let pods = make_pods(runtime.handle())?;
+    let enrollers = start_enrollers(enroll, pods)?;
+    tracing::info!(
+        "shunt node: enrolling on {}{}",
+        enroll.cni_socket.display(),
+        enroll
+            .zds_socket
+            .as_ref()
+            .map(|z| format!(" and istio-cni's {}", z.display()))
+            .unwrap_or_default()
+    );
+    runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    tracing::info!("shunt node: stopping");
+    drop(enrollers);
+    Ok(())
+}
+
+/// Rebuilds the pods of the state directory into `pods`, then opens the CNI socket and
+/// connects to istio-cni (the sockets open after the rebuild, so a DEL never races it).
+pub fn start_enrollers(args: &EnrollArgs, pods: Arc<dyn Pods>) -> anyhow::Result<Enrollers> {
+    let (enrollment, restored) = Enrollment::open(pods, &args.state_dir)?;
+    for file in &restored.unreadable {
+        tracing::warn!("state: unreadable record {file}");
+    }
+    for (uid, why) in &restored.dropped {
+        tracing::info!(uid, "state: pod dropped at start: {why}");
+    }
+    tracing::info!(
+        served = restored.served.len(),
+        awaiting_snapshot = restored.awaiting_snapshot.len(),
+        "state: pods rebuilt from {}",
+        args.state_dir.display()
+    );
+    let enrollment = Arc::new(enrollment);
+    let cni = CniServer::start(&args.cni_socket, enrollment.clone())
+        .with_context(|| format!("CNI socket {}", args.cni_socket.display()))?;
+    let zds = match &args.zds_socket {
+        Some(path) => Some(ZdsClient::start(path, enrollment.clone())?),
+        None => None,
+    };
+    Ok(Enrollers {
+        enrollment,
+        _cni: cni,
+        _zds: zds,
+    })
+}
+
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct NodeArgs {
+    #[command(subcommand)]
+    pub action: Option<NodeAction>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// `shunt node` without a subcommand: the node agent.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub enroll: EnrollArgs,
+    /// Serve the pods' listeners without eBPF capture (the capture flags are ignored).
+    #[arg(long)]
+    pub no_capture: bool,
+    /// What a pod's connects do while no proxy serves it (decided in the kernel).
+    #[arg(long, value_enum, default_value = "fail-closed")]
+    pub failure_policy: FailurePolicy,
+    /// Namespaces whose pods fail open whatever --failure-policy says (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub fail_open_namespaces: Vec<String>,
+    /// Worker threads of the runtime every pod's proxy shares.
+    #[arg(long, default_value_t = 2)]
+    pub concurrency: usize,
+    /// Log filter (`info`, `shunt=debug`, ...).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: String,
+    /// The capture, as `shunt capture`'s flags: `--cgroup` is the pods' parent cgroup
+    /// (the programs attach there once; this process must run under it too),
+    /// `--bpffs` where they are pinned.
+    #[command(flatten)]
+    pub capture: Box<CaptureArgs>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum NodeAction {
+    /// Copy this binary to the CNI bin directory as `shunt-cni` and chain it at the end
+    /// of the node's network configuration (the first file of the conf directory).
+    InstallCni(InstallCniArgs),
+    /// Remove `shunt-cni` from every conflist of the conf directory and from the bin
+    /// directory.
+    UninstallCni(CniDirs),
+}
+
+#[derive(Args, Debug)]
+pub struct CniDirs {
+    /// Where the runtime finds CNI plugins.
+    #[arg(long, default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
+    /// Where the runtime finds network configurations.
+    #[arg(long, default_value = "/etc/cni/net.d")]
+    pub cni_conf_dir: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct InstallCniArgs {
+    #[command(flatten)]
+    pub dirs: CniDirs,
+    /// The agent's socket, as the plugin (on the host) sees it.
+    #[arg(long, default_value = DEFAULT_SOCKET)]
+    pub agent_socket: PathBuf,
+    /// What ADD does when the agent cannot be reached: `fail` (the runtime retries) or
+    /// `pass` (the pod starts unenrolled).
+    #[arg(long, default_value = "fail", value_parser = ["fail", "pass"])]
+    pub agent_unavailable: String,
+    /// Namespaces whose pods are never enrolled (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "kube-system")]
+    pub exclude_namespaces: Vec<String>,
+}
+
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let Some(action) = args.action else {
+        return serve(args.serve);
+    };
+    match action {
+        NodeAction::InstallCni(a) => {
+            let me = std::env::current_exe()?;
+            let settings = PluginSettings {
+                agent_socket: a.agent_socket,
+                agent_unavailable: a.agent_unavailable,
+                exclude_namespaces: a.exclude_namespaces,
+            };
+            let conf = install::install(&me, &a.dirs.cni_bin_dir, &a.dirs.cni_conf_dir, &settings)?;
+            eprintln!(
+                "shunt node: installed {} and chained it in {}",
+                a.dirs.cni_bin_dir.join(install::PLUGIN_TYPE).display(),
+                conf.display()
+            );
+            Ok(())
+        }
+        NodeAction::UninstallCni(dirs) => {
+            let changed = install::uninstall(&dirs.cni_bin_dir, &dirs.cni_conf_dir)?;
+            for path in changed {
+                eprintln!("shunt node: removed shunt-cni from {}", path.display());
+            }
+            Ok(())
+        }
+    }
+}

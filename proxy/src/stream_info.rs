@@ -1,0 +1,370 @@
+//! Envoy's stream info: what filters share about one downstream connection
+//! ([`Connection`]: addresses, SNI, ALPN, the TLS peer) and one HTTP stream
+//! ([`StreamInfo`]: filter state, dynamic metadata, response code and flags, the
+//! upstream, bytes, timing).
+//!
+//! Cheap when nothing reads it: a [`Connection`] is built once per connection and
+//! shared by `Arc`; an empty [`FilterState`] or [`Metadata`] allocates nothing.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::access_log::ResponseFlag;
+
+/// One downstream connection as filters see it.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    /// The downstream's local address: the original destination once restored.
+    pub local: SocketAddr,
+    /// The address the connection was accepted on (before any restore).
+    pub socket_local: SocketAddr,
+    /// The downstream's remote address (Envoy's `remote_ip`: the same unless a proxy
+    /// protocol or XFF changes it).
+    pub remote: SocketAddr,
+    /// The peer of the TCP connection itself (Envoy's `direct_remote_ip`).
+    pub direct_remote: SocketAddr,
+    /// SNI from the TLS inspector or the terminated handshake.
+    pub requested_server_name: Option<String>,
+    /// The ALPN protocol negotiated (TLS) or detected (`http_inspector`).
+    pub alpn: Option<String>,
+    /// Set when shunt terminated TLS on the connection.
+    pub tls: Option<Arc<Tls>>,
+    /// Connection-lived filter state set by network filters (`istio_authn`,
+    /// `set_filter_state`, metadata exchange); each HTTP stream sees it below its own.
+    pub filter_state: FilterState,
+    /// Connection-level dynamic metadata from network filters.
+    pub metadata: Metadata,
+}
+
+impl Connection {
+    pub fn new(local: SocketAddr, remote: SocketAddr) -> Self {
+        Connection {
+            local,
+            socket_local: local,
+            remote,
+            direct_remote: remote,
+            requested_server_name: None,
+            alpn: None,
+            tls: None,
+            filter_state: FilterState::default(),
+            metadata: Metadata::default(),
+        }
+    }
+
+    /// The peer certificate's identity as Envoy's `authenticated.principal_name` reads
+    /// it: its URI SANs, else its DNS SANs, else its subject.
+    pub fn peer_principals(&self) -> impl Iterator<Item = &str> {
+        let tls = self.tls.as_deref();
+        let (uris, dns) = tls.map_or((&[][..], &[][..]), |t| {
+            (&t.peer_uri_sans[..], &t.peer_dns_sans[..])
+        });
+        let subject = tls
+            .filter(|_| uris.is_empty() && dns.is_empty())
+            .and_then(|t| t.peer_subject.as_deref());
+        let sans = if uris.is_empty() { dns } else { uris };
+        sans.iter().map(String::as_str).chain(subject)
+    }
+}
+
+/// A TLS session shunt terminated.
+#[derive(Debug, Clone, Default)]
+pub struct Tls {
+    /// Whether the peer presented a certificate (mTLS).
+    pub peer_certificate_presented: bool,
+    pub peer_uri_sans: Vec<String>,
+    pub peer_dns_sans: Vec<String>,
+    /// The peer certificate's subject, RFC 2253 text, when known.
+    pub peer_subject: Option<String>,
+    /// The URI SANs of the certificate shunt presented.
+    pub local_uri_sans: Vec<String>,
+    pub version: Option<&'static str>,
+}
+
+/// Envoy's `FilterState::LifeSpan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LifeSpan {
+    #[default]
+    FilterChain,
+    Request,
+    Connection,
+}
+
+/// An object in the filter state. Filters downcast through [`FilterStateObject::as_any`].
+pub trait FilterStateObject: fmt::Debug + Send + Sync + 'static {
+    /// Envoy's `serializeAsString`: what `filter_state` string matchers and
+    /// `%FILTER_STATE(...)%` read; `None` when the object has no string form.
+    fn serialize_as_string(&self) -> Option<String>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A plain string value (Envoy's `StringAccessor`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StringAccessor(pub String);
+
+impl FilterStateObject for StringAccessor {
+    fn serialize_as_string(&self) -> Option<String> {
+        Some(self.0.clone())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct FilterStateEntry {
+    pub value: Arc<dyn FilterStateObject>,
+    pub read_only: bool,
+    pub life_span: LifeSpan,
+    /// Envoy's `StreamSharing::SHARED_WITH_UPSTREAM_CONNECTION`.
+    pub shared_with_upstream: bool,
+}
+
+/// Why a filter state write was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("filter state object {0:?} is read-only")]
+pub struct ReadOnly(pub String);
+
+/// Envoy's filter state: named objects. Few entries, so a vector (no allocation
+/// until the first).
+#[derive(Debug, Clone, Default)]
+pub struct FilterState {
+    entries: Vec<(Arc<str>, FilterStateEntry)>,
+}
+
+impl FilterState {
+    /// Sets `name`; refused when an existing object of that name is read-only (Envoy).
+    pub fn set(
+        &mut self,
+        name: &str,
+        value: Arc<dyn FilterStateObject>,
+        read_only: bool,
+        life_span: LifeSpan,
+    ) -> Result<(), ReadOnly> {
+        let entry = FilterStateEntry {
+            value,
+            read_only,
+            life_span,
+            shared_with_upstream: false,
+        };
+        self.set_entry(name, entry)
+    }
+
+    pub fn set_entry(&mut self, name: &str, entry: FilterStateEntry) -> Result<(), ReadOnly> {
+        match self.entries.iter_mut().find(|(n, _)| &**n == name) {
+            Some((_, existing)) if existing.read_only => Err(ReadOnly(name.to_owned())),
+            Some((_, existing)) => {
+                *existing = entry;
+                Ok(())
+            }
+            None => {
+                self.entries.push((name.into(), entry));
+                Ok(())
+            }
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&FilterStateEntry> {
+        self.entries
+            .iter()
+            .find(|(n, _)| &**n == name)
+            .map(|(_, e)| e)
+    }
+
+    /// The object named `name` as `T`, if it is one.
+    pub fn get_as<T: 'static>(&self, name: &str) -> Option<&T> {
+        self.get(name)?.value.as_any().downcast_ref()
+    }
+
+    /// The object's string form (what `filter_state` matchers compare).
+    pub fn get_string(&self, name: &str) -> Option<String> {
+        self.get(name)?.value.serialize_as_string()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &FilterStateEntry)> {
+        self.entries.iter().map(|(n, e)| (&**n, e))
+    }
+}
+
+/// Dynamic metadata: filter namespace (`envoy.filters.http.rbac`, `istio_authn`) to a
+/// `Struct`, as JSON.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metadata {
+    pub filter_metadata: BTreeMap<String, serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Metadata {
+    /// Merges `fields` into the namespace, as Envoy's `setDynamicMetadata` does (keys
+    /// replace keys).
+    pub fn set(&mut self, namespace: &str, fields: serde_json::Map<String, serde_json::Value>) {
+        self.filter_metadata
+            .entry(namespace.to_owned())
+            .or_default()
+            .extend(fields);
+    }
+
+    /// The value at `path` inside `namespace` (Envoy's `MetadataKey`).
+    pub fn value(&self, namespace: &str, path: &[String]) -> Option<&serde_json::Value> {
+        let (first, rest) = path.split_first()?;
+        let mut value = self.filter_metadata.get(namespace)?.get(first)?;
+        for key in rest {
+            value = value.as_object()?.get(key)?;
+        }
+        Some(value)
+    }
+}
+
+/// One HTTP stream's info, as its filters share it.
+#[derive(Debug)]
+pub struct StreamInfo {
+    pub connection: Arc<Connection>,
+    pub start: Instant,
+    /// The stream's own filter state; [`StreamInfo::filter_state_string`] also looks at
+    /// the connection's.
+    pub filter_state: FilterState,
+    pub metadata: Metadata,
+    /// The route's name once routed (empty name: `None`).
+    pub route_name: Option<Arc<str>>,
+    pub response_code: Option<u16>,
+    /// Envoy's `%RESPONSE_CODE_DETAILS%` (`rbac_access_denied_matched_policy[none]`).
+    pub response_code_details: Option<String>,
+    pub response_flags: Vec<ResponseFlag>,
+    pub upstream_cluster: Option<Arc<str>>,
+    pub upstream_host: Option<SocketAddr>,
+    /// Body bytes from and to the downstream (known at stream end).
+    pub bytes_received: u64,
+    pub bytes_sent: u64,
+}
+
+impl StreamInfo {
+    pub fn new(connection: Arc<Connection>) -> Self {
+        StreamInfo {
+            connection,
+            start: Instant::now(),
+            filter_state: FilterState::default(),
+            metadata: Metadata::default(),
+            route_name: None,
+            response_code: None,
+            response_code_details: None,
+            response_flags: Vec::new(),
+            upstream_cluster: None,
+            upstream_host: None,
+            bytes_received: 0,
+            bytes_sent: 0,
+        }
+    }
+
+    /// A filter state object of the stream, else of its connection.
+    pub fn filter_state_entry(&self, name: &str) -> Option<&FilterStateEntry> {
+        self.filter_state
+            .get(name)
+            .or_else(|| self.connection.filter_state.get(name))
+    }
+
+    pub fn filter_state_string(&self, name: &str) -> Option<String> {
+        self.filter_state_entry(name)?.value.serialize_as_string()
+    }
+
+    /// Dynamic metadata of the stream, else of its connection.
+    pub fn metadata_value(&self, namespace: &str, path: &[String]) -> Option<&serde_json::Value> {
+        self.metadata
+            .value(namespace, path)
+            .or_else(|| self.connection.metadata.value(namespace, path))
+    }
+
+    pub fn flag(&mut self, flag: ResponseFlag) {
+        if !self.response_flags.contains(&flag) {
+            self.response_flags.push(flag);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_only_objects_stay() {
+        let mut state = FilterState::default();
+        let value = |s: &str| Arc::new(StringAccessor(s.into())) as Arc<dyn FilterStateObject>;
+        state
+            .set("a", value("1"), true, LifeSpan::Connection)
+            .unwrap();
+        assert_eq!(
+            state.set("a", value("2"), false, LifeSpan::Request),
+            Err(ReadOnly("a".into()))
+        );
+        state
+            .set("b", value("x"), false, LifeSpan::Request)
+            .unwrap();
+        state
+            .set("b", value("y"), false, LifeSpan::Request)
+            .unwrap();
+        assert_eq!(state.get_string("a").as_deref(), Some("1"));
+        assert_eq!(state.get_string("b").as_deref(), Some("y"));
+        assert_eq!(
+            state.get_as::<StringAccessor>("b"),
+            Some(&StringAccessor("y".into()))
+        );
+    }
+
+    #[test]
+    fn streams_see_their_connections_state_below_their_own() {
+        let local = "10.0.0.1:80".parse().unwrap();
+        let mut connection = Connection::new(local, "10.0.0.2:5000".parse().unwrap());
+        connection
+            .filter_state
+            .set(
+                "k",
+                Arc::new(StringAccessor("conn".into())),
+                true,
+                LifeSpan::Connection,
+            )
+            .unwrap();
+        let mut stream = StreamInfo::new(Arc::new(connection));
+        assert_eq!(stream.filter_state_string("k").as_deref(), Some("conn"));
+        stream
+            .filter_state
+            .set(
+                "k",
+                Arc::new(StringAccessor("stream".into())),
+                false,
+                LifeSpan::Request,
+            )
+            .unwrap();
+        assert_eq!(stream.filter_state_string("k").as_deref(), Some("stream"));
+    }
+
+    #[test]
+    fn principal_is_uri_then_dns_then_subject() {
+        let mut c = Connection::new("1.1.1.1:1".parse().unwrap(), "2.2.2.2:2".parse().unwrap());
+        assert_eq!(c.peer_principals().count(), 0);
+        let tls = Tls {
+            peer_certificate_presented: true,
+            peer_dns_sans: vec!["a.example".into()],
+            peer_subject: Some("CN=a".into()),
+            ..Tls::default()
+        };
+        c.tls = Some(Arc::new(tls.clone()));
+        assert_eq!(c.peer_principals().collect::<Vec<_>>(), ["a.example"]);
+        let mut with_uri = tls.clone();
+        with_uri.peer_uri_sans = vec!["spiffe://td/ns/a/sa/b".into()];
+        c.tls = Some(Arc::new(with_uri));
+        assert_eq!(
+            c.peer_principals().collect::<Vec<_>>(),
+            ["spiffe://td/ns/a/sa/b"]
+        );
+        let mut only_subject = tls;
+        only_subject.peer_dns_sans.clear();
+        c.tls = Some(Arc::new(only_subject));
+        assert_eq!(c.peer_principals().collect::<Vec<_>>(), ["CN=a"]);
+    }
+}

@@ -1,0 +1,508 @@
+//! Node mode's serving: one process (`nodeserve`, NodePods with the node's eBPF
+//! capture) serves every pod of a node, its listeners opened inside each pod's network
+//! namespace and its upstream connections made from inside the pod. Real kernel, real
+//! namespaces, cgroups and eBPF; the apps are testapp.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use harness::{Node, Pod, testapp_bin};
+use serde_json::Value;
+use support::*;
+
+/// A running `nodeserve` in the node's bridge namespace (the node's "host network"),
+/// in a cgroup under the node's, where the capture programs are attached.
+struct NodeAgent {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: Arc<Mutex<Vec<String>>>,
+    stderr: Arc<Mutex<String>>,
+    cgroup: PathBuf,
+}
+
+impl NodeAgent {
+    fn start(node: &Node, bpffs: &std::path::Path, extra: &[&str]) -> NodeAgent {
+        let cgroup = node.cgroup_path().join(format!("agent{}", next_agent()));
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", node.bridge_netns_path().display()))
+            .arg(env!("CARGO_BIN_EXE_nodeserve"))
+            .arg("--join-cgroup")
+            .arg(&cgroup)
+            .arg("--cgroup")
+            .arg(node.cgroup_path())
+            .arg("--bpffs")
+            .arg(bpffs)
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start nodeserve");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = Arc::new(Mutex::new(Vec::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (out, err) = (stdout.clone(), stderr.clone());
+        let child_out = child.stdout.take().unwrap();
+        let child_err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(child_out).lines().map_while(Result::ok) {
+                out.lock().unwrap().push(line);
+            }
+        });
+        std::thread::spawn(move || {
+            for line in BufReader::new(child_err).lines().map_while(Result::ok) {
+                let mut e = err.lock().unwrap();
+                e.push_str(&line);
+                e.push('\n');
+            }
+        });
+        let mut agent = NodeAgent {
+            child,
+            stdin,
+            stdout,
+            stderr,
+            cgroup,
+        };
+        agent.wait_reply("@ready");
+        agent
+    }
+
+    /// Waits for a reply line starting with `prefix` and returns it.
+    fn wait_reply(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(line) = self
+                .stdout
+                .lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|l| l.starts_with(prefix) || l.starts_with("@error"))
+            {
+                return line.clone();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("nodeserve exited ({status}):\n{}", self.stderr());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {prefix} from nodeserve:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        self.stdout.lock().unwrap().retain(|l| !l.starts_with('@'));
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// Enrolls `pod` and returns once `add` returned (its listeners bound).
+    fn add(&mut self, pod: &Pod) -> Duration {
+        let uid = pod.name().to_owned();
+        self.send(&format!(
+            "add {uid} {} default {} {} {}",
+            pod.name(),
+            pod.netns_path().display(),
+            pod.ipv4(),
+            pod.ipv6()
+        ));
+        let reply = self.wait_reply(&format!("@added {uid} "));
+        let micros: u64 = reply
+            .rsplit(' ')
+            .next()
+            .and_then(|m| m.parse().ok())
+            .unwrap_or_else(|| panic!("add {uid}: {reply}\n{}", self.stderr()));
+        Duration::from_micros(micros)
+    }
+
+    fn remove(&mut self, pod: &Pod) {
+        self.send(&format!("remove {}", pod.name()));
+        self.wait_reply(&format!("@removed {}", pod.name()));
+    }
+
+    fn rss_kib(&mut self) -> u64 {
+        self.send("rss");
+        let reply = self.wait_reply("@rss ");
+        reply[5..].parse().unwrap()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn access_log(&self) -> Vec<Value> {
+        self.stdout
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v.get("direction").is_some())
+            .collect()
+    }
+
+    /// The entry matching `pred`, waiting for it up to 5 s (lines come at close).
+    fn entry(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(v) = self.access_log().into_iter().find(&pred) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no access log entry for {what}; log: {:?}\n{}",
+                self.access_log(),
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL: nothing is cleaned up, the kernel side stays as it was.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir(&self.cgroup);
+    }
+}
+
+fn next_agent() -> u32 {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Removes the bpffs root (every pin: links detach, maps go) even when a test fails.
+struct Pins(PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = Command::new("rm").arg("-rf").arg(&self.0).status();
+    }
+}
+
+fn v4(pod: &Pod, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(pod.ipv4()), port)
+}
+
+fn v6(pod: &Pod, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V6(pod.ipv6()), port)
+}
+
+fn passthrough_source(target: SocketAddr) -> IpAddr {
+    if target.is_ipv4() { "127.0.0.6" } else { "::6" }
+        .parse()
+        .unwrap()
+}
+
+/// `testapp serve` in the node's bridge namespace: a destination outside every pod.
+fn start_outside_app(node: &Node, port: u16) -> Child {
+    let child = Command::new("nsenter")
+        .arg(format!("--net={}", node.bridge_netns_path().display()))
+        .arg(testapp_bin())
+        .args(["serve", "--listen", &format!("0.0.0.0:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("testapp in the bridge netns");
+    // Wait until it accepts (probing from the bridge namespace itself).
+    let gateway = SocketAddr::new(IpAddr::V4(node.gateway_ipv4()), port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Command::new("nsenter")
+        .arg(format!("--net={}", node.bridge_netns_path().display()))
+        .args([
+            "bash",
+            "-c",
+            &format!("exec 3<>/dev/tcp/{}/{}", gateway.ip(), port),
+        ])
+        .status()
+        .map(|s| !s.success())
+        .unwrap_or(true)
+    {
+        assert!(Instant::now() < deadline, "outside app never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+#[test]
+fn one_process_serves_three_pods_with_their_own_addresses() {
+    let mut node = Node::new().expect("node");
+    let pods: Vec<Pod> = ["a", "b", "c"]
+        .iter()
+        .map(|n| node.add_pod(n).expect("pod"))
+        .collect();
+    let (a, b, c) = (&pods[0], &pods[1], &pods[2]);
+    let _apps: Vec<_> = pods.iter().map(|p| start_app(p, &[8080])).collect();
+    let mut outside = start_outside_app(&node, 9090);
+    let pins = Pins(bpffs_root("node-serve"));
+    let mut agent = NodeAgent::start(&node, &pins.0, &[]);
+
+    agent.add(a);
+    agent.add(c);
+    agent.add(b);
+    // The instant b's add returned: its first inbound connection must find its proxy.
+    for target in [v4(b, 8080), v6(b, 8080)] {
+        let call = Caller {
+            bytes: 1 << 20,
+            ..Caller::app(a)
+        }
+        .call(target)
+        .unwrap_or_else(|e| panic!("a -> {target}: {e:#}\n{}", agent.stderr()));
+        assert_eq!(call.bytes, 1 << 20);
+        // b's app sees the inbound passthrough source, as behind an Istio sidecar.
+        assert_eq!(call.server_peer.ip(), passthrough_source(target));
+
+        let out = agent.entry("a's outbound", |v| {
+            v["direction"] == "outbound"
+                && v["downstream_remote_address"] == call.client_local.to_string().as_str()
+        });
+        assert_eq!(out["original_dst"], target.to_string().as_str());
+        assert_eq!(out["upstream_cluster"], "PassthroughCluster");
+        assert_eq!(out["bytes_received"], 1 << 20);
+        // a's upstream left from a's own namespace: a's address is the source b sees.
+        let upstream_local: SocketAddr = out["upstream_local_address"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let a_ip = if target.is_ipv4() {
+            IpAddr::V4(a.ipv4())
+        } else {
+            IpAddr::V6(a.ipv6())
+        };
+        assert_eq!(upstream_local.ip(), a_ip, "{out}");
+
+        let inbound = agent.entry("b's inbound", |v| {
+            v["direction"] == "inbound"
+                && v["downstream_remote_address"] == upstream_local.to_string().as_str()
+        });
+        assert_eq!(inbound["original_dst"], target.to_string().as_str());
+        assert!(
+            inbound["upstream_cluster"]
+                .as_str()
+                .unwrap()
+                .starts_with("InboundPassthroughCluster"),
+            "{inbound}"
+        );
+        assert_eq!(inbound["bytes_received"], 1 << 20);
+    }
+
+    // Pod to the outside: the original destination kept, the pod's address as source.
+    let gateway = SocketAddr::new(IpAddr::V4(node.gateway_ipv4()), 9090);
+    let call = Caller::app(c).call(gateway).expect("c -> outside");
+    assert_eq!(call.server_peer.ip(), IpAddr::V4(c.ipv4()));
+    let out = agent.entry("c's outbound", |v| {
+        v["downstream_remote_address"] == call.client_local.to_string().as_str()
+    });
+    assert_eq!(out["direction"], "outbound");
+    assert_eq!(out["original_dst"], gateway.to_string().as_str());
+
+    // The app's own loopback stays the app's (rule 17/22: not captured).
+    let call = Caller::app(b)
+        .call(local(8080))
+        .expect("b -> its own 127.0.0.1");
+    assert_eq!(call.server_peer.ip(), IpAddr::from([127, 0, 0, 1]));
+
+    // Removed: b is no longer captured; a's proxy still takes a's call, b's app now
+    // sees a's address straight.
+    agent.remove(b);
+    let call = Caller::app(a)
+        .call(v4(b, 8080))
+        .expect("a -> b after remove");
+    assert_eq!(call.server_peer.ip(), IpAddr::V4(a.ipv4()));
+    assert!(
+        agent
+            .access_log()
+            .iter()
+            .any(|v| v["downstream_remote_address"] == call.client_local.to_string().as_str()),
+        "a's proxy still serves a"
+    );
+    let _ = outside.kill();
+    let _ = outside.wait();
+}
+
+#[test]
+fn with_the_node_process_killed_fail_closed_refuses_and_fail_open_passes() {
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let _app_b = start_app(&b, &[8080]);
+    let pins = Pins(bpffs_root("node-fail"));
+
+    // fail-closed (the default): served, then the process dies.
+    let mut agent = NodeAgent::start(&node, &pins.0, &[]);
+    agent.add(&a);
+    agent.add(&b);
+    Caller::app(&a).call(v4(&b, 8080)).expect("served call");
+    agent.kill();
+    let refused = Caller::app(&a).call_json(v4(&b, 8080));
+    assert_eq!(refused["ok"], false, "{refused}");
+    assert!(
+        refused["error"].as_str().unwrap_or("").contains("refused"),
+        "{refused}"
+    );
+    drop(agent);
+
+    // fail-open: a new process re-enrolls the pods with the other policy, then dies.
+    let mut agent = NodeAgent::start(&node, &pins.0, &["--failure-policy", "fail-open"]);
+    agent.add(&a);
+    agent.add(&b);
+    let served = Caller::app(&a).call(v4(&b, 8080)).expect("served call");
+    assert_eq!(served.server_peer.ip(), passthrough_source(v4(&b, 8080)));
+    agent.kill();
+    for target in [v4(&b, 8080), v6(&b, 8080)] {
+        let call = Caller::app(&a)
+            .call(target)
+            .unwrap_or_else(|e| panic!("fail-open a -> {target}: {e:#}"));
+        // Straight through, around the dead proxy: b's app sees a itself.
+        let a_ip = if target.is_ipv4() {
+            IpAddr::V4(a.ipv4())
+        } else {
+            IpAddr::V6(a.ipv6())
+        };
+        assert_eq!(call.server_peer.ip(), a_ip);
+    }
+}
+
+fn rss_kib_of(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// 50 pods: what one node process costs against 50 sidecar `shunt proxy` processes,
+/// and what enrolling a pod takes. Printed for the report; the assertions are that
+/// every pod is served and that the one process is smaller than the 50.
+#[test]
+fn fifty_pods_cost_one_process() {
+    const PODS: usize = 50;
+    let mut node = Node::new().expect("node");
+    let pods: Vec<Pod> = (0..PODS)
+        .map(|i| node.add_pod(&format!("p{i}")).expect("pod"))
+        .collect();
+    let _app = start_app(&pods[PODS - 1], &[8080]);
+    let pins = Pins(bpffs_root("node-fifty"));
+    let mut agent = NodeAgent::start(&node, &pins.0, &[]);
+    let rss_empty = agent.rss_kib();
+    let mut enroll: Vec<Duration> = pods.iter().map(|p| agent.add(p)).collect();
+    // Served: the first pod reaches the last one through the node process.
+    let call = Caller::app(&pods[0])
+        .call(v4(&pods[PODS - 1], 8080))
+        .expect("p0 -> p49");
+    assert_eq!(call.server_peer.ip(), passthrough_source(v4(&pods[0], 1)));
+    let rss_node = agent.rss_kib();
+    enroll.sort();
+
+    // The sidecar shape: one `shunt proxy` per pod (listeners only, no capture needed
+    // to measure what each costs idle), on the ports the node process gives back.
+    agent.kill();
+    let proxies: Vec<_> = pods.iter().map(start_proxy).collect();
+    let rss_sidecars: u64 = proxies.iter().map(|p| rss_kib_of(p.pid())).sum();
+    println!(
+        "node mode, {PODS} pods: one process {rss_node} KiB ({rss_empty} KiB before any \
+         pod, {:.0} KiB per pod) vs {PODS} shunt proxy processes {rss_sidecars} KiB ({} \
+         KiB each); enrollment per pod: median {:?}, p90 {:?}, max {:?}",
+        (rss_node.saturating_sub(rss_empty)) as f64 / PODS as f64,
+        rss_sidecars / PODS as u64,
+        enroll[PODS / 2],
+        enroll[PODS * 9 / 10],
+        enroll[PODS - 1],
+    );
+    assert!(proxies.iter().all(|p| rss_kib_of(p.pid()) > 0));
+    assert!(
+        rss_node < rss_sidecars,
+        "one node process ({rss_node} KiB) should cost less than {PODS} sidecars ({rss_sidecars} KiB)"
+    );
+}
+
+/// Upgrade: a new process takes the pods' listening sockets from the old one while a
+/// client keeps calling through them: not one call refused or reset.
+#[test]
+fn a_new_process_takes_over_without_dropping_a_connection() {
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let _app_b = start_app(&b, &[8080]);
+    let pins = Pins(bpffs_root("node-handover"));
+    let tmp = TempDir::new("node-handover");
+    let socket = tmp.0.join("handover.sock");
+
+    let mut old = NodeAgent::start(&node, &pins.0, &[]);
+    old.add(&a);
+    old.add(&b);
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let results = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let client = {
+        let (stop, results, a, target) = (stop.clone(), results.clone(), a.clone(), v4(&b, 8080));
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = Caller::app(&a).call_json(target);
+                results.lock().unwrap().push(r);
+            }
+        })
+    };
+    let calls = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let start = results.lock().unwrap().len();
+        while results.lock().unwrap().len() < start + n {
+            assert!(Instant::now() < deadline, "the client stalled");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    calls(5);
+
+    old.send(&format!("handover {}", socket.display()));
+    let take_over = socket.display().to_string();
+    let mut new = NodeAgent::start(&node, &pins.0, &["--take-over", &take_over]);
+    assert_eq!(new.wait_reply("@took "), "@took 2");
+    assert_eq!(old.wait_reply("@handed-over "), "@handed-over 2");
+    calls(5);
+    // The old process is gone for good: the new one alone serves.
+    old.kill();
+    let before_kill = results.lock().unwrap().len();
+    calls(10);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    client.join().unwrap();
+
+    let results = results.lock().unwrap();
+    let failed: Vec<_> = results.iter().filter(|r| r["ok"] != true).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed during the hand-over: {failed:?}",
+        failed.len(),
+        results.len()
+    );
+    // Every call after the old process died went through the new one's proxy.
+    for r in &results[before_kill..] {
+        assert_eq!(
+            r["server_peer"].as_str().unwrap().split(':').next(),
+            Some("127.0.0.6"),
+            "{r}"
+        );
+    }
+    assert!(
+        new.access_log().iter().any(|v| v["direction"] == "inbound"),
+        "the new process served"
+    );
+    println!("hand-over: {} calls, 0 failed", results.len());
+}

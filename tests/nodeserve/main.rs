@@ -1,0 +1,157 @@
+//! `nodeserve`: a node process for tests, [`shunt::node::serve::NodePods`] with eBPF
+//! capture, driven line by line on stdin (enrollment is a separate job, `shunt node`'s;
+//! this drives serving alone):
+//!
+//! ```text
+//! add UID NAME NAMESPACE NETNS_PATH [IP ...]   -> @added UID MICROS | @error UID MESSAGE
+//! remove UID                                   -> @removed UID
+//! served                                       -> @served UID,UID,...
+//! rss                                          -> @rss KIB
+//! handover PATH                                -> @handed-over N (once a new process took them)
+//! ```
+//!
+//! `--take-over PATH` starts by taking every pod from the process handing over at PATH.
+//!
+//! Replies start with `@`; every other stdout line is an access log entry (JSON). The
+//! process joins `--join-cgroup` before opening any socket (its sockets must be under
+//! the cgroup the capture programs are attached to) and captures with `--bpffs` /
+//! `--cgroup` unless `--no-capture`. Capture flags are `shunt capture`'s.
+
+use std::io::{BufRead, Write};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use shunt::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use shunt::node::serve::{NodeOptions, NodePods, PodCapture};
+use shunt::node::{PodInfo, Pods};
+
+#[derive(Parser)]
+struct Args {
+    /// A cgroup v2 directory to move this process into first (created if missing).
+    #[arg(long)]
+    join_cgroup: Option<PathBuf>,
+    /// Serve without capture (listeners only).
+    #[arg(long)]
+    no_capture: bool,
+    /// The policy of every pod.
+    #[arg(long, value_enum, default_value = "fail-closed")]
+    failure_policy: FailurePolicy,
+    #[arg(long, default_value_t = 5)]
+    drain_time_s: u64,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Take every pod from an old process handing over at this Unix socket.
+    #[arg(long)]
+    take_over: Option<PathBuf>,
+    #[command(flatten)]
+    capture: shunt_capture::CaptureArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .init();
+    if let Some(dir) = &args.join_cgroup {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())?;
+    }
+    let capture: Option<Box<dyn PodCapture>> = if args.no_capture {
+        None
+    } else {
+        // `shunt capture`'s --bpffs and --cgroup: the pods' parent cgroup, which holds
+        // this process too.
+        let root = args.capture.bpffs();
+        let cgroup = args.capture.cgroup().expect("--cgroup");
+        let capture = NodeCapture::open(args.capture.config()?, cgroup, root)?;
+        Some(Box::new(EbpfCapture {
+            capture,
+            policies: Policies {
+                default: args.failure_policy,
+                fail_open_namespaces: Vec::new(),
+            },
+        }))
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.workers)
+        .enable_all()
+        .build()?;
+    let options = NodeOptions {
+        drain_time: Duration::from_secs(args.drain_time_s),
+        ..NodeOptions::default()
+    };
+    let pods = Arc::new(NodePods::new(options, runtime.handle().clone(), capture));
+    if let Some(path) = &args.take_over {
+        let n = shunt::node::serve::handover::take_over(&pods, path)?;
+        reply(&format!("took {n}"));
+    }
+    reply("ready");
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["add", uid, name, namespace, netns, ips @ ..] => {
+                let started = Instant::now();
+                let result = std::fs::File::open(netns)
+                    .map_err(|e| format!("opening {netns}: {e}"))
+                    .and_then(|f| {
+                        let pod = PodInfo {
+                            uid: uid.to_string(),
+                            name: name.to_string(),
+                            namespace: namespace.to_string(),
+                            container_id: format!("sandbox-{uid}"),
+                            netns_path: Some(netns.into()),
+                            ips: ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
+                            service_account: None,
+                        };
+                        pods.add(pod, OwnedFd::from(f)).map_err(|e| e.to_string())
+                    });
+                match result {
+                    Ok(()) => reply(&format!("added {uid} {}", started.elapsed().as_micros())),
+                    Err(err) => reply(&format!("error {uid} {err}")),
+                }
+            }
+            ["remove", uid] => {
+                pods.remove(uid);
+                reply(&format!("removed {uid}"));
+            }
+            ["served"] => {
+                let uids: Vec<String> = pods.served().into_iter().map(|p| p.uid).collect();
+                reply(&format!("served {}", uids.join(",")));
+            }
+            ["rss"] => reply(&format!("rss {}", rss_kib())),
+            ["handover", path] => {
+                let (pods, path) = (pods.clone(), PathBuf::from(path));
+                std::thread::spawn(move || {
+                    match shunt::node::serve::handover::hand_over(&pods, &path) {
+                        Ok(n) => reply(&format!("handed-over {n}")),
+                        Err(err) => reply(&format!("error - handover: {err:#}")),
+                    }
+                });
+            }
+            _ => reply(&format!("error - unknown command {line:?}")),
+        }
+    }
+    Ok(())
+}
+
+fn reply(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "@{text}");
+    let _ = out.flush();
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,360 @@
+//! `cargo xtask bench node`: node mode (one process serving every pod, the `nodeserve`
+//! test binary around `NodePods` with eBPF capture). Per-pod memory and enrollment time
+//! at 10, 50 and 100 pods; then same-node app-to-app 64-byte round trips (p50/p99,
+//! round trips/s) through node mode against two eBPF-captured `shunt proxy` sidecars
+//! (plain TCP, no mTLS, no sockmap on either side) and direct, with ratios. Results in
+//! `target/bench/node.{txt,json}`.
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use harness::{Node, Pod};
+use serde_json::json;
+
+use super::measure::{app_testapp, median};
+use crate::pods::{APP_UID, Backend, Bins, Capture, call, start_app, start_proxy, target_dir};
+
+#[derive(clap::Args)]
+pub struct NodeArgs {
+    /// Pod counts to enroll, each on a fresh node.
+    #[arg(long, value_delimiter = ',', default_value = "10,50,100")]
+    pods: Vec<usize>,
+    /// Length of each round-trip run.
+    #[arg(long, default_value_t = 3000)]
+    duration_ms: u64,
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Use the debug build (a quick check of the bench itself; numbers mean little).
+    #[arg(long)]
+    pub debug: bool,
+}
+
+const PIN_ROOT: &str = "/sys/fs/bpf/shunt-bench-node";
+const PORT: u16 = 8080;
+
+pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
+    let nodeserve = bins
+        .testapp
+        .with_file_name("nodeserve")
+        .canonicalize()
+        .context("the nodeserve binary (built with the tests crate's bins)")?;
+    let mut text = String::new();
+    let mut scale_rows = Vec::new();
+    writeln!(text, "bench node: one node process serving N pods")?;
+    writeln!(
+        text,
+        "{:>6}{:>14}{:>14}{:>16}{:>16}{:>16}",
+        "pods", "RSS 0 (KiB)", "RSS N (KiB)", "KiB per pod", "enroll p50 ms", "enroll p99 ms"
+    )?;
+    for &n in &args.pods {
+        let s = scale(&nodeserve, n).with_context(|| format!("{n} pods"))?;
+        writeln!(
+            text,
+            "{n:>6}{:>14}{:>14}{:>16.1}{:>16.2}{:>16.2}",
+            s.rss_empty,
+            s.rss_full,
+            (s.rss_full.saturating_sub(s.rss_empty)) as f64 / n as f64,
+            s.enroll_p50_ms,
+            s.enroll_p99_ms
+        )?;
+        scale_rows.push(
+            json!({"pods": n, "rss_empty_kib": s.rss_empty, "rss_kib": s.rss_full,
+            "enroll_p50_ms": s.enroll_p50_ms, "enroll_p99_ms": s.enroll_p99_ms}),
+        );
+        eprintln!(
+            "  {n} pods: {:.1} KiB per pod, enroll p50 {:.2} ms",
+            (s.rss_full.saturating_sub(s.rss_empty)) as f64 / n as f64,
+            s.enroll_p50_ms
+        );
+    }
+
+    let mut samples: Vec<(Scenario, Rr)> = Vec::new();
+    for round in 0..args.rounds {
+        let mut order = SCENARIOS.to_vec();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for scenario in order {
+            let rr = app_to_app(bins, &nodeserve, scenario, args.duration_ms)
+                .with_context(|| format!("round {} {}", round + 1, scenario.name()))?;
+            eprintln!(
+                "  round {} {:<10} p50 {:>6.0} us  p99 {:>6.0} us  {:>8.0} rt/s",
+                round + 1,
+                scenario.name(),
+                rr.p50,
+                rr.p99,
+                rr.per_sec
+            );
+            samples.push((scenario, rr));
+        }
+    }
+    let med = |s: Scenario, f: fn(&Rr) -> f64| {
+        median(samples.iter().filter(|(x, _)| *x == s).map(|(_, v)| f(v)))
+    };
+    writeln!(
+        text,
+        "\nsame-node app to app, 64 B round trips, medians of {} rounds",
+        args.rounds
+    )?;
+    writeln!(
+        text,
+        "{:<22}{:>10}{:>12}{:>10}{:>16}{:>14}",
+        "", "direct", "sidecars", "node", "node/sidecars", "node/direct"
+    )?;
+    let mut rr_rows = Vec::new();
+    let metrics: [Metric; 3] = [
+        ("p50 (us)", |r| r.p50),
+        ("p99 (us)", |r| r.p99),
+        ("round trips/s", |r| r.per_sec),
+    ];
+    for (label, f) in metrics {
+        let [d, s, n] = SCENARIOS.map(|sc| med(sc, f));
+        writeln!(
+            text,
+            "{label:<22}{d:>10.1}{s:>12.1}{n:>10.1}{:>15.2}x{:>13.2}x",
+            n / s,
+            n / d
+        )?;
+        rr_rows.push(json!({"metric": label, "direct": d, "sidecars": s, "node": n}));
+    }
+    print!("{text}");
+    let dir = target_dir().join("bench");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("node.txt"), &text)?;
+    std::fs::write(
+        dir.join("node.json"),
+        serde_json::to_string_pretty(&json!({"scale": scale_rows, "app_to_app": rr_rows}))?,
+    )?;
+    println!("saved {}", dir.join("node.txt").display());
+    Ok(())
+}
+
+struct Scale {
+    rss_empty: u64,
+    rss_full: u64,
+    enroll_p50_ms: f64,
+    enroll_p99_ms: f64,
+}
+
+fn scale(nodeserve: &Path, n: usize) -> Result<Scale> {
+    let mut node = Node::new()?;
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| node.add_pod(&format!("p{i}")))
+        .collect::<Result<_>>()?;
+    let mut agent = Agent::start(&node, nodeserve, "scale")?;
+    let rss_empty = agent.rss()?;
+    let mut enroll = Vec::new();
+    for p in &pods {
+        enroll.push(agent.add(p)?.as_secs_f64() * 1000.0);
+    }
+    let rss_full = agent.rss()?;
+    enroll.sort_by(f64::total_cmp);
+    Ok(Scale {
+        rss_empty,
+        rss_full,
+        enroll_p50_ms: enroll[n / 2],
+        enroll_p99_ms: enroll[(n * 99 / 100).min(n - 1)],
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Direct,
+    Sidecars,
+    NodeMode,
+}
+
+const SCENARIOS: [Scenario; 3] = [Scenario::Direct, Scenario::Sidecars, Scenario::NodeMode];
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Direct => "direct",
+            Scenario::Sidecars => "sidecars",
+            Scenario::NodeMode => "node",
+        }
+    }
+}
+
+/// A table row: its label and how to read it from a sample.
+type Metric = (&'static str, fn(&Rr) -> f64);
+
+struct Rr {
+    p50: f64,
+    p99: f64,
+    per_sec: f64,
+}
+
+fn app_to_app(bins: &Bins, nodeserve: &Path, scenario: Scenario, duration_ms: u64) -> Result<Rr> {
+    let mut node = Node::new()?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let _app = start_app(bins, &server, PORT)?;
+    let target = SocketAddr::new(server.ipv4().into(), PORT);
+    let mut capture = None;
+    let mut proxies = Vec::new();
+    let mut agent = None;
+    match scenario {
+        Scenario::Direct => {}
+        Scenario::Sidecars => {
+            let mut c = Capture::new(bins, Backend::Ebpf, PIN_ROOT);
+            for pod in [&client, &server] {
+                c.install_with(pod, &["--no-sockmap"])?;
+                proxies.push(start_proxy(bins, pod)?);
+            }
+            capture = Some(c);
+        }
+        Scenario::NodeMode => {
+            let mut a = Agent::start(&node, nodeserve, "rr")?;
+            a.add(&client)?;
+            a.add(&server)?;
+            agent = Some(a);
+        }
+    }
+    let c = call(bins, &client, APP_UID, target, 64)?;
+    if c.server_peer.ip().is_loopback() == (scenario == Scenario::Direct) {
+        bail!(
+            "{}: the server saw {}: not the path under test",
+            scenario.name(),
+            c.server_peer
+        );
+    }
+    let rr = app_testapp(
+        bins,
+        &client,
+        &[
+            "bench-rr",
+            &target.to_string(),
+            "--duration-ms",
+            &duration_ms.to_string(),
+            "--payload",
+            "64",
+        ],
+        duration_ms,
+    )?;
+    if rr["errors"].as_u64().unwrap_or(0) > 0 {
+        bail!("bench-rr: {rr}");
+    }
+    drop(agent);
+    drop(proxies);
+    drop(capture);
+    Ok(Rr {
+        p50: rr["p50_us"].as_f64().unwrap_or(f64::NAN),
+        p99: rr["p99_us"].as_f64().unwrap_or(f64::NAN),
+        per_sec: rr["rtt_per_sec"].as_f64().unwrap_or(f64::NAN),
+    })
+}
+
+/// `nodeserve` in the node's bridge namespace, in a cgroup under the node's (where the
+/// capture programs attach); its pins go with it.
+struct Agent {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Arc<Mutex<Vec<String>>>,
+    cgroup: PathBuf,
+    pins: PathBuf,
+}
+
+impl Agent {
+    fn start(node: &Node, nodeserve: &Path, tag: &str) -> Result<Agent> {
+        let cgroup = node.cgroup_path().join("agent");
+        let pins = PathBuf::from(format!("{PIN_ROOT}-{tag}"));
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", node.bridge_netns_path().display()))
+            .arg(nodeserve)
+            .arg("--join-cgroup")
+            .arg(&cgroup)
+            .arg("--cgroup")
+            .arg(node.cgroup_path())
+            .arg("--bpffs")
+            .arg(&pins)
+            // As the sidecars here: no sockmap short-circuit, so both pay the same TCP hops.
+            .arg("--no-sockmap")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting nodeserve")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            // Access log lines are dropped: only replies are kept.
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with('@') {
+                    sink.lock().unwrap().push(line);
+                }
+            }
+        });
+        let mut agent = Agent {
+            child,
+            stdin,
+            lines,
+            cgroup,
+            pins,
+        };
+        agent.reply("@ready")?;
+        Ok(agent)
+    }
+
+    fn reply(&mut self, prefix: &str) -> Result<String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut lines = self.lines.lock().unwrap();
+            if let Some(i) = lines
+                .iter()
+                .position(|l| l.starts_with(prefix) || l.starts_with("@error"))
+            {
+                let line = lines.remove(i);
+                if line.starts_with("@error") {
+                    bail!("nodeserve: {line}");
+                }
+                return Ok(line);
+            }
+            drop(lines);
+            if let Some(status) = self.child.try_wait()? {
+                bail!("nodeserve exited: {status}");
+            }
+            if Instant::now() > deadline {
+                bail!("no {prefix} from nodeserve");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn add(&mut self, pod: &Pod) -> Result<Duration> {
+        writeln!(
+            self.stdin,
+            "add {0} {0} default {1} {2} {3}",
+            pod.name(),
+            pod.netns_path().display(),
+            pod.ipv4(),
+            pod.ipv6()
+        )?;
+        let line = self.reply(&format!("@added {} ", pod.name()))?;
+        let micros: u64 = line.rsplit(' ').next().unwrap_or("").parse()?;
+        Ok(Duration::from_micros(micros))
+    }
+
+    fn rss(&mut self) -> Result<u64> {
+        writeln!(self.stdin, "rss")?;
+        Ok(self.reply("@rss ")?[5..].parse()?)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir(&self.cgroup);
+        let _ = Command::new("rm").arg("-rf").arg(&self.pins).status();
+    }
+}
