@@ -9,6 +9,7 @@
 //! need so the bytes equal istio-proxy's.
 
 pub mod exchange;
+pub mod filter_state;
 pub mod headers;
 pub mod proto;
 
