@@ -28,6 +28,8 @@ pub const NETWORK_FILTERS: &[&str] = &[
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
     "envoy.extensions.filters.network.rbac.v3.RBAC",
     "io.istio.network.authn.Config",
+    "envoy.tcp.metadataexchange.config.MetadataExchange",
+    "stats.PluginConfig",
 ];
 
 /// HTTP filters (`http_connection_manager`'s `http_filters`).

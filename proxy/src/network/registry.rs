@@ -38,7 +38,12 @@ pub struct Factory {
 }
 
 /// Every non-terminal network filter.
-pub static FACTORIES: &[&Factory] = &[&super::rbac::FACTORY, &super::istio_authn::FACTORY];
+pub static FACTORIES: &[&Factory] = &[
+    &super::rbac::FACTORY,
+    &super::istio_authn::FACTORY,
+    &super::metadata_exchange::FACTORY,
+    &super::istio_stats::FACTORY,
+];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
     FACTORIES.iter().copied().find(|f| f.type_name == type_name)
