@@ -40,15 +40,9 @@ const EXPECTED: &[(&str, &str)] = &[
         LISTENER,
         "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
     ),
-    (
-        LISTENER,
-        "envoy.tcp.metadataexchange.config.MetadataExchange",
-    ),
-    (LISTENER, "stats.PluginConfig"),
     (LISTENER, "io.istio.network.authn.Config"),
     (LISTENER, "io.istio.http.connect_authority.Config"),
     (LISTENER, "io.istio.http.connect_baggage.Config"),
-    (LISTENER, "io.istio.http.peer_metadata.Config"),
     (
         LISTENER,
         "envoy.extensions.filters.network.set_filter_state.v3.Config",

@@ -280,6 +280,7 @@ pub struct StreamInfo {
     pub response_code_details: Option<String>,
     pub response_flags: Vec<ResponseFlag>,
     pub upstream_cluster: Option<Arc<str>>,
+    pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub upstream_host: Option<SocketAddr>,
     /// Body bytes from and to the downstream (known at stream end).
     pub bytes_received: u64,
@@ -298,6 +299,7 @@ impl StreamInfo {
             response_code_details: None,
             response_flags: Vec::new(),
             upstream_cluster: None,
+            upstream_cluster_metadata: None,
             upstream_host: None,
             bytes_received: 0,
             bytes_sent: 0,

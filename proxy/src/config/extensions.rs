@@ -39,6 +39,8 @@ pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.fault.v3.HTTPFault",
     "envoy.extensions.filters.http.cors.v3.Cors",
     "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+    "io.istio.http.peer_metadata.Config",
+    "stats.PluginConfig",
 ];
 
 /// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
@@ -66,14 +68,6 @@ pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[
     (
         "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
         "upstream ALPN overrides are not applied",
-    ),
-    (
-        "io.istio.http.peer_metadata.Config",
-        "peer metadata is not exchanged (telemetry only)",
-    ),
-    (
-        "stats.PluginConfig",
-        "Istio's request metrics are not produced",
     ),
 ];
 

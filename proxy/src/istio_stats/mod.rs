@@ -277,3 +277,25 @@ pub fn endpoint_workload(
         _ => None,
     }
 }
+
+/// The downstream's and this side's SPIFFE principals on an inbound connection:
+/// istio_authn's filter state (`io.istio.peer_principal`, `io.istio.local_principal`),
+/// else the TLS session's first URI SANs (istio-proxy's fallback).
+pub fn downstream_principals(
+    connection: &crate::stream_info::Connection,
+) -> (Option<String>, Option<String>) {
+    let peer = connection
+        .filter_state
+        .get_string("io.istio.peer_principal");
+    let local = connection
+        .filter_state
+        .get_string("io.istio.local_principal");
+    if peer.is_some() || local.is_some() {
+        return (peer, local);
+    }
+    let tls = connection.tls.as_deref();
+    (
+        tls.and_then(|t| t.peer_uri_sans.first().cloned()),
+        tls.and_then(|t| t.local_uri_sans.first().cloned()),
+    )
+}

@@ -166,7 +166,8 @@ pub fn compile_all(
             Some(kept) => kept,
             None => {
                 let path = path_of(source);
-                let Some(fresh) = compile(listener, name, clusters, stats, node, &path, problems) else {
+                let Some(fresh) = compile(listener, name, clusters, stats, node, &path, problems)
+                else {
                     continue;
                 };
                 let its_stats =
@@ -639,15 +640,14 @@ fn compile_chain(
             }
             HCM => {
                 let config = decode::<EnvoyHcm>(&any, &typed_path, problems)?;
-                let mut hcm =
-                    crate::http::compile::compile_in(
-                        &config,
-                        clusters,
-                        stats,
-                        env,
-                        &typed_path,
-                        problems,
-                    )?;
+                let mut hcm = crate::http::compile::compile_in(
+                    &config,
+                    clusters,
+                    stats,
+                    env,
+                    &typed_path,
+                    problems,
+                )?;
                 if let Some(listener_prefix) = listener_prefix {
                     hcm.stats.listener = crate::http::config::ListenerHttpStats::new(
                         stats,

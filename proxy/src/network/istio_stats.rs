@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use super::istio_authn::{LOCAL_PRINCIPAL, PEER_PRINCIPAL};
 use super::registry::{CompileCtx, Factory};
 use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection};
 use crate::config::Diagnostics;
@@ -89,7 +88,7 @@ impl Active {
                 tls.and_then(|t| t.local_uri_sans.first().cloned()),
             )
         } else {
-            downstream_principals(connection)
+            crate::istio_stats::downstream_principals(connection)
         };
         let endpoint = upstream
             .and_then(|u| u.host_metadata.as_deref())
@@ -130,25 +129,15 @@ fn upstream(connection: &Connection) -> Option<Arc<crate::stream_info::UpstreamI
         .get()
 }
 
-/// The downstream's and this side's SPIFFE principals: istio_authn's filter state,
-/// else the TLS session's first URI SANs (istio-proxy's fallback).
-pub(crate) fn downstream_principals(connection: &Connection) -> (Option<String>, Option<String>) {
-    let peer = connection.filter_state.get_string(PEER_PRINCIPAL);
-    let local = connection.filter_state.get_string(LOCAL_PRINCIPAL);
-    if peer.is_some() || local.is_some() {
-        return (peer, local);
-    }
-    let tls = connection.tls.as_deref();
-    (
-        tls.and_then(|t| t.peer_uri_sans.first().cloned()),
-        tls.and_then(|t| t.local_uri_sans.first().cloned()),
-    )
-}
-
 impl NetworkFilter for Active {
     fn on_new_connection<'a>(&'a mut self, ctx: &'a mut NewConnection<'_>) -> NetworkFlow<'a> {
         // Ask tcp_proxy for what the upstream side learns (cluster, endpoint, peer).
-        if ctx.connection.filter_state.get(UpstreamSlot::NAME).is_none() {
+        if ctx
+            .connection
+            .filter_state
+            .get(UpstreamSlot::NAME)
+            .is_none()
+        {
             let _ = ctx.connection.filter_state.set(
                 UpstreamSlot::NAME,
                 Arc::new(UpstreamSlot::default()),
@@ -163,7 +152,12 @@ impl NetworkFilter for Active {
         self.opened.is_none()
     }
 
-    fn on_data(&mut self, _data: &[u8], _end_stream: bool, connection: &Connection) -> NetworkStatus {
+    fn on_data(
+        &mut self,
+        _data: &[u8],
+        _end_stream: bool,
+        connection: &Connection,
+    ) -> NetworkStatus {
         if self.opened.is_none() && self.peer_read(connection) {
             self.open(connection);
         }
@@ -177,7 +171,12 @@ impl NetworkFilter for Active {
         };
         let recorder = &self.recorder;
         recorder.add(Metric::TcpSentBytesTotal, &tags, &NoAttributes, sent);
-        recorder.add(Metric::TcpReceivedBytesTotal, &tags, &NoAttributes, received);
+        recorder.add(
+            Metric::TcpReceivedBytesTotal,
+            &tags,
+            &NoAttributes,
+            received,
+        );
         recorder.add(Metric::TcpConnectionsClosedTotal, &tags, &NoAttributes, 1);
         recorder.record_custom(&NoAttributes);
     }

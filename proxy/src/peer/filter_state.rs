@@ -65,12 +65,7 @@ pub fn set_peer(
     life_span: LifeSpan,
 ) {
     if state.get(side.peer_key()).is_none() {
-        let _ = state.set(
-            side.peer_key(),
-            Arc::new(PeerInfo(peer)),
-            false,
-            life_span,
-        );
+        let _ = state.set(side.peer_key(), Arc::new(PeerInfo(peer)), false, life_span);
     }
     if state.get(side.id_key()).is_none() {
         let _ = state.set(

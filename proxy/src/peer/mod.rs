@@ -13,6 +13,8 @@ pub mod filter_state;
 pub mod headers;
 pub mod proto;
 
+pub use filter_state::PeerInfo;
+
 use std::collections::BTreeMap;
 
 use envoy_types::pb::google::protobuf::value::Kind;

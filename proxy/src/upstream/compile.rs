@@ -997,9 +997,8 @@ fn upstream_metadata_exchange(
             );
             continue;
         }
-        let config = crate::config::convert::decode::<UpstreamMetadataExchange>(
-            &any, &f_path, problems,
-        )?;
+        let config =
+            crate::config::convert::decode::<UpstreamMetadataExchange>(&any, &f_path, problems)?;
         protocol = Some(Arc::from(if config.protocol.is_empty() {
             crate::peer::exchange::PROTOCOL
         } else {

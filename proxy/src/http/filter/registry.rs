@@ -54,6 +54,8 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::fault::filter::FACTORY,
     &crate::http::cors::filter::FACTORY,
     &crate::http::ext_authz::filter::FACTORY,
+    &super::peer_metadata::FACTORY,
+    &super::istio_stats::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
