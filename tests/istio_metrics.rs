@@ -92,8 +92,10 @@ fn peer_metadata(fields: Value) -> Value {
 
 fn hcm(stat_prefix: &str, filters: Vec<Value>, routes: Value) -> Value {
     let mut http_filters = filters;
-    http_filters.push(json!({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}));
+    http_filters.push(
+        json!({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}),
+    );
     json!({"name": "envoy.filters.network.http_connection_manager", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -197,10 +199,15 @@ fn server_config(pki: &Pki) -> Value {
         "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
         "type_url": "type.googleapis.com/io.istio.network.authn.Config"}});
     let inbound = |name: &str, port: u16| {
-        cluster(name, SocketAddr::from(([127, 0, 0, 1], port)), None, json!({
-            "metadata": {"filter_metadata": {"istio": {"services": [
-                {"host": SERVICE, "name": "server", "namespace": "server-ns"}]}}}
-        }))
+        cluster(
+            name,
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            None,
+            json!({
+                "metadata": {"filter_metadata": {"istio": {"services": [
+                    {"host": SERVICE, "name": "server", "namespace": "server-ns"}]}}}
+            }),
+        )
     };
     json!({
         "node": node("sidecar~10.0.0.2~server-0.server-ns~server-ns.svc.cluster.local", "server", "server-ns", "server", "v2"),
@@ -264,7 +271,10 @@ fn get(pod: &Pod, port: u16, path: &str) -> u16 {
         s.write_all(request.as_bytes()).unwrap();
         let mut raw = String::new();
         let _ = s.read_to_string(&mut raw);
-        raw.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+        raw.split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0)
     })
     .unwrap()
 }
@@ -295,7 +305,13 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     let server = net.add_pod("server").expect("pod server");
     let _http_app = server
         .command(testapp_bin())
-        .args(["serve", "--mode", "http", "--listen", &format!("127.0.0.1:{APP_HTTP}")])
+        .args([
+            "serve",
+            "--mode",
+            "http",
+            "--listen",
+            &format!("127.0.0.1:{APP_HTTP}"),
+        ])
         .spawn()
         .expect("http app");
     let _tcp_app = server
@@ -356,7 +372,13 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
         "both sides report the TCP closes",
         &client_proxy,
         || closed(&client, "source") == Some(2.0) && closed(&server, "destination") == Some(2.0),
-        || format!("client:\n{}\nserver:\n{}", metrics(&client), metrics(&server)),
+        || {
+            format!(
+                "client:\n{}\nserver:\n{}",
+                metrics(&client),
+                metrics(&server)
+            )
+        },
     );
     let (c, s) = (metrics(&client), metrics(&server));
 
@@ -395,8 +417,16 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     };
     let http = |code| [("request_protocol", "http"), ("response_code", code)];
     let requests = "istio_requests_total";
-    assert_eq!(sample(&c, requests, &with(&source, &http("200"))), Some(3.0), "{c}");
-    assert_eq!(sample(&c, requests, &with(&source, &http("404"))), Some(2.0), "{c}");
+    assert_eq!(
+        sample(&c, requests, &with(&source, &http("200"))),
+        Some(3.0),
+        "{c}"
+    );
+    assert_eq!(
+        sample(&c, requests, &with(&source, &http("404"))),
+        Some(2.0),
+        "{c}"
+    );
     // The down upstream never answered: no peer, the flag UF.
     let down = [
         ("reporter", "source"),
@@ -406,9 +436,21 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
         ("response_flags", "UF"),
     ];
     assert_eq!(sample(&c, requests, &down), Some(1.0), "{c}");
-    assert_eq!(sample(&s, requests, &with(&destination, &http("200"))), Some(3.0), "{s}");
-    assert_eq!(sample(&s, requests, &with(&destination, &http("404"))), Some(2.0), "{s}");
-    assert_eq!(sample(&s, requests, &[("response_code", "503")]), None, "{s}");
+    assert_eq!(
+        sample(&s, requests, &with(&destination, &http("200"))),
+        Some(3.0),
+        "{s}"
+    );
+    assert_eq!(
+        sample(&s, requests, &with(&destination, &http("404"))),
+        Some(2.0),
+        "{s}"
+    );
+    assert_eq!(
+        sample(&s, requests, &[("response_code", "503")]),
+        None,
+        "{s}"
+    );
     assert_eq!(
         sample(
             &s,
@@ -420,12 +462,27 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     );
 
     let tcp = [("request_protocol", "tcp")];
-    let source_tcp = with(&with(&source, &tcp), &[("destination_principal", SERVER_ID)]);
+    let source_tcp = with(
+        &with(&source, &tcp),
+        &[("destination_principal", SERVER_ID)],
+    );
     let destination_tcp = with(&destination, &tcp);
     for (text, labels) in [(&c, &source_tcp), (&s, &destination_tcp)] {
-        assert_eq!(sample(text, "istio_tcp_connections_opened_total", labels), Some(2.0), "{text}");
-        assert_eq!(sample(text, "istio_tcp_connections_closed_total", labels), Some(2.0), "{text}");
-        assert_eq!(sample(text, "istio_tcp_received_bytes_total", labels), Some(3500.0), "{text}");
+        assert_eq!(
+            sample(text, "istio_tcp_connections_opened_total", labels),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(text, "istio_tcp_connections_closed_total", labels),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(text, "istio_tcp_received_bytes_total", labels),
+            Some(3500.0),
+            "{text}"
+        );
         assert_eq!(
             sample(text, "istio_tcp_sent_bytes_total", labels),
             Some(received as f64),

@@ -32,6 +32,10 @@ pub const NETWORK_FILTERS: &[&str] = &[
     "stats.PluginConfig",
 ];
 
+/// Upstream network filters (a cluster's `filters`): Istio's upstream metadata exchange.
+pub const UPSTREAM_NETWORK_FILTERS: &[&str] =
+    &["envoy.tcp.metadataexchange.config.MetadataExchange"];
+
 /// HTTP filters (`http_connection_manager`'s `http_filters`).
 pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.router.v3.Router",
@@ -179,7 +183,9 @@ impl Role {
             Role::AccessLogger => ACCESS_LOGGERS,
             Role::ProtocolOptions => PROTOCOL_OPTIONS,
             Role::BootstrapExtension => BOOTSTRAP_EXTENSIONS,
-            Role::StatsSink | Role::Tracer | Role::Other => &[],
+            Role::StatsSink | Role::Tracer => &[],
+            // Reached through other fields: a cluster's upstream network `filters`.
+            Role::Other => UPSTREAM_NETWORK_FILTERS,
         }
     }
 
