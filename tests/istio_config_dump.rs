@@ -32,15 +32,6 @@ const EXPECTED: &[(&str, &str)] = &[
     // Wasm is not supported, and says so (not implemented on purpose).
     (LISTENER, "Wasm is not supported by shunt"),
     // Owned by other work of issue 11; removed from here as it lands.
-    (
-        LISTENER,
-        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-    ),
-    (
-        LISTENER,
-        "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
-    ),
-    (LISTENER, "io.istio.network.authn.Config"),
     (LISTENER, "io.istio.http.connect_authority.Config"),
     (LISTENER, "io.istio.http.connect_baggage.Config"),
     (
