@@ -39,7 +39,8 @@ pub const FACTORY: Factory = Factory {
 enum Discovery {
     IstioHeaders,
     Baggage,
-    WorkloadDiscovery,
+    /// istio-proxy's workload metadata xDS.
+    Workloads,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +68,7 @@ fn discovery(methods: Option<&Value>, path: &str, problems: &mut Diagnostics) ->
                 format!("{path}[{i}].workload_discovery"),
                 "workload metadata discovery is not implemented by shunt; this method finds no peer",
             );
-            out.push(Discovery::WorkloadDiscovery);
+            out.push(Discovery::Workloads);
         }
     }
     out
@@ -177,7 +178,7 @@ fn derive(method: Discovery, headers: &HeaderMap) -> Option<Workload> {
                 .collect();
             (!values.is_empty()).then(|| Workload::from_baggage(&values.join(",")))
         }
-        Discovery::WorkloadDiscovery => None,
+        Discovery::Workloads => None,
     }
 }
 
