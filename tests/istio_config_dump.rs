@@ -32,14 +32,8 @@ const EXPECTED: &[(&str, &str)] = &[
     // Wasm is not supported, and says so (not implemented on purpose).
     (LISTENER, "Wasm is not supported by shunt"),
     // Owned by other work of issue 11; removed from here as it lands.
-    (
-        LISTENER,
-        "envoy.tcp.metadataexchange.config.MetadataExchange",
-    ),
-    (LISTENER, "stats.PluginConfig"),
     (LISTENER, "io.istio.http.connect_authority.Config"),
     (LISTENER, "io.istio.http.connect_baggage.Config"),
-    (LISTENER, "io.istio.http.peer_metadata.Config"),
     (
         LISTENER,
         "envoy.extensions.filters.network.set_filter_state.v3.Config",

@@ -112,6 +112,9 @@ pub struct Entry {
     pub downstream_local_address: SocketAddr,
     pub original_dst: Option<SocketAddr>,
     pub upstream_cluster: Option<Arc<str>>,
+    /// The upstream cluster's `metadata` (not logged: Istio's stats read its
+    /// `istio.services`).
+    pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub upstream_host: Option<SocketAddr>,
     pub upstream_local_address: Option<SocketAddr>,
     pub bytes_received: u64,
@@ -174,6 +177,7 @@ impl Entry {
             downstream_local_address: local,
             original_dst: None,
             upstream_cluster: None,
+            upstream_cluster_metadata: None,
             upstream_host: None,
             upstream_local_address: None,
             bytes_received: 0,

@@ -194,6 +194,48 @@ impl FilterState {
     }
 }
 
+/// What the upstream side of a `tcp_proxy` connection learned (Envoy's `upstreamInfo()`
+/// with its upstream filter state), for the downstream connection's network filters:
+/// the cluster, the endpoint, the upstream TLS session, and the peer an upstream
+/// metadata exchange found.
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamInfo {
+    pub cluster_name: Option<Arc<str>>,
+    pub cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    /// The upstream TLS session: the server's SANs as `peer_*`, ours as `local_uri_sans`.
+    pub tls: Option<Tls>,
+    pub filter_state: FilterState,
+}
+
+/// Where a network filter asks `tcp_proxy` to leave its [`UpstreamInfo`]: put in the
+/// connection's filter state under [`UpstreamSlot::NAME`] by `on_new_connection`, filled
+/// once the upstream is connected, read by `on_data`/`on_close`.
+#[derive(Debug, Default)]
+pub struct UpstreamSlot(std::sync::Mutex<Option<Arc<UpstreamInfo>>>);
+
+impl UpstreamSlot {
+    pub const NAME: &'static str = "shunt.upstream_info";
+
+    pub fn fill(&self, info: UpstreamInfo) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info));
+    }
+
+    pub fn get(&self) -> Option<Arc<UpstreamInfo>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl FilterStateObject for UpstreamSlot {
+    fn serialize_as_string(&self) -> Option<String> {
+        None
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 /// Dynamic metadata: filter namespace (`envoy.filters.http.rbac`, `istio_authn`) to a
 /// `Struct`, as JSON.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -238,6 +280,7 @@ pub struct StreamInfo {
     pub response_code_details: Option<String>,
     pub response_flags: Vec<ResponseFlag>,
     pub upstream_cluster: Option<Arc<str>>,
+    pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub upstream_host: Option<SocketAddr>,
     /// Body bytes from and to the downstream (known at stream end).
     pub bytes_received: u64,
@@ -256,6 +299,7 @@ impl StreamInfo {
             response_code_details: None,
             response_flags: Vec::new(),
             upstream_cluster: None,
+            upstream_cluster_metadata: None,
             upstream_host: None,
             bytes_received: 0,
             bytes_sent: 0,

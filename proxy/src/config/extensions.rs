@@ -28,7 +28,13 @@ pub const NETWORK_FILTERS: &[&str] = &[
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
     "envoy.extensions.filters.network.rbac.v3.RBAC",
     "io.istio.network.authn.Config",
+    "envoy.tcp.metadataexchange.config.MetadataExchange",
+    "stats.PluginConfig",
 ];
+
+/// Upstream network filters (a cluster's `filters`): Istio's upstream metadata exchange.
+pub const UPSTREAM_NETWORK_FILTERS: &[&str] =
+    &["envoy.tcp.metadataexchange.config.MetadataExchange"];
 
 /// HTTP filters (`http_connection_manager`'s `http_filters`).
 pub const HTTP_FILTERS: &[&str] = &[
@@ -37,6 +43,8 @@ pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.fault.v3.HTTPFault",
     "envoy.extensions.filters.http.cors.v3.Cors",
     "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+    "io.istio.http.peer_metadata.Config",
+    "stats.PluginConfig",
 ];
 
 /// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
@@ -64,14 +72,6 @@ pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[
     (
         "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
         "upstream ALPN overrides are not applied",
-    ),
-    (
-        "io.istio.http.peer_metadata.Config",
-        "peer metadata is not exchanged (telemetry only)",
-    ),
-    (
-        "stats.PluginConfig",
-        "Istio's request metrics are not produced",
     ),
 ];
 
@@ -183,7 +183,9 @@ impl Role {
             Role::AccessLogger => ACCESS_LOGGERS,
             Role::ProtocolOptions => PROTOCOL_OPTIONS,
             Role::BootstrapExtension => BOOTSTRAP_EXTENSIONS,
-            Role::StatsSink | Role::Tracer | Role::Other => &[],
+            Role::StatsSink | Role::Tracer => &[],
+            // Reached through other fields: a cluster's upstream network `filters`.
+            Role::Other => UPSTREAM_NETWORK_FILTERS,
         }
     }
 

@@ -99,6 +99,24 @@ pub fn to_json<M: Message + Name>(message: &M) -> Result<Value, JsonError> {
     Ok(value)
 }
 
+/// The message inside `any` as proto3 JSON (proto field names, defaults left out), read
+/// through the descriptor pool: for extensions whose configs shunt reads as JSON
+/// (Istio's `stats.PluginConfig`).
+pub fn any_to_json(any: &envoy_types::pb::google::protobuf::Any) -> Result<Value, JsonError> {
+    let pool = &pool()?;
+    let desc = message_descriptor(pool, type_name_of_url(&any.type_url))?;
+    let dynamic = DynamicMessage::decode(desc, any.value.as_slice())
+        .map_err(|err| JsonError::at(&Path::default(), err.to_string()))?;
+    let options = SerializeOptions::new()
+        .use_proto_field_name(true)
+        .skip_default_fields(true);
+    let mut value = dynamic
+        .serialize_with_options(serde_json::value::Serializer, &options)
+        .map_err(|err| JsonError::at(&Path::default(), err.to_string()))?;
+    integral_doubles_as_integers(&mut value);
+    Ok(value)
+}
+
 /// protobuf's own JSON writers (C++, Go) print the double 64 as `64`; serde_json prints
 /// `64.0`. Both read back the same; this keeps shunt's output the same as Envoy's.
 fn integral_doubles_as_integers(value: &mut Value) {

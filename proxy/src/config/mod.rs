@@ -25,6 +25,7 @@ mod validate;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
 pub use diagnostic::{CompileError, Diagnostic, Diagnostics, Reported, Severity};
+pub use json::any_to_json;
 pub use load::{Loaded, Options};
 pub use resources::{
     Resources, Tracked, UpdateFailure, address_text, endpoints_of, http_connection_managers,

@@ -52,6 +52,10 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
         include_str!("protos/istio/stats.proto"),
     ),
     (
+        "shunt/istio/peer_metadata.proto",
+        include_str!("protos/istio/peer_metadata.proto"),
+    ),
+    (
         "shunt/istio/alpn.proto",
         include_str!("protos/istio/alpn.proto"),
     ),
@@ -180,6 +184,7 @@ mod tests {
             "xds.type.matcher.v3.IPMatcher",
             "envoy.tcp.metadataexchange.config.MetadataExchange",
             "stats.PluginConfig",
+            "io.istio.http.peer_metadata.Config",
             "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
         ] {
             assert!(pool.get_message_by_name(name).is_some(), "{name} missing");

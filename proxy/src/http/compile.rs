@@ -36,6 +36,28 @@ pub fn compile(
     path: &str,
     problems: &mut Diagnostics,
 ) -> Option<HttpConnectionManager> {
+    let env = Env::default();
+    compile_in(hcm, clusters, stats, &env, path, problems)
+}
+
+/// What a connection manager's filters learn from where it sits: the proxy's node and
+/// the listener's direction.
+#[derive(Debug, Clone, Default)]
+pub struct Env {
+    pub node: std::sync::Arc<crate::peer::LocalNode>,
+    /// The listener's `traffic_direction`: `Some(true)` INBOUND, `Some(false)` OUTBOUND.
+    pub inbound: Option<bool>,
+}
+
+/// [`compile`] in a listener of `env`.
+pub fn compile_in(
+    hcm: &EnvoyHcm,
+    clusters: &crate::upstream::Clusters,
+    stats: &Store,
+    env: &Env,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<HttpConnectionManager> {
     let errors_before = problems.errors.len();
     if hcm.stat_prefix.is_empty() {
         problems.error(format!("{path}.stat_prefix"), "is required");
@@ -83,7 +105,7 @@ pub fn compile(
             None
         }
     };
-    let (filters, suppress_envoy_headers) = http_filters(hcm, clusters, stats, path, problems);
+    let (filters, suppress_envoy_headers) = http_filters(hcm, clusters, stats, env, path, problems);
     let server_name = if hcm.server_name.is_empty() {
         HeaderValue::from_static("envoy")
     } else {
@@ -252,6 +274,7 @@ fn http_filters(
     hcm: &EnvoyHcm,
     clusters: &crate::upstream::Clusters,
     stats: &Store,
+    env: &Env,
     path: &str,
     problems: &mut Diagnostics,
 ) -> (FilterChain, bool) {
@@ -310,6 +333,8 @@ fn http_filters(
                 stat_prefix: &hcm.stat_prefix,
                 stats,
                 clusters,
+                node: &env.node,
+                inbound: env.inbound,
             };
             if let Some(config) = (factory.compile)(&any, &ctx, &typed_path, problems) {
                 chain.filters.push(ConfiguredFilter {

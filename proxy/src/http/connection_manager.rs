@@ -479,6 +479,9 @@ async fn handle(
                 }
             });
             // No cluster picked (a `cluster_header` the request lacks) or none of that name.
+            if let Some((cluster, _)) = &found {
+                entry.upstream_cluster_metadata = cluster.metadata.clone();
+            }
             let Some((cluster, weighted)) = found else {
                 hcm.stats.no_cluster.inc();
                 entry.flag(ResponseFlag::NoClusterFound);

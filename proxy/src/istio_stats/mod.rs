@@ -208,3 +208,94 @@ impl Recorder {
 
 #[cfg(test)]
 mod tests;
+
+/// Compiles an `istio.stats` filter's `stats.PluginConfig` (typed, already out of its
+/// `TypedStruct`) into a recorder for the proxy instance's `store` and `node`; `inbound`
+/// is the listener's direction (an unset reporter follows it). Expressions shunt does not
+/// evaluate are warnings, as istio-proxy drops what uses them.
+pub fn compile(
+    any: &envoy_types::pb::google::protobuf::Any,
+    store: &Store,
+    node: &Arc<LocalNode>,
+    inbound: Option<bool>,
+    path: &str,
+    problems: &mut crate::config::Diagnostics,
+) -> Option<Recorder> {
+    let json = match crate::config::any_to_json(any) {
+        Ok(json) => json,
+        Err(err) => {
+            problems.error(path, format!("stats.PluginConfig: {err}"));
+            return None;
+        }
+    };
+    let config = match PluginConfig::from_json(&json, inbound) {
+        Ok(config) => config,
+        Err(err) => {
+            let at = if err.path.is_empty() {
+                path.to_owned()
+            } else {
+                format!("{path}.{}", err.path)
+            };
+            problems.error(at, err.to_string());
+            return None;
+        }
+    };
+    for warning in &config.warnings {
+        problems.warning(path, warning.clone());
+    }
+    Some(Recorder::new(store.clone(), node.clone(), Arc::new(config)))
+}
+
+/// The first of a cluster's `filter_metadata.istio.services` (`host`, and `name` when
+/// istiod wrote one).
+pub fn cluster_service(
+    metadata: &envoy_types::pb::envoy::config::core::v3::Metadata,
+) -> Option<(String, Option<String>)> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let istio = metadata.filter_metadata.get("istio")?;
+    let Some(Kind::ListValue(services)) = istio.fields.get("services")?.kind.as_ref() else {
+        return None;
+    };
+    let Some(Kind::StructValue(service)) = services.values.first()?.kind.as_ref() else {
+        return None;
+    };
+    let text = |key: &str| match service.fields.get(key).and_then(|v| v.kind.as_ref()) {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    };
+    Some((text("host").unwrap_or_default(), text("name")))
+}
+
+/// An endpoint's `filter_metadata.istio.workload` (`name;ns;service;revision;cluster`).
+pub fn endpoint_workload(
+    metadata: &envoy_types::pb::envoy::config::core::v3::Metadata,
+) -> Option<crate::peer::Workload> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let istio = metadata.filter_metadata.get("istio")?;
+    match istio.fields.get("workload")?.kind.as_ref() {
+        Some(Kind::StringValue(s)) => crate::peer::Workload::from_endpoint_metadata(s),
+        _ => None,
+    }
+}
+
+/// The downstream's and this side's SPIFFE principals on an inbound connection:
+/// istio_authn's filter state (`io.istio.peer_principal`, `io.istio.local_principal`),
+/// else the TLS session's first URI SANs (istio-proxy's fallback).
+pub fn downstream_principals(
+    connection: &crate::stream_info::Connection,
+) -> (Option<String>, Option<String>) {
+    let peer = connection
+        .filter_state
+        .get_string("io.istio.peer_principal");
+    let local = connection
+        .filter_state
+        .get_string("io.istio.local_principal");
+    if peer.is_some() || local.is_some() {
+        return (peer, local);
+    }
+    let tls = connection.tls.as_deref();
+    (
+        tls.and_then(|t| t.peer_uri_sans.first().cloned()),
+        tls.and_then(|t| t.local_uri_sans.first().cloned()),
+    )
+}

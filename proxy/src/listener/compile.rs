@@ -136,6 +136,7 @@ pub fn compile_all(
     clusters: &Clusters,
     kept: &KeptListener<'_>,
     stats: &Store,
+    node: &Arc<crate::peer::LocalNode>,
     problems: &mut Diagnostics,
 ) -> (Vec<Arc<Listener>>, Vec<ListenerStats>, Vec<u64>) {
     let mut compiled: Vec<Arc<Listener>> = Vec::new();
@@ -165,7 +166,8 @@ pub fn compile_all(
             Some(kept) => kept,
             None => {
                 let path = path_of(source);
-                let Some(fresh) = compile(listener, name, clusters, stats, &path, problems) else {
+                let Some(fresh) = compile(listener, name, clusters, stats, node, &path, problems)
+                else {
                     continue;
                 };
                 let its_stats =
@@ -235,10 +237,19 @@ fn compile(
     name: String,
     clusters: &Clusters,
     stats: &Store,
+    node: &Arc<crate::peer::LocalNode>,
     path: &str,
     problems: &mut Diagnostics,
 ) -> Option<Listener> {
     let errors_before = problems.errors.len();
+    let env = crate::http::compile::Env {
+        node: node.clone(),
+        inbound: match TrafficDirection::try_from(listener.traffic_direction) {
+            Ok(TrafficDirection::Inbound) => Some(true),
+            Ok(TrafficDirection::Outbound) => Some(false),
+            _ => None,
+        },
+    };
     if listener.api_listener.is_some() {
         problems.error(
             format!("{path}.api_listener"),
@@ -342,7 +353,7 @@ fn compile(
             chain,
             &format!("filter_chains[{j}]"),
             clusters,
-            (stats, listener_prefix.as_deref()),
+            (stats, listener_prefix.as_deref(), &env),
             &c_path,
             problems,
         );
@@ -365,7 +376,7 @@ fn compile(
             chain,
             "default_filter_chain",
             clusters,
-            (stats, listener_prefix.as_deref()),
+            (stats, listener_prefix.as_deref(), &env),
             &c_path,
             problems,
         )
@@ -575,7 +586,7 @@ fn compile_chain(
     chain: &EnvoyFilterChain,
     default_name: &str,
     clusters: &Clusters,
-    (stats, listener_prefix): (&Store, Option<&str>),
+    (stats, listener_prefix, env): (&Store, Option<&str>, &crate::http::compile::Env),
     path: &str,
     problems: &mut Diagnostics,
 ) -> Option<FilterChain> {
@@ -622,18 +633,21 @@ fn compile_chain(
         match convert::type_name(&any) {
             TCP_PROXY => {
                 let config = decode::<EnvoyTcpProxy>(&any, &typed_path, problems)?;
-                network = Some(NetworkFilter::TcpProxy(tcp_proxy::compile(
-                    &config,
-                    clusters,
-                    stats,
-                    &typed_path,
-                    problems,
-                )?));
+                let mut proxy =
+                    tcp_proxy::compile(&config, clusters, stats, &typed_path, problems)?;
+                proxy.node = env.node.clone();
+                network = Some(NetworkFilter::TcpProxy(proxy));
             }
             HCM => {
                 let config = decode::<EnvoyHcm>(&any, &typed_path, problems)?;
-                let mut hcm =
-                    crate::http::compile::compile(&config, clusters, stats, &typed_path, problems)?;
+                let mut hcm = crate::http::compile::compile_in(
+                    &config,
+                    clusters,
+                    stats,
+                    env,
+                    &typed_path,
+                    problems,
+                )?;
                 if let Some(listener_prefix) = listener_prefix {
                     hcm.stats.listener = crate::http::config::ListenerHttpStats::new(
                         stats,
@@ -655,6 +669,8 @@ fn compile_chain(
                     name: &f.name,
                     stats,
                     clusters,
+                    node: &env.node,
+                    inbound: env.inbound,
                 };
                 let compiled = (factory.compile)(&any, &ctx, &typed_path, problems)?;
                 filters.filters.push((f.name.clone(), compiled));

@@ -14,6 +14,8 @@
 //! Filters are found by config type in [`registry`], like HTTP filters.
 
 pub mod istio_authn;
+pub mod istio_stats;
+pub mod metadata_exchange;
 pub mod rbac;
 pub mod registry;
 pub mod stream;

@@ -10,6 +10,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::NetworkFilterConfig;
 use crate::config::Diagnostics;
+use crate::peer::LocalNode;
 use crate::stats::Store;
 use crate::upstream::Clusters;
 
@@ -19,6 +20,11 @@ pub struct CompileCtx<'a> {
     pub name: &'a str,
     pub stats: &'a Store,
     pub clusters: &'a Clusters,
+    /// The proxy instance's node (what metadata exchange sends, what Istio's stats
+    /// label with).
+    pub node: &'a Arc<LocalNode>,
+    /// The listener's `traffic_direction`: `Some(true)` INBOUND, `Some(false)` OUTBOUND.
+    pub inbound: Option<bool>,
 }
 
 pub type CompileFn =
@@ -32,7 +38,12 @@ pub struct Factory {
 }
 
 /// Every non-terminal network filter.
-pub static FACTORIES: &[&Factory] = &[&super::rbac::FACTORY, &super::istio_authn::FACTORY];
+pub static FACTORIES: &[&Factory] = &[
+    &super::rbac::FACTORY,
+    &super::istio_authn::FACTORY,
+    &super::metadata_exchange::FACTORY,
+    &super::istio_stats::FACTORY,
+];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
     FACTORIES.iter().copied().find(|f| f.type_name == type_name)

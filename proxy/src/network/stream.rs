@@ -159,6 +159,10 @@ impl crate::tcp::DownstreamIo for Filtered {
         self.inner.tcp()
     }
 
+    fn connection(&self) -> Option<&Arc<Connection>> {
+        Some(&self.connection)
+    }
+
     fn abort(&self) {
         self.inner.abort();
     }

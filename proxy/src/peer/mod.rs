@@ -9,8 +9,11 @@
 //! need so the bytes equal istio-proxy's.
 
 pub mod exchange;
+pub mod filter_state;
 pub mod headers;
 pub mod proto;
+
+pub use filter_state::PeerInfo;
 
 use std::collections::BTreeMap;
 

@@ -703,6 +703,13 @@ pub fn compile_with(
         );
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
+    let node = Arc::new(
+        bootstrap
+            .node
+            .as_ref()
+            .map(crate::peer::LocalNode::from_node)
+            .unwrap_or_default(),
+    );
     let health: HashSet<String> = crate::config::health_ports::find(bootstrap)
         .into_iter()
         .map(|listener| listener.name)
@@ -764,6 +771,7 @@ pub fn compile_with(
                 &clusters.clusters,
                 &|name, digest| previous.and_then(|p| p.kept_listener(name, digest)),
                 stats,
+                &node,
                 &mut problems,
             );
             let mut index = ListenerIndex::new(&listeners);
@@ -871,7 +879,16 @@ fn validate_warming(
         .iter()
         .map(|t| (None, &*t.resource))
         .collect();
-    listener::compile_all(&sources, health, clusters, &|_, _| None, stats, &mut aside);
+    let node = Arc::default();
+    listener::compile_all(
+        &sources,
+        health,
+        clusters,
+        &|_, _| None,
+        stats,
+        &node,
+        &mut aside,
+    );
     problems.errors.extend(aside.errors);
 }
 

@@ -122,5 +122,6 @@ pub fn compile(
         access_log,
         stats: TcpProxyStats::new(stats, &proxy.stat_prefix),
         tunneling,
+        node: Default::default(),
     })
 }

@@ -16,7 +16,9 @@ use std::time::Duration;
 use super::DownstreamIo as _;
 use super::copy;
 use crate::access_log::{Entry, ResponseFlag, Sink};
+use crate::peer::filter_state::{self, Side};
 use crate::stats::{Counter, Store};
+use crate::stream_info::{LifeSpan, UpstreamInfo, UpstreamSlot};
 use crate::tls::TransportStream;
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::transport_socket;
@@ -36,6 +38,8 @@ pub struct TcpProxy {
     pub stats: TcpProxyStats,
     /// `tunneling_config`: the bytes go through an HTTP CONNECT tunnel.
     pub tunneling: Option<super::tunnel::Tunneling>,
+    /// The node an upstream metadata exchange sends (the listener sets it).
+    pub node: Arc<crate::peer::LocalNode>,
 }
 
 /// The filter's `tcp.<stat_prefix>.*` stats.
@@ -123,6 +127,7 @@ impl TcpProxy {
         ));
         let mut tried = Vec::new();
         let mut connected = None;
+        let mut host_metadata = None;
         // HTTP/2 tunnels are streams of the cluster's pooled connection to the host.
         let pooled_tunnel = self
             .tunneling
@@ -157,6 +162,7 @@ impl TcpProxy {
                     .await;
                 match opened {
                     Ok((tunnel, slot)) => {
+                        host_metadata = host.metadata.clone();
                         connected = Some((tunnel, Box::new(slot) as Box<dyn Send>));
                         break;
                     }
@@ -170,6 +176,7 @@ impl TcpProxy {
             }
             match transport_socket::connect(cluster, &host, upstreams.secrets).await {
                 Ok((stream, guard)) => {
+                    host_metadata = host.metadata.clone();
                     connected = Some((stream, Box::new(guard) as Box<dyn Send>));
                     break;
                 }
@@ -191,6 +198,24 @@ impl TcpProxy {
             return;
         };
         entry.upstream_local_address = upstream.local_addr().ok();
+        let upstream = match self
+            .upstream_info(
+                cluster,
+                host_metadata,
+                upstream,
+                downstream.io().connection().cloned(),
+                upstreams.secrets,
+            )
+            .await
+        {
+            Ok(upstream) => upstream,
+            Err(err) => {
+                tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "upstream metadata exchange failed");
+                entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                downstream.abort();
+                return;
+            }
+        };
         let upstream = match &self.tunneling {
             Some(tunneling) if pooled_tunnel.is_none() => {
                 match tunneling.open(upstream, false, &tunnel_downstream).await {
@@ -243,6 +268,66 @@ impl TcpProxy {
             }
             copy::End::Closed => {}
         }
+    }
+}
+
+impl TcpProxy {
+    /// Runs the cluster's upstream metadata exchange, if it has one, and hands what the
+    /// upstream side learned to the downstream's network filters when one asked
+    /// ([`UpstreamSlot`]).
+    async fn upstream_info(
+        &self,
+        cluster: &Arc<crate::upstream::Cluster>,
+        host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+        upstream: TransportStream,
+        connection: Option<Arc<crate::stream_info::Connection>>,
+        secrets: &crate::tls::Secrets,
+    ) -> std::io::Result<TransportStream> {
+        let mut info = UpstreamInfo {
+            cluster_name: Some(cluster.name.clone()),
+            cluster_metadata: cluster.metadata.clone(),
+            host_metadata,
+            ..UpstreamInfo::default()
+        };
+        if let Some(session) = upstream.client_session_info() {
+            let mut tls = session.tls;
+            if let Some(context) = &cluster.transport_socket {
+                tls.local_uri_sans = context.local_uri_sans(secrets);
+            }
+            info.tls = Some(tls);
+        }
+        let upstream = match &cluster.metadata_exchange {
+            Some(protocol) => {
+                let exchanged =
+                    super::metadata_exchange::upstream(upstream, protocol, &self.node).await?;
+                match exchanged.peer {
+                    Some(peer) => {
+                        let workload = peer.metadata.unwrap_or_default().workload();
+                        filter_state::set_peer(
+                            &mut info.filter_state,
+                            Side::Upstream,
+                            workload,
+                            peer.id.as_deref().unwrap_or_default(),
+                            LifeSpan::Connection,
+                        );
+                    }
+                    None => filter_state::set_unknown(
+                        &mut info.filter_state,
+                        Side::Upstream,
+                        LifeSpan::Connection,
+                    ),
+                }
+                exchanged.stream
+            }
+            None => upstream,
+        };
+        if let Some(slot) = connection
+            .as_deref()
+            .and_then(|c| c.filter_state.get_as::<UpstreamSlot>(UpstreamSlot::NAME))
+        {
+            slot.fill(info);
+        }
+        Ok(upstream)
     }
 }
 

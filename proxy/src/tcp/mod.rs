@@ -7,6 +7,7 @@ pub mod compile;
 pub mod copy;
 pub mod copy_io;
 pub mod filter;
+pub mod metadata_exchange;
 pub mod tunnel;
 
 use std::io;
@@ -30,6 +31,11 @@ pub trait DownstreamIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Un
     fn tcp(&self) -> Option<&TcpStream>;
     /// Makes the coming close send RST instead of FIN.
     fn abort(&self);
+    /// The connection's facts, when network filters run on it (they may ask for the
+    /// upstream's, [`crate::stream_info::UpstreamSlot`]).
+    fn connection(&self) -> Option<&std::sync::Arc<crate::stream_info::Connection>> {
+        None
+    }
 }
 
 impl DownstreamIo for crate::tls::TransportStream {
@@ -49,6 +55,10 @@ impl DownstreamIo for Box<dyn DownstreamIo> {
 
     fn abort(&self) {
         (**self).abort();
+    }
+
+    fn connection(&self) -> Option<&std::sync::Arc<crate::stream_info::Connection>> {
+        (**self).connection()
     }
 }
 

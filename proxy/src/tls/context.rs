@@ -599,6 +599,23 @@ pub struct UpstreamTls {
 }
 
 impl UpstreamTls {
+    /// The URI SANs of the client certificate this context presents; empty without one.
+    pub fn local_uri_sans(&self, secrets: &Secrets) -> Vec<String> {
+        let Ok(resolved) = self.common.resolve(secrets) else {
+            return Vec::new();
+        };
+        let Some(leaf) = resolved.certificates.first().and_then(|c| c.cert.first()) else {
+            return Vec::new();
+        };
+        super::san::of_certificate(leaf)
+            .into_iter()
+            .filter_map(|san| match san {
+                super::san::San::Uri(uri) => Some(uri),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub fn compile(
         context: &UpstreamTlsContext,
         path: &str,

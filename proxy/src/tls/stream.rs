@@ -112,6 +112,39 @@ impl TransportStream {
         })
     }
 
+    /// What a TLS session shunt originated tells: the server's certificate SANs and the
+    /// ALPN protocol negotiated. `None` for raw TCP or a server session.
+    pub fn client_session_info(&self) -> Option<SessionInfo> {
+        let TransportStream::Tls(tls) = self else {
+            return None;
+        };
+        let TlsStream::Client(client) = tls.as_ref() else {
+            return None;
+        };
+        let session = client.get_ref().1;
+        let mut info = crate::stream_info::Tls {
+            version: session.protocol_version().and_then(|v| v.as_str()),
+            ..Default::default()
+        };
+        if let Some(leaf) = session.peer_certificates().and_then(|c| c.first()) {
+            info.peer_certificate_presented = true;
+            for san in super::san::of_certificate(leaf) {
+                match san {
+                    super::san::San::Uri(uri) => info.peer_uri_sans.push(uri),
+                    super::san::San::Dns(dns) => info.peer_dns_sans.push(dns),
+                    _ => {}
+                }
+            }
+        }
+        Some(SessionInfo {
+            tls: info,
+            server_name: None,
+            alpn: session
+                .alpn_protocol()
+                .map(|p| String::from_utf8_lossy(p).into_owned()),
+        })
+    }
+
     /// TCP_NODELAY on the socket underneath, if there is one.
     pub fn set_nodelay(&self) {
         if let Some(tcp) = self.tcp()

@@ -113,6 +113,11 @@ pub struct ClusterConfig {
     pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     /// ORIGINAL_DST's `original_dst_lb_config.upstream_port_override`.
     pub port_override: Option<u16>,
+    /// The ALPN protocol of the cluster's upstream metadata exchange filter
+    /// (`filters: envoy.filters.network.upstream.metadata_exchange`, Istio's
+    /// `istio-peer-exchange`): on a connection that negotiated it, the proxy sends its
+    /// node metadata first and reads the peer's.
+    pub metadata_exchange: Option<Arc<str>>,
 }
 
 impl ClusterConfig {
@@ -138,6 +143,7 @@ impl ClusterConfig {
             passthrough: None,
             metadata: None,
             port_override: None,
+            metadata_exchange: None,
         }
     }
 }
@@ -163,6 +169,8 @@ pub struct Cluster {
     pub passthrough: Option<Arc<crate::tls::internal_upstream::Passthrough>>,
     pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub port_override: Option<u16>,
+    /// See [`ClusterConfig::metadata_exchange`].
+    pub metadata_exchange: Option<Arc<str>>,
     /// Keep-alive HTTP connections to the hosts, closed with the cluster.
     pub http_pools: super::http_pool::Pools,
     /// HTTP/2 connections carrying `tcp_proxy` tunnels, closed with the cluster.
@@ -214,6 +222,7 @@ impl Cluster {
             passthrough: config.passthrough,
             metadata: config.metadata,
             port_override: config.port_override,
+            metadata_exchange: config.metadata_exchange,
             http_pools: Default::default(),
             tunnel_pools: Default::default(),
             panic_threshold: config.panic_threshold,

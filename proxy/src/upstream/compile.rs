@@ -435,6 +435,7 @@ pub fn compile(
         config.passthrough = crate::tls::transport_socket::passthrough(socket);
     }
     config.metadata = cluster.metadata.clone().map(Arc::new);
+    config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
     if let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config {
         let o_path = format!("{path}.original_dst_lb_config");
         if let Some(port) = original.upstream_port_override {
@@ -967,4 +968,54 @@ fn http_protocol(
         None => {}
     }
     protocol
+}
+
+/// The type of Istio's upstream metadata exchange filter's config.
+const METADATA_EXCHANGE: &str = "envoy.tcp.metadataexchange.config.MetadataExchange";
+
+/// The protocol of the cluster's upstream metadata exchange filter, if it has one. Other
+/// upstream network filters are not implemented: a warning says they are left out.
+fn upstream_metadata_exchange(
+    cluster: &envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<Arc<str>> {
+    let mut protocol = None;
+    for (i, filter) in cluster.filters.iter().enumerate() {
+        let f_path = format!("{path}.filters[{i}].typed_config");
+        let Some(any) = &filter.typed_config else {
+            continue;
+        };
+        let Some(any) = crate::config::typed_struct::unwrap(any, &f_path, problems) else {
+            continue;
+        };
+        let kind = crate::config::convert::type_name(&any);
+        if kind != METADATA_EXCHANGE {
+            problems.warning(
+                &f_path,
+                format!("upstream network filter {kind} is not implemented; left out"),
+            );
+            continue;
+        }
+        let config =
+            crate::config::convert::decode::<UpstreamMetadataExchange>(&any, &f_path, problems)?;
+        protocol = Some(Arc::from(if config.protocol.is_empty() {
+            crate::peer::exchange::PROTOCOL
+        } else {
+            config.protocol.as_str()
+        }));
+    }
+    protocol
+}
+
+/// `envoy.tcp.metadataexchange.config.MetadataExchange`, the fields shunt reads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UpstreamMetadataExchange {
+    #[prost(string, tag = "1")]
+    pub protocol: String,
+}
+
+impl prost::Name for UpstreamMetadataExchange {
+    const NAME: &'static str = "MetadataExchange";
+    const PACKAGE: &'static str = "envoy.tcp.metadataexchange.config";
 }

@@ -268,6 +268,7 @@ impl ActiveChain {
             info.flag(*flag);
         }
         info.upstream_cluster = entry.upstream_cluster.clone();
+        info.upstream_cluster_metadata = entry.upstream_cluster_metadata.clone();
         info.upstream_host = entry.upstream_host;
         info.bytes_received = entry.bytes_received;
         info.bytes_sent = entry.bytes_sent;

@@ -14,6 +14,8 @@
 //! stream's shared facts in [`StreamCtx::info`] ([`crate::stream_info`]).
 
 pub mod chain;
+pub mod istio_stats;
+pub mod peer_metadata;
 pub mod per_route;
 pub mod rbac;
 pub mod registry;

@@ -9,6 +9,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::{HttpFilterConfig, RouteSpecificConfig};
 use crate::config::Diagnostics;
+use crate::peer::LocalNode;
 use crate::stats::Store;
 use crate::upstream::Clusters;
 
@@ -22,6 +23,11 @@ pub struct CompileCtx<'a> {
     pub stats: &'a Store,
     /// The clusters known when the listener is compiled.
     pub clusters: &'a Clusters,
+    /// The proxy instance's node (what peer metadata sends, what Istio's stats label
+    /// with).
+    pub node: &'a Arc<LocalNode>,
+    /// The listener's `traffic_direction`: `Some(true)` INBOUND, `Some(false)` OUTBOUND.
+    pub inbound: Option<bool>,
 }
 
 pub type CompileFn =
@@ -48,6 +54,8 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::fault::filter::FACTORY,
     &crate::http::cors::filter::FACTORY,
     &crate::http::ext_authz::filter::FACTORY,
+    &super::peer_metadata::FACTORY,
+    &super::istio_stats::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
