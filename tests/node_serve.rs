@@ -124,6 +124,31 @@ impl NodeAgent {
         Duration::from_micros(micros)
     }
 
+    /// Enrolls `pod` as service account `sa` (per-pod proxies from the control plane).
+    fn add_as(&mut self, pod: &Pod, sa: &str) {
+        let uid = pod.name().to_owned();
+        self.send(&format!(
+            "add {uid} {} default {} {} {} sa={sa}",
+            pod.name(),
+            pod.netns_path().display(),
+            pod.ipv4(),
+            pod.ipv6()
+        ));
+        let reply = self.wait_reply(&format!("@added {uid} "));
+        assert!(reply.starts_with("@added"), "{reply}\n{}", self.stderr());
+    }
+
+    /// A counter of the pod's own proxy.
+    fn stat(&mut self, pod: &Pod, name: &str) -> u64 {
+        self.send(&format!("stat {} {name}", pod.name()));
+        let reply = self.wait_reply(&format!("@stat {} ", pod.name()));
+        reply
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("stat {name}: {reply}"))
+    }
+
     fn remove(&mut self, pod: &Pod) {
         self.send(&format!("remove {}", pod.name()));
         self.wait_reply(&format!("@removed {}", pod.name()));
@@ -505,4 +530,272 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
         "the new process served"
     );
     println!("hand-over: {} calls, 0 failed", results.len());
+}
+
+/// The template bootstrap every pod's proxy starts from: ADS over `socket` (a static
+/// `xds-grpc` cluster with a `pipe` endpoint, as Istio's) and the `sds-grpc` cluster
+/// Istio's configs name for certificates (served in the node process, per pod).
+fn pod_template(dir: &std::path::Path, socket: &std::path::Path) -> PathBuf {
+    let mut bootstrap = support::xds::bootstrap(socket, false);
+    let object = bootstrap.as_object_mut().unwrap();
+    object.remove("admin");
+    object["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .push(support::xds::pipe_cluster(
+            "sds-grpc",
+            std::path::Path::new("./var/run/secrets/workload-spiffe-uds/socket"),
+        ));
+    let path = dir.join("pods.json");
+    std::fs::write(&path, bootstrap.to_string()).unwrap();
+    path
+}
+
+/// b's inbound: TLS with b's own certificate (`default` over SDS), a client
+/// certificate required, chaining to `ROOTCA` and naming `client` as its SPIFFE id.
+fn mtls_inbound(
+    name: &str,
+    port: u16,
+    cluster: &str,
+    client: &str,
+) -> envoy_types::pb::envoy::config::listener::v3::Listener {
+    use envoy_types::pb::envoy::config::core::v3::{TransportSocket, transport_socket};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::subject_alt_name_matcher::SanType;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
+        SubjectAltNameMatcher, common_tls_context,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
+    let sds = |name: &str| SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(harness::ads::resources::grpc_source("sds-grpc")),
+    };
+    let tls = DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![sds("default")],
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::CombinedValidationContext(
+                    common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(CertificateValidationContext {
+                            match_typed_subject_alt_names: vec![SubjectAltNameMatcher {
+                                san_type: SanType::Uri as i32,
+                                matcher: Some(StringMatcher {
+                                    match_pattern: Some(string_matcher::MatchPattern::Exact(
+                                        client.into(),
+                                    )),
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        }),
+                        validation_context_sds_secret_config: Some(sds("ROOTCA")),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        ..Default::default()
+    };
+    let mut listener = harness::ads::resources::tcp_proxy_listener(
+        name,
+        SocketAddr::from(([0, 0, 0, 0], port)),
+        cluster,
+    );
+    listener.filter_chains[0].transport_socket = Some(TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(
+            harness::ads::AdsServer::any(&tls),
+        )),
+    });
+    listener
+}
+
+/// Per-pod identity and config: two pods of one node process are two xDS nodes (each
+/// with Istio's sidecar id and its own metadata), get different listeners and clusters
+/// from the control plane, and certificates of their own service accounts from the CA.
+/// a's outbound originates mTLS requiring b's SPIFFE id; b's inbound requires a's: the
+/// call only goes through if each pod's proxy has its own config and certificate.
+#[test]
+fn each_pod_is_its_own_xds_node_with_its_own_config_and_certificate() {
+    use harness::ads::resources::{grpc_source, named, tcp_proxy_listener, with_upstream_mtls};
+    use harness::ads::type_urls;
+    const TOKEN: &str = "node-token";
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let _app_b = start_app(&b, &[8080]);
+    let pins = Pins(bpffs_root("node-xds"));
+    let tmp = TempDir::new("node-xds");
+    let gateway = IpAddr::V4(node.gateway_ipv4());
+    let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
+        harness::ca::TestCa::start_on(&tmp.0, TOKEN, Duration::from_secs(3600), gateway)
+    })
+    .unwrap()
+    .unwrap();
+    let token = tmp.0.join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-xds-ads");
+    let template = pod_template(&tmp.0, &socket);
+    let id = |pod: &Pod| {
+        format!(
+            "sidecar~{}~{}.default~default.svc.cluster.local",
+            pod.ipv4(),
+            pod.name()
+        )
+    };
+    let spiffe = |sa: &str| format!("spiffe://cluster.local/ns/default/sa/{sa}");
+
+    // a: 15001 proxies to b's app over mTLS, requiring b's identity.
+    let to_b = with_upstream_mtls(
+        harness::ads::resources::eds_cluster("to-b", harness::ads::resources::ads_source(), 2),
+        grpc_source("sds-grpc"),
+        "default",
+        "ROOTCA",
+        &spiffe("sb"),
+    );
+    ads.set_for_node(
+        &id(&a),
+        type_urls::CLUSTER,
+        "a1",
+        vec![named("to-b", &to_b)],
+    );
+    ads.set_for_node(
+        &id(&a),
+        type_urls::ENDPOINT,
+        "a1",
+        vec![named(
+            "to-b",
+            &harness::ads::resources::load_assignment("to-b", &[v4(&b, 8080)]),
+        )],
+    );
+    ads.set_for_node(
+        &id(&a),
+        type_urls::LISTENER,
+        "a1",
+        vec![named(
+            "virtualOutbound",
+            &tcp_proxy_listener(
+                "virtualOutbound",
+                SocketAddr::from(([0, 0, 0, 0], 15001)),
+                "to-b",
+            ),
+        )],
+    );
+    // b: 15006 terminates mTLS, requiring a's identity, to its app on loopback.
+    ads.set_for_node(
+        &id(&b),
+        type_urls::CLUSTER,
+        "b1",
+        vec![support::xds::eds_cluster("inbound-app", 2)],
+    );
+    ads.set_for_node(
+        &id(&b),
+        type_urls::ENDPOINT,
+        "b1",
+        vec![named(
+            "inbound-app",
+            &harness::ads::resources::load_assignment("inbound-app", &[local(8080)]),
+        )],
+    );
+    ads.set_for_node(
+        &id(&b),
+        type_urls::LISTENER,
+        "b1",
+        vec![named(
+            "virtualInbound",
+            &mtls_inbound("virtualInbound", 15006, "inbound-app", &spiffe("sa")),
+        )],
+    );
+
+    let config = template.display().to_string();
+    let ca_root = ca.root_file.display().to_string();
+    let ca_token = token.display().to_string();
+    let ca_addr = ca.address();
+    let mut agent = NodeAgent::start(
+        &node,
+        &pins.0,
+        &[
+            "--config",
+            &config,
+            "--ca-addr",
+            &ca_addr,
+            "--ca-root",
+            &ca_root,
+            "--ca-token",
+            &ca_token,
+        ],
+    );
+    agent.add_as(&a, "sa");
+    agent.add_as(&b, "sb");
+    // The instant enrollment returned, before either pod has its config: the call
+    // waits in the pods' backlogs and goes through once they have it.
+    let call = Caller {
+        bytes: 1 << 16,
+        ..Caller::app(&a)
+    }
+    .call(v4(&b, 8080))
+    .unwrap_or_else(|e| {
+        panic!(
+            "a -> b through both pods' proxies: {e:#}\n{}",
+            agent.stderr()
+        )
+    });
+    assert_eq!(call.bytes, 1 << 16);
+    // b's app is reached from b's own loopback (b's proxy, inside b).
+    assert_eq!(call.server_peer.ip(), IpAddr::from([127, 0, 0, 1]));
+
+    // Each pod's stream carried its own node: Istio's id and the pod's metadata.
+    for (pod, sa) in [(&a, "sa"), (&b, "sb")] {
+        let first = ads
+            .requests()
+            .into_iter()
+            .find(|r| r.node_id.as_deref() == Some(id(pod).as_str()) && r.node.is_some())
+            .unwrap_or_else(|| panic!("no ADS stream from {}", id(pod)));
+        let node = first.node.unwrap();
+        assert_eq!(node.cluster, format!("{}.default", pod.name()));
+        let meta = |key: &str| match node
+            .metadata
+            .as_ref()
+            .and_then(|m| m.fields.get(key))
+            .and_then(|v| v.kind.clone())
+        {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(s)) => s,
+            other => panic!("{key} of {}: {other:?}", id(pod)),
+        };
+        assert_eq!(meta("SERVICE_ACCOUNT"), sa);
+        assert_eq!(meta("NAMESPACE"), "default");
+        assert_eq!(meta("NAME"), pod.name());
+        assert_eq!(
+            meta("INSTANCE_IPS"),
+            format!("{},{}", pod.ipv4(), pod.ipv6())
+        );
+        // The template's metadata is kept under the pod's.
+        assert_eq!(meta("ISTIO_VERSION"), "1.24.0");
+    }
+    // One CA client per service account: each identity asked for (and signed) once.
+    let mut asked: Vec<String> = ca
+        .calls()
+        .iter()
+        .filter(|c| c.refused.is_none())
+        .flat_map(|c| c.uris.clone())
+        .collect();
+    asked.sort();
+    assert_eq!(asked, vec![spiffe("sa"), spiffe("sb")]);
+
+    // Each pod's stats are its own: a counted the outbound connection, b the inbound.
+    assert_eq!(agent.stat(&a, "tcp.virtualOutbound.downstream_cx_total"), 1);
+    assert_eq!(agent.stat(&b, "tcp.virtualOutbound.downstream_cx_total"), 0);
+    assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 1);
+    assert_eq!(agent.stat(&a, "tcp.virtualInbound.downstream_cx_total"), 0);
+
+    // A third pod of a's service account shares a's CA client: no new certificate.
+    let c = node.add_pod("c").expect("pod c");
+    agent.add_as(&c, "sa");
+    let signed = ca.calls().iter().filter(|c| c.refused.is_none()).count();
+    assert_eq!(signed, 2, "{:?}", ca.calls());
 }

@@ -43,6 +43,36 @@ pub struct Template {
     pub ca: Option<CaTemplate>,
 }
 
+impl Template {
+    /// The template bootstrap at `path` (JSON or YAML, as `shunt proxy -c` reads it):
+    /// an invalid one is refused here, with its errors, before any pod is served.
+    pub fn load(path: &std::path::Path, ca: Option<CaTemplate>) -> anyhow::Result<Template> {
+        let options = crate::config::Options {
+            config_path: Some(path.to_owned()),
+            ..Default::default()
+        };
+        let (loaded, report) = crate::config::check(&options)?;
+        if !report.is_valid() {
+            let errors: Vec<String> = report.errors().map(|e| e.to_string()).collect();
+            anyhow::bail!(
+                "{}: invalid pod bootstrap: {}",
+                path.display(),
+                errors.join("; ")
+            );
+        }
+        if loaded.bootstrap.dynamic_resources.is_none() {
+            anyhow::bail!(
+                "{}: the pod bootstrap has no dynamic_resources: pods would get no config",
+                path.display()
+            );
+        }
+        Ok(Template {
+            bootstrap: loaded.bootstrap,
+            ca,
+        })
+    }
+}
+
 /// The CA client's settings shared by every pod; namespace and service account are
 /// each pod's.
 #[derive(Debug, Clone)]
