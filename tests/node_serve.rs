@@ -532,6 +532,20 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
     println!("hand-over: {} calls, 0 failed", results.len());
 }
 
+/// How many connections to the Unix socket `path` process `pid` holds. The server's
+/// end of each carries the path and belongs to the client's network namespace (the
+/// kernel makes it there), so it is listed in the client's `/proc/PID/net/unix`,
+/// connected (state 03).
+fn connections_to(pid: u32, path: &std::path::Path) -> usize {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).expect("net/unix");
+    let path = path.display().to_string();
+    table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() == 8 && f[7] == path && f[5] == "03")
+        .count()
+}
+
 /// The template bootstrap every pod's proxy starts from: ADS over `socket` (a static
 /// `xds-grpc` cluster with a `pipe` endpoint, as Istio's) and the `sds-grpc` cluster
 /// Istio's configs name for certificates (served in the node process, per pod).
@@ -777,6 +791,13 @@ fn each_pod_is_its_own_xds_node_with_its_own_config_and_certificate() {
         // The template's metadata is kept under the pod's.
         assert_eq!(meta("ISTIO_VERSION"), "1.24.0");
     }
+    // Two streams (an xDS stream carries one node), one connection to the control plane.
+    assert_eq!(ads.streams(), 2);
+    assert_eq!(
+        connections_to(agent.child.id(), &socket),
+        1,
+        "pods share the control plane connection"
+    );
     // One CA client per service account: each identity asked for (and signed) once.
     let mut asked: Vec<String> = ca
         .calls()

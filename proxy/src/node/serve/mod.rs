@@ -124,6 +124,8 @@ impl NodePods {
     /// Each pod gets a proxy of its own from the control plane `template` names, its
     /// certificate from the template's CA, instead of the passthrough.
     pub fn with_config(mut self, template: proxy::Template) -> NodePods {
+        // One connection to the control plane, a stream per pod on it.
+        crate::xds::stream::share_connections();
         self.config = Some(template);
         self
     }
