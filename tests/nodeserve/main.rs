@@ -62,6 +62,10 @@ struct Args {
     ca_root: Option<PathBuf>,
     #[arg(long)]
     ca_token: Option<PathBuf>,
+    /// Same-node mTLS connections go over the network instead of being handed over in
+    /// process.
+    #[arg(long)]
+    no_fast_path: bool,
     #[command(flatten)]
     capture: shunt_capture::CaptureArgs,
 }
@@ -98,6 +102,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let options = NodeOptions {
         drain_time: Duration::from_secs(args.drain_time_s),
+        fast_path: !args.no_fast_path,
         ..NodeOptions::default()
     };
     let mut pods = NodePods::new(options, runtime.handle().clone(), capture);

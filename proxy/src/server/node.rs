@@ -111,7 +111,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let template = args.pods.template()?;
     serve_with(&args.enroll, args.concurrency, |runtime| {
-        let mut pods = NodePods::new(NodeOptions::default(), runtime.clone(), capture);
+        let options = NodeOptions {
+            fast_path: !args.no_fast_path,
+            ..NodeOptions::default()
+        };
+        let mut pods = NodePods::new(options, runtime.clone(), capture);
         if let Some(template) = template {
             pods = pods.with_config(template);
         }
@@ -206,6 +210,10 @@ pub struct ServeArgs {
     pub enroll: EnrollArgs,
     #[command(flatten)]
     pub pods: PodConfigArgs,
+    /// Send same-node mTLS connections over the network (two proxies, a TLS handshake)
+    /// instead of handing them to the destination pod's inbound side in process.
+    #[arg(long)]
+    pub no_fast_path: bool,
     /// Serve the pods' listeners without eBPF capture (the capture flags are ignored).
     #[arg(long)]
     pub no_capture: bool,

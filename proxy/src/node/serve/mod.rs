@@ -11,6 +11,7 @@
 //! for an instant, in a pod's.
 
 pub mod capture;
+pub mod fast_path;
 pub mod handover;
 pub mod instance;
 pub mod listen;
@@ -42,6 +43,9 @@ pub struct NodeOptions {
     pub connect_timeout: Duration,
     /// Time a removed pod's connections have to finish.
     pub drain_time: Duration,
+    /// Same-node fast path: a pod's mTLS connection to another pod of this process is
+    /// handed to that pod's inbound side in process (no sockets, no TLS records).
+    pub fast_path: bool,
 }
 
 impl Default for NodeOptions {
@@ -52,6 +56,7 @@ impl Default for NodeOptions {
             health_port: 15021,
             connect_timeout: Duration::from_secs(10),
             drain_time: Duration::from_secs(5),
+            fast_path: true,
         }
     }
 }
@@ -75,6 +80,8 @@ pub struct NodePods {
     /// Per-pod proxies from the control plane; `None`: every pod gets the passthrough.
     config: Option<proxy::Template>,
     certificates: proxy::Certificates,
+    /// The pods by address, for the same-node fast path.
+    registry: Arc<fast_path::Registry>,
 }
 
 struct Served {
@@ -118,6 +125,7 @@ impl NodePods {
             pods: Mutex::default(),
             config: None,
             certificates: proxy::Certificates::default(),
+            registry: Arc::default(),
         }
     }
 
@@ -158,11 +166,30 @@ impl NodePods {
                 crate::agent::sds::local(provider),
             );
         }
+        let client = self
+            .options
+            .fast_path
+            .then(|| self.registry.client(&pod.ips));
         Some(proxy::Setup {
             bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod),
             local,
             drain_time: self.options.drain_time,
+            client,
         })
+    }
+
+    /// Lists the pod for the fast path (with a proxy from the control plane and the
+    /// fast path on).
+    fn register(&self, pod: &PodInfo, instance: &Instance) {
+        if let Some(proxy) = &instance.proxy
+            && self.options.fast_path
+        {
+            let inbound = fast_path::Inbound {
+                proxy: proxy.handle.clone(),
+                inbound_port: self.options.inbound_port,
+            };
+            self.registry.insert(&pod.ips, Arc::new(inbound));
+        }
     }
 
     /// The served pods with their listeners and counters.
@@ -248,6 +275,7 @@ impl NodePods {
                 return Err(Self::enroll_error(pod, format!("listeners: {err:#}")));
             }
         };
+        self.register(pod, &instance);
         tracing::info!(
             pod = %format_args!("{}/{}", pod.namespace, pod.name),
             uid = %pod.uid,
@@ -286,6 +314,7 @@ impl NodePods {
         let setup = self.setup(&pod);
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
             .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
+        self.register(&pod, &instance);
         let served = Served {
             node_id: xds_node_id(&pod),
             info: pod.clone(),
@@ -300,6 +329,9 @@ impl NodePods {
     }
 
     fn stop(&self, served: Served) {
+        if let Some(proxy) = &served.instance.proxy {
+            self.registry.remove(&served.info.ips, &proxy.handle);
+        }
         served.instance.stop(&self.runtime, self.options.drain_time);
         if let Some(capture) = &self.capture
             && let Err(err) = capture.withdraw(&served.info, &served.netns)

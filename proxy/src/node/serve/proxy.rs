@@ -31,6 +31,7 @@ use crate::agent::ca::{CaOptions, CertificateProvider};
 use crate::listener::connection_handler::{self, Context};
 use crate::node::PodInfo;
 use crate::snapshot::{self, Current};
+use crate::upstream::same_node::{Client, Handoff};
 use crate::xds::local::LocalServers;
 use crate::xds::manager::ListenerChange;
 
@@ -175,6 +176,57 @@ pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo) -> Bootstrap {
     bootstrap
 }
 
+/// What serving one of the pod's connections takes, shared by its accept loops and the
+/// same-node directory.
+pub struct Handle {
+    context: Arc<Context>,
+    netns: Arc<OwnedFd>,
+    stats: Arc<PodStats>,
+    cut: watch::Receiver<bool>,
+    /// The pod as a same-node client (the fast path on).
+    client: Option<Arc<Client>>,
+    /// The listener names of the pod's bound sockets, by address.
+    bound: Mutex<HashMap<SocketAddr, Arc<str>>>,
+}
+
+impl Handle {
+    /// The pod's listener bound at `addr`, if any.
+    pub fn listener_at(&self, addr: SocketAddr) -> Option<Arc<str>> {
+        let bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
+        bound.get(&addr).cloned()
+    }
+
+    /// Serves a same-node connection handed over in process on `listener`.
+    pub fn serve_handed(&self, handoff: Handoff, listener: Arc<str>, port: u16) {
+        let handled =
+            connection_handler::handle_handed(handoff, listener, port, self.context.clone());
+        self.spawn(handled);
+    }
+
+    /// Runs one connection of the pod: counted, in the pod's namespace (and as the
+    /// pod's client when the fast path is on), cut when the pod's drain is over.
+    fn spawn(&self, handled: impl std::future::Future<Output = ()> + Send + 'static) {
+        let stats = self.stats.clone();
+        super::fast_path::count(&stats);
+        let netns = self.netns.clone();
+        let client = self.client.clone();
+        let mut cut = self.cut.clone();
+        tokio::spawn(async move {
+            let handled = crate::upstream::netns::scope(netns, async move {
+                match client {
+                    Some(client) => crate::upstream::same_node::scope(client, handled).await,
+                    None => handled.await,
+                }
+            });
+            tokio::select! {
+                () = handled => {}
+                _ = cut.wait_for(|c| *c) => {}
+            }
+            stats.downstream_cx_active.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
 /// A pod's running proxy. Stopping it ([`PodProxy::stop`]) closes its listeners (other
 /// than the capture sockets, which the instance owns) and ends its xDS streams.
 pub struct PodProxy {
@@ -182,7 +234,7 @@ pub struct PodProxy {
     /// The pod's own stats (Envoy's names, not prefixed by the pod).
     pub stats: crate::stats::Store,
     pub config: Arc<Current>,
-    context: Arc<Context>,
+    pub handle: Arc<Handle>,
 }
 
 /// What the pod's proxy is started with, besides its sockets.
@@ -191,6 +243,8 @@ pub struct Setup {
     /// In-process xDS servers (the pod's SDS), by the socket path the bootstrap names.
     pub local: LocalServers,
     pub drain_time: Duration,
+    /// The pod as a same-node client; `None`: the fast path is off.
+    pub client: Option<Arc<Client>>,
 }
 
 /// The connection-level pieces the instance shares with its proxy.
@@ -217,6 +271,7 @@ impl PodProxy {
             bootstrap,
             local,
             drain_time,
+            client,
         } = setup;
         let mut plan = crate::xds::source::plan(&bootstrap)?
             .context("the node's bootstrap has no dynamic_resources: pods would get no config")?;
@@ -270,9 +325,16 @@ impl PodProxy {
             bound.iter().map(|b| (b.listener.clone(), b.addr)),
             None,
         );
+        let handle = Arc::new(Handle {
+            context,
+            netns: shared.netns,
+            stats: shared.stats,
+            cut: shared.cut,
+            client,
+            bound: Mutex::default(),
+        });
         let serve = Serve {
-            context: context.clone(),
-            shared,
+            handle: handle.clone(),
             drain_time,
             accepting: JoinSet::new(),
             loops: Vec::new(),
@@ -289,7 +351,7 @@ impl PodProxy {
             serving,
             stats,
             config,
-            context,
+            handle,
         })
     }
 
@@ -297,13 +359,12 @@ impl PodProxy {
     /// HTTP connections are told to close after the requests in flight.
     pub fn stop(&self) {
         self.serving.abort();
-        self.context.shutdown.close_connections();
+        self.handle.context.shutdown.close_connections();
     }
 }
 
 struct Serve {
-    context: Arc<Context>,
-    shared: Shared,
+    handle: Arc<Handle>,
     drain_time: Duration,
     accepting: JoinSet<()>,
     /// (listener, address, its accept loop)
@@ -339,7 +400,12 @@ impl Serve {
     }
 
     fn apply(&mut self, change: ListenerChange) {
+        let context = &self.handle.context;
+        let mut names = self.handle.bound.lock().unwrap_or_else(|e| e.into_inner());
         for (name, addr) in &change.unbound {
+            if names.get(addr) == Some(name) {
+                names.remove(addr);
+            }
             self.loops.retain(|(l, a, handle)| {
                 let gone = l == name && a == addr;
                 if gone {
@@ -348,8 +414,7 @@ impl Serve {
                 !gone
             });
         }
-        let mut ports: Vec<u16> = self
-            .context
+        let mut ports: Vec<u16> = context
             .own_ports
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -364,25 +429,19 @@ impl Serve {
             };
             tracing::debug!(listener = %b.listener, addr = %b.addr, "pod listening");
             ports.push(b.addr.port());
+            names.insert(b.addr, b.listener.clone());
             let accept = Accept {
                 listener,
                 name: b.listener.clone(),
                 addr: b.addr,
-                context: self.context.clone(),
-                netns: self.shared.netns.clone(),
-                stats: self.shared.stats.clone(),
-                cut: self.shared.cut.clone(),
+                handle: self.handle.clone(),
             };
             let handle = self.accepting.spawn(accept.run());
             self.loops.push((b.listener, b.addr, handle));
         }
         ports.sort_unstable();
         ports.dedup();
-        *self
-            .context
-            .own_ports
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = ports.into();
+        *context.own_ports.write().unwrap_or_else(|e| e.into_inner()) = ports.into();
         if !change.retired.is_empty() {
             let (retired, drain_time) = (change.retired, self.drain_time);
             tokio::spawn(async move {
@@ -399,10 +458,7 @@ struct Accept {
     listener: TcpListener,
     name: Arc<str>,
     addr: SocketAddr,
-    context: Arc<Context>,
-    netns: Arc<OwnedFd>,
-    stats: Arc<PodStats>,
-    cut: watch::Receiver<bool>,
+    handle: Arc<Handle>,
 }
 
 impl Accept {
@@ -420,27 +476,13 @@ impl Accept {
     }
 
     fn spawn(&self, stream: tokio::net::TcpStream, peer: SocketAddr) {
-        let stats = self.stats.clone();
-        stats.downstream_cx_total.fetch_add(1, Ordering::Relaxed);
-        stats.downstream_cx_active.fetch_add(1, Ordering::SeqCst);
-        // The pod's upstream connections leave from the pod's namespace.
-        let handled = crate::upstream::netns::scope(
-            self.netns.clone(),
-            connection_handler::handle(
-                stream,
-                peer,
-                self.name.clone(),
-                self.addr,
-                self.context.clone(),
-            ),
+        let handled = connection_handler::handle(
+            stream,
+            peer,
+            self.name.clone(),
+            self.addr,
+            self.handle.context.clone(),
         );
-        let mut cut = self.cut.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = handled => {}
-                _ = cut.wait_for(|c| *c) => {}
-            }
-            stats.downstream_cx_active.fetch_sub(1, Ordering::SeqCst);
-        });
+        self.handle.spawn(handled);
     }
 }
