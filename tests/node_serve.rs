@@ -138,6 +138,26 @@ impl NodeAgent {
         assert!(reply.starts_with("@added"), "{reply}\n{}", self.stderr());
     }
 
+    /// Waits until the pod's proxy has its first configuration (its health port's
+    /// `/healthz/ready` answers 200 from then on).
+    fn wait_ready(&mut self, pod: &Pod) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.send(&format!("ready {}", pod.name()));
+            let reply = self.wait_reply(&format!("@ready {} ", pod.name()));
+            if reply.ends_with(" true") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} never ready\n{}",
+                pod.name(),
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A counter of the pod's own proxy.
     fn stat(&mut self, pod: &Pod, name: &str) -> u64 {
         self.send(&format!("stat {} {name}", pod.name()));
@@ -920,6 +940,11 @@ fn each_pod_is_its_own_xds_node_with_its_own_config_and_certificate() {
 #[test]
 fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied() {
     let mut mesh = Mesh::start("node-fast", "sa", &[]);
+    let (a, b) = (mesh.a.clone(), mesh.b.clone());
+    // Until b has its inbound listener a connection to it waits in its backlog, over
+    // the network; from then on it is handed over.
+    mesh.agent.wait_ready(&a);
+    mesh.agent.wait_ready(&b);
     let call = mesh
         .call()
         .unwrap_or_else(|e| panic!("a -> b over the fast path: {e:#}\n{}", mesh.agent.stderr()));
@@ -933,7 +958,6 @@ fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied(
         .unwrap();
     assert_eq!(remote.ip(), IpAddr::V4(mesh.a.ipv4()), "{inbound}");
     assert_eq!(inbound["bytes_received"], 1 << 16, "{inbound}");
-    let (a, b) = (mesh.a.clone(), mesh.b.clone());
     let agent = &mut mesh.agent;
     assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 1);
     assert_eq!(agent.stat(&a, "cluster.to-b.upstream_cx_total"), 1);
@@ -948,9 +972,11 @@ fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied(
 
     // b requires an identity a does not have: refused on the fast path too.
     let mut mesh = Mesh::start("node-fast-deny", "sx", &[]);
+    let (a, b) = (mesh.a.clone(), mesh.b.clone());
+    mesh.agent.wait_ready(&a);
+    mesh.agent.wait_ready(&b);
     let refused = Caller::app(&mesh.a).call_json(v4(&mesh.b, 8080));
     assert_eq!(refused["ok"], false, "{refused}");
-    let (a, b) = (mesh.a.clone(), mesh.b.clone());
     let agent = &mut mesh.agent;
     assert_eq!(
         agent.stat(&b, "listener.0.0.0.0_15006.ssl.connection_error"),

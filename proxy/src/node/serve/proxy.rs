@@ -314,13 +314,17 @@ impl PodProxy {
                 });
             }
         }
-        let ready = shared.ready.clone();
+        // Ready once the serve loop accepts on the first listeners (the manager sends
+        // them before it says ready), so the fast path finds them too.
+        let (configured, first_config) = tokio::sync::oneshot::channel();
         let changes = crate::xds::Manager::start(
             bootstrap,
             plan,
             config.clone(),
             stats.clone(),
-            Box::new(move || ready.store(true, Ordering::SeqCst)),
+            Box::new(move || {
+                let _ = configured.send(());
+            }),
             binder,
             bound.iter().map(|b| (b.listener.clone(), b.addr)),
             None,
@@ -335,6 +339,7 @@ impl PodProxy {
         });
         let serve = Serve {
             handle: handle.clone(),
+            ready: shared.ready,
             drain_time,
             accepting: JoinSet::new(),
             loops: Vec::new(),
@@ -346,6 +351,7 @@ impl PodProxy {
                 ..Default::default()
             },
             changes,
+            first_config,
         ));
         Ok(PodProxy {
             serving,
@@ -365,6 +371,7 @@ impl PodProxy {
 
 struct Serve {
     handle: Arc<Handle>,
+    ready: Arc<AtomicBool>,
     drain_time: Duration,
     accepting: JoinSet<()>,
     /// (listener, address, its accept loop)
@@ -377,6 +384,7 @@ impl Serve {
         config: Arc<Current>,
         initial: ListenerChange,
         mut changes: tokio::sync::mpsc::UnboundedReceiver<ListenerChange>,
+        mut first_config: tokio::sync::oneshot::Receiver<()>,
     ) {
         // Cluster warming, as the proxy's: first DNS answers before the first connection.
         let snapshot = config.load();
@@ -394,6 +402,12 @@ impl Serve {
                     Some(change) => self.apply(change),
                     None => return,
                 },
+                Ok(()) = &mut first_config, if !self.ready.load(Ordering::SeqCst) => {
+                    while let Ok(change) = changes.try_recv() {
+                        self.apply(change);
+                    }
+                    self.ready.store(true, Ordering::SeqCst);
+                }
                 Some(_) = self.accepting.join_next() => {}
             }
         }
