@@ -44,7 +44,7 @@ use super::node_mesh;
 const PORT: u16 = 8080;
 
 pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
-    let envoy = crate::setup::envoy()?;
+    let envoy = node_mesh::envoy_for_sidecars(&crate::setup::envoy()?)?;
     let nodeserve = bins
         .testapp
         .with_file_name("nodeserve")

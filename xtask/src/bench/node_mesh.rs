@@ -278,3 +278,22 @@ impl TestCaHandle {
         )?))
     }
 }
+
+/// Envoy where uid 1337 can run it (the cached build sits under root's home): a copy
+/// in the temp folder, made once.
+pub fn envoy_for_sidecars(envoy: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let copy = std::env::temp_dir().join("shunt-bench-node-envoy");
+    let same = |a: &Path, b: &Path| {
+        let (Ok(a), Ok(b)) = (std::fs::metadata(a), std::fs::metadata(b)) else {
+            return false;
+        };
+        a.len() == b.len()
+    };
+    if !same(envoy, &copy) {
+        std::fs::copy(envoy, &copy)
+            .with_context(|| format!("copying {} for uid 1337", envoy.display()))?;
+    }
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))?;
+    Ok(copy)
+}
