@@ -38,7 +38,7 @@ pub struct Handoff {
 pub trait Directory: Send + Sync {
     /// Takes `handoff` if a pod of this process owns its destination; gives it back
     /// otherwise (the connection then goes over the network).
-    fn offer(&self, handoff: Handoff) -> Result<(), Handoff>;
+    fn offer(&self, handoff: Box<Handoff>) -> Result<(), Box<Handoff>>;
 }
 
 /// The pod a connection's task serves, as a fast-path client.
@@ -86,13 +86,13 @@ pub fn offer(client: &Client, destination: SocketAddr, hello: InProcessHello) ->
         .find(|ip| ip.is_ipv4() == destination.is_ipv4())?;
     let (ours, theirs) = tokio::io::duplex(PIPE_BUFFER);
     let (answer, answered) = oneshot::channel();
-    let handoff = Handoff {
+    let handoff = Box::new(Handoff {
         destination,
         source: SocketAddr::new(*ip, next_port()),
         hello,
         answer,
         stream: theirs,
-    };
+    });
     client.directory.offer(handoff).ok()?;
     Some(Offered {
         stream: ours,

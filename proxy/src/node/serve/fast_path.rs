@@ -52,7 +52,7 @@ impl Registry {
 }
 
 impl Directory for Registry {
-    fn offer(&self, handoff: Handoff) -> Result<(), Handoff> {
+    fn offer(&self, handoff: Box<Handoff>) -> Result<(), Box<Handoff>> {
         let inbound = {
             let all = self.by_ip.read().unwrap_or_else(|e| e.into_inner());
             all.get(&handoff.destination.ip().to_canonical()).cloned()
@@ -75,7 +75,7 @@ impl Directory for Registry {
         };
         inbound
             .proxy
-            .serve_handed(handoff, listener, inbound.inbound_port);
+            .serve_handed(*handoff, listener, inbound.inbound_port);
         Ok(())
     }
 }
