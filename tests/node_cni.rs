@@ -343,7 +343,14 @@ impl NodeAgent {
             .arg(socket)
             .arg("--state-dir")
             .arg(state)
-            .stdout(Stdio::null())
+            // Access log lines (JSON) and logs, in one file.
+            .stdout(
+                std::fs::File::options()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
             .stderr(
                 std::fs::File::options()
                     .create(true)
@@ -374,6 +381,26 @@ impl NodeAgent {
     }
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    /// The access log line matching `pred`, waiting for it up to 5 s (a line is
+    /// written when its connection ends).
+    fn entry(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let log = self.log();
+            let found = log
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v.get("direction").is_some() && pred(v));
+            if let Some(v) = found {
+                return v;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no access log line for {what}:\n{log}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
     fn kill(&mut self) {
         let _ = self.child.kill();
@@ -649,6 +676,13 @@ fn with_capture_cni_pods_talk_through_the_node_process_across_del_re_add_and_res
         netns: &paths[i],
         args: pod_args(["ka", "kb", "kc"][i]),
     };
+    // The runtime's own loopback network first (containerd runs the `loopback` plugin
+    // apart from the conflist): capture redirects to the pod's 127.0.0.1.
+    for i in 0..3 {
+        let lo = json!({"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"});
+        let (ok, out) = runtime.exec("ADD", &invocation(i), &lo);
+        assert!(ok, "loopback ADD: {out}");
+    }
     let add = |i: usize, agent: &NodeAgent| {
         runtime
             .add(&invocation(i))
@@ -677,7 +711,25 @@ fn with_capture_cni_pods_talk_through_the_node_process_across_del_re_add_and_res
     let ab = call(&node, &paths[0], &format!("{b_ip}:8080"));
     assert_eq!(ab["ok"], true, "{ab}\n{}", agent.log());
     assert_eq!(peer_ip(&ab), "127.0.0.6");
-    assert_eq!(ab["server_local"].as_str().unwrap(), format!("{b_ip}:8080"));
+    // Both proxies saw the original destination (their access log lines).
+    let target = format!("{b_ip}:8080");
+    let client_local = ab["client_local"].as_str().unwrap().to_owned();
+    let outbound = agent.entry("a's outbound", |v| {
+        v["direction"] == "outbound" && v["downstream_remote_address"] == client_local.as_str()
+    });
+    assert_eq!(outbound["original_dst"], target.as_str(), "{outbound}");
+    let upstream_local = outbound["upstream_local_address"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        upstream_local.starts_with(&format!("{a_ip}:")),
+        "{outbound}"
+    );
+    let inbound = agent.entry("b's inbound", |v| {
+        v["direction"] == "inbound" && v["downstream_remote_address"] == upstream_local.as_str()
+    });
+    assert_eq!(inbound["original_dst"], target.as_str(), "{inbound}");
     // a to the outside: the outside sees a's own address (a's upstream left from a).
     let out = call(&node, &paths[0], &format!("{gateway}:9090"));
     assert_eq!(out["ok"], true, "{out}\n{}", agent.log());
