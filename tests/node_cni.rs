@@ -304,15 +304,53 @@ struct NodeAgent {
 
 impl NodeAgent {
     fn start(node: &Node, socket: &Path, state: &Path, log: &Path) -> NodeAgent {
+        Self::start_with(node, socket, state, log, None)
+    }
+
+    /// With `capture` (the bpffs root): eBPF capture attached at the node's cgroup, the
+    /// process in a cgroup under it (as the DaemonSet's pod is under the pods' parent).
+    fn start_with(
+        node: &Node,
+        socket: &Path,
+        state: &Path,
+        log: &Path,
+        capture: Option<&Path>,
+    ) -> NodeAgent {
         let _ = std::fs::remove_file(socket);
-        let child = Command::new("nsenter")
-            .arg(format!("--net={}", node.bridge_netns_path().display()))
-            .arg(shunt_bin())
-            .args(["node", "--no-capture", "--cni-socket"])
+        let mut command = match capture {
+            None => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", node.bridge_netns_path().display()))
+                    .arg(shunt_bin())
+                    .args(["node", "--no-capture"]);
+                c
+            }
+            Some(bpffs) => {
+                let mut c = in_cgroup(&node.cgroup_path().join("agent"));
+                c.arg("nsenter")
+                    .arg(format!("--net={}", node.bridge_netns_path().display()))
+                    .arg(shunt_bin())
+                    .arg("node")
+                    .arg("--cgroup")
+                    .arg(node.cgroup_path())
+                    .arg("--bpffs")
+                    .arg(bpffs);
+                c
+            }
+        };
+        let child = command
+            .arg("--cni-socket")
             .arg(socket)
             .arg("--state-dir")
             .arg(state)
-            .stdout(Stdio::null())
+            // Access log lines (JSON) and logs, in one file.
+            .stdout(
+                std::fs::File::options()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
             .stderr(
                 std::fs::File::options()
                     .create(true)
@@ -344,6 +382,26 @@ impl NodeAgent {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+    /// The access log line matching `pred`, waiting for it up to 5 s (a line is
+    /// written when its connection ends).
+    fn entry(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let log = self.log();
+            let found = log
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v.get("direction").is_some() && pred(v));
+            if let Some(v) = found {
+                return v;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no access log line for {what}:\n{log}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -354,6 +412,87 @@ impl Drop for NodeAgent {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A command that joins `cgroup` (made if missing), then execs its arguments.
+fn in_cgroup(cgroup: &Path) -> Command {
+    std::fs::create_dir_all(cgroup).unwrap();
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "echo $$ > {}/cgroup.procs && exec \"$@\"",
+            cgroup.display()
+        ))
+        .arg("sh");
+    c
+}
+
+/// An app process of a sandbox: in the node's apps cgroup (under the one the capture
+/// programs are attached to), in the sandbox's namespace, as uid 1000.
+fn app_command(node: &Node, netns: &Path, testapp_args: &[&str]) -> Command {
+    let mut c = in_cgroup(&node.cgroup_path().join("apps"));
+    c.arg("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args(["-S", "1000", "-G", "1000"])
+        .arg(harness::testapp_bin())
+        .args(testapp_args);
+    c
+}
+
+/// A process killed (and reaped) on drop.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `testapp serve` on `port` in `netns`, once it listens.
+fn serve(node: &Node, netns: &Path, port: u16) -> Running {
+    let child = app_command(
+        node,
+        netns,
+        &["serve", "--listen", &format!("0.0.0.0:{port}")],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let running = Running(child);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let out = Command::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .args(["ss", "-Htln", &format!("sport = :{port}")])
+            .output()
+            .unwrap();
+        if !out.stdout.is_empty() {
+            return running;
+        }
+        assert!(std::time::Instant::now() < deadline, "no app on {port}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// `testapp call` from `netns` to `target`: what it printed (`{"ok":...}`).
+fn call(node: &Node, netns: &Path, target: &str) -> Value {
+    let out = app_command(node, netns, &["call", target, "--bytes", "65536"])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "testapp call {target}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn peer_ip(call: &Value) -> String {
+    let peer: std::net::SocketAddr = call["server_peer"].as_str().unwrap().parse().unwrap();
+    peer.ip().to_string()
 }
 
 /// `GET /healthz/ready` on the pod's 15021 (the pod's own proxy instance), from the node.
@@ -491,6 +630,145 @@ fn a_running_shunt_node_serves_each_pod_the_instant_its_add_returns() {
         runtime.del(&invocation(i), Some(result));
     }
     assert!(listening_ports(&sandboxes[0]).is_empty());
+}
+
+/// With capture on (eBPF attached at the node's cgroup, fail-closed): pods built by
+/// bridge + host-local with shunt-cni chained reach each other and the outside through
+/// the node process, original destinations kept, the inbound side seeing 127.0.0.6 as
+/// behind a sidecar; a pod's first call, made the instant its ADD returned, goes
+/// through; DEL releases a pod; with the agent killed calls are refused, and the next
+/// agent serves the recorded pods again; a pod ADDed again is served.
+#[test]
+fn with_capture_cni_pods_talk_through_the_node_process_across_del_re_add_and_restart() {
+    let node = Node::new().unwrap();
+    let scratch = Scratch::new("capture");
+    let scratch = &scratch.0;
+    std::os::unix::fs::symlink(shunt_bin(), scratch.join("bin/shunt-cni")).unwrap();
+    let socket = scratch.join("cni.sock");
+    let state = scratch.join("state");
+    let log = scratch.join("node.log");
+    let pins = Pins(PathBuf::from(format!(
+        "/sys/fs/bpf/shunt-test-{}-cni-capture",
+        std::process::id()
+    )));
+    let runtime = Runtime {
+        host_netns: node.bridge_netns_path(),
+        cni_path: format!("{CNI_PLUGINS}:{}", scratch.join("bin").display()),
+        conflist: json!({
+            "cniVersion": "1.0.0",
+            "name": "k8s-pod-network",
+            "plugins": [
+                {"type": "bridge", "bridge": "cni0", "isGateway": true,
+                 "ipam": {"type": "host-local", "dataDir": scratch.join("ipam"),
+                          "ranges": [[{"subnet": "10.89.0.0/24"}]]}},
+                {"type": "shunt-cni", "agent_socket": socket, "agent_unavailable": "fail"}
+            ]
+        }),
+    };
+    let mut agent = NodeAgent::start_with(&node, &socket, &state, &log, Some(&pins.0));
+    let sandboxes: Vec<Sandbox> = ["a", "b", "c"]
+        .iter()
+        .map(|t| Sandbox::new(&format!("k{t}")))
+        .collect();
+    let paths: Vec<PathBuf> = sandboxes.iter().map(Sandbox::path).collect();
+    let invocation = |i: usize| Invocation {
+        container_id: ["ktr-a", "ktr-b", "ktr-c"][i],
+        netns: &paths[i],
+        args: pod_args(["ka", "kb", "kc"][i]),
+    };
+    // The runtime's own loopback network first (containerd runs the `loopback` plugin
+    // apart from the conflist): capture redirects to the pod's 127.0.0.1.
+    for i in 0..3 {
+        let lo = json!({"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"});
+        let (ok, out) = runtime.exec("ADD", &invocation(i), &lo);
+        assert!(ok, "loopback ADD: {out}");
+    }
+    let add = |i: usize, agent: &NodeAgent| {
+        runtime
+            .add(&invocation(i))
+            .unwrap_or_else(|e| panic!("ADD {i}: {e}\n{}", agent.log()))
+    };
+    let a = add(0, &agent);
+    let b = add(1, &agent);
+    let (a_ip, b_ip) = (address(&a), address(&b));
+    let _app_b = serve(&node, &paths[1], 8080);
+    // The outside: an app in the node's namespace, at the bridge's gateway.
+    let gateway = "10.89.0.1";
+    let _outside = serve(&node, &node.bridge_netns_path(), 9090);
+
+    // c's first call, the instant its ADD returned: captured and served.
+    let c = add(2, &agent);
+    let first = call(&node, &paths[2], &format!("{b_ip}:8080"));
+    assert_eq!(first["ok"], true, "{first}\n{}", agent.log());
+    assert_eq!(
+        peer_ip(&first),
+        "127.0.0.6",
+        "b's app sees the inbound passthrough"
+    );
+    assert_eq!(first["bytes"], 65536);
+
+    // a to b: through a's outbound and b's inbound, original destination kept.
+    let ab = call(&node, &paths[0], &format!("{b_ip}:8080"));
+    assert_eq!(ab["ok"], true, "{ab}\n{}", agent.log());
+    assert_eq!(peer_ip(&ab), "127.0.0.6");
+    // Both proxies saw the original destination (their access log lines).
+    let target = format!("{b_ip}:8080");
+    let client_local = ab["client_local"].as_str().unwrap().to_owned();
+    let outbound = agent.entry("a's outbound", |v| {
+        v["direction"] == "outbound" && v["downstream_remote_address"] == client_local.as_str()
+    });
+    assert_eq!(outbound["original_dst"], target.as_str(), "{outbound}");
+    let upstream_local = outbound["upstream_local_address"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        upstream_local.starts_with(&format!("{a_ip}:")),
+        "{outbound}"
+    );
+    let inbound = agent.entry("b's inbound", |v| {
+        v["direction"] == "inbound" && v["downstream_remote_address"] == upstream_local.as_str()
+    });
+    assert_eq!(inbound["original_dst"], target.as_str(), "{inbound}");
+    // a to the outside: the outside sees a's own address (a's upstream left from a).
+    let out = call(&node, &paths[0], &format!("{gateway}:9090"));
+    assert_eq!(out["ok"], true, "{out}\n{}", agent.log());
+    assert_eq!(peer_ip(&out), a_ip);
+
+    // DEL c: released, its listeners closed.
+    runtime.del(&invocation(2), Some(&c));
+    assert!(listening_ports(&sandboxes[2]).is_empty());
+
+    // The agent dies: fail-closed, a's calls are refused in the kernel.
+    agent.kill();
+    let refused = call(&node, &paths[0], &format!("{b_ip}:8080"));
+    assert_eq!(refused["ok"], false, "{refused}");
+    // A new agent serves the recorded pods again before it takes requests.
+    let agent = NodeAgent::start_with(&node, &socket, &state, &log, Some(&pins.0));
+    let again = call(&node, &paths[0], &format!("{b_ip}:8080"));
+    assert_eq!(again["ok"], true, "{again}\n{}", agent.log());
+    assert_eq!(peer_ip(&again), "127.0.0.6");
+
+    // c ADDed again: served at once.
+    let c = add(2, &agent);
+    let back = call(&node, &paths[2], &format!("{b_ip}:8080"));
+    assert_eq!(back["ok"], true, "{back}\n{}", agent.log());
+    assert_eq!(peer_ip(&back), "127.0.0.6");
+
+    for (i, result) in [(0, &a), (1, &b), (2, &c)] {
+        runtime.del(&invocation(i), Some(result));
+    }
+    drop(agent);
+    let _ = std::fs::remove_dir(node.cgroup_path().join("agent"));
+}
+
+/// Removes the bpffs root (every pin: links detach, maps go) even when a test fails.
+struct Pins(PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = Command::new("rm").arg("-rf").arg(&self.0).status();
+    }
 }
 
 /// The plugin's name, the agent's socket and state, host-local's leases; removed on drop.

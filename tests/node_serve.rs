@@ -124,6 +124,51 @@ impl NodeAgent {
         Duration::from_micros(micros)
     }
 
+    /// Enrolls `pod` as service account `sa` (per-pod proxies from the control plane).
+    fn add_as(&mut self, pod: &Pod, sa: &str) {
+        let uid = pod.name().to_owned();
+        self.send(&format!(
+            "add {uid} {} default {} {} {} sa={sa}",
+            pod.name(),
+            pod.netns_path().display(),
+            pod.ipv4(),
+            pod.ipv6()
+        ));
+        let reply = self.wait_reply(&format!("@added {uid} "));
+        assert!(reply.starts_with("@added"), "{reply}\n{}", self.stderr());
+    }
+
+    /// Waits until the pod's proxy has its first configuration (its health port's
+    /// `/healthz/ready` answers 200 from then on).
+    fn wait_ready(&mut self, pod: &Pod) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.send(&format!("ready {}", pod.name()));
+            let reply = self.wait_reply(&format!("@ready {} ", pod.name()));
+            if reply.ends_with(" true") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} never ready\n{}",
+                pod.name(),
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A counter of the pod's own proxy.
+    fn stat(&mut self, pod: &Pod, name: &str) -> u64 {
+        self.send(&format!("stat {} {name}", pod.name()));
+        let reply = self.wait_reply(&format!("@stat {} ", pod.name()));
+        reply
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("stat {name}: {reply}"))
+    }
+
     fn remove(&mut self, pod: &Pod) {
         self.send(&format!("remove {}", pod.name()));
         self.wait_reply(&format!("@removed {}", pod.name()));
@@ -505,4 +550,438 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
         "the new process served"
     );
     println!("hand-over: {} calls, 0 failed", results.len());
+}
+
+/// How many connections to the Unix socket `path` process `pid` holds. The server's
+/// end of each carries the path and belongs to the client's network namespace (the
+/// kernel makes it there), so it is listed in the client's `/proc/PID/net/unix`,
+/// connected (state 03).
+fn connections_to(pid: u32, path: &std::path::Path) -> usize {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).expect("net/unix");
+    let path = path.display().to_string();
+    table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() == 8 && f[7] == path && f[5] == "03")
+        .count()
+}
+
+/// The template bootstrap every pod's proxy starts from: ADS over `socket` (a static
+/// `xds-grpc` cluster with a `pipe` endpoint, as Istio's) and the `sds-grpc` cluster
+/// Istio's configs name for certificates (served in the node process, per pod).
+fn pod_template(dir: &std::path::Path, socket: &std::path::Path) -> PathBuf {
+    let mut bootstrap = support::xds::bootstrap(socket, false);
+    let object = bootstrap.as_object_mut().unwrap();
+    object.remove("admin");
+    object["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .push(support::xds::pipe_cluster(
+            "sds-grpc",
+            std::path::Path::new("./var/run/secrets/workload-spiffe-uds/socket"),
+        ));
+    let path = dir.join("pods.json");
+    std::fs::write(&path, bootstrap.to_string()).unwrap();
+    path
+}
+
+/// b's inbound: TLS with b's own certificate (`default` over SDS), a client
+/// certificate required, chaining to `ROOTCA` and naming `client` as its SPIFFE id.
+fn mtls_inbound(
+    name: &str,
+    port: u16,
+    cluster: &str,
+    client: &str,
+) -> envoy_types::pb::envoy::config::listener::v3::Listener {
+    use envoy_types::pb::envoy::config::core::v3::{TransportSocket, transport_socket};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::subject_alt_name_matcher::SanType;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
+        SubjectAltNameMatcher, common_tls_context,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
+    let sds = |name: &str| SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(harness::ads::resources::grpc_source("sds-grpc")),
+    };
+    let tls = DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![sds("default")],
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::CombinedValidationContext(
+                    common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(CertificateValidationContext {
+                            match_typed_subject_alt_names: vec![SubjectAltNameMatcher {
+                                san_type: SanType::Uri as i32,
+                                matcher: Some(StringMatcher {
+                                    match_pattern: Some(string_matcher::MatchPattern::Exact(
+                                        client.into(),
+                                    )),
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        }),
+                        validation_context_sds_secret_config: Some(sds("ROOTCA")),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        ..Default::default()
+    };
+    let mut listener = harness::ads::resources::tcp_proxy_listener(
+        name,
+        SocketAddr::from(([0, 0, 0, 0], port)),
+        cluster,
+    );
+    listener.filter_chains[0].transport_socket = Some(TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(
+            harness::ads::AdsServer::any(&tls),
+        )),
+    });
+    listener.traffic_direction =
+        envoy_types::pb::envoy::config::core::v3::TrafficDirection::Inbound as i32;
+    // tcp_proxy's access log on the node process's stdout.
+    use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
+    use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
+    use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
+    use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
+    use prost::Message;
+    let filter = &mut listener.filter_chains[0].filters[0];
+    if let Some(ConfigType::TypedConfig(any)) = &mut filter.config_type {
+        let mut proxy = TcpProxy::decode(any.value.as_slice()).unwrap();
+        proxy.access_log = vec![AccessLog {
+            name: "envoy.access_loggers.file".into(),
+            config_type: Some(access_log::ConfigType::TypedConfig(
+                harness::ads::AdsServer::any(&FileAccessLog {
+                    path: "/dev/stdout".into(),
+                    ..Default::default()
+                }),
+            )),
+            ..Default::default()
+        }];
+        *any = harness::ads::AdsServer::any(&proxy);
+    }
+    listener
+}
+
+const TOKEN: &str = "node-token";
+
+fn spiffe(sa: &str) -> String {
+    format!("spiffe://cluster.local/ns/default/sa/{sa}")
+}
+
+fn xds_id(pod: &Pod) -> String {
+    format!(
+        "sidecar~{}~{}.default~default.svc.cluster.local",
+        pod.ipv4(),
+        pod.name()
+    )
+}
+
+/// A node of two pods served by one node process with per-pod proxies from a test
+/// control plane and certificates from a test CA: a (service account `sa`) calls b
+/// (`sb`) over mTLS; a's outbound requires b's SPIFFE id, b's inbound requires
+/// `b_requires`. Fields drop in order: the node process first, the node last.
+struct Mesh {
+    agent: NodeAgent,
+    _app: harness::PodProcess,
+    ads: harness::ads::AdsServer,
+    _ads_dir: TempDir,
+    socket: PathBuf,
+    ca: harness::ca::TestCa,
+    a: Pod,
+    b: Pod,
+    node: Node,
+    _pins: Pins,
+    _tmp: TempDir,
+}
+
+impl Mesh {
+    fn start(tag: &str, b_requires: &str, flags: &[&str]) -> Mesh {
+        use harness::ads::resources::{grpc_source, named, tcp_proxy_listener, with_upstream_mtls};
+        use harness::ads::type_urls;
+        let mut node = Node::new().expect("node");
+        let a = node.add_pod("a").expect("pod a");
+        let b = node.add_pod("b").expect("pod b");
+        let app = start_app(&b, &[8080]);
+        let pins = Pins(bpffs_root(tag));
+        let tmp = TempDir::new(tag);
+        let gateway = IpAddr::V4(node.gateway_ipv4());
+        let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
+            harness::ca::TestCa::start_on(&tmp.0, TOKEN, Duration::from_secs(3600), gateway)
+        })
+        .unwrap()
+        .unwrap();
+        let token = tmp.0.join("token");
+        std::fs::write(&token, TOKEN).unwrap();
+        let (ads_dir, socket, ads) = support::xds::unix_server(&format!("{tag}-ads"));
+        let template = pod_template(&tmp.0, &socket);
+
+        // a: 15001 proxies to b's app over mTLS, requiring b's identity.
+        let to_b = with_upstream_mtls(
+            harness::ads::resources::eds_cluster("to-b", harness::ads::resources::ads_source(), 2),
+            grpc_source("sds-grpc"),
+            "default",
+            "ROOTCA",
+            &spiffe("sb"),
+        );
+        ads.set_for_node(
+            &xds_id(&a),
+            type_urls::CLUSTER,
+            "a1",
+            vec![named("to-b", &to_b)],
+        );
+        ads.set_for_node(
+            &xds_id(&a),
+            type_urls::ENDPOINT,
+            "a1",
+            vec![named(
+                "to-b",
+                &harness::ads::resources::load_assignment("to-b", &[v4(&b, 8080)]),
+            )],
+        );
+        ads.set_for_node(
+            &xds_id(&a),
+            type_urls::LISTENER,
+            "a1",
+            vec![named(
+                "virtualOutbound",
+                &tcp_proxy_listener(
+                    "virtualOutbound",
+                    SocketAddr::from(([0, 0, 0, 0], 15001)),
+                    "to-b",
+                ),
+            )],
+        );
+        // b: 15006 terminates mTLS, requiring `b_requires`, to its app on loopback.
+        ads.set_for_node(
+            &xds_id(&b),
+            type_urls::CLUSTER,
+            "b1",
+            vec![support::xds::eds_cluster("inbound-app", 2)],
+        );
+        ads.set_for_node(
+            &xds_id(&b),
+            type_urls::ENDPOINT,
+            "b1",
+            vec![named(
+                "inbound-app",
+                &harness::ads::resources::load_assignment("inbound-app", &[local(8080)]),
+            )],
+        );
+        ads.set_for_node(
+            &xds_id(&b),
+            type_urls::LISTENER,
+            "b1",
+            vec![named(
+                "virtualInbound",
+                &mtls_inbound("virtualInbound", 15006, "inbound-app", &spiffe(b_requires)),
+            )],
+        );
+
+        let config = template.display().to_string();
+        let ca_root = ca.root_file.display().to_string();
+        let ca_token = token.display().to_string();
+        let ca_addr = ca.address();
+        let mut args = vec![
+            "--config",
+            &config,
+            "--ca-addr",
+            &ca_addr,
+            "--ca-root",
+            &ca_root,
+            "--ca-token",
+            &ca_token,
+        ];
+        args.extend_from_slice(flags);
+        let mut agent = NodeAgent::start(&node, &pins.0, &args);
+        agent.add_as(&a, "sa");
+        agent.add_as(&b, "sb");
+        Mesh {
+            agent,
+            _app: app,
+            ads,
+            _ads_dir: ads_dir,
+            socket,
+            ca,
+            a,
+            b,
+            node,
+            _pins: pins,
+            _tmp: tmp,
+        }
+    }
+
+    /// a's app calls b's app through both pods' proxies.
+    fn call(&self) -> anyhow::Result<harness::Call> {
+        Caller {
+            bytes: 1 << 16,
+            ..Caller::app(&self.a)
+        }
+        .call(v4(&self.b, 8080))
+    }
+
+    /// b's inbound access log line of a connection from a (tcp_proxy's log).
+    fn inbound_entry(&self) -> Value {
+        self.agent.entry("b's inbound", |v| {
+            v["direction"] == "inbound" && v["upstream_cluster"] == "inbound-app"
+        })
+    }
+}
+
+/// Per-pod identity and config: two pods of one node process are two xDS nodes (each
+/// with Istio's sidecar id and its own metadata), get different listeners and clusters
+/// from the control plane, and certificates of their own service accounts from the CA.
+/// a's outbound originates mTLS requiring b's SPIFFE id; b's inbound requires a's: the
+/// call only goes through if each pod's proxy has its own config and certificate.
+#[test]
+fn each_pod_is_its_own_xds_node_with_its_own_config_and_certificate() {
+    // Over the network, with real TLS between the two pods' proxies.
+    let mut mesh = Mesh::start("node-xds", "sa", &["--no-fast-path"]);
+    // The instant enrollment returned, before either pod has its config: the call
+    // waits in the pods' backlogs and goes through once they have it.
+    let call = mesh.call().unwrap_or_else(|e| {
+        panic!(
+            "a -> b through both pods' proxies: {e:#}\n{}",
+            mesh.agent.stderr()
+        )
+    });
+    let Mesh {
+        agent,
+        ads,
+        ca,
+        a,
+        b,
+        node,
+        socket,
+        ..
+    } = &mut mesh;
+    let (a, b) = (&*a, &*b);
+    let id = xds_id;
+    assert_eq!(call.bytes, 1 << 16);
+    // b's app is reached from b's own loopback (b's proxy, inside b).
+    assert_eq!(call.server_peer.ip(), IpAddr::from([127, 0, 0, 1]));
+
+    // Each pod's stream carried its own node: Istio's id and the pod's metadata.
+    for (pod, sa) in [(a, "sa"), (b, "sb")] {
+        let first = ads
+            .requests()
+            .into_iter()
+            .find(|r| r.node_id.as_deref() == Some(id(pod).as_str()) && r.node.is_some())
+            .unwrap_or_else(|| panic!("no ADS stream from {}", id(pod)));
+        let node = first.node.unwrap();
+        assert_eq!(node.cluster, format!("{}.default", pod.name()));
+        let meta = |key: &str| match node
+            .metadata
+            .as_ref()
+            .and_then(|m| m.fields.get(key))
+            .and_then(|v| v.kind.clone())
+        {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(s)) => s,
+            other => panic!("{key} of {}: {other:?}", id(pod)),
+        };
+        assert_eq!(meta("SERVICE_ACCOUNT"), sa);
+        assert_eq!(meta("NAMESPACE"), "default");
+        assert_eq!(meta("NAME"), pod.name());
+        assert_eq!(
+            meta("INSTANCE_IPS"),
+            format!("{},{}", pod.ipv4(), pod.ipv6())
+        );
+        // The template's metadata is kept under the pod's.
+        assert_eq!(meta("ISTIO_VERSION"), "1.24.0");
+    }
+    // Two streams (an xDS stream carries one node), one connection to the control plane.
+    assert_eq!(ads.streams(), 2);
+    assert_eq!(
+        connections_to(agent.child.id(), socket),
+        1,
+        "pods share the control plane connection"
+    );
+    // One CA client per service account: each identity asked for (and signed) once.
+    let mut asked: Vec<String> = ca
+        .calls()
+        .iter()
+        .filter(|c| c.refused.is_none())
+        .flat_map(|c| c.uris.clone())
+        .collect();
+    asked.sort();
+    assert_eq!(asked, vec![spiffe("sa"), spiffe("sb")]);
+
+    // Each pod's stats are its own: a counted the outbound connection, b the inbound.
+    assert_eq!(agent.stat(a, "tcp.virtualOutbound.downstream_cx_total"), 1);
+    assert_eq!(agent.stat(b, "tcp.virtualOutbound.downstream_cx_total"), 0);
+    assert_eq!(agent.stat(b, "tcp.virtualInbound.downstream_cx_total"), 1);
+    assert_eq!(agent.stat(a, "tcp.virtualInbound.downstream_cx_total"), 0);
+    // Over the network: a real handshake on each side.
+    assert_eq!(agent.stat(a, "cluster.to-b.ssl.handshake"), 1);
+    assert_eq!(agent.stat(b, "listener.0.0.0.0_15006.ssl.handshake"), 1);
+
+    // A third pod of a's service account shares a's CA client: no new certificate.
+    let c = node.add_pod("c").expect("pod c");
+    agent.add_as(&c, "sa");
+    let signed = ca.calls().iter().filter(|c| c.refused.is_none()).count();
+    assert_eq!(signed, 2, "{:?}", ca.calls());
+}
+
+/// The same-node fast path: a's mTLS connection to b, both pods of this process, is
+/// handed to b's inbound side in process: no TLS handshake on either side, yet b's
+/// inbound still checks a's certificate (its required SPIFFE id), counts the
+/// connection, logs a's address as the client's, and connects to b's app from inside
+/// b. With b requiring another identity the handed connection is refused as the
+/// handshake would have been.
+#[test]
+fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied() {
+    let mut mesh = Mesh::start("node-fast", "sa", &[]);
+    let (a, b) = (mesh.a.clone(), mesh.b.clone());
+    // Until b has its inbound listener a connection to it waits in its backlog, over
+    // the network; from then on it is handed over.
+    mesh.agent.wait_ready(&a);
+    mesh.agent.wait_ready(&b);
+    let call = mesh
+        .call()
+        .unwrap_or_else(|e| panic!("a -> b over the fast path: {e:#}\n{}", mesh.agent.stderr()));
+    assert_eq!(call.bytes, 1 << 16);
+    assert_eq!(call.server_peer.ip(), IpAddr::from([127, 0, 0, 1]));
+    let inbound = mesh.inbound_entry();
+    let remote: SocketAddr = inbound["downstream_remote_address"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(remote.ip(), IpAddr::V4(mesh.a.ipv4()), "{inbound}");
+    assert_eq!(inbound["bytes_received"], 1 << 16, "{inbound}");
+    let agent = &mut mesh.agent;
+    assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 1);
+    assert_eq!(agent.stat(&a, "cluster.to-b.upstream_cx_total"), 1);
+    // No handshake on either side.
+    assert_eq!(agent.stat(&a, "cluster.to-b.ssl.handshake"), 0);
+    assert_eq!(agent.stat(&b, "listener.0.0.0.0_15006.ssl.handshake"), 0);
+    assert_eq!(
+        agent.stat(&b, "listener.0.0.0.0_15006.ssl.connection_error"),
+        0
+    );
+    drop(mesh);
+
+    // b requires an identity a does not have: refused on the fast path too.
+    let mut mesh = Mesh::start("node-fast-deny", "sx", &[]);
+    let (a, b) = (mesh.a.clone(), mesh.b.clone());
+    mesh.agent.wait_ready(&a);
+    mesh.agent.wait_ready(&b);
+    let refused = Caller::app(&mesh.a).call_json(v4(&mesh.b, 8080));
+    assert_eq!(refused["ok"], false, "{refused}");
+    let agent = &mut mesh.agent;
+    assert_eq!(
+        agent.stat(&b, "listener.0.0.0.0_15006.ssl.connection_error"),
+        1
+    );
+    assert_eq!(agent.stat(&a, "cluster.to-b.ssl.connection_error"), 1);
+    assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 0);
 }

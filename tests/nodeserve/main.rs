@@ -7,10 +7,15 @@
 //! remove UID                                   -> @removed UID
 //! served                                       -> @served UID,UID,...
 //! rss                                          -> @rss KIB
+//! ready UID                                    -> @ready UID true|false
+//! stat UID NAME                                -> @stat UID VALUE (the pod's proxy's counter)
 //! handover PATH                                -> @handed-over N (once a new process took them)
 //! ```
 //!
 //! `--take-over PATH` starts by taking every pod from the process handing over at PATH.
+//! `--config FILE` gives each pod a proxy of its own from the control plane FILE names
+//! (with `--ca-addr`, `--ca-root`, `--ca-token`: a certificate per service account); an
+//! `add` line may then carry `sa=ACCOUNT` among its addresses.
 //!
 //! Replies start with `@`; every other stdout line is an access log entry (JSON). The
 //! process joins `--join-cgroup` before opening any socket (its sockets must be under
@@ -25,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use shunt::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use shunt::node::serve::proxy::{CaTemplate, Template};
 use shunt::node::serve::{NodeOptions, NodePods, PodCapture};
 use shunt::node::{PodInfo, Pods};
 
@@ -46,6 +52,20 @@ struct Args {
     /// Take every pod from an old process handing over at this Unix socket.
     #[arg(long)]
     take_over: Option<PathBuf>,
+    /// The pods' bootstrap template (per-pod proxies from the control plane).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The mesh CA for the pods' certificates (host:port).
+    #[arg(long)]
+    ca_addr: Option<String>,
+    #[arg(long)]
+    ca_root: Option<PathBuf>,
+    #[arg(long)]
+    ca_token: Option<PathBuf>,
+    /// Same-node mTLS connections go over the network instead of being handed over in
+    /// process.
+    #[arg(long)]
+    no_fast_path: bool,
     #[command(flatten)]
     capture: shunt_capture::CaptureArgs,
 }
@@ -82,9 +102,21 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let options = NodeOptions {
         drain_time: Duration::from_secs(args.drain_time_s),
+        fast_path: !args.no_fast_path,
         ..NodeOptions::default()
     };
-    let pods = Arc::new(NodePods::new(options, runtime.handle().clone(), capture));
+    let mut pods = NodePods::new(options, runtime.handle().clone(), capture);
+    if let Some(config) = &args.config {
+        let ca = args.ca_addr.as_ref().map(|address| CaTemplate {
+            address: address.clone(),
+            server_name: None,
+            root_cert: args.ca_root.clone().expect("--ca-root with --ca-addr"),
+            token_path: args.ca_token.clone().expect("--ca-token with --ca-addr"),
+            trust_domain: "cluster.local".into(),
+        });
+        pods = pods.with_config(Template::load(config, ca)?);
+    }
+    let pods = Arc::new(pods);
     if let Some(path) = &args.take_over {
         let n = shunt::node::serve::handover::take_over(&pods, path)?;
         reply(&format!("took {n}"));
@@ -106,7 +138,10 @@ fn main() -> anyhow::Result<()> {
                             container_id: format!("sandbox-{uid}"),
                             netns_path: Some(netns.into()),
                             ips: ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
-                            service_account: None,
+                            service_account: ips
+                                .iter()
+                                .find_map(|w| w.strip_prefix("sa="))
+                                .map(str::to_owned),
                         };
                         pods.add(pod, OwnedFd::from(f)).map_err(|e| e.to_string())
                     });
@@ -124,6 +159,22 @@ fn main() -> anyhow::Result<()> {
                 reply(&format!("served {}", uids.join(",")));
             }
             ["rss"] => reply(&format!("rss {}", rss_kib())),
+            ["ready", uid] => {
+                let ready = pods
+                    .summaries()
+                    .iter()
+                    .any(|s| s.info.uid == *uid && s.ready);
+                reply(&format!("ready {uid} {ready}"));
+            }
+            ["stat", uid, name] => {
+                let value = pods
+                    .proxy_stats(uid)
+                    .map(|stats| stats.counter(name).value());
+                match value {
+                    Some(v) => reply(&format!("stat {uid} {v}")),
+                    None => reply(&format!("error {uid} no proxy stats")),
+                }
+            }
             ["handover", path] => {
                 let (pods, path) = (pods.clone(), PathBuf::from(path));
                 std::thread::spawn(move || {

@@ -79,6 +79,48 @@ enum Accepted {
         metadata: PassedMetadata,
         filter_state: SharedFilterState,
     },
+    /// A same-node connection handed over in process (node mode's fast path): TLS in
+    /// all but the bytes, the client's chain to verify and ours to send back.
+    Handed {
+        stream: tokio::io::DuplexStream,
+        hello: crate::tls::context::InProcessHello,
+        answer: Option<HandedAnswer>,
+    },
+}
+
+type HandedAnswer =
+    tokio::sync::oneshot::Sender<Result<Vec<rustls::pki_types::CertificateDer<'static>>, String>>;
+
+/// Serves a same-node connection handed over in process as if it had been accepted on
+/// `listener_name` (bound at `bound_port`) over mTLS: the client is `handoff.source`,
+/// its destination `handoff.destination`.
+pub async fn handle_handed(
+    handoff: crate::upstream::same_node::Handoff,
+    listener_name: Arc<str>,
+    bound_port: u16,
+    ctx: Arc<Context>,
+) {
+    let crate::upstream::same_node::Handoff {
+        destination,
+        source,
+        hello,
+        answer,
+        stream,
+    } = handoff;
+    let accepted = Accepted::Handed {
+        stream,
+        hello,
+        answer: Some(answer),
+    };
+    serve(
+        accepted,
+        canonical(source),
+        canonical(destination),
+        listener_name,
+        bound_port,
+        ctx,
+    )
+    .await;
 }
 
 /// Serves one connection accepted by `listener_name` on its socket bound to `bound`.
@@ -197,7 +239,7 @@ async fn serve(
     // An internal connection's local address is the one restored.
     let local = match accepted {
         Accepted::Internal { .. } => facts.destination,
-        Accepted::Tcp(_) => local,
+        Accepted::Tcp(_) | Accepted::Handed { .. } => local,
     };
 
     let mut entry = Entry::start(listener.direction, remote, local);
@@ -227,7 +269,49 @@ async fn serve(
     let _active = stats.connection();
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     let secure = chain.transport_socket.is_some();
+    let mut handed_session = None;
     let stream = match (&chain.transport_socket, accepted) {
+        (None, Accepted::Handed { answer, .. }) => {
+            // What a TLS client meets on a plaintext chain: no handshake.
+            if let Some(answer) = answer {
+                let _ = answer.send(Err(format!(
+                    "filter chain {:?} of listener {:?} has no TLS",
+                    chain.name, listener.name
+                )));
+            }
+            return;
+        }
+        (
+            Some(tls),
+            Accepted::Handed {
+                stream,
+                hello,
+                answer,
+            },
+        ) => {
+            let current = ctx.config.request_config();
+            let verified = tls
+                .verify_in_process_client(current.secrets(), &hello)
+                .and_then(|alpn| Ok((alpn, tls.in_process_chain(current.secrets())?)));
+            let (alpn, ours) = match verified {
+                Ok(verified) => verified,
+                Err(err) => {
+                    stats.ssl.connection_error.inc();
+                    tracing::debug!(listener = %listener.name, %err, "same-node client refused");
+                    if let Some(answer) = answer {
+                        let _ = answer.send(Err(err.to_string()));
+                    }
+                    return;
+                }
+            };
+            if let Some(answer) = answer
+                && answer.send(Ok(ours)).is_err()
+            {
+                return;
+            }
+            handed_session = Some(handed_session_info(&hello, alpn));
+            TransportStream::in_process(stream)
+        }
         (None, Accepted::Tcp(stream)) => TransportStream::Raw(stream),
         (None, Accepted::Internal { stream, .. }) => TransportStream::in_process(stream),
         (Some(_), Accepted::Internal { .. }) => {
@@ -262,7 +346,7 @@ async fn serve(
     let mut connection = crate::stream_info::Connection::new(facts.destination, remote);
     connection.socket_local = local;
     connection.requested_server_name = facts.server_name.clone();
-    if let Some(session) = stream.session_info() {
+    if let Some(session) = handed_session.or_else(|| stream.session_info()) {
         if session.server_name.is_some() {
             connection.requested_server_name = session.server_name;
         }
@@ -465,6 +549,22 @@ async fn run_listener_filters(
                 facts.restored = true;
             }
         }
+        Accepted::Handed { hello, .. } => {
+            // The destination is known, and so is what the TLS inspector would read.
+            if filters.original_dst && !facts.restored {
+                facts.restored = true;
+            }
+            if filters.tls_inspector {
+                facts.transport_protocol = "tls";
+                facts.server_name = hello.server_name.clone();
+                facts.application_protocols = hello
+                    .alpn
+                    .iter()
+                    .map(|p| String::from_utf8_lossy(p).into_owned())
+                    .collect();
+            }
+            return true;
+        }
         Accepted::Internal {
             metadata,
             filter_state,
@@ -518,6 +618,8 @@ async fn look<T>(
     match accepted {
         Accepted::Tcp(stream) => inspector::peek_until(stream, max, decide).await,
         Accepted::Internal { stream, .. } => stream.inspect(max, decide).await,
+        // Never inspected: its facts come with it.
+        Accepted::Handed { .. } => Err(std::io::ErrorKind::Unsupported.into()),
     }
 }
 
@@ -550,5 +652,32 @@ async fn inspect(filters: &ListenerFilters, accepted: &mut Accepted, facts: &mut
         if let Ok(Some(protocol)) = protocol {
             facts.application_protocols = vec![protocol.to_owned()];
         }
+    }
+}
+
+/// The session a handshake with `hello` would have made: the client's certificate and
+/// its SANs, the protocol chosen.
+fn handed_session_info(
+    hello: &crate::tls::context::InProcessHello,
+    alpn: Option<String>,
+) -> crate::tls::stream::SessionInfo {
+    let mut tls = crate::stream_info::Tls {
+        version: Some("TLSv1_3"),
+        ..Default::default()
+    };
+    if let Some(leaf) = hello.chain.first() {
+        tls.peer_certificate_presented = true;
+        for san in crate::tls::san::of_certificate(leaf) {
+            match san {
+                crate::tls::san::San::Uri(uri) => tls.peer_uri_sans.push(uri),
+                crate::tls::san::San::Dns(dns) => tls.peer_dns_sans.push(dns),
+                _ => {}
+            }
+        }
+    }
+    crate::tls::stream::SessionInfo {
+        tls,
+        server_name: hello.server_name.clone(),
+        alpn,
     }
 }

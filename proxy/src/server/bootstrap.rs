@@ -291,7 +291,7 @@ async fn serve(
                     let live = live.clone();
                     Box::new(move || live.set_ready())
                 },
-                bind,
+                Arc::new(bind),
                 bound,
                 xds.dns,
             ))

@@ -16,6 +16,7 @@ use crate::node::enroll::Enrollment;
 use crate::node::enroll::cni_server::CniServer;
 use crate::node::enroll::zds::ZdsClient;
 use crate::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use crate::node::serve::proxy::{CaTemplate, Template};
 use crate::node::serve::{NodeOptions, NodePods, PodCapture};
 
 /// Where pods come from: the sockets and the state directory.
@@ -30,6 +31,56 @@ pub struct EnrollArgs {
     /// Where enrolled pods are recorded, to be rebuilt after a restart.
     #[arg(long, default_value = "/var/lib/shunt/node", value_name = "DIR")]
     pub state_dir: PathBuf,
+}
+
+/// Where each pod's proxy gets its config and certificate.
+#[derive(Args, Debug, Clone)]
+pub struct PodConfigArgs {
+    /// The bootstrap every pod's proxy starts from (its `node` is the pod's, Istio's
+    /// sidecar id and metadata); without it pods get the passthrough proxy.
+    #[arg(long = "pod-bootstrap", value_name = "FILE")]
+    pub bootstrap: Option<PathBuf>,
+    /// The mesh CA each service account's certificate comes from (`host:port`);
+    /// without it pods have no workload certificate.
+    #[arg(long, value_name = "HOST:PORT", requires = "bootstrap")]
+    pub ca_addr: Option<String>,
+    /// The TLS name of the CA's certificate (default: the host of --ca-addr).
+    #[arg(long, value_name = "NAME")]
+    pub ca_server_name: Option<String>,
+    /// The mesh root, trusted for the CA and for what it issues.
+    #[arg(
+        long,
+        default_value = "/var/run/secrets/istio/root-cert.pem",
+        value_name = "PATH"
+    )]
+    pub ca_root_cert: PathBuf,
+    /// The token presented to the CA.
+    #[arg(
+        long,
+        default_value = "/var/run/secrets/tokens/istio-token",
+        value_name = "PATH"
+    )]
+    pub ca_token: PathBuf,
+    #[arg(long, default_value = "cluster.local", value_name = "DOMAIN")]
+    pub trust_domain: String,
+}
+
+impl PodConfigArgs {
+    fn template(&self) -> anyhow::Result<Option<Template>> {
+        let Some(path) = &self.bootstrap else {
+            return Ok(None);
+        };
+        let ca = self.ca_addr.as_ref().map(|address| CaTemplate {
+            address: address.clone(),
+            server_name: self.ca_server_name.clone(),
+            root_cert: self.ca_root_cert.clone(),
+            token_path: self.ca_token.clone(),
+            trust_domain: self.trust_domain.clone(),
+        });
+        Template::load(path, ca)
+            .with_context(|| format!("--pod-bootstrap {}", path.display()))
+            .map(Some)
+    }
 }
 
 /// The enrollers, running until dropped.
@@ -58,12 +109,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             },
         }))
     };
+    let template = args.pods.template()?;
     serve_with(&args.enroll, args.concurrency, |runtime| {
-        let pods: Arc<dyn Pods> = Arc::new(NodePods::new(
-            NodeOptions::default(),
-            runtime.clone(),
-            capture,
-        ));
+        let options = NodeOptions {
+            fast_path: !args.no_fast_path,
+            ..NodeOptions::default()
+        };
+        let mut pods = NodePods::new(options, runtime.clone(), capture);
+        if let Some(template) = template {
+            pods = pods.with_config(template);
+        }
+        let pods: Arc<dyn Pods> = Arc::new(pods);
         Ok(pods)
     })
 }
@@ -152,6 +208,12 @@ pub struct NodeArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub enroll: EnrollArgs,
+    #[command(flatten)]
+    pub pods: PodConfigArgs,
+    /// Send same-node mTLS connections over the network (two proxies, a TLS handshake)
+    /// instead of handing them to the destination pod's inbound side in process.
+    #[arg(long)]
+    pub no_fast_path: bool,
     /// Serve the pods' listeners without eBPF capture (the capture flags are ignored).
     #[arg(long)]
     pub no_capture: bool,

@@ -706,3 +706,125 @@ impl UpstreamTls {
             .await?)
     }
 }
+
+/// What a same-node hand-off in this process proves in place of a handshake: each
+/// side's certificate chain, checked by the other side's very verifier (trust anchors
+/// and SAN matchers), and the ALPN and SNI the client would have sent. No key exchange
+/// and no record encryption: both ends are this process.
+#[derive(Debug, Clone, Default)]
+pub struct InProcessHello {
+    /// The client's certificate chain (leaf first); empty when it has none.
+    pub chain: Vec<rustls::pki_types::CertificateDer<'static>>,
+    pub alpn: Vec<Vec<u8>>,
+    pub server_name: Option<String>,
+}
+
+fn first_chain(resolved: &Resolved) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    resolved
+        .certificates
+        .first()
+        .map(|c| c.cert.clone())
+        .unwrap_or_default()
+}
+
+fn rejected(err: rustls::Error) -> HandshakeError {
+    HandshakeError::Io(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        err,
+    ))
+}
+
+impl UpstreamTls {
+    /// The client's side of an in-process hand-off: what it would present and offer.
+    pub fn in_process_hello(&self, secrets: &Secrets) -> Result<InProcessHello, HandshakeError> {
+        let resolved = self.common.resolve(secrets)?;
+        let server_name = match &self.sni {
+            Some(ServerName::DnsName(name)) => Some(name.as_ref().to_owned()),
+            _ => None,
+        };
+        Ok(InProcessHello {
+            chain: first_chain(&resolved),
+            alpn: self.common.alpn.clone(),
+            server_name,
+        })
+    }
+
+    /// Checks the server's chain as the handshake would have: trust, then SAN matchers.
+    pub fn verify_in_process_server(
+        &self,
+        secrets: &Secrets,
+        chain: &[rustls::pki_types::CertificateDer<'static>],
+    ) -> Result<(), HandshakeError> {
+        use rustls::client::danger::ServerCertVerifier;
+        let resolved = self.common.resolve(secrets)?;
+        let Some((leaf, intermediates)) = chain.split_first() else {
+            return Err(rejected(rustls::Error::NoCertificatesPresented));
+        };
+        let verifier =
+            UpstreamVerifier::new(resolved.validation.unwrap_or_default(), secret::provider());
+        let name = ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into());
+        verifier
+            .verify_server_cert(
+                leaf,
+                intermediates,
+                &name,
+                &[],
+                rustls::pki_types::UnixTime::now(),
+            )
+            .map(|_| ())
+            .map_err(rejected)
+    }
+}
+
+impl DownstreamTls {
+    /// The server's certificate chain for an in-process hand-off.
+    pub fn in_process_chain(
+        &self,
+        secrets: &Secrets,
+    ) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, HandshakeError> {
+        Ok(first_chain(&self.common.resolve(secrets)?))
+    }
+
+    /// Checks a client's chain as the handshake would have: a certificate required
+    /// (`require_client_certificate`), trust, SAN matchers. Returns the ALPN protocol
+    /// the handshake would have chosen.
+    pub fn verify_in_process_client(
+        &self,
+        secrets: &Secrets,
+        hello: &InProcessHello,
+    ) -> Result<Option<String>, HandshakeError> {
+        use rustls::server::danger::ClientCertVerifier;
+        let resolved = self.common.resolve(secrets)?;
+        if let Some(context) = resolved.validation {
+            let verifier = DownstreamVerifier::new(
+                context,
+                self.require_client_certificate,
+                secret::provider(),
+            )
+            .map_err(HandshakeError::Config)?;
+            match (verifier, hello.chain.split_first()) {
+                (Some(verifier), Some((leaf, intermediates))) => {
+                    verifier
+                        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+                        .map_err(rejected)?;
+                }
+                (Some(_), None) if self.require_client_certificate => {
+                    return Err(rejected(rustls::Error::NoCertificatesPresented));
+                }
+                _ => {}
+            }
+        } else if self.require_client_certificate {
+            return Err(HandshakeError::Config(
+                "require_client_certificate needs a validation context with trusted_ca".into(),
+            ));
+        }
+        // The server's first protocol the client offered, as rustls picks.
+        let chosen = self
+            .common
+            .alpn
+            .iter()
+            .find(|ours| hello.alpn.contains(ours))
+            .map(|p| String::from_utf8_lossy(p).into_owned());
+        Ok(chosen)
+    }
+}

@@ -21,6 +21,7 @@ pub mod internal;
 pub mod load_balancer;
 pub mod netns;
 pub mod outlier;
+pub mod same_node;
 pub mod stats;
 pub mod transport_socket;
 pub mod tunnel_pool;

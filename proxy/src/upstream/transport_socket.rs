@@ -71,6 +71,12 @@ pub async fn connect_sharing(
             .map_err(ConnectError::Connect)?;
         return Ok((TransportStream::in_process(pipe), guard));
     }
+    if let Some(tls) = socket
+        && let Some(client) = super::same_node::current()
+        && let Some(result) = same_node(&client, cluster, host, tls, secrets).await
+    {
+        return result;
+    }
     let (tcp, guard) = cluster.connect(host).await.map_err(ConnectError::Connect)?;
     let Some(tls) = socket else {
         return Ok((TransportStream::Raw(tcp), guard));
@@ -93,4 +99,47 @@ pub async fn connect_sharing(
             Err(ConnectError::Tls(err))
         }
     }
+}
+
+/// The fast path: a TLS connection to a pod of this process, handed over in process
+/// (`None`: no such pod, connect over the network).
+async fn same_node(
+    client: &super::same_node::Client,
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    tls: &crate::tls::UpstreamTls,
+    secrets: &Secrets,
+) -> Option<Result<(TransportStream, UpstreamConnection), ConnectError>> {
+    let hello = match tls.in_process_hello(secrets) {
+        Ok(hello) => hello,
+        Err(err) => return Some(Err(ConnectError::Tls(err))),
+    };
+    let offered = super::same_node::offer(client, host.address, hello)?;
+    tracing::trace!(cluster = %cluster.name, host = %host.address, "same-node fast path");
+    let dial = async {
+        let chain = match tokio::time::timeout(cluster.connect_timeout, offered.answer).await {
+            Ok(Ok(Ok(chain))) => chain,
+            Ok(Ok(Err(why))) => return Err(super::same_node::refused(why)),
+            Ok(Err(_)) => return Err(super::same_node::refused("the destination closed".into())),
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake timed out",
+                ));
+            }
+        };
+        Ok((offered.stream, chain))
+    };
+    let ((stream, chain), guard) = match cluster.connect_with(host, dial).await {
+        Ok(done) => done,
+        Err(err) => {
+            cluster.stats.ssl.connection_error.inc();
+            return Some(Err(ConnectError::Tls(HandshakeError::Io(err))));
+        }
+    };
+    if let Err(err) = tls.verify_in_process_server(secrets, &chain) {
+        cluster.stats.ssl.connection_error.inc();
+        return Some(Err(ConnectError::Tls(err)));
+    }
+    Some(Ok((TransportStream::in_process(stream), guard)))
 }

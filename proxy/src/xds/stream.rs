@@ -284,6 +284,51 @@ pub async fn connect(
     tls: Option<&Tls>,
     timeout: Option<Duration>,
 ) -> Result<Channel, String> {
+    if !SHARING.load(std::sync::atomic::Ordering::Relaxed) {
+        return connect_new(target, tls, timeout).await;
+    }
+    let shared = || {
+        let channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
+        channels
+            .iter()
+            .find(|(t, s, _)| t == target && s.as_ref() == tls)
+            .map(|(_, _, c)| c.clone())
+    };
+    if let Some(channel) = shared() {
+        return Ok(channel);
+    }
+    let channel = connect_new(target, tls, timeout).await?;
+    let mut channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
+    // Another stream may have connected meanwhile: keep one connection.
+    if let Some((_, _, c)) = channels
+        .iter()
+        .find(|(t, s, _)| t == target && s.as_ref() == tls)
+    {
+        return Ok(c.clone());
+    }
+    channels.push((target.clone(), tls.cloned(), channel.clone()));
+    Ok(channel)
+}
+
+/// Whether streams to the same server with the same TLS share one HTTP/2 connection.
+static SHARING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The shared connections, by server and TLS settings (few: one per control plane).
+type SharedChannel = (Target, Option<Tls>, Channel);
+static CHANNELS: std::sync::Mutex<Vec<SharedChannel>> = std::sync::Mutex::new(Vec::new());
+
+/// From now on every stream of the process to one server (same address, same TLS)
+/// goes over one HTTP/2 connection, as many streams as there are xDS nodes: node mode,
+/// where each pod is its own node (an xDS stream carries one node, so the streams stay
+/// one per pod, the connection is shared). The connection reconnects by itself.
+pub fn share_connections() {
+    SHARING.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+async fn connect_new(
+    target: &Target,
+    tls: Option<&Tls>,
+    timeout: Option<Duration>,
+) -> Result<Channel, String> {
     let timeout = timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let endpoint = Endpoint::from_static("http://xds").connect_timeout(timeout);
     let tls = match tls {

@@ -313,6 +313,20 @@ impl AdsServer {
         self.inner.shared.set(type_url, version, resources);
     }
 
+    /// As [`AdsServer::set`], but what the node `node_id` alone is served (a control
+    /// plane's per-proxy config); other nodes keep the shared resources.
+    pub fn set_for_node(
+        &self,
+        node_id: &str,
+        type_url: &str,
+        version: &str,
+        resources: Vec<(String, Any)>,
+    ) {
+        self.inner
+            .shared
+            .set_for(Some(node_id), type_url, version, resources);
+    }
+
     /// The type's current version, if it was ever set.
     pub fn version(&self, type_url: &str) -> Option<String> {
         let st = self.inner.shared.lock();

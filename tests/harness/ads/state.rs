@@ -47,6 +47,9 @@ struct Stream {
 #[derive(Debug, Default)]
 pub(crate) struct State {
     pub store: Store,
+    /// What a node sees instead of `store`, by node id (a control plane's per-proxy
+    /// config): a stream whose node has one is served from it alone.
+    pub per_node: HashMap<String, Store>,
     streams: HashMap<u64, Stream>,
     next_stream: u64,
     nonces: Nonces,
@@ -158,7 +161,11 @@ impl Shared {
         } else if req.type_url.is_empty() {
             eprintln!("ads: stream {id}: request without type_url ignored");
         } else if let Kind::Sotw(tx, sotw) = &mut stream.kind
-            && let Some(reply) = sotw.on_request(&st.store, &mut st.nonces, &req)
+            && let Some(reply) = sotw.on_request(
+                store_of(&st.store, &st.per_node, &stream.node_id),
+                &mut st.nonces,
+                &req,
+            )
         {
             send_sotw(&mut st.responses, id, stream.method, tx, reply);
         }
@@ -199,7 +206,11 @@ impl Shared {
         } else if req.type_url.is_empty() {
             eprintln!("ads: stream {id}: delta request without type_url ignored");
         } else if let Kind::Delta(tx, delta) = &mut stream.kind
-            && let Some(resp) = delta.on_request(&st.store, &mut st.nonces, &req)
+            && let Some(resp) = delta.on_request(
+                store_of(&st.store, &st.per_node, &stream.node_id),
+                &mut st.nonces,
+                &req,
+            )
         {
             send_delta(&mut st.responses, id, stream.method, tx, resp);
         }
@@ -207,22 +218,46 @@ impl Shared {
     }
 
     pub fn set(&self, type_url: &str, version: &str, resources: Vec<(String, Any)>) {
+        self.set_for(None, type_url, version, resources);
+    }
+
+    /// As [`Shared::set`], for `node` alone when given (its streams are pushed to).
+    pub fn set_for(
+        &self,
+        node: Option<&str>,
+        type_url: &str,
+        version: &str,
+        resources: Vec<(String, Any)>,
+    ) {
         let mut guard = self.lock();
         let st = &mut *guard;
-        st.store.set(type_url, version, resources);
-        let mut ids: Vec<u64> = st.streams.keys().copied().collect();
+        match node {
+            Some(node) => st
+                .per_node
+                .entry(node.to_owned())
+                .or_default()
+                .set(type_url, version, resources),
+            None => st.store.set(type_url, version, resources),
+        }
+        let mut ids: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|(_, s)| node.is_none() || s.node_id.as_deref() == node)
+            .map(|(id, _)| *id)
+            .collect();
         // Push in stream order, so the response log is deterministic.
         ids.sort_unstable();
         for id in ids {
             let stream = st.streams.get_mut(&id).expect("id listed above");
+            let store = store_of(&st.store, &st.per_node, &stream.node_id);
             match &mut stream.kind {
                 Kind::Sotw(tx, sotw) => {
-                    if let Some(reply) = sotw.on_set(&st.store, &mut st.nonces, type_url) {
+                    if let Some(reply) = sotw.on_set(store, &mut st.nonces, type_url) {
                         send_sotw(&mut st.responses, id, stream.method, tx, reply);
                     }
                 }
                 Kind::Delta(tx, delta) => {
-                    if let Some(resp) = delta.on_set(&st.store, &mut st.nonces, type_url) {
+                    if let Some(resp) = delta.on_set(store, &mut st.nonces, type_url) {
                         send_delta(&mut st.responses, id, stream.method, tx, resp);
                     }
                 }
@@ -230,6 +265,17 @@ impl Shared {
         }
         self.changed.notify_all();
     }
+}
+
+/// The store a stream of `node` is served from.
+fn store_of<'a>(
+    shared: &'a Store,
+    per_node: &'a HashMap<String, Store>,
+    node: &Option<String>,
+) -> &'a Store {
+    node.as_ref()
+        .and_then(|n| per_node.get(n))
+        .unwrap_or(shared)
 }
 
 /// A per-type stream carries its one type: a request may leave `type_url` empty (it is

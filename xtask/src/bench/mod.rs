@@ -17,6 +17,7 @@ mod http;
 mod l4;
 mod measure;
 mod node;
+mod node_mesh;
 mod soak;
 mod sockmap;
 mod xds;

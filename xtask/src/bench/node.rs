@@ -1,8 +1,11 @@
 //! `cargo xtask bench node`: node mode (one process serving every pod, the `nodeserve`
 //! test binary around `NodePods` with eBPF capture). Per-pod memory and enrollment time
 //! at 10, 50 and 100 pods; then same-node app-to-app 64-byte round trips (p50/p99,
-//! round trips/s) through node mode against two eBPF-captured `shunt proxy` sidecars
-//! (plain TCP, no mTLS, no sockmap on either side) and direct, with ratios. Results in
+//! round trips/s), no sockmap anywhere: plain TCP through node mode's passthrough
+//! against two eBPF-captured `shunt proxy` sidecars and direct; and with mTLS (workload
+//! certificates from a test CA) through node mode with per-pod proxies from a control
+//! plane, the same-node fast path on and off, against two shunt sidecars and two Envoy
+//! sidecars ([`super::node_mesh`]). Ratios against direct. Results in
 //! `target/bench/node.{txt,json}`.
 
 use std::fmt::Write as _;
@@ -36,9 +39,12 @@ pub struct NodeArgs {
 }
 
 const PIN_ROOT: &str = "/sys/fs/bpf/shunt-bench-node";
+
+use super::node_mesh;
 const PORT: u16 = 8080;
 
 pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
+    let envoy = node_mesh::envoy_for_sidecars(&crate::setup::envoy()?)?;
     let nodeserve = bins
         .testapp
         .with_file_name("nodeserve")
@@ -81,7 +87,7 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
             order.reverse();
         }
         for scenario in order {
-            let rr = app_to_app(bins, &nodeserve, scenario, args.duration_ms)
+            let rr = app_to_app(bins, &nodeserve, &envoy, scenario, args.duration_ms)
                 .with_context(|| format!("round {} {}", round + 1, scenario.name()))?;
             eprintln!(
                 "  round {} {:<10} p50 {:>6.0} us  p99 {:>6.0} us  {:>8.0} rt/s",
@@ -102,11 +108,11 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
         "\nsame-node app to app, 64 B round trips, medians of {} rounds",
         args.rounds
     )?;
-    writeln!(
-        text,
-        "{:<22}{:>10}{:>12}{:>10}{:>16}{:>14}",
-        "", "direct", "sidecars", "node", "node/sidecars", "node/direct"
-    )?;
+    write!(text, "{:<16}", "")?;
+    for sc in SCENARIOS {
+        write!(text, "{:>12}", sc.name())?;
+    }
+    writeln!(text)?;
     let mut rr_rows = Vec::new();
     let metrics: [Metric; 3] = [
         ("p50 (us)", |r| r.p50),
@@ -114,14 +120,58 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
         ("round trips/s", |r| r.per_sec),
     ];
     for (label, f) in metrics {
-        let [d, s, n] = SCENARIOS.map(|sc| med(sc, f));
+        let values = SCENARIOS.map(|sc| med(sc, f));
+        write!(text, "{label:<16}")?;
+        let mut row = serde_json::Map::new();
+        row.insert("metric".into(), json!(label));
+        for (sc, v) in SCENARIOS.iter().zip(values) {
+            write!(text, "{v:>12.1}")?;
+            row.insert(sc.name().into(), json!(v));
+        }
+        writeln!(text)?;
+        rr_rows.push(serde_json::Value::Object(row));
+    }
+    let m = |sc: Scenario, f: fn(&Rr) -> f64| med(sc, f);
+    writeln!(text, "\nratios (round trips/s; p99)")?;
+    for (what, x, y) in [
+        (
+            "node / sidecars (plain)",
+            Scenario::NodeMode,
+            Scenario::Sidecars,
+        ),
+        (
+            "node fast / shunt mTLS sidecars",
+            Scenario::NodeFast,
+            Scenario::ShuntMtls,
+        ),
+        (
+            "node fast / node TLS",
+            Scenario::NodeFast,
+            Scenario::NodeTls,
+        ),
+        (
+            "node TLS / shunt mTLS sidecars",
+            Scenario::NodeTls,
+            Scenario::ShuntMtls,
+        ),
+        (
+            "shunt mTLS / Envoy mTLS sidecars",
+            Scenario::ShuntMtls,
+            Scenario::EnvoyMtls,
+        ),
+        (
+            "node fast / Envoy mTLS sidecars",
+            Scenario::NodeFast,
+            Scenario::EnvoyMtls,
+        ),
+        ("node fast / direct", Scenario::NodeFast, Scenario::Direct),
+    ] {
         writeln!(
             text,
-            "{label:<22}{d:>10.1}{s:>12.1}{n:>10.1}{:>15.2}x{:>13.2}x",
-            n / s,
-            n / d
+            "{what:<36}{:>8.2}x{:>8.2}x",
+            m(x, |r| r.per_sec) / m(y, |r| r.per_sec),
+            m(x, |r| r.p99) / m(y, |r| r.p99)
         )?;
-        rr_rows.push(json!({"metric": label, "direct": d, "sidecars": s, "node": n}));
     }
     print!("{text}");
     let dir = target_dir().join("bench");
@@ -166,11 +216,29 @@ fn scale(nodeserve: &Path, n: usize) -> Result<Scale> {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Scenario {
     Direct,
+    /// Two shunt sidecars, plain TCP.
     Sidecars,
+    /// Node mode's passthrough, plain TCP.
     NodeMode,
+    /// Two shunt sidecars with mTLS between them.
+    ShuntMtls,
+    /// Two Envoy sidecars with mTLS between them.
+    EnvoyMtls,
+    /// Node mode, per-pod proxies, mTLS over the network (fast path off).
+    NodeTls,
+    /// Node mode, per-pod proxies, the same-node fast path.
+    NodeFast,
 }
 
-const SCENARIOS: [Scenario; 3] = [Scenario::Direct, Scenario::Sidecars, Scenario::NodeMode];
+const SCENARIOS: [Scenario; 7] = [
+    Scenario::Direct,
+    Scenario::Sidecars,
+    Scenario::NodeMode,
+    Scenario::ShuntMtls,
+    Scenario::EnvoyMtls,
+    Scenario::NodeTls,
+    Scenario::NodeFast,
+];
 
 impl Scenario {
     fn name(self) -> &'static str {
@@ -178,6 +246,10 @@ impl Scenario {
             Scenario::Direct => "direct",
             Scenario::Sidecars => "sidecars",
             Scenario::NodeMode => "node",
+            Scenario::ShuntMtls => "shunt-mtls",
+            Scenario::EnvoyMtls => "envoy-mtls",
+            Scenario::NodeTls => "node-tls",
+            Scenario::NodeFast => "node-fast",
         }
     }
 }
@@ -191,7 +263,13 @@ struct Rr {
     per_sec: f64,
 }
 
-fn app_to_app(bins: &Bins, nodeserve: &Path, scenario: Scenario, duration_ms: u64) -> Result<Rr> {
+fn app_to_app(
+    bins: &Bins,
+    nodeserve: &Path,
+    envoy: &Path,
+    scenario: Scenario,
+    duration_ms: u64,
+) -> Result<Rr> {
     let mut node = Node::new()?;
     let client = node.add_pod("client")?;
     let server = node.add_pod("server")?;
@@ -200,7 +278,43 @@ fn app_to_app(bins: &Bins, nodeserve: &Path, scenario: Scenario, duration_ms: u6
     let mut capture = None;
     let mut proxies = Vec::new();
     let mut agent = None;
+    let scratch = node_mesh::Scratch::new(scenario.name())?;
+    let mut control_plane = None;
     match scenario {
+        Scenario::ShuntMtls | Scenario::EnvoyMtls => {
+            let ca = node_mesh::TestCaHandle::start(&scratch.0)?;
+            let (chain, key, root) = node_mesh::sidecar_certificates(&ca.0, &scratch.0)?;
+            let file = scratch.0.join("sidecar.yaml");
+            std::fs::write(
+                &file,
+                node_mesh::sidecar_bootstrap(server.ipv4().into(), &chain, &key, &root),
+            )?;
+            let (program, args) = if scenario == Scenario::ShuntMtls {
+                (bins.shunt.clone(), super::l4::shunt_args(&file))
+            } else {
+                (envoy.to_path_buf(), super::l4::envoy_args(&file))
+            };
+            let mut c = Capture::new(bins, Backend::Ebpf, PIN_ROOT);
+            for pod in [&client, &server] {
+                c.install_with(pod, &["--no-sockmap"])?;
+                proxies.push(node_mesh::start_sidecar(&program, &args, pod)?);
+            }
+            capture = Some(c);
+        }
+        Scenario::NodeTls | Scenario::NodeFast => {
+            let cp = node_mesh::ControlPlane::start(&node, &scratch.0, server.ipv4().into())?;
+            let mut flags = cp.node_flags();
+            if scenario == Scenario::NodeTls {
+                flags.push("--no-fast-path".into());
+            }
+            let mut a = Agent::start_with(&node, nodeserve, scenario.name(), &flags)?;
+            a.add(&client)?;
+            a.add(&server)?;
+            a.wait_ready(&client)?;
+            a.wait_ready(&server)?;
+            agent = Some(a);
+            control_plane = Some(cp);
+        }
         Scenario::Direct => {}
         Scenario::Sidecars => {
             let mut c = Capture::new(bins, Backend::Ebpf, PIN_ROOT);
@@ -244,6 +358,7 @@ fn app_to_app(bins: &Bins, nodeserve: &Path, scenario: Scenario, duration_ms: u6
     drop(agent);
     drop(proxies);
     drop(capture);
+    drop(control_plane);
     Ok(Rr {
         p50: rr["p50_us"].as_f64().unwrap_or(f64::NAN),
         p99: rr["p99_us"].as_f64().unwrap_or(f64::NAN),
@@ -263,6 +378,10 @@ struct Agent {
 
 impl Agent {
     fn start(node: &Node, nodeserve: &Path, tag: &str) -> Result<Agent> {
+        Self::start_with(node, nodeserve, tag, &[])
+    }
+
+    fn start_with(node: &Node, nodeserve: &Path, tag: &str, flags: &[String]) -> Result<Agent> {
         let cgroup = node.cgroup_path().join("agent");
         let pins = PathBuf::from(format!("{PIN_ROOT}-{tag}"));
         let mut child = Command::new("nsenter")
@@ -276,6 +395,7 @@ impl Agent {
             .arg(&pins)
             // As the sidecars here: no sockmap short-circuit, so both pay the same TCP hops.
             .arg("--no-sockmap")
+            .args(flags)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -342,6 +462,24 @@ impl Agent {
         let line = self.reply(&format!("@added {} ", pod.name()))?;
         let micros: u64 = line.rsplit(' ').next().unwrap_or("").parse()?;
         Ok(Duration::from_micros(micros))
+    }
+
+    /// Waits until the pod's proxy has its first config from the control plane.
+    fn wait_ready(&mut self, pod: &Pod) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            writeln!(self.stdin, "ready {}", pod.name())?;
+            if self
+                .reply(&format!("@ready {} ", pod.name()))?
+                .ends_with(" true")
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{} never got its config", pod.name());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn rss(&mut self) -> Result<u64> {

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::listen::{PodListener, Role};
+use super::proxy::{PodProxy, Setup, Shared};
 use crate::access_log::{Direction, Entry};
 use crate::listener::original_dst;
 use crate::tcp;
@@ -38,6 +39,10 @@ pub struct Instance {
     cut: watch::Sender<bool>,
     pub stats: Arc<PodStats>,
     pub addrs: Vec<SocketAddr>,
+    /// The pod's proxy from the control plane; `None`: the passthrough proxy.
+    pub proxy: Option<PodProxy>,
+    /// Whether the pod's proxy has its first configuration (always, for passthrough).
+    pub ready: Arc<AtomicBool>,
 }
 
 pub struct Settings {
@@ -47,23 +52,32 @@ pub struct Settings {
 
 impl Instance {
     /// Starts serving `listeners` on `runtime`; upstream sockets are made in `netns`.
+    /// With `xds` the capture listeners are the pod's proxy's (its config decides what
+    /// they do); without, they are the passthrough proxy's.
     pub fn start(
         runtime: &tokio::runtime::Handle,
         listeners: Vec<PodListener>,
         netns: Arc<OwnedFd>,
         settings: &Settings,
-    ) -> std::io::Result<Instance> {
+        xds: Option<Setup>,
+    ) -> anyhow::Result<Instance> {
         let _entered = runtime.enter();
         let (cut, cut_rx) = watch::channel(false);
         let stats = Arc::new(PodStats::default());
+        let ready = Arc::new(AtomicBool::new(xds.is_none()));
         let mut accepting = Vec::new();
         let mut addrs = Vec::new();
         let mut controls = Vec::new();
         let mut roles = Vec::new();
+        let mut capture = Vec::new();
         for l in listeners {
             roles.push(l.role);
             addrs.push(l.addr);
             controls.push(l.listener.try_clone()?);
+            if xds.is_some() && l.role != Role::Health {
+                capture.push((l.addr, l.listener));
+                continue;
+            }
             let listener = TcpListener::from_std(l.listener)?;
             let job = Accept {
                 listener,
@@ -73,9 +87,30 @@ impl Instance {
                 tcp: settings.tcp.clone(),
                 stats: stats.clone(),
                 cut: cut_rx.clone(),
+                ready: ready.clone(),
             };
             accepting.push(runtime.spawn(job.run()));
         }
+        let proxy = match xds {
+            Some(setup) => {
+                let shared = Shared {
+                    netns,
+                    stats: stats.clone(),
+                    cut: cut_rx,
+                    ready: ready.clone(),
+                };
+                match PodProxy::start(runtime, setup, capture, shared) {
+                    Ok(proxy) => Some(proxy),
+                    Err(err) => {
+                        for a in &accepting {
+                            a.abort();
+                        }
+                        return Err(err);
+                    }
+                }
+            }
+            None => None,
+        };
         Ok(Instance {
             accepting,
             controls,
@@ -83,6 +118,8 @@ impl Instance {
             cut,
             stats,
             addrs,
+            proxy,
+            ready,
         })
     }
 
@@ -112,6 +149,9 @@ impl Instance {
         for a in &self.accepting {
             a.abort();
         }
+        if let Some(proxy) = &self.proxy {
+            proxy.stop();
+        }
         let stats = self.stats.clone();
         let cut = self.cut;
         runtime.spawn(async move {
@@ -134,6 +174,7 @@ struct Accept {
     tcp: Arc<tcp::Settings>,
     stats: Arc<PodStats>,
     cut: watch::Receiver<bool>,
+    ready: Arc<AtomicBool>,
 }
 
 impl Accept {
@@ -155,9 +196,10 @@ impl Accept {
         let mut cut = self.cut.clone();
         match self.role {
             Role::Health => {
+                let ready = self.ready.clone();
                 tokio::spawn(async move {
                     tokio::select! {
-                        _ = health(stream) => {}
+                        _ = health(stream, &ready) => {}
                         _ = cut.wait_for(|c| *c) => {}
                     }
                 });
@@ -206,8 +248,9 @@ async fn handle(
 }
 
 /// The health port: `GET /healthz/ready` is 200 while the pod is served (the instance
-/// only exists then), anything else 404. One request per connection.
-async fn health(mut stream: TcpStream) {
+/// only exists then) and its proxy has its first configuration (503 before), anything
+/// else 404. One request per connection.
+async fn health(mut stream: TcpStream, ready: &AtomicBool) {
     let mut head = Vec::with_capacity(256);
     let mut buf = [0u8; 512];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -216,10 +259,12 @@ async fn health(mut stream: TcpStream) {
             _ => return,
         }
     }
-    let ready =
+    let asked =
         head.starts_with(b"GET /healthz/ready ") || head.starts_with(b"HEAD /healthz/ready ");
-    let reply: &[u8] = if ready {
+    let reply: &[u8] = if asked && ready.load(Ordering::SeqCst) {
         b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    } else if asked {
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
     } else {
         b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
     };

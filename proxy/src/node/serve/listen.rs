@@ -78,3 +78,30 @@ fn prepare(socket: &Socket, addr: SocketAddr) -> io::Result<()> {
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)
 }
+
+/// Binds a listener of the pod's config at `addr` inside `netns`, as Envoy binds one
+/// (SO_REUSEADDR, IPV6_V6ONLY, `transparent` and `freebind` when asked): the xDS
+/// manager's binder for a pod.
+pub fn bind_listener(
+    netns: &OwnedFd,
+    listener: &crate::listener::Listener,
+    addr: SocketAddr,
+) -> io::Result<std::net::TcpListener> {
+    let socket = in_netns(netns, || {
+        crate::upstream::netns::plain_tcp_socket(Domain::for_address(addr))
+    })?;
+    if listener.transparent {
+        match addr {
+            SocketAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
+            SocketAddr::V6(_) => socket.set_ip_transparent_v6(true)?,
+        }
+    }
+    if listener.freebind {
+        match addr {
+            SocketAddr::V4(_) => socket.set_freebind_v4(true)?,
+            SocketAddr::V6(_) => socket.set_freebind_v6(true)?,
+        }
+    }
+    prepare(&socket, addr)?;
+    Ok(socket.into())
+}

@@ -11,9 +11,11 @@
 //! for an instant, in a pod's.
 
 pub mod capture;
+pub mod fast_path;
 pub mod handover;
 pub mod instance;
 pub mod listen;
+pub mod proxy;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -41,6 +43,9 @@ pub struct NodeOptions {
     pub connect_timeout: Duration,
     /// Time a removed pod's connections have to finish.
     pub drain_time: Duration,
+    /// Same-node fast path: a pod's mTLS connection to another pod of this process is
+    /// handed to that pod's inbound side in process (no sockets, no TLS records).
+    pub fast_path: bool,
 }
 
 impl Default for NodeOptions {
@@ -51,6 +56,7 @@ impl Default for NodeOptions {
             health_port: 15021,
             connect_timeout: Duration::from_secs(10),
             drain_time: Duration::from_secs(5),
+            fast_path: true,
         }
     }
 }
@@ -71,6 +77,11 @@ pub struct NodePods {
     capture: Option<Box<dyn PodCapture>>,
     tcp: Arc<tcp::Settings>,
     pods: Mutex<HashMap<String, Served>>,
+    /// Per-pod proxies from the control plane; `None`: every pod gets the passthrough.
+    config: Option<proxy::Template>,
+    certificates: proxy::Certificates,
+    /// The pods by address, for the same-node fast path.
+    registry: Arc<fast_path::Registry>,
 }
 
 struct Served {
@@ -89,6 +100,8 @@ pub struct PodSummary {
     pub listeners: Vec<std::net::SocketAddr>,
     pub downstream_cx_total: u64,
     pub downstream_cx_active: u64,
+    /// Whether the pod's proxy has its first configuration.
+    pub ready: bool,
 }
 
 impl NodePods {
@@ -110,6 +123,72 @@ impl NodePods {
             capture,
             tcp,
             pods: Mutex::default(),
+            config: None,
+            certificates: proxy::Certificates::default(),
+            registry: Arc::default(),
+        }
+    }
+
+    /// Each pod gets a proxy of its own from the control plane `template` names, its
+    /// certificate from the template's CA, instead of the passthrough.
+    pub fn with_config(mut self, template: proxy::Template) -> NodePods {
+        // One connection to the control plane, a stream per pod on it.
+        crate::xds::stream::share_connections();
+        self.config = Some(template);
+        self
+    }
+
+    /// A pod's proxy's own stats store (with a config), by uid.
+    pub fn proxy_stats(&self, uid: &str) -> Option<crate::stats::Store> {
+        let pods = self.lock();
+        let proxy = pods.get(uid)?.instance.proxy.as_ref()?;
+        Some(proxy.stats.clone())
+    }
+
+    /// How many CA clients run: one per service account of the pods served.
+    pub fn certificate_accounts(&self) -> usize {
+        self.certificates.accounts()
+    }
+
+    /// The pod's proxy setup, when pods are configured from the control plane.
+    fn setup(&self, pod: &PodInfo) -> Option<proxy::Setup> {
+        let template = self.config.as_ref()?;
+        let mut local = crate::xds::local::LocalServers::default();
+        if let Some(ca) = &template.ca {
+            let provider = self.certificates.provider(
+                &self.runtime,
+                ca,
+                &pod.namespace,
+                proxy::service_account(pod),
+            );
+            local.insert(
+                std::path::Path::new(crate::agent::sds::DEFAULT_SOCKET),
+                crate::agent::sds::local(provider),
+            );
+        }
+        let client = self
+            .options
+            .fast_path
+            .then(|| self.registry.client(&pod.ips));
+        Some(proxy::Setup {
+            bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod),
+            local,
+            drain_time: self.options.drain_time,
+            client,
+        })
+    }
+
+    /// Lists the pod for the fast path (with a proxy from the control plane and the
+    /// fast path on).
+    fn register(&self, pod: &PodInfo, instance: &Instance) {
+        if let Some(proxy) = &instance.proxy
+            && self.options.fast_path
+        {
+            let inbound = fast_path::Inbound {
+                proxy: proxy.handle.clone(),
+                inbound_port: self.options.inbound_port,
+            };
+            self.registry.insert(&pod.ips, Arc::new(inbound));
         }
     }
 
@@ -124,6 +203,7 @@ impl NodePods {
                 listeners: s.instance.addrs.clone(),
                 downstream_cx_total: s.instance.stats.downstream_cx_total.load(ORDER),
                 downstream_cx_active: s.instance.stats.downstream_cx_active.load(ORDER),
+                ready: s.instance.ready.load(ORDER),
             })
             .collect();
         out.sort_by(|a, b| a.info.uid.cmp(&b.info.uid));
@@ -173,14 +253,17 @@ impl NodePods {
                 .enroll(pod, &netns)
                 .map_err(|e| Self::enroll_error(pod, format!("capture: {e:#}")))?;
         }
-        let opened = self.open_listeners(&netns).and_then(|listeners| {
-            let netns = Arc::new(netns.try_clone()?);
-            let settings = instance::Settings {
-                tcp: self.tcp.clone(),
-                drain_time: self.options.drain_time,
-            };
-            Instance::start(&self.runtime, listeners, netns, &settings)
-        });
+        let opened = self
+            .open_listeners(&netns)
+            .map_err(anyhow::Error::from)
+            .and_then(|listeners| {
+                let netns = Arc::new(netns.try_clone()?);
+                let settings = instance::Settings {
+                    tcp: self.tcp.clone(),
+                    drain_time: self.options.drain_time,
+                };
+                Instance::start(&self.runtime, listeners, netns, &settings, self.setup(pod))
+            });
         let instance = match opened {
             Ok(instance) => instance,
             Err(err) => {
@@ -189,9 +272,10 @@ impl NodePods {
                 {
                     tracing::warn!(pod = %pod.name, %undo, "undoing capture failed");
                 }
-                return Err(Self::enroll_error(pod, format!("listeners: {err}")));
+                return Err(Self::enroll_error(pod, format!("listeners: {err:#}")));
             }
         };
+        self.register(pod, &instance);
         tracing::info!(
             pod = %format_args!("{}/{}", pod.namespace, pod.name),
             uid = %pod.uid,
@@ -227,8 +311,10 @@ impl NodePods {
             tcp: self.tcp.clone(),
             drain_time: self.options.drain_time,
         };
-        let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings)
-            .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e}")))?;
+        let setup = self.setup(&pod);
+        let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
+            .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
+        self.register(&pod, &instance);
         let served = Served {
             node_id: xds_node_id(&pod),
             info: pod.clone(),
@@ -243,6 +329,9 @@ impl NodePods {
     }
 
     fn stop(&self, served: Served) {
+        if let Some(proxy) = &served.instance.proxy {
+            self.registry.remove(&served.info.ips, &proxy.handle);
+        }
         served.instance.stop(&self.runtime, self.options.drain_time);
         if let Some(capture) = &self.capture
             && let Err(err) = capture.withdraw(&served.info, &served.netns)

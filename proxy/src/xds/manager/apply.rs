@@ -38,8 +38,10 @@ pub struct BoundSocket {
     pub socket: StdListener,
 }
 
-/// Binds a listener's address: the serve loop's binder, shared with the bootstrap's.
-pub type Binder = fn(&Listener, SocketAddr) -> std::io::Result<StdListener>;
+/// Binds a listener's address: the serve loop's binder, shared with the bootstrap's (in
+/// node mode, one that binds inside the pod's network namespace).
+pub type Binder =
+    std::sync::Arc<dyn Fn(&Listener, SocketAddr) -> std::io::Result<StdListener> + Send + Sync>;
 
 /// The resource a compile error is about: `Cluster "name"...`, `Listener "name"...`,
 /// `RouteConfiguration "name"...` or `Secret "name"...`; no type for anything else.

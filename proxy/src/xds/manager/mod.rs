@@ -122,7 +122,8 @@ pub struct Manager {
 
 impl Manager {
     /// Starts the streams of `plan` and the manager on the current runtime. Listener
-    /// changes reach the serve loop through the returned channel. Name tables (when
+    /// changes reach the serve loop through the returned channel; dropping it stops
+    /// the manager and its streams. Name tables (when
     /// `plan` asks for them) are applied to `dns`.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
@@ -223,6 +224,9 @@ impl Manager {
                     Some(event) => self.on_event(event),
                     None => return,
                 },
+                // Nobody serves the listeners any more (a node's pod was removed): stop,
+                // and the streams end with the manager.
+                () = self.changes.closed() => return,
                 () = sleep_until(deadline), if deadline.is_some() => {
                     // Clusters and listeners whose endpoints, routes or secrets did not
                     // come in time are served without.
