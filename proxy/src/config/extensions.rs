@@ -37,6 +37,7 @@ pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.fault.v3.HTTPFault",
     "envoy.extensions.filters.http.cors.v3.Cors",
     "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+    "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
 ];
 
 /// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
@@ -57,10 +58,6 @@ pub const HTTP_FILTERS_SAFE_TO_SKIP: &[&str] =
 /// about where a request goes or what it gets back when left out: shunt accepts them
 /// with a warning saying what is lost (`--mode validate` and xDS alike).
 pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[
-    (
-        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-        "gRPC stats are not collected",
-    ),
     (
         "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
         "upstream ALPN overrides are not applied",

@@ -18,6 +18,7 @@ pub mod delayed_close;
 pub mod ext_authz;
 pub mod fault;
 pub mod filter;
+pub mod grpc_stats;
 pub mod header_rules;
 pub mod limits;
 pub mod matcher;

@@ -29,6 +29,8 @@ use super::host::Host;
 /// request's access log line).
 pub trait BodyObserver: Send + Sync + std::fmt::Debug {
     fn received(&self, bytes: u64);
+    /// The data itself, for the HTTP filters that watch the body.
+    fn data(&self, _data: &Bytes) {}
     /// The downstream's body broke HTTP's framing (a bad chunk size, say): the request
     /// is the downstream's fault, not the upstream's.
     fn protocol_error(&self) {}
@@ -114,6 +116,7 @@ impl Body for RequestBody {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
                         observer.received(data.len() as u64);
+                        observer.data(data);
                     }
                 }
                 Poll::Ready(Some(Err(err))) if is_framing_error(err) => observer.protocol_error(),

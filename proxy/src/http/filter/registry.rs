@@ -48,6 +48,7 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::fault::filter::FACTORY,
     &crate::http::cors::filter::FACTORY,
     &crate::http::ext_authz::filter::FACTORY,
+    &crate::http::grpc_stats::filter::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
