@@ -147,7 +147,14 @@ impl Scene {
             .expect("start shunt");
         let envoy = proxy_pod
             .command(support::envoy::bin())
-            .args(["--concurrency", "2", "--use-dynamic-base-id", "-l", "warning", "-c"])
+            .args([
+                "--concurrency",
+                "2",
+                "--use-dynamic-base-id",
+                "-l",
+                "warning",
+                "-c",
+            ])
             .arg(&envoy_config)
             .spawn()
             .expect("start envoy");
@@ -204,7 +211,9 @@ fn grpc_stats(pod: &Pod, admin: u16) -> BTreeMap<String, u64> {
         .unwrap()
         .iter()
         .filter_map(|s| Some((s["name"].as_str()?.to_owned(), s["value"].as_u64()?)))
-        .filter(|(name, value)| *value > 0 && name.starts_with("cluster.") && name.contains(".grpc."))
+        .filter(|(name, value)| {
+            *value > 0 && name.starts_with("cluster.") && name.contains(".grpc.")
+        })
         .collect()
 }
 
@@ -230,9 +239,18 @@ fn grpc_calls_and_messages_are_counted_as_envoy_counts_them() {
         ("cluster.plain.grpc.success", 6),
         ("cluster.plain.grpc.14", 1),
         ("cluster.all.grpc.test.Echo.Unary.total", 4),
-        ("cluster.all.grpc.test.Echo.ServerStream.response_message_count", 3),
-        ("cluster.all.grpc.test.Echo.ClientStream.request_message_count", 4),
-        ("cluster.allow.grpc.test.Echo.Chat.response_message_count", 2),
+        (
+            "cluster.all.grpc.test.Echo.ServerStream.response_message_count",
+            3,
+        ),
+        (
+            "cluster.all.grpc.test.Echo.ClientStream.request_message_count",
+            4,
+        ),
+        (
+            "cluster.allow.grpc.test.Echo.Chat.response_message_count",
+            2,
+        ),
     ] {
         assert_eq!(envoy.get(name), Some(&value), "Envoy's {name}: {envoy:#?}");
     }

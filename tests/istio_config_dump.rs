@@ -34,10 +34,6 @@ const EXPECTED: &[(&str, &str)] = &[
     // Owned by other work of issue 11; removed from here as it lands.
     (
         LISTENER,
-        "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-    ),
-    (
-        LISTENER,
         "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
     ),
     (
@@ -46,13 +42,7 @@ const EXPECTED: &[(&str, &str)] = &[
     ),
     (LISTENER, "stats.PluginConfig"),
     (LISTENER, "io.istio.network.authn.Config"),
-    (LISTENER, "io.istio.http.connect_authority.Config"),
-    (LISTENER, "io.istio.http.connect_baggage.Config"),
     (LISTENER, "io.istio.http.peer_metadata.Config"),
-    (
-        LISTENER,
-        "envoy.extensions.filters.network.set_filter_state.v3.Config",
-    ),
 ];
 
 fn fixtures() -> PathBuf {

@@ -28,6 +28,7 @@ pub const NETWORK_FILTERS: &[&str] = &[
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
     "envoy.extensions.filters.network.rbac.v3.RBAC",
     "io.istio.network.authn.Config",
+    "envoy.extensions.filters.network.set_filter_state.v3.Config",
 ];
 
 /// HTTP filters (`http_connection_manager`'s `http_filters`).
@@ -38,6 +39,9 @@ pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.cors.v3.Cors",
     "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
     "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+    "envoy.extensions.filters.http.set_filter_state.v3.Config",
+    "io.istio.http.connect_authority.Config",
+    "io.istio.http.connect_baggage.Config",
 ];
 
 /// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
@@ -46,6 +50,7 @@ pub const HTTP_FILTER_PER_ROUTE: &[&str] = &[
     "envoy.extensions.filters.http.cors.v3.CorsPolicy",
     "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
     "envoy.extensions.filters.http.rbac.v3.RBACPerRoute",
+    "io.istio.http.connect_authority.Config",
 ];
 
 /// HTTP filters shunt does not implement but may leave out of a chain without changing

@@ -160,6 +160,23 @@ impl LogSlot {
         }
     }
 
+    /// The original destination and source the stream's filters shared with the
+    /// upstream (`set_filter_state`, `connect_authority`), if any did.
+    pub fn shared_original_dst(
+        &self,
+    ) -> (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>) {
+        use crate::set_filter_state::{ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, shared_address};
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(chain) = chain.as_ref() else {
+            return (None, None);
+        };
+        let state = &chain.ctx.info.filter_state;
+        (
+            shared_address(state, ORIGINAL_DST_LOCAL),
+            shared_address(state, ORIGINAL_DST_REMOTE),
+        )
+    }
+
     /// Bytes a tunnel moved (an upgraded connection): `received` from the downstream,
     /// `sent` to it.
     pub fn add(&self, received: u64, sent: u64) {

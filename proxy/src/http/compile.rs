@@ -28,7 +28,6 @@ use crate::stats::Store;
 
 const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
 
-
 /// Compiles `hcm`; an inline route configuration's clusters must be among `clusters`.
 pub fn compile(
     hcm: &EnvoyHcm,
@@ -324,9 +323,10 @@ fn http_filters(
                 &f_path,
                 format!("HTTP filter {kind} is not implemented; it is disabled by default, so shunt leaves it out (also where a route enables it)"),
             );
-        } else if let Some((_, lost)) = crate::config::extensions::HTTP_FILTERS_SKIPPED_WITH_A_WARNING
-            .iter()
-            .find(|(name, _)| *name == kind)
+        } else if let Some((_, lost)) =
+            crate::config::extensions::HTTP_FILTERS_SKIPPED_WITH_A_WARNING
+                .iter()
+                .find(|(name, _)| *name == kind)
         {
             problems.warning(
                 &typed_path,

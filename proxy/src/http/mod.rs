@@ -12,6 +12,8 @@ pub mod body;
 pub mod compile;
 pub mod config;
 pub mod connect;
+pub mod connect_authority;
+pub mod connect_baggage;
 pub mod connection_manager;
 pub mod cors;
 pub mod delayed_close;
@@ -28,6 +30,7 @@ pub mod route;
 pub mod route_action;
 pub mod route_config;
 pub mod router;
+pub mod set_filter_state;
 pub mod timeouts;
 pub mod upgrade;
 

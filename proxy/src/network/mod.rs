@@ -16,6 +16,7 @@
 pub mod istio_authn;
 pub mod rbac;
 pub mod registry;
+pub mod set_filter_state;
 pub mod stream;
 
 use std::fmt;

@@ -32,7 +32,11 @@ pub struct Factory {
 }
 
 /// Every non-terminal network filter.
-pub static FACTORIES: &[&Factory] = &[&super::rbac::FACTORY, &super::istio_authn::FACTORY];
+pub static FACTORIES: &[&Factory] = &[
+    &super::rbac::FACTORY,
+    &super::istio_authn::FACTORY,
+    &super::set_filter_state::FACTORY,
+];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
     FACTORIES.iter().copied().find(|f| f.type_name == type_name)

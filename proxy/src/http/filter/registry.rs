@@ -49,6 +49,9 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::cors::filter::FACTORY,
     &crate::http::ext_authz::filter::FACTORY,
     &crate::http::grpc_stats::filter::FACTORY,
+    &crate::http::set_filter_state::FACTORY,
+    &crate::http::connect_authority::FACTORY,
+    &crate::http::connect_baggage::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

@@ -128,11 +128,12 @@ impl GrpcStats {
             request_message_count: self.request.count(),
             response_message_count: self.response.count(),
         };
-        if let Err(err) =
-            ctx.info
-                .filter_state
-                .set(FILTER_STATE_KEY, Arc::new(object), false, LifeSpan::FilterChain)
-        {
+        if let Err(err) = ctx.info.filter_state.set(
+            FILTER_STATE_KEY,
+            Arc::new(object),
+            false,
+            LifeSpan::FilterChain,
+        ) {
             tracing::debug!(%err, "grpc_stats: filter state not written");
         }
     }

@@ -64,15 +64,21 @@ fn the_method_is_in_the_stat_name_as_configured() {
     assert_eq!(config(None, false).method_prefix(path).as_deref(), Some(""));
     let all = |v| Some(PerMethodStatSpecifier::StatsForAllMethods(v));
     assert_eq!(
-        config(all(BoolValue { value: true }), false).method_prefix(path).as_deref(),
+        config(all(BoolValue { value: true }), false)
+            .method_prefix(path)
+            .as_deref(),
         Some("pkg.Svc.Do.")
     );
     assert_eq!(
-        config(all(BoolValue { value: true }), true).method_prefix(path).as_deref(),
+        config(all(BoolValue { value: true }), true)
+            .method_prefix(path)
+            .as_deref(),
         Some("pkg_Svc.Do.")
     );
     assert_eq!(
-        config(all(BoolValue { value: false }), false).method_prefix(path).as_deref(),
+        config(all(BoolValue { value: false }), false)
+            .method_prefix(path)
+            .as_deref(),
         Some("")
     );
     let allow = config(
