@@ -29,6 +29,7 @@ pub const NETWORK_FILTERS: &[&str] = &[
     "envoy.extensions.filters.network.rbac.v3.RBAC",
     "io.istio.network.authn.Config",
     "envoy.extensions.filters.network.set_filter_state.v3.Config",
+    "envoy.extensions.filters.network.ext_authz.v3.ExtAuthz",
 ];
 
 /// HTTP filters (`http_connection_manager`'s `http_filters`).

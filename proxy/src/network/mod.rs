@@ -13,6 +13,7 @@
 //!
 //! Filters are found by config type in [`registry`], like HTTP filters.
 
+pub mod ext_authz;
 pub mod istio_authn;
 pub mod rbac;
 pub mod registry;

@@ -36,6 +36,7 @@ pub static FACTORIES: &[&Factory] = &[
     &super::rbac::FACTORY,
     &super::istio_authn::FACTORY,
     &super::set_filter_state::FACTORY,
+    &super::ext_authz::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
