@@ -52,7 +52,8 @@ class Ok(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Ok).serve_forever()
 "#;
 
-/// Writes its name (argv[2]) to every connection and closes it.
+/// Answers a connection's first bytes with its name (argv[2]) and closes it (it
+/// speaks second: network RBAC decides on the client's first bytes).
 const TCP_SERVER: &str = r#"
 import socket, sys
 s = socket.socket()
@@ -61,6 +62,7 @@ s.bind(("0.0.0.0", int(sys.argv[1])))
 s.listen(64)
 while True:
     c, _ = s.accept()
+    c.recv(100)
     c.sendall(sys.argv[2].encode())
     c.close()
 "#;
@@ -265,20 +267,12 @@ impl Scene {
     /// The status of a curl from the client pod.
     fn status(&self, port: u16, method: &str, path: &str, headers: &[&str]) -> u16 {
         let url = format!("http://{}:{port}{path}", self.proxy_pod.ipv4());
-        let mut command = self.client.command("curl");
-        command.args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "--max-time",
-            "10",
-        ]);
-        command.args(["-X", method]);
+        let mut args: Vec<&str> = vec!["-s", "-o", "/dev/null", "-w", "%{http_code}"];
+        args.extend(["--max-time", "10", "-X", method]);
         for h in headers {
-            command.args(["-H", h]);
+            args.extend(["-H", h]);
         }
+        let command = self.client.command("curl").args(args);
         let out = command.arg(&url).output().expect("run curl");
         String::from_utf8_lossy(&out.stdout)
             .trim()
