@@ -43,6 +43,7 @@ pub const HTTP_FILTERS: &[&str] = &[
     "envoy.extensions.filters.http.set_filter_state.v3.Config",
     "io.istio.http.connect_authority.Config",
     "io.istio.http.connect_baggage.Config",
+    "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
 ];
 
 /// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
@@ -64,10 +65,6 @@ pub const HTTP_FILTERS_SAFE_TO_SKIP: &[&str] =
 /// about where a request goes or what it gets back when left out: shunt accepts them
 /// with a warning saying what is lost (`--mode validate` and xDS alike).
 pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[
-    (
-        "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
-        "upstream ALPN overrides are not applied",
-    ),
     (
         "io.istio.http.peer_metadata.Config",
         "peer metadata is not exchanged (telemetry only)",

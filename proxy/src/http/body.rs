@@ -177,6 +177,21 @@ impl LogSlot {
         )
     }
 
+    /// The ALPN list the stream's filters ask its upstream connection to `cluster` to
+    /// offer (`istio.alpn`, `envoy.network.application_protocols`), if any.
+    pub fn upstream_alpn(
+        &self,
+        cluster: &crate::upstream::Cluster,
+        downstream: hyper::Version,
+    ) -> Option<crate::upstream::http_pool::Alpn> {
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &chain.as_ref()?.ctx.info.filter_state;
+        if state.is_empty() {
+            return None;
+        }
+        super::alpn::upstream_alpn(state, cluster, downstream)
+    }
+
     /// Bytes a tunnel moved (an upgraded connection): `received` from the downstream,
     /// `sent` to it.
     pub fn add(&self, received: u64, sent: u64) {

@@ -8,6 +8,7 @@
 //! Each request reads the config current when it arrives through [`ConfigProvider`]:
 //! the snapshot, which sits above this module, implements it.
 
+pub mod alpn;
 pub mod body;
 pub mod compile;
 pub mod config;

@@ -103,7 +103,7 @@ pub async fn forward(
         )
     };
     let (io, guard) =
-        crate::upstream::http_pool::connect_upstream(&cluster, &host, upstream.secrets)
+        crate::upstream::http_pool::connect_upstream(&cluster, &host, upstream.secrets, None)
             .await
             .map_err(|_| connect_failure())?;
     let (mut sender, connection) = http1::handshake(TokioIo::new(io))

@@ -670,14 +670,22 @@ impl UpstreamTls {
         })
     }
 
-    /// Originates TLS on `stream` to `host`.
+    /// Originates TLS on `stream` to `host`, offering `alpn` instead of the context's
+    /// ALPN list when given (Envoy's transport socket options: `istio.alpn`,
+    /// `envoy.network.application_protocols`).
     pub async fn connect(
         &self,
         stream: TcpStream,
         host: SocketAddr,
         secrets: &Secrets,
+        alpn: Option<&[String]>,
     ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, HandshakeError> {
-        let config = self.client_config(secrets)?;
+        let mut config = self.client_config(secrets)?;
+        if let Some(alpn) = alpn.filter(|a| !a.is_empty()) {
+            let mut with = (*config).clone();
+            with.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+            config = Arc::new(with);
+        }
         // rustls sends no SNI for an IP address, which is Envoy's behaviour without `sni`;
         // the verifier ignores the name either way.
         let name = self

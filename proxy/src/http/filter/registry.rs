@@ -52,6 +52,7 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::set_filter_state::FACTORY,
     &crate::http::connect_authority::FACTORY,
     &crate::http::connect_baggage::FACTORY,
+    &crate::http::alpn::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
