@@ -2,7 +2,8 @@
 //! `istio.alpn` HTTP filter and a `set_filter_state` of
 //! `envoy.network.application_protocols`. The backend (pod `backends`) is a TLS
 //! server that answers every request with the ALPN protocol it negotiated
-//! (`none` without one); it prefers Istio's protocols, so what it answers is what
+//! (`none` without one; Envoy's HTTP/1.1 pool offers `http/1.1` when nothing else
+//! is asked for); it prefers Istio's protocols, so what it answers is what
 //! the proxy offered first of them.
 //!
 //! The same bootstrap (but ports) runs in `shunt proxy -c` and Envoy 1.40. Envoy has
@@ -257,8 +258,9 @@ impl Scene {
 #[test]
 fn upstream_tls_offers_the_alpn_the_filters_ask_for() {
     let s = Scene::new();
-    // Compared with Envoy: no override, and set_filter_state's list.
-    for (offset, expected) in [(0, "none"), (1, "istio-h2")] {
+    // Compared with Envoy: no override (the HTTP/1.1 pool offers its own protocol
+    // when the TLS context has no ALPN), and set_filter_state's list.
+    for (offset, expected) in [(0, "http/1.1"), (1, "istio-h2")] {
         let envoy = s.alpn(ENVOY_PORT + offset, false);
         assert_eq!(envoy, expected, "Envoy's listener {offset}");
         assert_eq!(
@@ -268,14 +270,14 @@ fn upstream_tls_offers_the_alpn_the_filters_ask_for() {
             s.shunt.stderr_text()
         );
     }
-    // Envoy has no istio.alpn: it skips the optional filter and offers nothing.
-    assert_eq!(s.alpn(ENVOY_PORT + 2, false), "none");
+    // Envoy has no istio.alpn: it skips the optional filter.
+    assert_eq!(s.alpn(ENVOY_PORT + 2, false), "http/1.1");
     // shunt applies it: the HTTP/1.1 cluster gets Istio's HTTP/1.1 list, whatever
     // the downstream's version (the cluster, not the downstream, speaks HTTP/1.1).
     assert_eq!(s.alpn(SHUNT_PORT + 2, false), "istio-http/1.1");
     assert_eq!(s.alpn(SHUNT_PORT + 2, true), "istio-http/1.1");
     // The cluster's istio.alpn_override "false" turns it off.
-    assert_eq!(s.alpn(SHUNT_PORT + 3, false), "none");
-    // The pool keeps overridden connections apart: the plain listener still offers none.
-    assert_eq!(s.alpn(SHUNT_PORT, false), "none");
+    assert_eq!(s.alpn(SHUNT_PORT + 3, false), "http/1.1");
+    // The pool keeps overridden connections apart: the plain listener's are its own.
+    assert_eq!(s.alpn(SHUNT_PORT, false), "http/1.1");
 }

@@ -163,10 +163,12 @@ pub async fn connect_upstream(
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
     alpn: Option<&[String]>,
+    fallback: Option<&str>,
 ) -> io::Result<(BoxedIo, UpstreamConnection)> {
     use super::transport_socket::{self, ConnectError};
     let shared = super::internal::SharedFilterState::default();
-    let connected = transport_socket::connect_with(cluster, host, secrets, shared, alpn).await;
+    let connected =
+        transport_socket::connect_with(cluster, host, secrets, shared, alpn, fallback).await;
     let (stream, guard) = match connected {
         Ok(connected) => connected,
         Err(ConnectError::Connect(err)) => return Err(err),
@@ -417,7 +419,7 @@ async fn connect_http1(
 ) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
     // Envoy counts the protocol as the connection is made, failed connects too.
     cluster.stats.upstream_cx_http1_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets, alpn)
+    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("http/1.1"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (mut sender, connection) = http1::Builder::new()
@@ -437,7 +439,7 @@ pub(super) async fn connect_http2(
 ) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
     let slot = open(cluster)?;
     cluster.stats.upstream_cx_http2_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets, alpn)
+    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("h2"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (sender, connection) = http2::Builder::new(TokioExecutor::new())
