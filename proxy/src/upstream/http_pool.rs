@@ -198,10 +198,13 @@ pub const MAX_PENDING_REQUESTS: u64 = 1024;
 /// with one are pooled apart, as Envoy hashes transport socket options into the pool.
 pub type Alpn = Arc<[String]>;
 
+/// A host's pool key: its address and the ALPN override its connections offer.
+type PoolKey = (SocketAddr, Option<Alpn>);
+
 /// The pools of one cluster, by host address (and ALPN override).
 #[derive(Debug, Default)]
 pub struct Pools {
-    hosts: Mutex<HashMap<(SocketAddr, Option<Alpn>), Arc<HostPool>>>,
+    hosts: Mutex<HashMap<PoolKey, Arc<HostPool>>>,
     /// Requests waiting for a connection now (Envoy's pending requests).
     pending: AtomicU64,
 }
