@@ -553,14 +553,14 @@ fn bootstrap_rbac(upstream: SocketAddr) -> String {
         let _ = write!(
             policies,
             r#"
-                p{i:02}:
-                  permissions:
-                  - and_rules:
-                      rules:
-                      - url_path: {{ path: {{ prefix: "{prefix}" }} }}
-                      - header: {{ name: ":method", string_match: {{ exact: GET }} }}
-                  principals:
-                  - {principal}"#
+                  p{i:02}:
+                    permissions:
+                    - and_rules:
+                        rules:
+                        - url_path: {{ path: {{ prefix: "{prefix}" }} }}
+                        - header: {{ name: ":method", string_match: {{ exact: GET }} }}
+                    principals:
+                    - {principal}"#
         );
     }
     bootstrap(upstream).replace(
