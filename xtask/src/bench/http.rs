@@ -1048,16 +1048,16 @@ impl Report<'_> {
         ] {
             let _ = write!(t, "{title:<36}");
             for s in &self.scenarios {
-                let _ = write!(t, "{:>10}", s.name());
+                let _ = write!(t, "{:>12}", s.name());
             }
             for (a, b) in self.ratios() {
-                let _ = write!(t, "{:>15}", format!("{}/{}", a.name(), b.name()));
+                let _ = write!(t, "{:>24}", format!("{}/{}", a.name(), b.name()));
             }
             t.push('\n');
             for m in METRICS {
                 let _ = write!(t, "{:<36}", m.label);
                 for s in &self.scenarios {
-                    let _ = write!(t, "{:>10}", fmt_value(self.median(*s, load, m)));
+                    let _ = write!(t, "{:>12}", fmt_value(self.median(*s, load, m)));
                 }
                 for (a, b) in self.ratios() {
                     let r = self.median(a, load, m) / self.median(b, load, m);
@@ -1066,7 +1066,7 @@ impl Report<'_> {
                     } else {
                         "-".into()
                     };
-                    let _ = write!(t, "{cell:>15}");
+                    let _ = write!(t, "{cell:>24}");
                 }
                 t.push('\n');
             }
