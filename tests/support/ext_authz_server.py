@@ -6,6 +6,9 @@ filter tests, written with grpcio and xds-protos. It decides by the request's pa
   /error...  fails the RPC (UNAVAILABLE): the proxy's status_on_error / failure mode
   else       OK, with headers to set, append and remove upstream, one for the response
 
+A check of a TCP connection (network ext_authz: no HTTP request) is decided by the
+last digit of its destination port: 1 denies, 2 fails the RPC, anything else allows.
+
 Every allowed check also reports what it saw: the method, the body, the source
 principal and the context extensions, as x-authz-saw-* headers added upstream.
 Prints "ready" once serving; argv[1] is the port."""
@@ -29,6 +32,8 @@ def header(key, value, append=None):
 
 class Authorization(external_auth_pb2_grpc.AuthorizationServicer):
     def Check(self, request, context):
+        if not request.attributes.request.HasField("http"):
+            return self.check_tcp(request, context)
         http = request.attributes.request.http
         path = http.path
         if path.startswith("/error"):
@@ -64,6 +69,13 @@ class Authorization(external_auth_pb2_grpc.AuthorizationServicer):
                 response_headers_to_add=[header("x-authz-response", "from-authz")],
             ),
         )
+
+    def check_tcp(self, request, context):
+        port = request.attributes.destination.address.socket_address.port_value
+        if port % 10 == 2:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the authz server is failing")
+        code = code_pb2.PERMISSION_DENIED if port % 10 == 1 else code_pb2.OK
+        return external_auth_pb2.CheckResponse(status=status_pb2.Status(code=code))
 
 
 def main():

@@ -33,6 +33,8 @@ pub const LAYERS: &[&[&str]] = &[
         "config",
         "access_log",
         "stream_info",
+        "formatter",
+        "set_filter_state",
         "peer",
         "istio_stats",
     ],

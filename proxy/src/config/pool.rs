@@ -59,11 +59,19 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
         "shunt/istio/alpn.proto",
         include_str!("protos/istio/alpn.proto"),
     ),
-    // Istio's DNS name table, for `/config_dump`.
     (
         "shunt/istio/authn.proto",
         include_str!("protos/istio/authn.proto"),
     ),
+    (
+        "shunt/istio/connect.proto",
+        include_str!("protos/istio/connect.proto"),
+    ),
+    (
+        "shunt/istio/connect_baggage.proto",
+        include_str!("protos/istio/connect_baggage.proto"),
+    ),
+    // Istio's DNS name table, for `/config_dump`.
     (
         "shunt/istio/nds.proto",
         include_str!("protos/istio/nds.proto"),
@@ -186,6 +194,8 @@ mod tests {
             "stats.PluginConfig",
             "io.istio.http.peer_metadata.Config",
             "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
+            "io.istio.http.connect_authority.Config",
+            "io.istio.http.connect_baggage.Config",
         ] {
             assert!(pool.get_message_by_name(name).is_some(), "{name} missing");
         }

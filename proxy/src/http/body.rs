@@ -43,6 +43,8 @@ pub struct LogSlot {
     line: Mutex<Option<(Entry, Arc<HttpConnectionManager>)>>,
     /// The stream's HTTP filters, told when the stream is over.
     chain: Mutex<Option<ActiveChain>>,
+    /// Whether a filter of `chain` watches the body frames (saves the lock otherwise).
+    observed: AtomicBool,
 }
 
 impl LogSlot {
@@ -59,6 +61,7 @@ impl LogSlot {
             downstream_protocol_error: AtomicBool::new(false),
             line: Mutex::new(None),
             chain: Mutex::new(None),
+            observed: AtomicBool::new(false),
         })
     }
 
@@ -135,11 +138,58 @@ impl LogSlot {
 
     /// Keeps the stream's filters until the stream ends ([`ActiveChain::complete`]).
     pub fn set_chain(&self, chain: ActiveChain) {
+        self.observed
+            .store(chain.observes_body(), Ordering::Relaxed);
         *self.chain.lock().unwrap_or_else(|e| e.into_inner()) = Some(chain);
     }
 
     pub fn take_chain(&self) -> Option<ActiveChain> {
         self.chain.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Lets the stream's body-watching filters see `call`.
+    fn observe(&self, call: impl FnOnce(&mut ActiveChain)) {
+        if self.observed.load(Ordering::Relaxed)
+            && let Some(chain) = self
+                .chain
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_mut()
+        {
+            call(chain);
+        }
+    }
+
+    /// The original destination and source the stream's filters shared with the
+    /// upstream (`set_filter_state`, `connect_authority`), if any did.
+    pub fn shared_original_dst(
+        &self,
+    ) -> (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>) {
+        use crate::set_filter_state::{ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, shared_address};
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(chain) = chain.as_ref() else {
+            return (None, None);
+        };
+        let state = &chain.ctx.info.filter_state;
+        (
+            shared_address(state, ORIGINAL_DST_LOCAL),
+            shared_address(state, ORIGINAL_DST_REMOTE),
+        )
+    }
+
+    /// The ALPN list the stream's filters ask its upstream connection to `cluster` to
+    /// offer (`istio.alpn`, `envoy.network.application_protocols`), if any.
+    pub fn upstream_alpn(
+        &self,
+        cluster: &crate::upstream::Cluster,
+        downstream: hyper::Version,
+    ) -> Option<crate::upstream::http_pool::Alpn> {
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &chain.as_ref()?.ctx.info.filter_state;
+        if state.is_empty() {
+            return None;
+        }
+        super::alpn::upstream_alpn(state, cluster, downstream)
     }
 
     /// Bytes a tunnel moved (an upgraded connection): `received` from the downstream,
@@ -189,6 +239,10 @@ impl crate::upstream::http_pool::BodyObserver for LogSlot {
     fn received(&self, bytes: u64) {
         self.received.fetch_add(bytes, Ordering::Relaxed);
         self.active();
+    }
+
+    fn data(&self, data: &Bytes) {
+        self.observe(|chain| chain.observe_request_data(data));
     }
 
     fn ended(&self) {
@@ -348,9 +402,12 @@ impl Body for ResponseBody {
         }
         match &frame {
             Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(log)) = (frame.data_ref(), this.log.as_ref()) {
-                    log.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
-                    log.active();
+                if let Some(log) = this.log.as_ref() {
+                    if let Some(data) = frame.data_ref() {
+                        log.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+                        log.active();
+                    }
+                    log.observe(|chain| chain.observe_response_frame(frame));
                 }
             }
             Poll::Ready(Some(Err(err))) if err.is::<StreamTimeout>() => {}

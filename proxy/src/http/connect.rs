@@ -5,9 +5,11 @@
 //! (`connect_terminate` on 15008) works this way, routing to the `main_internal`
 //! listener.
 //!
-//! The request's authority is shared with an internal listener upstream as
-//! `envoy.filters.listener.original_dst.local_ip`, so its `original_dst` restores the
-//! tunnel's destination: what Istio's `connect_authority` filter asks for on every
+//! The original destination and source the stream's filters shared with the upstream
+//! (`envoy.filters.listener.original_dst.local_ip` / `remote_ip`, from
+//! `set_filter_state` or `connect_authority`) go to an internal listener upstream, so
+//! its `original_dst` restores the tunnel's destination; without them, the request's
+//! authority and the downstream address, which is what Istio's filters share on every
 //! CONNECT listener it writes.
 
 use std::net::SocketAddr;
@@ -71,9 +73,13 @@ pub async fn terminate(
             Some(ResponseFlag::UpstreamOverflow),
         ));
     };
+    // What the stream's filters shared (Istio's `set_filter_state` or
+    // `connect_authority`), else the authority and the downstream, which is what those
+    // filters share on every CONNECT listener istiod writes.
+    let (local, shared_remote) = log.shared_original_dst();
     let shared = SharedFilterState {
-        local: authority.parse().ok(),
-        remote: Some(remote),
+        local: local.or_else(|| authority.parse().ok()),
+        remote: shared_remote.or(Some(remote)),
     };
     let connected = crate::upstream::transport_socket::connect_sharing(
         &cluster,

@@ -505,6 +505,7 @@ async fn handle(
                     suppress_envoy_headers: hcm.suppress_envoy_headers,
                     hash: None,
                     secrets: snapshot.secrets(),
+                    alpn: None,
                 };
                 let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
                 let result = match (action.connect, on_upgrade) {
@@ -618,6 +619,7 @@ async fn handle(
                 suppress_envoy_headers: hcm.suppress_envoy_headers,
                 hash,
                 secrets: snapshot.secrets(),
+                alpn: log.upstream_alpn(cluster, parts.version),
             };
             let result = if let Some((kind, value)) = upgrade {
                 let mut head = head;

@@ -118,6 +118,8 @@ pub struct Upstream<'a> {
     pub hash: Option<u64>,
     /// The secrets the cluster's TLS context names (the current snapshot's).
     pub secrets: &'a crate::tls::Secrets,
+    /// The ALPN list to offer instead of the cluster's (`istio.alpn`).
+    pub alpn: Option<crate::upstream::http_pool::Alpn>,
 }
 
 /// The upstream's response and how long it took to its head
@@ -344,7 +346,13 @@ async fn attempt_once(
     for _ in 0..3 {
         let sender = match cluster
             .http_pools
-            .checkout(cluster, &host, http2, upstream.secrets)
+            .checkout_with_alpn(
+                cluster,
+                &host,
+                http2,
+                upstream.secrets,
+                upstream.alpn.as_ref(),
+            )
             .await
         {
             Ok(sender) => sender,

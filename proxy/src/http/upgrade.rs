@@ -102,10 +102,15 @@ pub async fn forward(
             Some(ResponseFlag::UpstreamConnectionFailure),
         )
     };
-    let (io, guard) =
-        crate::upstream::http_pool::connect_upstream(&cluster, &host, upstream.secrets)
-            .await
-            .map_err(|_| connect_failure())?;
+    let (io, guard) = crate::upstream::http_pool::connect_upstream(
+        &cluster,
+        &host,
+        upstream.secrets,
+        upstream.alpn.as_deref(),
+        Some("http/1.1"),
+    )
+    .await
+    .map_err(|_| connect_failure())?;
     let (mut sender, connection) = http1::handshake(TokioIo::new(io))
         .await
         .map_err(|_| connect_failure())?;

@@ -395,7 +395,7 @@ async fn serve(
             };
             let destination = facts.upstream_override.unwrap_or(facts.destination);
             tokio::select! {
-                () = proxy.serve(&upstreams, stream.into_tcp(), destination, &mut entry) => {}
+                () = proxy.serve(&upstreams, stream.into_tcp(), &connection, destination, &mut entry) => {}
                 // An xDS update removed or replaced the listener and its drain time passed.
                 () = listener.draining.closed() => {
                     tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");

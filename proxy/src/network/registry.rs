@@ -43,6 +43,8 @@ pub static FACTORIES: &[&Factory] = &[
     &super::istio_authn::FACTORY,
     &super::metadata_exchange::FACTORY,
     &super::istio_stats::FACTORY,
+    &super::set_filter_state::FACTORY,
+    &super::ext_authz::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

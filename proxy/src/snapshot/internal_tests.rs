@@ -316,6 +316,7 @@ static_resources:
     let d = crate::tcp::tunnel::Downstream {
         local: "10.0.0.5:80".parse().unwrap(),
         remote: "10.0.0.1:4000".parse().unwrap(),
+        filter_state: Default::default(),
     };
     assert_eq!(tunneling.hostname.render(&d), "10.0.0.5:80");
     assert_eq!(tunneling.headers[0].0, "baggage");

@@ -194,7 +194,10 @@ mod tests {
         let (client, downstream) = tokio::join!(
             async {
                 let tcp = TcpStream::connect(front_addr).await.unwrap();
-                client_tls.connect(tcp, front_addr, &none).await.unwrap()
+                client_tls
+                    .connect(tcp, front_addr, &none, None, None)
+                    .await
+                    .unwrap()
             },
             async {
                 let (tcp, _) = front.accept().await.unwrap();

@@ -17,9 +17,13 @@ use super::DownstreamIo as _;
 use super::copy;
 use crate::access_log::{Entry, ResponseFlag, Sink};
 use crate::peer::filter_state::{self, Side};
+use crate::set_filter_state::{
+    ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, TCP_PROXY_CLUSTER, shared_address,
+};
 use crate::stats::{Counter, Store};
-use crate::stream_info::{LifeSpan, UpstreamInfo, UpstreamSlot};
+use crate::stream_info::{Connection, LifeSpan, UpstreamInfo, UpstreamSlot};
 use crate::tls::TransportStream;
+use crate::upstream::internal::SharedFilterState;
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::transport_socket;
 use crate::upstream::{Clusters, LbContext};
@@ -103,11 +107,22 @@ impl TcpProxy {
         &self,
         upstreams: &Upstreams<'_>,
         downstream: super::Downstream,
+        connection: &Connection,
         destination: SocketAddr,
         entry: &mut Entry,
     ) {
         self.stats.downstream_cx_total.inc();
-        let name = self.clusters.pick();
+        // A network filter may name the cluster (`set_filter_state` of
+        // `envoy.tcp_proxy.cluster`), as Envoy's per-connection cluster.
+        let name = match connection.filter_state.get_string(TCP_PROXY_CLUSTER) {
+            Some(name) => &Arc::from(name),
+            None => self.clusters.pick(),
+        };
+        // The original destination and source shared with an internal listener upstream.
+        let shared = SharedFilterState {
+            local: shared_address(&connection.filter_state, ORIGINAL_DST_LOCAL),
+            remote: shared_address(&connection.filter_state, ORIGINAL_DST_REMOTE),
+        };
         entry.upstream_cluster = Some(name.clone());
         let Some(cluster) = upstreams.clusters.get(&**name) else {
             tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
@@ -136,6 +151,7 @@ impl TcpProxy {
         let tunnel_downstream = super::tunnel::Downstream {
             local: entry.downstream_local_address,
             remote: entry.downstream_remote_address,
+            filter_state: connection.filter_state.clone(),
         };
         for _ in 0..self.max_connect_attempts.max(1) {
             let ctx = LbContext {
@@ -174,7 +190,8 @@ impl TcpProxy {
                     }
                 }
             }
-            match transport_socket::connect(cluster, &host, upstreams.secrets).await {
+            match transport_socket::connect_sharing(cluster, &host, upstreams.secrets, shared).await
+            {
                 Ok((stream, guard)) => {
                     host_metadata = host.metadata.clone();
                     connected = Some((stream, Box::new(guard) as Box<dyn Send>));

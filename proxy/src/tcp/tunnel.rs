@@ -18,6 +18,7 @@ use hyper::{Method, Request, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::config::Diagnostics;
+use crate::stream_info::FilterState;
 use crate::tls::TransportStream;
 use crate::upstream::http_pool::RequestBody;
 use crate::upstream::tunnel_pool::{MAX_STREAMS, TunnelSlot};
@@ -33,9 +34,13 @@ enum Piece {
     RemoteAddress,
     RemoteAddressWithoutPort,
     RemotePort,
-    /// `%FILTER_STATE(...)%`: shunt keeps no filter state on TCP connections yet, so it
-    /// renders empty (and a header whose value is empty is not sent, as in Envoy).
-    FilterState,
+    /// `%FILTER_STATE(key:PLAIN)%` (`plain`), else the object's JSON string, from the
+    /// connection's filter state; a missing object renders empty (and a header whose
+    /// value is empty is not sent, as in Envoy).
+    FilterState {
+        key: String,
+        plain: bool,
+    },
 }
 
 /// A compiled format string with the commands a tunnel's headers use.
@@ -43,11 +48,13 @@ enum Piece {
 pub struct Format(Vec<Piece>);
 
 /// What a connection's format strings may name.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Downstream {
     /// The local address (the original destination once restored).
     pub local: SocketAddr,
     pub remote: SocketAddr,
+    /// The connection's filter state (set by its network filters).
+    pub filter_state: FilterState,
 }
 
 impl Format {
@@ -73,7 +80,23 @@ impl Format {
                 "DOWNSTREAM_REMOTE_ADDRESS" => Piece::RemoteAddress,
                 "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT" => Piece::RemoteAddressWithoutPort,
                 "DOWNSTREAM_REMOTE_PORT" => Piece::RemotePort,
-                c if c.starts_with("FILTER_STATE(") && c.ends_with(')') => Piece::FilterState,
+                c if c.starts_with("FILTER_STATE(") && c.ends_with(')') => {
+                    let arg = &c["FILTER_STATE(".len()..c.len() - 1];
+                    match arg.rsplit_once(':') {
+                        Some((key, "PLAIN")) => Piece::FilterState {
+                            key: key.to_owned(),
+                            plain: true,
+                        },
+                        Some((key, "TYPED")) => Piece::FilterState {
+                            key: key.to_owned(),
+                            plain: false,
+                        },
+                        _ => Piece::FilterState {
+                            key: arg.to_owned(),
+                            plain: false,
+                        },
+                    }
+                }
                 other => {
                     problems.error(
                         path,
@@ -103,7 +126,15 @@ impl Format {
                 Piece::RemoteAddress => out.push_str(&d.remote.to_string()),
                 Piece::RemoteAddressWithoutPort => out.push_str(&d.remote.ip().to_string()),
                 Piece::RemotePort => out.push_str(&d.remote.port().to_string()),
-                Piece::FilterState => {}
+                Piece::FilterState { key, plain } => {
+                    if let Some(value) = d.filter_state.get_string(key) {
+                        if *plain {
+                            out.push_str(&value);
+                        } else {
+                            out.push_str(&serde_json::Value::String(value).to_string());
+                        }
+                    }
+                }
             }
         }
         out
@@ -314,6 +345,7 @@ mod tests {
         Downstream {
             local: "10.0.0.5:80".parse().unwrap(),
             remote: "10.0.0.1:40000".parse().unwrap(),
+            filter_state: FilterState::default(),
         }
     }
 
@@ -329,10 +361,22 @@ mod tests {
         )
         .unwrap();
         assert_eq!(f.render(&downstream()), "10.0.0.5:15008 from 40000 100%");
-        // Istio's baggage header: no filter state on TCP yet, so nothing is sent.
+        // Istio's baggage header: nothing is sent while no filter set the object.
         let f =
             Format::compile("%FILTER_STATE(io.istio.baggage:PLAIN)%", "h", &mut problems).unwrap();
         assert_eq!(f.render(&downstream()), "");
+        let mut d = downstream();
+        d.filter_state
+            .set(
+                "io.istio.baggage",
+                std::sync::Arc::new(crate::stream_info::StringAccessor("k8s.pod.name=a".into())),
+                true,
+                crate::stream_info::LifeSpan::Connection,
+            )
+            .unwrap();
+        assert_eq!(f.render(&d), "k8s.pod.name=a");
+        let json = Format::compile("%FILTER_STATE(io.istio.baggage)%", "h", &mut problems).unwrap();
+        assert_eq!(json.render(&d), "\"k8s.pod.name=a\"");
         assert!(problems.errors.is_empty(), "{problems:?}");
     }
 

@@ -687,14 +687,28 @@ impl UpstreamTls {
         })
     }
 
-    /// Originates TLS on `stream` to `host`.
+    /// Originates TLS on `stream` to `host`. The ALPN offered is Envoy's choice:
+    /// `alpn` (an override: `istio.alpn`, `envoy.network.application_protocols`),
+    /// else the context's list, else `fallback` (the HTTP pool's own protocol).
     pub async fn connect(
         &self,
         stream: TcpStream,
         host: SocketAddr,
         secrets: &Secrets,
+        alpn: Option<&[String]>,
+        fallback: Option<&str>,
     ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, HandshakeError> {
-        let config = self.client_config(secrets)?;
+        let mut config = self.client_config(secrets)?;
+        let offered: Option<Vec<Vec<u8>>> = match alpn.filter(|a| !a.is_empty()) {
+            Some(list) => Some(list.iter().map(|p| p.as_bytes().to_vec()).collect()),
+            None if self.common.alpn.is_empty() => fallback.map(|f| vec![f.as_bytes().to_vec()]),
+            None => None,
+        };
+        if let Some(offered) = offered {
+            let mut with = (*config).clone();
+            with.alpn_protocols = offered;
+            config = Arc::new(with);
+        }
         // rustls sends no SNI for an IP address, which is Envoy's behaviour without `sni`;
         // the verifier ignores the name either way.
         let name = self

@@ -413,7 +413,7 @@ async fn handshake(
     let call = async {
         let tcp = TcpStream::connect(addr).await.unwrap();
         let mut tls = client
-            .connect(tcp, addr, client_secrets)
+            .connect(tcp, addr, client_secrets, None, None)
             .await
             .map_err(|e| e.to_string())?;
         tls.write_all(b"ping").await.map_err(|e| e.to_string())?;
@@ -619,7 +619,7 @@ async fn a_client_offering_none_of_our_alpn_protocols_still_connects_without_alp
             let (client, served) = tokio::join!(
                 async {
                     let tcp = TcpStream::connect(addr).await.unwrap();
-                    client.connect(tcp, addr, none).await
+                    client.connect(tcp, addr, none, None, None).await
                 },
                 async {
                     let (tcp, _) = listener.accept().await.unwrap();

@@ -29,6 +29,8 @@ use super::host::Host;
 /// request's access log line).
 pub trait BodyObserver: Send + Sync + std::fmt::Debug {
     fn received(&self, bytes: u64);
+    /// The data itself, for the HTTP filters that watch the body.
+    fn data(&self, _data: &Bytes) {}
     /// The downstream's body broke HTTP's framing (a bad chunk size, say): the request
     /// is the downstream's fault, not the upstream's.
     fn protocol_error(&self) {}
@@ -114,6 +116,7 @@ impl Body for RequestBody {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
                         observer.received(data.len() as u64);
+                        observer.data(data);
                     }
                 }
                 Poll::Ready(Some(Err(err))) if is_framing_error(err) => observer.protocol_error(),
@@ -159,9 +162,14 @@ pub async fn connect_upstream(
     cluster: &Arc<Cluster>,
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
+    alpn: Option<&[String]>,
+    fallback: Option<&str>,
 ) -> io::Result<(BoxedIo, UpstreamConnection)> {
     use super::transport_socket::{self, ConnectError};
-    let (stream, guard) = match transport_socket::connect(cluster, host, secrets).await {
+    let shared = super::internal::SharedFilterState::default();
+    let connected =
+        transport_socket::connect_with(cluster, host, secrets, shared, alpn, fallback).await;
+    let (stream, guard) = match connected {
         Ok(connected) => connected,
         Err(ConnectError::Connect(err)) => return Err(err),
         Err(err @ ConnectError::Tls(_)) => return Err(io::Error::other(err)),
@@ -186,10 +194,17 @@ pub enum CheckoutError {
 /// an HTTP/1.1 connection while the cluster is at `max_connections`.
 pub const MAX_PENDING_REQUESTS: u64 = 1024;
 
-/// The pools of one cluster, by host address.
+/// An ALPN list offered instead of the cluster's (`istio.alpn`): connections made
+/// with one are pooled apart, as Envoy hashes transport socket options into the pool.
+pub type Alpn = Arc<[String]>;
+
+/// A host's pool key: its address and the ALPN override its connections offer.
+type PoolKey = (SocketAddr, Option<Alpn>);
+
+/// The pools of one cluster, by host address (and ALPN override).
 #[derive(Debug, Default)]
 pub struct Pools {
-    hosts: Mutex<HashMap<SocketAddr, Arc<HostPool>>>,
+    hosts: Mutex<HashMap<PoolKey, Arc<HostPool>>>,
     /// Requests waiting for a connection now (Envoy's pending requests).
     pending: AtomicU64,
 }
@@ -236,7 +251,7 @@ impl Pools {
         self.hosts
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|address, _| keep(address));
+            .retain(|(address, _), _| keep(address));
     }
 
     /// How many hosts have a pool.
@@ -253,14 +268,14 @@ impl Pools {
     /// Makes the pool of `address`, as a first request to it does.
     #[cfg(test)]
     pub fn touch(&self, address: SocketAddr) {
-        self.host(address);
+        self.host(address, None);
     }
 
-    fn host(&self, address: SocketAddr) -> Arc<HostPool> {
+    fn host(&self, address: SocketAddr, alpn: Option<&Alpn>) -> Arc<HostPool> {
         self.hosts
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .entry(address)
+            .entry((address, alpn.cloned()))
             .or_default()
             .clone()
     }
@@ -274,7 +289,21 @@ impl Pools {
         http2: bool,
         secrets: &crate::tls::Secrets,
     ) -> Result<Sender, CheckoutError> {
-        let pool = self.host(host.address);
+        self.checkout_with_alpn(cluster, host, http2, secrets, None)
+            .await
+    }
+
+    /// [`Pools::checkout`] from the pool of connections that offer `alpn`.
+    pub async fn checkout_with_alpn(
+        &self,
+        cluster: &Arc<Cluster>,
+        host: &Arc<Host>,
+        http2: bool,
+        secrets: &crate::tls::Secrets,
+        alpn: Option<&Alpn>,
+    ) -> Result<Sender, CheckoutError> {
+        let pool = self.host(host.address, alpn);
+        let alpn = alpn.map(|a| &a[..]);
         // Envoy's `upstream_rq_pending_total`: the request found no connection ready
         // and waited for one (being made, or coming back to the pool).
         let pending_total = &cluster.stats.upstream_rq_pending_total;
@@ -293,7 +322,7 @@ impl Pools {
             if !waited {
                 pending_total.inc();
             }
-            let sender = connect_http2(cluster, host, secrets)
+            let sender = connect_http2(cluster, host, secrets, alpn)
                 .await
                 .inspect_err(|err| ejected(cluster, err))?;
             *shared = Some(sender.clone());
@@ -347,7 +376,7 @@ impl Pools {
             }
         };
         drop(pending);
-        let sender = connect_http1(cluster, host, secrets, slot)
+        let sender = connect_http1(cluster, host, secrets, slot, alpn)
             .await
             .inspect_err(|err| ejected(cluster, err))?;
         Ok(Sender::Http1(sender, pool, false))
@@ -389,10 +418,11 @@ async fn connect_http1(
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
     slot: OwnedConnectionSlot,
+    alpn: Option<&[String]>,
 ) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
     // Envoy counts the protocol as the connection is made, failed connects too.
     cluster.stats.upstream_cx_http1_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets)
+    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("http/1.1"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (mut sender, connection) = http1::Builder::new()
@@ -408,10 +438,11 @@ pub(super) async fn connect_http2(
     cluster: &Arc<Cluster>,
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
+    alpn: Option<&[String]>,
 ) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
     let slot = open(cluster)?;
     cluster.stats.upstream_cx_http2_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets)
+    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("h2"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (sender, connection) = http2::Builder::new(TokioExecutor::new())

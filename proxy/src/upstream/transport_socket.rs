@@ -40,6 +40,19 @@ pub async fn connect_sharing(
     secrets: &Secrets,
     filter_state: SharedFilterState,
 ) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
+    connect_with(cluster, host, secrets, filter_state, None, None).await
+}
+
+/// [`connect_sharing`], offering `alpn` in the TLS handshake instead of the
+/// context's list when given, and `fallback` when neither has one.
+pub async fn connect_with(
+    cluster: &Arc<Cluster>,
+    host: &Arc<Host>,
+    secrets: &Secrets,
+    filter_state: SharedFilterState,
+    alpn: Option<&[String]>,
+    fallback: Option<&str>,
+) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
     // The first of `transport_socket_matches` the endpoint's metadata satisfies, else
     // the cluster's own socket.
     let (socket, passthrough) = match cluster
@@ -81,7 +94,7 @@ pub async fn connect_sharing(
     let Some(tls) = socket else {
         return Ok((TransportStream::Raw(tcp), guard));
     };
-    let handshake = tls.connect(tcp, host.address, secrets);
+    let handshake = tls.connect(tcp, host.address, secrets, alpn, fallback);
     let result = match tokio::time::timeout(cluster.connect_timeout, handshake).await {
         Ok(result) => result,
         Err(_) => Err(HandshakeError::Io(io::Error::new(

@@ -63,7 +63,15 @@ pub struct HttpArgs {
     /// rounds: a change's gain, side by side.
     #[arg(long)]
     before: Option<PathBuf>,
+    /// Also run shunt and Envoy with an HTTP RBAC filter of 20 policies in front of
+    /// the route (the request matches only the last): scenarios `shunt-rbac`,
+    /// `envoy-rbac`, and the overhead per request against `shunt` / `envoy`.
+    #[arg(long)]
+    rbac: bool,
 }
+
+/// How many RBAC policies the `--rbac` scenarios evaluate per request.
+const RBAC_POLICIES: usize = 20;
 
 const H1_PORT: u16 = 10000;
 /// haproxy's and nginx's h2 (prior knowledge) listener; shunt and Envoy take h2 on
@@ -89,6 +97,9 @@ enum Scenario {
     Nginx,
     /// `--before`'s shunt binary.
     Before,
+    /// shunt and Envoy with 20 RBAC policies in front of the route (`--rbac`).
+    ShuntRbac,
+    EnvoyRbac,
 }
 
 const SCENARIOS: [Scenario; 5] = [
@@ -108,6 +119,8 @@ impl Scenario {
             Scenario::Haproxy => "haproxy",
             Scenario::Nginx => "nginx",
             Scenario::Before => "before",
+            Scenario::ShuntRbac => "shunt-rbac",
+            Scenario::EnvoyRbac => "envoy-rbac",
         }
     }
 }
@@ -132,6 +145,8 @@ struct Setup {
     dir: PathBuf,
     /// shunt's and Envoy's bootstrap.
     bootstrap: PathBuf,
+    /// The same with [`RBAC_POLICIES`] RBAC policies (`--rbac`).
+    bootstrap_rbac: PathBuf,
     haproxy_config: PathBuf,
     nginx_config: PathBuf,
 }
@@ -147,9 +162,15 @@ impl Setup {
         match (scenario, load) {
             (Scenario::Direct, Load::H1) => self.upstream(UPSTREAM_PORT),
             (Scenario::Direct, Load::H2) => self.upstream(UPSTREAM_H2_PORT),
-            (Scenario::Shunt | Scenario::Envoy | Scenario::Before, _) | (_, Load::H1) => {
-                local(H1_PORT)
-            }
+            (
+                Scenario::Shunt
+                | Scenario::Envoy
+                | Scenario::Before
+                | Scenario::ShuntRbac
+                | Scenario::EnvoyRbac,
+                _,
+            )
+            | (_, Load::H1) => local(H1_PORT),
             (_, Load::H2) => local(H2_PORT),
         }
     }
@@ -159,7 +180,7 @@ impl Setup {
         let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         match scenario {
             Scenario::Direct => None,
-            Scenario::Shunt | Scenario::Before => Some((
+            Scenario::Shunt | Scenario::Before | Scenario::ShuntRbac => Some((
                 match scenario {
                     Scenario::Before => self.before.clone()?,
                     _ => self.bins.shunt.clone(),
@@ -167,7 +188,11 @@ impl Setup {
                 args(&[
                     "proxy",
                     "-c",
-                    &file(&self.bootstrap),
+                    &file(if scenario == Scenario::ShuntRbac {
+                        &self.bootstrap_rbac
+                    } else {
+                        &self.bootstrap
+                    }),
                     "--concurrency",
                     "1",
                     "--keep-user",
@@ -175,11 +200,15 @@ impl Setup {
                     "warn",
                 ]),
             )),
-            Scenario::Envoy => Some((
+            Scenario::Envoy | Scenario::EnvoyRbac => Some((
                 self.envoy.clone(),
                 args(&[
                     "-c",
-                    &file(&self.bootstrap),
+                    &file(if scenario == Scenario::EnvoyRbac {
+                        &self.bootstrap_rbac
+                    } else {
+                        &self.bootstrap
+                    }),
                     "--concurrency",
                     "1",
                     "-l",
@@ -304,6 +333,9 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         ensure!(before.is_file(), "--before: no file {}", before.display());
         scenarios.insert(scenarios.len().min(2), Scenario::Before);
     }
+    if args.rbac {
+        scenarios.extend([Scenario::ShuntRbac, Scenario::EnvoyRbac]);
+    }
     crate::setup::ensure_packages(TOOLS)?;
     if args.flamegraph {
         crate::setup::ensure_packages(PERF)?;
@@ -327,6 +359,7 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         haproxy_version,
         nginx_version,
         bootstrap: dir.join("bootstrap.yaml"),
+        bootstrap_rbac: dir.join("bootstrap-rbac.yaml"),
         haproxy_config: dir.join("haproxy.cfg"),
         nginx_config: dir.join("nginx-proxy.conf"),
         dir: dir.clone(),
@@ -336,6 +369,10 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     let upstream = setup.upstream(UPSTREAM_PORT);
     std::fs::write(&setup.bootstrap, bootstrap(upstream))?;
     validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap)?;
+    if args.rbac {
+        std::fs::write(&setup.bootstrap_rbac, bootstrap_rbac(upstream))?;
+        validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap_rbac)?;
+    }
     std::fs::write(&setup.haproxy_config, haproxy_config(upstream))?;
     std::fs::write(&setup.nginx_config, nginx_proxy_config(&dir, upstream))?;
     let upstream_dir = dir.join("upstream");
@@ -492,6 +529,52 @@ static_resources:
             address:
               socket_address: {{ address: {ip}, port_value: {port} }}
 "#
+    )
+}
+
+/// [`bootstrap`] with an HTTP RBAC filter before the router: [`RBAC_POLICIES`] ALLOW
+/// policies, each a header and a path prefix the load never sends but the last,
+/// which allows every path; policies are tried in name order, so each request
+/// evaluates all of them.
+fn bootstrap_rbac(upstream: SocketAddr) -> String {
+    let mut policies = String::new();
+    for i in 0..RBAC_POLICIES {
+        let last = i + 1 == RBAC_POLICIES;
+        let (prefix, principal) = if last {
+            ("/".to_owned(), "{ any: true }".to_owned())
+        } else {
+            (
+                format!("/tenant-{i}/"),
+                format!(
+                    "{{ header: {{ name: x-tenant, string_match: {{ exact: tenant-{i} }} }} }}"
+                ),
+            )
+        };
+        let _ = write!(
+            policies,
+            r#"
+                  p{i:02}:
+                    permissions:
+                    - and_rules:
+                        rules:
+                        - url_path: {{ path: {{ prefix: "{prefix}" }} }}
+                        - header: {{ name: ":method", string_match: {{ exact: GET }} }}
+                    principals:
+                    - {principal}"#
+        );
+    }
+    bootstrap(upstream).replace(
+        "          http_filters:\n",
+        &format!(
+            r#"          http_filters:
+          - name: envoy.filters.http.rbac
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC
+              rules:
+                action: ALLOW
+                policies:{policies}
+"#
+        ),
     )
 }
 
@@ -907,11 +990,20 @@ struct Report<'a> {
 }
 
 /// Ratio columns (those whose scenarios both ran).
-const RATIOS: [(Scenario, Scenario); 4] = [
+const RATIOS: [(Scenario, Scenario); 7] = [
     (Scenario::Shunt, Scenario::Haproxy),
     (Scenario::Shunt, Scenario::Envoy),
     (Scenario::Shunt, Scenario::Nginx),
     (Scenario::Shunt, Scenario::Before),
+    (Scenario::ShuntRbac, Scenario::Shunt),
+    (Scenario::EnvoyRbac, Scenario::Envoy),
+    (Scenario::ShuntRbac, Scenario::EnvoyRbac),
+];
+
+/// What the RBAC filter adds to a request: (with, without).
+const RBAC_OVERHEAD: [(Scenario, Scenario); 2] = [
+    (Scenario::ShuntRbac, Scenario::Shunt),
+    (Scenario::EnvoyRbac, Scenario::Envoy),
 ];
 
 impl Report<'_> {
@@ -956,16 +1048,16 @@ impl Report<'_> {
         ] {
             let _ = write!(t, "{title:<36}");
             for s in &self.scenarios {
-                let _ = write!(t, "{:>10}", s.name());
+                let _ = write!(t, "{:>12}", s.name());
             }
             for (a, b) in self.ratios() {
-                let _ = write!(t, "{:>15}", format!("{}/{}", a.name(), b.name()));
+                let _ = write!(t, "{:>24}", format!("{}/{}", a.name(), b.name()));
             }
             t.push('\n');
             for m in METRICS {
                 let _ = write!(t, "{:<36}", m.label);
                 for s in &self.scenarios {
-                    let _ = write!(t, "{:>10}", fmt_value(self.median(*s, load, m)));
+                    let _ = write!(t, "{:>12}", fmt_value(self.median(*s, load, m)));
                 }
                 for (a, b) in self.ratios() {
                     let r = self.median(a, load, m) / self.median(b, load, m);
@@ -974,9 +1066,30 @@ impl Report<'_> {
                     } else {
                         "-".into()
                     };
-                    let _ = write!(t, "{cell:>15}");
+                    let _ = write!(t, "{cell:>24}");
                 }
                 t.push('\n');
+            }
+            for (with, without) in RBAC_OVERHEAD {
+                if !(self.scenarios.contains(&with) && self.scenarios.contains(&without)) {
+                    continue;
+                }
+                let rate = |s| self.median(s, load, &METRICS[0]);
+                let cpu = |s| {
+                    METRICS
+                        .iter()
+                        .find(|m| m.key == "proxy_cpu_us_per_req")
+                        .map_or(f64::NAN, |m| self.median(s, load, m))
+                };
+                // Latency per request at the measured rates, and the proxy's own CPU.
+                let per_request_us = 1e6 / rate(with) - 1e6 / rate(without);
+                let _ = writeln!(
+                    t,
+                    "  {RBAC_POLICIES} RBAC policies, {}: {:+.2} us/request wall at one worker's rate, {:+.2} us/request proxy CPU",
+                    without.name(),
+                    per_request_us,
+                    cpu(with) - cpu(without),
+                );
             }
         }
         t
@@ -1090,5 +1203,17 @@ status codes: 3 2xx, 0 3xx, 0 4xx, 0 5xx
         assert!(yaml.contains(HOST));
         let haproxy = haproxy_config(SocketAddr::from(([10, 0, 0, 2], UPSTREAM_PORT)));
         assert_eq!(haproxy.matches("use_backend").count(), VIRTUAL_HOSTS);
+    }
+
+    #[test]
+    fn the_rbac_bootstrap_puts_twenty_policies_before_the_router() {
+        let yaml = bootstrap_rbac(SocketAddr::from(([10, 0, 0, 2], UPSTREAM_PORT)));
+        let rbac = yaml
+            .find("envoy.filters.http.rbac")
+            .expect("the RBAC filter");
+        let router = yaml.find("envoy.filters.http.router").expect("the router");
+        assert!(rbac < router);
+        assert_eq!(yaml.matches("permissions:").count(), RBAC_POLICIES);
+        assert_eq!(yaml.matches("any: true").count(), 1);
     }
 }

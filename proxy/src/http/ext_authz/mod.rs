@@ -116,7 +116,7 @@ pub struct PerRoute {
     pub with_request_body: Option<BodySettings>,
 }
 
-fn grpc_service(
+pub fn grpc_service(
     g: &envoy_types::pb::envoy::config::core::v3::GrpcService,
     path: &str,
     problems: &mut Diagnostics,

@@ -150,6 +150,8 @@ impl ActiveChain {
             }
         }
         if let Some((data, trailers)) = buffered {
+            // A buffered body is sent without an observer: the watching filters see it here.
+            self.observe_request_data(&data);
             *body = RequestBody::buffered(data, trailers);
         }
         Ok(())
@@ -177,6 +179,37 @@ impl ActiveChain {
             }
         }
         Ok(())
+    }
+
+    /// Whether a filter watches the body frames ([`HttpFilter::observes_body`]).
+    pub fn observes_body(&self) -> bool {
+        self.filters.iter().any(|a| a.filter.observes_body())
+    }
+
+    fn each_observer(&mut self, mut call: impl FnMut(&mut dyn HttpFilter, &mut StreamCtx)) {
+        for i in 0..self.filters.len() {
+            if self.filters[i].filter.observes_body() {
+                let (filter, ctx) = self.enter(i);
+                call(filter, ctx);
+            }
+        }
+    }
+
+    pub fn observe_request_data(&mut self, data: &[u8]) {
+        if !data.is_empty() {
+            self.each_observer(|f, ctx| f.on_request_data(data, ctx));
+        }
+    }
+
+    /// A frame of the response body on its way downstream: data or trailers.
+    pub fn observe_response_frame(&mut self, frame: &hyper::body::Frame<Bytes>) {
+        if let Some(data) = frame.data_ref() {
+            if !data.is_empty() {
+                self.each_observer(|f, ctx| f.on_response_data(data, ctx));
+            }
+        } else if let Some(trailers) = frame.trailers_ref() {
+            self.each_observer(|f, ctx| f.on_response_trailers(trailers, ctx));
+        }
     }
 
     /// Runs the encoder filters (last to first) over `response`. A reply from one

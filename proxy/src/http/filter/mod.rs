@@ -222,6 +222,23 @@ impl Routed {
         }
     }
 
+    /// The cluster the router will send the request to (Envoy's `clusterInfo()` for
+    /// filters): the route's, the weighted cluster picked, or the one `headers` name.
+    pub fn cluster_name(&self, headers: &HeaderMap) -> Option<Arc<str>> {
+        let Action::Route(action) = &self.route().action else {
+            return None;
+        };
+        match &action.cluster {
+            ClusterChoice::Cluster(name) => Some(name.clone()),
+            ClusterChoice::Weighted(_) => self.weighted_cluster().map(|w| w.name.clone()),
+            ClusterChoice::Header(name) => headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| !v.is_empty())
+                .map(Arc::from),
+        }
+    }
+
     /// The most specific `typed_per_filter_config` entry for filter `name`: weighted
     /// cluster, route, virtual host, route configuration.
     pub fn per_filter_config(&self, name: &str) -> Option<&PerFilterConfig> {
@@ -336,6 +353,22 @@ pub trait HttpFilter: Send {
     fn encode_trailers(&mut self, _trailers: &mut HeaderMap, _ctx: &mut StreamCtx) -> FilterStatus {
         FilterStatus::Continue
     }
+
+    /// Whether the filter watches the body as it streams by, without holding it up:
+    /// then the `on_*_data` / `on_response_trailers` calls below come for every
+    /// frame sent upstream or downstream (buffered by a filter or not).
+    fn observes_body(&self) -> bool {
+        false
+    }
+
+    /// Request body bytes on their way upstream.
+    fn on_request_data(&mut self, _data: &[u8], _ctx: &mut StreamCtx) {}
+
+    /// Response body bytes on their way downstream.
+    fn on_response_data(&mut self, _data: &[u8], _ctx: &mut StreamCtx) {}
+
+    /// The response's trailers on their way downstream.
+    fn on_response_trailers(&mut self, _trailers: &HeaderMap, _ctx: &mut StreamCtx) {}
 
     /// The stream is over (Envoy's access log time): `info` has the response code,
     /// flags, upstream and bytes. Called for every filter created for the stream.

@@ -56,6 +56,11 @@ pub static FACTORIES: &[&Factory] = &[
     &crate::http::ext_authz::filter::FACTORY,
     &super::peer_metadata::FACTORY,
     &super::istio_stats::FACTORY,
+    &crate::http::grpc_stats::filter::FACTORY,
+    &crate::http::set_filter_state::FACTORY,
+    &crate::http::connect_authority::FACTORY,
+    &crate::http::connect_baggage::FACTORY,
+    &crate::http::alpn::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
