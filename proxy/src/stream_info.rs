@@ -282,6 +282,10 @@ pub struct StreamInfo {
     pub upstream_cluster: Option<Arc<str>>,
     pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub upstream_host: Option<SocketAddr>,
+    /// The upstream TLS session's URI SANs: the server's, and those of the certificate
+    /// shunt presented (Istio's destination and source principals on the client side).
+    pub upstream_peer_uri_sans: Vec<String>,
+    pub upstream_local_uri_sans: Vec<String>,
     /// Body bytes from and to the downstream (known at stream end).
     pub bytes_received: u64,
     pub bytes_sent: u64,
@@ -301,6 +305,8 @@ impl StreamInfo {
             upstream_cluster: None,
             upstream_cluster_metadata: None,
             upstream_host: None,
+            upstream_peer_uri_sans: Vec::new(),
+            upstream_local_uri_sans: Vec::new(),
             bytes_received: 0,
             bytes_sent: 0,
         }

@@ -102,7 +102,7 @@ pub async fn forward(
             Some(ResponseFlag::UpstreamConnectionFailure),
         )
     };
-    let (io, guard) =
+    let (io, guard, _) =
         crate::upstream::http_pool::connect_upstream(&cluster, &host, upstream.secrets)
             .await
             .map_err(|_| connect_failure())?;

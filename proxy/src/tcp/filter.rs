@@ -128,6 +128,7 @@ impl TcpProxy {
         let mut tried = Vec::new();
         let mut connected = None;
         let mut host_metadata = None;
+        let mut upstream_tls = None;
         // HTTP/2 tunnels are streams of the cluster's pooled connection to the host.
         let pooled_tunnel = self
             .tunneling
@@ -177,6 +178,8 @@ impl TcpProxy {
             match transport_socket::connect(cluster, &host, upstreams.secrets).await {
                 Ok((stream, guard)) => {
                     host_metadata = host.metadata.clone();
+                    upstream_tls =
+                        transport_socket::session(cluster, &host, &stream, upstreams.secrets);
                     connected = Some((stream, Box::new(guard) as Box<dyn Send>));
                     break;
                 }
@@ -202,9 +205,9 @@ impl TcpProxy {
             .upstream_info(
                 cluster,
                 host_metadata,
+                upstream_tls,
                 upstream,
                 downstream.io().connection().cloned(),
-                upstreams.secrets,
             )
             .await
         {
@@ -279,23 +282,17 @@ impl TcpProxy {
         &self,
         cluster: &Arc<crate::upstream::Cluster>,
         host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+        tls: Option<crate::stream_info::Tls>,
         upstream: TransportStream,
         connection: Option<Arc<crate::stream_info::Connection>>,
-        secrets: &crate::tls::Secrets,
     ) -> std::io::Result<TransportStream> {
         let mut info = UpstreamInfo {
             cluster_name: Some(cluster.name.clone()),
             cluster_metadata: cluster.metadata.clone(),
             host_metadata,
+            tls,
             ..UpstreamInfo::default()
         };
-        if let Some(session) = upstream.client_session_info() {
-            let mut tls = session.tls;
-            if let Some(context) = &cluster.transport_socket {
-                tls.local_uri_sans = context.local_uri_sans(secrets);
-            }
-            info.tls = Some(tls);
-        }
         let upstream = match &cluster.metadata_exchange {
             Some(protocol) => {
                 let exchanged =

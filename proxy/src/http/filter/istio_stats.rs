@@ -133,8 +133,11 @@ impl HttpFilter for Active {
             },
         );
         let (peer_principal, local_principal) = if client {
-            // The upstream TLS session of an HTTP stream is not known here.
-            (None, None)
+            // The upstream TLS session the request went over.
+            (
+                info.upstream_peer_uri_sans.first().cloned(),
+                info.upstream_local_uri_sans.first().cloned(),
+            )
         } else {
             crate::istio_stats::downstream_principals(&info.connection)
         };
