@@ -558,7 +558,17 @@ fn http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange()
         sample(
             &c,
             "istio_requests_total",
-            &with(&[&http[..], &[("reporter", "source")]].concat())
+            &with(
+                &[
+                    &http[..],
+                    &[
+                        ("reporter", "source"),
+                        ("source_principal", CLIENT_ID),
+                        ("destination_principal", SERVER_ID),
+                    ],
+                ]
+                .concat()
+            )
         ),
         Some(3.0),
         "{c}"
@@ -593,6 +603,7 @@ fn http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange()
                     &tcp[..],
                     &[
                         ("reporter", "source"),
+                        ("source_principal", CLIENT_ID),
                         ("destination_principal", SERVER_ID),
                         ("destination_service", SERVICE),
                     ],

@@ -212,17 +212,33 @@ pub struct UpstreamInfo {
 /// connection's filter state under [`UpstreamSlot::NAME`] by `on_new_connection`, filled
 /// once the upstream is connected, read by `on_data`/`on_close`.
 #[derive(Debug, Default)]
-pub struct UpstreamSlot(std::sync::Mutex<Option<Arc<UpstreamInfo>>>);
+pub struct UpstreamSlot {
+    info: std::sync::Mutex<Option<Arc<UpstreamInfo>>>,
+    /// The response flags `tcp_proxy` set before the downstream closed (`UF`, `NC`,
+    /// `UH`, ...): what Istio's TCP metrics report when no peer was ever read.
+    flags: std::sync::Mutex<Vec<ResponseFlag>>,
+}
 
 impl UpstreamSlot {
     pub const NAME: &'static str = "shunt.upstream_info";
 
     pub fn fill(&self, info: UpstreamInfo) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info));
+        *self.info.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info));
     }
 
     pub fn get(&self) -> Option<Arc<UpstreamInfo>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.info.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn flag(&self, flag: ResponseFlag) {
+        let mut flags = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+
+    pub fn flags(&self) -> Vec<ResponseFlag> {
+        self.flags.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 

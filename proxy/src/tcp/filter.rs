@@ -18,7 +18,7 @@ use super::copy;
 use crate::access_log::{Entry, ResponseFlag, Sink};
 use crate::peer::filter_state::{self, Side};
 use crate::stats::{Counter, Store};
-use crate::stream_info::{LifeSpan, UpstreamInfo, UpstreamSlot};
+use crate::stream_info::{Connection, LifeSpan, UpstreamInfo, UpstreamSlot};
 use crate::tls::TransportStream;
 use crate::upstream::load_balancer::hash_key;
 use crate::upstream::transport_socket;
@@ -96,6 +96,18 @@ pub struct Upstreams<'a> {
     pub secrets: &'a crate::tls::Secrets,
 }
 
+/// Sets `flag` in the access log entry and in the connection's [`UpstreamSlot`], if a
+/// network filter (Istio's TCP stats) asked for one.
+fn report(entry: &mut Entry, connection: &Option<Arc<Connection>>, flag: ResponseFlag) {
+    entry.flag(flag);
+    if let Some(slot) = connection
+        .as_deref()
+        .and_then(|c| c.filter_state.get_as::<UpstreamSlot>(UpstreamSlot::NAME))
+    {
+        slot.flag(flag);
+    }
+}
+
 impl TcpProxy {
     /// Proxies one connection whose destination (original or local) is `destination`,
     /// filling `entry`; the caller writes the access log.
@@ -107,17 +119,19 @@ impl TcpProxy {
         entry: &mut Entry,
     ) {
         self.stats.downstream_cx_total.inc();
+        // Flags set before the downstream closes are told to its network filters too.
+        let connection = downstream.io().connection().cloned();
         let name = self.clusters.pick();
         entry.upstream_cluster = Some(name.clone());
         let Some(cluster) = upstreams.clusters.get(&**name) else {
             tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
             self.stats.downstream_cx_no_route.inc();
-            entry.flag(ResponseFlag::NoClusterFound);
+            report(entry, &connection, ResponseFlag::NoClusterFound);
             return;
         };
         let Some(_slot) = cluster.circuit_breaker.try_acquire() else {
             tracing::debug!(cluster = %name, max_connections = cluster.circuit_breaker.max_connections(), "circuit breaker open");
-            entry.flag(ResponseFlag::UpstreamOverflow);
+            report(entry, &connection, ResponseFlag::UpstreamOverflow);
             return;
         };
         // Without a hash policy, hash the downstream IP (Envoy's `source_ip` policy), so a
@@ -144,7 +158,7 @@ impl TcpProxy {
                 tried: &tried,
             };
             let Some(host) = cluster.choose_host(&ctx, Some(destination)) else {
-                entry.flag(ResponseFlag::NoHealthyUpstream);
+                report(entry, &connection, ResponseFlag::NoHealthyUpstream);
                 return;
             };
             if super::loops_back(
@@ -153,7 +167,7 @@ impl TcpProxy {
                 upstreams.own_ports,
             ) {
                 tracing::warn!(downstream = %entry.downstream_remote_address, upstream = %host.address, "refusing a connection whose destination is the proxy itself");
-                entry.flag(ResponseFlag::NoHealthyUpstream);
+                report(entry, &connection, ResponseFlag::NoHealthyUpstream);
                 return;
             }
             entry.upstream_host = Some(host.address);
@@ -193,7 +207,7 @@ impl TcpProxy {
             }
         }
         let Some((upstream, _active)) = connected else {
-            entry.flag(ResponseFlag::UpstreamConnectionFailure);
+            report(entry, &connection, ResponseFlag::UpstreamConnectionFailure);
             match &downstream {
                 super::Downstream::Transport(stream) => stream.abort(),
                 super::Downstream::Filtered(stream) => stream.abort(),
@@ -207,14 +221,14 @@ impl TcpProxy {
                 host_metadata,
                 upstream_tls,
                 upstream,
-                downstream.io().connection().cloned(),
+                connection.clone(),
             )
             .await
         {
             Ok(upstream) => upstream,
             Err(err) => {
                 tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "upstream metadata exchange failed");
-                entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                report(entry, &connection, ResponseFlag::UpstreamConnectionFailure);
                 downstream.abort();
                 return;
             }
@@ -226,7 +240,7 @@ impl TcpProxy {
                     Err(err) => {
                         tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "tunnel not established");
                         entry.upstream_transport_failure_reason = Some(err.to_string());
-                        entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                        report(entry, &connection, ResponseFlag::UpstreamConnectionFailure);
                         downstream.abort();
                         return;
                     }
