@@ -7,7 +7,11 @@
 //! connections with known byte counts go through; `/stats/prometheus` on each side must
 //! show exactly those counts under the labels Istio writes: reporter=source with the
 //! server's workload learned from the peer on the client, reporter=destination with the
-//! client's workload and mutual_tls on the server. Needs root.
+//! client's workload and mutual_tls on the server; the client's principals from the
+//! upstream mTLS session; request and response sizes as the exact wire bytes the client
+//! sent and got; tcp_proxy's UF flag on a TCP connection with no upstream; and a TCP
+//! upstream that negotiates `istio-peer-exchange` but never sends the exchange header
+//! still carries the payload. Needs root.
 
 mod support;
 
@@ -320,19 +324,34 @@ fn total(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// One HTTP/1.1 request from inside `pod`: the status.
-fn get(pod: &Pod, port: u16, path: &str) -> u16 {
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {SERVICE}\r\nConnection: close\r\n\r\n");
+/// What one raw HTTP/1.1 request from inside `pod` carried on the wire.
+struct Exchange {
+    status: u16,
+    /// The request's bytes, head included, and the response's as they arrived.
+    sent: usize,
+    received: usize,
+}
+
+fn exchange(pod: &Pod, port: u16, path: &str) -> Exchange {
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {SERVICE}\r\nUser-Agent: raw\r\nConnection: close\r\n\r\n"
+    );
     pod.run_in_netns(move || {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(request.as_bytes()).unwrap();
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        raw.split(' ')
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        let status = String::from_utf8_lossy(&raw)
+            .split(' ')
             .nth(1)
             .and_then(|c| c.parse().ok())
-            .unwrap_or(0)
+            .unwrap_or(0);
+        Exchange {
+            status,
+            sent: request.len(),
+            received: raw.len(),
+        }
     })
     .unwrap()
 }
@@ -421,8 +440,15 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     }
 
     let mut statuses = Vec::new();
+    // The wire bytes of the 200s, both ways.
+    let (mut ok_sent, mut ok_received) = (0, 0);
     for path in ["/a", "/b", "/c", "/missing", "/missing", "/down"] {
-        statuses.push(get(&client, HTTP_OUT, path));
+        let done = exchange(&client, HTTP_OUT, path);
+        if done.status == 200 {
+            ok_sent += done.sent;
+            ok_received += done.received;
+        }
+        statuses.push(done.status);
     }
     assert_eq!(
         statuses,
@@ -541,6 +567,17 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     assert_eq!(
         sample(&c, requests, &with(&source, &http("404"))),
         Some(2.0),
+        "{c}"
+    );
+    // Sizes as istio-proxy counts them: the downstream's wire bytes, heads included.
+    assert_eq!(
+        sample(&c, "istio_request_bytes_sum", &with(&source, &http("200"))),
+        Some(ok_sent as f64),
+        "{c}"
+    );
+    assert_eq!(
+        sample(&c, "istio_response_bytes_sum", &with(&source, &http("200"))),
+        Some(ok_received as f64),
         "{c}"
     );
     // The down upstream never answered: no peer, the flag UF.

@@ -302,6 +302,10 @@ pub struct StreamInfo {
     /// shunt presented (Istio's destination and source principals on the client side).
     pub upstream_peer_uri_sans: Vec<String>,
     pub upstream_local_uri_sans: Vec<String>,
+    /// The wire size of the request's and the response's heads (HTTP/1.1 form), known at
+    /// stream end: with the body bytes, what Istio counts as request and response size.
+    pub request_head_bytes: u64,
+    pub response_head_bytes: u64,
     /// Body bytes from and to the downstream (known at stream end).
     pub bytes_received: u64,
     pub bytes_sent: u64,
@@ -323,6 +327,8 @@ impl StreamInfo {
             upstream_host: None,
             upstream_peer_uri_sans: Vec::new(),
             upstream_local_uri_sans: Vec::new(),
+            request_head_bytes: 0,
+            response_head_bytes: 0,
             bytes_received: 0,
             bytes_sent: 0,
         }

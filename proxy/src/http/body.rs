@@ -37,6 +37,12 @@ pub struct LogSlot {
     /// Data bytes read from the downstream (`bytes_received`) and written to it.
     received: AtomicU64,
     sent: AtomicU64,
+    /// The response goes out chunked: its chunks' framing, counted as they are sent,
+    /// belongs to its wire size (Istio's `istio_response_bytes`).
+    chunked: AtomicBool,
+    framing: AtomicU64,
+    /// The downstream asked to close after this request (hyper then says so).
+    closes: AtomicBool,
     /// The downstream's request body broke HTTP's framing.
     downstream_protocol_error: AtomicBool,
     /// Set once the request has its response (or was given up); empty: no line.
@@ -56,10 +62,28 @@ impl LogSlot {
             rescheduled: tokio::sync::Notify::new(),
             received: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            chunked: AtomicBool::new(false),
+            framing: AtomicU64::new(0),
+            closes: AtomicBool::new(false),
             downstream_protocol_error: AtomicBool::new(false),
             line: Mutex::new(None),
             chain: Mutex::new(None),
         })
+    }
+
+    /// The response is sent chunked: count its framing, the last chunk included.
+    pub fn set_chunked(&self) {
+        self.chunked.store(true, Ordering::Relaxed);
+        self.framing
+            .fetch_add(super::wire::LAST_CHUNK, Ordering::Relaxed);
+    }
+
+    pub fn set_closes(&self, closes: bool) {
+        self.closes.store(closes, Ordering::Relaxed);
+    }
+
+    pub fn closes(&self) -> bool {
+        self.closes.load(Ordering::Relaxed)
     }
 
     pub fn started(&self) -> tokio::time::Instant {
@@ -176,6 +200,7 @@ impl Drop for LogSlot {
         if let Some((mut entry, hcm)) = line {
             entry.bytes_received = *self.received.get_mut();
             entry.bytes_sent = *self.sent.get_mut();
+            entry.response_head_bytes += *self.framing.get_mut();
             entry.emit_to(&hcm.access_log);
             if let Some(chain) = chain {
                 chain.complete(&entry);
@@ -350,6 +375,10 @@ impl Body for ResponseBody {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(data), Some(log)) = (frame.data_ref(), this.log.as_ref()) {
                     log.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    if !data.is_empty() && log.chunked.load(Ordering::Relaxed) {
+                        log.framing
+                            .fetch_add(super::wire::chunk_framing(data.len()), Ordering::Relaxed);
+                    }
                     log.active();
                 }
             }

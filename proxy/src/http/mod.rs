@@ -29,6 +29,7 @@ pub mod route_config;
 pub mod router;
 pub mod timeouts;
 pub mod upgrade;
+pub mod wire;
 
 #[cfg(test)]
 mod tests;
