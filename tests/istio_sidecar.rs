@@ -1,5 +1,6 @@
 //! Traffic through the listeners istiod generates, between two shunt sidecars (client
-//! and server), each in its own pod with eBPF capture, each fed over ADS and SDS as
+//! and server), each in its own pod with capture (eBPF, and iptables in a second test),
+//! each fed over ADS and SDS as
 //! pilot-agent feeds Envoy. The listeners are a real sidecar's, taken from the corpus
 //! dump (tests/fixtures/istio/config_dump/authz_configdump.yaml): `virtualOutbound`
 //! (15001, `use_original_dst`), the outbound `0.0.0.0_80` (RDS `80`) and
@@ -363,7 +364,7 @@ struct Sidecar {
 }
 
 fn start_sidecar(pod: &Pod, ads_socket: &Path, pki: &Pki, cert: &str, node: Value) -> Sidecar {
-    let (sds_dir, sds_socket, sds) = unix_server(&format!("sidecar-sds-{cert}"));
+    let (sds_dir, sds_socket, sds) = unix_server(&format!("sds-{}", pod.netns_name()));
     sds.set(
         type_urls::SECRET,
         "s1",
@@ -428,18 +429,29 @@ fn http_get(pod: &Pod, target: SocketAddr, path: &str) -> (u16, String) {
 }
 
 #[test]
-fn http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange() {
-    let pki = Pki::new("istio-sidecar-pki");
+fn through_istios_virtual_listeners_with_ebpf_capture() {
+    http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange("ebpf");
+}
+
+#[test]
+fn through_istios_virtual_listeners_with_iptables_capture() {
+    http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange("iptables");
+}
+
+fn http_and_tcp_cross_istios_virtual_listeners_with_mtls_and_metadata_exchange(
+    backend: &'static str,
+) {
+    let pki = Pki::new(&format!("istio-sidecar-pki-{backend}"));
     pki.issue("client", "ca", &format!("URI:{CLIENT_ID}"));
     pki.issue("server", "ca", &format!("URI:{SERVER_ID}"));
     let mut net = Node::new().expect("node");
     let client = net.add_pod("client").expect("pod client");
     let server = net.add_pod("server").expect("pod server");
-    let capture = Capture::new("ebpf", "istio-sidecar");
+    let capture = Capture::new(backend, &format!("istio-sidecar-{backend}"));
     capture.install(&client, &[]);
     capture.install(&server, &[]);
 
-    let (_ads_dir, ads_socket, ads) = unix_server("istio-sidecar-ads");
+    let (_ads_dir, ads_socket, ads) = unix_server(&format!("istio-sidecar-ads-{backend}"));
     serve_mesh(&ads, server.ipv4());
     let _tcp_app = support::start_app(&server, &[TCP_PORT]);
     let _http_app = server
