@@ -1,8 +1,8 @@
 //! Traffic through the listeners istiod generates, between two shunt sidecars (client
 //! and server), each in its own pod with capture (eBPF, and iptables in a second test),
-//! each fed over ADS and SDS as
-//! pilot-agent feeds Envoy. The listeners are a real sidecar's, taken from the corpus
-//! dump (tests/fixtures/istio/config_dump/authz_configdump.yaml): `virtualOutbound`
+//! each fed over ADS and SDS as pilot-agent feeds Envoy. The listeners are a real
+//! sidecar's, taken from the corpus dump
+//! (tests/fixtures/istio/config_dump/authz_configdump.yaml): `virtualOutbound`
 //! (15001, `use_original_dst`), the outbound `0.0.0.0_80` (RDS `80`) and
 //! `10.96.0.1_443` (`<ip>_<port>`, `tcp_proxy`), and `virtualInbound` (15006, its eight
 //! filter chains, mTLS with `default`/`ROOTCA` from `sds-grpc`). The corpus has no
