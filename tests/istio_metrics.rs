@@ -7,7 +7,11 @@
 //! connections with known byte counts go through; `/stats/prometheus` on each side must
 //! show exactly those counts under the labels Istio writes: reporter=source with the
 //! server's workload learned from the peer on the client, reporter=destination with the
-//! client's workload and mutual_tls on the server. Needs root.
+//! client's workload and mutual_tls on the server; the client's principals from the
+//! upstream mTLS session; request and response sizes as the exact wire bytes the client
+//! sent and got; tcp_proxy's UF flag on a TCP connection with no upstream; and a TCP
+//! upstream that negotiates `istio-peer-exchange` but never sends the exchange header
+//! still carries the payload. Needs root.
 
 mod support;
 
@@ -28,6 +32,16 @@ const HTTP_OUT: u16 = 15001;
 const TCP_OUT: u16 = 15002;
 const HTTP_IN: u16 = 15006;
 const TCP_IN: u16 = 15007;
+/// The client's outbound TCP listener to a cluster with no one listening (flag UF).
+const TCP_DOWN: u16 = 15003;
+/// The client's outbound TCP listener whose upstream negotiates `istio-peer-exchange`
+/// but never sends a metadata exchange header: the server's [`SILENT_IN`].
+const TCP_SILENT: u16 = 15004;
+/// A server listener that offers `istio-peer-exchange` but has no metadata exchange
+/// filter, in front of [`SILENT_APP`].
+const SILENT_IN: u16 = 15008;
+/// An app that says nothing until it has read `PING\n`, then answers `PONG\n`.
+const SILENT_APP: u16 = 8082;
 const APP_HTTP: u16 = 8080;
 const APP_TCP: u16 = 9000;
 const SERVICE: &str = "server.server-ns.svc.cluster.local";
@@ -121,6 +135,21 @@ fn cluster(name: &str, address: SocketAddr, tls: Option<Value>, extra: Value) ->
     c
 }
 
+/// An outbound TCP listener on 127.0.0.1:`port` with `istio.stats` before `tcp_proxy`.
+fn tcp_outbound(name: &str, port: u16, cluster: &str) -> Value {
+    json!({
+        "name": name,
+        "traffic_direction": "OUTBOUND",
+        "address": socket_address("127.0.0.1", port),
+        "filter_chains": [{"filters": [
+            stats_filter(json!({})),
+            {"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                "stat_prefix": cluster, "cluster": cluster}}
+        ]}]
+    })
+}
+
 fn client_config(pki: &Pki, server: &Pod) -> Value {
     let upstream_tls = |alpn: Value| {
         json!({
@@ -165,7 +194,9 @@ fn client_config(pki: &Pki, server: &Pod) -> Value {
                             "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
                             "stat_prefix": "outbound|9000||server", "cluster": "outbound|9000||server"}}
                     ]}]
-                }
+                },
+                tcp_outbound("outbound_tcp_down", TCP_DOWN, "outbound|9000||down"),
+                tcp_outbound("outbound_tcp_silent", TCP_SILENT, "outbound|8081||silent")
             ],
             "clusters": [
                 cluster("outbound|8080||server", SocketAddr::new(server_ip.into(), HTTP_IN),
@@ -177,7 +208,14 @@ fn client_config(pki: &Pki, server: &Pod) -> Value {
                             "@type": "type.googleapis.com/envoy.tcp.metadataexchange.config.MetadataExchange",
                             "protocol": "istio-peer-exchange"}}]
                     })),
-                cluster("outbound|8080||down", SocketAddr::from(([127, 0, 0, 1], 1)), None, json!({}))
+                cluster("outbound|8080||down", SocketAddr::from(([127, 0, 0, 1], 1)), None, json!({})),
+                cluster("outbound|9000||down", SocketAddr::from(([127, 0, 0, 1], 1)), None, json!({})),
+                cluster("outbound|8081||silent", SocketAddr::new(server_ip.into(), SILENT_IN),
+                    Some(upstream_tls(json!(["istio-peer-exchange", "istio"]))), json!({
+                        "filters": [{"name": "istio.metadata_exchange", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.tcp.metadataexchange.config.MetadataExchange",
+                            "protocol": "istio-peer-exchange"}}]
+                    }))
             ]
         }
     })
@@ -243,9 +281,20 @@ fn server_config(pki: &Pki) -> Value {
                                 "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
                                 "stat_prefix": "inbound|9000||", "cluster": "inbound|9000||"}}]
                     }]
+                },
+                {
+                    "name": "inbound_silent",
+                    "address": socket_address("0.0.0.0", SILENT_IN),
+                    "filter_chains": [{
+                        "transport_socket": downstream_tls(json!(["istio-peer-exchange", "istio"])),
+                        "filters": [{"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                            "stat_prefix": "inbound|8082||", "cluster": "inbound|8082||"}}]
+                    }]
                 }
             ],
-            "clusters": [inbound("inbound|8080||", APP_HTTP), inbound("inbound|9000||", APP_TCP)]
+            "clusters": [inbound("inbound|8080||", APP_HTTP), inbound("inbound|9000||", APP_TCP),
+                inbound("inbound|8082||", SILENT_APP)]
         }
     })
 }
@@ -262,19 +311,47 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
-/// One HTTP/1.1 request from inside `pod`: the status.
-fn get(pod: &Pod, port: u16, path: &str) -> u16 {
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {SERVICE}\r\nConnection: close\r\n\r\n");
+/// The sum of the Prometheus samples `name` whose labels include every one of `labels`.
+fn total(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// What one raw HTTP/1.1 request from inside `pod` carried on the wire.
+struct Exchange {
+    status: u16,
+    /// The request's bytes, head included, and the response's as they arrived.
+    sent: usize,
+    received: usize,
+}
+
+fn exchange(pod: &Pod, port: u16, path: &str) -> Exchange {
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {SERVICE}\r\nUser-Agent: raw\r\nConnection: close\r\n\r\n"
+    );
     pod.run_in_netns(move || {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(request.as_bytes()).unwrap();
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        raw.split(' ')
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        let status = String::from_utf8_lossy(&raw)
+            .split(' ')
             .nth(1)
             .and_then(|c| c.parse().ok())
-            .unwrap_or(0)
+            .unwrap_or(0);
+        Exchange {
+            status,
+            sent: request.len(),
+            received: raw.len(),
+        }
     })
     .unwrap()
 }
@@ -328,6 +405,24 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
             .spawn()
             .expect("start shunt")
     };
+    // The silent app: reads until `PING\n` (ignoring what comes before), answers, closes.
+    let silent = server
+        .run_in_netns(|| std::net::TcpListener::bind(("127.0.0.1", SILENT_APP)))
+        .unwrap()
+        .expect("bind the silent app");
+    std::thread::spawn(move || {
+        for mut conn in silent.incoming().flatten() {
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.windows(5).any(|w| w == b"PING\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = conn.write_all(b"PONG\n");
+        }
+    });
     let server_proxy = start(&server, server_config(&pki), "server");
     let client_proxy = start(&client, client_config(&pki, &server), "client");
     for (pod, port, proxy) in [
@@ -335,6 +430,9 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
         (&server, TCP_IN, &server_proxy),
         (&client, HTTP_OUT, &client_proxy),
         (&client, TCP_OUT, &client_proxy),
+        (&client, TCP_DOWN, &client_proxy),
+        (&client, TCP_SILENT, &client_proxy),
+        (&server, SILENT_IN, &server_proxy),
         (&server, APP_TCP, &server_proxy),
     ] {
         wait_for_port(pod, support::local(port), Duration::from_secs(30))
@@ -342,8 +440,15 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     }
 
     let mut statuses = Vec::new();
+    // The wire bytes of the 200s, both ways.
+    let (mut ok_sent, mut ok_received) = (0, 0);
     for path in ["/a", "/b", "/c", "/missing", "/missing", "/down"] {
-        statuses.push(get(&client, HTTP_OUT, path));
+        let done = exchange(&client, HTTP_OUT, path);
+        if done.status == 200 {
+            ok_sent += done.sent;
+            ok_received += done.received;
+        }
+        statuses.push(done.status);
     }
     assert_eq!(
         statuses,
@@ -358,11 +463,42 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
         assert!(got > n as u64, "the echo of {n} bytes came back: {got}");
         received += got;
     }
+    // No upstream: the connection is accepted, then closed (reset) without a byte.
+    let from_down = client
+        .run_in_netns(|| {
+            let mut s = TcpStream::connect(("127.0.0.1", TCP_DOWN))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            let mut got = Vec::new();
+            match s.read_to_end(&mut got) {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(got.len()),
+                other => other.map(|_| got.len()),
+            }
+        })
+        .unwrap();
+    assert_eq!(from_down.ok(), Some(0));
+    // An upstream that negotiated the exchange but sends no header: the payload goes
+    // on without it once the exchange gives up waiting.
+    let pong = client
+        .run_in_netns(|| {
+            let mut s = TcpStream::connect(("127.0.0.1", TCP_SILENT))?;
+            s.set_read_timeout(Some(Duration::from_secs(20)))?;
+            s.write_all(b"PING\n")?;
+            let mut got = String::new();
+            s.read_to_string(&mut got).map(|_| got)
+        })
+        .unwrap();
+    assert_eq!(
+        pong.ok().as_deref(),
+        Some("PONG\n"),
+        "client: {}\nserver: {}",
+        client_proxy.stderr_text(),
+        server_proxy.stderr_text()
+    );
 
     let metrics = |pod: &Pod| admin_at(pod, &format!("127.0.0.1:{ADMIN}"), "/stats/prometheus").1;
     // Connections close after the test's reads: wait for both sides' close reports.
     let closed = |pod: &Pod, reporter: &str| {
-        sample(
+        total(
             &metrics(pod),
             "istio_tcp_connections_closed_total",
             &[("reporter", reporter)],
@@ -371,7 +507,7 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     support::wait_until(
         "both sides report the TCP closes",
         &client_proxy,
-        || closed(&client, "source") == Some(2.0) && closed(&server, "destination") == Some(2.0),
+        || closed(&client, "source") == 4.0 && closed(&server, "destination") == 2.0,
         || {
             format!(
                 "client:\n{}\nserver:\n{}",
@@ -416,6 +552,12 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
         all
     };
     let http = |code| [("request_protocol", "http"), ("response_code", code)];
+    // The client's principals come from the upstream mTLS session the request went over.
+    let principals = [
+        ("source_principal", CLIENT_ID),
+        ("destination_principal", SERVER_ID),
+    ];
+    let source = with(&source, &principals);
     let requests = "istio_requests_total";
     assert_eq!(
         sample(&c, requests, &with(&source, &http("200"))),
@@ -425,6 +567,17 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     assert_eq!(
         sample(&c, requests, &with(&source, &http("404"))),
         Some(2.0),
+        "{c}"
+    );
+    // Sizes as istio-proxy counts them: the downstream's wire bytes, heads included.
+    assert_eq!(
+        sample(&c, "istio_request_bytes_sum", &with(&source, &http("200"))),
+        Some(ok_sent as f64),
+        "{c}"
+    );
+    assert_eq!(
+        sample(&c, "istio_response_bytes_sum", &with(&source, &http("200"))),
+        Some(ok_received as f64),
         "{c}"
     );
     // The down upstream never answered: no peer, the flag UF.
@@ -464,9 +617,9 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
     let tcp = [("request_protocol", "tcp")];
     let source_tcp = with(
         &with(&source, &tcp),
-        &[("destination_principal", SERVER_ID)],
+        &[("destination_service", SERVICE), ("response_flags", "-")],
     );
-    let destination_tcp = with(&destination, &tcp);
+    let destination_tcp = with(&with(&destination, &tcp), &[("response_flags", "-")]);
     for (text, labels) in [(&c, &source_tcp), (&s, &destination_tcp)] {
         assert_eq!(
             sample(text, "istio_tcp_connections_opened_total", labels),
@@ -489,4 +642,32 @@ fn istio_metrics_between_two_shunt_sidecars_carry_both_workloads() {
             "{text}"
         );
     }
+
+    // The connection that found no upstream: reported at close, with tcp_proxy's flag.
+    let down = [
+        ("reporter", "source"),
+        ("request_protocol", "tcp"),
+        ("destination_workload", "unknown"),
+        ("response_flags", "UF"),
+    ];
+    for metric in [
+        "istio_tcp_connections_opened_total",
+        "istio_tcp_connections_closed_total",
+    ] {
+        assert_eq!(sample(&c, metric, &down), Some(1.0), "{metric}\n{c}");
+    }
+    // The silent upstream: mTLS (its principal is known), but no peer metadata.
+    let silent = [
+        ("reporter", "source"),
+        ("request_protocol", "tcp"),
+        ("destination_workload", "unknown"),
+        ("destination_principal", SERVER_ID),
+        ("source_principal", CLIENT_ID),
+        ("response_flags", "-"),
+    ];
+    assert_eq!(
+        sample(&c, "istio_tcp_connections_opened_total", &silent),
+        Some(1.0),
+        "{c}"
+    );
 }

@@ -123,6 +123,16 @@ pub struct Entry {
     /// Why the upstream TLS handshake failed (Envoy's
     /// `%UPSTREAM_TRANSPORT_FAILURE_REASON%`); left out when there was none.
     pub upstream_transport_failure_reason: Option<String>,
+    /// The upstream TLS session's URI SANs: the server's (Envoy's
+    /// `%UPSTREAM_PEER_URI_SAN%`) and those of the certificate shunt presented
+    /// (`%UPSTREAM_LOCAL_URI_SAN%`). Not logged: Istio's client-side stats read them.
+    pub upstream_peer_uri_sans: Vec<String>,
+    pub upstream_local_uri_sans: Vec<String>,
+    /// The HTTP/1.1 wire size of the request's head as received and of the response's
+    /// head (and chunk framing) as sent: with the body bytes, Istio's request and
+    /// response sizes. Not logged.
+    pub request_head_bytes: u64,
+    pub response_head_bytes: u64,
     /// Set for the line of one HTTP request (the HTTP connection manager writes one per
     /// request); TCP lines leave it out.
     pub http: Option<Box<HttpFields>>,
@@ -184,6 +194,10 @@ impl Entry {
             bytes_sent: 0,
             response_flags: Vec::new(),
             upstream_transport_failure_reason: None,
+            upstream_peer_uri_sans: Vec::new(),
+            upstream_local_uri_sans: Vec::new(),
+            request_head_bytes: 0,
+            response_head_bytes: 0,
             http: None,
         }
     }

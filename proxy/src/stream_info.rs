@@ -212,17 +212,33 @@ pub struct UpstreamInfo {
 /// connection's filter state under [`UpstreamSlot::NAME`] by `on_new_connection`, filled
 /// once the upstream is connected, read by `on_data`/`on_close`.
 #[derive(Debug, Default)]
-pub struct UpstreamSlot(std::sync::Mutex<Option<Arc<UpstreamInfo>>>);
+pub struct UpstreamSlot {
+    info: std::sync::Mutex<Option<Arc<UpstreamInfo>>>,
+    /// The response flags `tcp_proxy` set before the downstream closed (`UF`, `NC`,
+    /// `UH`, ...): what Istio's TCP metrics report when no peer was ever read.
+    flags: std::sync::Mutex<Vec<ResponseFlag>>,
+}
 
 impl UpstreamSlot {
     pub const NAME: &'static str = "shunt.upstream_info";
 
     pub fn fill(&self, info: UpstreamInfo) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info));
+        *self.info.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info));
     }
 
     pub fn get(&self) -> Option<Arc<UpstreamInfo>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.info.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn flag(&self, flag: ResponseFlag) {
+        let mut flags = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+
+    pub fn flags(&self) -> Vec<ResponseFlag> {
+        self.flags.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -282,6 +298,14 @@ pub struct StreamInfo {
     pub upstream_cluster: Option<Arc<str>>,
     pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
     pub upstream_host: Option<SocketAddr>,
+    /// The upstream TLS session's URI SANs: the server's, and those of the certificate
+    /// shunt presented (Istio's destination and source principals on the client side).
+    pub upstream_peer_uri_sans: Vec<String>,
+    pub upstream_local_uri_sans: Vec<String>,
+    /// The wire size of the request's and the response's heads (HTTP/1.1 form), known at
+    /// stream end: with the body bytes, what Istio counts as request and response size.
+    pub request_head_bytes: u64,
+    pub response_head_bytes: u64,
     /// Body bytes from and to the downstream (known at stream end).
     pub bytes_received: u64,
     pub bytes_sent: u64,
@@ -301,6 +325,10 @@ impl StreamInfo {
             upstream_cluster: None,
             upstream_cluster_metadata: None,
             upstream_host: None,
+            upstream_peer_uri_sans: Vec::new(),
+            upstream_local_uri_sans: Vec::new(),
+            request_head_bytes: 0,
+            response_head_bytes: 0,
             bytes_received: 0,
             bytes_sent: 0,
         }

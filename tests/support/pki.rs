@@ -90,8 +90,8 @@ impl Pki {
         self.issue(cn, "ca", &format!("DNS:server.test,URI:{SERVER_ID}"))
     }
 
-    /// A certificate named `cn` with the subjectAltName `sans`, signed by the CA `ca`,
-    /// good for server and client auth: (chain, key).
+    /// A certificate named `cn` with the subjectAltName `sans` (none when empty), signed
+    /// by the CA `ca`, good for server and client auth: (chain, key).
     pub fn issue(&self, cn: &str, ca: &str, sans: &str) -> (String, String) {
         let (key, csr, pem, ext) = (
             format!("{cn}.key"),
@@ -102,8 +102,13 @@ impl Pki {
         std::fs::write(
             self.dir.0.join(&ext),
             format!(
-                "subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n\
-                 basicConstraints=CA:FALSE\n"
+                "{}extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n",
+                // No SAN at all: the subject is the only identity.
+                if sans.is_empty() {
+                    String::new()
+                } else {
+                    format!("subjectAltName={sans}\n")
+                }
             ),
         )
         .unwrap();

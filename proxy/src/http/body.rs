@@ -37,6 +37,12 @@ pub struct LogSlot {
     /// Data bytes read from the downstream (`bytes_received`) and written to it.
     received: AtomicU64,
     sent: AtomicU64,
+    /// The response goes out chunked: its chunks' framing, counted as they are sent,
+    /// belongs to its wire size (Istio's `istio_response_bytes`).
+    chunked: AtomicBool,
+    framing: AtomicU64,
+    /// The downstream asked to close after this request (hyper then says so).
+    closes: AtomicBool,
     /// The downstream's request body broke HTTP's framing.
     downstream_protocol_error: AtomicBool,
     /// Set once the request has its response (or was given up); empty: no line.
@@ -58,11 +64,29 @@ impl LogSlot {
             rescheduled: tokio::sync::Notify::new(),
             received: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            chunked: AtomicBool::new(false),
+            framing: AtomicU64::new(0),
+            closes: AtomicBool::new(false),
             downstream_protocol_error: AtomicBool::new(false),
             line: Mutex::new(None),
             chain: Mutex::new(None),
             observed: AtomicBool::new(false),
         })
+    }
+
+    /// The response is sent chunked: count its framing, the last chunk included.
+    pub fn set_chunked(&self) {
+        self.chunked.store(true, Ordering::Relaxed);
+        self.framing
+            .fetch_add(super::wire::LAST_CHUNK, Ordering::Relaxed);
+    }
+
+    pub fn set_closes(&self, closes: bool) {
+        self.closes.store(closes, Ordering::Relaxed);
+    }
+
+    pub fn closes(&self) -> bool {
+        self.closes.load(Ordering::Relaxed)
     }
 
     pub fn started(&self) -> tokio::time::Instant {
@@ -226,6 +250,7 @@ impl Drop for LogSlot {
         if let Some((mut entry, hcm)) = line {
             entry.bytes_received = *self.received.get_mut();
             entry.bytes_sent = *self.sent.get_mut();
+            entry.response_head_bytes += *self.framing.get_mut();
             entry.emit_to(&hcm.access_log);
             if let Some(chain) = chain {
                 chain.complete(&entry);
@@ -405,6 +430,12 @@ impl Body for ResponseBody {
                 if let Some(log) = this.log.as_ref() {
                     if let Some(data) = frame.data_ref() {
                         log.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+                        if !data.is_empty() && log.chunked.load(Ordering::Relaxed) {
+                            log.framing.fetch_add(
+                                super::wire::chunk_framing(data.len()),
+                                Ordering::Relaxed,
+                            );
+                        }
                         log.active();
                     }
                     log.observe(|chain| chain.observe_response_frame(frame));

@@ -236,6 +236,9 @@ async fn handle(
     let downstream = &shared.downstream;
     let _active = hcm.stats.request(request.version());
     let (mut parts, body) = request.into_parts();
+    // Measured before anything changes the request: its head as it arrived.
+    let request_head_bytes = super::wire::request_head(&parts);
+    log.set_closes(super::wire::closes(&parts));
     if parts.version != Version::HTTP_2 {
         super::upgrade::ignore_h2c(&mut parts.headers);
     }
@@ -267,6 +270,7 @@ async fn handle(
     }
     let mut entry = Entry::start(downstream.direction, downstream.remote, downstream.local);
     entry.original_dst = downstream.original_dst;
+    entry.request_head_bytes = request_head_bytes;
     // The line's HTTP fields are copies of the request's: made only when a log is on.
     if !hcm.access_log.is_empty() {
         entry.http = Some(Box::new(HttpFields {
@@ -843,8 +847,13 @@ async fn finish(
     if let Some(http) = entry.http.as_mut() {
         http.response_code = status;
     }
-    log.fill(entry, hcm.clone());
+    let body_len = hyper::body::Body::size_hint(response.body()).exact();
     let (parts, body) = response.into_parts();
+    entry.response_head_bytes = super::wire::response_head(&parts, body_len, log.closes());
+    if super::wire::chunked(&parts, body_len) {
+        log.set_chunked();
+    }
+    log.fill(entry, hcm.clone());
     Response::from_parts(parts, body.logged(log.clone()))
 }
 

@@ -34,6 +34,7 @@ pub mod router;
 pub mod set_filter_state;
 pub mod timeouts;
 pub mod upgrade;
+pub mod wire;
 
 #[cfg(test)]
 mod tests;

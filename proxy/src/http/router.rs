@@ -363,6 +363,10 @@ async fn attempt_once(
             }
         };
         let reused = sender.reused();
+        let session = sender.session();
+        let tls = session.as_deref();
+        entry.upstream_peer_uri_sans = tls.map(|t| t.peer_uri_sans.clone()).unwrap_or_default();
+        entry.upstream_local_uri_sans = tls.map(|t| t.local_uri_sans.clone()).unwrap_or_default();
         let sent = Instant::now();
         match sender.send(request).await {
             Ok(response) => {

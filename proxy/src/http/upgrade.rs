@@ -102,7 +102,7 @@ pub async fn forward(
             Some(ResponseFlag::UpstreamConnectionFailure),
         )
     };
-    let (io, guard) = crate::upstream::http_pool::connect_upstream(
+    let (io, guard, _) = crate::upstream::http_pool::connect_upstream(
         &cluster,
         &host,
         upstream.secrets,

@@ -345,11 +345,11 @@ async fn serve(
     // What filters read about the connection.
     let mut connection = crate::stream_info::Connection::new(facts.destination, remote);
     connection.socket_local = local;
+    // As in Envoy, only the tls_inspector tells the requested server name: the TLS
+    // session's own SNI is not copied here (RBAC's `requested_server_name` sees "" on a
+    // listener without the inspector).
     connection.requested_server_name = facts.server_name.clone();
     if let Some(session) = handed_session.or_else(|| stream.session_info()) {
-        if session.server_name.is_some() {
-            connection.requested_server_name = session.server_name;
-        }
         connection.alpn = session.alpn;
         let mut tls = session.tls;
         if let Some(context) = &chain.transport_socket

@@ -109,7 +109,22 @@ impl Active {
             peer_principal: peer_principal.as_deref(),
             local_principal: local_principal.as_deref(),
         };
-        labels::tcp(self.recorder.config(), self.recorder.node(), &obs, "-")
+        // The flags when the labels are fixed: "-" once a peer was read, what
+        // tcp_proxy flagged (UF, NC, UH, ...) when the connection closes without one.
+        let flags: Vec<&str> = connection
+            .filter_state
+            .get_as::<UpstreamSlot>(UpstreamSlot::NAME)
+            .map(UpstreamSlot::flags)
+            .unwrap_or_default()
+            .iter()
+            .map(|f| f.code())
+            .collect();
+        let flags = if flags.is_empty() {
+            "-".to_owned()
+        } else {
+            flags.join(",")
+        };
+        labels::tcp(self.recorder.config(), self.recorder.node(), &obs, &flags)
     }
 
     fn open(&mut self, connection: &Connection) {

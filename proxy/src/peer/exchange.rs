@@ -101,6 +101,16 @@ pub fn encode(node: &LocalNode) -> Vec<u8> {
     out
 }
 
+/// The whole length (prefix included) of the header `buf` starts with, when it starts
+/// with the exchange's magic and announces an acceptable length: what to drop of a
+/// header whose body does not parse.
+pub fn announced_len(buf: &[u8]) -> Option<usize> {
+    let prefix: [u8; PREFIX_LEN] = buf.get(..PREFIX_LEN)?.try_into().ok()?;
+    let magic = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]);
+    let length = u32::from_be_bytes([prefix[4], prefix[5], prefix[6], prefix[7]]) as usize;
+    (magic == MAGIC && length <= MAX_METADATA_LEN).then_some(PREFIX_LEN + length)
+}
+
 /// Reads the exchange header at the start of `buf`, the bytes a peer sent first.
 pub fn decode(buf: &[u8]) -> Result<Decoded, ExchangeError> {
     if buf.len() < 4 {

@@ -100,6 +100,18 @@ pub struct Upstreams<'a> {
     pub secrets: &'a crate::tls::Secrets,
 }
 
+/// Sets `flag` in the access log entry and in the connection's [`UpstreamSlot`], if a
+/// network filter (Istio's TCP stats) asked for one.
+fn report(entry: &mut Entry, connection: &Option<Arc<Connection>>, flag: ResponseFlag) {
+    entry.flag(flag);
+    if let Some(slot) = connection
+        .as_deref()
+        .and_then(|c| c.filter_state.get_as::<UpstreamSlot>(UpstreamSlot::NAME))
+    {
+        slot.flag(flag);
+    }
+}
+
 impl TcpProxy {
     /// Proxies one connection whose destination (original or local) is `destination`,
     /// filling `entry`; the caller writes the access log.
@@ -123,16 +135,18 @@ impl TcpProxy {
             local: shared_address(&connection.filter_state, ORIGINAL_DST_LOCAL),
             remote: shared_address(&connection.filter_state, ORIGINAL_DST_REMOTE),
         };
+        // Flags set before the downstream closes are told to its network filters too.
+        let reported = downstream.io().connection().cloned();
         entry.upstream_cluster = Some(name.clone());
         let Some(cluster) = upstreams.clusters.get(&**name) else {
             tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
             self.stats.downstream_cx_no_route.inc();
-            entry.flag(ResponseFlag::NoClusterFound);
+            report(entry, &reported, ResponseFlag::NoClusterFound);
             return;
         };
         let Some(_slot) = cluster.circuit_breaker.try_acquire() else {
             tracing::debug!(cluster = %name, max_connections = cluster.circuit_breaker.max_connections(), "circuit breaker open");
-            entry.flag(ResponseFlag::UpstreamOverflow);
+            report(entry, &reported, ResponseFlag::UpstreamOverflow);
             return;
         };
         // Without a hash policy, hash the downstream IP (Envoy's `source_ip` policy), so a
@@ -143,6 +157,7 @@ impl TcpProxy {
         let mut tried = Vec::new();
         let mut connected = None;
         let mut host_metadata = None;
+        let mut upstream_tls = None;
         // HTTP/2 tunnels are streams of the cluster's pooled connection to the host.
         let pooled_tunnel = self
             .tunneling
@@ -159,7 +174,7 @@ impl TcpProxy {
                 tried: &tried,
             };
             let Some(host) = cluster.choose_host(&ctx, Some(destination)) else {
-                entry.flag(ResponseFlag::NoHealthyUpstream);
+                report(entry, &reported, ResponseFlag::NoHealthyUpstream);
                 return;
             };
             if super::loops_back(
@@ -168,7 +183,7 @@ impl TcpProxy {
                 upstreams.own_ports,
             ) {
                 tracing::warn!(downstream = %entry.downstream_remote_address, upstream = %host.address, "refusing a connection whose destination is the proxy itself");
-                entry.flag(ResponseFlag::NoHealthyUpstream);
+                report(entry, &reported, ResponseFlag::NoHealthyUpstream);
                 return;
             }
             entry.upstream_host = Some(host.address);
@@ -194,6 +209,8 @@ impl TcpProxy {
             {
                 Ok((stream, guard)) => {
                     host_metadata = host.metadata.clone();
+                    upstream_tls =
+                        transport_socket::session(cluster, &host, &stream, upstreams.secrets);
                     connected = Some((stream, Box::new(guard) as Box<dyn Send>));
                     break;
                 }
@@ -207,7 +224,7 @@ impl TcpProxy {
             }
         }
         let Some((upstream, _active)) = connected else {
-            entry.flag(ResponseFlag::UpstreamConnectionFailure);
+            report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
             match &downstream {
                 super::Downstream::Transport(stream) => stream.abort(),
                 super::Downstream::Filtered(stream) => stream.abort(),
@@ -219,16 +236,16 @@ impl TcpProxy {
             .upstream_info(
                 cluster,
                 host_metadata,
+                upstream_tls,
                 upstream,
-                downstream.io().connection().cloned(),
-                upstreams.secrets,
+                reported.clone(),
             )
             .await
         {
             Ok(upstream) => upstream,
             Err(err) => {
                 tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "upstream metadata exchange failed");
-                entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
                 downstream.abort();
                 return;
             }
@@ -240,7 +257,7 @@ impl TcpProxy {
                     Err(err) => {
                         tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "tunnel not established");
                         entry.upstream_transport_failure_reason = Some(err.to_string());
-                        entry.flag(ResponseFlag::UpstreamConnectionFailure);
+                        report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
                         downstream.abort();
                         return;
                     }
@@ -296,23 +313,17 @@ impl TcpProxy {
         &self,
         cluster: &Arc<crate::upstream::Cluster>,
         host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+        tls: Option<crate::stream_info::Tls>,
         upstream: TransportStream,
         connection: Option<Arc<crate::stream_info::Connection>>,
-        secrets: &crate::tls::Secrets,
     ) -> std::io::Result<TransportStream> {
         let mut info = UpstreamInfo {
             cluster_name: Some(cluster.name.clone()),
             cluster_metadata: cluster.metadata.clone(),
             host_metadata,
+            tls,
             ..UpstreamInfo::default()
         };
-        if let Some(session) = upstream.client_session_info() {
-            let mut tls = session.tls;
-            if let Some(context) = &cluster.transport_socket {
-                tls.local_uri_sans = context.local_uri_sans(secrets);
-            }
-            info.tls = Some(tls);
-        }
         let upstream = match &cluster.metadata_exchange {
             Some(protocol) => {
                 let exchanged =

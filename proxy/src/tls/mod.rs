@@ -13,6 +13,7 @@ pub mod pem;
 pub mod san;
 pub mod secret;
 pub mod stream;
+pub mod subject;
 pub mod transport_socket;
 mod verifier;
 

@@ -102,6 +102,7 @@ impl TransportStream {
                     _ => {}
                 }
             }
+            info.peer_subject = super::subject::of_certificate(leaf);
         }
         Some(SessionInfo {
             tls: info,

@@ -164,7 +164,7 @@ pub async fn connect_upstream(
     secrets: &crate::tls::Secrets,
     alpn: Option<&[String]>,
     fallback: Option<&str>,
-) -> io::Result<(BoxedIo, UpstreamConnection)> {
+) -> io::Result<(BoxedIo, UpstreamConnection, Session)> {
     use super::transport_socket::{self, ConnectError};
     let shared = super::internal::SharedFilterState::default();
     let connected =
@@ -175,8 +175,14 @@ pub async fn connect_upstream(
         Err(err @ ConnectError::Tls(_)) => return Err(io::Error::other(err)),
     };
     stream.set_nodelay();
-    Ok((Box::new(stream), guard))
+    let session = transport_socket::session(cluster, host, &stream, secrets).map(Arc::new);
+    Ok((Box::new(stream), guard, session))
 }
+
+/// What an upstream connection's TLS session told (`None` without TLS), kept with the
+/// connection so each request on it can tell its filters (Istio's client-side
+/// principals).
+pub type Session = Option<Arc<crate::stream_info::Tls>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckoutError {
@@ -225,7 +231,7 @@ const RETURN_YIELDS: usize = 4;
 #[derive(Debug, Default)]
 pub struct HostPool {
     /// HTTP/1.1 connections ready for a request.
-    idle: Mutex<Vec<http1::SendRequest<RequestBody>>>,
+    idle: Mutex<Vec<(http1::SendRequest<RequestBody>, Session)>>,
     /// Woken when a connection goes back to `idle`.
     returned: tokio::sync::Notify,
     /// HTTP/1.1 connections whose response head arrived, going back to `idle` once
@@ -233,15 +239,20 @@ pub struct HostPool {
     returning: AtomicUsize,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
-    h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody>>>,
+    h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody>, Session)>>,
 }
 
 /// A connection taken for one request.
 #[derive(Debug)]
 pub enum Sender {
-    /// With its pool, and whether it was reused.
-    Http1(http1::SendRequest<RequestBody>, Arc<HostPool>, bool),
-    Http2(http2::SendRequest<RequestBody>, bool),
+    /// With its pool, whether it was reused, and its TLS session.
+    Http1(
+        http1::SendRequest<RequestBody>,
+        Arc<HostPool>,
+        bool,
+        Session,
+    ),
+    Http2(http2::SendRequest<RequestBody>, bool, Session),
 }
 
 impl Pools {
@@ -316,23 +327,23 @@ impl Pools {
                     (pool.h2.lock().await, true)
                 }
             };
-            if let Some(sender) = shared.as_ref().filter(|s| !s.is_closed()) {
-                return Ok(Sender::Http2(sender.clone(), true));
+            if let Some((sender, session)) = shared.as_ref().filter(|(s, _)| !s.is_closed()) {
+                return Ok(Sender::Http2(sender.clone(), true, session.clone()));
             }
             if !waited {
                 pending_total.inc();
             }
-            let sender = connect_http2(cluster, host, secrets, alpn)
+            let (sender, session) = connect_http2(cluster, host, secrets, alpn)
                 .await
                 .inspect_err(|err| ejected(cluster, err))?;
-            *shared = Some(sender.clone());
-            return Ok(Sender::Http2(sender, false));
+            *shared = Some((sender.clone(), session.clone()));
+            return Ok(Sender::Http2(sender, false, session));
         }
         let mut pending = None;
         let mut waited = false;
         let slot = loop {
-            if let Some(sender) = pool.take_idle() {
-                return Ok(Sender::Http1(sender, pool, true));
+            if let Some((sender, session)) = pool.take_idle() {
+                return Ok(Sender::Http1(sender, pool, true, session));
             }
             if !waited {
                 // A connection whose response just ended comes back in a moment, as
@@ -343,8 +354,8 @@ impl Pools {
                         break;
                     }
                     tokio::task::yield_now().await;
-                    if let Some(sender) = pool.take_idle() {
-                        return Ok(Sender::Http1(sender, pool, true));
+                    if let Some((sender, session)) = pool.take_idle() {
+                        return Ok(Sender::Http1(sender, pool, true, session));
                     }
                 }
                 pending_total.inc();
@@ -376,21 +387,21 @@ impl Pools {
             }
         };
         drop(pending);
-        let sender = connect_http1(cluster, host, secrets, slot, alpn)
+        let (sender, session) = connect_http1(cluster, host, secrets, slot, alpn)
             .await
             .inspect_err(|err| ejected(cluster, err))?;
-        Ok(Sender::Http1(sender, pool, false))
+        Ok(Sender::Http1(sender, pool, false, session))
     }
 }
 
 impl HostPool {
     /// An idle connection still open, if any.
-    fn take_idle(&self) -> Option<http1::SendRequest<RequestBody>> {
+    fn take_idle(&self) -> Option<(http1::SendRequest<RequestBody>, Session)> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         // Those the upstream closed while idle are dropped.
-        while let Some(sender) = idle.pop() {
+        while let Some((sender, session)) = idle.pop() {
             if sender.is_ready() {
-                return Some(sender);
+                return Some((sender, session));
             }
         }
         None
@@ -419,10 +430,10 @@ async fn connect_http1(
     secrets: &crate::tls::Secrets,
     slot: OwnedConnectionSlot,
     alpn: Option<&[String]>,
-) -> Result<http1::SendRequest<RequestBody>, CheckoutError> {
+) -> Result<(http1::SendRequest<RequestBody>, Session), CheckoutError> {
     // Envoy counts the protocol as the connection is made, failed connects too.
     cluster.stats.upstream_cx_http1_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("http/1.1"))
+    let (io, guard, session) = connect_upstream(cluster, host, secrets, alpn, Some("http/1.1"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (mut sender, connection) = http1::Builder::new()
@@ -431,7 +442,7 @@ async fn connect_http1(
         .map_err(CheckoutError::Handshake)?;
     drive(connection, (slot, guard), host.address, "HTTP/1.1");
     sender.ready().await.map_err(CheckoutError::Handshake)?;
-    Ok(sender)
+    Ok((sender, session))
 }
 
 pub(super) async fn connect_http2(
@@ -439,10 +450,10 @@ pub(super) async fn connect_http2(
     host: &Arc<Host>,
     secrets: &crate::tls::Secrets,
     alpn: Option<&[String]>,
-) -> Result<http2::SendRequest<RequestBody>, CheckoutError> {
+) -> Result<(http2::SendRequest<RequestBody>, Session), CheckoutError> {
     let slot = open(cluster)?;
     cluster.stats.upstream_cx_http2_total.inc();
-    let (io, guard) = connect_upstream(cluster, host, secrets, alpn, Some("h2"))
+    let (io, guard, session) = connect_upstream(cluster, host, secrets, alpn, Some("h2"))
         .await
         .map_err(CheckoutError::Connect)?;
     let (sender, connection) = http2::Builder::new(TokioExecutor::new())
@@ -450,7 +461,7 @@ pub(super) async fn connect_http2(
         .await
         .map_err(CheckoutError::Handshake)?;
     drive(connection, (slot, guard), host.address, "HTTP/2");
-    Ok(sender)
+    Ok((sender, session))
 }
 
 /// Drives an upstream connection in the background until it ends, holding its breaker
@@ -482,7 +493,14 @@ impl Sender {
     /// keep-alive connection just as a request is sent on it.
     pub fn reused(&self) -> bool {
         match self {
-            Sender::Http1(_, _, reused) | Sender::Http2(_, reused) => *reused,
+            Sender::Http1(_, _, reused, _) | Sender::Http2(_, reused, _) => *reused,
+        }
+    }
+
+    /// The connection's TLS session, if it has one.
+    pub fn session(&self) -> Session {
+        match self {
+            Sender::Http1(_, _, _, session) | Sender::Http2(_, _, session) => session.clone(),
         }
     }
 
@@ -493,7 +511,7 @@ impl Sender {
         request: Request<RequestBody>,
     ) -> Result<Response<Incoming>, SendError> {
         let result = match self {
-            Sender::Http1(mut sender, pool, _) => {
+            Sender::Http1(mut sender, pool, _, session) => {
                 let response = sender.try_send_request(request).await;
                 if response.is_ok() {
                     pool.returning.fetch_add(1, Ordering::AcqRel);
@@ -502,7 +520,7 @@ impl Sender {
                             pool.idle
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
-                                .push(sender);
+                                .push((sender, session));
                             pool.returned.notify_one();
                         }
                         pool.returning.fetch_sub(1, Ordering::AcqRel);
@@ -510,7 +528,7 @@ impl Sender {
                 }
                 response
             }
-            Sender::Http2(mut sender, _) => sender.try_send_request(request).await,
+            Sender::Http2(mut sender, _, _) => sender.try_send_request(request).await,
         };
         result.map_err(|mut err| SendError {
             unsent: err.take_message(),

@@ -24,6 +24,41 @@ pub enum ConnectError {
     Tls(HandshakeError),
 }
 
+type Socket = Option<Arc<crate::tls::UpstreamTls>>;
+type Passthrough = Option<Arc<crate::tls::internal_upstream::Passthrough>>;
+
+/// The socket `host` of `cluster` is reached with: the first of
+/// `transport_socket_matches` the endpoint's metadata satisfies, else the cluster's own.
+fn socket_for<'a>(cluster: &'a Cluster, host: &Host) -> (&'a Socket, &'a Passthrough) {
+    match cluster
+        .transport_socket_matches
+        .iter()
+        .find(|m| m.matches(host.socket_match.as_deref()))
+    {
+        Some(m) => {
+            tracing::trace!(cluster = %cluster.name, host = %host.address, socket_match = %m.name, "transport socket match");
+            (&m.socket, &m.passthrough)
+        }
+        None => (&cluster.transport_socket, &cluster.passthrough),
+    }
+}
+
+/// What the TLS session of `stream`, made by [`connect`] to `host`, tells: the server's
+/// SANs as the peer's, and the URI SANs of the certificate this side presented (Istio's
+/// source principal on the client side). `None` for a connection without TLS.
+pub fn session(
+    cluster: &Cluster,
+    host: &Host,
+    stream: &TransportStream,
+    secrets: &Secrets,
+) -> Option<crate::stream_info::Tls> {
+    let mut tls = stream.client_session_info()?.tls;
+    if let (Some(context), _) = socket_for(cluster, host) {
+        tls.local_uri_sans = context.local_uri_sans(secrets);
+    }
+    Some(tls)
+}
+
 /// Connects to `host` of `cluster`, resolving SDS secrets in `secrets`.
 pub async fn connect(
     cluster: &Arc<Cluster>,
@@ -53,19 +88,7 @@ pub async fn connect_with(
     alpn: Option<&[String]>,
     fallback: Option<&str>,
 ) -> Result<(TransportStream, UpstreamConnection), ConnectError> {
-    // The first of `transport_socket_matches` the endpoint's metadata satisfies, else
-    // the cluster's own socket.
-    let (socket, passthrough) = match cluster
-        .transport_socket_matches
-        .iter()
-        .find(|m| m.matches(host.socket_match.as_deref()))
-    {
-        Some(m) => {
-            tracing::trace!(cluster = %cluster.name, host = %host.address, socket_match = %m.name, "transport socket match");
-            (&m.socket, &m.passthrough)
-        }
-        None => (&cluster.transport_socket, &cluster.passthrough),
-    };
+    let (socket, passthrough) = socket_for(cluster, host);
     if let Some(internal) = &host.internal {
         if socket.is_some() {
             return Err(ConnectError::Connect(io::Error::new(

@@ -55,7 +55,7 @@ impl TunnelPools {
         if let Some(found) = self.with_room(host.address, max_streams) {
             return Ok(found);
         }
-        let sender = super::http_pool::connect_http2(cluster, host, secrets, None).await?;
+        let (sender, _) = super::http_pool::connect_http2(cluster, host, secrets, None).await?;
         let shared = Shared {
             sender: sender.clone(),
             tunnels: Arc::new(AtomicUsize::new(1)),

@@ -303,6 +303,10 @@ impl ActiveChain {
         info.upstream_cluster = entry.upstream_cluster.clone();
         info.upstream_cluster_metadata = entry.upstream_cluster_metadata.clone();
         info.upstream_host = entry.upstream_host;
+        info.upstream_peer_uri_sans = entry.upstream_peer_uri_sans.clone();
+        info.upstream_local_uri_sans = entry.upstream_local_uri_sans.clone();
+        info.request_head_bytes = entry.request_head_bytes;
+        info.response_head_bytes = entry.response_head_bytes;
         info.bytes_received = entry.bytes_received;
         info.bytes_sent = entry.bytes_sent;
         for active in &mut self.filters {

@@ -133,8 +133,11 @@ impl HttpFilter for Active {
             },
         );
         let (peer_principal, local_principal) = if client {
-            // The upstream TLS session of an HTTP stream is not known here.
-            (None, None)
+            // The upstream TLS session the request went over.
+            (
+                info.upstream_peer_uri_sans.first().cloned(),
+                info.upstream_local_uri_sans.first().cloned(),
+            )
         } else {
             crate::istio_stats::downstream_principals(&info.connection)
         };
@@ -181,13 +184,13 @@ impl HttpFilter for Active {
             Metric::RequestBytes,
             &tags,
             &attributes,
-            info.bytes_received as f64,
+            (info.request_head_bytes + info.bytes_received) as f64,
         );
         recorder.record(
             Metric::ResponseBytes,
             &tags,
             &attributes,
-            info.bytes_sent as f64,
+            (info.response_head_bytes + info.bytes_sent) as f64,
         );
         recorder.record_custom(&attributes);
     }
@@ -218,8 +221,12 @@ impl Attributes for StreamAttributes<'_> {
                 let value = self.request?.headers.get(name.as_str())?;
                 value.to_str().ok().map(str::to_owned)
             }
-            ("request", "total_size") => Some(self.info.bytes_received.to_string()),
-            ("response", "total_size") => Some(self.info.bytes_sent.to_string()),
+            ("request", "total_size") => {
+                Some((self.info.request_head_bytes + self.info.bytes_received).to_string())
+            }
+            ("response", "total_size") => {
+                Some((self.info.response_head_bytes + self.info.bytes_sent).to_string())
+            }
             ("response", "code") => self.info.response_code.map(|c| c.to_string()),
             _ => None,
         }
