@@ -290,13 +290,16 @@ pub fn serve_http(data: &[u8]) {
     let rt = runtime();
     rt.block_on(async {
         let (client, server) = tokio::io::duplex(64 * 1024);
+        let remote = "10.0.0.1:40000".parse().unwrap();
+        let local = "10.0.0.2:80".parse().unwrap();
         let downstream = shunt::http::connection_manager::Downstream {
-            remote: "10.0.0.1:40000".parse().unwrap(),
-            local: "10.0.0.2:80".parse().unwrap(),
+            remote,
+            local,
             original_dst: None,
             direction: shunt::access_log::Direction::Inbound,
             secure: false,
             own_ports: Arc::from(vec![15001, 15006]),
+            connection: Arc::new(shunt::stream_info::Connection::new(local, remote)),
         };
         let provider: Arc<dyn ConfigProvider> = provider.clone();
         let served = tokio::spawn(shunt::http::connection_manager::serve(
