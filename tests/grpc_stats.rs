@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use harness::{Node, Pod, PodProcess, shunt_bin, wait_for_port};
+use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
 use support::TempDir;
 use support::envoy::socket_address;
@@ -139,33 +139,12 @@ impl Scene {
             "envoy.json",
             bootstrap(ENVOY_PORT, ENVOY_ADMIN, backends.ipv4()),
         );
-        let shunt = proxy_pod
-            .command(shunt_bin())
-            .args(["proxy", "--concurrency", "2", "-c"])
-            .arg(&shunt_config)
-            .spawn()
-            .expect("start shunt");
-        let envoy = proxy_pod
-            .command(support::envoy::bin())
-            .args([
-                "--concurrency",
-                "2",
-                "--use-dynamic-base-id",
-                "-l",
-                "warning",
-                "-c",
-            ])
-            .arg(&envoy_config)
-            .spawn()
-            .expect("start envoy");
-        for (port, process) in [(SHUNT_PORT + 2, &shunt), (ENVOY_PORT + 2, &envoy)] {
-            wait_for_port(
-                &proxy_pod,
-                SocketAddr::from(([127, 0, 0, 1], port)),
-                Duration::from_secs(30),
-            )
-            .unwrap_or_else(|e| panic!("proxy port {port}: {e}\n{}", process.stderr_text()));
-        }
+        let (shunt, envoy) = support::envoy::start_side_by_side(
+            &proxy_pod,
+            &shunt_config,
+            &envoy_config,
+            [SHUNT_PORT + 2, ENVOY_PORT + 2],
+        );
         Scene {
             _node: node,
             proxy_pod,

@@ -47,3 +47,43 @@ pub fn bin() -> std::path::PathBuf {
     );
     bin
 }
+
+/// The two proxies of a differential test, started side by side in `pod` (two workers
+/// each) from the bootstraps at `shunt_config` and `envoy_config`; returns once each
+/// listens on its 127.0.0.1 port of `ready` (shunt's, Envoy's), or panics with the
+/// stderr of the one that did not.
+pub fn start_side_by_side(
+    pod: &harness::Pod,
+    shunt_config: &std::path::Path,
+    envoy_config: &std::path::Path,
+    ready: [u16; 2],
+) -> (harness::PodProcess, harness::PodProcess) {
+    let shunt = pod
+        .command(harness::shunt_bin())
+        .args(["proxy", "--concurrency", "2", "-c"])
+        .arg(shunt_config)
+        .spawn()
+        .expect("start shunt");
+    let envoy = pod
+        .command(bin())
+        .args([
+            "--concurrency",
+            "2",
+            "--use-dynamic-base-id",
+            "-l",
+            "warning",
+            "-c",
+        ])
+        .arg(envoy_config)
+        .spawn()
+        .expect("start envoy");
+    for (port, process) in [(ready[0], &shunt), (ready[1], &envoy)] {
+        harness::wait_for_port(
+            pod,
+            std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+            std::time::Duration::from_secs(30),
+        )
+        .unwrap_or_else(|e| panic!("proxy port {port}: {e}\n{}", process.stderr_text()));
+    }
+    (shunt, envoy)
+}
