@@ -17,8 +17,8 @@
 //! run must be clean: wrk's non-2xx/3xx and socket error counts zero, every h2load
 //! request logged with status 200, or the bench stops rather than print the figures.
 //!
-//! `--flamegraph` records shunt under the wrk load (`perf record --call-graph dwarf`) and
-//! writes `target/bench/http-shunt.svg` (folded with `inferno`).
+//! `--flamegraph` records shunt under each load (`perf record --call-graph dwarf`) and
+//! writes `target/bench/http-shunt-h1.svg` and `-h2.svg` (folded with `inferno`).
 
 use std::{
     fmt::Write as _,
@@ -53,7 +53,7 @@ pub struct HttpArgs {
     /// wrk's connections (HTTP/1.1 keep-alive, one thread).
     #[arg(long, default_value_t = 50)]
     connections: u32,
-    /// Also record shunt under the wrk load and write target/bench/http-shunt.svg.
+    /// Also record shunt under each load and write target/bench/http-shunt-{h1,h2}.svg.
     #[arg(long)]
     flamegraph: bool,
     /// Only these scenarios (comma-separated: direct,shunt,envoy,haproxy,nginx).
@@ -888,14 +888,25 @@ fn parse_h2load(out: &str, log: &str) -> Result<LoadResult> {
     })
 }
 
-/// shunt under the wrk load, recorded with DWARF call graphs; folded and drawn with
-/// inferno into target/bench/http-shunt.svg.
+/// shunt under each load, recorded with DWARF call graphs; folded and drawn with
+/// inferno into target/bench/http-shunt-h1.svg and http-shunt-h2.svg.
 fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
+    for load in [Load::H1, Load::H2] {
+        flamegraph_of(setup, args, load)?;
+    }
+    Ok(())
+}
+
+fn flamegraph_of(setup: &Setup, args: &HttpArgs, load: Load) -> Result<()> {
     let proxy = setup
         .start_proxy(Scenario::Shunt)?
         .context("shunt has a process")?;
-    let target = setup.target(Scenario::Shunt, Load::H1);
-    let data = target_dir().join("bench/http-shunt.perf.data");
+    let target = setup.target(Scenario::Shunt, load);
+    let name = match load {
+        Load::H1 => "http-shunt-h1",
+        Load::H2 => "http-shunt-h2",
+    };
+    let data = target_dir().join(format!("bench/{name}.perf.data"));
     let seconds = args.seconds.max(3);
     let mut perf = Command::new("perf")
         .args([
@@ -917,9 +928,9 @@ fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
         ])
         .spawn()
         .context("starting perf record")?;
-    let load = wrk(setup, target, seconds, args.connections);
+    let result = load_run(setup, load, target, seconds, args);
     let status = perf.wait()?;
-    load?;
+    result?;
     ensure!(status.success(), "perf record failed ({status})");
     let script = Command::new("perf")
         .args(["script", "-i"])
@@ -935,11 +946,17 @@ fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
     inferno::collapse::perf::Folder::default()
         .collapse(BufReader::new(&script.stdout[..]), &mut folded)
         .context("folding perf script's stacks")?;
-    let folded_path = target_dir().join("bench/http-shunt.folded");
+    let folded_path = target_dir().join(format!("bench/{name}.folded"));
     std::fs::write(&folded_path, &folded)?;
-    let svg = target_dir().join("bench/http-shunt.svg");
+    let svg = target_dir().join(format!("bench/{name}.svg"));
     let mut options = inferno::flamegraph::Options::default();
-    options.title = "shunt under wrk -t1 -c50 (HTTP/1.1, 6 virtual hosts)".into();
+    options.title = match load {
+        Load::H1 => format!(
+            "shunt under wrk -t1 -c{} (HTTP/1.1, 6 virtual hosts)",
+            args.connections
+        ),
+        Load::H2 => format!("shunt under h2load -c{H2_CLIENTS} -m{H2_STREAMS} (h2 down, h1 up)"),
+    };
     inferno::flamegraph::from_reader(
         &mut options,
         BufReader::new(&folded[..]),
