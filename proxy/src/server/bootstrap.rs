@@ -126,6 +126,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
 
     super::drop_privileges(args)?;
     let runtime = super::data_plane_runtime(args.concurrency)?;
+    let main_thread = super::main_thread_runtime()?;
     let dns_tables = dns.as_ref().map(|d| d.tables.clone());
     if let Some(mut dns) = dns {
         let _entered = runtime.enter();
@@ -150,6 +151,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         plan
     });
     let xds = xds.map(|plan| Xds {
+        main_thread: main_thread.handle().clone(),
         plan,
         bootstrap,
         stats: live.stats_store().clone(),
@@ -166,6 +168,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         args.embedded.clone(),
     ));
     runtime.shutdown_background();
+    main_thread.shutdown_background();
     // After /quitquitquit the admin API has stopped by itself once it answered.
     admin.stop();
     result
@@ -173,6 +176,8 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
 
 /// What the serve loop needs to start the xDS manager.
 struct Xds {
+    /// Where the xDS manager runs: off the workers.
+    main_thread: tokio::runtime::Handle,
     plan: crate::xds::source::Plan,
     bootstrap: envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
     stats: crate::stats::Store,
@@ -282,6 +287,7 @@ async fn serve(
     let mut changes = match xds {
         Some(xds) => {
             let bound = loops.iter().map(|l| (l.listener.clone(), l.addr));
+            let _on_main_thread = xds.main_thread.enter();
             Some(crate::xds::Manager::start(
                 xds.bootstrap,
                 xds.plan,

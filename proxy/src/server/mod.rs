@@ -282,18 +282,38 @@ fn drop_privileges(args: &ProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The multi-threaded runtime connections run on; 0 workers means one per CPU.
+/// The runtime connections run on (Envoy's workers); 0 workers means one per CPU.
+/// One worker is one event loop on the thread that runs it, as an Envoy worker: the
+/// multi-threaded scheduler's cross-thread wake-ups and queues cost about a fifth of
+/// the CPU per HTTP request there (`cargo xtask bench http`).
 fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     let workers = match concurrency {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    if workers == 1 {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the data-plane runtime");
+    }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .thread_name("shunt-worker")
         .enable_all()
         .build()
         .context("starting the data-plane runtime")
+}
+
+/// Envoy's main thread: the xDS streams, the compiles of their updates and the
+/// clusters they bring start here, so a push never stalls the workers' event loops.
+fn main_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("shunt-main")
+        .enable_all()
+        .build()
+        .context("starting the main-thread runtime")
 }
 
 /// Installs the stderr logger, reloadable from the admin API's `/logging`.
