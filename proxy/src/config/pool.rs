@@ -203,6 +203,8 @@ mod tests {
             "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
             "io.istio.http.connect_authority.Config",
             "io.istio.http.connect_baggage.Config",
+            "istio.workload.Workload",
+            "istio.workload.BootstrapExtension",
         ] {
             assert!(pool.get_message_by_name(name).is_some(), "{name} missing");
         }

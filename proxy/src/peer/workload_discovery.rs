@@ -305,7 +305,10 @@ mod tests {
         wire.extend([0x52, 3, b'a', b'p', b'p', 0x60, 3]);
         let decoded = WorkloadResource::decode(wire.as_slice()).unwrap();
         assert_eq!(decoded.uid, "u-1");
-        assert_eq!(decoded.ips("u-1").unwrap(), ["10.0.0.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            decoded.ips("u-1").unwrap(),
+            ["10.0.0.7".parse::<IpAddr>().unwrap()]
+        );
         let workload = decoded.workload();
         assert_eq!(workload.instance_name, "p");
         assert_eq!(workload.namespace_name, "ns");

@@ -443,6 +443,42 @@ mod tests {
     }
 
     #[test]
+    fn workload_discovery_rides_ads_or_its_own_source_typed_or_as_a_typed_struct() {
+        let ads = bootstrap(serde_json::json!({
+            "dynamic_resources": {"ads_config": {"api_type": "GRPC",
+                "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:15010", "stat_prefix": "x"}}]}},
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
+                "value": {"config_source": {"ads": {}}}}}]
+        }));
+        let streams = plan(&ads).unwrap().unwrap().streams;
+        assert_eq!(streams.len(), 1);
+        assert!(streams[0].types.contains(&TypeUrl::Workload));
+
+        let own = bootstrap(serde_json::json!({
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/istio.workload.BootstrapExtension",
+                "config_source": {"api_config_source": {"api_type": "DELTA_GRPC",
+                    "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:15010", "stat_prefix": "x"}}]}}}}]
+        }));
+        let streams = plan(&own).unwrap().unwrap().streams;
+        assert_eq!(streams.len(), 1);
+        assert_eq!(streams[0].types, [TypeUrl::Workload]);
+        assert!(streams[0].delta);
+
+        let without_source = bootstrap(serde_json::json!({
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/istio.workload.BootstrapExtension"}}]
+        }));
+        let err = plan(&without_source).unwrap_err().to_string();
+        assert!(
+            err.starts_with("bootstrap_extensions[0].typed_config.config_source: "),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn per_type_sources_get_a_stream_each_and_errors_name_the_path() {
         let b = bootstrap(serde_json::json!({
             "dynamic_resources": {

@@ -24,10 +24,10 @@ use super::{
 use crate::config::Diagnostics;
 use crate::peer::Workload;
 use crate::peer::filter_state::{self, Side};
-use crate::peer::workload_discovery::WorkloadDiscovery;
 use crate::peer::headers::{
     BAGGAGE_HEADER, METADATA_HEADER, METADATA_ID_HEADER, decode_metadata, encode_metadata,
 };
+use crate::peer::workload_discovery::WorkloadDiscovery;
 use crate::stream_info::{FilterState, LifeSpan};
 
 pub const TYPE: &str = "io.istio.http.peer_metadata.Config";
@@ -184,11 +184,9 @@ fn derive(method: Discovery, headers: &HeaderMap, address: Option<IpAddr>) -> Op
                 .collect();
             (!values.is_empty()).then(|| Workload::from_baggage(&values.join(",")))
         }
-        Discovery::Workloads => {
-            WorkloadDiscovery::global()
-                .get(address?)
-                .map(|w| Workload::clone(&w))
-        }
+        Discovery::Workloads => WorkloadDiscovery::global()
+            .get(address?)
+            .map(|w| Workload::clone(&w)),
     }
 }
 
