@@ -1,7 +1,7 @@
 //! Istio's workload discovery (WDS) feeding peer metadata and Istio's metrics: a shunt
 //! whose bootstrap has `istio.workload.BootstrapExtension` (ADS, Delta, as pilot-agent
 //! writes it) learns `istio.workload.Workload` resources for two pods' addresses from
-//! the test ADS server. Its inbound listener (peer_metadata `downstream_discovery:
+//! the test ADS server (Delta and state of the world). Its inbound listener (peer_metadata `downstream_discovery:
 //! [workload_discovery]`, `istio.stats`) gets plain HTTP with no metadata headers from
 //! the `sleep` pod, and its outbound listener (`upstream_discovery:
 //! [workload_discovery]`) sends to the `ratings` pod: `istio_requests_total` must carry
@@ -76,7 +76,7 @@ fn static_cluster(name: &str, address: SocketAddr) -> Value {
 
 /// The proxy pod's sidecar: Istio-shaped static listeners, ADS (Delta) over a Unix
 /// socket for workloads only, and the bootstrap extension as pilot-agent writes it.
-fn bootstrap(socket: &std::path::Path, ratings: IpAddr) -> Value {
+fn bootstrap(socket: &std::path::Path, ratings: IpAddr, delta: bool) -> Value {
     json!({
         "node": {"id": "sidecar~10.0.0.3~productpage-0.web~web.svc.cluster.local", "cluster": "productpage.web",
                  "metadata": {"NAME": "productpage-0", "NAMESPACE": "web", "WORKLOAD_NAME": "productpage",
@@ -84,7 +84,7 @@ fn bootstrap(socket: &std::path::Path, ratings: IpAddr) -> Value {
                               "LABELS": {"app": "productpage", "version": "v1"}}},
         "admin": {"address": socket_address("127.0.0.1", 15000)},
         "dynamic_resources": {"ads_config": {
-            "api_type": "DELTA_GRPC", "transport_api_version": "V3",
+            "api_type": if delta { "DELTA_GRPC" } else { "GRPC" }, "transport_api_version": "V3",
             "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]
         }},
         "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
@@ -198,14 +198,23 @@ fn push(server: &AdsServer, version: &str, workloads: Vec<(String, Any)>) {
     server.set(TYPE_URL, version, workloads);
 }
 
-fn wait_acked(proxy: &PodProcess, server: &AdsServer, version: &str) {
+fn wait_acked(proxy: &PodProcess, server: &AdsServer, version: &str, delta: bool) {
     eventually(&format!("workloads {version} ACKed"), proxy, server, || {
-        acked(server, TYPE_URL, version, true, None)
+        acked(server, TYPE_URL, version, delta, None)
     });
 }
 
 #[test]
-fn workload_discovery_names_the_peers_of_plain_http_in_istio_metrics_and_follows_updates() {
+fn workload_discovery_over_delta_ads_names_the_peers_of_plain_http_and_follows_updates() {
+    peers_of_plain_http_follow_workload_discovery(true);
+}
+
+#[test]
+fn workload_discovery_over_state_of_the_world_ads_does_the_same() {
+    peers_of_plain_http_follow_workload_discovery(false);
+}
+
+fn peers_of_plain_http_follow_workload_discovery(delta: bool) {
     let mut net = Node::new().expect("node");
     let sleep = net.add_pod("sleep").expect("pod sleep");
     let proxy_pod = net.add_pod("productpage").expect("pod productpage");
@@ -232,13 +241,13 @@ fn workload_discovery_names_the_peers_of_plain_http_in_istio_metrics_and_follows
         ])
         .spawn()
         .expect("ratings app");
-    let (dir, socket, server) = unix_server("wds");
+    let (dir, socket, server) = unix_server(if delta { "wds-delta" } else { "wds-sotw" });
     push(
         &server,
         "v1",
         vec![sleep_pod(&sleep, "v1"), ratings_pod(&ratings)],
     );
-    let config = bootstrap(&socket, IpAddr::from(ratings.ipv4()));
+    let config = bootstrap(&socket, IpAddr::from(ratings.ipv4()), delta);
     let proxy = start_shunt(
         &proxy_pod,
         &dir.0.join("bootstrap.json"),
@@ -255,7 +264,7 @@ fn workload_discovery_names_the_peers_of_plain_http_in_istio_metrics_and_follows
         Duration::from_secs(10),
     )
     .unwrap();
-    wait_acked(&proxy, &server, "v1");
+    wait_acked(&proxy, &server, "v1", delta);
     assert_eq!(
         support::xds::stat_at(&proxy_pod, ADMIN, "workload_discovery.total"),
         Some(2)
@@ -306,9 +315,10 @@ fn workload_discovery_names_the_peers_of_plain_http_in_istio_metrics_and_follows
         admin_at(&proxy_pod, ADMIN, "/stats/prometheus").1
     );
 
-    // sleep moves to v2; ratings goes away (a Delta removal by uid).
+    // sleep moves to v2; ratings goes away (a Delta removal by uid, or left out of the
+    // state of the world).
     push(&server, "v2", vec![sleep_pod(&sleep, "v2")]);
-    wait_acked(&proxy, &server, "v2");
+    wait_acked(&proxy, &server, "v2", delta);
     assert_eq!(get(&sleep, inbound), 200);
     assert_eq!(get(&proxy_pod, outbound), 200);
     let mut source_v2 = source_v1;
