@@ -38,6 +38,9 @@ pub struct Connection {
     pub filter_state: FilterState,
     /// Connection-level dynamic metadata from network filters.
     pub metadata: Metadata,
+    /// Response flags network filters set (ext_authz's `UAEX` on a connection it
+    /// closed), for the connection's access log.
+    pub response_flags: Vec<ResponseFlag>,
 }
 
 impl Connection {
@@ -52,6 +55,7 @@ impl Connection {
             tls: None,
             filter_state: FilterState::default(),
             metadata: Metadata::default(),
+            response_flags: Vec::new(),
         }
     }
 

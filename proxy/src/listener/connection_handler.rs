@@ -371,6 +371,9 @@ async fn serve(
         };
         let Some(active) = started else {
             if let NetworkFilter::TcpProxy(proxy) = &chain.network {
+                for flag in &connection.response_flags {
+                    entry.flag(*flag);
+                }
                 entry.emit_to(&proxy.access_log);
             }
             return;
