@@ -4,7 +4,8 @@
 //! calls (unary, failing with a trailers-only answer, server, client and
 //! bidirectional streams, an unknown method) from pod `client` through three
 //! listeners: default stat names (`grpc.<stat>`), `stats_for_all_methods`
-//! (`grpc.<service>.<method>.<stat>`) and an `individual_method_stats_allowlist`.
+//! (`grpc.<service>.<method>.<stat>`), an `individual_method_stats_allowlist`, and
+//! every method to a cluster with an `alt_stat_name` (its stats are under that name).
 //! The calls' outcomes and every `cluster.*.grpc.*` counter must be equal.
 //!
 //! Needs root, Envoy and grpcio (`cargo xtask setup`).
@@ -82,9 +83,12 @@ fn listener(port: u16, cluster: &str, config: Value) -> Value {
 }
 
 /// Listeners at `base` (defaults), `base + 1` (every method), `base + 2` (an
-/// allowlist: Unary and Chat), each to its own cluster of the one backend.
+/// allowlist: Unary and Chat), `base + 3` (every method, to a cluster with an
+/// `alt_stat_name`), each to its own cluster of the one backend.
 fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
     let at = SocketAddr::new(backends.into(), GRPC_PORT);
+    let mut renamed = h2_cluster("renamed", at);
+    renamed["alt_stat_name"] = json!("renamed_alt");
     json!({
         "admin": {"address": socket_address("127.0.0.1", admin)},
         "static_resources": {
@@ -93,8 +97,10 @@ fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
                 listener(base + 1, "all", json!({"stats_for_all_methods": true})),
                 listener(base + 2, "allow", json!({"individual_method_stats_allowlist":
                     {"services": [{"name": "test.Echo", "method_names": ["Unary", "Chat"]}]}})),
+                listener(base + 3, "renamed", json!({"stats_for_all_methods": true})),
             ],
-            "clusters": [h2_cluster("plain", at), h2_cluster("all", at), h2_cluster("allow", at)]
+            "clusters": [h2_cluster("plain", at), h2_cluster("all", at), h2_cluster("allow", at),
+                renamed]
         }
     })
 }
@@ -143,7 +149,7 @@ impl Scene {
             &proxy_pod,
             &shunt_config,
             &envoy_config,
-            [SHUNT_PORT + 2, ENVOY_PORT + 2],
+            [SHUNT_PORT + 3, ENVOY_PORT + 3],
         );
         Scene {
             _node: node,
@@ -199,7 +205,7 @@ fn grpc_stats(pod: &Pod, admin: u16) -> BTreeMap<String, u64> {
 #[test]
 fn grpc_calls_and_messages_are_counted_as_envoy_counts_them() {
     let s = Scene::new();
-    for listener in 0..3 {
+    for listener in 0..4 {
         let envoy = s.calls(ENVOY_PORT + listener);
         let shunt = s.calls(SHUNT_PORT + listener);
         assert_eq!(envoy.len(), 9, "{envoy:?}");
@@ -230,6 +236,7 @@ fn grpc_calls_and_messages_are_counted_as_envoy_counts_them() {
             "cluster.allow.grpc.test.Echo.Chat.response_message_count",
             2,
         ),
+        ("cluster.renamed_alt.grpc.test.Echo.Unary.total", 4),
     ] {
         assert_eq!(envoy.get(name), Some(&value), "Envoy's {name}: {envoy:#?}");
     }

@@ -5,8 +5,9 @@
 //! pod `backends`, the same connections from pod `client` to six listeners: allowed,
 //! denied, a failing check, a failing check with `failure_mode_allow`, and a dead
 //! authorization server without and with `failure_mode_allow`. What each connection
-//! reads (the backend's answer, or nothing when closed) and the `ext_authz.*`
-//! counters must be equal.
+//! reads (the backend's answer, or nothing when closed), the `ext_authz.*` counters
+//! and each connection's `%RESPONSE_FLAGS%` in tcp_proxy's access log (`UAEX` when
+//! ext_authz closed it) must be equal.
 //!
 //! Needs root, Envoy and grpcio (`cargo xtask setup`).
 
@@ -74,7 +75,7 @@ fn cluster(name: &str, ip: Ipv4Addr, port: u16, http2: bool) -> Value {
 }
 
 /// A listener at `port`: network ext_authz (to `authz`) in front of `tcp_proxy`.
-fn listener(name: &str, port: u16, authz: &str, failure_mode_allow: bool) -> Value {
+fn listener(name: &str, port: u16, authz: &str, failure_mode_allow: bool, log: &str) -> Value {
     json!({
         "name": name,
         "address": socket_address("0.0.0.0", port),
@@ -88,7 +89,16 @@ fn listener(name: &str, port: u16, authz: &str, failure_mode_allow: bool) -> Val
             }},
             {"name": "envoy.filters.network.tcp_proxy", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-                "stat_prefix": name, "cluster": "backend"
+                "stat_prefix": name, "cluster": "backend",
+                "access_log": [{"name": "envoy.access_loggers.file", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                    "path": log,
+                    // shunt writes these two fields in its own JSON line.
+                    "log_format": {"json_format": {
+                        "downstream_local_address": "%DOWNSTREAM_LOCAL_ADDRESS%",
+                        "response_flags": "%RESPONSE_FLAGS%"
+                    }}
+                }}]
             }}
         ]}]
     })
@@ -104,7 +114,7 @@ const LISTENERS: &[(u16, &str, &str, bool)] = &[
     (5, "down_allowed", "authz_down", true),
 ];
 
-fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
+fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr, log: &str) -> Value {
     // Offsets 2 and 3 both fail at the server: 3's last digit is not 2, so it gets a
     // listener whose port ends in 2 as well (base + 12).
     let listeners: Vec<Value> = LISTENERS
@@ -115,7 +125,7 @@ fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
             } else {
                 base + offset
             };
-            listener(name, port, authz, *allow)
+            listener(name, port, authz, *allow, log)
         })
         .collect();
     json!({
@@ -146,7 +156,7 @@ struct Scene {
     shunt: PodProcess,
     envoy: PodProcess,
     _backends: Vec<PodProcess>,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl Scene {
@@ -186,8 +196,17 @@ impl Scene {
             file
         };
         let b = backends.ipv4();
-        let shunt_config = write("shunt.json", bootstrap(SHUNT_PORT, SHUNT_ADMIN, b));
-        let envoy_config = write("envoy.json", bootstrap(ENVOY_PORT, ENVOY_ADMIN, b));
+        // shunt writes its log after dropping to the proxy's uid.
+        std::os::unix::fs::chown(&dir.0, Some(1337), Some(1337)).unwrap();
+        let log = |side: &str| dir.0.join(format!("{side}.log")).display().to_string();
+        let shunt_config = write(
+            "shunt.json",
+            bootstrap(SHUNT_PORT, SHUNT_ADMIN, b, &log("shunt")),
+        );
+        let envoy_config = write(
+            "envoy.json",
+            bootstrap(ENVOY_PORT, ENVOY_ADMIN, b, &log("envoy")),
+        );
         let (shunt, envoy) = support::envoy::start_side_by_side(
             &proxy_pod,
             &shunt_config,
@@ -201,7 +220,7 @@ impl Scene {
             shunt,
             envoy,
             _backends: vec![backend, authz],
-            _dir: dir,
+            dir,
         }
     }
 
@@ -262,6 +281,45 @@ fn connections_are_checked_and_closed_as_envoy_does() {
     }
     if envoy != shunt {
         differences.push(format!("stats:\n  envoy {envoy:?}\n  shunt {shunt:?}"));
+    }
+    // Each listener's access log line; Envoy flushes its file on a timer.
+    let flags = |side: &str| -> BTreeMap<String, String> {
+        let base = if side == "envoy" {
+            ENVOY_PORT
+        } else {
+            SHUNT_PORT
+        };
+        std::fs::read_to_string(s.dir.0.join(format!("{side}.log")))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let line: Value = serde_json::from_str(l).ok()?;
+                let local: SocketAddr = line["downstream_local_address"].as_str()?.parse().ok()?;
+                let (_, name, _, _) = LISTENERS
+                    .iter()
+                    .find(|(offset, ..)| port_of(base, *offset) == local.port())?;
+                Some((
+                    name.to_string(),
+                    line["response_flags"].as_str()?.to_owned(),
+                ))
+            })
+            .collect()
+    };
+    let logged = |side: &str| flags(side).len() == LISTENERS.len();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !(logged("envoy") && logged("shunt")) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (envoy, shunt) = (flags("envoy"), flags("shunt"));
+    assert_eq!(
+        envoy.get("denied").map(String::as_str),
+        Some("UAEX"),
+        "Envoy's flags: {envoy:?}"
+    );
+    if envoy != shunt {
+        differences.push(format!(
+            "response flags:\n  envoy {envoy:?}\n  shunt {shunt:?}"
+        ));
     }
     assert!(
         differences.is_empty(),

@@ -2,7 +2,9 @@
 //! shared by the network filter (`on_new_connection`) and the HTTP filter
 //! (`on_request_headers`): each value is a format string rendered when the filter
 //! runs, turned into a filter state object by its factory (`factory_key`, else the
-//! `object_key`), and stored under `object_key`, shared with the upstream when asked.
+//! `object_key`), and stored under `object_key`, shared with the upstream when asked:
+//! an internal listener's connection gets the shared objects in its filter state,
+//! `ONCE` ones for itself, `TRANSITIVE` ones shared on with its own upstream.
 //!
 //! The factories are Envoy's well-known objects: plain strings, and addresses for
 //! `envoy.filters.listener.original_dst.local_ip` / `remote_ip` (which an internal
@@ -86,6 +88,7 @@ pub struct ValueSetter {
     format: Format,
     read_only: bool,
     shared_with_upstream: bool,
+    transitive: bool,
     skip_if_empty: bool,
 }
 
@@ -143,26 +146,29 @@ fn compile_value(
         &format!("{path}.format_string"),
         problems,
     )?;
-    let shared_with_upstream = match SharedWithUpstream::try_from(value.shared_with_upstream) {
-        Ok(SharedWithUpstream::None) => false,
-        Ok(SharedWithUpstream::Once | SharedWithUpstream::Transitive) => true,
-        Err(_) => {
-            problems.error(
-                format!("{path}.shared_with_upstream"),
-                format!(
-                    "{} is not a SharedWithUpstream value",
-                    value.shared_with_upstream
-                ),
-            );
-            return None;
-        }
-    };
+    let (shared_with_upstream, transitive) =
+        match SharedWithUpstream::try_from(value.shared_with_upstream) {
+            Ok(SharedWithUpstream::None) => (false, false),
+            Ok(SharedWithUpstream::Once) => (true, false),
+            Ok(SharedWithUpstream::Transitive) => (true, true),
+            Err(_) => {
+                problems.error(
+                    format!("{path}.shared_with_upstream"),
+                    format!(
+                        "{} is not a SharedWithUpstream value",
+                        value.shared_with_upstream
+                    ),
+                );
+                return None;
+            }
+        };
     Some(ValueSetter {
         key: key.clone(),
         factory,
         format,
         read_only: value.read_only,
         shared_with_upstream,
+        transitive,
         skip_if_empty: value.skip_if_empty,
     })
 }
@@ -245,6 +251,7 @@ impl ValueSetter {
             read_only: self.read_only,
             life_span,
             shared_with_upstream: self.shared_with_upstream,
+            transitive: self.transitive,
         })
     }
 }
@@ -336,6 +343,36 @@ mod tests {
             Some("tenant-8080")
         );
         assert_eq!(shared_address(&connection.filter_state, "my.key"), None);
+    }
+
+    #[test]
+    fn once_reaches_one_upstream_connection_and_transitive_every_one() {
+        let mut problems = Diagnostics::default();
+        let setters = compile(
+            &[
+                value("x.once", "o", "envoy.string", SharedWithUpstream::Once),
+                value("x.all", "t", "envoy.string", SharedWithUpstream::Transitive),
+                value("x.none", "n", "envoy.string", SharedWithUpstream::None),
+            ],
+            "on_new_connection",
+            &mut problems,
+        )
+        .expect("compiles");
+        let mut connection =
+            Connection::new("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
+        for setter in &setters {
+            let entry = setter
+                .render(&Context::connection(&connection), LifeSpan::Connection)
+                .expect("rendered");
+            store(&mut connection.filter_state, setter.key(), entry);
+        }
+        let first_hop = connection.filter_state.shared_with_upstream();
+        assert_eq!(first_hop.get_string("x.once").as_deref(), Some("o"));
+        assert_eq!(first_hop.get_string("x.all").as_deref(), Some("t"));
+        assert!(first_hop.get("x.none").is_none());
+        let second_hop = first_hop.shared_with_upstream();
+        assert!(second_hop.get("x.once").is_none());
+        assert_eq!(second_hop.get_string("x.all").as_deref(), Some("t"));
     }
 
     #[test]

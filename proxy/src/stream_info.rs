@@ -38,6 +38,9 @@ pub struct Connection {
     pub filter_state: FilterState,
     /// Connection-level dynamic metadata from network filters.
     pub metadata: Metadata,
+    /// Response flags network filters set (ext_authz's `UAEX` on a connection it
+    /// closed), for the connection's access log.
+    pub response_flags: Vec<ResponseFlag>,
 }
 
 impl Connection {
@@ -52,6 +55,7 @@ impl Connection {
             tls: None,
             filter_state: FilterState::default(),
             metadata: Metadata::default(),
+            response_flags: Vec::new(),
         }
     }
 
@@ -122,6 +126,9 @@ pub struct FilterStateEntry {
     pub life_span: LifeSpan,
     /// Envoy's `StreamSharing::SHARED_WITH_UPSTREAM_CONNECTION`.
     pub shared_with_upstream: bool,
+    /// With `shared_with_upstream`: the upstream connection shares it again (Envoy's
+    /// `TRANSITIVE`); else only that connection gets it (`ONCE`).
+    pub transitive: bool,
 }
 
 /// Why a filter state write was refused.
@@ -150,6 +157,7 @@ impl FilterState {
             read_only,
             life_span,
             shared_with_upstream: false,
+            transitive: false,
         };
         self.set_entry(name, entry)
     }
@@ -191,6 +199,29 @@ impl FilterState {
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, &FilterStateEntry)> {
         self.entries.iter().map(|(n, e)| (&**n, e))
+    }
+    /// The objects shared with an upstream connection, as that connection's filter
+    /// state (an internal listener's) holds them: for the connection's life, a
+    /// `TRANSITIVE` one shared again, a `ONCE` one no further (Envoy's
+    /// `objectsSharedWithUpstreamConnection`).
+    pub fn shared_with_upstream(&self) -> FilterState {
+        FilterState {
+            entries: self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.shared_with_upstream)
+                .map(|(name, e)| {
+                    let entry = FilterStateEntry {
+                        value: e.value.clone(),
+                        read_only: e.read_only,
+                        life_span: LifeSpan::Connection,
+                        shared_with_upstream: e.transitive,
+                        transitive: e.transitive,
+                    };
+                    (name.clone(), entry)
+                })
+                .collect(),
+        }
     }
 }
 

@@ -92,8 +92,11 @@ pub const TRANSPORT_SOCKETS: &[&str] = &[
 ];
 
 /// Bootstrap extensions (`bootstrap_extensions`).
-pub const BOOTSTRAP_EXTENSIONS: &[&str] =
-    &["envoy.extensions.bootstrap.internal_listener.v3.InternalListener"];
+pub const BOOTSTRAP_EXTENSIONS: &[&str] = &[
+    "envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+    // Istio's workload discovery (`crate::peer::workload_discovery`).
+    "istio.workload.BootstrapExtension",
+];
 
 /// Cluster discovery types (`Cluster.type`), by enum name.
 pub const CLUSTER_TYPES: &[&str] = &["STATIC", "STRICT_DNS", "LOGICAL_DNS", "EDS", "ORIGINAL_DST"];

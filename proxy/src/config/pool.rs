@@ -15,7 +15,9 @@
 //!   wire contract) of the types found missing by loading the corpus: `TypedStruct`
 //!   (udpa and xds), xds `IPMatcher`, the configs of Istio's own filters that istiod
 //!   sends, and Istio's DNS `NameTable` (`istio/nds.proto`, Istio's file as the shared
-//!   corpus has it), which `/config_dump` shows. They are parsed at start-up with `protox-parse` (pure Rust, no protoc, no
+//!   corpus has it), which `/config_dump` shows, and workload discovery's
+//!   `istio.workload.Workload` and bootstrap extension (`istio/workload.proto`).
+//!   They are parsed at start-up with `protox-parse` (pure Rust, no protoc, no
 //!   build step) and linked by prost-reflect against the envoy-types files they import.
 //!   To add a type: add a `.proto` under `protos/` and list it in [`EXTRA_PROTOS`].
 
@@ -70,6 +72,11 @@ const EXTRA_PROTOS: &[(&str, &str)] = &[
     (
         "shunt/istio/connect_baggage.proto",
         include_str!("protos/istio/connect_baggage.proto"),
+    ),
+    // Istio's workload discovery: its bootstrap extension and the `Workload` resource.
+    (
+        "shunt/istio/workload.proto",
+        include_str!("protos/istio/workload.proto"),
     ),
     // Istio's DNS name table, for `/config_dump`.
     (
@@ -196,6 +203,8 @@ mod tests {
             "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
             "io.istio.http.connect_authority.Config",
             "io.istio.http.connect_baggage.Config",
+            "istio.workload.Workload",
+            "istio.workload.BootstrapExtension",
         ] {
             assert!(pool.get_message_by_name(name).is_some(), "{name} missing");
         }

@@ -80,6 +80,7 @@ pub async fn terminate(
     let shared = SharedFilterState {
         local: local.or_else(|| authority.parse().ok()),
         remote: shared_remote.or(Some(remote)),
+        objects: Default::default(),
     };
     let connected = crate::upstream::transport_socket::connect_sharing(
         &cluster,

@@ -116,6 +116,7 @@ fn shared(address: SocketAddr) -> FilterStateEntry {
         read_only: false,
         life_span: LifeSpan::FilterChain,
         shared_with_upstream: true,
+        transitive: false,
     }
 }
 

@@ -65,6 +65,7 @@ fn shared(value: Arc<dyn FilterStateObject>) -> FilterStateEntry {
         read_only: false,
         life_span: LifeSpan::FilterChain,
         shared_with_upstream: true,
+        transitive: false,
     }
 }
 

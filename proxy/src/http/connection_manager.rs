@@ -826,6 +826,9 @@ async fn finish(
     // The encoder filters, last to first; the chain then waits in the log slot for the
     // end of the stream.
     if let Some(mut chain) = log.take_chain() {
+        // Encoders see the upstream host, as in Envoy (peer_metadata's workload discovery
+        // finds the upstream peer by it).
+        chain.ctx.info.upstream_host = entry.upstream_host;
         response = chain.encode(response).await;
         chain.ctx.info.response_code = Some(response.status().as_u16());
         log.set_chain(chain);

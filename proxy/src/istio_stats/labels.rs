@@ -130,12 +130,14 @@ fn peer_tags(config: &PluginConfig, node: &LocalNode, obs: &Observation) -> (Tag
         },
     }
 
-    let peer_san = obs.peer_principal.unwrap_or_default();
+    let tls_peer_san = obs.peer_principal.unwrap_or_default();
     let local_san = obs.local_principal.unwrap_or_default();
     let mutual_tls = match reporter {
         Reporter::ClientSidecar => None,
-        _ => Some(!peer_san.is_empty() && !local_san.is_empty()),
+        _ => Some(!tls_peer_san.is_empty() && !local_san.is_empty()),
     };
+    // Without a certificate, the identity workload discovery knows for the peer.
+    let peer_san = or(tls_peer_san, peer.map_or("", |p| p.identity.as_str()));
     let peer_namespace = spiffe_namespace(peer_san)
         .or_else(|| peer.map(|p| p.namespace_name.as_str()))
         .unwrap_or_default();

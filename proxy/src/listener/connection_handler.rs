@@ -236,6 +236,11 @@ async fn serve(
         None => accepting,
     };
     let remote = facts.restored_remote.unwrap_or(remote);
+    // What the upstream side shared with an internal connection starts its filter state.
+    let inherited = match &accepted {
+        Accepted::Internal { filter_state, .. } => filter_state.objects.clone(),
+        Accepted::Tcp(_) | Accepted::Handed { .. } => Default::default(),
+    };
     // An internal connection's local address is the one restored.
     let local = match accepted {
         Accepted::Internal { .. } => facts.destination,
@@ -344,6 +349,7 @@ async fn serve(
     };
     // What filters read about the connection.
     let mut connection = crate::stream_info::Connection::new(facts.destination, remote);
+    connection.filter_state = inherited;
     connection.socket_local = local;
     // As in Envoy, only the tls_inspector tells the requested server name: the TLS
     // session's own SNI is not copied here (RBAC's `requested_server_name` sees "" on a
@@ -371,6 +377,9 @@ async fn serve(
         };
         let Some(active) = started else {
             if let NetworkFilter::TcpProxy(proxy) = &chain.network {
+                for flag in &connection.response_flags {
+                    entry.flag(*flag);
+                }
                 entry.emit_to(&proxy.access_log);
             }
             return;

@@ -173,6 +173,7 @@ mod tests {
         let state = SharedFilterState {
             local: Some("10.0.0.9:90".parse().unwrap()),
             remote: Some("10.0.0.1:5000".parse().unwrap()),
+            objects: Default::default(),
         };
         let passed = metadata(ORIGINAL_DST_NAMESPACE, &[("local", "10.0.0.5:80")]);
         assert_eq!(

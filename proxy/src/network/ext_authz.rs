@@ -16,6 +16,7 @@ use envoy_types::pb::google::protobuf::{Any, Timestamp};
 
 use super::registry::{CompileCtx, Factory};
 use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection};
+use crate::access_log::ResponseFlag;
 use crate::config::{Diagnostics, convert::decode};
 use crate::http::ext_authz::check::Verdict;
 use crate::http::ext_authz::{Service, grpc, grpc_service};
@@ -227,6 +228,10 @@ impl NetworkFilter for NetworkExtAuthz {
             };
             if close {
                 stats.cx_closed.inc();
+                // Envoy flags a connection it closes, denied or for a failed check.
+                ctx.connection
+                    .response_flags
+                    .push(ResponseFlag::UnauthorizedExternalService);
                 NetworkStatus::Close
             } else {
                 NetworkStatus::Continue

@@ -6,12 +6,14 @@
 //! The wire forms live in the submodules: [`exchange`] is the TCP metadata exchange
 //! (`istio-peer-exchange` ALPN), [`headers`] the HTTP `x-envoy-peer-metadata` headers and
 //! the baggage form, [`proto`] the deterministic `google.protobuf.Struct` encoding both
-//! need so the bytes equal istio-proxy's.
+//! need so the bytes equal istio-proxy's. [`workload_discovery`] is the other way to know
+//! a peer: by its address, from the workloads istiod serves over xDS.
 
 pub mod exchange;
 pub mod filter_state;
 pub mod headers;
 pub mod proto;
+pub mod workload_discovery;
 
 pub use filter_state::PeerInfo;
 
@@ -160,6 +162,7 @@ impl NodeMetadata {
             app_name: label("app"),
             app_version: label("version"),
             workload_type: WorkloadType::from_owner(&self.owner, &self.workload_name),
+            identity: String::new(),
         }
     }
 }
@@ -223,6 +226,9 @@ pub struct Workload {
     pub app_name: String,
     pub app_version: String,
     pub workload_type: WorkloadType,
+    /// The SPIFFE id, when known without TLS: workload discovery gives it, the exchanged
+    /// forms do not (there the peer's certificate is the identity).
+    pub identity: String,
 }
 
 impl Workload {

@@ -134,6 +134,7 @@ impl TcpProxy {
         let shared = SharedFilterState {
             local: shared_address(&connection.filter_state, ORIGINAL_DST_LOCAL),
             remote: shared_address(&connection.filter_state, ORIGINAL_DST_REMOTE),
+            objects: connection.filter_state.shared_with_upstream(),
         };
         // Flags set before the downstream closes are told to its network filters too.
         let reported = downstream.io().connection().cloned();
@@ -205,7 +206,13 @@ impl TcpProxy {
                     }
                 }
             }
-            match transport_socket::connect_sharing(cluster, &host, upstreams.secrets, shared).await
+            match transport_socket::connect_sharing(
+                cluster,
+                &host,
+                upstreams.secrets,
+                shared.clone(),
+            )
+            .await
             {
                 Ok((stream, guard)) => {
                     host_metadata = host.metadata.clone();

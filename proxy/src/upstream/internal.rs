@@ -48,13 +48,15 @@ impl std::fmt::Display for InternalAddress {
     }
 }
 
-/// Envoy's well-known filter state objects an internal listener's `original_dst`
-/// listener filter reads (`envoy.filters.listener.original_dst.local_ip` /
-/// `remote_ip`), when an upstream filter shared them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What the downstream side shares with an internal listener's connection: Envoy's
+/// well-known objects its `original_dst` listener filter reads
+/// (`envoy.filters.listener.original_dst.local_ip` / `remote_ip`), and every object
+/// shared with the upstream, which become the connection's filter state.
+#[derive(Debug, Clone, Default)]
 pub struct SharedFilterState {
     pub local: Option<SocketAddr>,
     pub remote: Option<SocketAddr>,
+    pub objects: crate::stream_info::FilterState,
 }
 
 /// One connection for an internal listener.

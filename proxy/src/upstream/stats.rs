@@ -58,6 +58,9 @@ impl CodeCounters {
 
 #[derive(Debug, Clone, Default)]
 pub struct ClusterStats {
+    /// The observability name the stats are under (`cluster.<name>.`): `alt_stat_name`,
+    /// else the cluster's name. Filters that count under the cluster (grpc_stats) use it.
+    pub observability_name: Arc<str>,
     /// Upstream connections opened (attempted), successful or not.
     pub upstream_cx_total: Counter,
     /// Upstream connections open now (connecting or connected).
@@ -114,6 +117,7 @@ impl ClusterStats {
         let counter = |stat: &str| store.counter(&stats::cluster_stat(name, stat));
         let gauge = |stat: &str| store.gauge(&stats::cluster_stat(name, stat));
         ClusterStats {
+            observability_name: name.into(),
             upstream_cx_total: counter("upstream_cx_total"),
             upstream_cx_active: gauge("upstream_cx_active"),
             upstream_cx_connect_fail: counter("upstream_cx_connect_fail"),

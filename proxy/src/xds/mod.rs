@@ -32,16 +32,19 @@ pub enum TypeUrl {
     Secret,
     /// Istio's DNS name table (NDS), asked for over ADS when the DNS proxy is on.
     NameTable,
+    /// Istio's workloads (WDS), asked for when the bootstrap has workload discovery.
+    Workload,
 }
 
 impl TypeUrl {
-    pub const ALL: [TypeUrl; 6] = [
+    pub const ALL: [TypeUrl; 7] = [
         TypeUrl::Cluster,
         TypeUrl::ClusterLoadAssignment,
         TypeUrl::Listener,
         TypeUrl::RouteConfiguration,
         TypeUrl::Secret,
         TypeUrl::NameTable,
+        TypeUrl::Workload,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -58,6 +61,7 @@ impl TypeUrl {
                 "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
             }
             TypeUrl::NameTable => crate::dns::name_table::TYPE_URL,
+            TypeUrl::Workload => crate::peer::workload_discovery::TYPE_URL,
         }
     }
 
@@ -74,6 +78,7 @@ impl TypeUrl {
             TypeUrl::RouteConfiguration => "route configuration",
             TypeUrl::Secret => "secret",
             TypeUrl::NameTable => "name table",
+            TypeUrl::Workload => "workload",
         }
     }
 
@@ -86,17 +91,18 @@ impl TypeUrl {
             TypeUrl::RouteConfiguration => "rds",
             TypeUrl::Secret => "sds",
             TypeUrl::NameTable => "nds",
+            TypeUrl::Workload => "wds",
         }
     }
 
-    /// Listeners, clusters and the name table are asked for whole (wildcard); the others
+    /// Listeners, clusters, the name table and workloads are asked for whole (wildcard); the others
     /// by name, as the accepted listeners and clusters reference them. In state of the
     /// world, only a wildcard type's response is its complete set, so only there does
     /// omission remove.
     pub fn is_wildcard(self) -> bool {
         matches!(
             self,
-            TypeUrl::Cluster | TypeUrl::Listener | TypeUrl::NameTable
+            TypeUrl::Cluster | TypeUrl::Listener | TypeUrl::NameTable | TypeUrl::Workload
         )
     }
 
@@ -133,11 +139,11 @@ impl TypeUrl {
             (TypeUrl::Secret, true) => {
                 "/envoy.service.secret.v3.SecretDiscoveryService/DeltaSecrets"
             }
-            // Istio serves the name table on ADS only.
-            (TypeUrl::NameTable, false) => {
+            // Istio serves the name table and workloads on ADS only.
+            (TypeUrl::NameTable | TypeUrl::Workload, false) => {
                 "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
             }
-            (TypeUrl::NameTable, true) => {
+            (TypeUrl::NameTable | TypeUrl::Workload, true) => {
                 "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
             }
         }

@@ -103,11 +103,11 @@ impl Plan {
     }
 }
 
-/// A bootstrap's xDS plan; `None` without `dynamic_resources` asking for LDS or CDS.
+/// A bootstrap's xDS plan; `None` when nothing (LDS, CDS, workload discovery) comes over xDS.
 pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
-    let Some(dynamic) = &bootstrap.dynamic_resources else {
-        return Ok(None);
-    };
+    // Workload discovery may have a source of its own without `dynamic_resources`.
+    let none = Default::default();
+    let dynamic = bootstrap.dynamic_resources.as_ref().unwrap_or(&none);
     let mut ads_types = Vec::new();
     let mut streams = Vec::new();
     let mut initial_fetch_timeout = None;
@@ -146,6 +146,22 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
             None => anyhow::bail!("{path}: no config source"),
         }
     }
+    // Istio's workload discovery, a bootstrap extension with a source of its own.
+    if let Some((source, path)) = workload_source(bootstrap)? {
+        match &source.config_source_specifier {
+            Some(ConfigSourceSpecifier::Ads(_)) => ads_types.push(TypeUrl::Workload),
+            Some(ConfigSourceSpecifier::ApiConfigSource(api)) => streams.push(stream(
+                api,
+                vec![TypeUrl::Workload],
+                bootstrap,
+                &format!("{path}.api_config_source"),
+            )?),
+            Some(_) => anyhow::bail!(
+                "{path}: only ads and api_config_source (gRPC) config sources are implemented"
+            ),
+            None => anyhow::bail!("{path}: no config source"),
+        }
+    }
     if !ads_types.is_empty() {
         let ads = dynamic.ads_config.as_ref().ok_or_else(|| {
             anyhow::anyhow!("dynamic_resources: a source says ads, but ads_config is not set")
@@ -165,6 +181,34 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
         initial_fetch_timeout: initial_fetch_timeout.unwrap_or(DEFAULT_INITIAL_FETCH_TIMEOUT),
         local: Default::default(),
     }))
+}
+
+/// The `config_source` of Istio's workload discovery (`istio.workload.BootstrapExtension`
+/// in `bootstrap_extensions`, typed or as a `TypedStruct`) and its JSON path, if the
+/// bootstrap has it.
+fn workload_source(bootstrap: &Bootstrap) -> anyhow::Result<Option<(ConfigSource, String)>> {
+    use crate::peer::workload_discovery::{BootstrapExtension, EXTENSION};
+    for (i, extension) in bootstrap.bootstrap_extensions.iter().enumerate() {
+        let path = format!("bootstrap_extensions[{i}].typed_config");
+        let Some(any) = &extension.typed_config else {
+            continue;
+        };
+        let mut problems = crate::config::Diagnostics::default();
+        let Some(any) = crate::config::typed_struct::unwrap(any, &path, &mut problems) else {
+            // Not ours to judge: validation reports it.
+            continue;
+        };
+        if any.type_url.rsplit('/').next() != Some(EXTENSION) {
+            continue;
+        }
+        let config = BootstrapExtension::decode(any.value.as_slice())
+            .map_err(|e| anyhow::anyhow!("{path}: {EXTENSION} does not decode: {e}"))?;
+        let source = config
+            .config_source
+            .ok_or_else(|| anyhow::anyhow!("{path}.config_source: {EXTENSION} needs one"))?;
+        return Ok(Some((source, format!("{path}.config_source"))));
+    }
+    Ok(None)
 }
 
 /// The stream of an SDS `api_config_source` a transport socket names (Istio's
@@ -396,6 +440,42 @@ mod tests {
         assert_eq!(ads.initial_metadata, [("x-tenant".into(), "a".into())]);
         assert_eq!(planned.initial_fetch_timeout, Duration::ZERO);
         assert!(ads.types.contains(&TypeUrl::ClusterLoadAssignment));
+    }
+
+    #[test]
+    fn workload_discovery_rides_ads_or_its_own_source_typed_or_as_a_typed_struct() {
+        let ads = bootstrap(serde_json::json!({
+            "dynamic_resources": {"ads_config": {"api_type": "GRPC",
+                "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:15010", "stat_prefix": "x"}}]}},
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
+                "value": {"config_source": {"ads": {}}}}}]
+        }));
+        let streams = plan(&ads).unwrap().unwrap().streams;
+        assert_eq!(streams.len(), 1);
+        assert!(streams[0].types.contains(&TypeUrl::Workload));
+
+        let own = bootstrap(serde_json::json!({
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/istio.workload.BootstrapExtension",
+                "config_source": {"api_config_source": {"api_type": "DELTA_GRPC",
+                    "grpc_services": [{"google_grpc": {"target_uri": "127.0.0.1:15010", "stat_prefix": "x"}}]}}}}]
+        }));
+        let streams = plan(&own).unwrap().unwrap().streams;
+        assert_eq!(streams.len(), 1);
+        assert_eq!(streams[0].types, [TypeUrl::Workload]);
+        assert!(streams[0].delta);
+
+        let without_source = bootstrap(serde_json::json!({
+            "bootstrap_extensions": [{"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/istio.workload.BootstrapExtension"}}]
+        }));
+        let err = plan(&without_source).unwrap_err().to_string();
+        assert!(
+            err.starts_with("bootstrap_extensions[0].typed_config.config_source: "),
+            "{err}"
+        );
     }
 
     #[test]

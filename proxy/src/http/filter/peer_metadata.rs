@@ -4,9 +4,12 @@
 //! response, in the configured order, first found wins; records it as
 //! `wasm.downstream_peer` / `wasm.upstream_peer` for the stats; removes the exchange
 //! headers it read; and propagates this node's headers upstream (always) and downstream
-//! (only when the request carried them), as istio-proxy does. Workload discovery needs
-//! istio-proxy's workload metadata xDS, which shunt has not: that method finds nothing.
+//! (only when the request carried them), as istio-proxy does. Workload discovery finds
+//! the peer by address in the workloads istiod serves over xDS
+//! (`crate::peer::workload_discovery`, on when the bootstrap has Istio's extension): the
+//! downstream by the connection's remote address, the upstream by the host's.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
@@ -24,6 +27,7 @@ use crate::peer::filter_state::{self, Side};
 use crate::peer::headers::{
     BAGGAGE_HEADER, METADATA_HEADER, METADATA_ID_HEADER, decode_metadata, encode_metadata,
 };
+use crate::peer::workload_discovery::WorkloadDiscovery;
 use crate::stream_info::{FilterState, LifeSpan};
 
 pub const TYPE: &str = "io.istio.http.peer_metadata.Config";
@@ -64,11 +68,12 @@ fn discovery(methods: Option<&Value>, path: &str, problems: &mut Diagnostics) ->
         } else if method.get("baggage").is_some() {
             out.push(Discovery::Baggage);
         } else if method.get("workload_discovery").is_some() {
-            problems.warning(
-                format!("{path}[{i}].workload_discovery"),
-                "workload metadata discovery is not implemented by shunt; this method finds no peer",
-            );
             out.push(Discovery::Workloads);
+        } else {
+            problems.warning(
+                format!("{path}[{i}]"),
+                "no discovery method set; this entry finds no peer",
+            );
         }
     }
     out
@@ -160,8 +165,9 @@ struct Active {
     request_peer_id_received: bool,
 }
 
-/// The peer a method finds in `headers`, if any.
-fn derive(method: Discovery, headers: &HeaderMap) -> Option<Workload> {
+/// The peer a method finds in `headers`, or at `address` (the downstream's or the
+/// upstream host's), if any.
+fn derive(method: Discovery, headers: &HeaderMap, address: Option<IpAddr>) -> Option<Workload> {
     match method {
         Discovery::IstioHeaders => {
             let value = headers.get(METADATA_HEADER)?.to_str().ok()?;
@@ -178,12 +184,20 @@ fn derive(method: Discovery, headers: &HeaderMap) -> Option<Workload> {
                 .collect();
             (!values.is_empty()).then(|| Workload::from_baggage(&values.join(",")))
         }
-        Discovery::Workloads => None,
+        Discovery::Workloads => WorkloadDiscovery::global()
+            .get(address?)
+            .map(|w| Workload::clone(&w)),
     }
 }
 
-fn discover(methods: &[Discovery], headers: &mut HeaderMap, state: &mut FilterState, side: Side) {
-    if let Some(peer) = methods.iter().find_map(|m| derive(*m, headers)) {
+fn discover(
+    methods: &[Discovery],
+    headers: &mut HeaderMap,
+    address: Option<IpAddr>,
+    state: &mut FilterState,
+    side: Side,
+) {
+    if let Some(peer) = methods.iter().find_map(|m| derive(*m, headers, address)) {
         // istio-proxy records the id as "unknown": the stats only need it present.
         filter_state::set_peer(state, side, peer, "unknown", LifeSpan::FilterChain);
     }
@@ -218,6 +232,7 @@ impl HttpFilter for Active {
         discover(
             &config.downstream_discovery,
             &mut request.headers,
+            Some(ctx.info.connection.remote.ip()),
             &mut ctx.info.filter_state,
             Side::Downstream,
         );
@@ -247,6 +262,7 @@ impl HttpFilter for Active {
         discover(
             &config.upstream_discovery,
             &mut response.headers,
+            ctx.info.upstream_host.map(|host| host.ip()),
             &mut ctx.info.filter_state,
             Side::Upstream,
         );

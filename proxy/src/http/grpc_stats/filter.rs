@@ -3,6 +3,7 @@
 //! then counts messages as the bodies stream by and the call's status from the
 //! trailers (or a trailers-only response head), as Envoy's `GrpcStatsFilter`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,6 +31,9 @@ pub const FACTORY: Factory = Factory {
 struct Config {
     config: Arc<GrpcStatsConfig>,
     stats: Store,
+    /// The clusters whose stats are under another name (`alt_stat_name`), as known
+    /// when the listener was compiled.
+    stat_names: Arc<HashMap<Arc<str>, Arc<str>>>,
 }
 
 fn compile_filter(
@@ -39,9 +43,19 @@ fn compile_filter(
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config: FilterConfig = decode(any, path, problems)?;
+    let stat_names = ctx
+        .clusters
+        .iter()
+        .filter(|(name, cluster)| {
+            let alt = &cluster.stats.observability_name;
+            !alt.is_empty() && alt != *name
+        })
+        .map(|(name, cluster)| (name.clone(), cluster.stats.observability_name.clone()))
+        .collect();
     Some(Arc::new(Config {
         config: Arc::new(compile(&config, path, problems)?),
         stats: ctx.stats.clone(),
+        stat_names: Arc::new(stat_names),
     }))
 }
 
@@ -50,6 +64,7 @@ impl HttpFilterConfig for Config {
         Box::new(GrpcStats {
             config: self.config.clone(),
             stats: self.stats.clone(),
+            stat_names: self.stat_names.clone(),
             tracked: None,
             grpc_request: false,
             grpc_response: false,
@@ -83,6 +98,7 @@ impl FilterStateObject for GrpcStatsObject {
 struct GrpcStats {
     config: Arc<GrpcStatsConfig>,
     stats: Store,
+    stat_names: Arc<HashMap<Arc<str>, Arc<str>>>,
     /// `cluster.<name>.grpc.<service>.<method>.` (or without the method) when the
     /// call is tracked.
     tracked: Option<String>,
@@ -155,6 +171,8 @@ impl HttpFilter for GrpcStats {
                 .and_then(|r| r.cluster_name(&request.headers))
             && let Some(method) = self.config.method_prefix(&request.path)
         {
+            // Envoy counts under the cluster's stats scope: its observability name.
+            let cluster = self.stat_names.get(&cluster).unwrap_or(&cluster);
             self.tracked = Some(format!("cluster.{cluster}.grpc.{method}"));
         }
         Flow::CONTINUE

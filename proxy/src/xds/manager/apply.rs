@@ -107,6 +107,9 @@ impl Manager {
         if kind == TypeUrl::NameTable {
             return self.apply_name_table(change, version);
         }
+        if kind == TypeUrl::Workload {
+            return self.apply_workloads(change, version, refused);
+        }
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         // The last good version of each resource the change adds, replaces or removes.
         let mut before: BTreeMap<String, Option<Accepted>> = BTreeMap::new();
@@ -391,6 +394,78 @@ impl Manager {
         }
     }
 
+    /// Istio's workloads: into the process's workload index, resource by resource (a
+    /// workload with a bad address is NACKed by name and keeps its last good version);
+    /// the index is not part of the snapshot, so nothing is compiled.
+    fn apply_workloads(
+        &mut self,
+        change: Edit,
+        version: &str,
+        refused: Vec<Refusal>,
+    ) -> Result<(), Vec<(String, String)>> {
+        use crate::peer::workload_discovery::{Change, WorkloadDiscovery, WorkloadResource};
+        fn resources(entries: &[(String, Accepted)]) -> Vec<(&str, &WorkloadResource)> {
+            entries
+                .iter()
+                .filter_map(|(name, entry)| match &entry.resource {
+                    Resource::Workload(w) => Some((name.as_str(), &**w)),
+                    _ => None,
+                })
+                .collect()
+        }
+        let (entries, removals, replace) = match change {
+            Edit::Replace(set) => (set.into_iter().collect::<Vec<_>>(), Vec::new(), true),
+            Edit::Patch { upserts, removals } => (upserts, removals, false),
+        };
+        let wds = WorkloadDiscovery::global();
+        let bad = if replace {
+            wds.apply(Change::Replace(resources(&entries)))
+        } else {
+            wds.apply(Change::Patch {
+                upserts: resources(&entries),
+                removals: removals.iter().map(String::as_str).collect(),
+            })
+        };
+        let state = self
+            .types
+            .get_mut(&TypeUrl::Workload)
+            .expect("a subscribed type");
+        if replace {
+            state
+                .resources
+                .retain(|name, _| entries.iter().any(|(n, _)| n == name));
+        }
+        for name in &removals {
+            state.resources.remove(name);
+        }
+        for (name, entry) in entries {
+            if !bad.iter().any(|(n, _)| *n == name) {
+                state.resources.insert(name, entry);
+            }
+        }
+        state.applied = true;
+        let total = wds.load().len();
+        self.stats
+            .gauge("workload_discovery.total")
+            .set(total as u64);
+        let errors: Vec<(String, String)> = refused
+            .into_iter()
+            .map(|r| (r.name, r.details))
+            .chain(bad.into_iter().map(|(name, err)| (name, err.to_string())))
+            .collect();
+        if errors.is_empty() {
+            let state = self.types.get_mut(&TypeUrl::Workload).expect("subscribed");
+            state.version_info = version.to_owned();
+            state.system_version = version.to_owned();
+            self.count(TypeUrl::Workload, "update_success");
+            Ok(())
+        } else {
+            self.count(TypeUrl::Workload, "update_rejected");
+            tracing::warn!(version, "workload update rejected in part: {errors:?}");
+            Err(errors)
+        }
+    }
+
     pub(super) fn count(&self, kind: TypeUrl, what: &str) {
         let prefix = match kind {
             TypeUrl::Cluster => "cluster_manager.cds",
@@ -399,6 +474,7 @@ impl Manager {
             TypeUrl::RouteConfiguration => "http.rds",
             TypeUrl::Secret => "sds",
             TypeUrl::NameTable => "nds",
+            TypeUrl::Workload => "workload_discovery",
         };
         self.stats.counter(&format!("{prefix}.{what}")).inc();
     }

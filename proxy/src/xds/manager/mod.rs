@@ -211,6 +211,9 @@ impl Manager {
     pub(super) async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
         // Without clusters over xDS, listeners are asked for at once.
         self.listeners_requested = !self.types.contains_key(&TypeUrl::Cluster);
+        // Without listeners or clusters over xDS (workload discovery only) the proxy is
+        // ready at once: Envoy's init does not wait for a bootstrap extension's data.
+        self.check_progress();
         loop {
             let deadline = self
                 .warming

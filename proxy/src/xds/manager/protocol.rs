@@ -100,7 +100,8 @@ impl Manager {
     /// Whether `kind` should be asked for now.
     pub(super) fn wanted(&self, kind: TypeUrl) -> bool {
         match kind {
-            TypeUrl::Cluster => true,
+            // istio-proxy subscribes to workloads as soon as the server starts.
+            TypeUrl::Cluster | TypeUrl::Workload => true,
             // istio-agent asks for the name table once Envoy asked for listeners.
             TypeUrl::Listener | TypeUrl::NameTable => self.listeners_requested,
             _ => self.types.get(&kind).is_some_and(|t| !t.names.is_empty()),

@@ -17,6 +17,7 @@ use prost::Message;
 
 use crate::config::Tracked;
 use crate::dns::name_table::NameTable;
+use crate::peer::workload_discovery::WorkloadResource;
 use crate::xds::TypeUrl;
 
 /// A decoded resource, shared with the snapshots built from it.
@@ -29,6 +30,8 @@ pub(super) enum Resource {
     Secret(Arc<Secret>),
     /// Istio's one unnamed name table.
     NameTable(Arc<NameTable>),
+    /// An Istio workload, named by its uid.
+    Workload(Arc<WorkloadResource>),
 }
 
 impl Resource {
@@ -56,6 +59,9 @@ impl Resource {
             TypeUrl::NameTable => {
                 NameTable::decode(bytes).map(|r| Resource::NameTable(Arc::new(r)))
             }
+            TypeUrl::Workload => {
+                WorkloadResource::decode(bytes).map(|r| Resource::Workload(Arc::new(r)))
+            }
         };
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
@@ -68,6 +74,7 @@ impl Resource {
             Resource::Route(r) => &r.name,
             Resource::Secret(r) => &r.name,
             Resource::NameTable(_) => "",
+            Resource::Workload(r) => &r.uid,
         }
     }
 
@@ -79,6 +86,7 @@ impl Resource {
             Resource::Route(r) => r.encode_to_vec(),
             Resource::Secret(r) => r.encode_to_vec(),
             Resource::NameTable(r) => r.encode_to_vec(),
+            Resource::Workload(r) => r.encode_to_vec(),
         };
         Any {
             type_url: kind.as_str().to_owned(),
