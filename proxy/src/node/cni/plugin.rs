@@ -82,6 +82,15 @@ struct NetConf {
     agent_unavailable: AgentUnavailable,
     exclude_namespaces: Option<Vec<String>>,
     agent_timeout_seconds: Option<u64>,
+    /// What the runtime passes for the capabilities the conflist declares: `dns` is
+    /// the pod's resolv.conf (containerd fills it from the pod's DNS config).
+    #[serde(rename = "runtimeConfig", default)]
+    runtime_config: RuntimeConfig,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RuntimeConfig {
+    dns: Option<crate::node::PodDns>,
 }
 
 /// What a run prints and how it exits.
@@ -234,6 +243,8 @@ fn command(env: &BTreeMap<String, String>, stdin: &[u8]) -> Result<String, CniEr
                 netns_path: Some(netns_path),
                 ips: result_ips(prev)?,
                 service_account: None,
+                dns: conf.runtime_config.dns.clone(),
+                token_path: None,
             };
             agent.ask(
                 &CniRequest::Add { pod },

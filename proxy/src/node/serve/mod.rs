@@ -1,6 +1,7 @@
 //! Serving: [`NodePods`], the [`Pods`] the enrollers call. Each pod gets its own proxy
 //! instance in this one process: its listeners (15001 and 15006 for captured traffic,
-//! 15021 for health, each on 0.0.0.0 and [::]) are opened *inside the pod's network
+//! 15021 for health, each on 0.0.0.0 and [::]; with DNS on, the DNS proxy ([`dns`]) on
+//! the pod's loopback 15053) are opened *inside the pod's network
 //! namespace* ([`listen`]), and the connections they accept make their upstream
 //! connections from inside it too ([`crate::upstream::netns`]), so the pod's addresses
 //! are the sources and destinations on the wire. A connection's pod is the pod whose
@@ -11,6 +12,7 @@
 //! for an instant, in a pod's.
 
 pub mod capture;
+pub mod dns;
 pub mod fast_path;
 pub mod handover;
 pub mod instance;
@@ -23,6 +25,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
 
 use super::{EnrollError, PodInfo, Pods};
 use crate::access_log::Direction;
@@ -46,6 +50,9 @@ pub struct NodeOptions {
     /// Same-node fast path: a pod's mTLS connection to another pod of this process is
     /// handed to that pod's inbound side in process (no sockets, no TLS records).
     pub fast_path: bool,
+    /// Each pod's DNS proxy on its loopback (for the capture's `--redirect-dns`);
+    /// `None`: no DNS proxy.
+    pub dns: Option<dns::DnsOptions>,
 }
 
 impl Default for NodeOptions {
@@ -57,6 +64,7 @@ impl Default for NodeOptions {
             connect_timeout: Duration::from_secs(10),
             drain_time: Duration::from_secs(5),
             fast_path: true,
+            dns: None,
         }
     }
 }
@@ -90,6 +98,7 @@ struct Served {
     netns_inode: u64,
     instance: Instance,
     node_id: String,
+    dns: Option<dns::PodDnsProxy>,
 }
 
 /// A served pod as the admin side sees it.
@@ -150,9 +159,21 @@ impl NodePods {
         self.certificates.accounts()
     }
 
-    /// The pod's proxy setup, when pods are configured from the control plane.
-    fn setup(&self, pod: &PodInfo) -> Option<proxy::Setup> {
-        let template = self.config.as_ref()?;
+    /// The pod's proxy setup, when pods are configured from the control plane: its
+    /// stats go to `stats`, its name table (NDS) to `dns`.
+    fn setup(
+        &self,
+        pod: &PodInfo,
+        stats: &crate::stats::Store,
+        dns: Option<&dns::PodDnsProxy>,
+    ) -> Option<proxy::Setup> {
+        let Some(template) = self.config.as_ref() else {
+            // The passthrough has no xDS: the pod's DNS proxy forwards every name.
+            if let Some(dns) = dns {
+                let _ = dns.tables.apply(Default::default(), "");
+            }
+            return None;
+        };
         let mut local = crate::xds::local::LocalServers::default();
         if let Some(ca) = &template.ca {
             let provider = self.certificates.provider(
@@ -171,10 +192,12 @@ impl NodePods {
             .fast_path
             .then(|| self.registry.client(&pod.ips));
         Some(proxy::Setup {
-            bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod),
+            bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod, dns.is_some()),
             local,
             drain_time: self.options.drain_time,
             client,
+            stats: stats.clone(),
+            dns: dns.map(|d| d.tables.clone()),
         })
     }
 
@@ -227,6 +250,21 @@ impl NodePods {
         }
     }
 
+    /// Starts the pod's DNS proxy, when DNS is on.
+    fn start_dns(
+        &self,
+        pod: &PodInfo,
+        netns: &OwnedFd,
+        stats: &crate::stats::Store,
+    ) -> anyhow::Result<Option<dns::PodDnsProxy>> {
+        let Some(options) = &self.options.dns else {
+            return Ok(None);
+        };
+        let netns = Arc::new(netns.try_clone()?);
+        let proxy = dns::PodDnsProxy::start(&self.runtime, options, pod, netns, stats)?;
+        Ok(Some(proxy))
+    }
+
     /// Opens every listener of the pod, or none.
     fn open_listeners(&self, netns: &OwnedFd) -> std::io::Result<Vec<listen::PodListener>> {
         let o = &self.options;
@@ -253,20 +291,27 @@ impl NodePods {
                 .enroll(pod, &netns)
                 .map_err(|e| Self::enroll_error(pod, format!("capture: {e:#}")))?;
         }
+        let stats = crate::stats::Store::new();
+        let mut pod_dns = None;
         let opened = self
             .open_listeners(&netns)
             .map_err(anyhow::Error::from)
             .and_then(|listeners| {
+                pod_dns = self.start_dns(pod, &netns, &stats).context("DNS proxy")?;
                 let netns = Arc::new(netns.try_clone()?);
                 let settings = instance::Settings {
                     tcp: self.tcp.clone(),
                     drain_time: self.options.drain_time,
                 };
-                Instance::start(&self.runtime, listeners, netns, &settings, self.setup(pod))
+                let setup = self.setup(pod, &stats, pod_dns.as_ref());
+                Instance::start(&self.runtime, listeners, netns, &settings, setup)
             });
         let instance = match opened {
             Ok(instance) => instance,
             Err(err) => {
+                if let Some(dns) = &pod_dns {
+                    dns.stop();
+                }
                 if let Some(capture) = &self.capture
                     && let Err(undo) = capture.withdraw(pod, &netns)
                 {
@@ -289,6 +334,7 @@ impl NodePods {
             netns: Arc::new(netns),
             netns_inode,
             instance,
+            dns: pod_dns,
         })
     }
 
@@ -311,7 +357,16 @@ impl NodePods {
             tcp: self.tcp.clone(),
             drain_time: self.options.drain_time,
         };
-        let setup = self.setup(&pod);
+        // The old process's DNS sockets are not handed over: new ones are bound (they
+        // fail while the old process still holds the port; the pod then has none).
+        let stats = crate::stats::Store::new();
+        let pod_dns = self
+            .start_dns(&pod, &netns, &stats)
+            .unwrap_or_else(|err| {
+                tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
+                None
+            });
+        let setup = self.setup(&pod, &stats, pod_dns.as_ref());
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
             .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
         self.register(&pod, &instance);
@@ -321,6 +376,7 @@ impl NodePods {
             netns,
             netns_inode,
             instance,
+            dns: pod_dns,
         };
         if let Some(old) = self.lock().insert(pod.uid, served) {
             self.stop(old);
@@ -331,6 +387,9 @@ impl NodePods {
     fn stop(&self, served: Served) {
         if let Some(proxy) = &served.instance.proxy {
             self.registry.remove(&served.info.ips, &proxy.handle);
+        }
+        if let Some(dns) = &served.dns {
+            dns.stop();
         }
         served.instance.stop(&self.runtime, self.options.drain_time);
         if let Some(capture) = &self.capture

@@ -150,7 +150,9 @@ pub fn service_account(pod: &PodInfo) -> &str {
 
 /// `template` with the pod's node: Istio's sidecar id, cluster `<pod>.<namespace>`, and
 /// the metadata pilot-agent derives from the pod (over the template's own).
-pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo) -> Bootstrap {
+/// With `dns`, `DNS_CAPTURE` is on (pilot-agent's `ISTIO_META_DNS_CAPTURE`): istiod then
+/// sends the pod's name table.
+pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo, dns: bool) -> Bootstrap {
     let mut bootstrap = template.clone();
     let mut node = bootstrap.node.take().unwrap_or_default();
     node.id = super::xds_node_id(pod);
@@ -169,6 +171,14 @@ pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo) -> Bootstrap {
             key.to_owned(),
             Value {
                 kind: Some(Kind::StringValue(value)),
+            },
+        );
+    }
+    if dns {
+        metadata.fields.insert(
+            "DNS_CAPTURE".to_owned(),
+            Value {
+                kind: Some(Kind::StringValue("true".to_owned())),
             },
         );
     }
@@ -245,6 +255,10 @@ pub struct Setup {
     pub drain_time: Duration,
     /// The pod as a same-node client; `None`: the fast path is off.
     pub client: Option<Arc<Client>>,
+    /// The pod's stats store (its DNS proxy counts there too).
+    pub stats: crate::stats::Store,
+    /// The pod's DNS proxy's name table, which the pod's ADS stream then asks for.
+    pub dns: Option<Arc<crate::dns::Tables>>,
 }
 
 /// The connection-level pieces the instance shares with its proxy.
@@ -272,11 +286,18 @@ impl PodProxy {
             local,
             drain_time,
             client,
+            stats,
+            dns,
         } = setup;
         let mut plan = crate::xds::source::plan(&bootstrap)?
             .context("the node's bootstrap has no dynamic_resources: pods would get no config")?;
         plan.local = local;
-        let stats = crate::stats::Store::new();
+        if let Some(tables) = &dns
+            && !plan.add_name_table()
+        {
+            tracing::warn!("the pod's DNS proxy without an ADS stream: forwarding every query");
+            let _ = tables.apply(Default::default(), "");
+        }
         let compiled = snapshot::compile(&bootstrap, &stats)?;
         let config = Arc::new(Current::new(compiled.snapshot));
         let own_ports: Vec<u16> = capture.iter().map(|(a, _)| a.port()).collect();
@@ -327,7 +348,7 @@ impl PodProxy {
             }),
             binder,
             bound.iter().map(|b| (b.listener.clone(), b.addr)),
-            None,
+            dns,
         );
         let handle = Arc::new(Handle {
             context,

@@ -41,6 +41,8 @@ fn pod(uid: &str) -> PodInfo {
         netns_path: None,
         ips: vec!["10.1.2.3".parse().unwrap(), "fd00::3".parse().unwrap()],
         service_account: None,
+        dns: None,
+        token_path: None,
     }
 }
 
