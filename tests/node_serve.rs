@@ -985,3 +985,155 @@ fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied(
     assert_eq!(agent.stat(&a, "cluster.to-b.ssl.connection_error"), 1);
     assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 0);
 }
+
+/// dnsmasq on port 53 of `pod`'s IPv4 address, answering `records` itself and nothing
+/// else (no upstream): the resolver the pods' resolv.conf names.
+fn dnsmasq_resolver(pod: &Pod, records: &[(&str, &str)]) -> harness::PodProcess {
+    let mut cmd = pod.command("dnsmasq").args([
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-hosts",
+        "--no-resolv",
+        "--bind-interfaces",
+        "--log-facility=-",
+        "--pid-file=",
+        "--port=53",
+    ]);
+    cmd = cmd.arg(format!("--listen-address={}", pod.ipv4()));
+    for (name, addr) in records {
+        cmd = cmd.arg(format!("--address=/{name}/{addr}"));
+    }
+    let server = cmd.spawn().expect("start dnsmasq");
+    harness::wait_for_port(pod, v4(pod, 53), Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e:#}\ndnsmasq: {}", server.stderr_text()));
+    server
+}
+
+/// `dig +short NAME` run in `pod` as its app (uid 1000), reading `resolv` as its
+/// resolv.conf (no explicit server): the answers, one a line.
+fn dig_in(pod: &Pod, resolv: &std::path::Path, args: &[&str]) -> String {
+    let out = pod
+        .command("dig")
+        .uid(1000)
+        .gid(1000)
+        .resolv_conf(resolv)
+        .args(["+short", "+time=5", "+tries=1"])
+        .args(args)
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("dig");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Per-pod DNS: with DNS capture on, each enrolled pod's queries reach a DNS proxy the
+/// node process opened on that pod's own loopback 15053. A mesh name is answered from
+/// the pod's own name table (the NDS its xDS stream got: a and b get different
+/// answers), anything else is forwarded from inside the pod to its resolver (dnsmasq in
+/// pod `resolver`), over UDP and TCP. Removing a pod closes its DNS proxy.
+#[test]
+fn each_pod_resolves_mesh_names_from_its_own_name_table_and_forwards_the_rest() {
+    use harness::ads::type_urls;
+    use support::nds::{NameTable, TYPE_URL as NDS, service_entry};
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let resolver = node.add_pod("resolver").expect("pod resolver");
+    let _dnsmasq = dnsmasq_resolver(&resolver, &[("outside.test", "10.99.0.4")]);
+    let pins = Pins(bpffs_root("node-dns"));
+    let tmp = TempDir::new("node-dns");
+    let resolv = tmp.0.join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        format!(
+            "nameserver {}\noptions timeout:5 attempts:1\n",
+            resolver.ipv4()
+        ),
+    )
+    .unwrap();
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-dns-ads");
+    let template = pod_template(&tmp.0, &socket);
+    let table = |ip: &str| {
+        let table = NameTable {
+            table: [("shop.mesh.test".to_owned(), service_entry(&[ip]))].into(),
+        };
+        use prost::Message;
+        vec![(
+            String::new(),
+            harness::ads::Any {
+                type_url: NDS.into(),
+                value: table.encode_to_vec(),
+            },
+        )]
+    };
+    // No listeners or clusters (a node's own resources replace the shared ones): the
+    // name table alone differs.
+    for (pod, ip) in [(&a, "240.240.0.1"), (&b, "240.240.0.2")] {
+        ads.set_for_node(&xds_id(pod), type_urls::CLUSTER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), type_urls::LISTENER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), NDS, "1", table(ip));
+    }
+
+    let config = template.display().to_string();
+    let resolv_arg = resolv.display().to_string();
+    let resolver_ip = resolver.ipv4().to_string();
+    let mut agent = NodeAgent::start(
+        &node,
+        &pins.0,
+        &[
+            "--config",
+            &config,
+            "--dns-resolv-conf",
+            &resolv_arg,
+            "--redirect-dns",
+            "--dns-servers-v4",
+            &resolver_ip,
+        ],
+    );
+    agent.add(&a);
+    agent.add(&b);
+    for pod in [&a, &b] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while agent.stat(pod, "nds.update_success") == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} never got its name table\n{}",
+                pod.name(),
+                agent.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // Each pod its own table; over UDP and TCP.
+    assert_eq!(dig_in(&a, &resolv, &["shop.mesh.test"]), "240.240.0.1");
+    assert_eq!(dig_in(&b, &resolv, &["shop.mesh.test"]), "240.240.0.2");
+    assert_eq!(
+        dig_in(&a, &resolv, &["+tcp", "shop.mesh.test"]),
+        "240.240.0.1"
+    );
+    // Not in the table: forwarded to the pod's resolver, from inside the pod.
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    assert_eq!(dig_in(&b, &resolv, &["+tcp", "outside.test"]), "10.99.0.4");
+    // The answers came from each pod's own DNS proxy, by its counters.
+    assert_eq!(agent.stat(&a, "dns.answered_locally_total"), 2);
+    assert_eq!(agent.stat(&a, "dns.upstream_requests_total"), 1);
+    assert_eq!(agent.stat(&b, "dns.answered_locally_total"), 1);
+    assert_eq!(agent.stat(&b, "dns.upstream_requests_total"), 1);
+    assert_eq!(agent.stat(&a, "dns.upstream_failures_total"), 0);
+
+    // Removed: a's DNS proxy is gone (its loopback 15053 answers nothing) and, no longer
+    // captured, a's queries go to its resolver, which knows no mesh name.
+    agent.remove(&a);
+    let direct = a
+        .command("dig")
+        .args(["+short", "+time=2", "+tries=1", "-p", "15053", "@127.0.0.1"])
+        .arg("shop.mesh.test")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("dig");
+    assert!(!direct.status.success(), "a's 15053 still answers");
+    assert_eq!(dig_in(&a, &resolv, &["shop.mesh.test"]), "");
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    // b is still served.
+    assert_eq!(dig_in(&b, &resolv, &["shop.mesh.test"]), "240.240.0.2");
+}

@@ -120,7 +120,11 @@ fn resolvers(options: &DnsOptions, pod: &PodInfo) -> anyhow::Result<ResolvConf> 
     };
     if let Some(dns) = pod.dns.as_ref().filter(|d| !d.servers.is_empty()) {
         return Ok(ResolvConf {
-            servers: dns.servers.iter().map(|ip| SocketAddr::new(*ip, 53)).collect(),
+            servers: dns
+                .servers
+                .iter()
+                .map(|ip| SocketAddr::new(*ip, 53))
+                .collect(),
             search: if dns.searches.is_empty() {
                 k8s_search()
             } else {
@@ -170,6 +174,9 @@ mod tests {
         assert_eq!(conf.search[0], "shop.svc.cluster.local");
         // Without them the node's resolv.conf is read, and its absence named.
         let err = resolvers(&options, &pod(None)).unwrap_err();
-        assert!(format!("{err:#}").contains("/nonexistent/resolv.conf"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("/nonexistent/resolv.conf"),
+            "{err:#}"
+        );
     }
 }

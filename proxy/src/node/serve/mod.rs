@@ -360,12 +360,10 @@ impl NodePods {
         // The old process's DNS sockets are not handed over: new ones are bound (they
         // fail while the old process still holds the port; the pod then has none).
         let stats = crate::stats::Store::new();
-        let pod_dns = self
-            .start_dns(&pod, &netns, &stats)
-            .unwrap_or_else(|err| {
-                tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
-                None
-            });
+        let pod_dns = self.start_dns(&pod, &netns, &stats).unwrap_or_else(|err| {
+            tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
+            None
+        });
         let setup = self.setup(&pod, &stats, pod_dns.as_ref());
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
             .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
