@@ -126,9 +126,14 @@ impl NodeAgent {
 
     /// Enrolls `pod` as service account `sa` (per-pod proxies from the control plane).
     fn add_as(&mut self, pod: &Pod, sa: &str) {
+        self.add_with(pod, &format!("sa={sa}"));
+    }
+
+    /// Enrolls `pod` with `extra` enrollment words (`sa=`, `token=`, `dns=`).
+    fn add_with(&mut self, pod: &Pod, extra: &str) {
         let uid = pod.name().to_owned();
         self.send(&format!(
-            "add {uid} {} default {} {} {} sa={sa}",
+            "add {uid} {} default {} {} {} {extra}",
             pod.name(),
             pod.netns_path().display(),
             pod.ipv4(),
@@ -1136,4 +1141,136 @@ fn each_pod_resolves_mesh_names_from_its_own_name_table_and_forwards_the_rest() 
     assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
     // b is still served.
     assert_eq!(dig_in(&b, &resolv, &["shop.mesh.test"]), "240.240.0.2");
+}
+
+/// Per-service-account CA clients: pods enrolled without a token of their own are
+/// certified with the node's token (as Istio's node agents do), a pod enrolled with its
+/// account's token presents that one; pods of one account share one client, and the
+/// client stops (no further CSRs at rotation) once its account's last pod has left.
+#[test]
+fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod() {
+    use harness::ads::type_urls;
+    let mut node = Node::new().expect("node");
+    let a1 = node.add_pod("a1").expect("pod a1");
+    let a2 = node.add_pod("a2").expect("pod a2");
+    let c = node.add_pod("c").expect("pod c");
+    let d = node.add_pod("d").expect("pod d");
+    let pins = Pins(bpffs_root("node-sa"));
+    let tmp = TempDir::new("node-sa");
+    let gateway = IpAddr::V4(node.gateway_ipv4());
+    // Short-lived certificates: each client rotates every second or so.
+    let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
+        harness::ca::TestCa::start_on(&tmp.0, TOKEN, Duration::from_secs(3), gateway)
+    })
+    .unwrap()
+    .unwrap();
+    ca.accept_token("sc-token");
+    let node_token = tmp.0.join("token");
+    std::fs::write(&node_token, TOKEN).unwrap();
+    let sc_token = tmp.0.join("sc-token");
+    std::fs::write(&sc_token, "sc-token").unwrap();
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-sa-ads");
+    let template = pod_template(&tmp.0, &socket);
+    for pod in [&a1, &a2, &c, &d] {
+        ads.set_for_node(&xds_id(pod), type_urls::CLUSTER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), type_urls::LISTENER, "1", Vec::new());
+    }
+    let (config, ca_root, ca_token, ca_addr) = (
+        template.display().to_string(),
+        ca.root_file.display().to_string(),
+        node_token.display().to_string(),
+        ca.address(),
+    );
+    let mut agent = NodeAgent::start(
+        &node,
+        &pins.0,
+        &[
+            "--config",
+            &config,
+            "--ca-addr",
+            &ca_addr,
+            "--ca-root",
+            &ca_root,
+            "--ca-token",
+            &ca_token,
+            "--no-capture",
+        ],
+    );
+    agent.add_as(&a1, "sa");
+    agent.add_as(&a2, "sa");
+    agent.add_with(&c, &format!("sa=sc token={}", sc_token.display()));
+
+    // Signed CSRs by identity, with the tokens they were presented with.
+    let signed = |sa: &str| -> Vec<Option<String>> {
+        ca.calls()
+            .into_iter()
+            .filter(|call| call.refused.is_none() && call.uris == [spiffe(sa)])
+            .map(|call| call.authorization)
+            .collect()
+    };
+    let log = agent.stderr.clone();
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {:?}\n{}",
+                ca.calls(),
+                log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for("both accounts certified", &|| {
+        !signed("sa").is_empty() && !signed("sc").is_empty()
+    });
+    assert!(
+        ca.calls().iter().all(|call| call.refused.is_none()),
+        "{:?}",
+        ca.calls()
+    );
+    let node_bearer = Some(format!("Bearer {TOKEN}"));
+    assert!(
+        signed("sa").iter().all(|t| *t == node_bearer),
+        "{:?}",
+        signed("sa")
+    );
+    let sc_bearer = Some("Bearer sc-token".to_owned());
+    assert!(
+        signed("sc").iter().all(|t| *t == sc_bearer),
+        "{:?}",
+        signed("sc")
+    );
+    let stderr = agent.stderr();
+    assert_eq!(stderr.matches("CA client stopped").count(), 0, "{stderr}");
+
+    // c, sc's only pod, leaves, and so does a1 (a2 keeps sa's client): sc's client
+    // stops, sa's rotates on.
+    agent.remove(&c);
+    agent.remove(&a1);
+    let sc_then = signed("sc").len();
+    let sa_then = signed("sa").len();
+    wait_for("two rotations of sa's client", &|| {
+        signed("sa").len() >= sa_then + 2
+    });
+    assert_eq!(
+        signed("sc").len(),
+        sc_then,
+        "sc's client went on after its last pod left"
+    );
+
+    // The other way round: a2, sa's last pod, leaves; d brings a new client for sc.
+    agent.remove(&a2);
+    agent.add_with(&d, &format!("sa=sc token={}", sc_token.display()));
+    let sa_then = signed("sa").len();
+    let sc_then = signed("sc").len();
+    wait_for("two rotations of sc's new client", &|| {
+        signed("sc").len() >= sc_then + 2
+    });
+    assert_eq!(
+        signed("sa").len(),
+        sa_then,
+        "sa's client went on after its last pod left"
+    );
+    assert_eq!(agent.stderr().matches("CA client stopped").count(), 2);
 }

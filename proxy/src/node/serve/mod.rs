@@ -181,6 +181,7 @@ impl NodePods {
                 ca,
                 &pod.namespace,
                 proxy::service_account(pod),
+                pod.token_path.as_deref(),
             );
             local.insert(
                 std::path::Path::new(crate::agent::sds::DEFAULT_SOCKET),
@@ -199,6 +200,14 @@ impl NodePods {
             stats: stats.clone(),
             dns: dns.map(|d| d.tables.clone()),
         })
+    }
+
+    /// Gives back what [`NodePods::setup`] took for the pod (its CA client's share).
+    fn release(&self, pod: &PodInfo) {
+        if self.config.as_ref().is_some_and(|t| t.ca.is_some()) {
+            self.certificates
+                .release(&pod.namespace, proxy::service_account(pod));
+        }
     }
 
     /// Lists the pod for the fast path (with a proxy from the control plane and the
@@ -304,7 +313,14 @@ impl NodePods {
                     drain_time: self.options.drain_time,
                 };
                 let setup = self.setup(pod, &stats, pod_dns.as_ref());
-                Instance::start(&self.runtime, listeners, netns, &settings, setup)
+                let configured = setup.is_some();
+                Instance::start(&self.runtime, listeners, netns, &settings, setup).inspect_err(
+                    |_| {
+                        if configured {
+                            self.release(pod);
+                        }
+                    },
+                )
             });
         let instance = match opened {
             Ok(instance) => instance,
@@ -365,8 +381,17 @@ impl NodePods {
             None
         });
         let setup = self.setup(&pod, &stats, pod_dns.as_ref());
+        let configured = setup.is_some();
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
-            .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
+            .map_err(|e| {
+            if configured {
+                self.release(&pod);
+            }
+            if let Some(dns) = &pod_dns {
+                dns.stop();
+            }
+            Self::enroll_error(&pod, format!("listeners: {e:#}"))
+        })?;
         self.register(&pod, &instance);
         let served = Served {
             node_id: xds_node_id(&pod),
@@ -388,6 +413,9 @@ impl NodePods {
         }
         if let Some(dns) = &served.dns {
             dns.stop();
+        }
+        if served.instance.proxy.is_some() {
+            self.release(&served.info);
         }
         served.instance.stop(&self.runtime, self.options.drain_time);
         if let Some(capture) = &self.capture
