@@ -1274,3 +1274,61 @@ fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod(
     );
     assert_eq!(agent.stderr().matches("CA client stopped").count(), 2);
 }
+
+/// GET `path` on `port` of the pod's own loopback, from inside the pod: (status, body).
+fn http_get_in(pod: &Pod, port: u16, path: &str) -> (String, String) {
+    let out = pod
+        .command("curl")
+        .args(["-s", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (status.to_owned(), body.to_owned())
+}
+
+/// The value of the Prometheus sample whose line starts with `metric{` and holds `label`.
+fn sample(text: &str, metric: &str, label: &str) -> Option<u64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")) && l.contains(label))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Per-pod health and Prometheus ports, as an Istio sidecar has them inside its pod:
+/// each pod's 15021 says ready, and its 15090 `/stats/prometheus` shows that pod's own
+/// stats only: a counted the outbound connection, b the inbound one, and neither
+/// scrape carries the other pod's listener.
+#[test]
+fn each_pods_prometheus_port_shows_its_own_stats_only() {
+    let mesh = Mesh::start("node-prom", "sa", &["--no-fast-path"]);
+    let call = mesh
+        .call()
+        .unwrap_or_else(|e| panic!("a -> b: {e:#}\n{}", mesh.agent.stderr()));
+    assert_eq!(call.bytes, 1 << 16);
+    for pod in [&mesh.a, &mesh.b] {
+        assert_eq!(http_get_in(pod, 15021, "/healthz/ready").0, "200");
+    }
+    let (status, a) = http_get_in(&mesh.a, 15090, "/stats/prometheus");
+    assert_eq!(status, "200", "{a}");
+    let (status, b) = http_get_in(&mesh.b, 15090, "/stats/prometheus");
+    assert_eq!(status, "200", "{b}");
+    let cx = "envoy_tcp_downstream_cx_total";
+    assert_eq!(sample(&a, cx, "\"virtualOutbound\""), Some(1), "{a}");
+    assert_eq!(sample(&b, cx, "\"virtualInbound\""), Some(1), "{b}");
+    assert!(
+        !a.contains("virtualInbound"),
+        "a's scrape shows b's listener:\n{a}"
+    );
+    assert!(
+        !b.contains("virtualOutbound"),
+        "b's scrape shows a's listener:\n{b}"
+    );
+    // a's upstream TLS (to b) is a's alone.
+    let handshakes = "envoy_cluster_ssl_handshake";
+    assert_eq!(sample(&a, handshakes, "\"to-b\""), Some(1), "{a}");
+    assert!(!b.contains("to-b"), "{b}");
+    // Not a stats path: 404.
+    assert_eq!(http_get_in(&mesh.a, 15090, "/quitquitquit").0, "404");
+}

@@ -43,6 +43,8 @@ pub struct NodeOptions {
     pub inbound_port: u16,
     /// The health port with `/healthz/ready`; 0 turns it off.
     pub health_port: u16,
+    /// The pod's own stats at `/stats/prometheus`; 0 turns it off.
+    pub prometheus_port: u16,
     /// Time allowed for an upstream connect.
     pub connect_timeout: Duration,
     /// Time a removed pod's connections have to finish.
@@ -61,6 +63,7 @@ impl Default for NodeOptions {
             outbound_port: 15001,
             inbound_port: 15006,
             health_port: 15021,
+            prometheus_port: 15090,
             connect_timeout: Duration::from_secs(10),
             drain_time: Duration::from_secs(5),
             fast_path: true,
@@ -90,6 +93,8 @@ pub struct NodePods {
     certificates: proxy::Certificates,
     /// The pods by address, for the same-node fast path.
     registry: Arc<fast_path::Registry>,
+    /// How a pod's 15090 writes its stats (the template's `stats_config`).
+    scrape: Arc<crate::admin::StatsScrape>,
 }
 
 struct Served {
@@ -135,6 +140,7 @@ impl NodePods {
             config: None,
             certificates: proxy::Certificates::default(),
             registry: Arc::default(),
+            scrape: Arc::new(crate::admin::StatsScrape::new(&Default::default())),
         }
     }
 
@@ -143,6 +149,7 @@ impl NodePods {
     pub fn with_config(mut self, template: proxy::Template) -> NodePods {
         // One connection to the control plane, a stream per pod on it.
         crate::xds::stream::share_connections();
+        self.scrape = Arc::new(crate::admin::StatsScrape::new(&template.bootstrap));
         self.config = Some(template);
         self
     }
@@ -259,6 +266,16 @@ impl NodePods {
         }
     }
 
+    /// What every instance is started with; `stats` is the pod's store (its 15090).
+    fn settings(&self, stats: &crate::stats::Store) -> instance::Settings {
+        instance::Settings {
+            tcp: self.tcp.clone(),
+            drain_time: self.options.drain_time,
+            stats: stats.clone(),
+            scrape: self.scrape.clone(),
+        }
+    }
+
     /// Starts the pod's DNS proxy, when DNS is on.
     fn start_dns(
         &self,
@@ -282,6 +299,7 @@ impl NodePods {
             (Role::Capture(Direction::Outbound), o.outbound_port),
             (Role::Capture(Direction::Inbound), o.inbound_port),
             (Role::Health, o.health_port),
+            (Role::Prometheus, o.prometheus_port),
         ] {
             if port != 0 {
                 // On error the ones opened so far close as `all` drops.
@@ -308,10 +326,7 @@ impl NodePods {
             .and_then(|listeners| {
                 pod_dns = self.start_dns(pod, &netns, &stats).context("DNS proxy")?;
                 let netns = Arc::new(netns.try_clone()?);
-                let settings = instance::Settings {
-                    tcp: self.tcp.clone(),
-                    drain_time: self.options.drain_time,
-                };
+                let settings = self.settings(&stats);
                 let setup = self.setup(pod, &stats, pod_dns.as_ref());
                 let configured = setup.is_some();
                 Instance::start(&self.runtime, listeners, netns, &settings, setup).inspect_err(
@@ -369,10 +384,6 @@ impl NodePods {
                 .map_err(|e| Self::enroll_error(&pod, format!("capture: {e:#}")))?;
         }
         let netns = Arc::new(netns);
-        let settings = instance::Settings {
-            tcp: self.tcp.clone(),
-            drain_time: self.options.drain_time,
-        };
         // The old process's DNS sockets are not handed over: new ones are bound (they
         // fail while the old process still holds the port; the pod then has none).
         let stats = crate::stats::Store::new();
@@ -380,6 +391,7 @@ impl NodePods {
             tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
             None
         });
+        let settings = self.settings(&stats);
         let setup = self.setup(&pod, &stats, pod_dns.as_ref());
         let configured = setup.is_some();
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
