@@ -44,14 +44,19 @@ pub fn bind(addrs: &[SocketAddr], skip_unavailable: bool) -> Result<Sockets, Bin
 }
 
 /// As [`bind`], with the sockets made inside the network namespace `netns` (node mode:
-/// a pod's DNS proxy listens on the pod's own loopback).
+/// a pod's DNS proxy listens on the pod's own loopback). SO_REUSEPORT: a node process
+/// taking over from another binds beside it, and the pod's queries find one of the two
+/// until the old one exits.
 pub fn bind_in(
     netns: &std::os::fd::OwnedFd,
     addrs: &[SocketAddr],
     skip_unavailable: bool,
 ) -> Result<Sockets, BindError> {
     bind_with(addrs, skip_unavailable, &|domain, ty, protocol| {
-        crate::upstream::netns::in_netns(netns, || Socket::new(domain, ty, Some(protocol)))
+        let socket =
+            crate::upstream::netns::in_netns(netns, || Socket::new(domain, ty, Some(protocol)))?;
+        socket.set_reuse_port(true)?;
+        Ok(socket)
     })
 }
 

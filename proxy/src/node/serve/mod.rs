@@ -384,8 +384,8 @@ impl NodePods {
                 .map_err(|e| Self::enroll_error(&pod, format!("capture: {e:#}")))?;
         }
         let netns = Arc::new(netns);
-        // The old process's DNS sockets are not handed over: new ones are bound (they
-        // fail while the old process still holds the port; the pod then has none).
+        // The old process's DNS sockets are not handed over: new ones are bound beside
+        // them (SO_REUSEPORT); both answer until the old process exits.
         let stats = crate::stats::Store::new();
         let pod_dns = self.start_dns(&pod, &netns, &stats).unwrap_or_else(|err| {
             tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
