@@ -386,6 +386,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_runtimes_dns_capability_is_read_from_runtime_config() {
+        let conf: NetConf = serde_json::from_str(
+            r#"{"cniVersion": "1.0.0", "runtimeConfig": {"dns": {"servers": ["10.96.0.10"],
+                "searches": ["shop.svc.cluster.local"], "options": ["ndots:5"]}}}"#,
+        )
+        .unwrap();
+        let dns = conf.runtime_config.dns.unwrap();
+        assert_eq!(
+            dns.servers,
+            ["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(dns.searches, ["shop.svc.cluster.local"]);
+        let without: NetConf = serde_json::from_str(r#"{"cniVersion": "1.0.0"}"#).unwrap();
+        assert!(without.runtime_config.dns.is_none());
+    }
+
+    #[test]
     fn cni_args_are_split_on_semicolons() {
         let args = parse_cni_args(
             "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=abc-1",
