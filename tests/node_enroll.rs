@@ -614,6 +614,8 @@ fn a_restart_rebuilds_pods_from_the_state_dir_and_reconciles_with_the_snapshot()
         netns_path,
         ips: vec![pod.ipv4().into()],
         service_account: None,
+        dns: None,
+        token_path: None,
     };
     {
         let before = Arc::new(Recorder::default());

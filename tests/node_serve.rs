@@ -126,9 +126,14 @@ impl NodeAgent {
 
     /// Enrolls `pod` as service account `sa` (per-pod proxies from the control plane).
     fn add_as(&mut self, pod: &Pod, sa: &str) {
+        self.add_with(pod, &format!("sa={sa}"));
+    }
+
+    /// Enrolls `pod` with `extra` enrollment words (`sa=`, `token=`, `dns=`).
+    fn add_with(&mut self, pod: &Pod, extra: &str) {
         let uid = pod.name().to_owned();
         self.send(&format!(
-            "add {uid} {} default {} {} {} sa={sa}",
+            "add {uid} {} default {} {} {} {extra}",
             pod.name(),
             pod.netns_path().display(),
             pod.ipv4(),
@@ -984,4 +989,346 @@ fn same_node_mtls_is_handed_over_in_process_with_the_destination_policy_applied(
     );
     assert_eq!(agent.stat(&a, "cluster.to-b.ssl.connection_error"), 1);
     assert_eq!(agent.stat(&b, "tcp.virtualInbound.downstream_cx_total"), 0);
+}
+
+/// dnsmasq on port 53 of `pod`'s IPv4 address, answering `records` itself and nothing
+/// else (no upstream): the resolver the pods' resolv.conf names.
+fn dnsmasq_resolver(pod: &Pod, records: &[(&str, &str)]) -> harness::PodProcess {
+    let mut cmd = pod.command("dnsmasq").args([
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-hosts",
+        "--no-resolv",
+        "--bind-interfaces",
+        "--log-facility=-",
+        "--pid-file=",
+        "--port=53",
+    ]);
+    cmd = cmd.arg(format!("--listen-address={}", pod.ipv4()));
+    for (name, addr) in records {
+        cmd = cmd.arg(format!("--address=/{name}/{addr}"));
+    }
+    let server = cmd.spawn().expect("start dnsmasq");
+    harness::wait_for_port(pod, v4(pod, 53), Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e:#}\ndnsmasq: {}", server.stderr_text()));
+    server
+}
+
+/// `dig +short NAME` run in `pod` as its app (uid 1000), reading `resolv` as its
+/// resolv.conf (no explicit server): the answers, one a line.
+fn dig_in(pod: &Pod, resolv: &std::path::Path, args: &[&str]) -> String {
+    let out = pod
+        .command("dig")
+        .uid(1000)
+        .gid(1000)
+        .resolv_conf(resolv)
+        .args(["+short", "+time=5", "+tries=1"])
+        .args(args)
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("dig");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Per-pod DNS: with DNS capture on, each enrolled pod's queries reach a DNS proxy the
+/// node process opened on that pod's own loopback 15053. A mesh name is answered from
+/// the pod's own name table (the NDS its xDS stream got: a and b get different
+/// answers), anything else is forwarded from inside the pod to its resolver (dnsmasq in
+/// pod `resolver`), over UDP and TCP. Removing a pod closes its DNS proxy.
+#[test]
+fn each_pod_resolves_mesh_names_from_its_own_name_table_and_forwards_the_rest() {
+    use harness::ads::type_urls;
+    use support::nds::{NameTable, TYPE_URL as NDS, service_entry};
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let resolver = node.add_pod("resolver").expect("pod resolver");
+    let _dnsmasq = dnsmasq_resolver(&resolver, &[("outside.test", "10.99.0.4")]);
+    let pins = Pins(bpffs_root("node-dns"));
+    let tmp = TempDir::new("node-dns");
+    let resolv = tmp.0.join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        format!(
+            "nameserver {}\noptions timeout:5 attempts:1\n",
+            resolver.ipv4()
+        ),
+    )
+    .unwrap();
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-dns-ads");
+    let template = pod_template(&tmp.0, &socket);
+    let table = |ip: &str| {
+        let table = NameTable {
+            table: [("shop.mesh.test".to_owned(), service_entry(&[ip]))].into(),
+        };
+        use prost::Message;
+        vec![(
+            String::new(),
+            harness::ads::Any {
+                type_url: NDS.into(),
+                value: table.encode_to_vec(),
+            },
+        )]
+    };
+    // No listeners or clusters (a node's own resources replace the shared ones): the
+    // name table alone differs.
+    for (pod, ip) in [(&a, "240.240.0.1"), (&b, "240.240.0.2")] {
+        ads.set_for_node(&xds_id(pod), type_urls::CLUSTER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), type_urls::LISTENER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), NDS, "1", table(ip));
+    }
+
+    let config = template.display().to_string();
+    let resolv_arg = resolv.display().to_string();
+    let resolver_ip = resolver.ipv4().to_string();
+    let mut agent = NodeAgent::start(
+        &node,
+        &pins.0,
+        &[
+            "--config",
+            &config,
+            "--dns-resolv-conf",
+            &resolv_arg,
+            "--redirect-dns",
+            "--dns-servers-v4",
+            &resolver_ip,
+        ],
+    );
+    agent.add(&a);
+    agent.add(&b);
+    for pod in [&a, &b] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while agent.stat(pod, "nds.update_success") == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} never got its name table\n{}",
+                pod.name(),
+                agent.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // Each pod its own table; over UDP and TCP.
+    assert_eq!(dig_in(&a, &resolv, &["shop.mesh.test"]), "240.240.0.1");
+    assert_eq!(dig_in(&b, &resolv, &["shop.mesh.test"]), "240.240.0.2");
+    assert_eq!(
+        dig_in(&a, &resolv, &["+tcp", "shop.mesh.test"]),
+        "240.240.0.1"
+    );
+    // Not in the table: forwarded to the pod's resolver, from inside the pod.
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    assert_eq!(dig_in(&b, &resolv, &["+tcp", "outside.test"]), "10.99.0.4");
+    // The answers came from each pod's own DNS proxy, by its counters.
+    assert_eq!(agent.stat(&a, "dns.answered_locally_total"), 2);
+    assert_eq!(agent.stat(&a, "dns.upstream_requests_total"), 1);
+    assert_eq!(agent.stat(&b, "dns.answered_locally_total"), 1);
+    assert_eq!(agent.stat(&b, "dns.upstream_requests_total"), 1);
+    assert_eq!(agent.stat(&a, "dns.upstream_failures_total"), 0);
+
+    // Removed: a's DNS proxy is gone (its loopback 15053 answers nothing) and, no longer
+    // captured, a's queries go to its resolver, which knows no mesh name.
+    agent.remove(&a);
+    let direct = a
+        .command("dig")
+        .args(["+short", "+time=2", "+tries=1", "-p", "15053", "@127.0.0.1"])
+        .arg("shop.mesh.test")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("dig");
+    assert!(!direct.status.success(), "a's 15053 still answers");
+    assert_eq!(dig_in(&a, &resolv, &["shop.mesh.test"]), "");
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    // b is still served.
+    assert_eq!(dig_in(&b, &resolv, &["shop.mesh.test"]), "240.240.0.2");
+}
+
+/// Per-service-account CA clients: pods enrolled without a token of their own are
+/// certified with the node's token (as Istio's node agents do), a pod enrolled with its
+/// account's token presents that one; pods of one account share one client, and the
+/// client stops (no further CSRs at rotation) once its account's last pod has left.
+#[test]
+fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod() {
+    use harness::ads::type_urls;
+    let mut node = Node::new().expect("node");
+    let a1 = node.add_pod("a1").expect("pod a1");
+    let a2 = node.add_pod("a2").expect("pod a2");
+    let c = node.add_pod("c").expect("pod c");
+    let d = node.add_pod("d").expect("pod d");
+    let pins = Pins(bpffs_root("node-sa"));
+    let tmp = TempDir::new("node-sa");
+    let gateway = IpAddr::V4(node.gateway_ipv4());
+    // Short-lived certificates: each client rotates every second or so.
+    let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
+        harness::ca::TestCa::start_on(&tmp.0, TOKEN, Duration::from_secs(3), gateway)
+    })
+    .unwrap()
+    .unwrap();
+    ca.accept_token("sc-token");
+    let node_token = tmp.0.join("token");
+    std::fs::write(&node_token, TOKEN).unwrap();
+    let sc_token = tmp.0.join("sc-token");
+    std::fs::write(&sc_token, "sc-token").unwrap();
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-sa-ads");
+    let template = pod_template(&tmp.0, &socket);
+    for pod in [&a1, &a2, &c, &d] {
+        ads.set_for_node(&xds_id(pod), type_urls::CLUSTER, "1", Vec::new());
+        ads.set_for_node(&xds_id(pod), type_urls::LISTENER, "1", Vec::new());
+    }
+    let (config, ca_root, ca_token, ca_addr) = (
+        template.display().to_string(),
+        ca.root_file.display().to_string(),
+        node_token.display().to_string(),
+        ca.address(),
+    );
+    let mut agent = NodeAgent::start(
+        &node,
+        &pins.0,
+        &[
+            "--config",
+            &config,
+            "--ca-addr",
+            &ca_addr,
+            "--ca-root",
+            &ca_root,
+            "--ca-token",
+            &ca_token,
+            "--no-capture",
+        ],
+    );
+    agent.add_as(&a1, "sa");
+    agent.add_as(&a2, "sa");
+    agent.add_with(&c, &format!("sa=sc token={}", sc_token.display()));
+
+    // Signed CSRs by identity, with the tokens they were presented with.
+    let signed = |sa: &str| -> Vec<Option<String>> {
+        ca.calls()
+            .into_iter()
+            .filter(|call| call.refused.is_none() && call.uris == [spiffe(sa)])
+            .map(|call| call.authorization)
+            .collect()
+    };
+    let log = agent.stderr.clone();
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {:?}\n{}",
+                ca.calls(),
+                log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for("both accounts certified", &|| {
+        !signed("sa").is_empty() && !signed("sc").is_empty()
+    });
+    assert!(
+        ca.calls().iter().all(|call| call.refused.is_none()),
+        "{:?}",
+        ca.calls()
+    );
+    let node_bearer = Some(format!("Bearer {TOKEN}"));
+    assert!(
+        signed("sa").iter().all(|t| *t == node_bearer),
+        "{:?}",
+        signed("sa")
+    );
+    let sc_bearer = Some("Bearer sc-token".to_owned());
+    assert!(
+        signed("sc").iter().all(|t| *t == sc_bearer),
+        "{:?}",
+        signed("sc")
+    );
+    let stderr = agent.stderr();
+    assert_eq!(stderr.matches("CA client stopped").count(), 0, "{stderr}");
+
+    // c, sc's only pod, leaves, and so does a1 (a2 keeps sa's client): sc's client
+    // stops, sa's rotates on.
+    agent.remove(&c);
+    agent.remove(&a1);
+    let sc_then = signed("sc").len();
+    let sa_then = signed("sa").len();
+    wait_for("two rotations of sa's client", &|| {
+        signed("sa").len() >= sa_then + 2
+    });
+    assert_eq!(
+        signed("sc").len(),
+        sc_then,
+        "sc's client went on after its last pod left"
+    );
+
+    // The other way round: a2, sa's last pod, leaves; d brings a new client for sc.
+    agent.remove(&a2);
+    agent.add_with(&d, &format!("sa=sc token={}", sc_token.display()));
+    let sa_then = signed("sa").len();
+    let sc_then = signed("sc").len();
+    wait_for("two rotations of sc's new client", &|| {
+        signed("sc").len() >= sc_then + 2
+    });
+    assert_eq!(
+        signed("sa").len(),
+        sa_then,
+        "sa's client went on after its last pod left"
+    );
+    assert_eq!(agent.stderr().matches("CA client stopped").count(), 2);
+}
+
+/// GET `path` on `port` of the pod's own loopback, from inside the pod: (status, body).
+fn http_get_in(pod: &Pod, port: u16, path: &str) -> (String, String) {
+    let out = pod
+        .command("curl")
+        .args(["-s", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .timeout(Duration::from_secs(20))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (status.to_owned(), body.to_owned())
+}
+
+/// The value of the Prometheus sample whose line starts with `metric{` and holds `label`.
+fn sample(text: &str, metric: &str, label: &str) -> Option<u64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")) && l.contains(label))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Per-pod health and Prometheus ports, as an Istio sidecar has them inside its pod:
+/// each pod's 15021 says ready, and its 15090 `/stats/prometheus` shows that pod's own
+/// stats only: a counted the outbound connection, b the inbound one, and neither
+/// scrape carries the other pod's listener.
+#[test]
+fn each_pods_prometheus_port_shows_its_own_stats_only() {
+    let mesh = Mesh::start("node-prom", "sa", &["--no-fast-path"]);
+    let call = mesh
+        .call()
+        .unwrap_or_else(|e| panic!("a -> b: {e:#}\n{}", mesh.agent.stderr()));
+    assert_eq!(call.bytes, 1 << 16);
+    for pod in [&mesh.a, &mesh.b] {
+        assert_eq!(http_get_in(pod, 15021, "/healthz/ready").0, "200");
+    }
+    let (status, a) = http_get_in(&mesh.a, 15090, "/stats/prometheus");
+    assert_eq!(status, "200", "{a}");
+    let (status, b) = http_get_in(&mesh.b, 15090, "/stats/prometheus");
+    assert_eq!(status, "200", "{b}");
+    let cx = "envoy_tcp_downstream_cx_total";
+    assert_eq!(sample(&a, cx, "\"virtualOutbound\""), Some(1), "{a}");
+    assert_eq!(sample(&b, cx, "\"virtualInbound\""), Some(1), "{b}");
+    assert!(
+        !a.contains("virtualInbound"),
+        "a's scrape shows b's listener:\n{a}"
+    );
+    assert!(
+        !b.contains("virtualOutbound"),
+        "b's scrape shows a's listener:\n{b}"
+    );
+    // a's upstream TLS (to b) is a's alone.
+    let handshakes = "envoy_cluster_ssl_handshake";
+    assert_eq!(sample(&a, handshakes, "\"to-b\""), Some(1), "{a}");
+    assert!(!b.contains("to-b"), "{b}");
+    // Not a stats path: 404.
+    assert_eq!(http_get_in(&mesh.a, 15090, "/quitquitquit").0, "404");
 }

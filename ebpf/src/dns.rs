@@ -22,7 +22,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use shunt_common::{
-    AF_INET, DNS_PORT, DNS_PROXY_PORT, Decision, DnsServerKey, OriginalDst, PodConfig, direction,
+    AF_INET, DNS_PORT, DNS_PROXY_PORT, Decision, DnsServerKey, NODE_PROXY_MARK, OriginalDst, PodConfig,
+    direction,
     dns::{QueryFacts, decide_udp},
     flags,
 };
@@ -102,6 +103,13 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     if cfg.flags & flags::DNS_REDIRECT == 0 {
         // Only the connect hooks get here without DNS capture: a UDP connect as before.
         count(Decision::SkipNotTcp);
+        return;
+    }
+    // SAFETY: sock_addr hooks always set `sk` (the socket at hand); `mark` is one of
+    // its readable fields.
+    if unsafe { (*(*ctx.sock_addr).__bindgen_anon_1.sk).mark } == NODE_PROXY_MARK {
+        // Node mode's DNS proxy forwarding a pod's query from inside the pod.
+        count_pod(cfg.pod_id, Decision::SkipNodeProxyMark);
         return;
     }
     let dial = dial(ctx, v6);

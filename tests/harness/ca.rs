@@ -58,6 +58,8 @@ struct State {
     root_params: CertificateParams,
     root_key: KeyPair,
     token: Mutex<String>,
+    /// Tokens accepted besides `token` (a service account's own, say).
+    more_tokens: Mutex<Vec<String>>,
     lifetime: Mutex<Duration>,
     calls: Mutex<Vec<CaCall>>,
     serial: AtomicU64,
@@ -104,6 +106,7 @@ impl TestCa {
             root_params,
             root_key,
             token: Mutex::new(token.to_owned()),
+            more_tokens: Mutex::new(Vec::new()),
             lifetime: Mutex::new(lifetime),
             calls: Mutex::new(Vec::new()),
             serial: AtomicU64::new(0x1000 + u64::from(std::process::id()) * 0x10000),
@@ -130,6 +133,15 @@ impl TestCa {
 
     pub fn set_token(&self, token: &str) {
         *self.state.token.lock().unwrap() = token.to_owned();
+    }
+
+    /// Accepts `token` too (the callers are told apart by the token they present).
+    pub fn accept_token(&self, token: &str) {
+        self.state
+            .more_tokens
+            .lock()
+            .unwrap()
+            .push(token.to_owned());
     }
 
     pub fn calls(&self) -> Vec<CaCall> {
@@ -271,8 +283,11 @@ impl State {
         request: &IstioCertificateRequest,
         call: &mut CaCall,
     ) -> Result<IstioCertificateResponse, tonic::Status> {
-        let expected = format!("Bearer {}", self.token.lock().unwrap());
-        if call.authorization.as_deref() != Some(expected.as_str()) {
+        let presented = call.authorization.as_deref().unwrap_or_default();
+        let accepted = std::iter::once(self.token.lock().unwrap().clone())
+            .chain(self.more_tokens.lock().unwrap().iter().cloned())
+            .any(|token| presented == format!("Bearer {token}"));
+        if !accepted {
             return Err(tonic::Status::unauthenticated(
                 "authentication failure: the bearer token is not valid",
             ));

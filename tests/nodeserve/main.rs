@@ -15,7 +15,9 @@
 //! `--take-over PATH` starts by taking every pod from the process handing over at PATH.
 //! `--config FILE` gives each pod a proxy of its own from the control plane FILE names
 //! (with `--ca-addr`, `--ca-root`, `--ca-token`: a certificate per service account); an
-//! `add` line may then carry `sa=ACCOUNT` among its addresses.
+//! `add` line may then carry `sa=ACCOUNT` (and `token=PATH`, the account's own token)
+//! among its addresses. `--dns-resolv-conf FILE` gives each pod a DNS proxy on its
+//! loopback 15053 forwarding to FILE's servers, or to an `add` line's `dns=IP`s.
 //!
 //! Replies start with `@`; every other stdout line is an access log entry (JSON). The
 //! process joins `--join-cgroup` before opening any socket (its sockets must be under
@@ -30,9 +32,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use shunt::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use shunt::node::serve::dns::DnsOptions;
 use shunt::node::serve::proxy::{CaTemplate, Template};
 use shunt::node::serve::{NodeOptions, NodePods, PodCapture};
-use shunt::node::{PodInfo, Pods};
+use shunt::node::{PodDns, PodInfo, Pods};
 
 #[derive(Parser)]
 struct Args {
@@ -66,6 +69,10 @@ struct Args {
     /// process.
     #[arg(long)]
     no_fast_path: bool,
+    /// Each pod gets a DNS proxy; pods enrolled without `dns=` forward to this file's
+    /// nameservers.
+    #[arg(long)]
+    dns_resolv_conf: Option<PathBuf>,
     #[command(flatten)]
     capture: shunt_capture::CaptureArgs,
 }
@@ -103,6 +110,10 @@ fn main() -> anyhow::Result<()> {
     let options = NodeOptions {
         drain_time: Duration::from_secs(args.drain_time_s),
         fast_path: !args.no_fast_path,
+        dns: args.dns_resolv_conf.clone().map(|resolv_conf| DnsOptions {
+            resolv_conf,
+            ..DnsOptions::default()
+        }),
         ..NodeOptions::default()
     };
     let mut pods = NodePods::new(options, runtime.handle().clone(), capture);
@@ -142,6 +153,20 @@ fn main() -> anyhow::Result<()> {
                                 .iter()
                                 .find_map(|w| w.strip_prefix("sa="))
                                 .map(str::to_owned),
+                            dns: {
+                                let servers: Vec<_> = ips
+                                    .iter()
+                                    .filter_map(|w| w.strip_prefix("dns=")?.parse().ok())
+                                    .collect();
+                                (!servers.is_empty()).then(|| PodDns {
+                                    servers,
+                                    searches: Vec::new(),
+                                })
+                            },
+                            token_path: ips
+                                .iter()
+                                .find_map(|w| w.strip_prefix("token="))
+                                .map(PathBuf::from),
                         };
                         pods.add(pod, OwnedFd::from(f)).map_err(|e| e.to_string())
                     });

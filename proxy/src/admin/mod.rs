@@ -312,3 +312,25 @@ fn version() -> String {
         }
     )
 }
+
+/// `/stats/prometheus` of one stats store alone, under a bootstrap's `stats_config`:
+/// node mode serves each pod's own on the pod's 15090.
+pub struct StatsScrape {
+    config: tags::StatsConfig,
+}
+
+impl StatsScrape {
+    pub fn new(bootstrap: &Bootstrap) -> StatsScrape {
+        StatsScrape {
+            config: tags::StatsConfig::from_bootstrap(bootstrap),
+        }
+    }
+
+    /// The store's stats in Prometheus' text format, as Envoy writes them.
+    pub fn render(&self, store: &crate::stats::Store) -> String {
+        let mut stats = store.snapshot();
+        stats.retain(|stat| self.config.accepts(&stat.name));
+        stats.sort_by(|a, b| a.name.cmp(&b.name));
+        prometheus::render(&stats, &self.config, &prometheus::Selection::default())
+    }
+}

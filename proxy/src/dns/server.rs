@@ -38,12 +38,42 @@ pub struct BindError {
 /// Binds UDP and TCP on each address. With `skip_unavailable` (the default addresses),
 /// an address the host does not have (no IPv6) is left out with a warning.
 pub fn bind(addrs: &[SocketAddr], skip_unavailable: bool) -> Result<Sockets, BindError> {
+    bind_with(addrs, skip_unavailable, &|domain, ty, protocol| {
+        Socket::new(domain, ty, Some(protocol))
+    })
+}
+
+/// As [`bind`], with the sockets made inside the network namespace `netns` (node mode:
+/// a pod's DNS proxy listens on the pod's own loopback). SO_REUSEPORT: a node process
+/// taking over from another binds beside it, and the pod's queries find one of the two
+/// until the old one exits.
+pub fn bind_in(
+    netns: &std::os::fd::OwnedFd,
+    addrs: &[SocketAddr],
+    skip_unavailable: bool,
+) -> Result<Sockets, BindError> {
+    bind_with(addrs, skip_unavailable, &|domain, ty, protocol| {
+        let socket =
+            crate::upstream::netns::in_netns(netns, || Socket::new(domain, ty, Some(protocol)))?;
+        socket.set_reuse_port(true)?;
+        Ok(socket)
+    })
+}
+
+/// Makes a socket (of a domain, type and protocol) where it must live.
+type MakeSocket<'a> = &'a dyn Fn(Domain, Type, Protocol) -> io::Result<Socket>;
+
+fn bind_with(
+    addrs: &[SocketAddr],
+    skip_unavailable: bool,
+    make: MakeSocket<'_>,
+) -> Result<Sockets, BindError> {
     let mut sockets = Sockets {
         udp: Vec::new(),
         tcp: Vec::new(),
     };
     for addr in addrs {
-        let udp = bind_udp(*addr).map_err(|error| BindError {
+        let udp = bind_udp(*addr, make).map_err(|error| BindError {
             addr: *addr,
             protocol: "UDP",
             error,
@@ -62,7 +92,7 @@ pub fn bind(addrs: &[SocketAddr], skip_unavailable: bool) -> Result<Sockets, Bin
             protocol: "UDP",
             error,
         })?;
-        let tcp = bind_tcp(addr).map_err(|error| BindError {
+        let tcp = bind_tcp(addr, make).map_err(|error| BindError {
             addr,
             protocol: "TCP",
             error,
@@ -80,8 +110,8 @@ fn unavailable(error: &io::Error) -> bool {
     )
 }
 
-fn bind_udp(addr: SocketAddr) -> io::Result<StdUdpSocket> {
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+fn bind_udp(addr: SocketAddr, make: MakeSocket<'_>) -> io::Result<StdUdpSocket> {
+    let socket = make(Domain::for_address(addr), Type::DGRAM, Protocol::UDP)?;
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
     }
@@ -90,8 +120,8 @@ fn bind_udp(addr: SocketAddr) -> io::Result<StdUdpSocket> {
     Ok(socket.into())
 }
 
-fn bind_tcp(addr: SocketAddr) -> io::Result<StdTcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+fn bind_tcp(addr: SocketAddr, make: MakeSocket<'_>) -> io::Result<StdTcpListener> {
+    let socket = make(Domain::for_address(addr), Type::STREAM, Protocol::TCP)?;
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
     }
@@ -102,19 +132,24 @@ fn bind_tcp(addr: SocketAddr) -> io::Result<StdTcpListener> {
     Ok(socket.into())
 }
 
-/// Serves every socket on the current runtime until the process ends.
-pub fn serve(sockets: Sockets, resolver: Arc<Resolver>) -> io::Result<()> {
+/// Serves every socket on the current runtime until the process ends, or until the
+/// returned tasks are aborted (node mode, when the pod leaves).
+pub fn serve(
+    sockets: Sockets,
+    resolver: Arc<Resolver>,
+) -> io::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut tasks = Vec::new();
     for udp in sockets.udp {
         let udp = UdpSocket::from_std(udp)?;
         tracing::info!(addr = %udp.local_addr()?, "DNS proxy listening (UDP)");
-        tokio::spawn(serve_udp(Arc::new(udp), resolver.clone()));
+        tasks.push(tokio::spawn(serve_udp(Arc::new(udp), resolver.clone())));
     }
     for tcp in sockets.tcp {
         let tcp = TcpListener::from_std(tcp)?;
         tracing::info!(addr = %tcp.local_addr()?, "DNS proxy listening (TCP)");
-        tokio::spawn(serve_tcp(tcp, resolver.clone()));
+        tasks.push(tokio::spawn(serve_tcp(tcp, resolver.clone())));
     }
-    Ok(())
+    Ok(tasks)
 }
 
 async fn serve_udp(socket: Arc<UdpSocket>, resolver: Arc<Resolver>) {

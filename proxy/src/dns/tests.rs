@@ -21,6 +21,7 @@ fn resolver(table: Option<NameTable>) -> Resolver {
     let upstreams = Upstreams {
         servers: Vec::new(),
         timeout: Duration::from_millis(100),
+        netns: None,
     };
     Resolver::new(tables, upstreams, 16, DnsStats::new(&StatsStore::new()))
 }

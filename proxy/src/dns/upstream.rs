@@ -5,10 +5,14 @@
 //! from the same server; a client on TCP is forwarded over TCP.
 //!
 //! Every query gets its own socket, created after the proxy dropped to its own uid, so
-//! the capture lets it leave instead of sending it back here.
+//! the capture lets it leave instead of sending it back here. In node mode the socket is
+//! made inside the pod's network namespace (its routes, its resolvers) and carries the
+//! node proxy's mark, by which the capture lets it leave.
 
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::OwnedFd;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_proto::op::Message;
@@ -84,6 +88,8 @@ pub struct Answer {
 pub struct Upstreams {
     pub servers: Vec<SocketAddr>,
     pub timeout: Duration,
+    /// Node mode: the pod's network namespace, where the queries leave from.
+    pub netns: Option<Arc<OwnedFd>>,
 }
 
 impl Upstreams {
@@ -152,7 +158,16 @@ impl Upstreams {
             SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
             SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
         };
-        let socket = UdpSocket::bind(local).await.map_err(io)?;
+        let socket = crate::upstream::netns::udp_socket_in(
+            self.netns.as_deref(),
+            socket2::Domain::for_address(server),
+        )
+        .and_then(|s| {
+            s.set_nonblocking(true)?;
+            s.bind(&local.into())?;
+            UdpSocket::from_std(s.into())
+        })
+        .map_err(io)?;
         socket.connect(server).await.map_err(io)?;
         socket.send(query).await.map_err(io)?;
         let mut buf = vec![0u8; 65535];
@@ -179,6 +194,21 @@ impl Upstreams {
         }
     }
 
+    async fn connect_tcp(&self, server: SocketAddr) -> std::io::Result<TcpStream> {
+        match &self.netns {
+            // Node mode: made in the pod and marked, as the proxy's upstream connections.
+            Some(netns) => {
+                let connect = crate::upstream::connect::connect(server, None, self.timeout);
+                crate::upstream::netns::scope(netns.clone(), connect).await
+            }
+            None => {
+                let stream = TcpStream::connect(server).await?;
+                stream.set_nodelay(true)?;
+                Ok(stream)
+            }
+        }
+    }
+
     async fn over_tcp(
         &self,
         server: SocketAddr,
@@ -187,8 +217,7 @@ impl Upstreams {
     ) -> Result<Message, ExchangeError> {
         let exchange = async {
             let io = |error| ExchangeError::Io { server, error };
-            let mut stream = TcpStream::connect(server).await.map_err(io)?;
-            stream.set_nodelay(true).map_err(io)?;
+            let mut stream = self.connect_tcp(server).await.map_err(io)?;
             let mut framed = Vec::with_capacity(query.len() + 2);
             framed.extend_from_slice(&(query.len() as u16).to_be_bytes());
             framed.extend_from_slice(query);

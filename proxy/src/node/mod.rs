@@ -36,6 +36,26 @@ pub struct PodInfo {
     pub ips: Vec<IpAddr>,
     /// The pod's service account, when the enroller knows it (ZDS does).
     pub service_account: Option<String>,
+    /// The pod's resolvers and search domains (what its `resolv.conf` says: the CNI
+    /// `dns` capability), when the enroller knows them; else the node's are used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<PodDns>,
+    /// The token the CA client presents for the pod's service account, when the
+    /// enroller gives one (a projected token of that account); else the node's own
+    /// token is presented and the pod's identity asked for (as ztunnel does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_path: Option<PathBuf>,
+}
+
+/// A pod's DNS configuration, as the CNI `dns` capability carries it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodDns {
+    /// `nameserver`s.
+    #[serde(default)]
+    pub servers: Vec<IpAddr>,
+    /// `search` domains.
+    #[serde(default)]
+    pub searches: Vec<String>,
 }
 
 /// Why a pod could not be added: said back to the enroller (the CNI plugin fails the

@@ -85,6 +85,7 @@ pub fn prepare(
     let upstreams = Upstreams {
         servers: resolv.servers,
         timeout: Duration::from_millis(args.dns_upstream_timeout_ms),
+        netns: None,
     };
     let resolver = Arc::new(Resolver::new(
         tables.clone(),

@@ -16,6 +16,7 @@ use crate::node::enroll::Enrollment;
 use crate::node::enroll::cni_server::CniServer;
 use crate::node::enroll::zds::ZdsClient;
 use crate::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use crate::node::serve::dns::DnsOptions;
 use crate::node::serve::proxy::{CaTemplate, Template};
 use crate::node::serve::{NodeOptions, NodePods, PodCapture};
 
@@ -110,9 +111,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }))
     };
     let template = args.pods.template()?;
+    // With DNS capture on, each pod gets its DNS proxy on its 15053 (forwarding to the
+    // resolvers the CNI runtime gave for the pod, else the node's resolv.conf).
+    let dns = args.capture.config()?.dns.redirect.then(|| DnsOptions {
+        resolv_conf: args.dns_resolv_conf.clone(),
+        ..DnsOptions::default()
+    });
     serve_with(&args.enroll, args.concurrency, |runtime| {
         let options = NodeOptions {
             fast_path: !args.no_fast_path,
+            dns,
             ..NodeOptions::default()
         };
         let mut pods = NodePods::new(options, runtime.clone(), capture);
@@ -214,6 +222,11 @@ pub struct ServeArgs {
     /// instead of handing them to the destination pod's inbound side in process.
     #[arg(long)]
     pub no_fast_path: bool,
+    /// With --redirect-dns: where a pod's DNS proxy forwards when its enrollment named
+    /// no resolvers (the node's resolv.conf; under `ClusterFirstWithHostNet`, the
+    /// cluster DNS).
+    #[arg(long, default_value = "/etc/resolv.conf", value_name = "PATH")]
+    pub dns_resolv_conf: PathBuf,
     /// Serve the pods' listeners without eBPF capture (the capture flags are ignored).
     #[arg(long)]
     pub no_capture: bool,

@@ -46,6 +46,20 @@ pub fn tcp_socket(domain: Domain) -> io::Result<Socket> {
     }
 }
 
+/// A UDP socket for `domain` made in `netns` and marked [`PROXY_MARK`] (node mode's DNS
+/// proxy forwarding a pod's query from inside the pod), or the process's own.
+pub fn udp_socket_in(netns: Option<&OwnedFd>, domain: Domain) -> io::Result<Socket> {
+    let plain = || Socket::new(domain, Type::DGRAM, Some(Protocol::UDP));
+    match netns {
+        Some(netns) => {
+            let socket = in_netns(netns, plain)?;
+            socket.set_mark(PROXY_MARK)?;
+            Ok(socket)
+        }
+        None => plain(),
+    }
+}
+
 /// A TCP socket in the calling thread's namespace.
 pub fn plain_tcp_socket(domain: Domain) -> io::Result<Socket> {
     Socket::new(domain, Type::STREAM, Some(Protocol::TCP))

@@ -1,6 +1,8 @@
 //! `cargo xtask bench node`: node mode (one process serving every pod, the `nodeserve`
 //! test binary around `NodePods` with eBPF capture). Per-pod memory and enrollment time
-//! at 10, 50 and 100 pods; then same-node app-to-app 64-byte round trips (p50/p99,
+//! at 10, 50 and 100 pods (passthrough pods), and at 10 and 50 config-driven pods
+//! (each its own xDS stream from a control plane and its own certificate: a service
+//! account per pod); then same-node app-to-app 64-byte round trips (p50/p99,
 //! round trips/s), no sockmap anywhere: plain TCP through node mode's passthrough
 //! against two eBPF-captured `shunt proxy` sidecars and direct; and with mTLS (workload
 //! certificates from a test CA) through node mode with per-pod proxies from a control
@@ -31,6 +33,10 @@ pub struct NodeArgs {
     /// Length of each round-trip run.
     #[arg(long, default_value_t = 3000)]
     duration_ms: u64,
+    /// Config-driven pod counts (per-pod proxies, xDS and certificates).
+    #[arg(long, value_delimiter = ',', default_value = "10,50")]
+    configured_pods: Vec<usize>,
+    /// Rounds of app-to-app round trips (0: memory and enrollment only).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Use the debug build (a quick check of the bench itself; numbers mean little).
@@ -78,6 +84,44 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
             (s.rss_full.saturating_sub(s.rss_empty)) as f64 / n as f64,
             s.enroll_p50_ms
         );
+    }
+
+    writeln!(
+        text,
+        "\nconfig-driven pods (own xDS stream, own certificate, same config for all)"
+    )?;
+    writeln!(
+        text,
+        "{:>6}{:>14}{:>14}{:>16}{:>16}{:>16}",
+        "pods", "RSS 0 (KiB)", "RSS N (KiB)", "KiB per pod", "enroll p50 ms", "enroll p99 ms"
+    )?;
+    let mut configured_rows = Vec::new();
+    for &n in &args.configured_pods {
+        let s = scale_configured(&nodeserve, n).with_context(|| format!("{n} configured pods"))?;
+        let per_pod = (s.rss_full.saturating_sub(s.rss_empty)) as f64 / n as f64;
+        writeln!(
+            text,
+            "{n:>6}{:>14}{:>14}{per_pod:>16.1}{:>16.2}{:>16.2}",
+            s.rss_empty, s.rss_full, s.enroll_p50_ms, s.enroll_p99_ms
+        )?;
+        configured_rows.push(
+            json!({"pods": n, "rss_empty_kib": s.rss_empty, "rss_kib": s.rss_full,
+            "enroll_p50_ms": s.enroll_p50_ms, "enroll_p99_ms": s.enroll_p99_ms}),
+        );
+        eprintln!("  {n} configured pods: {per_pod:.1} KiB per pod");
+    }
+    if args.rounds == 0 {
+        print!("{text}");
+        let dir = target_dir().join("bench");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("node.txt"), &text)?;
+        std::fs::write(
+            dir.join("node.json"),
+            serde_json::to_string_pretty(
+                &json!({"scale": scale_rows, "scale_configured": configured_rows}),
+            )?,
+        )?;
+        return Ok(());
     }
 
     let mut samples: Vec<(Scenario, Rr)> = Vec::new();
@@ -179,7 +223,8 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
     std::fs::write(dir.join("node.txt"), &text)?;
     std::fs::write(
         dir.join("node.json"),
-        serde_json::to_string_pretty(&json!({"scale": scale_rows, "app_to_app": rr_rows}))?,
+        serde_json::to_string_pretty(&json!({"scale": scale_rows,
+            "scale_configured": configured_rows, "app_to_app": rr_rows}))?,
     )?;
     println!("saved {}", dir.join("node.txt").display());
     Ok(())
@@ -202,6 +247,46 @@ fn scale(nodeserve: &Path, n: usize) -> Result<Scale> {
     let mut enroll = Vec::new();
     for p in &pods {
         enroll.push(agent.add(p)?.as_secs_f64() * 1000.0);
+    }
+    let rss_full = agent.rss()?;
+    enroll.sort_by(f64::total_cmp);
+    Ok(Scale {
+        rss_empty,
+        rss_full,
+        enroll_p50_ms: enroll[n / 2],
+        enroll_p99_ms: enroll[(n * 99 / 100).min(n - 1)],
+    })
+}
+
+/// As [`scale`], each pod with a proxy of its own from a control plane: its own xDS
+/// stream (sharing the node's one connection) and its own certificate (a service
+/// account per pod, so a CA client each). Measured once every pod is configured and
+/// certified.
+fn scale_configured(nodeserve: &Path, n: usize) -> Result<Scale> {
+    let mut node = Node::new()?;
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| node.add_pod(&format!("c{i}")))
+        .collect::<Result<_>>()?;
+    let scratch = node_mesh::Scratch::new("scale-configured")?;
+    let cp = node_mesh::ControlPlane::start(&node, &scratch.0, pods[0].ipv4().into())?;
+    let mut agent = Agent::start_with(&node, nodeserve, "scale-cfg", &cp.node_flags())?;
+    let rss_empty = agent.rss()?;
+    let mut enroll = Vec::new();
+    for (i, p) in pods.iter().enumerate() {
+        enroll.push(agent.add_with(p, &format!("sa=sa{i}"))?.as_secs_f64() * 1000.0);
+    }
+    for p in &pods {
+        agent.wait_ready(p)?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while cp.ca.calls().iter().filter(|c| c.refused.is_none()).count() < n {
+        if Instant::now() > deadline {
+            bail!(
+                "not every pod got its certificate: {:?}",
+                cp.ca.calls().len()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
     let rss_full = agent.rss()?;
     enroll.sort_by(f64::total_cmp);
@@ -451,9 +536,14 @@ impl Agent {
     }
 
     fn add(&mut self, pod: &Pod) -> Result<Duration> {
+        self.add_with(pod, "")
+    }
+
+    /// Enrolls `pod` with `extra` words on its `add` line (`sa=ACCOUNT`).
+    fn add_with(&mut self, pod: &Pod, extra: &str) -> Result<Duration> {
         writeln!(
             self.stdin,
-            "add {0} {0} default {1} {2} {3}",
+            "add {0} {0} default {1} {2} {3} {extra}",
             pod.name(),
             pod.netns_path().display(),
             pod.ipv4(),

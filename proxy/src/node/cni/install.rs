@@ -66,6 +66,9 @@ pub fn install(
         "agent_socket": settings.agent_socket,
         "agent_unavailable": settings.agent_unavailable,
         "exclude_namespaces": settings.exclude_namespaces,
+        // The runtime then passes the pod's resolv.conf (`runtimeConfig.dns`): the
+        // resolvers its DNS proxy forwards to.
+        "capabilities": {"dns": true},
     }));
     // A single-plugin `.conf` becomes a `.conflist` (the runtime reads a `.conf` as one
     // plugin); the `.conf` is removed after the list is in place.

@@ -82,6 +82,15 @@ struct NetConf {
     agent_unavailable: AgentUnavailable,
     exclude_namespaces: Option<Vec<String>>,
     agent_timeout_seconds: Option<u64>,
+    /// What the runtime passes for the capabilities the conflist declares: `dns` is
+    /// the pod's resolv.conf (containerd fills it from the pod's DNS config).
+    #[serde(rename = "runtimeConfig", default)]
+    runtime_config: RuntimeConfig,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RuntimeConfig {
+    dns: Option<crate::node::PodDns>,
 }
 
 /// What a run prints and how it exits.
@@ -234,6 +243,8 @@ fn command(env: &BTreeMap<String, String>, stdin: &[u8]) -> Result<String, CniEr
                 netns_path: Some(netns_path),
                 ips: result_ips(prev)?,
                 service_account: None,
+                dns: conf.runtime_config.dns.clone(),
+                token_path: None,
             };
             agent.ask(
                 &CniRequest::Add { pod },
@@ -373,6 +384,23 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_runtimes_dns_capability_is_read_from_runtime_config() {
+        let conf: NetConf = serde_json::from_str(
+            r#"{"cniVersion": "1.0.0", "runtimeConfig": {"dns": {"servers": ["10.96.0.10"],
+                "searches": ["shop.svc.cluster.local"], "options": ["ndots:5"]}}}"#,
+        )
+        .unwrap();
+        let dns = conf.runtime_config.dns.unwrap();
+        assert_eq!(
+            dns.servers,
+            ["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(dns.searches, ["shop.svc.cluster.local"]);
+        let without: NetConf = serde_json::from_str(r#"{"cniVersion": "1.0.0"}"#).unwrap();
+        assert!(without.runtime_config.dns.is_none());
+    }
 
     #[test]
     fn cni_args_are_split_on_semicolons() {

@@ -272,6 +272,8 @@ fn handle(
                 netns_path: None,
                 ips: Vec::new(),
                 service_account: Some(info.service_account).filter(|s| !s.is_empty()),
+                dns: None,
+                token_path: None,
             };
             if !session.snapshot_done {
                 session.named.insert(add.uid.clone());

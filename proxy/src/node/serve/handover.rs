@@ -42,6 +42,7 @@ fn role_name(role: Role) -> &'static str {
         Role::Capture(Direction::Inbound) => "inbound",
         Role::Capture(Direction::Unspecified) => "unspecified",
         Role::Health => "health",
+        Role::Prometheus => "prometheus",
     }
 }
 
@@ -51,6 +52,7 @@ fn role_of(name: &str) -> anyhow::Result<Role> {
         "inbound" => Role::Capture(Direction::Inbound),
         "unspecified" => Role::Capture(Direction::Unspecified),
         "health" => Role::Health,
+        "prometheus" => Role::Prometheus,
         other => bail!("unknown listener role {other:?}"),
     })
 }

@@ -48,6 +48,9 @@ pub struct Instance {
 pub struct Settings {
     pub tcp: Arc<tcp::Settings>,
     pub drain_time: Duration,
+    /// The pod's own stats store, which its 15090 shows.
+    pub stats: crate::stats::Store,
+    pub scrape: Arc<crate::admin::StatsScrape>,
 }
 
 impl Instance {
@@ -74,7 +77,7 @@ impl Instance {
             roles.push(l.role);
             addrs.push(l.addr);
             controls.push(l.listener.try_clone()?);
-            if xds.is_some() && l.role != Role::Health {
+            if xds.is_some() && matches!(l.role, Role::Capture(_)) {
                 capture.push((l.addr, l.listener));
                 continue;
             }
@@ -88,6 +91,8 @@ impl Instance {
                 stats: stats.clone(),
                 cut: cut_rx.clone(),
                 ready: ready.clone(),
+                store: settings.stats.clone(),
+                scrape: settings.scrape.clone(),
             };
             accepting.push(runtime.spawn(job.run()));
         }
@@ -175,6 +180,8 @@ struct Accept {
     stats: Arc<PodStats>,
     cut: watch::Receiver<bool>,
     ready: Arc<AtomicBool>,
+    store: crate::stats::Store,
+    scrape: Arc<crate::admin::StatsScrape>,
 }
 
 impl Accept {
@@ -200,6 +207,15 @@ impl Accept {
                 tokio::spawn(async move {
                     tokio::select! {
                         _ = health(stream, &ready) => {}
+                        _ = cut.wait_for(|c| *c) => {}
+                    }
+                });
+            }
+            Role::Prometheus => {
+                let (store, scrape) = (self.store.clone(), self.scrape.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = prometheus(stream, &store, &scrape) => {}
                         _ = cut.wait_for(|c| *c) => {}
                     }
                 });
@@ -251,14 +267,9 @@ async fn handle(
 /// only exists then) and its proxy has its first configuration (503 before), anything
 /// else 404. One request per connection.
 async fn health(mut stream: TcpStream, ready: &AtomicBool) {
-    let mut head = Vec::with_capacity(256);
-    let mut buf = [0u8; 512];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
-            Ok(Ok(n)) if n > 0 && head.len() < 8192 => head.extend_from_slice(&buf[..n]),
-            _ => return,
-        }
-    }
+    let Some(head) = request_head(&mut stream).await else {
+        return;
+    };
     let asked =
         head.starts_with(b"GET /healthz/ready ") || head.starts_with(b"HEAD /healthz/ready ");
     let reply: &[u8] = if asked && ready.load(Ordering::SeqCst) {
@@ -269,5 +280,46 @@ async fn health(mut stream: TcpStream, ready: &AtomicBool) {
         b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
     };
     let _ = stream.write_all(reply).await;
+    let _ = stream.shutdown().await;
+}
+
+/// A request's head (up to the blank line), or `None` if it does not come in 5 s.
+async fn request_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 512];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 && head.len() < 8192 => head.extend_from_slice(&buf[..n]),
+            _ => return None,
+        }
+    }
+    Some(head)
+}
+
+/// The pod's Prometheus port: `GET /stats/prometheus` is the pod's own stats (its
+/// store: its proxy's and its DNS proxy's), as Envoy writes them; anything else 404.
+/// One request per connection.
+async fn prometheus(
+    mut stream: TcpStream,
+    store: &crate::stats::Store,
+    scrape: &crate::admin::StatsScrape,
+) {
+    let Some(head) = request_head(&mut stream).await else {
+        return;
+    };
+    let path = head
+        .split(|b| *b == b' ')
+        .nth(1)
+        .map(|p| p.split(|b| *b == b'?').next().unwrap_or(p));
+    let reply = if head.starts_with(b"GET ") && path == Some(b"/stats/prometheus") {
+        let body = scrape.render(store);
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    } else {
+        "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
+    };
+    let _ = stream.write_all(reply.as_bytes()).await;
     let _ = stream.shutdown().await;
 }

@@ -21,6 +21,8 @@ pub enum Role {
     Capture(Direction),
     /// The health port (Istio's 15021, `/healthz/ready`).
     Health,
+    /// The pod's own stats (Istio's 15090, `/stats/prometheus`).
+    Prometheus,
 }
 
 /// One listening socket of a pod.

@@ -1,6 +1,7 @@
 //! Serving: [`NodePods`], the [`Pods`] the enrollers call. Each pod gets its own proxy
 //! instance in this one process: its listeners (15001 and 15006 for captured traffic,
-//! 15021 for health, each on 0.0.0.0 and [::]) are opened *inside the pod's network
+//! 15021 for health, each on 0.0.0.0 and [::]; with DNS on, the DNS proxy ([`dns`]) on
+//! the pod's loopback 15053) are opened *inside the pod's network
 //! namespace* ([`listen`]), and the connections they accept make their upstream
 //! connections from inside it too ([`crate::upstream::netns`]), so the pod's addresses
 //! are the sources and destinations on the wire. A connection's pod is the pod whose
@@ -11,6 +12,7 @@
 //! for an instant, in a pod's.
 
 pub mod capture;
+pub mod dns;
 pub mod fast_path;
 pub mod handover;
 pub mod instance;
@@ -23,6 +25,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
 
 use super::{EnrollError, PodInfo, Pods};
 use crate::access_log::Direction;
@@ -39,6 +43,8 @@ pub struct NodeOptions {
     pub inbound_port: u16,
     /// The health port with `/healthz/ready`; 0 turns it off.
     pub health_port: u16,
+    /// The pod's own stats at `/stats/prometheus`; 0 turns it off.
+    pub prometheus_port: u16,
     /// Time allowed for an upstream connect.
     pub connect_timeout: Duration,
     /// Time a removed pod's connections have to finish.
@@ -46,6 +52,9 @@ pub struct NodeOptions {
     /// Same-node fast path: a pod's mTLS connection to another pod of this process is
     /// handed to that pod's inbound side in process (no sockets, no TLS records).
     pub fast_path: bool,
+    /// Each pod's DNS proxy on its loopback (for the capture's `--redirect-dns`);
+    /// `None`: no DNS proxy.
+    pub dns: Option<dns::DnsOptions>,
 }
 
 impl Default for NodeOptions {
@@ -54,9 +63,11 @@ impl Default for NodeOptions {
             outbound_port: 15001,
             inbound_port: 15006,
             health_port: 15021,
+            prometheus_port: 15090,
             connect_timeout: Duration::from_secs(10),
             drain_time: Duration::from_secs(5),
             fast_path: true,
+            dns: None,
         }
     }
 }
@@ -82,6 +93,8 @@ pub struct NodePods {
     certificates: proxy::Certificates,
     /// The pods by address, for the same-node fast path.
     registry: Arc<fast_path::Registry>,
+    /// How a pod's 15090 writes its stats (the template's `stats_config`).
+    scrape: Arc<crate::admin::StatsScrape>,
 }
 
 struct Served {
@@ -90,6 +103,7 @@ struct Served {
     netns_inode: u64,
     instance: Instance,
     node_id: String,
+    dns: Option<dns::PodDnsProxy>,
 }
 
 /// A served pod as the admin side sees it.
@@ -126,6 +140,7 @@ impl NodePods {
             config: None,
             certificates: proxy::Certificates::default(),
             registry: Arc::default(),
+            scrape: Arc::new(crate::admin::StatsScrape::new(&Default::default())),
         }
     }
 
@@ -134,6 +149,7 @@ impl NodePods {
     pub fn with_config(mut self, template: proxy::Template) -> NodePods {
         // One connection to the control plane, a stream per pod on it.
         crate::xds::stream::share_connections();
+        self.scrape = Arc::new(crate::admin::StatsScrape::new(&template.bootstrap));
         self.config = Some(template);
         self
     }
@@ -150,9 +166,21 @@ impl NodePods {
         self.certificates.accounts()
     }
 
-    /// The pod's proxy setup, when pods are configured from the control plane.
-    fn setup(&self, pod: &PodInfo) -> Option<proxy::Setup> {
-        let template = self.config.as_ref()?;
+    /// The pod's proxy setup, when pods are configured from the control plane: its
+    /// stats go to `stats`, its name table (NDS) to `dns`.
+    fn setup(
+        &self,
+        pod: &PodInfo,
+        stats: &crate::stats::Store,
+        dns: Option<&dns::PodDnsProxy>,
+    ) -> Option<proxy::Setup> {
+        let Some(template) = self.config.as_ref() else {
+            // The passthrough has no xDS: the pod's DNS proxy forwards every name.
+            if let Some(dns) = dns {
+                let _ = dns.tables.apply(Default::default(), "");
+            }
+            return None;
+        };
         let mut local = crate::xds::local::LocalServers::default();
         if let Some(ca) = &template.ca {
             let provider = self.certificates.provider(
@@ -160,6 +188,7 @@ impl NodePods {
                 ca,
                 &pod.namespace,
                 proxy::service_account(pod),
+                pod.token_path.as_deref(),
             );
             local.insert(
                 std::path::Path::new(crate::agent::sds::DEFAULT_SOCKET),
@@ -171,11 +200,21 @@ impl NodePods {
             .fast_path
             .then(|| self.registry.client(&pod.ips));
         Some(proxy::Setup {
-            bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod),
+            bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod, dns.is_some()),
             local,
             drain_time: self.options.drain_time,
             client,
+            stats: stats.clone(),
+            dns: dns.map(|d| d.tables.clone()),
         })
+    }
+
+    /// Gives back what [`NodePods::setup`] took for the pod (its CA client's share).
+    fn release(&self, pod: &PodInfo) {
+        if self.config.as_ref().is_some_and(|t| t.ca.is_some()) {
+            self.certificates
+                .release(&pod.namespace, proxy::service_account(pod));
+        }
     }
 
     /// Lists the pod for the fast path (with a proxy from the control plane and the
@@ -227,6 +266,31 @@ impl NodePods {
         }
     }
 
+    /// What every instance is started with; `stats` is the pod's store (its 15090).
+    fn settings(&self, stats: &crate::stats::Store) -> instance::Settings {
+        instance::Settings {
+            tcp: self.tcp.clone(),
+            drain_time: self.options.drain_time,
+            stats: stats.clone(),
+            scrape: self.scrape.clone(),
+        }
+    }
+
+    /// Starts the pod's DNS proxy, when DNS is on.
+    fn start_dns(
+        &self,
+        pod: &PodInfo,
+        netns: &OwnedFd,
+        stats: &crate::stats::Store,
+    ) -> anyhow::Result<Option<dns::PodDnsProxy>> {
+        let Some(options) = &self.options.dns else {
+            return Ok(None);
+        };
+        let netns = Arc::new(netns.try_clone()?);
+        let proxy = dns::PodDnsProxy::start(&self.runtime, options, pod, netns, stats)?;
+        Ok(Some(proxy))
+    }
+
     /// Opens every listener of the pod, or none.
     fn open_listeners(&self, netns: &OwnedFd) -> std::io::Result<Vec<listen::PodListener>> {
         let o = &self.options;
@@ -235,6 +299,7 @@ impl NodePods {
             (Role::Capture(Direction::Outbound), o.outbound_port),
             (Role::Capture(Direction::Inbound), o.inbound_port),
             (Role::Health, o.health_port),
+            (Role::Prometheus, o.prometheus_port),
         ] {
             if port != 0 {
                 // On error the ones opened so far close as `all` drops.
@@ -253,20 +318,31 @@ impl NodePods {
                 .enroll(pod, &netns)
                 .map_err(|e| Self::enroll_error(pod, format!("capture: {e:#}")))?;
         }
+        let stats = crate::stats::Store::new();
+        let mut pod_dns = None;
         let opened = self
             .open_listeners(&netns)
             .map_err(anyhow::Error::from)
             .and_then(|listeners| {
+                pod_dns = self.start_dns(pod, &netns, &stats).context("DNS proxy")?;
                 let netns = Arc::new(netns.try_clone()?);
-                let settings = instance::Settings {
-                    tcp: self.tcp.clone(),
-                    drain_time: self.options.drain_time,
-                };
-                Instance::start(&self.runtime, listeners, netns, &settings, self.setup(pod))
+                let settings = self.settings(&stats);
+                let setup = self.setup(pod, &stats, pod_dns.as_ref());
+                let configured = setup.is_some();
+                Instance::start(&self.runtime, listeners, netns, &settings, setup).inspect_err(
+                    |_| {
+                        if configured {
+                            self.release(pod);
+                        }
+                    },
+                )
             });
         let instance = match opened {
             Ok(instance) => instance,
             Err(err) => {
+                if let Some(dns) = &pod_dns {
+                    dns.stop();
+                }
                 if let Some(capture) = &self.capture
                     && let Err(undo) = capture.withdraw(pod, &netns)
                 {
@@ -289,6 +365,7 @@ impl NodePods {
             netns: Arc::new(netns),
             netns_inode,
             instance,
+            dns: pod_dns,
         })
     }
 
@@ -307,13 +384,26 @@ impl NodePods {
                 .map_err(|e| Self::enroll_error(&pod, format!("capture: {e:#}")))?;
         }
         let netns = Arc::new(netns);
-        let settings = instance::Settings {
-            tcp: self.tcp.clone(),
-            drain_time: self.options.drain_time,
-        };
-        let setup = self.setup(&pod);
+        // The old process's DNS sockets are not handed over: new ones are bound beside
+        // them (SO_REUSEPORT); both answer until the old process exits.
+        let stats = crate::stats::Store::new();
+        let pod_dns = self.start_dns(&pod, &netns, &stats).unwrap_or_else(|err| {
+            tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
+            None
+        });
+        let settings = self.settings(&stats);
+        let setup = self.setup(&pod, &stats, pod_dns.as_ref());
+        let configured = setup.is_some();
         let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
-            .map_err(|e| Self::enroll_error(&pod, format!("listeners: {e:#}")))?;
+            .map_err(|e| {
+            if configured {
+                self.release(&pod);
+            }
+            if let Some(dns) = &pod_dns {
+                dns.stop();
+            }
+            Self::enroll_error(&pod, format!("listeners: {e:#}"))
+        })?;
         self.register(&pod, &instance);
         let served = Served {
             node_id: xds_node_id(&pod),
@@ -321,6 +411,7 @@ impl NodePods {
             netns,
             netns_inode,
             instance,
+            dns: pod_dns,
         };
         if let Some(old) = self.lock().insert(pod.uid, served) {
             self.stop(old);
@@ -331,6 +422,12 @@ impl NodePods {
     fn stop(&self, served: Served) {
         if let Some(proxy) = &served.instance.proxy {
             self.registry.remove(&served.info.ips, &proxy.handle);
+        }
+        if let Some(dns) = &served.dns {
+            dns.stop();
+        }
+        if served.instance.proxy.is_some() {
+            self.release(&served.info);
         }
         served.instance.stop(&self.runtime, self.options.drain_time);
         if let Some(capture) = &self.capture

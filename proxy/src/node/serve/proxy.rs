@@ -82,62 +82,107 @@ pub struct CaTemplate {
     pub address: String,
     pub server_name: Option<String>,
     pub root_cert: PathBuf,
-    /// The bearer token presented for every service account (the node's).
+    /// The bearer token presented for a service account whose pods came without one
+    /// of their own (the node's: Istio's node agents present theirs for every pod).
     pub token_path: PathBuf,
     pub trust_domain: String,
 }
 
 impl CaTemplate {
-    fn options(&self, namespace: &str, service_account: &str) -> CaOptions {
+    fn options(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        token_path: Option<&std::path::Path>,
+    ) -> CaOptions {
         let mut options = CaOptions::new(self.address.clone(), namespace, service_account);
         options.server_name = self.server_name.clone();
         options.root_cert = self.root_cert.clone();
-        options.token_path = self.token_path.clone();
+        options.token_path = token_path.unwrap_or(&self.token_path).to_owned();
         options.trust_domain = self.trust_domain.clone();
         options
     }
 }
 
 /// One CA client per service account: pods of the same account share its certificate
-/// and its rotations.
+/// and its rotations; the client (its rotation task) stops when the account's last pod
+/// leaves.
 #[derive(Default)]
 pub struct Certificates {
-    by_account: Mutex<HashMap<(String, String), (CertificateProvider, AbortHandle)>>,
+    by_account: Mutex<HashMap<(String, String), Account>>,
+}
+
+struct Account {
+    provider: CertificateProvider,
+    rotation: AbortHandle,
+    /// Pods served with this account's certificate.
+    pods: usize,
 }
 
 impl Certificates {
-    /// The provider of `namespace`/`service_account`, started on `runtime` the first
-    /// time it is asked for.
+    /// The provider of `namespace`/`service_account` for one more pod, started on
+    /// `runtime` the first time it is asked for, presenting `token_path` (the pod's
+    /// own token for its account) or the template's. Each call is matched by a
+    /// [`Certificates::release`].
     pub fn provider(
         &self,
         runtime: &tokio::runtime::Handle,
         ca: &CaTemplate,
         namespace: &str,
         service_account: &str,
+        token_path: Option<&std::path::Path>,
     ) -> CertificateProvider {
         let key = (namespace.to_owned(), service_account.to_owned());
-        let mut all = self.by_account.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((provider, _)) = all.get(&key) {
-            return provider.clone();
+        let mut all = self.lock();
+        if let Some(account) = all.get_mut(&key) {
+            account.pods += 1;
+            return account.provider.clone();
         }
         let _entered = runtime.enter();
         let (provider, task) =
-            CertificateProvider::start_ca(ca.options(namespace, service_account));
-        all.insert(key, (provider.clone(), task.abort_handle()));
+            CertificateProvider::start_ca(ca.options(namespace, service_account, token_path));
+        all.insert(
+            key,
+            Account {
+                provider: provider.clone(),
+                rotation: task.abort_handle(),
+                pods: 1,
+            },
+        );
         provider
     }
 
-    /// How many CA clients run (one per service account asked for).
+    /// One pod of `namespace`/`service_account` left: with none left, its CA client
+    /// stops (no further CSRs).
+    pub fn release(&self, namespace: &str, service_account: &str) {
+        let key = (namespace.to_owned(), service_account.to_owned());
+        let mut all = self.lock();
+        let Some(account) = all.get_mut(&key) else {
+            return;
+        };
+        account.pods = account.pods.saturating_sub(1);
+        if account.pods == 0 {
+            account.rotation.abort();
+            all.remove(&key);
+            tracing::info!(namespace, service_account, "CA client stopped: no pod left");
+        }
+    }
+
+    /// How many CA clients run (one per service account with a pod).
     pub fn accounts(&self) -> usize {
-        self.by_account.lock().map(|m| m.len()).unwrap_or(0)
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Account>> {
+        self.by_account.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl Drop for Certificates {
     fn drop(&mut self) {
         if let Ok(all) = self.by_account.get_mut() {
-            for (_, task) in all.values() {
-                task.abort();
+            for account in all.values() {
+                account.rotation.abort();
             }
         }
     }
@@ -150,7 +195,9 @@ pub fn service_account(pod: &PodInfo) -> &str {
 
 /// `template` with the pod's node: Istio's sidecar id, cluster `<pod>.<namespace>`, and
 /// the metadata pilot-agent derives from the pod (over the template's own).
-pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo) -> Bootstrap {
+/// With `dns`, `DNS_CAPTURE` is on (pilot-agent's `ISTIO_META_DNS_CAPTURE`): istiod then
+/// sends the pod's name table.
+pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo, dns: bool) -> Bootstrap {
     let mut bootstrap = template.clone();
     let mut node = bootstrap.node.take().unwrap_or_default();
     node.id = super::xds_node_id(pod);
@@ -169,6 +216,14 @@ pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo) -> Bootstrap {
             key.to_owned(),
             Value {
                 kind: Some(Kind::StringValue(value)),
+            },
+        );
+    }
+    if dns {
+        metadata.fields.insert(
+            "DNS_CAPTURE".to_owned(),
+            Value {
+                kind: Some(Kind::StringValue("true".to_owned())),
             },
         );
     }
@@ -245,6 +300,10 @@ pub struct Setup {
     pub drain_time: Duration,
     /// The pod as a same-node client; `None`: the fast path is off.
     pub client: Option<Arc<Client>>,
+    /// The pod's stats store (its DNS proxy counts there too).
+    pub stats: crate::stats::Store,
+    /// The pod's DNS proxy's name table, which the pod's ADS stream then asks for.
+    pub dns: Option<Arc<crate::dns::Tables>>,
 }
 
 /// The connection-level pieces the instance shares with its proxy.
@@ -272,11 +331,18 @@ impl PodProxy {
             local,
             drain_time,
             client,
+            stats,
+            dns,
         } = setup;
         let mut plan = crate::xds::source::plan(&bootstrap)?
             .context("the node's bootstrap has no dynamic_resources: pods would get no config")?;
         plan.local = local;
-        let stats = crate::stats::Store::new();
+        if let Some(tables) = &dns
+            && !plan.add_name_table()
+        {
+            tracing::warn!("the pod's DNS proxy without an ADS stream: forwarding every query");
+            let _ = tables.apply(Default::default(), "");
+        }
         let compiled = snapshot::compile(&bootstrap, &stats)?;
         let config = Arc::new(Current::new(compiled.snapshot));
         let own_ports: Vec<u16> = capture.iter().map(|(a, _)| a.port()).collect();
@@ -327,7 +393,7 @@ impl PodProxy {
             }),
             binder,
             bound.iter().map(|b| (b.listener.clone(), b.addr)),
-            None,
+            dns,
         );
         let handle = Arc::new(Handle {
             context,

@@ -41,6 +41,8 @@ fn pod(uid: &str) -> PodInfo {
         netns_path: None,
         ips: vec!["10.1.2.3".parse().unwrap(), "fd00::3".parse().unwrap()],
         service_account: None,
+        dns: None,
+        token_path: None,
     }
 }
 
@@ -89,9 +91,10 @@ fn listeners_are_bound_inside_the_pod_when_add_returns() {
 
     let summaries = pods.summaries();
     assert_eq!(summaries.len(), 1);
+    // 15001, 15006, 15021 and 15090, each on 0.0.0.0 and [::].
     assert_eq!(
         summaries[0].listeners.len(),
-        6,
+        8,
         "{:?}",
         summaries[0].listeners
     );
