@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use std::pin::Pin;
@@ -230,13 +230,9 @@ const RETURN_YIELDS: usize = 4;
 
 #[derive(Debug, Default)]
 pub struct HostPool {
-    /// HTTP/1.1 connections ready for a request.
+    /// HTTP/1.1 connections not carrying a request: ready for one, or still reading
+    /// the response of their last (their response head arrived).
     idle: Mutex<Vec<(http1::SendRequest<RequestBody>, Session)>>,
-    /// Woken when a connection goes back to `idle`.
-    returned: tokio::sync::Notify,
-    /// HTTP/1.1 connections whose response head arrived, going back to `idle` once
-    /// their body has been read.
-    returning: AtomicUsize,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
     h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody>, Session)>>,
@@ -342,21 +338,29 @@ impl Pools {
         let mut pending = None;
         let mut waited = false;
         let slot = loop {
-            if let Some((sender, session)) = pool.take_idle() {
-                return Ok(Sender::Http1(sender, pool, true, session));
-            }
+            let mut busy = match pool.take_idle() {
+                Idle::Ready(sender, session) => {
+                    return Ok(Sender::Http1(sender, pool, true, session));
+                }
+                Idle::Busy => true,
+                Idle::Empty => false,
+            };
             if !waited {
-                // A connection whose response just ended comes back in a moment, as
-                // soon as the tasks it woke run: Envoy would hand it on (its pool gets
-                // it back as the response ends), so let them run before opening one.
+                // A connection whose response is ending is ready again in a moment, as
+                // soon as its task runs: Envoy would hand it on (its pool gets it back
+                // as the response ends), so let it run before opening another.
                 for _ in 0..RETURN_YIELDS {
-                    if pool.returning.load(Ordering::Acquire) == 0 {
+                    if !busy {
                         break;
                     }
                     tokio::task::yield_now().await;
-                    if let Some((sender, session)) = pool.take_idle() {
-                        return Ok(Sender::Http1(sender, pool, true, session));
-                    }
+                    busy = match pool.take_idle() {
+                        Idle::Ready(sender, session) => {
+                            return Ok(Sender::Http1(sender, pool, true, session));
+                        }
+                        Idle::Busy => true,
+                        Idle::Empty => false,
+                    };
                 }
                 pending_total.inc();
                 waited = true;
@@ -379,11 +383,18 @@ impl Pools {
                 }
                 pending = Some(Pending(&self.pending));
             }
-            let returned = pool.returned.notified();
-            tokio::select! {
-                () = returned => {}
-                // Room may come from a connection to another host closing.
-                () = tokio::time::sleep(std::time::Duration::from_millis(20)) => {}
+            // Room may come from a connection to another host closing: look again
+            // every 20 ms. Meanwhile this request waits on one of the host's
+            // connections still reading a response, if any.
+            let recheck = tokio::time::sleep(std::time::Duration::from_millis(20));
+            match pool.take_busy() {
+                Some((mut sender, session)) => tokio::select! {
+                    ready = sender.ready() => if ready.is_ok() {
+                        return Ok(Sender::Http1(sender, pool, true, session));
+                    },
+                    () = recheck => pool.give_back(sender, session),
+                },
+                None => recheck.await,
             }
         };
         drop(pending);
@@ -394,17 +405,51 @@ impl Pools {
     }
 }
 
+/// What a pool's HTTP/1.1 connections offer a request.
+enum Idle {
+    Ready(http1::SendRequest<RequestBody>, Session),
+    /// None ready, but some are still reading their response.
+    Busy,
+    Empty,
+}
+
 impl HostPool {
-    /// An idle connection still open, if any.
-    fn take_idle(&self) -> Option<(http1::SendRequest<RequestBody>, Session)> {
+    /// A connection ready for a request, if any. Those the upstream closed are
+    /// dropped; those still reading a response stay.
+    fn take_idle(&self) -> Idle {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        // Those the upstream closed while idle are dropped.
-        while let Some((sender, session)) = idle.pop() {
-            if sender.is_ready() {
-                return Some((sender, session));
+        let mut busy = false;
+        // Newest first: it is the likeliest to have its response read.
+        let mut i = idle.len();
+        while i > 0 {
+            i -= 1;
+            if idle[i].0.is_ready() {
+                let (sender, session) = idle.swap_remove(i);
+                return Idle::Ready(sender, session);
+            }
+            if idle[i].0.is_closed() {
+                idle.swap_remove(i);
+            } else {
+                busy = true;
             }
         }
-        None
+        if busy { Idle::Busy } else { Idle::Empty }
+    }
+
+    /// A connection still reading a response, to wait on.
+    fn take_busy(&self) -> Option<(http1::SendRequest<RequestBody>, Session)> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let i = idle.iter().position(|(s, _)| !s.is_closed())?;
+        Some(idle.swap_remove(i))
+    }
+
+    /// A connection back to the pool, ready or still reading its response: hyper
+    /// marks it ready again once the response has been read, with no task of ours.
+    fn give_back(&self, sender: http1::SendRequest<RequestBody>, session: Session) {
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((sender, session));
     }
 }
 
@@ -514,17 +559,9 @@ impl Sender {
             Sender::Http1(mut sender, pool, _, session) => {
                 let response = sender.try_send_request(request).await;
                 if response.is_ok() {
-                    pool.returning.fetch_add(1, Ordering::AcqRel);
-                    tokio::spawn(async move {
-                        if sender.ready().await.is_ok() {
-                            pool.idle
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .push((sender, session));
-                            pool.returned.notify_one();
-                        }
-                        pool.returning.fetch_sub(1, Ordering::AcqRel);
-                    });
+                    // Back at once (no task per request to wait for it): the next
+                    // request takes it when hyper says it is ready.
+                    pool.give_back(sender, session);
                 }
                 response
             }
