@@ -1144,7 +1144,8 @@ fn each_pod_resolves_mesh_names_from_its_own_name_table_and_forwards_the_rest() 
 }
 
 /// Per-service-account CA clients: pods enrolled without a token of their own are
-/// certified with the node's token (as Istio's node agents do), a pod enrolled with its
+/// certified with the node's token (as Istio's node agents do, naming the identity as
+/// ztunnel does in the request's `ImpersonatedIdentity`), a pod enrolled with its
 /// account's token presents that one; pods of one account share one client, and the
 /// client stops (no further CSRs at rotation) once its account's last pod has left.
 #[test]
@@ -1200,12 +1201,13 @@ fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod(
     agent.add_as(&a2, "sa");
     agent.add_with(&c, &format!("sa=sc token={}", sc_token.display()));
 
-    // Signed CSRs by identity, with the tokens they were presented with.
-    let signed = |sa: &str| -> Vec<Option<String>> {
+    // Signed CSRs by identity, with the tokens they were presented with and the
+    // identity they impersonated.
+    let signed = |sa: &str| -> Vec<(Option<String>, Option<String>)> {
         ca.calls()
             .into_iter()
             .filter(|call| call.refused.is_none() && call.uris == [spiffe(sa)])
-            .map(|call| call.authorization)
+            .map(|call| (call.authorization, call.impersonated_identity))
             .collect()
     };
     let log = agent.stderr.clone();
@@ -1231,13 +1233,16 @@ fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod(
     );
     let node_bearer = Some(format!("Bearer {TOKEN}"));
     assert!(
-        signed("sa").iter().all(|t| *t == node_bearer),
+        signed("sa")
+            .iter()
+            .all(|t| *t == (node_bearer.clone(), Some(spiffe("sa")))),
         "{:?}",
         signed("sa")
     );
+    // Its own token: no one impersonated.
     let sc_bearer = Some("Bearer sc-token".to_owned());
     assert!(
-        signed("sc").iter().all(|t| *t == sc_bearer),
+        signed("sc").iter().all(|t| *t == (sc_bearer.clone(), None)),
         "{:?}",
         signed("sc")
     );
