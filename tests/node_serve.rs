@@ -484,21 +484,43 @@ fn fifty_pods_cost_one_process() {
     );
 }
 
-/// Upgrade: a new process takes the pods' listening sockets from the old one while a
-/// client keeps calling through them: not one call refused or reset.
+/// Upgrade: a new process takes the pods' listening sockets and DNS sockets from the
+/// old one while a client keeps calling through them and another keeps resolving a
+/// name through a's DNS proxy: not one call refused or reset, not one query lost.
 #[test]
 fn a_new_process_takes_over_without_dropping_a_connection() {
     let mut node = Node::new().expect("node");
     let a = node.add_pod("a").expect("pod a");
     let b = node.add_pod("b").expect("pod b");
+    let resolver = node.add_pod("resolver").expect("pod resolver");
+    let _dnsmasq = dnsmasq_resolver(&resolver, &[("outside.test", "10.99.0.4")]);
     let _app_b = start_app(&b, &[8080]);
     let pins = Pins(bpffs_root("node-handover"));
     let tmp = TempDir::new("node-handover");
     let socket = tmp.0.join("handover.sock");
+    let resolv = tmp.0.join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        format!(
+            "nameserver {}\noptions timeout:5 attempts:1\n",
+            resolver.ipv4()
+        ),
+    )
+    .unwrap();
+    let (resolv_arg, resolver_ip) = (resolv.display().to_string(), resolver.ipv4().to_string());
+    let dns_args = [
+        "--dns-resolv-conf",
+        &resolv_arg,
+        "--redirect-dns",
+        "--dns-servers-v4",
+        &resolver_ip,
+    ];
 
-    let mut old = NodeAgent::start(&node, &pins.0, &[]);
+    let mut old = NodeAgent::start(&node, &pins.0, &dns_args);
     old.add(&a);
     old.add(&b);
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    assert_eq!(old.stat(&a, "dns.requests_total"), 1);
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let results = Arc::new(Mutex::new(Vec::<Value>::new()));
@@ -511,28 +533,81 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
             }
         })
     };
-    let calls = |n: usize| {
+    // a's app resolves a forwarded name over and over (UDP, one try each).
+    let answers = Arc::new(Mutex::new(Vec::<String>::new()));
+    let resolving = {
+        let (stop, answers, a, resolv) = (stop.clone(), answers.clone(), a.clone(), resolv.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let answer = dig_in(&a, &resolv, &["outside.test"]);
+                answers.lock().unwrap().push(answer);
+            }
+        })
+    };
+    let progress = |len: &dyn Fn() -> usize, n: usize, what: &str| {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let start = results.lock().unwrap().len();
-        while results.lock().unwrap().len() < start + n {
-            assert!(Instant::now() < deadline, "the client stalled");
+        let start = len();
+        while len() < start + n {
+            assert!(Instant::now() < deadline, "the {what} stalled");
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    let calls = |n: usize| {
+        progress(&|| results.lock().unwrap().len(), n, "client");
+        progress(&|| answers.lock().unwrap().len(), n, "resolving client");
+    };
+    // The pod's DNS sockets (UDP and TCP on 127.0.0.1 and ::1), by the kernel's inode
+    // numbers: a socket handed over keeps its number, one bound anew has another.
+    let dns_sockets = || {
+        let out = a
+            .command("ss")
+            .args(["-Hlnute", "sport = :15053"])
+            .output()
+            .expect("ss");
+        let mut inodes: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter(|f| f.starts_with("ino:"))
+            .map(str::to_owned)
+            .collect();
+        inodes.sort();
+        inodes
+    };
+    let before = dns_sockets();
+    assert_eq!(before.len(), 4, "UDP and TCP on 127.0.0.1 and [::1]");
     calls(5);
 
     old.send(&format!("handover {}", socket.display()));
     let take_over = socket.display().to_string();
-    let mut new = NodeAgent::start(&node, &pins.0, &["--take-over", &take_over]);
+    let new_args: Vec<&str> = ["--take-over", take_over.as_str()]
+        .into_iter()
+        .chain(dns_args)
+        .collect();
+    let mut new = NodeAgent::start(&node, &pins.0, &new_args);
     assert_eq!(new.wait_reply("@took "), "@took 2");
     assert_eq!(old.wait_reply("@handed-over "), "@handed-over 2");
     calls(5);
+    // The new process serves the very sockets the old one opened, none bound beside.
+    assert_eq!(dns_sockets(), before);
     // The old process is gone for good: the new one alone serves.
     old.kill();
     let before_kill = results.lock().unwrap().len();
     calls(10);
+    assert_eq!(dns_sockets(), before);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     client.join().unwrap();
+    resolving.join().unwrap();
+
+    // Every query answered, the ones after the kill by the new process's DNS proxy on
+    // the sockets it was handed (none of its own bound beside them).
+    let answers = answers.lock().unwrap();
+    let lost = answers.iter().filter(|a| *a != "10.99.0.4").count();
+    assert_eq!(
+        lost,
+        0,
+        "{lost} of {} queries failed: {answers:?}",
+        answers.len()
+    );
+    assert!(new.stat(&a, "dns.requests_total") >= 10);
 
     let results = results.lock().unwrap();
     let failed: Vec<_> = results.iter().filter(|r| r["ok"] != true).collect();
@@ -554,7 +629,11 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
         new.access_log().iter().any(|v| v["direction"] == "inbound"),
         "the new process served"
     );
-    println!("hand-over: {} calls, 0 failed", results.len());
+    println!(
+        "hand-over: {} calls, 0 failed; {} DNS queries, 0 lost",
+        results.len(),
+        answers.len()
+    );
 }
 
 /// How many connections to the Unix socket `path` process `pid` holds. The server's
