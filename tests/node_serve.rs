@@ -1416,3 +1416,148 @@ fn each_pods_prometheus_port_shows_its_own_stats_only() {
     // Not a stats path: 404.
     assert_eq!(http_get_in(&mesh.a, 15090, "/quitquitquit").0, "404");
 }
+
+/// Workload discovery per pod: each pod's xDS stream (state of the world) gives its own
+/// `istio.workload.Workload` set, and each pod's inbound peer_metadata
+/// (`workload_discovery`) names the same client by its pod's own set: one pod's update
+/// does not replace what another pod's stream gave.
+#[test]
+fn each_pod_finds_peers_in_the_workloads_its_own_stream_gave() {
+    use prost::Message;
+    use serde_json::json;
+    use shunt::peer::workload_discovery::{TYPE_URL as WDS, WorkloadResource};
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let client = node.add_pod("client").expect("pod client");
+    let http_app = |pod: &Pod| {
+        let app = pod
+            .command(testapp_bin())
+            .args(["serve", "--mode", "http", "--listen", "0.0.0.0:8081"])
+            .spawn()
+            .expect("start testapp serve");
+        harness::wait_for_port(pod, v4(pod, 8081), Duration::from_secs(10)).expect("app");
+        app
+    };
+    let _apps = [http_app(&a), http_app(&b)];
+    let pins = Pins(bpffs_root("node-wds"));
+    let tmp = TempDir::new("node-wds");
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-wds-ads");
+
+    // The template: Istio's bootstrap extension (WDS over ADS) and an inbound listener
+    // whose peer_metadata finds the downstream by its address, counted by istio.stats.
+    let mut bootstrap = support::xds::bootstrap(&socket, false);
+    bootstrap.as_object_mut().unwrap().remove("admin");
+    bootstrap["bootstrap_extensions"] = json!([{"name": "metadata_discovery", "typed_config": {
+        "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+        "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
+        "value": {"config_source": {"ads": {}}}}}]);
+    bootstrap["static_resources"]["listeners"] = json!([{
+        "name": "virtualInbound", "traffic_direction": "INBOUND",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": 15006}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "inbound",
+            "http_filters": [
+                {"name": "istio.metadata_exchange", "typed_config": {
+                    "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                    "type_url": "type.googleapis.com/io.istio.http.peer_metadata.Config",
+                    "value": {"downstream_discovery": [{"workload_discovery": {}}]}}},
+                {"name": "istio.stats", "typed_config": {"@type": "type.googleapis.com/stats.PluginConfig"}},
+                {"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            "route_config": {"name": "inbound", "virtual_hosts": [{"name": "all", "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "inbound|8081||"}}]}]}}}]}]
+    }]);
+    bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "inbound|8081||", "type": "STATIC", "connect_timeout": "2s",
+            "load_assignment": {"cluster_name": "inbound|8081||", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8081}}}}]}]}}));
+    let template = tmp.0.join("pods.json");
+    std::fs::write(&template, bootstrap.to_string()).unwrap();
+
+    // The client's address, named differently on each pod's stream.
+    let named = |workload: &str| {
+        let resource = WorkloadResource {
+            uid: "Kubernetes//Pod/default/client".into(),
+            name: "client".into(),
+            namespace: "default".into(),
+            addresses: vec![client.ipv4().octets().to_vec()],
+            service_account: workload.into(),
+            canonical_name: workload.into(),
+            workload_name: workload.into(),
+            ..Default::default()
+        };
+        vec![(
+            resource.uid.clone(),
+            harness::ads::Any {
+                type_url: WDS.into(),
+                value: resource.encode_to_vec(),
+            },
+        )]
+    };
+    for (pod, workload) in [(&a, "client-as-a-knows-it"), (&b, "client-as-b-knows-it")] {
+        ads.set_for_node(
+            &xds_id(pod),
+            harness::ads::type_urls::CLUSTER,
+            "1",
+            Vec::new(),
+        );
+        ads.set_for_node(
+            &xds_id(pod),
+            harness::ads::type_urls::LISTENER,
+            "1",
+            Vec::new(),
+        );
+        ads.set_for_node(&xds_id(pod), WDS, "1", named(workload));
+    }
+
+    let config = template.display().to_string();
+    let mut agent = NodeAgent::start(&node, &pins.0, &["--config", &config, "--no-capture"]);
+    agent.add(&a);
+    agent.add(&b);
+    for pod in [&a, &b] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while agent.stat(pod, "workload_discovery.update_success") == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} never got its workloads\n{}",
+                pod.name(),
+                agent.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // Plain HTTP (no peer metadata headers) from the client to each pod's inbound.
+    for pod in [&a, &b] {
+        let out = client
+            .command("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .arg(format!("http://{}:15006/", pod.ipv4()))
+            .timeout(Duration::from_secs(20))
+            .output()
+            .expect("curl");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "200",
+            "{}",
+            agent.stderr()
+        );
+    }
+    let source_of = |pod: &Pod| -> Vec<String> {
+        let (status, text) = http_get_in(pod, 15090, "/stats/prometheus");
+        assert_eq!(status, "200", "{text}");
+        text.lines()
+            .filter(|l| l.starts_with("istio_requests_total{"))
+            .filter_map(|l| {
+                let at = l.find("source_workload=\"")? + "source_workload=\"".len();
+                Some(l[at..].split('"').next()?.to_owned())
+            })
+            .collect()
+    };
+    assert_eq!(source_of(&a), ["client-as-a-knows-it"]);
+    assert_eq!(source_of(&b), ["client-as-b-knows-it"]);
+}
