@@ -158,6 +158,49 @@ fn the_install_step_as_written_chains_the_plugin() {
     );
 }
 
+/// The agent's command line, run as written (its host paths moved under a scratch
+/// directory, the pods' cgroup one that does not exist): `shunt` accepts every flag and
+/// parses the DNS capture (the resolvers from resolv.conf) before it stops at the
+/// missing cgroup, so the manifest's flags are ones the binary takes.
+#[test]
+fn the_daemonset_runs_the_node_agent_with_dns_capture() {
+    let ds = &yaml_docs(&deploy_dir().join("daemonset.yaml"))[0];
+    let container = &ds["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(args[0], "node");
+    assert!(args.contains(&"--redirect-dns"), "{args:?}");
+    assert!(
+        args.iter().any(|a| a.starts_with("--cgroup=")),
+        "the capture needs the pods' parent cgroup: {args:?}"
+    );
+
+    let scratch = Scratch::new("agent");
+    let root = scratch.0.to_str().unwrap();
+    let moved: Vec<String> = args
+        .iter()
+        .map(|a| {
+            a.replace("=/var/", &format!("={root}/var/"))
+                .replace("=/sys/fs/cgroup/", &format!("={root}/cgroup/"))
+        })
+        .collect();
+    let out = Command::new(shunt_bin())
+        .args(&moved)
+        .arg(format!("--bpffs={root}/bpf"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--cgroup {root}/cgroup/")),
+        "stopped before the capture: {stderr}"
+    );
+}
+
 /// `${NAME}` replaced from `vars`; an unknown name is an error.
 fn render(template: &str, vars: &BTreeMap<&str, &str>) -> Result<String, String> {
     let mut out = String::new();

@@ -484,21 +484,43 @@ fn fifty_pods_cost_one_process() {
     );
 }
 
-/// Upgrade: a new process takes the pods' listening sockets from the old one while a
-/// client keeps calling through them: not one call refused or reset.
+/// Upgrade: a new process takes the pods' listening sockets and DNS sockets from the
+/// old one while a client keeps calling through them and another keeps resolving a
+/// name through a's DNS proxy: not one call refused or reset, not one query lost.
 #[test]
 fn a_new_process_takes_over_without_dropping_a_connection() {
     let mut node = Node::new().expect("node");
     let a = node.add_pod("a").expect("pod a");
     let b = node.add_pod("b").expect("pod b");
+    let resolver = node.add_pod("resolver").expect("pod resolver");
+    let _dnsmasq = dnsmasq_resolver(&resolver, &[("outside.test", "10.99.0.4")]);
     let _app_b = start_app(&b, &[8080]);
     let pins = Pins(bpffs_root("node-handover"));
     let tmp = TempDir::new("node-handover");
     let socket = tmp.0.join("handover.sock");
+    let resolv = tmp.0.join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        format!(
+            "nameserver {}\noptions timeout:5 attempts:1\n",
+            resolver.ipv4()
+        ),
+    )
+    .unwrap();
+    let (resolv_arg, resolver_ip) = (resolv.display().to_string(), resolver.ipv4().to_string());
+    let dns_args = [
+        "--dns-resolv-conf",
+        &resolv_arg,
+        "--redirect-dns",
+        "--dns-servers-v4",
+        &resolver_ip,
+    ];
 
-    let mut old = NodeAgent::start(&node, &pins.0, &[]);
+    let mut old = NodeAgent::start(&node, &pins.0, &dns_args);
     old.add(&a);
     old.add(&b);
+    assert_eq!(dig_in(&a, &resolv, &["outside.test"]), "10.99.0.4");
+    assert_eq!(old.stat(&a, "dns.requests_total"), 1);
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let results = Arc::new(Mutex::new(Vec::<Value>::new()));
@@ -511,28 +533,81 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
             }
         })
     };
-    let calls = |n: usize| {
+    // a's app resolves a forwarded name over and over (UDP, one try each).
+    let answers = Arc::new(Mutex::new(Vec::<String>::new()));
+    let resolving = {
+        let (stop, answers, a, resolv) = (stop.clone(), answers.clone(), a.clone(), resolv.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let answer = dig_in(&a, &resolv, &["outside.test"]);
+                answers.lock().unwrap().push(answer);
+            }
+        })
+    };
+    let progress = |len: &dyn Fn() -> usize, n: usize, what: &str| {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let start = results.lock().unwrap().len();
-        while results.lock().unwrap().len() < start + n {
-            assert!(Instant::now() < deadline, "the client stalled");
+        let start = len();
+        while len() < start + n {
+            assert!(Instant::now() < deadline, "the {what} stalled");
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    let calls = |n: usize| {
+        progress(&|| results.lock().unwrap().len(), n, "client");
+        progress(&|| answers.lock().unwrap().len(), n, "resolving client");
+    };
+    // The pod's DNS sockets (UDP and TCP on 127.0.0.1 and ::1), by the kernel's inode
+    // numbers: a socket handed over keeps its number, one bound anew has another.
+    let dns_sockets = || {
+        let out = a
+            .command("ss")
+            .args(["-Hlnute", "sport = :15053"])
+            .output()
+            .expect("ss");
+        let mut inodes: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter(|f| f.starts_with("ino:"))
+            .map(str::to_owned)
+            .collect();
+        inodes.sort();
+        inodes
+    };
+    let before = dns_sockets();
+    assert_eq!(before.len(), 4, "UDP and TCP on 127.0.0.1 and [::1]");
     calls(5);
 
     old.send(&format!("handover {}", socket.display()));
     let take_over = socket.display().to_string();
-    let mut new = NodeAgent::start(&node, &pins.0, &["--take-over", &take_over]);
+    let new_args: Vec<&str> = ["--take-over", take_over.as_str()]
+        .into_iter()
+        .chain(dns_args)
+        .collect();
+    let mut new = NodeAgent::start(&node, &pins.0, &new_args);
     assert_eq!(new.wait_reply("@took "), "@took 2");
     assert_eq!(old.wait_reply("@handed-over "), "@handed-over 2");
     calls(5);
+    // The new process serves the very sockets the old one opened, none bound beside.
+    assert_eq!(dns_sockets(), before);
     // The old process is gone for good: the new one alone serves.
     old.kill();
     let before_kill = results.lock().unwrap().len();
     calls(10);
+    assert_eq!(dns_sockets(), before);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     client.join().unwrap();
+    resolving.join().unwrap();
+
+    // Every query answered, the ones after the kill by the new process's DNS proxy on
+    // the sockets it was handed (none of its own bound beside them).
+    let answers = answers.lock().unwrap();
+    let lost = answers.iter().filter(|a| *a != "10.99.0.4").count();
+    assert_eq!(
+        lost,
+        0,
+        "{lost} of {} queries failed: {answers:?}",
+        answers.len()
+    );
+    assert!(new.stat(&a, "dns.requests_total") >= 10);
 
     let results = results.lock().unwrap();
     let failed: Vec<_> = results.iter().filter(|r| r["ok"] != true).collect();
@@ -554,7 +629,11 @@ fn a_new_process_takes_over_without_dropping_a_connection() {
         new.access_log().iter().any(|v| v["direction"] == "inbound"),
         "the new process served"
     );
-    println!("hand-over: {} calls, 0 failed", results.len());
+    println!(
+        "hand-over: {} calls, 0 failed; {} DNS queries, 0 lost",
+        results.len(),
+        answers.len()
+    );
 }
 
 /// How many connections to the Unix socket `path` process `pid` holds. The server's
@@ -1144,7 +1223,8 @@ fn each_pod_resolves_mesh_names_from_its_own_name_table_and_forwards_the_rest() 
 }
 
 /// Per-service-account CA clients: pods enrolled without a token of their own are
-/// certified with the node's token (as Istio's node agents do), a pod enrolled with its
+/// certified with the node's token (as Istio's node agents do, naming the identity as
+/// ztunnel does in the request's `ImpersonatedIdentity`), a pod enrolled with its
 /// account's token presents that one; pods of one account share one client, and the
 /// client stops (no further CSRs at rotation) once its account's last pod has left.
 #[test]
@@ -1200,12 +1280,13 @@ fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod(
     agent.add_as(&a2, "sa");
     agent.add_with(&c, &format!("sa=sc token={}", sc_token.display()));
 
-    // Signed CSRs by identity, with the tokens they were presented with.
-    let signed = |sa: &str| -> Vec<Option<String>> {
+    // Signed CSRs by identity, with the tokens they were presented with and the
+    // identity they impersonated.
+    let signed = |sa: &str| -> Vec<(Option<String>, Option<String>)> {
         ca.calls()
             .into_iter()
             .filter(|call| call.refused.is_none() && call.uris == [spiffe(sa)])
-            .map(|call| call.authorization)
+            .map(|call| (call.authorization, call.impersonated_identity))
             .collect()
     };
     let log = agent.stderr.clone();
@@ -1231,13 +1312,16 @@ fn ca_clients_are_per_service_account_with_its_token_and_stop_with_the_last_pod(
     );
     let node_bearer = Some(format!("Bearer {TOKEN}"));
     assert!(
-        signed("sa").iter().all(|t| *t == node_bearer),
+        signed("sa")
+            .iter()
+            .all(|t| *t == (node_bearer.clone(), Some(spiffe("sa")))),
         "{:?}",
         signed("sa")
     );
+    // Its own token: no one impersonated.
     let sc_bearer = Some("Bearer sc-token".to_owned());
     assert!(
-        signed("sc").iter().all(|t| *t == sc_bearer),
+        signed("sc").iter().all(|t| *t == (sc_bearer.clone(), None)),
         "{:?}",
         signed("sc")
     );
@@ -1331,4 +1415,149 @@ fn each_pods_prometheus_port_shows_its_own_stats_only() {
     assert!(!b.contains("to-b"), "{b}");
     // Not a stats path: 404.
     assert_eq!(http_get_in(&mesh.a, 15090, "/quitquitquit").0, "404");
+}
+
+/// Workload discovery per pod: each pod's xDS stream (state of the world) gives its own
+/// `istio.workload.Workload` set, and each pod's inbound peer_metadata
+/// (`workload_discovery`) names the same client by its pod's own set: one pod's update
+/// does not replace what another pod's stream gave.
+#[test]
+fn each_pod_finds_peers_in_the_workloads_its_own_stream_gave() {
+    use prost::Message;
+    use serde_json::json;
+    use shunt::peer::workload_discovery::{TYPE_URL as WDS, WorkloadResource};
+    let mut node = Node::new().expect("node");
+    let a = node.add_pod("a").expect("pod a");
+    let b = node.add_pod("b").expect("pod b");
+    let client = node.add_pod("client").expect("pod client");
+    let http_app = |pod: &Pod| {
+        let app = pod
+            .command(testapp_bin())
+            .args(["serve", "--mode", "http", "--listen", "0.0.0.0:8081"])
+            .spawn()
+            .expect("start testapp serve");
+        harness::wait_for_port(pod, v4(pod, 8081), Duration::from_secs(10)).expect("app");
+        app
+    };
+    let _apps = [http_app(&a), http_app(&b)];
+    let pins = Pins(bpffs_root("node-wds"));
+    let tmp = TempDir::new("node-wds");
+    let (_ads_dir, socket, ads) = support::xds::unix_server("node-wds-ads");
+
+    // The template: Istio's bootstrap extension (WDS over ADS) and an inbound listener
+    // whose peer_metadata finds the downstream by its address, counted by istio.stats.
+    let mut bootstrap = support::xds::bootstrap(&socket, false);
+    bootstrap.as_object_mut().unwrap().remove("admin");
+    bootstrap["bootstrap_extensions"] = json!([{"name": "metadata_discovery", "typed_config": {
+        "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+        "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
+        "value": {"config_source": {"ads": {}}}}}]);
+    bootstrap["static_resources"]["listeners"] = json!([{
+        "name": "virtualInbound", "traffic_direction": "INBOUND",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": 15006}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "inbound",
+            "http_filters": [
+                {"name": "istio.metadata_exchange", "typed_config": {
+                    "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                    "type_url": "type.googleapis.com/io.istio.http.peer_metadata.Config",
+                    "value": {"downstream_discovery": [{"workload_discovery": {}}]}}},
+                {"name": "istio.stats", "typed_config": {"@type": "type.googleapis.com/stats.PluginConfig"}},
+                {"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            "route_config": {"name": "inbound", "virtual_hosts": [{"name": "all", "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "inbound|8081||"}}]}]}}}]}]
+    }]);
+    bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "inbound|8081||", "type": "STATIC", "connect_timeout": "2s",
+            "load_assignment": {"cluster_name": "inbound|8081||", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8081}}}}]}]}}));
+    let template = tmp.0.join("pods.json");
+    std::fs::write(&template, bootstrap.to_string()).unwrap();
+
+    // The client's address, named differently on each pod's stream.
+    let named = |workload: &str| {
+        let resource = WorkloadResource {
+            uid: "Kubernetes//Pod/default/client".into(),
+            name: "client".into(),
+            namespace: "default".into(),
+            addresses: vec![client.ipv4().octets().to_vec()],
+            service_account: workload.into(),
+            canonical_name: workload.into(),
+            workload_name: workload.into(),
+            ..Default::default()
+        };
+        vec![(
+            resource.uid.clone(),
+            harness::ads::Any {
+                type_url: WDS.into(),
+                value: resource.encode_to_vec(),
+            },
+        )]
+    };
+    for (pod, workload) in [(&a, "client-as-a-knows-it"), (&b, "client-as-b-knows-it")] {
+        ads.set_for_node(
+            &xds_id(pod),
+            harness::ads::type_urls::CLUSTER,
+            "1",
+            Vec::new(),
+        );
+        ads.set_for_node(
+            &xds_id(pod),
+            harness::ads::type_urls::LISTENER,
+            "1",
+            Vec::new(),
+        );
+        ads.set_for_node(&xds_id(pod), WDS, "1", named(workload));
+    }
+
+    let config = template.display().to_string();
+    let mut agent = NodeAgent::start(&node, &pins.0, &["--config", &config, "--no-capture"]);
+    agent.add(&a);
+    agent.add(&b);
+    for pod in [&a, &b] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while agent.stat(pod, "workload_discovery.update_success") == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} never got its workloads\n{}",
+                pod.name(),
+                agent.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // Plain HTTP (no peer metadata headers) from the client to each pod's inbound.
+    for pod in [&a, &b] {
+        let out = client
+            .command("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .arg(format!("http://{}:15006/", pod.ipv4()))
+            .timeout(Duration::from_secs(20))
+            .output()
+            .expect("curl");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "200",
+            "{}",
+            agent.stderr()
+        );
+    }
+    let source_of = |pod: &Pod| -> Vec<String> {
+        let (status, text) = http_get_in(pod, 15090, "/stats/prometheus");
+        assert_eq!(status, "200", "{text}");
+        text.lines()
+            .filter(|l| l.starts_with("istio_requests_total{"))
+            .filter_map(|l| {
+                let at = l.find("source_workload=\"")? + "source_workload=\"".len();
+                Some(l[at..].split('"').next()?.to_owned())
+            })
+            .collect()
+    };
+    assert_eq!(source_of(&a), ["client-as-a-knows-it"]);
+    assert_eq!(source_of(&b), ["client-as-b-knows-it"]);
 }

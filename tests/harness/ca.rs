@@ -29,10 +29,24 @@ pub const METHOD: &str = "/istio.v1.auth.IstioCertificateService/CreateCertifica
 pub struct IstioCertificateRequest {
     #[prost(string, tag = "1")]
     pub csr: String,
-    #[prost(string, tag = "2")]
-    pub subject_id: String,
     #[prost(int64, tag = "3")]
     pub validity_duration: i64,
+    #[prost(message, optional, tag = "4")]
+    pub metadata: Option<Struct>,
+}
+
+/// `google.protobuf.Struct`, only as far as the CA reads it: string values.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Struct {
+    #[prost(btree_map = "string, message", tag = "1")]
+    pub fields: std::collections::BTreeMap<String, Value>,
+}
+
+/// `google.protobuf.Value`: its `string_value` (3) of the `kind` oneof.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Value {
+    #[prost(string, optional, tag = "3")]
+    pub string_value: Option<String>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -47,6 +61,9 @@ pub struct CaCall {
     pub authorization: Option<String>,
     pub cluster_id: Option<String>,
     pub validity_duration: i64,
+    /// `metadata`'s `ImpersonatedIdentity` (ztunnel's: a node agent's token asking
+    /// for a workload's identity).
+    pub impersonated_identity: Option<String>,
     /// The URI SANs the CSR asked for.
     pub uris: Vec<String>,
     /// `None` if signed, else why not.
@@ -267,6 +284,12 @@ impl State {
             authorization: header("authorization"),
             cluster_id: header("clusterid"),
             validity_duration: request.get_ref().validity_duration,
+            impersonated_identity: request
+                .get_ref()
+                .metadata
+                .as_ref()
+                .and_then(|m| m.fields.get("ImpersonatedIdentity"))
+                .and_then(|v| v.string_value.clone()),
             uris: Vec::new(),
             refused: None,
         };

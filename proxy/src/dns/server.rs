@@ -45,8 +45,8 @@ pub fn bind(addrs: &[SocketAddr], skip_unavailable: bool) -> Result<Sockets, Bin
 
 /// As [`bind`], with the sockets made inside the network namespace `netns` (node mode:
 /// a pod's DNS proxy listens on the pod's own loopback). SO_REUSEPORT: a node process
-/// taking over from another binds beside it, and the pod's queries find one of the two
-/// until the old one exits.
+/// taking over from one that does not hand its DNS sockets over binds beside it, and
+/// the pod's queries find one of the two until the old one exits.
 pub fn bind_in(
     netns: &std::os::fd::OwnedFd,
     addrs: &[SocketAddr],

@@ -18,6 +18,7 @@ pub mod workload_discovery;
 pub use filter_state::PeerInfo;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Struct, Value};
@@ -290,6 +291,8 @@ pub struct LocalNode {
     pub metadata: NodeMetadata,
     /// `SERVICE_ACCOUNT`, not exchanged but part of the node's identity.
     pub service_account: String,
+    /// The instance's workload index (WDS), set by its own xDS stream.
+    pub workloads: Arc<workload_discovery::WorkloadDiscovery>,
 }
 
 impl LocalNode {
@@ -308,6 +311,7 @@ impl LocalNode {
             id: node.id.clone(),
             metadata: NodeMetadata::from_struct(&metadata),
             service_account,
+            workloads: Arc::default(),
         }
     }
 

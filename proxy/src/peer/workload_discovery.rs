@@ -4,9 +4,11 @@
 //! (istio-proxy's `istio.workload.BootstrapExtension` and its `workload_discovery`
 //! method).
 //!
-//! One index per process, as istio-proxy keeps one (a singleton) for all its
-//! listeners: the xDS manager replaces it whole on each accepted update
-//! ([`WorkloadDiscovery::apply`]), filters read it without locks. A workload maps to
+//! One index per proxy instance, as istio-proxy keeps one (a singleton) for all its
+//! listeners: in node mode each pod's xDS stream is its own state of the world, so
+//! pods cannot share one. The instance's [`super::LocalNode`] carries it (every
+//! snapshot of the instance hands it on to the next); its xDS manager replaces it whole
+//! on each accepted update ([`WorkloadDiscovery::apply`]), filters read it without locks. A workload maps to
 //! istio-proxy's `WorkloadMetadataObject` as its `convert` does: app and version are
 //! the canonical name and revision, and the identity is the SPIFFE id
 //! `spiffe://<trust domain>/ns/<namespace>/sa/<service account>` with Istio's
@@ -14,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
@@ -211,19 +213,23 @@ pub enum Change<'a> {
     },
 }
 
-/// The process's workload index, swapped whole on each update.
+/// A proxy instance's workload index, swapped whole on each update.
 #[derive(Debug, Default)]
 pub struct WorkloadDiscovery {
     current: ArcSwap<Index>,
 }
 
-impl WorkloadDiscovery {
-    /// The process's one index (istio-proxy's singleton provider).
-    pub fn global() -> &'static WorkloadDiscovery {
-        static GLOBAL: OnceLock<WorkloadDiscovery> = OnceLock::new();
-        GLOBAL.get_or_init(WorkloadDiscovery::default)
+/// Two indexes are equal when they are the same one (an instance's node compares equal
+/// to itself across snapshots, never to another instance's).
+impl PartialEq for WorkloadDiscovery {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
     }
+}
 
+impl Eq for WorkloadDiscovery {}
+
+impl WorkloadDiscovery {
     /// The workload at `ip`, if one is known.
     pub fn get(&self, ip: IpAddr) -> Option<Arc<Workload>> {
         self.current.load().get(ip).cloned()

@@ -64,6 +64,8 @@ pub struct Snapshot {
     /// When the bootstrap's static resources were loaded (kept across updates); `None`
     /// if this snapshot was not compiled from the bootstrap.
     loaded_at: Option<SystemTime>,
+    /// The proxy instance's node, with its workload index (handed to the next snapshot).
+    pub node: Arc<crate::peer::LocalNode>,
 }
 
 /// A snapshot's lookups of its listeners (each an index into `listeners`), and what an
@@ -703,13 +705,16 @@ pub fn compile_with(
         );
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
-    let node = Arc::new(
-        bootstrap
-            .node
-            .as_ref()
-            .map(crate::peer::LocalNode::from_node)
-            .unwrap_or_default(),
-    );
+    let mut node = bootstrap
+        .node
+        .as_ref()
+        .map(crate::peer::LocalNode::from_node)
+        .unwrap_or_default();
+    // The instance's workload index outlives its snapshots: its xDS manager fills it.
+    if let Some(previous) = previous {
+        node.workloads = previous.node.workloads.clone();
+    }
+    let node = Arc::new(node);
     let health: HashSet<String> = crate::config::health_ports::find(bootstrap)
         .into_iter()
         .map(|listener| listener.name)
@@ -838,6 +843,7 @@ pub fn compile_with(
         secret_sources,
         index,
         dynamic_clusters_in_order,
+        node: node.clone(),
         ..Default::default()
     };
     snapshot.static_resources = match previous {

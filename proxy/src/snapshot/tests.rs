@@ -923,3 +923,64 @@ static_resources:
     assert_eq!(cluster_for("10.1.2.3:80"), "a");
     assert_eq!(cluster_for("10.1.2.3:81"), "b");
 }
+
+/// Node mode serves many pods from one process, each with its own xDS stream: a pod's
+/// state-of-the-world workload update replaces its own index, never another pod's, and
+/// the index outlives each of the pod's snapshots.
+#[test]
+fn each_proxy_instance_has_its_own_workload_index_carried_across_its_snapshots() {
+    use crate::peer::workload_discovery::{Change, WorkloadResource};
+    let stats = Default::default();
+    let pod = |id: &str| bootstrap(&format!("node: {{id: '{id}'}}"));
+    let (a, b) = (
+        pod("sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"),
+        pod("sidecar~10.0.0.2~b.ns~ns.svc.cluster.local"),
+    );
+    let a1 = super::compile(&a, &stats).unwrap().snapshot;
+    let b1 = super::compile(&b, &stats).unwrap().snapshot;
+    assert!(!Arc::ptr_eq(&a1.node.workloads, &b1.node.workloads));
+
+    let workload = |uid: &str, ip: [u8; 4]| WorkloadResource {
+        uid: uid.into(),
+        workload_name: uid.into(),
+        addresses: vec![ip.to_vec()],
+        ..Default::default()
+    };
+    let (ratings, reviews) = (
+        workload("ratings", [10, 1, 0, 1]),
+        workload("reviews", [10, 1, 0, 2]),
+    );
+    assert!(
+        a1.node
+            .workloads
+            .apply(Change::Replace(vec![("ratings", &ratings)]))
+            .is_empty()
+    );
+    assert!(
+        b1.node
+            .workloads
+            .apply(Change::Replace(vec![("reviews", &reviews)]))
+            .is_empty()
+    );
+    let ratings_ip = "10.1.0.1".parse().unwrap();
+    let reviews_ip = "10.1.0.2".parse().unwrap();
+    assert_eq!(
+        a1.node.workloads.get(ratings_ip).unwrap().workload_name,
+        "ratings"
+    );
+    assert!(
+        a1.node.workloads.get(reviews_ip).is_none(),
+        "b's update reached a"
+    );
+    assert!(
+        b1.node.workloads.get(ratings_ip).is_none(),
+        "a's update reached b"
+    );
+
+    // The next snapshot (an xDS update) reads and writes the same index.
+    let a2 = super::compile_with(&a, Arc::default(), Some(&a1), &stats)
+        .unwrap()
+        .snapshot;
+    assert!(Arc::ptr_eq(&a1.node.workloads, &a2.node.workloads));
+    assert!(a2.node.workloads.get(ratings_ip).is_some());
+}

@@ -28,6 +28,10 @@ pub struct CaOptions {
     pub root_cert: PathBuf,
     /// The bearer token, read on every call.
     pub token_path: PathBuf,
+    /// The token is not the identity's own but a node agent's (node mode's, for a pod
+    /// enrolled without one): the request names the identity in its metadata as
+    /// `ImpersonatedIdentity`, as ztunnel's does, for istiod to authorize.
+    pub impersonate: bool,
     /// Sent as the `ClusterID` header.
     pub cluster_id: String,
     pub trust_domain: String,
@@ -58,6 +62,7 @@ impl CaOptions {
             server_name: None,
             root_cert: DEFAULT_ROOT_CERT.into(),
             token_path: DEFAULT_TOKEN_PATH.into(),
+            impersonate: false,
             cluster_id: "Kubernetes".into(),
             trust_domain: "cluster.local".into(),
             namespace: namespace.into(),
@@ -192,8 +197,10 @@ pub async fn fetch(options: &CaOptions) -> Result<Bundle, String> {
 
     let mut request = tonic::Request::new(IstioCertificateRequest {
         csr,
-        subject_id: String::new(),
         validity_duration: options.ttl.as_secs() as i64,
+        metadata: options
+            .impersonate
+            .then(|| super::proto::impersonating(&identity)),
     });
     let bearer = format!("Bearer {}", token.trim()).parse().map_err(|_| {
         format!(

@@ -134,6 +134,7 @@ fn compile(
         upstream_propagation: propagation(json.get("upstream_propagation")),
         id,
         value,
+        workloads: ctx.node.workloads.clone(),
     }))))
 }
 
@@ -157,6 +158,8 @@ struct Shared {
     upstream_propagation: Vec<Propagation>,
     id: HeaderValue,
     value: HeaderValue,
+    /// The instance's workload index, for the `workload_discovery` method.
+    workloads: Arc<WorkloadDiscovery>,
 }
 
 struct Active {
@@ -167,7 +170,12 @@ struct Active {
 
 /// The peer a method finds in `headers`, or at `address` (the downstream's or the
 /// upstream host's), if any.
-fn derive(method: Discovery, headers: &HeaderMap, address: Option<IpAddr>) -> Option<Workload> {
+fn derive(
+    method: Discovery,
+    headers: &HeaderMap,
+    address: Option<IpAddr>,
+    workloads: &WorkloadDiscovery,
+) -> Option<Workload> {
     match method {
         Discovery::IstioHeaders => {
             let value = headers.get(METADATA_HEADER)?.to_str().ok()?;
@@ -184,20 +192,22 @@ fn derive(method: Discovery, headers: &HeaderMap, address: Option<IpAddr>) -> Op
                 .collect();
             (!values.is_empty()).then(|| Workload::from_baggage(&values.join(",")))
         }
-        Discovery::Workloads => WorkloadDiscovery::global()
-            .get(address?)
-            .map(|w| Workload::clone(&w)),
+        Discovery::Workloads => workloads.get(address?).map(|w| Workload::clone(&w)),
     }
 }
 
 fn discover(
     methods: &[Discovery],
+    workloads: &WorkloadDiscovery,
     headers: &mut HeaderMap,
     address: Option<IpAddr>,
     state: &mut FilterState,
     side: Side,
 ) {
-    if let Some(peer) = methods.iter().find_map(|m| derive(*m, headers, address)) {
+    if let Some(peer) = methods
+        .iter()
+        .find_map(|m| derive(*m, headers, address, workloads))
+    {
         // istio-proxy records the id as "unknown": the stats only need it present.
         filter_state::set_peer(state, side, peer, "unknown", LifeSpan::FilterChain);
     }
@@ -231,6 +241,7 @@ impl HttpFilter for Active {
         self.request_peer_received = request.headers.contains_key(METADATA_HEADER);
         discover(
             &config.downstream_discovery,
+            &config.workloads,
             &mut request.headers,
             Some(ctx.info.connection.remote.ip()),
             &mut ctx.info.filter_state,
@@ -261,6 +272,7 @@ impl HttpFilter for Active {
         let config = &self.config;
         discover(
             &config.upstream_discovery,
+            &config.workloads,
             &mut response.headers,
             ctx.info.upstream_host.map(|host| host.ip()),
             &mut ctx.info.filter_state,

@@ -9,17 +9,22 @@
 //! that is the cluster DNS, which is also what the capture is told to capture), with
 //! Kubernetes' search domains for the pod's namespace. The node process cannot read the
 //! pod's own /etc/resolv.conf: at CNI ADD no container of the pod has started yet.
+//!
+//! In an upgrade the pod's DNS sockets are handed to the new process with its listening
+//! sockets ([`PodDnsProxy::sockets`], [`super::handover`]): the same sockets, so a query
+//! queued on them is answered by whichever process reads it, none is lost.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::task::JoinHandle;
 
 use crate::dns::name_table::Scope;
+use crate::dns::server::Sockets;
 use crate::dns::upstream::{ResolvConf, Upstreams};
 use crate::dns::{DEFAULT_PORT, DnsStats, Resolver, Tables};
 use crate::node::PodInfo;
@@ -46,23 +51,42 @@ impl Default for DnsOptions {
     }
 }
 
+/// A DNS socket as handed over: its protocol, address and descriptor.
+#[derive(Debug)]
+pub struct DnsSocket {
+    pub protocol: Protocol,
+    pub addr: SocketAddr,
+    pub fd: OwnedFd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Udp,
+    Tcp,
+}
+
 /// A pod's running DNS proxy; [`PodDnsProxy::stop`] closes its sockets.
 pub struct PodDnsProxy {
     /// The pod's name table, set by the pod's xDS stream.
     pub tables: Arc<Tables>,
     pub addrs: Vec<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
+    /// Second handles on the sockets being served, to hand over; emptied by `stop`.
+    handles: Mutex<Vec<DnsSocket>>,
 }
 
 impl PodDnsProxy {
-    /// Binds the pod's DNS sockets inside `netns` and serves them on `runtime`, with
-    /// counters in `stats` (the pod's store).
+    /// Binds the pod's DNS sockets inside `netns` (or serves `handed`, the sockets
+    /// of the process this one replaces) on `runtime`, with counters in `stats` (the
+    /// pod's store).
     pub fn start(
         runtime: &tokio::runtime::Handle,
         options: &DnsOptions,
         pod: &PodInfo,
         netns: Arc<OwnedFd>,
         stats: &crate::stats::Store,
+        handed: Vec<DnsSocket>,
     ) -> anyhow::Result<PodDnsProxy> {
         let resolv = resolvers(options, pod)?;
         let domain = format!("{}.svc.cluster.local", pod.namespace);
@@ -86,10 +110,28 @@ impl PodDnsProxy {
             SocketAddr::new(Ipv4Addr::LOCALHOST.into(), options.port),
             SocketAddr::new(Ipv6Addr::LOCALHOST.into(), options.port),
         ];
-        let sockets = crate::dns::server::bind_in(&netns, &listen, true)?;
+        let sockets = if handed.is_empty() {
+            crate::dns::server::bind_in(&netns, &listen, true)?
+        } else {
+            adopt(handed)
+        };
         let mut addrs: Vec<SocketAddr> = Vec::new();
+        let mut handles = Vec::new();
         for udp in &sockets.udp {
-            addrs.push(udp.local_addr()?);
+            let addr = udp.local_addr()?;
+            addrs.push(addr);
+            handles.push(DnsSocket {
+                protocol: Protocol::Udp,
+                addr,
+                fd: OwnedFd::from(udp.try_clone()?),
+            });
+        }
+        for tcp in &sockets.tcp {
+            handles.push(DnsSocket {
+                protocol: Protocol::Tcp,
+                addr: tcp.local_addr()?,
+                fd: OwnedFd::from(tcp.try_clone()?),
+            });
         }
         let _entered = runtime.enter();
         let tasks = crate::dns::server::serve(sockets, resolver)?;
@@ -97,15 +139,51 @@ impl PodDnsProxy {
             tables,
             addrs,
             tasks,
+            handles: Mutex::new(handles),
         })
     }
 
-    /// Closes the pod's DNS sockets (a query being forwarded still gets its answer).
+    /// Duplicates of the sockets being served, for the process taking over.
+    pub fn sockets(&self) -> std::io::Result<Vec<DnsSocket>> {
+        let handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        handles
+            .iter()
+            .map(|s| {
+                Ok(DnsSocket {
+                    protocol: s.protocol,
+                    addr: s.addr,
+                    fd: s.fd.try_clone()?,
+                })
+            })
+            .collect()
+    }
+
+    /// Stops reading the pod's DNS sockets and closes this process's handles on them
+    /// (a query being forwarded still gets its answer).
     pub fn stop(&self) {
         for task in &self.tasks {
             task.abort();
         }
+        self.handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
+}
+
+/// Handed-over descriptors as the sockets they are.
+fn adopt(handed: Vec<DnsSocket>) -> Sockets {
+    let mut sockets = Sockets {
+        udp: Vec::new(),
+        tcp: Vec::new(),
+    };
+    for socket in handed {
+        match socket.protocol {
+            Protocol::Udp => sockets.udp.push(socket.fd.into()),
+            Protocol::Tcp => sockets.tcp.push(socket.fd.into()),
+        }
+    }
+    sockets
 }
 
 /// The pod's resolvers: the enroller's, else the node's resolv.conf with Kubernetes'

@@ -6,8 +6,9 @@
 //!
 //! The exchange, over one SOCK_SEQPACKET connection (one message each):
 //! - new → old: `take`;
-//! - old → new: per pod a JSON [`Wire`] with the pod's namespace and listeners as fds
-//!   (namespace first, then the listeners in `Wire::listeners` order), then `end`;
+//! - old → new: per pod a JSON [`Wire`] with the pod's namespace, listeners and DNS
+//!   sockets as fds (namespace first, then the listeners in `Wire::listeners` order,
+//!   then the DNS sockets in `Wire::dns` order), then `end`;
 //! - new → old: `started` once it accepts on all of them; the old one then lets go.
 
 use std::io::{IoSlice, IoSliceMut};
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::NodePods;
+use super::dns::{DnsSocket, Protocol};
 use super::listen::{PodListener, Role};
 use crate::access_log::Direction;
 use crate::node::PodInfo;
@@ -30,10 +32,13 @@ use crate::node::PodInfo;
 struct Wire {
     pod: PodInfo,
     listeners: Vec<(String, SocketAddr)>,
+    /// The pod's DNS proxy's sockets (none from a process that did not hand them).
+    #[serde(default)]
+    dns: Vec<(Protocol, SocketAddr)>,
 }
 
 const MAX_MESSAGE: usize = 64 * 1024;
-/// A pod's namespace and up to 15 listeners in one message.
+/// A pod's namespace and up to 15 sockets in one message (8 listeners, 4 DNS).
 const MAX_FDS: usize = 16;
 
 fn role_name(role: Role) -> &'static str {
@@ -104,15 +109,26 @@ pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
             break;
         }
         let wire: Wire = serde_json::from_slice(&text).context("a handed-over pod")?;
-        if fds.len() != wire.listeners.len() + 1 {
+        if fds.len() != wire.listeners.len() + wire.dns.len() + 1 {
             bail!(
-                "pod {}: {} file descriptors for {} listeners",
+                "pod {}: {} file descriptors for {} listeners and {} DNS sockets",
                 wire.pod.uid,
                 fds.len(),
-                wire.listeners.len()
+                wire.listeners.len(),
+                wire.dns.len()
             );
         }
         let netns = fds.remove(0);
+        let dns: Vec<DnsSocket> = wire
+            .dns
+            .iter()
+            .zip(fds.split_off(wire.listeners.len()))
+            .map(|((protocol, addr), fd)| DnsSocket {
+                protocol: *protocol,
+                addr: *addr,
+                fd,
+            })
+            .collect();
         let listeners = wire
             .listeners
             .iter()
@@ -125,7 +141,7 @@ pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        pods.adopt(wire.pod, netns, listeners)
+        pods.adopt(wire.pod, netns, listeners, dns)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         taken += 1;
     }
@@ -145,10 +161,24 @@ impl NodePods {
                     fds.push(OwnedFd::from(l.try_clone().ok()?));
                     listeners.push((role_name(role).to_owned(), addr));
                 }
+                let mut dns = Vec::new();
+                for socket in served
+                    .dns
+                    .as_ref()
+                    .map(|d| d.sockets())
+                    .transpose()
+                    .ok()?
+                    .into_iter()
+                    .flatten()
+                {
+                    fds.push(socket.fd);
+                    dns.push((socket.protocol, socket.addr));
+                }
                 Some((
                     Wire {
                         pod: served.info.clone(),
                         listeners,
+                        dns,
                     },
                     fds,
                 ))
@@ -156,11 +186,14 @@ impl NodePods {
             .collect()
     }
 
-    /// Stops accepting for every pod without closing the sockets (another process
-    /// holds them now) and drains; the kernel side is left as it is.
+    /// Stops accepting (and reading DNS) for every pod without closing the sockets
+    /// (another process holds them now) and drains; the kernel side is left as it is.
     fn release_all(&self) {
         let all: Vec<_> = self.lock().drain().collect();
         for (_, served) in all {
+            if let Some(dns) = &served.dns {
+                dns.stop();
+            }
             served
                 .instance
                 .release(&self.runtime, self.options.drain_time);

@@ -104,6 +104,8 @@ struct Served {
     instance: Instance,
     node_id: String,
     dns: Option<dns::PodDnsProxy>,
+    /// The pod's stats store.
+    stats: crate::stats::Store,
 }
 
 /// A served pod as the admin side sees it.
@@ -154,11 +156,10 @@ impl NodePods {
         self
     }
 
-    /// A pod's proxy's own stats store (with a config), by uid.
+    /// A pod's own stats store (what its 15090 shows: its proxy's and its DNS
+    /// proxy's counters), by uid.
     pub fn proxy_stats(&self, uid: &str) -> Option<crate::stats::Store> {
-        let pods = self.lock();
-        let proxy = pods.get(uid)?.instance.proxy.as_ref()?;
-        Some(proxy.stats.clone())
+        Some(self.lock().get(uid)?.stats.clone())
     }
 
     /// How many CA clients run: one per service account of the pods served.
@@ -276,18 +277,19 @@ impl NodePods {
         }
     }
 
-    /// Starts the pod's DNS proxy, when DNS is on.
+    /// Starts the pod's DNS proxy, when DNS is on, on `handed` sockets if any.
     fn start_dns(
         &self,
         pod: &PodInfo,
         netns: &OwnedFd,
         stats: &crate::stats::Store,
+        handed: Vec<dns::DnsSocket>,
     ) -> anyhow::Result<Option<dns::PodDnsProxy>> {
         let Some(options) = &self.options.dns else {
             return Ok(None);
         };
         let netns = Arc::new(netns.try_clone()?);
-        let proxy = dns::PodDnsProxy::start(&self.runtime, options, pod, netns, stats)?;
+        let proxy = dns::PodDnsProxy::start(&self.runtime, options, pod, netns, stats, handed)?;
         Ok(Some(proxy))
     }
 
@@ -324,7 +326,9 @@ impl NodePods {
             .open_listeners(&netns)
             .map_err(anyhow::Error::from)
             .and_then(|listeners| {
-                pod_dns = self.start_dns(pod, &netns, &stats).context("DNS proxy")?;
+                pod_dns = self
+                    .start_dns(pod, &netns, &stats, Vec::new())
+                    .context("DNS proxy")?;
                 let netns = Arc::new(netns.try_clone()?);
                 let settings = self.settings(&stats);
                 let setup = self.setup(pod, &stats, pod_dns.as_ref());
@@ -366,16 +370,19 @@ impl NodePods {
             netns_inode,
             instance,
             dns: pod_dns,
+            stats,
         })
     }
 
-    /// Serves a pod whose listeners were opened elsewhere (handed over by the process
-    /// this one replaces); its capture is refreshed, its sockets kept.
+    /// Serves a pod whose listeners (and DNS sockets) were opened elsewhere (handed
+    /// over by the process this one replaces); its capture is refreshed, its sockets
+    /// kept.
     pub fn adopt(
         &self,
         pod: PodInfo,
         netns: OwnedFd,
         listeners: Vec<listen::PodListener>,
+        dns: Vec<dns::DnsSocket>,
     ) -> Result<(), EnrollError> {
         let netns_inode = inode(&netns).map_err(|e| Self::enroll_error(&pod, e))?;
         if let Some(capture) = &self.capture {
@@ -384,13 +391,15 @@ impl NodePods {
                 .map_err(|e| Self::enroll_error(&pod, format!("capture: {e:#}")))?;
         }
         let netns = Arc::new(netns);
-        // The old process's DNS sockets are not handed over: new ones are bound beside
-        // them (SO_REUSEPORT); both answer until the old process exits.
+        // The old process's DNS sockets; from a process that handed none, new ones are
+        // bound beside its own (SO_REUSEPORT), both answering until it exits.
         let stats = crate::stats::Store::new();
-        let pod_dns = self.start_dns(&pod, &netns, &stats).unwrap_or_else(|err| {
-            tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
-            None
-        });
+        let pod_dns = self
+            .start_dns(&pod, &netns, &stats, dns)
+            .unwrap_or_else(|err| {
+                tracing::warn!(pod = %pod.name, "DNS proxy not started: {err:#}");
+                None
+            });
         let settings = self.settings(&stats);
         let setup = self.setup(&pod, &stats, pod_dns.as_ref());
         let configured = setup.is_some();
@@ -412,6 +421,7 @@ impl NodePods {
             netns_inode,
             instance,
             dns: pod_dns,
+            stats,
         };
         if let Some(old) = self.lock().insert(pod.uid, served) {
             self.stop(old);

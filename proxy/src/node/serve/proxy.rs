@@ -99,6 +99,8 @@ impl CaTemplate {
         options.server_name = self.server_name.clone();
         options.root_cert = self.root_cert.clone();
         options.token_path = token_path.unwrap_or(&self.token_path).to_owned();
+        // The node's token stands for the account's: say whose certificate it asks for.
+        options.impersonate = token_path.is_none();
         options.trust_domain = self.trust_domain.clone();
         options
     }

@@ -394,7 +394,7 @@ impl Manager {
         }
     }
 
-    /// Istio's workloads: into the process's workload index, resource by resource (a
+    /// Istio's workloads: into this instance's workload index, resource by resource (a
     /// workload with a bad address is NACKed by name and keeps its last good version);
     /// the index is not part of the snapshot, so nothing is compiled.
     fn apply_workloads(
@@ -403,7 +403,7 @@ impl Manager {
         version: &str,
         refused: Vec<Refusal>,
     ) -> Result<(), Vec<(String, String)>> {
-        use crate::peer::workload_discovery::{Change, WorkloadDiscovery, WorkloadResource};
+        use crate::peer::workload_discovery::{Change, WorkloadResource};
         fn resources(entries: &[(String, Accepted)]) -> Vec<(&str, &WorkloadResource)> {
             entries
                 .iter()
@@ -417,7 +417,7 @@ impl Manager {
             Edit::Replace(set) => (set.into_iter().collect::<Vec<_>>(), Vec::new(), true),
             Edit::Patch { upserts, removals } => (upserts, removals, false),
         };
-        let wds = WorkloadDiscovery::global();
+        let wds = self.store.load().node.workloads.clone();
         let bad = if replace {
             wds.apply(Change::Replace(resources(&entries)))
         } else {
