@@ -303,7 +303,8 @@ async fn handle(
         && (parts.version != Version::HTTP_2 && parts.uri.authority().is_none()
             || !routes_connect(shared))
     {
-        return refuse_connect(shared, &parts, pending.take(), &log).await;
+        // Rare paths are boxed: the request's future is as large as its largest state.
+        return Box::pin(refuse_connect(shared, &parts, pending.take(), &log)).await;
     }
     // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
     // or any HTTP/1 request with more than one Host line, is answered 400.
@@ -518,7 +519,7 @@ async fn handle(
                 let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
                 let result = match (action.connect, on_upgrade) {
                     (Some(connect), Some(on_upgrade)) if connect.terminate => {
-                        super::connect::terminate(
+                        Box::pin(super::connect::terminate(
                             &upstream,
                             &authority,
                             downstream.remote,
@@ -526,7 +527,7 @@ async fn handle(
                             log.clone(),
                             &hcm.stats,
                             entry,
-                        )
+                        ))
                         .await
                     }
                     // Envoy refuses a CONNECT the route does not upgrade.
@@ -636,7 +637,7 @@ async fn handle(
                 let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
                 match on_upgrade.filter(|_| allowed) {
                     Some(on_upgrade) => {
-                        super::upgrade::forward(
+                        Box::pin(super::upgrade::forward(
                             &upstream,
                             head,
                             body,
@@ -644,7 +645,7 @@ async fn handle(
                             log.clone(),
                             &hcm.stats,
                             entry,
-                        )
+                        ))
                         .await
                     }
                     // Envoy refuses upgrades its config does not name.

@@ -329,7 +329,9 @@ impl Pools {
             if !waited {
                 pending_total.inc();
             }
-            let (sender, session) = connect_http2(cluster, host, secrets, alpn)
+            // Boxed: connecting is rare, and every request's future would otherwise
+            // carry its size.
+            let (sender, session) = Box::pin(connect_http2(cluster, host, secrets, alpn))
                 .await
                 .inspect_err(|err| ejected(cluster, err))?;
             *shared = Some((sender.clone(), session.clone()));
@@ -398,7 +400,7 @@ impl Pools {
             }
         };
         drop(pending);
-        let (sender, session) = connect_http1(cluster, host, secrets, slot, alpn)
+        let (sender, session) = Box::pin(connect_http1(cluster, host, secrets, slot, alpn))
             .await
             .inspect_err(|err| ejected(cluster, err))?;
         Ok(Sender::Http1(sender, pool, false, session))
