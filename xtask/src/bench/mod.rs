@@ -14,6 +14,7 @@ mod agent;
 mod capture;
 mod dns;
 mod http;
+mod http_mtls;
 mod l4;
 mod measure;
 mod node;
