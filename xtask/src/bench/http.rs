@@ -17,6 +17,10 @@
 //! run must be clean: wrk's non-2xx/3xx and socket error counts zero, every h2load
 //! request logged with status 200, or the bench stops rather than print the figures.
 //!
+//! `--mtls` adds the sidecar pair (`http_mtls.rs`): shunt's and Envoy's client sidecar
+//! (this route table) -> mTLS, h2 -> server sidecar -> nginx, the same two bootstraps
+//! for both; a pair's CPU and RSS are the two sidecars' summed.
+//!
 //! `--flamegraph` records shunt under each load (`perf record --call-graph dwarf`) and
 //! writes `target/bench/http-shunt-h1.svg` and `-h2.svg` (folded with `inferno`).
 
@@ -36,7 +40,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::http_mtls;
-use super::l4::{envoy_version, validate};
+use super::l4::{admin_counter, envoy_version, validate};
 use super::measure::{
     KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks, rss,
     save,
@@ -803,7 +807,27 @@ fn measure(setup: &Setup, scenario: Scenario, round: usize, args: &HttpArgs) -> 
             },
         });
     }
+    if scenario.is_mtls_pair() {
+        check_pair_spoke_h2_over_tls(setup, scenario)?;
+    }
     Ok(runs)
+}
+
+/// After a pair's runs: the client sidecar's upstream cluster counted TLS handshakes and
+/// HTTP/2 connections (its stats, Envoy's names), so the figures are of mTLS with h2.
+fn check_pair_spoke_h2_over_tls(setup: &Setup, scenario: Scenario) -> Result<()> {
+    for stat in [
+        "cluster.upstream.ssl.handshake",
+        "cluster.upstream.upstream_cx_http2_total",
+    ] {
+        let count = admin_counter(&setup.client, stat);
+        ensure!(
+            count.is_some_and(|c| c > 0),
+            "{}: the client sidecar's {stat} is {count:?} after the runs, not above 0",
+            scenario.name()
+        );
+    }
+    Ok(())
 }
 
 /// curl through the path: 200, the upstream's 64 bytes, and (through a proxy) the
