@@ -259,20 +259,27 @@ impl Setup {
             Scenario::Envoy => vec![front(self.envoy.clone(), envoy(&self.bootstrap))],
             Scenario::EnvoyRbac => vec![front(self.envoy.clone(), envoy(&self.bootstrap_rbac))],
             Scenario::ShuntMtls | Scenario::EnvoyMtls => {
-                let (program, command): (&PathBuf, &dyn Fn(&Path) -> Vec<String>) =
-                    if scenario == Scenario::ShuntMtls {
-                        (&self.bins.shunt, &shunt)
-                    } else {
-                        (&self.envoy, &envoy)
-                    };
+                let (program, server_args, client_args) = if scenario == Scenario::ShuntMtls {
+                    (
+                        &self.bins.shunt,
+                        shunt(&self.bootstrap_mtls_server),
+                        shunt(&self.bootstrap_mtls_client),
+                    )
+                } else {
+                    (
+                        &self.envoy,
+                        envoy(&self.bootstrap_mtls_server),
+                        envoy(&self.bootstrap_mtls_client),
+                    )
+                };
                 vec![
                     Launch {
                         pod: &self.server,
                         program: program.clone(),
-                        args: command(&self.bootstrap_mtls_server),
+                        args: server_args,
                         listens: vec![self.mtls_server()],
                     },
-                    front(program.clone(), command(&self.bootstrap_mtls_client)),
+                    front(program.clone(), client_args),
                 ]
             }
             Scenario::Haproxy => vec![front(
