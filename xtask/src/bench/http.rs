@@ -17,6 +17,10 @@
 //! run must be clean: wrk's non-2xx/3xx and socket error counts zero, every h2load
 //! request logged with status 200, or the bench stops rather than print the figures.
 //!
+//! `--mtls` adds the sidecar pair (`http_mtls.rs`): shunt's and Envoy's client sidecar
+//! (this route table) -> mTLS, h2 -> server sidecar -> nginx, the same two bootstraps
+//! for both; a pair's CPU and RSS are the two sidecars' summed.
+//!
 //! `--flamegraph` records shunt under each load (`perf record --call-graph dwarf`) and
 //! writes `target/bench/http-shunt-h1.svg` and `-h2.svg` (folded with `inferno`).
 
@@ -35,7 +39,8 @@ use inferno::collapse::Collapse as _;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::l4::{envoy_version, validate};
+use super::http_mtls;
+use super::l4::{admin_counter, envoy_version, validate};
 use super::measure::{
     KIB_PER_MIB, TICK_US, background_busy, cpus, fmt_value, kernel, median, proxy_cpu_ticks, rss,
     save,
@@ -68,6 +73,11 @@ pub struct HttpArgs {
     /// `envoy-rbac`, and the overhead per request against `shunt` / `envoy`.
     #[arg(long)]
     rbac: bool,
+    /// Also run the mTLS sidecar pair (client sidecar -> mTLS, h2 -> server sidecar ->
+    /// nginx), shunt's pair and Envoy's on the same two bootstraps: scenarios
+    /// `shunt-mtls`, `envoy-mtls`; CPU and RSS are summed over the two sidecars.
+    #[arg(long)]
+    mtls: bool,
 }
 
 /// How many RBAC policies the `--rbac` scenarios evaluate per request.
@@ -100,6 +110,9 @@ enum Scenario {
     /// shunt and Envoy with 20 RBAC policies in front of the route (`--rbac`).
     ShuntRbac,
     EnvoyRbac,
+    /// The sidecar pair over mTLS (`--mtls`).
+    ShuntMtls,
+    EnvoyMtls,
 }
 
 const SCENARIOS: [Scenario; 5] = [
@@ -121,7 +134,13 @@ impl Scenario {
             Scenario::Before => "before",
             Scenario::ShuntRbac => "shunt-rbac",
             Scenario::EnvoyRbac => "envoy-rbac",
+            Scenario::ShuntMtls => "shunt-mtls",
+            Scenario::EnvoyMtls => "envoy-mtls",
         }
+    }
+
+    fn is_mtls_pair(self) -> bool {
+        matches!(self, Scenario::ShuntMtls | Scenario::EnvoyMtls)
     }
 }
 
@@ -147,6 +166,9 @@ struct Setup {
     bootstrap: PathBuf,
     /// The same with [`RBAC_POLICIES`] RBAC policies (`--rbac`).
     bootstrap_rbac: PathBuf,
+    /// The mTLS pair's client and server sidecars (`--mtls`).
+    bootstrap_mtls_client: PathBuf,
+    bootstrap_mtls_server: PathBuf,
     haproxy_config: PathBuf,
     nginx_config: PathBuf,
 }
@@ -154,6 +176,11 @@ struct Setup {
 impl Setup {
     fn upstream(&self, port: u16) -> SocketAddr {
         SocketAddr::new(self.server.ipv4().into(), port)
+    }
+
+    /// The server sidecar's listener (`--mtls`).
+    fn mtls_server(&self) -> SocketAddr {
+        SocketAddr::new(self.server.ipv4().into(), http_mtls::MTLS_PORT)
     }
 
     /// Where the load goes for `scenario` and `load`.
@@ -167,7 +194,9 @@ impl Setup {
                 | Scenario::Envoy
                 | Scenario::Before
                 | Scenario::ShuntRbac
-                | Scenario::EnvoyRbac,
+                | Scenario::EnvoyRbac
+                | Scenario::ShuntMtls
+                | Scenario::EnvoyMtls,
                 _,
             )
             | (_, Load::H1) => local(H1_PORT),
@@ -175,85 +204,135 @@ impl Setup {
         }
     }
 
-    fn proxy_command(&self, scenario: Scenario) -> Option<(PathBuf, Vec<String>)> {
+    /// The processes `scenario` runs, in start order: each with its pod, command line
+    /// and the addresses it must listen on before the next starts. A pair's server
+    /// sidecar comes first, so the client sidecar's first request finds it.
+    fn launches(&self, scenario: Scenario) -> Result<Vec<Launch<'_>>> {
         let file = |p: &Path| p.display().to_string();
         let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        match scenario {
-            Scenario::Direct => None,
-            Scenario::Shunt | Scenario::Before | Scenario::ShuntRbac => Some((
-                match scenario {
-                    Scenario::Before => self.before.clone()?,
-                    _ => self.bins.shunt.clone(),
-                },
-                args(&[
-                    "proxy",
-                    "-c",
-                    &file(if scenario == Scenario::ShuntRbac {
-                        &self.bootstrap_rbac
-                    } else {
-                        &self.bootstrap
-                    }),
-                    "--concurrency",
-                    "1",
-                    "--keep-user",
-                    "--log-level",
-                    "warn",
-                ]),
-            )),
-            Scenario::Envoy | Scenario::EnvoyRbac => Some((
-                self.envoy.clone(),
-                args(&[
-                    "-c",
-                    &file(if scenario == Scenario::EnvoyRbac {
-                        &self.bootstrap_rbac
-                    } else {
-                        &self.bootstrap
-                    }),
-                    "--concurrency",
-                    "1",
-                    "-l",
-                    "warning",
-                    "--disable-hot-restart",
-                ]),
-            )),
-            Scenario::Haproxy => Some((
+        let shunt = |bootstrap: &Path| {
+            args(&[
+                "proxy",
+                "-c",
+                &file(bootstrap),
+                "--concurrency",
+                "1",
+                "--keep-user",
+                "--log-level",
+                "warn",
+            ])
+        };
+        let envoy = |bootstrap: &Path| {
+            args(&[
+                "-c",
+                &file(bootstrap),
+                "--concurrency",
+                "1",
+                "-l",
+                "warning",
+                "--disable-hot-restart",
+            ])
+        };
+        let front = |program: PathBuf, args: Vec<String>| {
+            let mut listens = vec![
+                self.target(scenario, Load::H1),
+                self.target(scenario, Load::H2),
+            ];
+            listens.dedup();
+            Launch {
+                pod: &self.client,
+                program,
+                args,
+                listens,
+            }
+        };
+        Ok(match scenario {
+            Scenario::Direct => vec![],
+            Scenario::Shunt => vec![front(self.bins.shunt.clone(), shunt(&self.bootstrap))],
+            Scenario::Before => vec![front(
+                self.before.clone().context("--before has no binary")?,
+                shunt(&self.bootstrap),
+            )],
+            Scenario::ShuntRbac => {
+                vec![front(self.bins.shunt.clone(), shunt(&self.bootstrap_rbac))]
+            }
+            Scenario::Envoy => vec![front(self.envoy.clone(), envoy(&self.bootstrap))],
+            Scenario::EnvoyRbac => vec![front(self.envoy.clone(), envoy(&self.bootstrap_rbac))],
+            Scenario::ShuntMtls | Scenario::EnvoyMtls => {
+                let (program, server_args, client_args) = if scenario == Scenario::ShuntMtls {
+                    (
+                        &self.bins.shunt,
+                        shunt(&self.bootstrap_mtls_server),
+                        shunt(&self.bootstrap_mtls_client),
+                    )
+                } else {
+                    (
+                        &self.envoy,
+                        envoy(&self.bootstrap_mtls_server),
+                        envoy(&self.bootstrap_mtls_client),
+                    )
+                };
+                vec![
+                    Launch {
+                        pod: &self.server,
+                        program: program.clone(),
+                        args: server_args,
+                        listens: vec![self.mtls_server()],
+                    },
+                    front(program.clone(), client_args),
+                ]
+            }
+            Scenario::Haproxy => vec![front(
                 "/usr/sbin/haproxy".into(),
                 args(&["-db", "-f", &file(&self.haproxy_config)]),
-            )),
-            Scenario::Nginx => Some((
+            )],
+            Scenario::Nginx => vec![front(
                 "/usr/sbin/nginx".into(),
                 args(&["-p", &file(&self.dir), "-c", &file(&self.nginx_config)]),
-            )),
-        }
+            )],
+        })
     }
 
-    /// The proxy for `scenario` (none for direct) in the client pod, once it listens.
-    fn start_proxy(&self, scenario: Scenario) -> Result<Option<PodProcess>> {
-        let Some((program, args)) = self.proxy_command(scenario) else {
-            return Ok(None);
-        };
-        let stale = tcp_listeners(&self.client)?;
-        ensure!(
-            !stale
-                .iter()
-                .any(|a| a.port() == H1_PORT || a.port() == H2_PORT),
-            "before starting {}: something already listens on port {H1_PORT} or {H2_PORT} in the client pod: {stale:?}",
-            scenario.name()
-        );
-        let proxy = self.client.command(program).args(args).spawn()?;
-        for load in [Load::H1, Load::H2] {
-            wait_for_port(&self.client, self.target(scenario, load), secs(30)).with_context(
-                || {
+    /// The proxies of `scenario` (none for direct), each once it listens.
+    fn start_proxy(&self, scenario: Scenario) -> Result<Vec<PodProcess>> {
+        let mut started = Vec::new();
+        for launch in self.launches(scenario)? {
+            let stale = tcp_listeners(launch.pod)?;
+            ensure!(
+                !stale
+                    .iter()
+                    .any(|a| launch.listens.iter().any(|l| l.port() == a.port())),
+                "before starting {}: something already listens on {:?} in pod {}: {stale:?}",
+                scenario.name(),
+                launch.listens,
+                launch.pod.name(),
+            );
+            let proxy = launch
+                .pod
+                .command(launch.program)
+                .args(launch.args)
+                .spawn()?;
+            for &address in &launch.listens {
+                wait_for_port(launch.pod, address, secs(30)).with_context(|| {
                     format!(
-                        "{} did not listen:\n{}",
+                        "{} did not listen on {address}:\n{}",
                         proxy.description(),
                         proxy.stderr_text()
                     )
-                },
-            )?;
+                })?;
+            }
+            started.push(proxy);
         }
-        Ok(Some(proxy))
+        Ok(started)
     }
+}
+
+/// One proxy process of a scenario.
+struct Launch<'a> {
+    pod: &'a Pod,
+    program: PathBuf,
+    args: Vec<String>,
+    listens: Vec<SocketAddr>,
 }
 
 /// One load against one scenario, once.
@@ -336,6 +415,9 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     if args.rbac {
         scenarios.extend([Scenario::ShuntRbac, Scenario::EnvoyRbac]);
     }
+    if args.mtls {
+        scenarios.extend([Scenario::ShuntMtls, Scenario::EnvoyMtls]);
+    }
     crate::setup::ensure_packages(TOOLS)?;
     if args.flamegraph {
         crate::setup::ensure_packages(PERF)?;
@@ -360,6 +442,8 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         nginx_version,
         bootstrap: dir.join("bootstrap.yaml"),
         bootstrap_rbac: dir.join("bootstrap-rbac.yaml"),
+        bootstrap_mtls_client: dir.join("bootstrap-mtls-client.yaml"),
+        bootstrap_mtls_server: dir.join("bootstrap-mtls-server.yaml"),
         haproxy_config: dir.join("haproxy.cfg"),
         nginx_config: dir.join("nginx-proxy.conf"),
         dir: dir.clone(),
@@ -373,6 +457,23 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         std::fs::write(&setup.bootstrap_rbac, bootstrap_rbac(upstream))?;
         validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap_rbac)?;
     }
+    let pki = if args.mtls {
+        let pki = http_mtls::pki(&dir.join("pki")).context("the mTLS pair's certificates")?;
+        std::fs::write(
+            &setup.bootstrap_mtls_client,
+            http_mtls::client_bootstrap(&bootstrap(setup.mtls_server()), &pki),
+        )?;
+        std::fs::write(
+            &setup.bootstrap_mtls_server,
+            http_mtls::server_bootstrap(setup.mtls_server(), UPSTREAM_PORT, ADMIN_PORT, &pki),
+        )?;
+        for file in [&setup.bootstrap_mtls_client, &setup.bootstrap_mtls_server] {
+            validate(&setup.bins.shunt, &setup.envoy, file)?;
+        }
+        Some(pki)
+    } else {
+        None
+    };
     std::fs::write(&setup.haproxy_config, haproxy_config(upstream))?;
     std::fs::write(&setup.nginx_config, nginx_proxy_config(&dir, upstream))?;
     let upstream_dir = dir.join("upstream");
@@ -440,6 +541,7 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         flamegraph(&setup, args)?;
     }
     drop(app);
+    drop(pki);
     drop(node);
 
     let report = Report {
@@ -472,6 +574,12 @@ fn first_line(program: &str, args: &[&str]) -> Result<String> {
         .next()
         .unwrap_or_default()
         .to_owned())
+}
+
+/// [`bootstrap`] to a fixed upstream, for other modules' tests.
+#[cfg(test)]
+pub(crate) fn bootstrap_for_tests() -> String {
+    bootstrap(SocketAddr::from(([10, 0, 0, 3], UPSTREAM_PORT)))
 }
 
 /// Six virtual hosts, two routes each, to one STATIC cluster; h1 and h2 downstream
@@ -651,23 +759,31 @@ fn nginx_http_common(dir: &Path) -> String {
 /// One scenario: a fresh proxy, the path checked with curl, then for each load a warm-up
 /// and a measured run with the proxy's CPU and RSS read around it.
 fn measure(setup: &Setup, scenario: Scenario, round: usize, args: &HttpArgs) -> Result<Vec<Run>> {
-    let proxy = setup.start_proxy(scenario)?;
-    check_answer(setup, scenario, proxy.as_ref())?;
+    let proxies = setup.start_proxy(scenario)?;
+    check_answer(setup, scenario, &proxies)?;
+    if scenario.is_mtls_pair() {
+        check_mtls_required(setup, scenario, &proxies)?;
+    }
+    // CPU ticks summed over the scenario's proxies (both sidecars of a pair).
+    let ticks = || -> Result<Option<u64>> {
+        if proxies.is_empty() {
+            return Ok(None);
+        }
+        proxies
+            .iter()
+            .map(|p| proxy_cpu_ticks(p.pid()))
+            .sum::<Result<u64>>()
+            .map(Some)
+    };
     let mut runs = Vec::new();
     for load in [Load::H1, Load::H2] {
         let target = setup.target(scenario, load);
         load_run(setup, load, target, 1, args).with_context(|| format!("{load:?} warm-up"))?;
-        let before = proxy
-            .as_ref()
-            .map(|p| proxy_cpu_ticks(p.pid()))
-            .transpose()?;
+        let before = ticks()?;
         let result = load_run(setup, load, target, args.seconds, args)
             .with_context(|| format!("{load:?} load"))?;
-        let after = proxy
-            .as_ref()
-            .map(|p| proxy_cpu_ticks(p.pid()))
-            .transpose()?;
-        if let Some(p) = &proxy {
+        let after = ticks()?;
+        for p in &proxies {
             ensure!(
                 p.try_wait().is_none(),
                 "{} exited during the run:\n{}",
@@ -686,20 +802,45 @@ fn measure(setup: &Setup, scenario: Scenario, round: usize, args: &HttpArgs) -> 
             proxy_cpu_us_per_req: before
                 .zip(after)
                 .map(|(b, a)| (a - b) as f64 * TICK_US / result.requests as f64),
-            rss_kib: proxy
-                .as_ref()
-                .map(|p| rss(p.pid()))
-                .transpose()?
-                .map(|r| r.0),
+            rss_kib: if proxies.is_empty() {
+                None
+            } else {
+                Some(
+                    proxies
+                        .iter()
+                        .map(|p| rss(p.pid()).map(|r| r.0))
+                        .sum::<Result<u64>>()?,
+                )
+            },
         });
     }
+    if scenario.is_mtls_pair() {
+        check_pair_spoke_h2_over_tls(setup, scenario)?;
+    }
     Ok(runs)
+}
+
+/// After a pair's runs: the client sidecar's upstream cluster counted TLS handshakes and
+/// HTTP/2 connections (its stats, Envoy's names), so the figures are of mTLS with h2.
+fn check_pair_spoke_h2_over_tls(setup: &Setup, scenario: Scenario) -> Result<()> {
+    for stat in [
+        "cluster.upstream.ssl.handshake",
+        "cluster.upstream.upstream_cx_http2_total",
+    ] {
+        let count = admin_counter(&setup.client, stat);
+        ensure!(
+            count.is_some_and(|c| c > 0),
+            "{}: the client sidecar's {stat} is {count:?} after the runs, not above 0",
+            scenario.name()
+        );
+    }
+    Ok(())
 }
 
 /// curl through the path: 200, the upstream's 64 bytes, and (through a proxy) the
 /// upstream nginx's `Server` header passed on. A host outside the table must not reach
 /// the upstream.
-fn check_answer(setup: &Setup, scenario: Scenario, proxy: Option<&PodProcess>) -> Result<()> {
+fn check_answer(setup: &Setup, scenario: Scenario, proxies: &[PodProcess]) -> Result<()> {
     let target = setup.target(scenario, Load::H1);
     let curl = |host: &str| -> Result<(String, String)> {
         let out = setup
@@ -713,7 +854,13 @@ fn check_answer(setup: &Setup, scenario: Scenario, proxy: Option<&PodProcess>) -
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
         Ok((body.to_owned(), code.to_owned()))
     };
-    let stderr = || proxy.map(PodProcess::stderr_text).unwrap_or_default();
+    let stderr = || {
+        proxies
+            .iter()
+            .map(PodProcess::stderr_text)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     let (body, code) = curl(HOST)?;
     ensure!(
         code == "200" && body == BODY,
@@ -729,6 +876,53 @@ fn check_answer(setup: &Setup, scenario: Scenario, proxy: Option<&PodProcess>) -
             scenario.name()
         );
     }
+    Ok(())
+}
+
+/// The server sidecar of a pair, asked directly by curl from the client pod: with the
+/// client's certificate it answers 200 and the app's bytes; without one the handshake
+/// must fail (`require_client_certificate`), so the pair's traffic is really mTLS.
+fn check_mtls_required(setup: &Setup, scenario: Scenario, proxies: &[PodProcess]) -> Result<()> {
+    let server = setup.mtls_server();
+    let pki = setup.dir.join("pki");
+    let file = |name: &str| pki.join(name).display().to_string();
+    let name = super::soak::config::SERVER_NAME;
+    let curl = |with_certificate: bool| -> Result<(String, String)> {
+        let mut cmd = setup.client.command("curl");
+        cmd = cmd
+            .args(["-s", "-m", "5", "-o", "-", "-w", "\n%{http_code}"])
+            .args(["--cacert", &file("ca.pem"), "--resolve"])
+            .arg(format!("{name}:{}:{}", server.port(), server.ip()));
+        if with_certificate {
+            cmd = cmd.args(["--cert", &file("client.pem"), "--key", &file("client.key")]);
+        }
+        let out = cmd
+            .arg(format!("https://{name}:{}/api/x", server.port()))
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        Ok((body.to_owned(), code.to_owned()))
+    };
+    let stderr = || {
+        proxies
+            .iter()
+            .map(PodProcess::stderr_text)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let (body, code) = curl(true)?;
+    ensure!(
+        code == "200" && body == BODY,
+        "{}: the server sidecar {server} answered a client with the mesh certificate {code} {body:?}, not 200 with the app's 64 bytes\n{}",
+        scenario.name(),
+        stderr()
+    );
+    let (body, code) = curl(false)?;
+    ensure!(
+        code != "200" && body != BODY,
+        "{}: the server sidecar {server} answered a client without a certificate ({code}): mTLS is not required",
+        scenario.name()
+    );
     Ok(())
 }
 
@@ -900,6 +1094,7 @@ fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
 fn flamegraph_of(setup: &Setup, args: &HttpArgs, load: Load) -> Result<()> {
     let proxy = setup
         .start_proxy(Scenario::Shunt)?
+        .pop()
         .context("shunt has a process")?;
     let target = setup.target(Scenario::Shunt, load);
     let name = match load {
@@ -1007,7 +1202,7 @@ struct Report<'a> {
 }
 
 /// Ratio columns (those whose scenarios both ran).
-const RATIOS: [(Scenario, Scenario); 7] = [
+const RATIOS: [(Scenario, Scenario); 8] = [
     (Scenario::Shunt, Scenario::Haproxy),
     (Scenario::Shunt, Scenario::Envoy),
     (Scenario::Shunt, Scenario::Nginx),
@@ -1015,6 +1210,7 @@ const RATIOS: [(Scenario, Scenario); 7] = [
     (Scenario::ShuntRbac, Scenario::Shunt),
     (Scenario::EnvoyRbac, Scenario::Envoy),
     (Scenario::ShuntRbac, Scenario::EnvoyRbac),
+    (Scenario::ShuntMtls, Scenario::EnvoyMtls),
 ];
 
 /// What the RBAC filter adds to a request: (with, without).
@@ -1053,6 +1249,13 @@ impl Report<'_> {
             cpus(),
             self.busy
         );
+        if self.scenarios.iter().any(|s| s.is_mtls_pair()) {
+            let _ = writeln!(
+                t,
+                "shunt-mtls, envoy-mtls: client sidecar (this route table) -> mTLS, h2 (ALPN), SPIFFE SANs checked -> server sidecar :{} -> nginx; proxy CPU and RSS summed over both sidecars",
+                http_mtls::MTLS_PORT
+            );
+        }
         for (load, title) in [
             (
                 Load::H1,
@@ -1135,6 +1338,8 @@ impl Report<'_> {
                 "haproxy_version": setup.haproxy_version,
                 "nginx_version": setup.nginx_version,
                 "bootstrap": read(&setup.bootstrap),
+                "bootstrap_mtls_client": read(&setup.bootstrap_mtls_client),
+                "bootstrap_mtls_server": read(&setup.bootstrap_mtls_server),
                 "haproxy_config": read(&setup.haproxy_config),
                 "nginx_config": read(&setup.nginx_config),
                 "rounds": self.args.rounds,

@@ -2,7 +2,8 @@
 //!
 //! One file a bench: `capture.rs` (direct vs iptables vs eBPF capture), `sockmap.rs`
 //! (the proxy-to-proxy short-circuit), `l4.rs` (shunt and Envoy on one tcp_proxy),
-//! `http.rs` (shunt, Envoy, haproxy and nginx as HTTP reverse proxies), `xds.rs`
+//! `http.rs` (shunt, Envoy, haproxy and nginx as HTTP reverse proxies;
+//! `http_mtls.rs` its sidecar pair's bootstraps), `xds.rs`
 //! (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic for
 //! minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
 //! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
@@ -14,6 +15,7 @@ mod agent;
 mod capture;
 mod dns;
 mod http;
+mod http_mtls;
 mod l4;
 mod measure;
 mod node;

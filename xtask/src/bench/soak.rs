@@ -15,7 +15,7 @@
 //! the proxy every `--sample-s`. Ctrl-C (or SIGTERM) ends the run early; either way
 //! every process, namespace and cgroup is removed and the report is written.
 
-mod config;
+pub(crate) mod config;
 mod report;
 mod traffic;
 
