@@ -59,6 +59,7 @@ fn fixture() -> &'static (tokio::runtime::Runtime, Resolver) {
         let upstreams = Upstreams {
             servers: Vec::new(),
             timeout: Duration::from_millis(10),
+            netns: None,
         };
         let stats = shunt::stats::Store::new();
         let resolver = Resolver::new(tables, upstreams, 64, DnsStats::new(&stats));
