@@ -339,31 +339,23 @@ impl Pools {
         }
         let mut pending = None;
         let mut waited = false;
+        let mut yields = 0;
         let slot = loop {
-            let mut busy = match pool.take_idle() {
+            match pool.take_idle() {
                 Idle::Ready(sender, session) => {
                     return Ok(Sender::Http1(sender, pool, true, session));
                 }
-                Idle::Busy => true,
-                Idle::Empty => false,
-            };
-            if !waited {
                 // A connection whose response is ending is ready again in a moment, as
                 // soon as its task runs: Envoy would hand it on (its pool gets it back
                 // as the response ends), so let it run before opening another.
-                for _ in 0..RETURN_YIELDS {
-                    if !busy {
-                        break;
-                    }
+                Idle::Busy if !waited && yields < RETURN_YIELDS => {
+                    yields += 1;
                     tokio::task::yield_now().await;
-                    busy = match pool.take_idle() {
-                        Idle::Ready(sender, session) => {
-                            return Ok(Sender::Http1(sender, pool, true, session));
-                        }
-                        Idle::Busy => true,
-                        Idle::Empty => false,
-                    };
+                    continue;
                 }
+                Idle::Busy | Idle::Empty => {}
+            }
+            if !waited {
                 pending_total.inc();
                 waited = true;
             }
