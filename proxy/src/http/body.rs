@@ -11,13 +11,14 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 
 use super::config::{HttpConnectionManager, StreamTimeouts};
 use super::filter::chain::ActiveChain;
 use super::timeouts::Timeout;
 use crate::access_log::{Entry, ResponseFlag};
 use crate::stats::Counter;
+use crate::upstream::http_pool::UpstreamBody;
 
 /// The access log line of one request, written when the last holder lets go.
 #[derive(Debug)]
@@ -287,7 +288,10 @@ enum Content {
     /// A body an HTTP filter read whole: data, then trailers.
     Buffered(Option<Bytes>, Option<hyper::HeaderMap>),
     /// With the end of the route's timeout, and the counter a timeout raises.
-    Upstream(Incoming, Option<(Pin<Box<tokio::time::Sleep>>, Counter)>),
+    Upstream(
+        UpstreamBody,
+        Option<(Pin<Box<tokio::time::Sleep>>, Counter)>,
+    ),
 }
 
 /// Why a response body stopped short.
@@ -339,7 +343,10 @@ impl ResponseBody {
 
     /// The upstream's body, cut off (the downstream stream reset, flag UT) if it is
     /// not complete by `deadline`: Envoy's route timeout covers the whole response.
-    pub fn upstream(incoming: Incoming, deadline: Option<(std::time::Instant, Counter)>) -> Self {
+    pub fn upstream(
+        incoming: impl Into<UpstreamBody>,
+        deadline: Option<(std::time::Instant, Counter)>,
+    ) -> Self {
         let deadline = deadline.map(|(at, counter)| {
             (
                 Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at))),
@@ -347,7 +354,7 @@ impl ResponseBody {
             )
         });
         ResponseBody {
-            content: Content::Upstream(incoming, deadline),
+            content: Content::Upstream(incoming.into(), deadline),
             log: None,
             watch: None,
         }
@@ -414,7 +421,7 @@ impl Body for ResponseBody {
                     this.content = Content::Full(None);
                     return Poll::Ready(Some(Err(Box::new(UpstreamRequestTimeout))));
                 }
-                frame.map(|f| f.map(|r| r.map_err(BoxError::from)))
+                frame
             }
         };
         if frame.is_pending()

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Body as _;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
 
@@ -17,7 +17,7 @@ use crate::access_log::{Entry, ResponseFlag};
 use crate::upstream::backoff::Backoff;
 use crate::upstream::cluster::UpstreamProtocol;
 use crate::upstream::http_pool::RequestBody;
-use crate::upstream::http_pool::{CheckoutError, SendError};
+use crate::upstream::http_pool::{CheckoutError, SendError, UpstreamBody};
 use crate::upstream::stats::ActiveRequest;
 use crate::upstream::{Cluster, LbContext};
 
@@ -125,14 +125,14 @@ pub struct Upstream<'a> {
 /// The upstream's response and how long it took to its head
 /// (`x-envoy-upstream-service-time`).
 pub struct Forwarded {
-    pub response: Response<Incoming>,
+    pub response: Response<UpstreamBody>,
     pub service_time: Duration,
     /// When the route's timeout ends: the response body must be complete by then.
     pub deadline: Option<Instant>,
 }
 
 enum Attempt {
-    Response(Response<Incoming>),
+    Response(Response<UpstreamBody>),
     /// Failed before a response head; whether a retry policy may retry it.
     Failed(LocalReply, Retriable),
     /// Fatal for the request (no host, overflow).
@@ -381,11 +381,16 @@ async fn attempt_once(
             Err(SendError {
                 unsent: Some(unsent),
                 error,
+                ..
             }) if reused => {
                 tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "pooled connection closed before the request left; sending it on another");
                 request = unsent;
             }
-            Err(SendError { error, .. }) if error.is_parse() => {
+            Err(SendError {
+                error,
+                malformed: true,
+                ..
+            }) => {
                 cluster.stats.upstream_rq_total.inc();
                 tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "upstream response malformed");
                 return Attempt::Failed(LocalReply::upstream_protocol_error(), Retriable::Reset);

@@ -7,15 +7,14 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::{http1, http2};
+use hyper::client::conn::http2;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -24,6 +23,7 @@ use super::Cluster;
 use super::circuit_breaker::OwnedConnectionSlot;
 use super::cluster::UpstreamConnection;
 use super::host::Host;
+use super::http1;
 
 /// Who is told of the data bytes a [`RequestBody`] reads from the downstream (the
 /// request's access log line).
@@ -224,30 +224,43 @@ impl Drop for Pending<'_> {
     }
 }
 
-/// How many times a request that finds no idle HTTP/1.1 connection lets other tasks
-/// run while one is on its way back, before it opens a new one.
-const RETURN_YIELDS: usize = 4;
-
 #[derive(Debug, Default)]
 pub struct HostPool {
-    /// HTTP/1.1 connections not carrying a request: ready for one, or still reading
-    /// the response of their last (their response head arrived).
-    idle: Mutex<Vec<(http1::SendRequest<RequestBody>, Session)>>,
+    /// HTTP/1.1 connections not carrying a request.
+    idle: Mutex<IdleSet>,
+    /// Requests waiting at `max_connections` for a connection to come back.
+    waiting: AtomicUsize,
+    returned: tokio::sync::Notify,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
     h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody>, Session)>>,
+}
+
+/// The idle HTTP/1.1 connections of a host, and the task that closes those the
+/// upstream closes while they wait (as Envoy does: it reads idle connections too).
+#[derive(Debug, Default)]
+struct IdleSet {
+    connections: Vec<(http1::Connection, Session)>,
+    /// The reaper's waker, once it ran; whether it was started.
+    reaper: Option<Waker>,
+    reaping: bool,
+}
+
+impl Drop for HostPool {
+    fn drop(&mut self) {
+        // The reaper ends when it finds its pool gone.
+        let idle = self.idle.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(reaper) = idle.reaper.take() {
+            reaper.wake();
+        }
+    }
 }
 
 /// A connection taken for one request.
 #[derive(Debug)]
 pub enum Sender {
     /// With its pool, whether it was reused, and its TLS session.
-    Http1(
-        http1::SendRequest<RequestBody>,
-        Arc<HostPool>,
-        bool,
-        Session,
-    ),
+    Http1(http1::Connection, Arc<HostPool>, bool, Session),
     Http2(http2::SendRequest<RequestBody>, bool, Session),
 }
 
@@ -339,21 +352,9 @@ impl Pools {
         }
         let mut pending = None;
         let mut waited = false;
-        let mut yields = 0;
         let slot = loop {
-            match pool.take_idle() {
-                Idle::Ready(sender, session) => {
-                    return Ok(Sender::Http1(sender, pool, true, session));
-                }
-                // A connection whose response is ending is ready again in a moment, as
-                // soon as its task runs: Envoy would hand it on (its pool gets it back
-                // as the response ends), so let it run before opening another.
-                Idle::Busy if !waited && yields < RETURN_YIELDS => {
-                    yields += 1;
-                    tokio::task::yield_now().await;
-                    continue;
-                }
-                Idle::Busy | Idle::Empty => {}
+            if let Some((connection, session)) = pool.take_idle() {
+                return Ok(Sender::Http1(connection, pool, true, session));
             }
             if !waited {
                 pending_total.inc();
@@ -378,73 +379,78 @@ impl Pools {
                 pending = Some(Pending(&self.pending));
             }
             // Room may come from a connection to another host closing: look again
-            // every 20 ms. Meanwhile this request waits on one of the host's
-            // connections still reading a response, if any.
+            // every 20 ms, or as soon as one of this host's comes back.
+            pool.waiting.fetch_add(1, Ordering::AcqRel);
+            let returned = pool.returned.notified();
             let recheck = tokio::time::sleep(std::time::Duration::from_millis(20));
-            match pool.take_busy() {
-                Some((mut sender, session)) => tokio::select! {
-                    ready = sender.ready() => if ready.is_ok() {
-                        return Ok(Sender::Http1(sender, pool, true, session));
-                    },
-                    () = recheck => pool.give_back(sender, session),
-                },
-                None => recheck.await,
+            tokio::select! {
+                () = returned => {}
+                () = recheck => {}
             }
+            pool.waiting.fetch_sub(1, Ordering::AcqRel);
         };
         drop(pending);
-        let (sender, session) = Box::pin(connect_http1(cluster, host, secrets, slot, alpn))
+        let (connection, session) = Box::pin(connect_http1(cluster, host, secrets, slot, alpn))
             .await
             .inspect_err(|err| ejected(cluster, err))?;
-        Ok(Sender::Http1(sender, pool, false, session))
+        Ok(Sender::Http1(connection, pool, false, session))
     }
-}
-
-/// What a pool's HTTP/1.1 connections offer a request.
-enum Idle {
-    Ready(http1::SendRequest<RequestBody>, Session),
-    /// None ready, but some are still reading their response.
-    Busy,
-    Empty,
 }
 
 impl HostPool {
-    /// A connection ready for a request, if any. Those the upstream closed are
-    /// dropped; those still reading a response stay.
-    fn take_idle(&self) -> Idle {
+    /// An idle connection still open, newest first (the likeliest to be); those the
+    /// upstream closed are dropped.
+    fn take_idle(&self) -> Option<(http1::Connection, Session)> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let mut busy = false;
-        // Newest first: it is the likeliest to have its response read.
-        let mut i = idle.len();
-        while i > 0 {
-            i -= 1;
-            if idle[i].0.is_ready() {
-                let (sender, session) = idle.swap_remove(i);
-                return Idle::Ready(sender, session);
-            }
-            if idle[i].0.is_closed() {
-                idle.swap_remove(i);
-            } else {
-                busy = true;
+        let mut cx = Context::from_waker(Waker::noop());
+        while let Some((mut connection, session)) = idle.connections.pop() {
+            if connection.poll_unusable(&mut cx).is_pending() {
+                return Some((connection, session));
             }
         }
-        if busy { Idle::Busy } else { Idle::Empty }
+        None
     }
 
-    /// A connection still reading a response, to wait on.
-    fn take_busy(&self) -> Option<(http1::SendRequest<RequestBody>, Session)> {
+    /// A connection whose response was read to its end, back for the next request.
+    pub(super) fn give_back(self: &Arc<Self>, mut connection: http1::Connection, session: Session) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let i = idle.iter().position(|(s, _)| !s.is_closed())?;
-        Some(idle.swap_remove(i))
+        if !idle.reaping {
+            idle.reaping = true;
+            tokio::spawn(reap(Arc::downgrade(self)));
+        }
+        // Looked at with the reaper's waker: it is woken if the upstream closes it.
+        let mut cx = Context::from_waker(idle.reaper.as_ref().unwrap_or(Waker::noop()));
+        if connection.poll_unusable(&mut cx).is_ready() {
+            return;
+        }
+        idle.connections.push((connection, session));
+        drop(idle);
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.returned.notify_one();
+        }
     }
+}
 
-    /// A connection back to the pool, ready or still reading its response: hyper
-    /// marks it ready again once the response has been read, with no task of ours.
-    fn give_back(&self, sender: http1::SendRequest<RequestBody>, session: Session) {
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((sender, session));
-    }
+/// Closes a pool's idle connections as their upstream closes them, until the pool is
+/// gone. It runs only when one of them has something to read.
+async fn reap(pool: Weak<HostPool>) {
+    std::future::poll_fn(|cx| {
+        let Some(pool) = pool.upgrade() else {
+            return Poll::Ready(());
+        };
+        let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if !idle
+            .reaper
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            idle.reaper = Some(cx.waker().clone());
+        }
+        idle.connections
+            .retain_mut(|(connection, _)| connection.poll_unusable(cx).is_pending());
+        Poll::Pending
+    })
+    .await
 }
 
 /// A request waiting for a connection that failed: Envoy's
@@ -469,19 +475,13 @@ async fn connect_http1(
     secrets: &crate::tls::Secrets,
     slot: OwnedConnectionSlot,
     alpn: Option<&[String]>,
-) -> Result<(http1::SendRequest<RequestBody>, Session), CheckoutError> {
+) -> Result<(http1::Connection, Session), CheckoutError> {
     // Envoy counts the protocol as the connection is made, failed connects too.
     cluster.stats.upstream_cx_http1_total.inc();
     let (io, guard, session) = connect_upstream(cluster, host, secrets, alpn, Some("http/1.1"))
         .await
         .map_err(CheckoutError::Connect)?;
-    let (mut sender, connection) = http1::Builder::new()
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(CheckoutError::Handshake)?;
-    drive(connection, (slot, guard), host.address, "HTTP/1.1");
-    sender.ready().await.map_err(CheckoutError::Handshake)?;
-    Ok((sender, session))
+    Ok((http1::Connection::new(io, (slot, guard)), session))
 }
 
 pub(super) async fn connect_http2(
@@ -523,9 +523,13 @@ fn drive(
 /// was already closing), so it can go on another connection.
 #[derive(Debug)]
 pub struct SendError {
-    pub error: hyper::Error,
+    pub error: BoxError,
+    /// The upstream's response broke HTTP (Envoy's `UPE`).
+    pub malformed: bool,
     pub unsent: Option<Request<RequestBody>>,
 }
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 impl Sender {
     /// Whether the connection served a request before: an upstream may close an idle
@@ -544,26 +548,80 @@ impl Sender {
     }
 
     /// Sends `request` and waits for the response head. An HTTP/1.1 connection returns
-    /// to its pool once the response body has been read (hyper reports it ready again).
+    /// to its pool once the response body has been read.
     pub async fn send(
         self,
         request: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, SendError> {
-        let result = match self {
-            Sender::Http1(mut sender, pool, _, session) => {
-                let response = sender.try_send_request(request).await;
-                if response.is_ok() {
-                    // Back at once (no task per request to wait for it): the next
-                    // request takes it when hyper says it is ready.
-                    pool.give_back(sender, session);
-                }
-                response
-            }
-            Sender::Http2(mut sender, _, _) => sender.try_send_request(request).await,
-        };
-        result.map_err(|mut err| SendError {
-            unsent: err.take_message(),
-            error: err.into_error(),
-        })
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        match self {
+            Sender::Http1(connection, pool, _, session) => connection
+                .send(request, http1::Back { pool, session })
+                .await
+                .map(|response| response.map(UpstreamBody::Http1))
+                .map_err(|failed| SendError {
+                    malformed: failed.error.is_malformed(),
+                    error: Box::new(failed.error),
+                    unsent: failed.unsent,
+                }),
+            Sender::Http2(mut sender, _, _) => sender
+                .try_send_request(request)
+                .await
+                .map(|response| response.map(UpstreamBody::Http2))
+                .map_err(|mut err| {
+                    let unsent = err.take_message();
+                    let error = err.into_error();
+                    SendError {
+                        malformed: error.is_parse(),
+                        error: Box::new(error),
+                        unsent,
+                    }
+                }),
+        }
+    }
+}
+
+/// An upstream response body: from an HTTP/1.1 connection of ours, or hyper's HTTP/2.
+#[derive(Debug)]
+pub enum UpstreamBody {
+    Http1(http1::ResponseBody),
+    Http2(Incoming),
+}
+
+impl From<Incoming> for UpstreamBody {
+    fn from(incoming: Incoming) -> Self {
+        UpstreamBody::Http2(incoming)
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            UpstreamBody::Http1(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(BoxError::from))),
+            UpstreamBody::Http2(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(BoxError::from))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Http1(body) => body.is_end_stream(),
+            UpstreamBody::Http2(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Http1(body) => body.size_hint(),
+            UpstreamBody::Http2(body) => body.size_hint(),
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod connect;
 pub mod dns;
 pub mod health_check;
 pub mod host;
+pub mod http1;
 pub mod http_pool;
 pub mod internal;
 pub mod load_balancer;

@@ -1,0 +1,458 @@
+//! An upstream HTTP/1.1 connection driven by the task of the request it carries, as an
+//! Envoy worker drives its HTTP/1 codec on its own event loop: no task per connection,
+//! no channels between a request and its connection, and the response body read from
+//! the socket as the downstream takes it. When the response is read to its end, the
+//! connection goes back to its pool (with the whole of a small response, at once).
+//!
+//! [`encode`] frames the request, [`decode`] the response.
+
+mod decode;
+mod encode;
+
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use hyper::body::{Body, Frame, SizeHint};
+use hyper::{HeaderMap, Method, Request, Response};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use super::circuit_breaker::OwnedConnectionSlot;
+use super::cluster::UpstreamConnection;
+use super::http_pool::{BoxedIo, HostPool, RequestBody, Session};
+
+/// What a read asks the kernel for at least: a response head and a small body in one.
+const READ_SIZE: usize = 8 * 1024;
+/// Request body bytes written in one go, at most: more waits for the socket.
+const WRITE_SLICES: usize = 8;
+
+/// Why an exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("upstream connection closed")]
+    Closed,
+    #[error("upstream connection: {0}")]
+    Io(#[from] io::Error),
+    #[error("upstream response malformed: {0}")]
+    Malformed(&'static str),
+    #[error("request body: {0}")]
+    RequestBody(hyper::Error),
+    #[error("request body does not match its content-length")]
+    RequestLength,
+}
+
+impl Error {
+    /// The upstream broke HTTP/1.1 (Envoy's `UPE`), rather than going away.
+    pub fn is_malformed(&self) -> bool {
+        matches!(self, Error::Malformed(_))
+    }
+}
+
+/// What a connection holds until it closes: its circuit breaker slot and its place in
+/// the cluster's connection stats.
+pub type Held = (OwnedConnectionSlot, UpstreamConnection);
+
+/// An open HTTP/1.1 connection, idle in its pool or carrying one request.
+pub struct Connection {
+    io: BoxedIo,
+    read: BytesMut,
+    write: BytesMut,
+    /// The request's bytes still to write, in order: head, data, chunk framing.
+    queue: Vec<Bytes>,
+    _held: Held,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("buffered", &self.read.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a connection goes back once its response is read.
+pub struct Back {
+    pub pool: Arc<HostPool>,
+    pub session: Session,
+}
+
+/// A request that failed, given back when nothing of it left (the connection had
+/// closed), so it can go on another connection.
+pub struct Failed {
+    pub error: Error,
+    pub unsent: Option<Request<RequestBody>>,
+}
+
+impl Connection {
+    pub fn new(io: BoxedIo, held: Held) -> Self {
+        Connection {
+            io,
+            read: BytesMut::new(),
+            write: BytesMut::new(),
+            queue: Vec::new(),
+            _held: held,
+        }
+    }
+
+    /// Whether an idle connection can no longer carry a request: the upstream closed it
+    /// or sent bytes nobody asked for. `Pending` means usable, and `cx` is woken when
+    /// that changes.
+    pub fn poll_unusable(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.read.is_empty() {
+            return Poll::Ready(());
+        }
+        let mut byte = [0u8; 1];
+        let mut buf = ReadBuf::new(&mut byte);
+        match Pin::new(&mut self.io).poll_read(cx, &mut buf) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(_) => Poll::Ready(()),
+        }
+    }
+
+    /// Sends `request` and reads the response head; the body is read as the returned
+    /// response's body is polled.
+    pub async fn send(
+        mut self,
+        request: Request<RequestBody>,
+        back: Back,
+    ) -> Result<Response<ResponseBody>, Failed> {
+        let (parts, body) = request.into_parts();
+        let framing = match encode::head(&mut self.write, &parts, &body) {
+            Ok(framing) => framing,
+            Err(error) => {
+                return Err(Failed {
+                    error,
+                    unsent: None,
+                });
+            }
+        };
+        self.queue.push(self.write.split().freeze());
+        let mut exchange = Exchange {
+            body: (framing != encode::Framing::Empty).then_some(body),
+            framing,
+            trailers: None,
+            offset: 0,
+            wrote: false,
+            sent: false,
+        };
+        let head =
+            std::future::poll_fn(|cx| self.poll_exchange(cx, &mut exchange, &parts.method)).await;
+        let head = match head {
+            Ok(head) => head,
+            Err(error) => {
+                // Nothing left: the request can go elsewhere, whole.
+                let unsent = (!exchange.wrote).then(|| {
+                    let body = exchange.body.take().unwrap_or_else(RequestBody::empty);
+                    Request::from_parts(parts, body)
+                });
+                return Err(Failed { error, unsent });
+            }
+        };
+        self.queue.clear();
+        // A response that came before the whole request left ends the connection.
+        let keep_alive = head.keep_alive && exchange.sent;
+        let (parts, ()) = head.response.into_parts();
+        let body = match head.framing {
+            decode::Framing::Length(length) if self.read.len() as u64 >= length => {
+                let data = (length > 0).then(|| self.read.split_to(length as usize).freeze());
+                self.done(keep_alive, back);
+                ResponseBody::Full(data)
+            }
+            framing => ResponseBody::Reading(Box::new(Reading {
+                connection: self,
+                framing,
+                keep_alive,
+                back,
+            })),
+        };
+        Ok(Response::from_parts(parts, body))
+    }
+
+    /// One poll of the exchange: the request goes out as far as the socket and the body
+    /// allow, and the response head is looked for in what came back.
+    fn poll_exchange(
+        &mut self,
+        cx: &mut Context<'_>,
+        exchange: &mut Exchange,
+        method: &Method,
+    ) -> Poll<Result<decode::Head, Error>> {
+        if !exchange.sent
+            && let Err(err) = self.poll_send(cx, exchange)
+        {
+            return Poll::Ready(Err(err));
+        }
+        loop {
+            if !self.read.is_empty()
+                && let Some(head) = decode::head(&mut self.read, method)?
+            {
+                return Poll::Ready(Ok(head));
+            }
+            match ready!(self.poll_fill(cx)) {
+                Ok(0) => return Poll::Ready(Err(Error::Closed)),
+                Ok(_) => {}
+                Err(err) => return Poll::Ready(Err(err.into())),
+            }
+        }
+    }
+
+    /// Writes what is queued, then the body's frames as they come; done (`sent`) once
+    /// the body ended and everything is flushed.
+    fn poll_send(&mut self, cx: &mut Context<'_>, exchange: &mut Exchange) -> Result<(), Error> {
+        loop {
+            if !self.queue.is_empty() {
+                match self.poll_write_queue(cx, exchange)? {
+                    Poll::Ready(()) => {}
+                    Poll::Pending => return Ok(()),
+                }
+            }
+            let Some(body) = exchange.body.as_mut() else {
+                if Pin::new(&mut self.io).poll_flush(cx)?.is_ready() {
+                    exchange.sent = true;
+                }
+                return Ok(());
+            };
+            match Pin::new(body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => encode::data(
+                        &mut exchange.framing,
+                        data,
+                        &mut self.write,
+                        &mut self.queue,
+                    )?,
+                    Err(frame) => exchange.trailers = frame.into_trailers().ok(),
+                },
+                Poll::Ready(Some(Err(err))) => {
+                    exchange.body = None;
+                    return Err(Error::RequestBody(err));
+                }
+                Poll::Ready(None) => {
+                    encode::end(
+                        exchange.framing,
+                        exchange.trailers.as_ref(),
+                        &mut self.write,
+                        &mut self.queue,
+                    )?;
+                    exchange.body = None;
+                }
+                Poll::Pending => {
+                    // Whatever TLS holds goes out while the body waits.
+                    let _ = Pin::new(&mut self.io).poll_flush(cx)?;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Writes the queue, gathered when the socket takes several buffers at once.
+    fn poll_write_queue(
+        &mut self,
+        cx: &mut Context<'_>,
+        exchange: &mut Exchange,
+    ) -> Result<Poll<()>, Error> {
+        while !self.queue.is_empty() {
+            let io = Pin::new(&mut self.io);
+            let written = if self.queue.len() > 1 && io.is_write_vectored() {
+                let mut slices = [IoSlice::new(&[]); WRITE_SLICES];
+                for (slice, (i, bytes)) in slices.iter_mut().zip(self.queue.iter().enumerate()) {
+                    let skip = if i == 0 { exchange.offset } else { 0 };
+                    *slice = IoSlice::new(&bytes[skip..]);
+                }
+                let count = self.queue.len().min(WRITE_SLICES);
+                Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..count])
+            } else {
+                io.poll_write(cx, &self.queue[0][exchange.offset..])
+            };
+            let mut written = match written {
+                Poll::Pending => return Ok(Poll::Pending),
+                Poll::Ready(Ok(0)) => return Err(io::Error::from(io::ErrorKind::WriteZero).into()),
+                Poll::Ready(Ok(n)) => n,
+                Poll::Ready(Err(err)) => return Err(err.into()),
+            };
+            exchange.wrote = true;
+            // Drop what went out whole; remember how far into the next one.
+            let mut done = 0;
+            for bytes in &self.queue {
+                let left = bytes.len() - if done == 0 { exchange.offset } else { 0 };
+                if written < left {
+                    break;
+                }
+                written -= left;
+                done += 1;
+                exchange.offset = 0;
+            }
+            self.queue.drain(..done);
+            exchange.offset += written;
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    /// Reads what the socket has into the read buffer.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.read.capacity() - self.read.len() < READ_SIZE / 4 {
+            self.read.reserve(READ_SIZE);
+        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)
+    }
+
+    /// The response was read to its end: back to the pool if the connection may carry
+    /// another request, closed otherwise.
+    fn done(self, keep_alive: bool, back: Back) {
+        if keep_alive && self.read.is_empty() {
+            back.pool.give_back(self, back.session);
+        }
+    }
+}
+
+/// One request on its way out.
+struct Exchange {
+    body: Option<RequestBody>,
+    framing: encode::Framing,
+    trailers: Option<HeaderMap>,
+    /// How far into the queue's first buffer has been written.
+    offset: usize,
+    /// Whether any of the request has been written.
+    wrote: bool,
+    /// The whole request was written and flushed.
+    sent: bool,
+}
+
+/// A response body being read from its connection.
+pub struct Reading {
+    connection: Connection,
+    framing: decode::Framing,
+    keep_alive: bool,
+    back: Back,
+}
+
+/// An upstream HTTP/1.1 response body.
+pub enum ResponseBody {
+    /// Read with the head (or none): the connection is already back in its pool.
+    Full(Option<Bytes>),
+    Reading(Box<Reading>),
+    Done,
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResponseBody::Full(data) => write!(f, "Full({:?})", data.as_ref().map(Bytes::len)),
+            ResponseBody::Reading(_) => f.write_str("Reading"),
+            ResponseBody::Done => f.write_str("Done"),
+        }
+    }
+}
+
+impl ResponseBody {
+    /// The body's end: the connection goes back (or closes).
+    fn finish(&mut self) {
+        if let ResponseBody::Reading(reading) = std::mem::replace(self, ResponseBody::Done) {
+            let Reading {
+                connection,
+                keep_alive,
+                back,
+                ..
+            } = *reading;
+            connection.done(keep_alive, back);
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        let this = self.get_mut();
+        let reading = match this {
+            ResponseBody::Full(data) => {
+                let frame = data.take().map(|d| Ok(Frame::data(d)));
+                if frame.is_none() {
+                    *this = ResponseBody::Done;
+                }
+                return Poll::Ready(frame);
+            }
+            ResponseBody::Done => return Poll::Ready(None),
+            ResponseBody::Reading(reading) => reading,
+        };
+        loop {
+            let read = &mut reading.connection.read;
+            match &mut reading.framing {
+                decode::Framing::Length(0) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                decode::Framing::Length(left) if !read.is_empty() => {
+                    let take = (*left).min(read.len() as u64);
+                    *left -= take;
+                    let data = read.split_to(take as usize).freeze();
+                    if *left == 0 {
+                        this.finish();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                decode::Framing::Chunked(chunked) => match chunked.decode(read) {
+                    Err(err) => {
+                        *this = ResponseBody::Done;
+                        return Poll::Ready(Some(Err(err)));
+                    }
+                    Ok(Some(frame)) => {
+                        if chunked.finish_early(read) {
+                            this.finish();
+                        }
+                        return Poll::Ready(Some(Ok(frame)));
+                    }
+                    Ok(None) if chunked.is_done() => {
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                    Ok(None) => {}
+                },
+                decode::Framing::Close if !read.is_empty() => {
+                    return Poll::Ready(Some(Ok(Frame::data(read.split().freeze()))));
+                }
+                _ => {}
+            }
+            match ready!(reading.connection.poll_fill(cx)) {
+                Ok(0) => {
+                    let ended = matches!(reading.framing, decode::Framing::Close);
+                    *this = ResponseBody::Done;
+                    return Poll::Ready((!ended).then_some(Err(Error::Closed)));
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    *this = ResponseBody::Done;
+                    return Poll::Ready(Some(Err(err.into())));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ResponseBody::Full(data) => data.is_none(),
+            ResponseBody::Done => true,
+            ResponseBody::Reading(_) => false,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ResponseBody::Full(data) => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResponseBody::Done => SizeHint::with_exact(0),
+            ResponseBody::Reading(reading) => match reading.framing {
+                decode::Framing::Length(left) => SizeHint::with_exact(left),
+                _ => SizeHint::default(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

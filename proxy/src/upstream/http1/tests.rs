@@ -1,0 +1,248 @@
+//! The HTTP/1.1 connection against a scripted upstream on loopback: what goes on the
+//! wire, how bodies come back, and when a connection is reused or closed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use hyper::Request;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::upstream::cluster::{Cluster, ClusterConfig};
+use crate::upstream::host::Host;
+use crate::upstream::http_pool::{RequestBody, Sender, UpstreamBody};
+
+/// An upstream whose connections each run `script`; it counts what it accepted.
+async fn upstream<F, Fut>(script: F) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>)
+where
+    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(script(stream));
+        }
+    });
+    (address, accepted)
+}
+
+/// Reads one request head (and `body` more bytes) off `stream`, as text.
+async fn read_request(stream: &mut TcpStream, body: usize) -> String {
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !seen.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte).await.unwrap() == 0 {
+            return String::from_utf8_lossy(&seen).into_owned();
+        }
+        seen.push(byte[0]);
+    }
+    let mut rest = vec![0u8; body];
+    stream.read_exact(&mut rest).await.unwrap();
+    seen.extend_from_slice(&rest);
+    String::from_utf8(seen).unwrap()
+}
+
+fn cluster(address: SocketAddr) -> (Arc<Cluster>, Arc<Host>) {
+    let cluster = Cluster::new(ClusterConfig::new("c"), vec![Host::new(address)]);
+    let host = cluster.hosts()[0].clone();
+    (cluster, host)
+}
+
+async fn checkout(cluster: &Arc<Cluster>, host: &Arc<Host>) -> Sender {
+    cluster
+        .http_pools
+        .checkout(cluster, host, false, &Default::default())
+        .await
+        .unwrap()
+}
+
+fn get(path: &str) -> Request<RequestBody> {
+    let mut request = Request::new(RequestBody::empty());
+    *request.uri_mut() = path.parse().unwrap();
+    request.headers_mut().insert("host", "svc".parse().unwrap());
+    request
+}
+
+async fn body_of(body: UpstreamBody) -> (Bytes, Option<hyper::HeaderMap>) {
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    (collected.to_bytes(), trailers)
+}
+
+/// Waits (up to 5 s) for the cluster's active connections to reach `count`.
+async fn active_becomes(cluster: &Cluster, count: u64) {
+    for _ in 0..500 {
+        if cluster.stats.upstream_cx_active.value() == count {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "upstream_cx_active stayed {}, not {count}",
+        cluster.stats.upstream_cx_active.value()
+    );
+}
+
+#[tokio::test]
+async fn a_small_response_frees_its_connection_with_the_head_and_the_next_request_reuses_it() {
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let (address, accepted) = upstream(move |mut stream| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            for _ in 0..2 {
+                seen_tx.send(read_request(&mut stream, 0).await).unwrap();
+                stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello")
+                    .await
+                    .unwrap();
+            }
+        }
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let sender = checkout(&cluster, &host).await;
+    assert!(!sender.reused());
+    let response = sender.send(get("/a?b=c")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-a"], "b");
+    // The whole body came with the head: the connection is back before it is read.
+    let second = checkout(&cluster, &host).await;
+    assert!(second.reused(), "the first connection is idle again");
+    assert_eq!(body_of(response.into_body()).await.0, "hello");
+    let response = second.send(get("/second")).await.unwrap();
+    assert_eq!(body_of(response.into_body()).await.0, "hello");
+    assert_eq!(
+        seen.recv().await.unwrap(),
+        "GET /a?b=c HTTP/1.1\r\nhost: svc\r\n\r\n"
+    );
+    assert_eq!(
+        seen.recv().await.unwrap(),
+        "GET /second HTTP/1.1\r\nhost: svc\r\n\r\n"
+    );
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_body_goes_with_its_length_and_a_chunked_response_streams_with_trailers() {
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let (address, _) = upstream(move |mut stream| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            seen_tx.send(read_request(&mut stream, 5).await).unwrap();
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+                .await
+                .unwrap();
+            // The rest later: the body is read as it comes.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stream
+                .write_all(b"6;x=y\r\n world\r\n0\r\nx-t: 1\r\n\r\n")
+                .await
+                .unwrap();
+            // The connection stays open for the next request.
+            let _ = read_request(&mut stream, 0).await;
+        }
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let mut request = get("/upload");
+    *request.method_mut() = hyper::Method::POST;
+    *request.body_mut() = RequestBody::buffered(Bytes::from_static(b"hello"), None);
+    let response = checkout(&cluster, &host).await.send(request).await.unwrap();
+    assert_eq!(
+        seen.recv().await.unwrap(),
+        "POST /upload HTTP/1.1\r\nhost: svc\r\ncontent-length: 5\r\n\r\nhello"
+    );
+    let (data, trailers) = body_of(response.into_body()).await;
+    assert_eq!(data, "hello world");
+    assert_eq!(trailers.unwrap()["x-t"], "1");
+    assert!(checkout(&cluster, &host).await.reused());
+}
+
+#[tokio::test]
+async fn a_connection_the_upstream_closes_while_idle_is_closed_at_once() {
+    let (address, accepted) = upstream(|mut stream| async move {
+        read_request(&mut stream, 0).await;
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The upstream's keep-alive timeout.
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let response = checkout(&cluster, &host)
+        .await
+        .send(get("/"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    active_becomes(&cluster, 1).await;
+    // No request comes: the pool notices the close by itself, as Envoy does.
+    active_becomes(&cluster, 0).await;
+    let sender = checkout(&cluster, &host).await;
+    assert!(!sender.reused(), "a new connection");
+    let response = sender.send(get("/")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_body_until_close_is_read_whole_and_its_connection_not_reused() {
+    let (address, _) = upstream(|mut stream| async move {
+        read_request(&mut stream, 0).await;
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\n\r\nuntil ")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stream.write_all(b"close").await.unwrap();
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let response = checkout(&cluster, &host)
+        .await
+        .send(get("/"))
+        .await
+        .unwrap();
+    assert_eq!(body_of(response.into_body()).await.0, "until close");
+    active_becomes(&cluster, 0).await;
+}
+
+#[tokio::test]
+async fn a_malformed_response_or_a_close_before_it_fails_the_request() {
+    let (address, _) = upstream(|mut stream| async move {
+        let head = read_request(&mut stream, 0).await;
+        if head.starts_with("GET /bad ") {
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n")
+                .await;
+        }
+        // /closed: nothing comes back.
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let failed = checkout(&cluster, &host)
+        .await
+        .send(get("/bad"))
+        .await
+        .unwrap_err();
+    assert!(failed.malformed, "{}", failed.error);
+    let failed = checkout(&cluster, &host)
+        .await
+        .send(get("/closed"))
+        .await
+        .unwrap_err();
+    assert!(!failed.malformed, "{}", failed.error);
+    assert!(failed.unsent.is_none(), "the request was written");
+    active_becomes(&cluster, 0).await;
+}
