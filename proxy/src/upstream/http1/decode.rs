@@ -75,7 +75,10 @@ pub(super) fn head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, 
             let value = h.value.as_ptr() as usize - base;
             *span = (name, name + h.name.len(), value, value + h.value.len());
         }
-        let bytes = buf.split_to(len).freeze();
+        // Copied out: the read buffer stays the connection's alone, reused without an
+        // allocation for the next response (a head is a few hundred bytes).
+        let bytes = Bytes::copy_from_slice(&buf[..len]);
+        buf.advance(len);
         let mut headers = HeaderMap::with_capacity(count);
         for &(name_start, name_end, value_start, value_end) in &spans[..count] {
             let name = HeaderName::from_bytes(&bytes[name_start..name_end])
@@ -216,7 +219,7 @@ impl Chunked {
                     if *left == 0 {
                         *self = Chunked::DataEnd;
                     }
-                    return Ok(Some(Frame::data(buf.split_to(take).freeze())));
+                    return Ok(Some(Frame::data(take_bytes(buf, take))));
                 }
                 Chunked::DataEnd => {
                     if buf.len() < 2 {
@@ -258,6 +261,21 @@ impl Chunked {
                 }
             }
         }
+    }
+}
+
+/// Below this, body bytes are copied out of the read buffer rather than split off it:
+/// a split makes the buffer shared, and the next read needs a new one.
+const COPY_BELOW: usize = 4 * 1024;
+
+/// The first `len` bytes of `buf`, taken off it.
+pub(super) fn take_bytes(buf: &mut BytesMut, len: usize) -> Bytes {
+    if len < COPY_BELOW {
+        let bytes = Bytes::copy_from_slice(&buf[..len]);
+        buf.advance(len);
+        bytes
+    } else {
+        buf.split_to(len).freeze()
     }
 }
 

@@ -156,7 +156,7 @@ impl Connection {
         let (parts, ()) = head.response.into_parts();
         let body = match head.framing {
             decode::Framing::Length(length) if self.read.len() as u64 >= length => {
-                let data = (length > 0).then(|| self.read.split_to(length as usize).freeze());
+                let data = (length > 0).then(|| decode::take_bytes(&mut self.read, length as usize));
                 self.done(keep_alive, back);
                 ResponseBody::Full(data)
             }
@@ -389,7 +389,7 @@ impl Body for ResponseBody {
                 decode::Framing::Length(left) if !read.is_empty() => {
                     let take = (*left).min(read.len() as u64);
                     *left -= take;
-                    let data = read.split_to(take as usize).freeze();
+                    let data = decode::take_bytes(read, take as usize);
                     if *left == 0 {
                         this.finish();
                     }
@@ -413,7 +413,8 @@ impl Body for ResponseBody {
                     Ok(None) => {}
                 },
                 decode::Framing::Close if !read.is_empty() => {
-                    return Poll::Ready(Some(Ok(Frame::data(read.split().freeze()))));
+                    let all = read.len();
+                    return Poll::Ready(Some(Ok(Frame::data(decode::take_bytes(read, all)))));
                 }
                 _ => {}
             }
