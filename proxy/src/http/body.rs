@@ -287,11 +287,28 @@ enum Content {
     Full(Option<Bytes>),
     /// A body an HTTP filter read whole: data, then trailers.
     Buffered(Option<Bytes>, Option<hyper::HeaderMap>),
-    /// With the end of the route's timeout, and the counter a timeout raises.
-    Upstream(
-        UpstreamBody,
-        Option<(Pin<Box<tokio::time::Sleep>>, Counter)>,
-    ),
+    /// With the route's timeout.
+    Upstream(UpstreamBody, Option<Deadline>),
+}
+
+/// The route's timeout over a response body. Its timer is made only once the body
+/// waits: most bodies arrive whole with their head, and never need one.
+#[derive(Debug)]
+struct Deadline {
+    at: std::time::Instant,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The counter a timeout raises.
+    timeouts: Counter,
+}
+
+impl Deadline {
+    fn poll_expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let at = tokio::time::Instant::from_std(self.at);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        timer.as_mut().poll(cx).is_ready()
+    }
 }
 
 /// Why a response body stopped short.
@@ -347,11 +364,10 @@ impl ResponseBody {
         incoming: impl Into<UpstreamBody>,
         deadline: Option<(std::time::Instant, Counter)>,
     ) -> Self {
-        let deadline = deadline.map(|(at, counter)| {
-            (
-                Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at))),
-                counter,
-            )
+        let deadline = deadline.map(|(at, timeouts)| Deadline {
+            at,
+            timer: None,
+            timeouts,
         });
         ResponseBody {
             content: Content::Upstream(incoming.into(), deadline),
@@ -405,13 +421,11 @@ impl Body for ResponseBody {
             }),
             Content::Upstream(incoming, deadline) => {
                 let frame = Pin::new(incoming).poll_frame(cx);
-                let timed_out = frame.is_pending()
-                    && deadline
-                        .as_mut()
-                        .is_some_and(|(sleep, _)| sleep.as_mut().poll(cx).is_ready());
+                let timed_out =
+                    frame.is_pending() && deadline.as_mut().is_some_and(|d| d.poll_expired(cx));
                 if timed_out {
-                    if let Some((_, timeouts)) = deadline {
-                        timeouts.inc();
+                    if let Some(deadline) = deadline {
+                        deadline.timeouts.inc();
                     }
                     if let Some(log) = this.log.as_ref() {
                         log.flag(ResponseFlag::UpstreamRequestTimeout);

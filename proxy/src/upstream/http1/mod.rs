@@ -156,7 +156,8 @@ impl Connection {
         let (parts, ()) = head.response.into_parts();
         let body = match head.framing {
             decode::Framing::Length(length) if self.read.len() as u64 >= length => {
-                let data = (length > 0).then(|| decode::take_bytes(&mut self.read, length as usize));
+                let data =
+                    (length > 0).then(|| decode::take_bytes(&mut self.read, length as usize));
                 self.done(keep_alive, back);
                 ResponseBody::Full(data)
             }
@@ -213,34 +214,39 @@ impl Connection {
                 }
                 return Ok(());
             };
-            match Pin::new(body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => encode::data(
-                        &mut exchange.framing,
-                        data,
-                        &mut self.write,
-                        &mut self.queue,
-                    )?,
-                    Err(frame) => exchange.trailers = frame.into_trailers().ok(),
-                },
+            let ended = match Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    match frame.into_data() {
+                        Ok(data) => encode::data(
+                            &mut exchange.framing,
+                            data,
+                            &mut self.write,
+                            &mut self.queue,
+                        )?,
+                        Err(frame) => exchange.trailers = frame.into_trailers().ok(),
+                    }
+                    // As hyper does: a body that says it ended is not polled again.
+                    body.is_end_stream()
+                }
                 Poll::Ready(Some(Err(err))) => {
                     exchange.body = None;
                     return Err(Error::RequestBody(err));
                 }
-                Poll::Ready(None) => {
-                    encode::end(
-                        exchange.framing,
-                        exchange.trailers.as_ref(),
-                        &mut self.write,
-                        &mut self.queue,
-                    )?;
-                    exchange.body = None;
-                }
+                Poll::Ready(None) => true,
                 Poll::Pending => {
                     // Whatever TLS holds goes out while the body waits.
                     let _ = Pin::new(&mut self.io).poll_flush(cx)?;
                     return Ok(());
                 }
+            };
+            if ended {
+                encode::end(
+                    exchange.framing,
+                    exchange.trailers.as_ref(),
+                    &mut self.write,
+                    &mut self.queue,
+                )?;
+                exchange.body = None;
             }
         }
     }
