@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use hyper::body::Body as _;
-use hyper::header::{self, HeaderMap};
+use hyper::header::{self, HeaderMap, HeaderName};
 use hyper::http::request::Parts;
 
 use super::Error;
@@ -110,10 +110,40 @@ pub(super) fn data(
     Ok(())
 }
 
-/// The body's end, with its trailers if any (sent only when chunked, as Envoy does).
+/// The trailer fields a request may send: those its `trailer` header declares, less
+/// those that belong in a head (hyper's rule; Envoy drops HTTP/1 trailers unless told).
+pub(super) fn declared_trailers(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::TRAILER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .filter(|name| {
+            ![
+                header::AUTHORIZATION,
+                header::CACHE_CONTROL,
+                header::CONTENT_ENCODING,
+                header::CONTENT_LENGTH,
+                header::CONTENT_RANGE,
+                header::CONTENT_TYPE,
+                header::HOST,
+                header::MAX_FORWARDS,
+                header::SET_COOKIE,
+                header::TRAILER,
+                header::TRANSFER_ENCODING,
+                header::TE,
+            ]
+            .contains(name)
+        })
+        .collect()
+}
+
+/// The body's end, with the declared ones of its trailers (sent only when chunked).
 pub(super) fn end(
     framing: Framing,
     trailers: Option<&HeaderMap>,
+    declared: &[HeaderName],
     out: &mut BytesMut,
     queue: &mut Vec<Bytes>,
 ) -> Result<(), Error> {
@@ -123,6 +153,9 @@ pub(super) fn end(
         Framing::Chunked => {
             out.put_slice(b"0\r\n");
             for (name, value) in trailers.into_iter().flatten() {
+                if !declared.contains(name) {
+                    continue;
+                }
                 out.put_slice(name.as_str().as_bytes());
                 out.put_slice(b": ");
                 out.put_slice(value.as_bytes());
@@ -132,5 +165,44 @@ pub(super) fn end(
             queue.push(out.split().freeze());
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_declared_trailers_that_may_trail_are_sent() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::TRAILER,
+            "x-checksum, content-length".parse().unwrap(),
+        );
+        let declared = declared_trailers(&headers);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", "abc".parse().unwrap());
+        trailers.insert("x-other", "1".parse().unwrap());
+        trailers.insert(header::CONTENT_LENGTH, "5".parse().unwrap());
+        let (mut out, mut queue) = (BytesMut::new(), Vec::new());
+        end(
+            Framing::Chunked,
+            Some(&trailers),
+            &declared,
+            &mut out,
+            &mut queue,
+        )
+        .unwrap();
+        assert_eq!(&queue[0][..], b"0\r\nx-checksum: abc\r\n\r\n");
+        let mut length = Framing::Length(3);
+        assert!(
+            data(
+                &mut length,
+                Bytes::from_static(b"abcd"),
+                &mut out,
+                &mut queue
+            )
+            .is_err()
+        );
     }
 }

@@ -129,10 +129,16 @@ impl Connection {
             }
         };
         self.queue.push(self.write.split().freeze());
+        let declared = if framing == encode::Framing::Chunked {
+            encode::declared_trailers(&parts.headers)
+        } else {
+            Vec::new()
+        };
         let mut exchange = Exchange {
             body: (framing != encode::Framing::Empty).then_some(body),
             framing,
             trailers: None,
+            declared,
             offset: 0,
             wrote: false,
             sent: false,
@@ -243,6 +249,7 @@ impl Connection {
                 encode::end(
                     exchange.framing,
                     exchange.trailers.as_ref(),
+                    &exchange.declared,
                     &mut self.write,
                     &mut self.queue,
                 )?;
@@ -316,6 +323,8 @@ struct Exchange {
     body: Option<RequestBody>,
     framing: encode::Framing,
     trailers: Option<HeaderMap>,
+    /// The trailer fields the request declared (see [`encode::declared_trailers`]).
+    declared: Vec<hyper::header::HeaderName>,
     /// How far into the queue's first buffer has been written.
     offset: usize,
     /// Whether any of the request has been written.

@@ -246,3 +246,83 @@ async fn a_malformed_response_or_a_close_before_it_fails_the_request() {
     assert!(failed.unsent.is_none(), "the request was written");
     active_becomes(&cluster, 0).await;
 }
+
+#[derive(Debug)]
+struct Unwatched;
+
+impl crate::upstream::http_pool::BodyObserver for Unwatched {
+    fn received(&self, _: u64) {}
+}
+
+#[tokio::test]
+async fn a_streamed_body_goes_chunked_with_its_declared_trailers() {
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let (upstream, _) = upstream(move |mut stream| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            let mut wire = Vec::new();
+            let mut byte = [0u8; 1];
+            while !wire.ends_with(b"\r\n0\r\nx-sum: 9\r\n\r\n") {
+                if stream.read(&mut byte).await.unwrap() == 0 {
+                    break;
+                }
+                wire.push(byte[0]);
+            }
+            seen_tx.send(String::from_utf8(wire).unwrap()).unwrap();
+            let _ = stream.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+        }
+    })
+    .await;
+    let (cluster, host) = cluster(upstream);
+    // A downstream served by hyper, whose streamed body goes upstream as it comes.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+            let (cluster, host) = (cluster.clone(), host.clone());
+            async move {
+                let body = RequestBody::new(request.into_body(), Arc::new(Unwatched));
+                let mut upstream = Request::new(body);
+                *upstream.method_mut() = hyper::Method::POST;
+                *upstream.uri_mut() = "/up".parse().unwrap();
+                upstream
+                    .headers_mut()
+                    .insert("host", "svc".parse().unwrap());
+                upstream
+                    .headers_mut()
+                    .insert("trailer", "x-sum".parse().unwrap());
+                let response = checkout(&cluster, &host)
+                    .await
+                    .send(upstream)
+                    .await
+                    .unwrap();
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        });
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await;
+    });
+    let mut client = TcpStream::connect(proxy).await.unwrap();
+    client
+        .write_all(b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    client
+        .write_all(b"2\r\nde\r\n0\r\nx-sum: 9\r\nx-no: 1\r\n\r\n")
+        .await
+        .unwrap();
+    let wire = seen.recv().await.unwrap();
+    assert!(
+        wire.ends_with(
+            "transfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\nx-sum: 9\r\n\r\n"
+        ),
+        "{wire}"
+    );
+    let mut answer = [0u8; 12];
+    client.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 204");
+}
