@@ -41,6 +41,14 @@ fn main() -> std::process::ExitCode {
     {
         return shunt::node::cni::plugin::main();
     }
+    // glibc's fastbins are merged whenever a block over 1 KiB is asked for, and every
+    // request asks for some (its future): without fastbins, small blocks come from the
+    // per-thread cache and nothing is merged on the way.
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes allocator parameters, before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MXFAST, 0);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Capture(args) => capture::run(*args),
