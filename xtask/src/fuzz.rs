@@ -24,6 +24,7 @@ pub const TARGETS: &[&str] = &[
     "xds_resource",
     "route_match",
     "http_request",
+    "http1_response",
     "listener_sniff",
     "capture_flags",
     "dns_message",

@@ -408,8 +408,7 @@ async fn attempt_once(
 /// Headers that describe one hop's connection, never forwarded (RFC 9110 7.6.1), with
 /// those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Named once (parsing a name per call showed in profiles); most requests and
-    // responses carry none of these, so look before removing.
+    // Named once (parsing a name per call showed in profiles).
     static HOP_BY_HOP: [HeaderName; 6] = [
         header::CONNECTION,
         HeaderName::from_static("keep-alive"),
@@ -418,24 +417,30 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         header::UPGRADE,
         HeaderName::from_static("http2-settings"),
     ];
-    if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|name| {
-                HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok()
-            })
-            .collect();
-        for name in named {
-            headers.remove(name);
-        }
+    // One look at each name: most requests carry none of these, and most responses
+    // only `connection: keep-alive`.
+    if !headers
+        .keys()
+        .any(|name| HOP_BY_HOP.contains(name) || name == header::TE)
+    {
+        return;
+    }
+    // The headers `Connection` names, but for its usual tokens (which name none).
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|token| {
+            !token.eq_ignore_ascii_case(b"keep-alive") && !token.eq_ignore_ascii_case(b"close")
+        })
+        .filter_map(|token| HeaderName::from_bytes(token).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
     }
     for name in &HOP_BY_HOP {
-        if headers.contains_key(name) {
-            headers.remove(name);
-        }
+        headers.remove(name);
     }
     // `te: trailers` is how gRPC says it understands trailers; keep only that.
     if let Some(te) = headers.get(header::TE)

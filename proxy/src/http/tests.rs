@@ -1206,3 +1206,32 @@ mod limits {
         assert_eq!(hcm.stats.downstream_cx_max_requests_reached.value(), 1);
     }
 }
+
+#[test]
+fn hop_by_hop_headers_and_those_connection_names_are_stripped() {
+    use crate::http::router::strip_hop_by_hop;
+    use hyper::header::{self, HeaderName, HeaderValue};
+    let mut headers = HeaderMap::new();
+    for (name, value) in [
+        ("connection", "keep-alive, X-Hop"),
+        ("keep-alive", "timeout=5"),
+        ("x-hop", "1"),
+        ("transfer-encoding", "chunked"),
+        ("te", "gzip"),
+        ("x-kept", "1"),
+    ] {
+        headers.append(
+            HeaderName::from_static(name),
+            HeaderValue::from_static(value),
+        );
+    }
+    strip_hop_by_hop(&mut headers);
+    let left: Vec<&str> = headers.keys().map(|n| n.as_str()).collect();
+    assert_eq!(left, ["x-kept"]);
+    // gRPC's `te: trailers` stays; a message with none of them is left as it is.
+    let mut headers = HeaderMap::new();
+    headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    headers.insert(header::HOST, HeaderValue::from_static("a"));
+    strip_hop_by_hop(&mut headers);
+    assert_eq!(headers.len(), 2);
+}

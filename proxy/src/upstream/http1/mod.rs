@@ -470,5 +470,31 @@ impl Body for ResponseBody {
     }
 }
 
+/// Decodes `wire` as an upstream's answer to a request of `method`: its head, then
+/// as much of its body as `wire` holds; the body's data bytes, or the error. For the
+/// fuzz target (`fuzz/fuzz_targets/http1_response.rs`): any bytes, no panic.
+#[doc(hidden)]
+pub fn decode_response(wire: &[u8], method: &Method) -> Result<u64, Error> {
+    let mut buf = BytesMut::from(wire);
+    let Some(head) = decode::head(&mut buf, method)? else {
+        return Ok(0);
+    };
+    let mut data = 0;
+    match head.framing {
+        decode::Framing::Length(length) => {
+            let take = length.min(buf.len() as u64) as usize;
+            data = decode::take_bytes(&mut buf, take).len() as u64;
+        }
+        decode::Framing::Chunked(mut chunked) => {
+            while let Some(frame) = chunked.decode(&mut buf)? {
+                data += frame.data_ref().map_or(0, |d| d.len() as u64);
+                chunked.finish_early(&mut buf);
+            }
+        }
+        decode::Framing::Close => data = buf.len() as u64,
+    }
+    Ok(data)
+}
+
 #[cfg(test)]
 mod tests;
