@@ -142,6 +142,7 @@ impl Connection {
             offset: 0,
             wrote: false,
             sent: false,
+            write_failed: None,
         };
         let head =
             std::future::poll_fn(|cx| self.poll_exchange(cx, &mut exchange, &parts.method)).await;
@@ -186,9 +187,16 @@ impl Connection {
         method: &Method,
     ) -> Poll<Result<decode::Head, Error>> {
         if !exchange.sent
+            && exchange.write_failed.is_none()
             && let Err(err) = self.poll_send(cx, exchange)
         {
-            return Poll::Ready(Err(err));
+            // An upstream may answer early and close (a 413 to a large upload): once
+            // part of the request left, its answer is still read before giving up.
+            if !(exchange.wrote && matches!(err, Error::Io(_))) {
+                return Poll::Ready(Err(err));
+            }
+            exchange.body = None;
+            exchange.write_failed = Some(err);
         }
         loop {
             if !self.read.is_empty()
@@ -196,11 +204,12 @@ impl Connection {
             {
                 return Poll::Ready(Ok(head));
             }
-            match ready!(self.poll_fill(cx)) {
-                Ok(0) => return Poll::Ready(Err(Error::Closed)),
-                Ok(_) => {}
-                Err(err) => return Poll::Ready(Err(err.into())),
-            }
+            let failed = match ready!(self.poll_fill(cx)) {
+                Ok(0) => Error::Closed,
+                Ok(_) => continue,
+                Err(err) => err.into(),
+            };
+            return Poll::Ready(Err(exchange.write_failed.take().unwrap_or(failed)));
         }
     }
 
@@ -331,6 +340,8 @@ struct Exchange {
     wrote: bool,
     /// The whole request was written and flushed.
     sent: bool,
+    /// Writing failed after part of the request left; the answer is still looked for.
+    write_failed: Option<Error>,
 }
 
 /// A response body being read from its connection.

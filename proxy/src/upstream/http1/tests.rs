@@ -326,3 +326,25 @@ async fn a_streamed_body_goes_chunked_with_its_declared_trailers() {
     client.read_exact(&mut answer).await.unwrap();
     assert_eq!(&answer, b"HTTP/1.1 204");
 }
+
+#[tokio::test]
+async fn an_early_answer_to_an_upload_the_upstream_stops_reading_is_still_read() {
+    let (address, _) = upstream(|mut stream| async move {
+        read_request(&mut stream, 0).await;
+        stream
+            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbig!")
+            .await
+            .unwrap();
+        // Closed with most of the body unread: the proxy's writes fail.
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let mut request = get("/upload");
+    *request.method_mut() = hyper::Method::POST;
+    let body = Bytes::from(vec![b'x'; 16 << 20]);
+    *request.body_mut() = RequestBody::buffered(body, None);
+    let response = checkout(&cluster, &host).await.send(request).await.unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(body_of(response.into_body()).await.0, "big!");
+    active_becomes(&cluster, 0).await;
+}
