@@ -4,7 +4,8 @@
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
 //! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS), [`connect`] (the connect
 //! itself, with `upstream_bind_config` and `connect_timeout`), [`internal`] (connections
-//! to internal listeners) and [`stats`] (the
+//! to internal listeners), [`http_pool`] and [`http1`] (the HTTP connection pools, and
+//! the HTTP/1.1 codec their connections speak) and [`stats`] (the
 //! `cluster.<name>.*` stats the admin API shows). [`backoff`] is the retry back-off
 //! `tcp`, `http` and `xds` share.
 
