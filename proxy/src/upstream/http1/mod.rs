@@ -4,7 +4,7 @@
 //! the socket as the downstream takes it. When the response is read to its end, the
 //! connection goes back to its pool (with the whole of a small response, at once).
 //!
-//! [`encode`] frames the request, [`decode`] the response.
+//! `encode.rs` frames the request, `decode.rs` the response.
 
 mod decode;
 mod encode;
