@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 
@@ -228,8 +228,7 @@ impl Drop for Pending<'_> {
 pub struct HostPool {
     /// HTTP/1.1 connections not carrying a request.
     idle: Mutex<IdleSet>,
-    /// Requests waiting at `max_connections` for a connection to come back.
-    waiting: AtomicUsize,
+    /// Wakes a request waiting at `max_connections` for a connection to come back.
     returned: tokio::sync::Notify,
     /// The host's HTTP/2 connection; the async lock makes concurrent first requests
     /// share one handshake.
@@ -380,14 +379,12 @@ impl Pools {
             }
             // Room may come from a connection to another host closing: look again
             // every 20 ms, or as soon as one of this host's comes back.
-            pool.waiting.fetch_add(1, Ordering::AcqRel);
             let returned = pool.returned.notified();
             let recheck = tokio::time::sleep(std::time::Duration::from_millis(20));
             tokio::select! {
                 () = returned => {}
                 () = recheck => {}
             }
-            pool.waiting.fetch_sub(1, Ordering::AcqRel);
         };
         drop(pending);
         let (connection, session) = Box::pin(connect_http1(cluster, host, secrets, slot, alpn))
@@ -425,9 +422,8 @@ impl HostPool {
         }
         idle.connections.push((connection, session));
         drop(idle);
-        if self.waiting.load(Ordering::Acquire) > 0 {
-            self.returned.notify_one();
-        }
+        // Lock-free when nobody waits (a permit is kept: one extra look, at worst).
+        self.returned.notify_one();
     }
 }
 

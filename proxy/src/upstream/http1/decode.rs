@@ -138,17 +138,7 @@ fn framing(
             (Framing::Chunked(Chunked::Size), keep_alive && !smuggled)
         });
     }
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        let parsed = std::str::from_utf8(value.as_bytes())
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .ok_or(Error::Malformed("invalid content-length"))?;
-        if length.is_some_and(|l| l != parsed) {
-            return Err(Error::Malformed("conflicting content-length"));
-        }
-        length = Some(parsed);
-    }
+    let length = super::content_length(headers).map_err(Error::Malformed)?;
     Ok(match length {
         Some(length) => (Framing::Length(length), keep_alive),
         None => (Framing::Close, false),

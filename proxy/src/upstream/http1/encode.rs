@@ -31,7 +31,9 @@ pub(super) fn head(
 ) -> Result<Framing, Error> {
     let framing = if body.is_end_stream() {
         Framing::Empty
-    } else if let Some(length) = content_length(&parts.headers)? {
+    } else if let Some(length) =
+        super::content_length(&parts.headers).map_err(|_| Error::RequestLength)?
+    {
         Framing::Length(length)
     } else if let Some(length) = body.size_hint().exact() {
         Framing::Length(length)
@@ -63,22 +65,6 @@ pub(super) fn head(
     }
     out.put_slice(b"\r\n");
     Ok(framing)
-}
-
-/// The request's `content-length`, when it has one; several must agree.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, Error> {
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        let parsed = std::str::from_utf8(value.as_bytes())
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .ok_or(Error::RequestLength)?;
-        if length.is_some_and(|l| l != parsed) {
-            return Err(Error::RequestLength);
-        }
-        length = Some(parsed);
-    }
-    Ok(length)
 }
 
 /// One data frame, framed: the bytes to queue after what is queued already.

@@ -50,6 +50,22 @@ impl Error {
     }
 }
 
+/// A message's `content-length`, when it has one: several values must agree.
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+    let mut length = None;
+    for value in headers.get_all(hyper::header::CONTENT_LENGTH) {
+        let parsed = std::str::from_utf8(value.as_bytes())
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or("invalid content-length")?;
+        if length.is_some_and(|l| l != parsed) {
+            return Err("conflicting content-length");
+        }
+        length = Some(parsed);
+    }
+    Ok(length)
+}
+
 /// What a connection holds until it closes: its circuit breaker slot and its place in
 /// the cluster's connection stats.
 pub type Held = (OwnedConnectionSlot, UpstreamConnection);
