@@ -159,6 +159,7 @@ impl Connection {
             wrote: false,
             sent: false,
             write_failed: None,
+            early: None,
         };
         let head =
             std::future::poll_fn(|cx| self.poll_exchange(cx, &mut exchange, &parts.method)).await;
@@ -174,7 +175,7 @@ impl Connection {
             }
         };
         self.queue.clear();
-        // A response that came before the whole request left ends the connection.
+        // A request that could not be sent whole ends the connection.
         let keep_alive = head.keep_alive && exchange.sent;
         let (parts, ()) = head.response.into_parts();
         let body = match head.framing {
@@ -202,23 +203,40 @@ impl Connection {
         exchange: &mut Exchange,
         method: &Method,
     ) -> Poll<Result<decode::Head, Error>> {
-        if !exchange.sent
-            && exchange.write_failed.is_none()
-            && let Err(err) = self.poll_send(cx, exchange)
-        {
-            // An upstream may answer early and close (a 413 to a large upload): once
-            // part of the request left, its answer is still read before giving up.
-            if !(exchange.wrote && matches!(err, Error::Io(_))) {
-                return Poll::Ready(Err(err));
-            }
-            exchange.body = None;
-            exchange.write_failed = Some(err);
-        }
         loop {
+            if !exchange.sent
+                && exchange.write_failed.is_none()
+                && let Err(err) = self.poll_send(cx, exchange)
+            {
+                // An upstream may answer early and close (a 413 to a large upload): once
+                // part of the request left, its answer is still read before giving up.
+                if !(exchange.wrote && matches!(err, Error::Io(_))) {
+                    return Poll::Ready(Err(err));
+                }
+                exchange.body = None;
+                exchange.write_failed = Some(err);
+            }
+            let request_over = exchange.sent || exchange.write_failed.is_some();
+            // An answer that came before the whole request left waits for the rest to go
+            // (as hyper keeps sending it): the downstream's body is read whole, and the
+            // connection may carry another request. An upstream that stops reading
+            // closes (then the write fails), or the route's timeout ends the wait.
+            if let Some(head) = exchange.early.take() {
+                if request_over {
+                    return Poll::Ready(Ok(head));
+                }
+                exchange.early = Some(head);
+                // poll_send left a waker on what it waits for.
+                return Poll::Pending;
+            }
             if !self.read.is_empty()
                 && let Some(head) = decode::head(&mut self.read, method)?
             {
-                return Poll::Ready(Ok(head));
+                if request_over {
+                    return Poll::Ready(Ok(head));
+                }
+                exchange.early = Some(head);
+                continue;
             }
             let failed = match ready!(self.poll_fill(cx)) {
                 Ok(0) => Error::Closed,
@@ -358,6 +376,8 @@ struct Exchange {
     sent: bool,
     /// Writing failed after part of the request left; the answer is still looked for.
     write_failed: Option<Error>,
+    /// A response head that came before the whole request left.
+    early: Option<decode::Head>,
 }
 
 /// A response body being read from its connection.
