@@ -664,7 +664,7 @@ async fn handle(
                         if !hcm.suppress_envoy_headers {
                             response_parts.headers.insert(
                                 HeaderName::from_static("x-envoy-upstream-service-time"),
-                                HeaderValue::from(forwarded.service_time.as_millis() as u64),
+                                router::millis_header(forwarded.service_time.as_millis() as u64),
                             );
                         }
                         if let Some(weighted) = weighted {

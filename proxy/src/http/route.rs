@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::StatusCode;
-use hyper::header::HeaderName;
+use hyper::header::{HeaderName, HeaderValue};
 use regex::Regex;
 
 use super::filter::PerFilterConfigs;
@@ -210,30 +210,20 @@ impl RouteMatch {
     }
 
     fn path_matches(&self, path: &str) -> bool {
-        let folded;
-        let (path, fold) = if self.case_sensitive {
-            (path, false)
-        } else {
-            folded = path.to_ascii_lowercase();
-            (folded.as_str(), true)
-        };
-        let norm = |s: &str| {
-            if fold {
-                s.to_ascii_lowercase()
-            } else {
-                s.to_owned()
-            }
+        // Compared in place, folding ASCII case when asked: nothing allocated per route
+        // tried. Envoy ignores `case_sensitive` for regexes (they see the path as is).
+        let fold = !self.case_sensitive;
+        let starts_with = |prefix: &str| {
+            path.len() >= prefix.len() && same(&path.as_bytes()[..prefix.len()], prefix, fold)
         };
         match &self.path {
-            PathMatch::Prefix(prefix) => path.starts_with(&norm(prefix)),
-            PathMatch::Path(exact) => path == norm(exact),
+            PathMatch::Prefix(prefix) => starts_with(prefix),
+            PathMatch::Path(exact) => same(path.as_bytes(), exact, fold),
             PathMatch::Regex(re) => re.is_match(path),
             PathMatch::Connect => false,
             PathMatch::SeparatedPrefix(prefix) => {
-                let prefix = norm(prefix);
-                path == prefix
-                    || (path.starts_with(&prefix)
-                        && path.as_bytes().get(prefix.len()) == Some(&b'/'))
+                starts_with(prefix)
+                    && matches!(path.as_bytes().get(prefix.len()), None | Some(b'/'))
             }
         }
     }
@@ -245,6 +235,15 @@ impl RouteMatch {
             PathMatch::Path(path) => Some(path.len()),
             PathMatch::Regex(_) | PathMatch::Connect => None,
         }
+    }
+}
+
+/// `a == b`, ignoring ASCII case when `fold`.
+fn same(a: &[u8], b: &str, fold: bool) -> bool {
+    if fold {
+        a.eq_ignore_ascii_case(b.as_bytes())
+    } else {
+        a == b.as_bytes()
     }
 }
 
@@ -264,6 +263,8 @@ pub struct RouteAction {
     pub host_rewrite: Option<String>,
     /// `None`: no timeout (configured as 0s).
     pub timeout: Option<Duration>,
+    /// `x-envoy-expected-rq-timeout-ms`'s value for `timeout`, made once with the route.
+    pub timeout_header: Option<HeaderValue>,
     pub retry_policy: Option<Arc<RetryPolicy>>,
     pub cluster_not_found: StatusCode,
     /// What RING_HASH and MAGLEV clusters hash for this route's requests.

@@ -10,7 +10,7 @@ use envoy_types::pb::envoy::config::route::v3::{
     route_action::{self, ClusterNotFoundResponseCode},
 };
 use hyper::StatusCode;
-use hyper::header::HeaderName;
+use hyper::header::{HeaderName, HeaderValue};
 
 use super::header_rules;
 use super::route::{
@@ -310,6 +310,8 @@ pub fn route_action(
         // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
         // stream with it alone, and its `timeout` no longer applies.
         timeout: (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout),
+        timeout_header: (!timeout.is_zero() && stream_duration.is_none())
+            .then(|| HeaderValue::from(timeout.as_millis() as u64)),
         retry_policy,
         cluster_not_found,
         hash_policy,

@@ -122,6 +122,23 @@ pub struct Upstream<'a> {
     pub alpn: Option<crate::upstream::http_pool::Alpn>,
 }
 
+/// `ms` as a header value. The small counts most responses carry
+/// (`x-envoy-upstream-service-time`) come from a table made once, so they allocate
+/// nothing per request.
+pub fn millis_header(ms: u64) -> HeaderValue {
+    const TABLE: usize = 128;
+    static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    let small = SMALL.get_or_init(|| {
+        (0..TABLE)
+            .map(|n| HeaderValue::from_static(String::leak(n.to_string())))
+            .collect()
+    });
+    match small.get(ms as usize) {
+        Some(value) => value.clone(),
+        None => HeaderValue::from(ms),
+    }
+}
+
 /// The upstream's response and how long it took to its head
 /// (`x-envoy-upstream-service-time`).
 pub struct Forwarded {
@@ -177,8 +194,17 @@ impl Head {
             request.headers_mut().remove(header::HOST);
         } else {
             *request.version_mut() = Version::HTTP_11;
-            *request.uri_mut() = self.path.parse().unwrap_or_else(|_| Uri::from_static("/"));
-            if let Ok(host) = HeaderValue::from_str(&self.authority) {
+            // The last attempt hands its strings over rather than copying them.
+            let (path, authority) = if last {
+                (
+                    std::mem::take(&mut self.path),
+                    std::mem::take(&mut self.authority),
+                )
+            } else {
+                (self.path.clone(), self.authority.clone())
+            };
+            *request.uri_mut() = Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"));
+            if let Ok(host) = HeaderValue::try_from(authority) {
                 request.headers_mut().insert(header::HOST, host);
             }
         }
@@ -216,18 +242,19 @@ async fn forward_attempts(
         UpstreamProtocol::Http2 => true,
         UpstreamProtocol::UseDownstream => head.downstream_version == Version::HTTP_2,
     };
-    if let Some(timeout) = action.timeout
+    if let Some(timeout) = &action.timeout_header
         && !upstream.suppress_envoy_headers
     {
         head.headers.insert(
             HeaderName::from_static("x-envoy-expected-rq-timeout-ms"),
-            HeaderValue::from(timeout.as_millis() as u64),
+            timeout.clone(),
         );
     }
     // A body still arriving cannot be sent twice: only complete requests are retried.
     let retry = upstream.retry_policy.filter(|_| body.is_end_stream());
     let attempts = 1 + retry.map_or(0, |r| r.num_retries);
-    let deadline = action.timeout.map(|t| Instant::now() + t);
+    let mut now = Instant::now();
+    let deadline = action.timeout.map(|t| now + t);
     let mut body = Some(body);
     let mut tried: Vec<SocketAddr> = Vec::new();
     let mut last = LocalReply::connect_failure();
@@ -235,8 +262,8 @@ async fn forward_attempts(
         if attempt > 0 {
             cluster.stats.upstream_rq_retry.inc();
             tokio::time::sleep(RETRY_BACKOFF.delay(attempt)).await;
+            now = Instant::now();
         }
-        let now = Instant::now();
         let remaining = deadline.map(|d| d.saturating_duration_since(now));
         if remaining.is_some_and(|r| r.is_zero()) {
             break;
@@ -246,7 +273,7 @@ async fn forward_attempts(
             (r, p) => r.or(p),
         };
         let body = body.take().unwrap_or_else(RequestBody::empty);
-        let started = Instant::now();
+        let started = now;
         let final_attempt = attempt + 1 == attempts;
         let run = attempt_once(
             upstream,

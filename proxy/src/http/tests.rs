@@ -121,6 +121,8 @@ fn routes_match_in_order_by_path_headers_and_query() {
             {"match": {"safe_regex": {"regex": "/items/[0-9]+"}}, "route": {"cluster": "regex"}},
             {"match": {"path_separated_prefix": "/api"}, "route": {"cluster": "api"}},
             {"match": {"prefix": "/CI/", "case_sensitive": false}, "route": {"cluster": "ci"}},
+            {"match": {"path": "/Exact-CI", "case_sensitive": false}, "route": {"cluster": "exact-ci"}},
+            {"match": {"safe_regex": {"regex": "/Rx"}, "case_sensitive": false}, "route": {"cluster": "rx"}},
             {"match": {"prefix": "/h", "headers": [
                 {"name": "x-version", "string_match": {"exact": "v2"}},
                 {"name": "x-debug", "present_match": true, "invert_match": true}
@@ -154,6 +156,16 @@ fn routes_match_in_order_by_path_headers_and_query() {
     assert_eq!(to("/api/x", &none).as_deref(), Some("api"));
     assert_eq!(to("/apix", &none).as_deref(), Some("direct 418"));
     assert_eq!(to("/ci/build", &none).as_deref(), Some("ci"));
+    assert_eq!(to("/CI/build", &none).as_deref(), Some("ci"));
+    assert_eq!(to("/ci", &none).as_deref(), Some("direct 418"));
+    assert_eq!(to("/exact-ci", &none).as_deref(), Some("exact-ci"));
+    assert_eq!(to("/EXACT-CI/x", &none).as_deref(), Some("direct 418"));
+    assert_eq!(to("/Rx", &none).as_deref(), Some("rx"));
+    assert_eq!(
+        to("/rx", &none).as_deref(),
+        Some("direct 418"),
+        "case_sensitive does not apply to regexes (Envoy ignores it there)"
+    );
 
     let mut v2 = HeaderMap::new();
     v2.insert("x-version", "v2".parse().unwrap());
@@ -1234,4 +1246,12 @@ fn hop_by_hop_headers_and_those_connection_names_are_stripped() {
     headers.insert(header::HOST, HeaderValue::from_static("a"));
     strip_hop_by_hop(&mut headers);
     assert_eq!(headers.len(), 2);
+}
+
+#[test]
+fn millisecond_header_values_read_the_same_from_the_table_and_beyond_it() {
+    use crate::http::router::millis_header;
+    for ms in [0, 1, 9, 10, 127, 128, 15_000, u64::MAX] {
+        assert_eq!(millis_header(ms).to_str().unwrap(), ms.to_string());
+    }
 }

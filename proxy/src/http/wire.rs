@@ -13,7 +13,7 @@ pub fn request_head(parts: &request::Parts) -> u64 {
     let target = parts
         .uri
         .path_and_query()
-        .map_or(parts.uri.to_string().len(), |p| p.as_str().len());
+        .map_or_else(|| parts.uri.to_string().len(), |p| p.as_str().len());
     let line = parts.method.as_str().len() + 1 + target + 1 + "HTTP/1.1".len() + 2;
     line as u64 + headers(&parts.headers) + 2
 }
@@ -21,17 +21,18 @@ pub fn request_head(parts: &request::Parts) -> u64 {
 /// Whether the connection closes after this request's response (hyper then adds
 /// `connection: close` to it).
 pub fn closes(parts: &request::Parts) -> bool {
-    let connection = parts
-        .headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .collect::<Vec<_>>();
+    let has = |token: &str| {
+        parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    };
     match parts.version {
-        Version::HTTP_10 => !connection.iter().any(|t| t == "keep-alive"),
-        Version::HTTP_11 => connection.iter().any(|t| t == "close"),
+        Version::HTTP_10 => !has("keep-alive"),
+        Version::HTTP_11 => has("close"),
         _ => false,
     }
 }
