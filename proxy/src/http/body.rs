@@ -323,12 +323,33 @@ struct StreamTimeout(Timeout);
 
 type Watch = Pin<Box<dyn std::future::Future<Output = Timeout> + Send>>;
 
+/// The stream timers over a response body. Started only once the body waits: most
+/// bodies are whole in memory and are sent in their first poll, so for them nothing
+/// is allocated (the timers read their deadlines from the log when first polled, so
+/// starting later changes nothing).
+struct StreamWatch {
+    timeouts: StreamTimeouts,
+    hcm: Arc<HttpConnectionManager>,
+    log: Arc<LogSlot>,
+    running: Option<Watch>,
+}
+
+impl StreamWatch {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Timeout> {
+        let watch = self.running.get_or_insert_with(|| {
+            let (timeouts, hcm, log) = (self.timeouts, self.hcm.clone(), self.log.clone());
+            Box::pin(async move { super::timeouts::watch(timeouts, &hcm.stats, &log, true).await })
+        });
+        watch.as_mut().poll(cx)
+    }
+}
+
 /// A response body sent downstream.
 pub struct ResponseBody {
     content: Content,
     log: Option<Arc<LogSlot>>,
     /// The stream timers still running once the response started.
-    watch: Option<Watch>,
+    watch: Option<StreamWatch>,
 }
 
 impl std::fmt::Debug for ResponseBody {
@@ -394,9 +415,12 @@ impl ResponseBody {
             || log.has_route_max_duration()
         {
             // The manager, not a copy of its stats: one reference count, not dozens.
-            self.watch = Some(Box::pin(async move {
-                super::timeouts::watch(timeouts, &hcm.stats, &log, true).await
-            }));
+            self.watch = Some(StreamWatch {
+                timeouts,
+                hcm,
+                log,
+                running: None,
+            });
         }
         self
     }
@@ -440,7 +464,7 @@ impl Body for ResponseBody {
         };
         if frame.is_pending()
             && let Some(watch) = this.watch.as_mut()
-            && let Poll::Ready(why) = watch.as_mut().poll(cx)
+            && let Poll::Ready(why) = watch.poll(cx)
         {
             this.watch = None;
             this.content = Content::Full(None);
