@@ -185,15 +185,18 @@ fn uuid4_bytes() -> [u8; 36] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let a = (fastrand::u64(..) & !0xf000) | 0x4000;
     let b = (fastrand::u64(..) & !(0b11 << 62)) | (0b10 << 62);
-    let mut out = [b'-'; 36];
-    // 8-4-4-4-12 hex digits: a's 16, then b's 16.
-    let digits = (0..16)
-        .map(|i| (a >> (60 - 4 * i)) & 0xf)
-        .chain((0..16).map(|i| (b >> (60 - 4 * i)) & 0xf));
-    let positions = (0..36).filter(|i| ![8, 13, 18, 23].contains(i));
-    for (at, digit) in positions.zip(digits) {
-        out[at] = HEX[digit as usize];
+    let mut digits = [0u8; 32];
+    for i in 0..16 {
+        digits[i] = HEX[((a >> (60 - 4 * i)) & 0xf) as usize];
+        digits[16 + i] = HEX[((b >> (60 - 4 * i)) & 0xf) as usize];
     }
+    // 8-4-4-4-12: a's 16 digits, then b's 16.
+    let mut out = [b'-'; 36];
+    out[0..8].copy_from_slice(&digits[0..8]);
+    out[9..13].copy_from_slice(&digits[8..12]);
+    out[14..18].copy_from_slice(&digits[12..16]);
+    out[19..23].copy_from_slice(&digits[16..20]);
+    out[24..36].copy_from_slice(&digits[20..32]);
     out
 }
 

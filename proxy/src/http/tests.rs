@@ -299,6 +299,13 @@ fn request_ids_are_version_4_uuids() {
     assert_eq!(id.len(), 36);
     assert_eq!(&id[14..15], "4");
     assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
+    for (at, c) in id.char_indices() {
+        if [8, 13, 18, 23].contains(&at) {
+            assert_eq!(c, '-', "{id}");
+        } else {
+            assert!(matches!(c, '0'..='9' | 'a'..='f'), "{id}");
+        }
+    }
     assert_ne!(id, super::connection_manager::uuid4());
 }
 
