@@ -89,9 +89,9 @@ pub async fn serve<IO>(
         // Boxed: the request's future is ~10 KiB (every filter's and the router's
         // states), and hyper moves its service future several times per request (into
         // the h2 stream, into a spawned task, back out on completion). A pointer moves
-        // instead of 10 KiB; the one allocation costs less than those copies.
-        // `Box::write` into an uninitialised box: `Box::pin(future)` built the future on
-        // the stack and copied all of it (~10 KiB) into the heap.
+        // instead of 10 KiB; the one allocation costs less than those copies. Written
+        // into an uninitialised box: `Box::pin(future)` built it on the stack first and
+        // copied all of it into the heap.
         Box::into_pin(Box::write(Box::new_uninit(), async move {
             let mut response = handle_timed(request, &shared).await;
             if last && version <= Version::HTTP_11 {

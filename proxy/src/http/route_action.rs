@@ -302,16 +302,16 @@ pub fn route_action(
     if problems.errors.len() > errors_before {
         return None;
     }
+    // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
+    // stream with it alone, and its `timeout` no longer applies.
+    let timeout = (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout);
     Some(RouteAction {
         cluster: cluster?,
         prefix_rewrite,
         regex_rewrite,
         host_rewrite,
-        // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
-        // stream with it alone, and its `timeout` no longer applies.
-        timeout: (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout),
-        timeout_header: (!timeout.is_zero() && stream_duration.is_none())
-            .then(|| HeaderValue::from(timeout.as_millis() as u64)),
+        timeout,
+        timeout_header: timeout.map(|t| HeaderValue::from(t.as_millis() as u64)),
         retry_policy,
         cluster_not_found,
         hash_policy,
