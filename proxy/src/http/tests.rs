@@ -928,6 +928,58 @@ mod limits {
         address
     }
 
+    /// An upstream that answers each request with the head it received, as its body.
+    async fn echoing_head_upstream() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    }
+                    let answer =
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", head.len());
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                    let _ = stream.write_all(&head).await;
+                });
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn the_route_timeout_is_announced_upstream_unless_it_is_off() {
+        let at = echoing_head_upstream().await;
+        let store = Store::new();
+        let (hcm, config) = proxying(json!({}), &store, at);
+        let response = exchange_with(hcm, config, GET.to_vec()).await;
+        assert_eq!(status(&response), "200", "{response}");
+        let announced = "x-envoy-expected-rq-timeout-ms: 8000\r\n";
+        assert!(
+            response.to_ascii_lowercase().contains(announced),
+            "{response}"
+        );
+        // `timeout: 0s` turns the route's timeout off: nothing to announce.
+        let store = Store::new();
+        let off = json!({"route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "up", "timeout": "0s"}}]}]}});
+        let (hcm, config) = proxying(off, &store, at);
+        let response = exchange_with(hcm, config, GET.to_vec()).await;
+        assert_eq!(status(&response), "200", "{response}");
+        assert!(
+            !response
+                .to_ascii_lowercase()
+                .contains("x-envoy-expected-rq-timeout-ms"),
+            "{response}"
+        );
+    }
+
     /// A connection manager routing everything to an upstream at `at`, `extra` merged
     /// into its config; the route's timeout is 8 s.
     fn proxying(
