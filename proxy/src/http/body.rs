@@ -303,10 +303,10 @@ struct Deadline {
 
 impl Deadline {
     fn poll_expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let at = tokio::time::Instant::from_std(self.at);
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        let at = self.at;
+        let timer = self.timer.get_or_insert_with(|| {
+            Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at)))
+        });
         timer.as_mut().poll(cx).is_ready()
     }
 }
