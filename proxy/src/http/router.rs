@@ -453,11 +453,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         return;
     }
     // The headers `Connection` names, but for its usual tokens (which name none).
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
+    let named: Vec<HeaderName> = crate::upstream::http1::tokens(headers, header::CONNECTION)
         .filter(|token| {
             !token.eq_ignore_ascii_case(b"keep-alive") && !token.eq_ignore_ascii_case(b"close")
         })

@@ -21,12 +21,8 @@ use crate::upstream::http_pool::RequestBody;
 /// The upgrade a request asks for (`Upgrade`, lowercase), if it asks for one the HTTP/1.1
 /// way (`Connection: upgrade`).
 pub fn requested(headers: &HeaderMap) -> Option<String> {
-    let connection_upgrade = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
+    let connection_upgrade = crate::upstream::http1::tokens(headers, header::CONNECTION)
+        .any(|token| token.eq_ignore_ascii_case(b"upgrade"));
     let upgrade = headers.get(header::UPGRADE)?.to_str().ok()?;
     connection_upgrade.then(|| upgrade.trim().to_ascii_lowercase())
 }
@@ -41,17 +37,11 @@ pub fn ignore_h2c(headers: &mut HeaderMap) {
     }
     headers.remove(header::UPGRADE);
     headers.remove("http2-settings");
-    let kept: Vec<String> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
+    let kept: Vec<String> = crate::upstream::http1::tokens(headers, header::CONNECTION)
         .filter(|t| {
-            !t.is_empty()
-                && !t.eq_ignore_ascii_case("upgrade")
-                && !t.eq_ignore_ascii_case("http2-settings")
+            !t.eq_ignore_ascii_case(b"upgrade") && !t.eq_ignore_ascii_case(b"http2-settings")
         })
+        .filter_map(|t| std::str::from_utf8(t).ok())
         .map(str::to_owned)
         .collect();
     headers.remove(header::CONNECTION);

@@ -21,18 +21,13 @@ pub fn request_head(parts: &request::Parts) -> u64 {
 /// Whether the connection closes after this request's response (hyper then adds
 /// `connection: close` to it).
 pub fn closes(parts: &request::Parts) -> bool {
-    let has = |token: &str| {
-        parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    let has = |token: &[u8]| {
+        crate::upstream::http1::tokens(&parts.headers, header::CONNECTION)
+            .any(|t| t.eq_ignore_ascii_case(token))
     };
     match parts.version {
-        Version::HTTP_10 => !has("keep-alive"),
-        Version::HTTP_11 => has("close"),
+        Version::HTTP_10 => !has(b"keep-alive"),
+        Version::HTTP_11 => has(b"close"),
         _ => false,
     }
 }

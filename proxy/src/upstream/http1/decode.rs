@@ -108,12 +108,9 @@ fn framing(
     headers: &HeaderMap,
 ) -> Result<(Framing, bool), Error> {
     let (mut close, mut keep) = (false, false);
-    for value in headers.get_all(header::CONNECTION) {
-        for token in value.as_bytes().split(|&b| b == b',') {
-            let token = token.trim_ascii();
-            close |= token.eq_ignore_ascii_case(b"close");
-            keep |= token.eq_ignore_ascii_case(b"keep-alive");
-        }
+    for token in super::tokens(headers, header::CONNECTION) {
+        close |= token.eq_ignore_ascii_case(b"close");
+        keep |= token.eq_ignore_ascii_case(b"keep-alive");
     }
     let keep_alive = !close && (version == Version::HTTP_11 || keep);
     if method == Method::HEAD

@@ -99,12 +99,8 @@ pub(super) fn data(
 /// The trailer fields a request may send: those its `trailer` header declares, less
 /// those that belong in a head (hyper's rule; Envoy drops HTTP/1 trailers unless told).
 pub(super) fn declared_trailers(headers: &HeaderMap) -> Vec<HeaderName> {
-    headers
-        .get_all(header::TRAILER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+    super::tokens(headers, header::TRAILER)
+        .filter_map(|name| HeaderName::from_bytes(name).ok())
         .filter(|name| {
             ![
                 header::AUTHORIZATION,

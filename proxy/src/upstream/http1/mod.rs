@@ -50,6 +50,20 @@ impl Error {
     }
 }
 
+/// The comma-separated tokens of every `name` field (HTTP's list syntax), trimmed,
+/// empty ones skipped: how `connection`, `trailer` and the like are read.
+pub fn tokens(
+    headers: &HeaderMap,
+    name: impl hyper::header::AsHeaderName,
+) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(name)
+        .into_iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|token| !token.is_empty())
+}
+
 /// A message's `content-length`, when it has one: several values must agree.
 fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
