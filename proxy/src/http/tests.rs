@@ -506,7 +506,9 @@ fn a_hash_policy_hashes_what_the_request_has() {
 mod limits {
     use std::sync::Arc;
 
+    use bytes::Bytes;
     use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
+    use http_body_util::BodyExt as _;
     use serde_json::{Value, json};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -951,6 +953,99 @@ mod limits {
             }
         });
         address
+    }
+
+    /// An upstream (hyper's server) answering each request with its method, path and
+    /// body, streamed in two frames: chunked, so the proxy cannot know its length.
+    async fn streaming_upstream() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        |request: hyper::Request<hyper::body::Incoming>| async move {
+                            let first = format!("{} {}", request.method(), request.uri());
+                            let body = request.into_body().collect().await?.to_bytes();
+                            let frames = [Bytes::from(first), Bytes::from(format!("|{body:?}"))];
+                            Ok::<_, hyper::Error>(hyper::Response::new(Frames(frames.into())))
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        address
+    }
+
+    /// A body of data frames of unknown length, each sent on its own poll.
+    struct Frames(std::collections::VecDeque<Bytes>);
+
+    impl hyper::body::Body for Frames {
+        type Data = Bytes;
+        type Error = hyper::Error;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+            std::task::Poll::Ready(self.0.pop_front().map(|f| Ok(hyper::body::Frame::data(f))))
+        }
+    }
+
+    /// shunt's own HTTP/1.1 codec answers bodyless requests, and hands the connection
+    /// to hyper's at the first it does not serve (one with a body): four pipelined
+    /// requests on one keep-alive connection are all answered, in order, and framed.
+    #[tokio::test]
+    async fn a_connection_goes_from_the_own_codec_to_hyper_at_the_first_body() {
+        let store = Store::new();
+        let (hcm, config) = proxying(json!({}), &store, streaming_upstream().await);
+        let requests = concat!(
+            "GET /a HTTP/1.1\r\nhost: a\r\n\r\n",
+            "HEAD /b HTTP/1.1\r\nhost: a\r\n\r\n",
+            "POST /c HTTP/1.1\r\nhost: a\r\ncontent-length: 4\r\n\r\nbody",
+            "GET /d HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+        );
+        let response = exchange_with(hcm.clone(), config, requests.into()).await;
+        let heads: Vec<_> = response
+            .match_indices("HTTP/1.1 ")
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(heads.len(), 4, "{response}");
+        let answer =
+            |n: usize| &response[heads[n]..heads.get(n + 1).copied().unwrap_or(response.len())];
+        // Streamed: chunked, each frame its own chunk, then the last chunk.
+        assert!(
+            answer(0).contains("\r\ntransfer-encoding: chunked\r\n"),
+            "{response}"
+        );
+        assert!(
+            answer(0).ends_with("\r\n\r\n6\r\nGET /a\r\n4\r\n|b\"\"\r\n0\r\n\r\n"),
+            "{response}"
+        );
+        // HEAD: the head a GET would have, and no body.
+        assert!(answer(1).ends_with("\r\n\r\n"), "{response}");
+        assert!(!answer(1).contains("HEAD /b"), "{response}");
+        // hyper's from here: the body reached the upstream.
+        assert!(
+            answer(2).contains("\r\n7\r\nPOST /c\r\n8\r\n|b\"body\"\r\n0\r\n\r\n"),
+            "{response}"
+        );
+        assert!(
+            answer(3).contains("\r\nconnection: close\r\n"),
+            "{response}"
+        );
+        assert!(
+            answer(3).ends_with("6\r\nGET /d\r\n4\r\n|b\"\"\r\n0\r\n\r\n"),
+            "{response}"
+        );
+        for n in 0..4 {
+            assert!(answer(n).starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+            assert!(answer(n).contains("\r\ndate: "), "{response}");
+        }
+        assert_eq!(hcm.stats.downstream_cx_protocol_total[0].value(), 1);
     }
 
     #[tokio::test]

@@ -64,9 +64,11 @@ pub struct RequestBody {
 }
 
 impl RequestBody {
-    pub fn new(incoming: Incoming, observer: Arc<dyn BodyObserver>) -> Self {
+    /// The downstream's body (`None`: a request without one), its reads reported to
+    /// `observer`.
+    pub fn new(incoming: Option<Incoming>, observer: Arc<dyn BodyObserver>) -> Self {
         RequestBody {
-            incoming: Some(incoming),
+            incoming,
             observer: Some(observer),
             buffered: None,
         }

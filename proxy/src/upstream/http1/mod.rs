@@ -9,6 +9,8 @@
 mod decode;
 mod encode;
 
+pub(crate) use encode::{Framing, data, declared_trailers, end};
+
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -65,7 +67,7 @@ pub fn tokens(
 }
 
 /// A message's `content-length`, when it has one: several values must agree.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for value in headers.get_all(hyper::header::CONTENT_LENGTH) {
         let parsed = std::str::from_utf8(value.as_bytes())
@@ -321,41 +323,14 @@ impl Connection {
         cx: &mut Context<'_>,
         exchange: &mut Exchange,
     ) -> Result<Poll<()>, Error> {
-        while !self.queue.is_empty() {
-            let io = Pin::new(&mut self.io);
-            let written = if self.queue.len() > 1 && io.is_write_vectored() {
-                let mut slices = [IoSlice::new(&[]); WRITE_SLICES];
-                for (slice, (i, bytes)) in slices.iter_mut().zip(self.queue.iter().enumerate()) {
-                    let skip = if i == 0 { exchange.offset } else { 0 };
-                    *slice = IoSlice::new(&bytes[skip..]);
-                }
-                let count = self.queue.len().min(WRITE_SLICES);
-                Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..count])
-            } else {
-                io.poll_write(cx, &self.queue[0][exchange.offset..])
-            };
-            let mut written = match written {
-                Poll::Pending => return Ok(Poll::Pending),
-                Poll::Ready(Ok(0)) => return Err(io::Error::from(io::ErrorKind::WriteZero).into()),
-                Poll::Ready(Ok(n)) => n,
-                Poll::Ready(Err(err)) => return Err(err.into()),
-            };
-            exchange.wrote = true;
-            // Drop what went out whole; remember how far into the next one.
-            let mut done = 0;
-            for bytes in &self.queue {
-                let left = bytes.len() - if done == 0 { exchange.offset } else { 0 };
-                if written < left {
-                    break;
-                }
-                written -= left;
-                done += 1;
-                exchange.offset = 0;
-            }
-            self.queue.drain(..done);
-            exchange.offset += written;
-        }
-        Ok(Poll::Ready(()))
+        let written = poll_write_queue(
+            &mut self.io,
+            cx,
+            &mut self.queue,
+            &mut exchange.offset,
+            &mut exchange.wrote,
+        )?;
+        Ok(written)
     }
 
     /// Reads what the socket has into the read buffer.
@@ -373,6 +348,52 @@ impl Connection {
             back.pool.give_back(self, back.session);
         }
     }
+}
+
+/// Writes `queue` (from `offset` into its first buffer), gathered when the stream
+/// takes several buffers at once; what went out whole is dropped from it. `wrote` is
+/// set once any byte left. Shared with the downstream codec (`http::http1`).
+pub(crate) fn poll_write_queue<IO: AsyncWrite + Unpin + ?Sized>(
+    io: &mut IO,
+    cx: &mut Context<'_>,
+    queue: &mut Vec<Bytes>,
+    offset: &mut usize,
+    wrote: &mut bool,
+) -> io::Result<Poll<()>> {
+    while !queue.is_empty() {
+        let written = if queue.len() > 1 && io.is_write_vectored() {
+            let mut slices = [IoSlice::new(&[]); WRITE_SLICES];
+            for (slice, (i, bytes)) in slices.iter_mut().zip(queue.iter().enumerate()) {
+                let skip = if i == 0 { *offset } else { 0 };
+                *slice = IoSlice::new(&bytes[skip..]);
+            }
+            let count = queue.len().min(WRITE_SLICES);
+            Pin::new(&mut *io).poll_write_vectored(cx, &slices[..count])
+        } else {
+            Pin::new(&mut *io).poll_write(cx, &queue[0][*offset..])
+        };
+        let mut written = match written {
+            Poll::Pending => return Ok(Poll::Pending),
+            Poll::Ready(Ok(0)) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            Poll::Ready(Ok(n)) => n,
+            Poll::Ready(Err(err)) => return Err(err),
+        };
+        *wrote = true;
+        // Drop what went out whole; remember how far into the next one.
+        let mut done = 0;
+        for bytes in queue.iter() {
+            let left = bytes.len() - if done == 0 { *offset } else { 0 };
+            if written < left {
+                break;
+            }
+            written -= left;
+            done += 1;
+            *offset = 0;
+        }
+        queue.drain(..done);
+        *offset += written;
+    }
+    Ok(Poll::Ready(()))
 }
 
 /// One request on its way out.
