@@ -29,6 +29,8 @@ use request::{KeepAlive, Parsed};
 
 /// What a read asks the kernel for at least.
 const READ_SIZE: usize = 8 * 1024;
+/// Buffers queued before they are written, at most (a chunk takes three).
+const QUEUED: usize = 8;
 
 /// How the connection left this codec.
 pub enum Served<IO> {
@@ -165,8 +167,9 @@ struct Exchange {
 }
 
 impl Exchange {
-    /// Writes what is queued, then the body's frames as they come; ready once all of
-    /// it is written and flushed.
+    /// Queues the body's frames as they come and writes them; ready once all of it is
+    /// written and flushed. Frames ready at once are gathered before a write: the
+    /// head and a body whole in memory leave in one `writev`.
     fn poll_send<IO: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         io: &mut IO,
@@ -176,20 +179,44 @@ impl Exchange {
         read: &mut BytesMut,
     ) -> Poll<io::Result<()>> {
         loop {
+            let waiting = self.poll_frames(cx, write, queue)?;
             let mut wrote = false;
             if poll_write_queue(io, cx, queue, &mut self.offset, &mut wrote)?.is_pending() {
                 return gone_or_pending(io, read, cx);
             }
-            let Some(body) = self.body.as_mut() else {
+            if self.body.is_none() {
                 return Pin::new(&mut *io).poll_flush(cx);
-            };
+            }
+            if waiting {
+                // Whatever TLS holds goes out while the body waits.
+                let _ = Pin::new(&mut *io).poll_flush(cx)?;
+                return gone_or_pending(io, read, cx);
+            }
+        }
+    }
+
+    /// Frames what the body has ready onto `queue` (a few buffers at most); `true`
+    /// when the body has nothing more for now.
+    fn poll_frames(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: &mut BytesMut,
+        queue: &mut Vec<Bytes>,
+    ) -> io::Result<bool> {
+        while let Some(body) = self.body.as_mut() {
+            if queue.len() >= QUEUED {
+                return Ok(false);
+            }
             let ended = match Pin::new(&mut *body).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     match frame.into_data() {
-                        Ok(data) => {
-                            crate::upstream::http1::data(&mut self.framing, data, write, queue)
-                                .map_err(io::Error::other)?
-                        }
+                        Ok(data) => crate::upstream::http1::data(
+                            &mut self.framing,
+                            data,
+                            write,
+                            queue,
+                        )
+                        .map_err(io::Error::other)?,
                         Err(frame) => self.trailers = frame.into_trailers().ok(),
                     }
                     // As hyper does: a body that says it ended is not polled again.
@@ -197,13 +224,9 @@ impl Exchange {
                 }
                 // The body failed (a stream timer, the upstream reset): the response is
                 // cut off, the connection closed.
-                Poll::Ready(Some(Err(err))) => return Poll::Ready(Err(io::Error::other(err))),
+                Poll::Ready(Some(Err(err))) => return Err(io::Error::other(err)),
                 Poll::Ready(None) => true,
-                Poll::Pending => {
-                    // Whatever TLS holds goes out while the body waits.
-                    let _ = Pin::new(&mut *io).poll_flush(cx)?;
-                    return gone_or_pending(io, read, cx);
-                }
+                Poll::Pending => return Ok(true),
             };
             if ended {
                 crate::upstream::http1::end(
@@ -217,6 +240,7 @@ impl Exchange {
                 self.body = None;
             }
         }
+        Ok(false)
     }
 }
 
