@@ -191,6 +191,27 @@ impl AsyncWrite for TransportStream {
         }
     }
 
+    /// Gathered writes reach the socket as one `writev` (an HTTP head and its body).
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            TransportStream::Raw(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            TransportStream::Raw(s) => s.is_write_vectored(),
+            TransportStream::Tls(s) => s.is_write_vectored(),
+            TransportStream::InProcess(s) => s.is_write_vectored(),
+        }
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_flush(cx),

@@ -210,13 +210,10 @@ impl Exchange {
             let ended = match Pin::new(&mut *body).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     match frame.into_data() {
-                        Ok(data) => crate::upstream::http1::data(
-                            &mut self.framing,
-                            data,
-                            write,
-                            queue,
-                        )
-                        .map_err(io::Error::other)?,
+                        Ok(data) => {
+                            crate::upstream::http1::data(&mut self.framing, data, write, queue)
+                                .map_err(io::Error::other)?
+                        }
                         Err(frame) => self.trailers = frame.into_trailers().ok(),
                     }
                     // As hyper does: a body that says it ended is not polled again.

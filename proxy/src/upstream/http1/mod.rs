@@ -29,6 +29,8 @@ use super::http_pool::{BoxedIo, HostPool, RequestBody, Session};
 const READ_SIZE: usize = 8 * 1024;
 /// Request body bytes written in one go, at most: more waits for the socket.
 const WRITE_SLICES: usize = 8;
+/// Queued bytes joined into one buffer, at most, for a stream without gathered writes.
+const FLATTEN: usize = 16 * 1024;
 
 /// Why an exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -360,6 +362,21 @@ pub(crate) fn poll_write_queue<IO: AsyncWrite + Unpin + ?Sized>(
     offset: &mut usize,
     wrote: &mut bool,
 ) -> io::Result<Poll<()>> {
+    // A stream without gathered writes gets small buffers joined into one (as hyper
+    // flattens them): one write, not one per buffer.
+    if queue.len() > 1 && !io.is_write_vectored() {
+        let total: usize = queue.iter().map(Bytes::len).sum::<usize>() - *offset;
+        if total <= FLATTEN {
+            let mut joined = BytesMut::with_capacity(total);
+            joined.extend_from_slice(&queue[0][*offset..]);
+            for bytes in &queue[1..] {
+                joined.extend_from_slice(bytes);
+            }
+            queue.clear();
+            queue.push(joined.freeze());
+            *offset = 0;
+        }
+    }
     while !queue.is_empty() {
         let written = if queue.len() > 1 && io.is_write_vectored() {
             let mut slices = [IoSlice::new(&[]); WRITE_SLICES];
