@@ -49,21 +49,12 @@ struct Shared {
     hcm: Arc<HttpConnectionManager>,
     config: Arc<dyn ConfigProvider>,
     downstream: Downstream,
-    /// The connection in `downstream_cx_http1_active` and the like, once its protocol
-    /// is known.
-    counted: super::config::DownstreamConnection,
-    /// Requests so far (`max_requests_per_connection`).
-    requests: std::sync::atomic::AtomicU32,
-    /// HTTP/2's last request under `max_requests_per_connection`: GOAWAY.
-    goaway: tokio::sync::Notify,
 }
 
 /// Serves HTTP on `io` until the downstream closes it. Generic over the stream so a TLS
-/// stream is served the same way as a TCP one. HTTP/1.1 goes to shunt's own codec
-/// (`http1`), which hands what it does not serve (and HTTP/2) to hyper's. Once `drain`
-/// resolves (the proxy is shutting down) the connection closes gracefully: requests in
-/// flight finish, an idle HTTP/1 connection closes and HTTP/2 sends GOAWAY, as Envoy's
-/// drain does.
+/// stream is served the same way as a TCP one. Once `drain` resolves (the proxy is
+/// shutting down) the connection closes gracefully: requests in flight finish, an idle
+/// HTTP/1 connection closes and HTTP/2 sends GOAWAY, as Envoy's drain does.
 pub async fn serve<IO>(
     hcm: Arc<HttpConnectionManager>,
     config: Arc<dyn ConfigProvider>,
@@ -73,59 +64,28 @@ pub async fn serve<IO>(
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let counted = Arc::new(hcm.stats.connection());
     let codec = hcm.codec;
     let remote = downstream.remote;
-    let limits = hcm.limits.clone();
-    let stats = hcm.stats.clone();
     let shared = Arc::new(Shared {
-        counted: hcm.stats.connection(),
         hcm,
         config,
         downstream,
-        requests: std::sync::atomic::AtomicU32::new(0),
-        goaway: tokio::sync::Notify::new(),
     });
-    // The drain, or `max_connection_duration`: then the connection drains as on the
-    // drain signal.
-    let stop = async {
-        let max_duration = async {
-            match limits.max_connection_duration {
-                Some(max) => tokio::time::sleep(max).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            () = drain => {}
-            () = max_duration => {
-                tracing::debug!(%remote, "max_connection_duration reached: draining");
-                stats.downstream_cx_max_duration_reached.inc();
-            }
-        }
-    };
-    tokio::pin!(stop);
-    let mut draining = false;
-    let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
-    let io = match codec {
-        Codec::Http2 => super::http1::Rewind::new(io, Bytes::new()),
-        Codec::Auto | Codec::Http1 => {
-            let own = &*shared;
-            let served = super::http1::serve(
-                io,
-                |request| respond(own, request),
-                stop.as_mut(),
-                &mut draining,
-                limits.max_headers_count,
-            )
-            .await;
-            match served {
-                super::http1::Served::Closed => return,
-                super::http1::Served::HandOver(io) => io,
-            }
-        }
-    };
-    let service_shared = shared.clone();
+    let limits = shared.hcm.limits.clone();
+    let stats = shared.hcm.stats.clone();
+    let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    // HTTP/2's last request under `max_requests_per_connection`: GOAWAY.
+    let goaway = Arc::new(tokio::sync::Notify::new());
+    let reached = goaway.clone();
     let service = service_fn(move |request: Request<Incoming>| {
-        let shared = service_shared.clone();
+        let shared = shared.clone();
+        let version = request.version();
+        counted.saw(version);
+        let last = super::limits::last_request(&shared.hcm, &requests);
+        if last && version == Version::HTTP_2 {
+            reached.notify_one();
+        }
         // Boxed: the request's future is ~10 KiB (every filter's and the router's
         // states), and hyper moves its service future several times per request (into
         // the h2 stream, into a spawned task, back out on completion). A pointer moves
@@ -133,7 +93,13 @@ pub async fn serve<IO>(
         // into an uninitialised box: `Box::pin(future)` built it on the stack first and
         // copied all of it into the heap.
         Box::into_pin(Box::write(Box::new_uninit(), async move {
-            Ok::<_, Infallible>(respond(&shared, request.map(Some)).await)
+            let mut response = handle_timed(request, &shared).await;
+            if last && version <= Version::HTTP_11 {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(response)
         }))
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -153,16 +119,26 @@ pub async fn serve<IO>(
     builder
         .http2()
         .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
+    let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    tokio::pin!(connection);
-    if draining {
-        connection.as_mut().graceful_shutdown();
-    }
+    // `max_connection_duration`: then the connection drains as on the drain signal.
+    let max_duration = async {
+        match limits.max_connection_duration {
+            Some(max) => tokio::time::sleep(max).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(connection, drain, max_duration);
+    let mut draining = false;
     let result = loop {
         tokio::select! {
             result = connection.as_mut() => break result,
-            () = &mut stop, if !draining => {}
-            () = shared.goaway.notified(), if !draining => {
+            () = &mut drain, if !draining => {}
+            () = &mut max_duration, if !draining => {
+                tracing::debug!(%remote, "max_connection_duration reached: draining");
+                stats.downstream_cx_max_duration_reached.inc();
+            }
+            () = goaway.notified(), if !draining => {
                 tracing::debug!(%remote, "max_requests_per_connection reached: GOAWAY");
             }
         }
@@ -180,24 +156,6 @@ pub async fn serve<IO>(
         }
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
-}
-
-/// One request, from either codec: counted, limited, handled; the connection's last
-/// HTTP/1 response says `connection: close`.
-async fn respond(shared: &Shared, request: Request<Option<Incoming>>) -> Response<ResponseBody> {
-    let version = request.version();
-    shared.counted.saw(version);
-    let last = super::limits::last_request(&shared.hcm, &shared.requests);
-    if last && version == Version::HTTP_2 {
-        shared.goaway.notify_one();
-    }
-    let mut response = handle_timed(request, shared).await;
-    if last && version <= Version::HTTP_11 {
-        response
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    }
-    response
 }
 
 fn protocol(version: Version) -> &'static str {
@@ -244,19 +202,12 @@ fn uuid4_bytes() -> [u8; 36] {
 
 /// [`handle`] under the stream's timers: one that fires before the response is ready
 /// answers 408 (the request's work dropped); once it is, they run with its body.
-async fn handle_timed(
-    request: Request<Option<Incoming>>,
-    shared: &Shared,
-) -> Response<ResponseBody> {
+async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
     let timeouts = hcm.limits.stream;
     let http1 = request.version() <= Version::HTTP_11;
     let log = LogSlot::new();
-    if request
-        .body()
-        .as_ref()
-        .is_none_or(hyper::body::Body::is_end_stream)
-    {
+    if hyper::body::Body::is_end_stream(request.body()) {
         log.set_request_complete();
     }
     // Pinned where it is made: `select!` on the future itself moved all of it (~9 KiB)
@@ -288,7 +239,7 @@ async fn handle_timed(
 }
 
 async fn handle(
-    request: Request<Option<Incoming>>,
+    request: Request<Incoming>,
     shared: &Shared,
     log: Arc<LogSlot>,
 ) -> Response<ResponseBody> {

@@ -23,7 +23,6 @@ pub mod fault;
 pub mod filter;
 pub mod grpc_stats;
 pub mod header_rules;
-pub mod http1;
 pub mod limits;
 pub mod matcher;
 pub mod path_normalization;

@@ -995,11 +995,11 @@ mod limits {
         }
     }
 
-    /// shunt's own HTTP/1.1 codec answers bodyless requests, and hands the connection
-    /// to hyper's at the first it does not serve (one with a body): four pipelined
-    /// requests on one keep-alive connection are all answered, in order, and framed.
+    /// Four pipelined requests on one keep-alive connection (a GET, a HEAD, one with a
+    /// body, a last one that closes) are all answered, in order, each streamed answer
+    /// chunked as it came, the HEAD's without a body.
     #[tokio::test]
-    async fn a_connection_goes_from_the_own_codec_to_hyper_at_the_first_body() {
+    async fn pipelined_requests_are_answered_in_order_and_framed() {
         let store = Store::new();
         let (hcm, config) = proxying(json!({}), &store, streaming_upstream().await);
         let requests = concat!(
@@ -1028,7 +1028,7 @@ mod limits {
         // HEAD: the head a GET would have, and no body.
         assert!(answer(1).ends_with("\r\n\r\n"), "{response}");
         assert!(!answer(1).contains("HEAD /b"), "{response}");
-        // hyper's from here: the body reached the upstream.
+        // The body reached the upstream.
         assert!(
             answer(2).contains("\r\n7\r\nPOST /c\r\n8\r\n|b\"body\"\r\n0\r\n\r\n"),
             "{response}"

@@ -64,11 +64,9 @@ pub struct RequestBody {
 }
 
 impl RequestBody {
-    /// The downstream's body (`None`: a request without one), its reads reported to
-    /// `observer`.
-    pub fn new(incoming: Option<Incoming>, observer: Arc<dyn BodyObserver>) -> Self {
+    pub fn new(incoming: Incoming, observer: Arc<dyn BodyObserver>) -> Self {
         RequestBody {
-            incoming,
+            incoming: Some(incoming),
             observer: Some(observer),
             buffered: None,
         }

@@ -13,7 +13,7 @@ use crate::upstream::http_pool::RequestBody;
 
 /// How the request body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
+pub(super) enum Framing {
     /// No body: nothing follows the head.
     Empty,
     /// `content-length`: this many bytes still to send.
@@ -68,7 +68,7 @@ pub(super) fn head(
 }
 
 /// One data frame, framed: the bytes to queue after what is queued already.
-pub(crate) fn data(
+pub(super) fn data(
     framing: &mut Framing,
     data: Bytes,
     out: &mut BytesMut,
@@ -98,7 +98,7 @@ pub(crate) fn data(
 
 /// The trailer fields a request may send: those its `trailer` header declares, less
 /// those that belong in a head (hyper's rule; Envoy drops HTTP/1 trailers unless told).
-pub(crate) fn declared_trailers(headers: &HeaderMap) -> Vec<HeaderName> {
+pub(super) fn declared_trailers(headers: &HeaderMap) -> Vec<HeaderName> {
     super::tokens(headers, header::TRAILER)
         .filter_map(|name| HeaderName::from_bytes(name).ok())
         .filter(|name| {
@@ -122,7 +122,7 @@ pub(crate) fn declared_trailers(headers: &HeaderMap) -> Vec<HeaderName> {
 }
 
 /// The body's end, with the declared ones of its trailers (sent only when chunked).
-pub(crate) fn end(
+pub(super) fn end(
     framing: Framing,
     trailers: Option<&HeaderMap>,
     declared: &[HeaderName],

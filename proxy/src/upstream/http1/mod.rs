@@ -9,8 +9,6 @@
 mod decode;
 mod encode;
 
-pub(crate) use encode::{Framing, data, declared_trailers, end};
-
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -69,7 +67,7 @@ pub fn tokens(
 }
 
 /// A message's `content-length`, when it has one: several values must agree.
-pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for value in headers.get_all(hyper::header::CONTENT_LENGTH) {
         let parsed = std::str::from_utf8(value.as_bytes())
@@ -354,8 +352,8 @@ impl Connection {
 
 /// Writes `queue` (from `offset` into its first buffer), gathered when the stream
 /// takes several buffers at once; what went out whole is dropped from it. `wrote` is
-/// set once any byte left. Shared with the downstream codec (`http::http1`).
-pub(crate) fn poll_write_queue<IO: AsyncWrite + Unpin + ?Sized>(
+/// set once any byte left.
+fn poll_write_queue<IO: AsyncWrite + Unpin + ?Sized>(
     io: &mut IO,
     cx: &mut Context<'_>,
     queue: &mut Vec<Bytes>,

@@ -282,7 +282,7 @@ async fn a_streamed_body_goes_chunked_with_its_declared_trailers() {
         let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
             let (cluster, host) = (cluster.clone(), host.clone());
             async move {
-                let body = RequestBody::new(Some(request.into_body()), Arc::new(Unwatched));
+                let body = RequestBody::new(request.into_body(), Arc::new(Unwatched));
                 let mut upstream = Request::new(body);
                 *upstream.method_mut() = hyper::Method::POST;
                 *upstream.uri_mut() = "/up".parse().unwrap();
