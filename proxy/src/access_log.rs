@@ -105,7 +105,8 @@ impl ResponseFlag {
 /// What one connection did, gathered while it runs and written once when it ends.
 #[derive(Debug)]
 pub struct Entry {
-    start_wall: SystemTime,
+    /// Monotonic: the wall-clock start is derived from it when a line is written, so
+    /// an entry costs one clock read (none when its stream already read one).
     start: Instant,
     pub direction: Direction,
     pub downstream_remote_address: SocketAddr,
@@ -179,9 +180,19 @@ struct Line<'a> {
 impl Entry {
     /// Starts the clock for a connection just accepted.
     pub fn start(direction: Direction, remote: SocketAddr, local: SocketAddr) -> Self {
+        Self::started_at(direction, remote, local, Instant::now())
+    }
+
+    /// An entry whose clock started at `start` (a stream's own start: one clock read
+    /// serves both).
+    pub fn started_at(
+        direction: Direction,
+        remote: SocketAddr,
+        local: SocketAddr,
+        start: Instant,
+    ) -> Self {
         Self {
-            start_wall: SystemTime::now(),
-            start: Instant::now(),
+            start,
             direction,
             downstream_remote_address: remote,
             downstream_local_address: local,
@@ -211,8 +222,11 @@ impl Entry {
     /// Renders the entry as one JSON line (with its newline), taking the duration now.
     pub fn to_line(&self) -> Vec<u8> {
         let duration = self.start.elapsed();
+        let start_wall = SystemTime::now()
+            .checked_sub(duration)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
         let line = Line {
-            start_time: rfc3339_millis(self.start_wall),
+            start_time: rfc3339_millis(start_wall),
             direction: self.direction,
             downstream_remote_address: self.downstream_remote_address,
             downstream_local_address: self.downstream_local_address,

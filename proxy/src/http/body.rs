@@ -481,7 +481,11 @@ impl Body for ResponseBody {
                                 Ordering::Relaxed,
                             );
                         }
-                        log.active();
+                        // Only a stream that goes on needs its idle timer moved (a clock
+                        // read): most bodies end with their first frame.
+                        if !Body::is_end_stream(&*this) {
+                            log.active();
+                        }
                     }
                     log.observe(|chain| chain.observe_response_frame(frame));
                 }

@@ -279,7 +279,12 @@ async fn handle(
     {
         parts.headers.insert(request_id.clone(), id);
     }
-    let mut entry = Entry::start(downstream.direction, downstream.remote, downstream.local);
+    let mut entry = Entry::started_at(
+        downstream.direction,
+        downstream.remote,
+        downstream.local,
+        log.started().into_std(),
+    );
     entry.original_dst = downstream.original_dst;
     entry.request_head_bytes = request_head_bytes;
     // The line's HTTP fields are copies of the request's: made only when a log is on.

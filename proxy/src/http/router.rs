@@ -149,7 +149,8 @@ pub struct Forwarded {
 }
 
 enum Attempt {
-    Response(Response<UpstreamBody>),
+    /// The response head, and when it arrived.
+    Response(Response<UpstreamBody>, Instant),
     /// Failed before a response head; whether a retry policy may retry it.
     Failed(LocalReply, Retriable),
     /// Fatal for the request (no host, overflow).
@@ -284,12 +285,13 @@ async fn forward_attempts(
             &tried,
             entry,
         );
+        // From the instant already read: `timeout` would read the clock again.
         let outcome = match per_try {
-            Some(limit) => tokio::time::timeout(limit, run).await,
+            Some(limit) => tokio::time::timeout_at((now + limit).into(), run).await,
             None => Ok(run.await),
         };
         match outcome {
-            Ok(Attempt::Response(response)) => {
+            Ok(Attempt::Response(response, answered)) => {
                 if let Some(retry) = retry
                     && attempt + 1 < attempts
                     && retry.retries_status(response.status())
@@ -302,7 +304,7 @@ async fn forward_attempts(
                 }
                 return Ok(Forwarded {
                     response,
-                    service_time: started.elapsed(),
+                    service_time: answered.saturating_duration_since(started),
                     deadline,
                 });
             }
@@ -400,10 +402,11 @@ async fn attempt_once(
                 let stats = &cluster.stats;
                 stats.upstream_rq_total.inc();
                 stats.charge(response.status().as_u16());
+                let answered = Instant::now();
                 stats
                     .upstream_rq_time
-                    .record(sent.elapsed().as_secs_f64() * 1000.0);
-                return Attempt::Response(response);
+                    .record((answered - sent).as_secs_f64() * 1000.0);
+                return Attempt::Response(response, answered);
             }
             Err(SendError {
                 unsent: Some(unsent),

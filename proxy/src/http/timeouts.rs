@@ -50,6 +50,7 @@ pub async fn watch(
     log: &LogSlot,
     response_started: bool,
 ) -> Timeout {
+    let mut woke = false;
     loop {
         // Registered before the deadlines are read, so a route setting its own
         // `max_stream_duration` in between is not missed.
@@ -78,7 +79,9 @@ pub async fn watch(
             rescheduled.await;
             continue;
         };
-        if at <= Instant::now() {
+        // Read the clock only once a timer woke: a deadline already past fires at the
+        // first poll of its sleep anyway, and most streams end long before theirs.
+        if woke && at <= Instant::now() {
             tracing::debug!(?why, response_started, "stream timeout");
             why.count(stats);
             log.ended_by(why);
@@ -86,9 +89,9 @@ pub async fn watch(
         }
         // Activity (or the request's end) moves the deadlines: check again then, or
         // at once when the route changed them.
-        tokio::select! {
-            () = tokio::time::sleep_until(at) => {}
-            () = rescheduled => {}
-        }
+        woke = tokio::select! {
+            () = tokio::time::sleep_until(at) => true,
+            () = rescheduled => false,
+        };
     }
 }
