@@ -268,7 +268,14 @@ impl Connection {
     fn poll_send(&mut self, cx: &mut Context<'_>, exchange: &mut Exchange) -> Result<(), Error> {
         loop {
             if !self.queue.is_empty() {
-                match self.poll_write_queue(cx, exchange)? {
+                let written = poll_write_queue(
+                    &mut self.io,
+                    cx,
+                    &mut self.queue,
+                    &mut exchange.offset,
+                    &mut exchange.wrote,
+                )?;
+                match written {
                     Poll::Ready(()) => {}
                     Poll::Pending => return Ok(()),
                 }
@@ -315,22 +322,6 @@ impl Connection {
                 exchange.body = None;
             }
         }
-    }
-
-    /// Writes the queue, gathered when the socket takes several buffers at once.
-    fn poll_write_queue(
-        &mut self,
-        cx: &mut Context<'_>,
-        exchange: &mut Exchange,
-    ) -> Result<Poll<()>, Error> {
-        let written = poll_write_queue(
-            &mut self.io,
-            cx,
-            &mut self.queue,
-            &mut exchange.offset,
-            &mut exchange.wrote,
-        )?;
-        Ok(written)
     }
 
     /// Reads what the socket has into the read buffer.

@@ -348,3 +348,76 @@ async fn an_early_answer_to_an_upload_the_upstream_stops_reading_is_still_read()
     assert_eq!(body_of(response.into_body()).await.0, "big!");
     active_becomes(&cluster, 0).await;
 }
+
+/// A stream that records each write it is given: one entry per call.
+#[derive(Default)]
+struct Recorder {
+    vectored: bool,
+    writes: Vec<Vec<u8>>,
+}
+
+impl tokio::io::AsyncWrite for Recorder {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.get_mut().writes.push(buf.to_vec());
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        let n = all.len();
+        self.get_mut().writes.push(all);
+        std::task::Poll::Ready(Ok(n))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.vectored
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+#[test]
+fn a_head_and_its_body_leave_in_one_write_gathered_or_joined() {
+    for vectored in [true, false] {
+        let mut io = Recorder {
+            vectored,
+            ..Recorder::default()
+        };
+        let mut queue = vec![
+            Bytes::from_static(b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\n"),
+            Bytes::from_static(b"body"),
+        ];
+        // Part of the head went out already.
+        let (mut offset, mut wrote) = (5, false);
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let done = super::poll_write_queue(&mut io, &mut cx, &mut queue, &mut offset, &mut wrote);
+        assert!(matches!(done, Ok(std::task::Poll::Ready(()))));
+        assert!(wrote && queue.is_empty());
+        assert_eq!(
+            io.writes,
+            [b"/ HTTP/1.1\r\ncontent-length: 4\r\n\r\nbody".to_vec()],
+            "vectored: {vectored}"
+        );
+    }
+}
