@@ -123,6 +123,16 @@ impl AsyncRead for Filtered {
     }
 }
 
+impl Filtered {
+    /// Adds what a write took to the bytes sent (the filters' `on_close` count).
+    fn count_sent(&mut self, written: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = &written {
+            self.sent += *n as u64;
+        }
+        written
+    }
+}
+
 impl AsyncWrite for Filtered {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -131,10 +141,7 @@ impl AsyncWrite for Filtered {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.inner).poll_write(cx, data);
-        if let Poll::Ready(Ok(n)) = &written {
-            this.sent += *n as u64;
-        }
-        written
+        this.count_sent(written)
     }
 
     fn poll_write_vectored(
@@ -144,10 +151,7 @@ impl AsyncWrite for Filtered {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if let Poll::Ready(Ok(n)) = &written {
-            this.sent += *n as u64;
-        }
-        written
+        this.count_sent(written)
     }
 
     fn is_write_vectored(&self) -> bool {

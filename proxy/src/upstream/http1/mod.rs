@@ -25,7 +25,7 @@ use super::http_pool::{BoxedIo, HostPool, RequestBody, Session};
 
 /// What a read asks the kernel for at least: a response head and a small body in one.
 const READ_SIZE: usize = 8 * 1024;
-/// Request body bytes written in one go, at most: more waits for the socket.
+/// Buffers written in one gathered write, at most: more wait for the next.
 const WRITE_SLICES: usize = 8;
 /// Queued bytes joined into one buffer, at most, for a stream without gathered writes.
 const FLATTEN: usize = 16 * 1024;
