@@ -5,7 +5,7 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | 1 | [`stats`], [`config`] (Envoy types in, diagnostics, conversions, the config tracker's resources), [`access_log`], [`stream_info`] (what filters share about a connection and a stream), [`peer`] (Istio peer metadata and its exchange formats), [`istio_stats`] (Istio's standard metrics and labels) |
+//! | 1 | [`stats`], [`event`] (event-loop helpers), [`config`] (Envoy types in, diagnostics, conversions, the config tracker's resources), [`access_log`], [`stream_info`] (what filters share about a connection and a stream), [`peer`] (Istio peer metadata and its exchange formats), [`istio_stats`] (Istio's standard metrics and labels) |
 //! | 2 | [`tls`] (rustls contexts, SPIFFE verification, secrets, the raw-or-TLS stream) |
 //! | 3 | [`upstream`] (clusters, endpoints, load balancing, health, circuit breakers, connection pools) |
 //! | 4 | [`tcp`] (`tcp_proxy`), [`http`] (connection manager, HTTP filters, router), [`network`] (network filters before the terminal one), [`dns`] (Istio's DNS proxy and name table) |
@@ -25,6 +25,7 @@ pub mod admin;
 pub mod agent;
 pub mod config;
 pub mod dns;
+pub mod event;
 pub mod formatter;
 pub mod http;
 pub mod istio_stats;

@@ -30,6 +30,7 @@ use anyhow::{Context, Result};
 pub const LAYERS: &[&[&str]] = &[
     &[
         "stats",
+        "event",
         "config",
         "access_log",
         "stream_info",

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
-use hyper::header::{self, HeaderName, HeaderValue};
+use hyper::header::{self, HeaderValue};
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -22,6 +22,7 @@ use super::body::{LogSlot, ResponseBody};
 use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort};
 use super::filter::chain::ActiveChain;
 use super::filter::{RequestHeaders, Routed, StreamCtx};
+use super::headers::REQUEST_ID;
 use super::matcher::RequestView;
 use super::path_normalization::Normalized;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
@@ -121,26 +122,33 @@ pub async fn serve<IO>(
         .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
     let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    // `max_connection_duration`: then the connection drains as on the drain signal.
-    let max_duration = async {
-        match limits.max_connection_duration {
-            Some(max) => tokio::time::sleep(max).await,
-            None => std::future::pending().await,
+    // What makes the connection drain: the drain signal, `max_connection_duration`, or
+    // (HTTP/2) the last request `max_requests_per_connection` allows. Polled only when
+    // one of them woke the task, not at every byte the connection moves.
+    let drains = std::pin::pin!(async {
+        tokio::select! {
+            () = drain => {}
+            () = async {
+                match limits.max_connection_duration {
+                    Some(max) => tokio::time::sleep(max).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                tracing::debug!(%remote, "max_connection_duration reached: draining");
+                stats.downstream_cx_max_duration_reached.inc();
+            }
+            () = goaway.notified() => {
+                tracing::debug!(%remote, "max_requests_per_connection reached: GOAWAY");
+            }
         }
-    };
-    tokio::pin!(connection, drain, max_duration);
+    });
+    let mut drains = crate::event::when_woken(drains);
+    tokio::pin!(connection);
     let mut draining = false;
     let result = loop {
         tokio::select! {
             result = connection.as_mut() => break result,
-            () = &mut drain, if !draining => {}
-            () = &mut max_duration, if !draining => {
-                tracing::debug!(%remote, "max_connection_duration reached: draining");
-                stats.downstream_cx_max_duration_reached.inc();
-            }
-            () = goaway.notified(), if !draining => {
-                tracing::debug!(%remote, "max_requests_per_connection reached: GOAWAY");
-            }
+            () = &mut drains, if !draining => {}
         }
         // Requests in flight finish; an idle HTTP/1 connection closes, a busy one
         // closes after its response; HTTP/2 sends GOAWAY.
@@ -213,10 +221,18 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
     // Pinned where it is made: `select!` on the future itself moved all of it (~9 KiB)
     // into its own tuple on every request.
     let handled = std::pin::pin!(handle(request, shared, log.clone()));
-    let watch = super::timeouts::watch(timeouts, &hcm.stats, &log, false);
-    let response = tokio::select! {
-        response = handled => response,
-        why = watch => {
+    let outcome = {
+        // The timers are polled only when they woke the task, not each time the
+        // request's own work did.
+        let watch = std::pin::pin!(super::timeouts::watch(timeouts, &hcm.stats, &log, false));
+        tokio::select! {
+            response = handled => Ok(response),
+            why = crate::event::when_woken(watch) => Err(why),
+        }
+    };
+    let response = match outcome {
+        Ok(response) => response,
+        Err(why) => {
             // Envoy: 408 while the request is still arriving, 504 once it is all in
             // (then it is the answer that is late).
             let code = if log.request_complete() {
@@ -230,7 +246,9 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
             if http1 && !log.request_complete() {
                 close_connection(&mut response);
             }
-            response.headers_mut().insert(header::SERVER, hcm.server_name.clone());
+            response
+                .headers_mut()
+                .insert(header::SERVER, hcm.server_name.clone());
             hcm.stats.response(code.as_u16());
             return response.map(|body| ResponseBody::full(body).logged(log));
         }
@@ -272,12 +290,11 @@ async fn handle(
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
-    let request_id = HeaderName::from_static("x-request-id");
     if hcm.generate_request_id
-        && !parts.headers.contains_key(&request_id)
+        && !parts.headers.contains_key(REQUEST_ID)
         && let Ok(id) = HeaderValue::from_bytes(&uuid4_bytes())
     {
-        parts.headers.insert(request_id.clone(), id);
+        parts.headers.insert(REQUEST_ID, id);
     }
     let mut entry = Entry::started_at(
         downstream.direction,
@@ -295,7 +312,7 @@ async fn handle(
             protocol: protocol(parts.version),
             response_code: 0,
             authority: (!authority.is_empty()).then(|| authority.clone()),
-            request_id: header_string(&parts.headers, &request_id),
+            request_id: header_string(&parts.headers, REQUEST_ID),
             user_agent: header_string(&parts.headers, header::USER_AGENT),
         }));
     }
@@ -569,7 +586,7 @@ async fn handle(
             for rules in config.header_rules(vhost, route, false) {
                 rules.apply(&mut headers);
             }
-            let proto = HeaderName::from_static("x-forwarded-proto");
+            let proto = super::headers::FORWARDED_PROTO;
             if !headers.contains_key(&proto) {
                 headers.insert(
                     proto,
@@ -577,7 +594,7 @@ async fn handle(
                 );
             }
             if hcm.use_remote_address {
-                let xff = HeaderName::from_static("x-forwarded-for");
+                let xff = super::headers::FORWARDED_FOR;
                 let ip = downstream.remote.ip().to_canonical().to_string();
                 let value = match header_string(&headers, &xff) {
                     Some(existing) => format!("{existing},{ip}"),
@@ -611,7 +628,7 @@ async fn handle(
                     if rewritten != path
                         && let Ok(original) = HeaderValue::from_str(&path)
                     {
-                        headers.insert(HeaderName::from_static("x-envoy-original-path"), original);
+                        headers.insert(super::headers::ENVOY_ORIGINAL_PATH, original);
                     }
                     rewritten
                 }
@@ -671,7 +688,7 @@ async fn handle(
                         router::strip_hop_by_hop(&mut response_parts.headers);
                         if !hcm.suppress_envoy_headers {
                             response_parts.headers.insert(
-                                HeaderName::from_static("x-envoy-upstream-service-time"),
+                                super::headers::ENVOY_UPSTREAM_SERVICE_TIME,
                                 router::millis_header(forwarded.service_time.as_millis() as u64),
                             );
                         }

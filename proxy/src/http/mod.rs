@@ -23,6 +23,7 @@ pub mod fault;
 pub mod filter;
 pub mod grpc_stats;
 pub mod header_rules;
+pub mod headers;
 pub mod limits;
 pub mod matcher;
 pub mod path_normalization;

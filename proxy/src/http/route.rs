@@ -3,7 +3,6 @@
 //! (forward to a cluster, redirect, or answer directly). Immutable; an RDS update
 //! replaces the whole thing.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,7 +36,8 @@ pub struct RouteConfig {
 /// Virtual host indexes by domain, in Envoy's search order.
 #[derive(Debug, Default)]
 pub struct Domains {
-    pub exact: HashMap<String, usize>,
+    /// Looked up with every request's host: foldhash, not SipHash (only config inserts).
+    pub exact: std::collections::HashMap<String, usize, foldhash::fast::RandomState>,
     /// `*.example.com` / `*-bar.example.com`, by suffix (without the `*`), longest first.
     pub suffix: Vec<(String, usize)>,
     /// `example.*`, by prefix (without the `*`), longest first.

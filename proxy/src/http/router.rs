@@ -247,7 +247,7 @@ async fn forward_attempts(
         && !upstream.suppress_envoy_headers
     {
         head.headers.insert(
-            HeaderName::from_static("x-envoy-expected-rq-timeout-ms"),
+            super::headers::ENVOY_EXPECTED_RQ_TIMEOUT_MS,
             timeout.clone(),
         );
     }
@@ -438,39 +438,47 @@ async fn attempt_once(
 /// Headers that describe one hop's connection, never forwarded (RFC 9110 7.6.1), with
 /// those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Named once (parsing a name per call showed in profiles).
     static HOP_BY_HOP: [HeaderName; 6] = [
         header::CONNECTION,
-        HeaderName::from_static("keep-alive"),
-        HeaderName::from_static("proxy-connection"),
+        super::headers::KEEP_ALIVE,
+        super::headers::PROXY_CONNECTION,
         header::TRANSFER_ENCODING,
         header::UPGRADE,
-        HeaderName::from_static("http2-settings"),
+        super::headers::HTTP2_SETTINGS,
     ];
-    // One look at each name: most requests carry none of these, and most responses
-    // only `connection: keep-alive`.
-    if !headers
-        .keys()
-        .any(|name| HOP_BY_HOP.contains(name) || name == header::TE)
-    {
-        return;
+    // One look at each name, noting which are there: most requests carry none of
+    // these and most responses only `connection: keep-alive`, so only those present
+    // are looked up again to be removed (each removal hashes its name).
+    let (mut present, mut te) = (0u8, false);
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << i;
+        } else if name == header::TE {
+            te = true;
+        }
     }
-    // The headers `Connection` names, but for its usual tokens (which name none).
-    let named: Vec<HeaderName> = crate::upstream::http1::tokens(headers, header::CONNECTION)
-        .filter(|token| {
-            !token.eq_ignore_ascii_case(b"keep-alive") && !token.eq_ignore_ascii_case(b"close")
-        })
-        .filter_map(|token| HeaderName::from_bytes(token).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    if present & 1 != 0 {
+        // The headers `Connection` names, but for its usual tokens (which name none).
+        let named: Vec<HeaderName> = crate::upstream::http1::tokens(headers, header::CONNECTION)
+            .filter(|token| {
+                !token.eq_ignore_ascii_case(b"keep-alive") && !token.eq_ignore_ascii_case(b"close")
+            })
+            .filter_map(|token| HeaderName::from_bytes(token).ok())
+            .collect();
+        for name in named {
+            te |= name == header::TE;
+            headers.remove(name);
+        }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
     // `te: trailers` is how gRPC says it understands trailers; keep only that.
-    if let Some(te) = headers.get(header::TE)
-        && !te.as_bytes().eq_ignore_ascii_case(b"trailers")
+    if te
+        && let Some(value) = headers.get(header::TE)
+        && !value.as_bytes().eq_ignore_ascii_case(b"trailers")
     {
         headers.remove(header::TE);
     }

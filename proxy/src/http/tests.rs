@@ -393,7 +393,7 @@ mod serving {
         let mut problems = Diagnostics::default();
         let stats = crate::stats::Store::new();
         let hcm = Arc::new(
-            crate::http::compile::compile(&hcm, &HashMap::new(), &stats, "hcm", &mut problems)
+            crate::http::compile::compile(&hcm, &Default::default(), &stats, "hcm", &mut problems)
                 .unwrap(),
         );
         let store = Arc::new(CurrentRoutes::default());

@@ -452,10 +452,13 @@ async fn serve(
                     }
                 }
             };
+            // Polled only when it woke the task, not at every byte the connection moves.
+            let drained = std::pin::pin!(listener.draining.closed());
+            let drained = crate::event::when_woken(drained);
             tokio::select! {
                 () = serve => {}
                 // As for tcp_proxy: the listener's drain time is over, close.
-                () = listener.draining.closed() => {
+                () = drained => {
                     tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
                 }
             }

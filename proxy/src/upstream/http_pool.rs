@@ -4,7 +4,6 @@
 //! by every request to the host. Each connection holds its circuit breaker slot and its
 //! `upstream_cx_*` accounting until it closes.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -207,10 +206,11 @@ pub type Alpn = Arc<[String]>;
 /// A host's pool key: its address and the ALPN override its connections offer.
 type PoolKey = (SocketAddr, Option<Alpn>);
 
-/// The pools of one cluster, by host address (and ALPN override).
+/// The pools of one cluster, by host address (and ALPN override). Looked up on every
+/// request: foldhash, not SipHash (only endpoints insert keys).
 #[derive(Debug, Default)]
 pub struct Pools {
-    hosts: Mutex<HashMap<PoolKey, Arc<HostPool>>>,
+    hosts: Mutex<std::collections::HashMap<PoolKey, Arc<HostPool>, foldhash::fast::RandomState>>,
     /// Requests waiting for a connection now (Envoy's pending requests).
     pending: AtomicU64,
 }

@@ -2,7 +2,6 @@
 //! decode order, local replies through the encoders, body buffering, per-route
 //! `disabled`, the route seen on both sides, and `on_stream_complete`.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -167,7 +166,7 @@ fn hcm(log: &Log, second_disabled: bool) -> Arc<HttpConnectionManager> {
     let mut problems = Diagnostics::default();
     let stats = crate::stats::Store::new();
     let mut hcm =
-        crate::http::compile::compile(&config, &HashMap::new(), &stats, "hcm", &mut problems)
+        crate::http::compile::compile(&config, &Default::default(), &stats, "hcm", &mut problems)
             .unwrap();
     assert!(problems.warnings.is_empty(), "{:?}", problems.warnings);
     for (name, disabled) in [("a", false), ("b", second_disabled)] {

@@ -2,6 +2,8 @@
 //! framed by the request's method, the status, `transfer-encoding` or `content-length`,
 //! or the connection's close, as RFC 9112 section 6.3 orders them.
 
+use std::mem::MaybeUninit;
+
 use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::Frame;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -37,9 +39,15 @@ pub(super) struct Head {
 /// bytes are needed. Interim (1xx) heads are skipped.
 pub(super) fn head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, Error> {
     loop {
-        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut parsed = httparse::Response::new(&mut slots);
-        let len = match parsed.parse(buf) {
+        // Slots left uninitialised, as hyper's: filling 100 of them for each response
+        // cost more than parsing it.
+        let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut []);
+        let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut parsed,
+            buf,
+            &mut slots,
+        ) {
             Ok(httparse::Status::Complete(len)) => len,
             Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
                 return Err(Error::Malformed("response head too large"));
@@ -66,27 +74,22 @@ pub(super) fn head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, 
         } else {
             Version::HTTP_11
         };
-        // The values are kept as slices of the head's bytes, not copied.
-        let base = buf.as_ptr() as usize;
-        let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
-        let count = parsed.headers.len();
-        for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
-            let name = h.name.as_ptr() as usize - base;
-            let value = h.value.as_ptr() as usize - base;
-            *span = (name, name + h.name.len(), value, value + h.value.len());
-        }
         // Copied out: the read buffer stays the connection's alone, reused without an
-        // allocation for the next response (a head is a few hundred bytes).
+        // allocation for the next response (a head is a few hundred bytes). The values
+        // are slices of the copy, found by their offsets in the read buffer.
         let bytes = Bytes::copy_from_slice(&buf[..len]);
-        buf.advance(len);
-        let mut headers = HeaderMap::with_capacity(count);
-        for &(name_start, name_end, value_start, value_end) in &spans[..count] {
-            let name = HeaderName::from_bytes(&bytes[name_start..name_end])
+        let base = buf.as_ptr() as usize;
+        let mut headers = HeaderMap::with_capacity(parsed.headers.len());
+        for field in parsed.headers.iter() {
+            let name = HeaderName::from_bytes(field.name.as_bytes())
                 .map_err(|_| Error::Malformed("invalid header name"))?;
-            let value = HeaderValue::from_maybe_shared(bytes.slice(value_start..value_end))
-                .map_err(|_| Error::Malformed("invalid header value"))?;
+            let start = field.value.as_ptr() as usize - base;
+            let value =
+                HeaderValue::from_maybe_shared(bytes.slice(start..start + field.value.len()))
+                    .map_err(|_| Error::Malformed("invalid header value"))?;
             headers.append(name, value);
         }
+        buf.advance(len);
         let (framing, keep_alive) = framing(method, status, version, &headers)?;
         let mut response = Response::new(());
         *response.status_mut() = status;
