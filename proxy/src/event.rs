@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 
 /// `future`, polled only once it asked to be: after its first poll, only when the
-/// waker it was given fired. For the rare ends a task waits on beside its work (a
-/// drain signal, a stream's timers): the task wakes for every byte of its work, and
-/// each of those polls would otherwise poll these again, each a lock and a few
-/// hundred instructions (`callgrind`), though nothing happened to them. Pin a future
-/// that is not `Unpin` first (`std::pin::pin!`).
+/// waker it was given fired. For the rare ends a connection's task waits on beside
+/// its work (the drain signals): the task wakes for every byte of its work, and each
+/// of those polls would otherwise poll these again, each a lock and a few hundred
+/// instructions (`callgrind`), though nothing happened to them. It allocates once, so
+/// it pays for waits that outlive many polls. Pin a future that is not `Unpin` first
+/// (`std::pin::pin!`).
 pub fn when_woken<F: Future + Unpin>(future: F) -> WhenWoken<F> {
     WhenWoken {
         future,

@@ -221,14 +221,11 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
     // Pinned where it is made: `select!` on the future itself moved all of it (~9 KiB)
     // into its own tuple on every request.
     let handled = std::pin::pin!(handle(request, shared, log.clone()));
-    let outcome = {
-        // The timers are polled only when they woke the task, not each time the
-        // request's own work did.
-        let watch = std::pin::pin!(super::timeouts::watch(timeouts, &hcm.stats, &log, false));
-        tokio::select! {
-            response = handled => Ok(response),
-            why = crate::event::when_woken(watch) => Err(why),
-        }
+    // Not gated by `event::when_woken`: its first poll is most of its cost, and the
+    // gate's own allocation cost more than the later polls it saved (`callgrind`).
+    let outcome = tokio::select! {
+        response = handled => Ok(response),
+        why = super::timeouts::watch(timeouts, &hcm.stats, &log, false) => Err(why),
     };
     let response = match outcome {
         Ok(response) => response,
