@@ -23,6 +23,12 @@
 //!
 //! `--flamegraph` records shunt under each load (`perf record --call-graph dwarf`) and
 //! writes `target/bench/http-shunt-h1.svg` and `-h2.svg` (folded with `inferno`).
+//!
+//! `--instructions` counts the user-space instructions per request of shunt, haproxy,
+//! nginx and `--before` under callgrind (`instructions.rs`): figures that do not drift
+//! with the machine.
+
+mod instructions;
 
 use std::{
     fmt::Write as _,
@@ -61,6 +67,10 @@ pub struct HttpArgs {
     /// Also record shunt under each load and write target/bench/http-shunt-{h1,h2}.svg.
     #[arg(long)]
     flamegraph: bool,
+    /// Also count the user-space instructions per request (callgrind) of shunt,
+    /// haproxy, nginx and `--before`: the same for the same build on any machine.
+    #[arg(long)]
+    instructions: bool,
     /// Only these scenarios (comma-separated: direct,shunt,envoy,haproxy,nginx).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -149,6 +159,15 @@ impl Scenario {
 enum Load {
     H1,
     H2,
+}
+
+impl Load {
+    fn name(self) -> &'static str {
+        match self {
+            Load::H1 => "h1",
+            Load::H2 => "h2",
+        }
+    }
 }
 
 /// What is fixed for the whole bench.
@@ -422,6 +441,9 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     if args.flamegraph {
         crate::setup::ensure_packages(PERF)?;
     }
+    if args.instructions {
+        crate::setup::ensure_packages(instructions::VALGRIND)?;
+    }
     let envoy = crate::setup::envoy()?;
     let envoy_version = envoy_version(&envoy)?;
     let haproxy_version = first_line("/usr/sbin/haproxy", &["-v"])?;
@@ -540,6 +562,21 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     if args.flamegraph {
         flamegraph(&setup, args)?;
     }
+    let counted: Vec<Scenario> = scenarios
+        .iter()
+        .copied()
+        .filter(|s| {
+            matches!(
+                s,
+                Scenario::Shunt | Scenario::Before | Scenario::Haproxy | Scenario::Nginx
+            )
+        })
+        .collect();
+    let counts = if args.instructions {
+        instructions::run(&setup, &counted)?
+    } else {
+        Vec::new()
+    };
     drop(app);
     drop(pki);
     drop(node);
@@ -550,9 +587,14 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         scenarios,
         runs,
     };
-    let text = report.table(&setup);
+    let mut text = report.table(&setup);
+    let mut json = report.json(&setup);
+    if !counts.is_empty() {
+        text.push_str(&instructions::table(&counts));
+        json["instructions"] = instructions::json(&counts);
+    }
     print!("\n{text}");
-    save("http", &text, &report.json(&setup))
+    save("http", &text, &json)
 }
 
 fn first_line(program: &str, args: &[&str]) -> Result<String> {
