@@ -851,14 +851,19 @@ async fn finish(
 ) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
     // The encoder filters, last to first; the chain then waits in the log slot for the
-    // end of the stream.
+    // end of the stream. Boxed: their state (over 2 KiB) would size every `finish`,
+    // and each `finish` future is moved whole into its caller's when it starts.
     if let Some(mut chain) = log.take_chain() {
         // Encoders see the upstream host, as in Envoy (peer_metadata's workload discovery
         // finds the upstream peer by it).
         chain.ctx.info.upstream_host = entry.upstream_host;
-        response = chain.encode(response).await;
-        chain.ctx.info.response_code = Some(response.status().as_u16());
-        log.set_chain(chain);
+        response = Box::pin(async {
+            let response = chain.encode(response).await;
+            chain.ctx.info.response_code = Some(response.status().as_u16());
+            log.set_chain(chain);
+            response
+        })
+        .await;
     }
     let headers = response.headers_mut();
     match hcm.server_header {

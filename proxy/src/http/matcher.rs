@@ -10,6 +10,8 @@ use envoy_types::pb::envoy::config::route::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     RegexMatcher, StringMatcher as EnvoyStringMatcher, string_matcher::MatchPattern,
 };
+use std::borrow::Cow;
+
 use hyper::HeaderMap;
 use regex::Regex;
 
@@ -30,22 +32,26 @@ pub struct RequestView<'a> {
 impl RequestView<'_> {
     /// All values of header `name` joined with `,` (Envoy matches multi-valued headers
     /// that way); `None` when absent.
-    pub fn header(&self, name: &str) -> Option<String> {
+    pub fn header(&self, name: &str) -> Option<Cow<'_, str>> {
         match name {
-            ":method" => return Some(self.method.to_owned()),
-            ":authority" | "host" => return Some(self.authority.to_owned()),
-            ":path" => return Some(self.path.to_owned()),
-            ":scheme" => return Some(self.scheme.to_owned()),
+            ":method" => return Some(Cow::Borrowed(self.method)),
+            ":authority" | "host" => return Some(Cow::Borrowed(self.authority)),
+            ":path" => return Some(Cow::Borrowed(self.path)),
+            ":scheme" => return Some(Cow::Borrowed(self.scheme)),
             _ => {}
         }
         let mut values = self.headers.get_all(name).iter();
-        let first = values.next()?;
-        let mut joined = String::from_utf8_lossy(first.as_bytes()).into_owned();
-        for value in values {
+        let first = String::from_utf8_lossy(values.next()?.as_bytes());
+        // Most headers have one value: matched where it lies, not copied.
+        let Some(second) = values.next() else {
+            return Some(first);
+        };
+        let mut joined = first.into_owned();
+        for value in std::iter::once(second).chain(values) {
             joined.push(',');
             joined.push_str(&String::from_utf8_lossy(value.as_bytes()));
         }
-        Some(joined)
+        Some(Cow::Owned(joined))
     }
 
     /// The path without its query string (what path matchers read).
@@ -83,18 +89,27 @@ pub struct StringMatcher {
 
 impl StringMatcher {
     pub fn matches(&self, value: &str) -> bool {
-        let fold = |s: &str| {
-            if self.ignore_case {
-                s.to_ascii_lowercase()
+        // Compared in place: rules run per request, often many (RBAC policies).
+        let (bytes, fold) = (value.as_bytes(), self.ignore_case);
+        let same = |a: &[u8], b: &[u8]| {
+            if fold {
+                a.eq_ignore_ascii_case(b)
             } else {
-                s.to_owned()
+                a == b
             }
         };
         match &self.pattern {
-            StringPattern::Exact(s) => fold(value) == fold(s),
-            StringPattern::Prefix(s) => fold(value).starts_with(&fold(s)),
-            StringPattern::Suffix(s) => fold(value).ends_with(&fold(s)),
-            StringPattern::Contains(s) => fold(value).contains(&fold(s)),
+            StringPattern::Exact(s) => same(bytes, s.as_bytes()),
+            StringPattern::Prefix(s) => bytes
+                .get(..s.len())
+                .is_some_and(|start| same(start, s.as_bytes())),
+            StringPattern::Suffix(s) => bytes
+                .len()
+                .checked_sub(s.len())
+                .is_some_and(|at| same(&bytes[at..], s.as_bytes())),
+            StringPattern::Contains(s) => {
+                s.is_empty() || bytes.windows(s.len()).any(|w| same(w, s.as_bytes()))
+            }
             StringPattern::Regex(re) => re.is_match(value),
         }
     }
@@ -128,10 +143,10 @@ impl HeaderMatcher {
     }
 
     /// The same on the header's (joined) value, `None` when absent.
-    pub fn matches_value(&self, value: Option<String>) -> bool {
+    pub fn matches_value(&self, value: Option<Cow<'_, str>>) -> bool {
         let value = match value {
             Some(value) => value,
-            None if self.treat_missing_as_empty => String::new(),
+            None if self.treat_missing_as_empty => Cow::Borrowed(""),
             None => {
                 // An absent header matches only `present_match: false` (or, inverted,
                 // only `present_match: true`).
@@ -293,4 +308,68 @@ pub fn query_matcher(
         name: q.name.clone(),
         matcher,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matcher(pattern: StringPattern, ignore_case: bool) -> StringMatcher {
+        StringMatcher {
+            pattern,
+            ignore_case,
+        }
+    }
+
+    #[test]
+    fn string_matchers_compare_in_place_with_and_without_case() {
+        let s = |v: &str| v.to_owned();
+        let cases = [
+            (StringPattern::Exact(s("GET")), false, "GET", true),
+            (StringPattern::Exact(s("GET")), false, "get", false),
+            (StringPattern::Exact(s("GET")), true, "get", true),
+            (StringPattern::Exact(s("GET")), true, "GETS", false),
+            (StringPattern::Prefix(s("/api/")), false, "/api/x", true),
+            (StringPattern::Prefix(s("/API/")), true, "/api/x", true),
+            (StringPattern::Prefix(s("/api/")), false, "/ap", false),
+            (StringPattern::Prefix(s("/tenant-1/")), false, "/api/x", false),
+            (StringPattern::Prefix(s("")), false, "", true),
+            (StringPattern::Suffix(s(".local")), false, "svc.local", true),
+            (StringPattern::Suffix(s(".LOCAL")), true, "svc.local", true),
+            (StringPattern::Suffix(s(".local")), false, "local", false),
+            (StringPattern::Contains(s("ten")), false, "x-tenant-1", true),
+            (StringPattern::Contains(s("TEN")), true, "x-tenant-1", true),
+            (StringPattern::Contains(s("TEN")), false, "x-tenant-1", false),
+            (StringPattern::Contains(s("")), false, "", true),
+            (StringPattern::Contains(s("long")), false, "lo", false),
+            // Multi-byte text: compared as bytes, case folded only in ASCII.
+            (StringPattern::Prefix(s("é")), false, "éa", true),
+            (StringPattern::Exact(s("É")), true, "é", false),
+        ];
+        for (pattern, ignore_case, value, want) in cases {
+            let m = matcher(pattern, ignore_case);
+            assert_eq!(m.matches(value), want, "{m:?} on {value:?}");
+        }
+        let regex = matcher(StringPattern::Regex(full_match_regex("a+").unwrap()), true);
+        assert!(regex.matches("aaa") && !regex.matches("aab"));
+    }
+
+    #[test]
+    fn a_header_with_several_values_is_matched_joined_and_one_value_where_it_lies() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-tenant", "a".parse().unwrap());
+        headers.append("x-tenant", "b".parse().unwrap());
+        headers.insert("x-one", "only".parse().unwrap());
+        let view = RequestView {
+            method: "GET",
+            authority: "svc",
+            path: "/p?q",
+            scheme: "http",
+            headers: &headers,
+        };
+        assert_eq!(view.header("x-tenant").as_deref(), Some("a,b"));
+        assert!(matches!(view.header("x-one"), Some(Cow::Borrowed("only"))));
+        assert_eq!(view.header(":path").as_deref(), Some("/p?q"));
+        assert_eq!(view.header("x-none"), None);
+    }
 }

@@ -192,7 +192,8 @@ impl HttpFilter for Fault {
             .downstream_cluster_stats
             .then(|| view.header(DOWNSTREAM_CLUSTER))
             .flatten()
-            .filter(|c| !c.is_empty());
+            .filter(|c| !c.is_empty())
+            .map(std::borrow::Cow::into_owned);
         let grpc_request = view
             .header("content-type")
             .is_some_and(|t| t.starts_with("application/grpc"));

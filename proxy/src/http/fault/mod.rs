@@ -75,7 +75,7 @@ impl Percent {
 
     /// The percentage header's value lowers the numerator, never raises it; an
     /// unparsable header leaves the configured one.
-    fn capped_by(self, header: Option<String>) -> Percent {
+    fn capped_by(self, header: Option<std::borrow::Cow<'_, str>>) -> Percent {
         match header.and_then(|h| h.trim().parse::<u64>().ok()) {
             Some(n) => Percent {
                 numerator: n.min(self.numerator),
@@ -235,7 +235,7 @@ impl FaultConfig {
         }
         if !self.downstream_nodes.is_empty() {
             let node = request.header(DOWNSTREAM_NODE);
-            if !node.is_some_and(|n| self.downstream_nodes.contains(&n)) {
+            if !node.is_some_and(|n| self.downstream_nodes.iter().any(|d| *d == n)) {
                 return Applies::No;
             }
         }
