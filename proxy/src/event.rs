@@ -107,6 +107,23 @@ mod tests {
         }
     }
 
+    /// A [`Probe`] behind [`when_woken`], with its poll count, readiness and waker.
+    #[allow(clippy::type_complexity)]
+    fn gated_probe() -> (
+        WhenWoken<Probe>,
+        Arc<AtomicUsize>,
+        Arc<AtomicBool>,
+        Arc<Mutex<Option<Waker>>>,
+    ) {
+        let (polls, ready, waker): (Arc<AtomicUsize>, Arc<AtomicBool>, _) = Default::default();
+        let probe = Probe {
+            polls: Arc::clone(&polls),
+            ready: Arc::clone(&ready),
+            waker: Arc::clone(&waker),
+        };
+        (when_woken(probe), polls, ready, waker)
+    }
+
     struct CountingWaker(AtomicUsize);
     impl Wake for CountingWaker {
         fn wake(self: Arc<Self>) {
@@ -116,13 +133,7 @@ mod tests {
 
     #[test]
     fn the_inner_future_is_polled_first_and_then_only_after_its_waker_fired() {
-        let (polls, ready, inner_waker) = Default::default();
-        let probe = Probe {
-            polls: Arc::clone(&polls),
-            ready: Arc::clone(&ready),
-            waker: Arc::clone(&inner_waker),
-        };
-        let mut gated = when_woken(probe);
+        let (mut gated, polls, ready, inner_waker) = gated_probe();
         let task = Arc::new(CountingWaker(AtomicUsize::new(0)));
         let waker = Waker::from(task.clone());
         let mut cx = Context::from_waker(&waker);
@@ -145,13 +156,7 @@ mod tests {
 
     #[test]
     fn a_new_task_waker_polls_the_inner_future_once_and_is_the_one_woken() {
-        let (polls, ready, inner_waker) = Default::default();
-        let probe = Probe {
-            polls: Arc::clone(&polls),
-            ready: Arc::clone(&ready),
-            waker: Arc::clone(&inner_waker),
-        };
-        let mut gated = when_woken(probe);
+        let (mut gated, polls, _ready, inner_waker) = gated_probe();
         let first = Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
         assert!(
             Pin::new(&mut gated)
