@@ -266,7 +266,7 @@ fn connection_manager() -> &'static (Arc<shunt::http::HttpConnectionManager>, Ar
         let mut problems = Diagnostics::default();
         let stats = shunt::stats::Store::new();
         let hcm =
-            shunt::http::compile::compile(&hcm, &HashMap::new(), &stats, "hcm", &mut problems)
+            shunt::http::compile::compile(&hcm, &Clusters::default(), &stats, "hcm", &mut problems)
                 .expect("the fixed connection manager compiles");
         let routes = Routes {
             route_configs: HashMap::from([("r".to_owned(), route_config().clone())]),
