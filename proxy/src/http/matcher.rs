@@ -3,6 +3,8 @@
 //! `QueryParameterMatcher`, each compiled from Envoy's config and evaluated against a
 //! [`RequestView`].
 
+use std::borrow::Cow;
+
 use envoy_types::pb::envoy::config::route::v3::{
     HeaderMatcher as EnvoyHeaderMatcher, QueryParameterMatcher as EnvoyQueryMatcher,
     header_matcher::HeaderMatchSpecifier, query_parameter_matcher::QueryParameterMatchSpecifier,
@@ -10,8 +12,6 @@ use envoy_types::pb::envoy::config::route::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     RegexMatcher, StringMatcher as EnvoyStringMatcher, string_matcher::MatchPattern,
 };
-use std::borrow::Cow;
-
 use hyper::HeaderMap;
 use regex::Regex;
 
@@ -83,7 +83,7 @@ pub enum StringPattern {
 #[derive(Debug)]
 pub struct StringMatcher {
     pub pattern: StringPattern,
-    /// Lowercases both sides; ignored by regexes, as in Envoy.
+    /// Compares ASCII letters without case; ignored by regexes, as in Envoy.
     pub ignore_case: bool,
 }
 
