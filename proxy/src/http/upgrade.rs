@@ -36,7 +36,7 @@ pub fn ignore_h2c(headers: &mut HeaderMap) {
         return;
     }
     headers.remove(header::UPGRADE);
-    headers.remove("http2-settings");
+    headers.remove(super::headers::HTTP2_SETTINGS);
     let kept: Vec<String> = crate::upstream::http1::tokens(headers, header::CONNECTION)
         .filter(|t| {
             !t.eq_ignore_ascii_case(b"upgrade") && !t.eq_ignore_ascii_case(b"http2-settings")
