@@ -10,6 +10,7 @@ mod demo;
 mod fuzz;
 mod layers;
 mod lint;
+mod pgo;
 mod pods;
 mod runner;
 mod setup;

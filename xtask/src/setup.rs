@@ -156,6 +156,26 @@ fn rust_src() -> anyhow::Result<()> {
     run_checked(Command::new("rustup").args(["component", "add", "rust-src"]))
 }
 
+/// The toolchain's own llvm-profdata (`rustup component add llvm-tools`): profiles are
+/// written in the format of rustc's LLVM, which a distribution's llvm-profdata may not
+/// read. Installed on first use (`bench http --pgo`), not by `cargo xtask setup`.
+pub fn llvm_profdata() -> anyhow::Result<PathBuf> {
+    let rustlib = sysroot()?.join("lib/rustlib");
+    let find = || {
+        std::fs::read_dir(&rustlib).ok().and_then(|dirs| {
+            dirs.filter_map(Result::ok)
+                .map(|d| d.path().join("bin/llvm-profdata"))
+                .find(|p| p.is_file())
+        })
+    };
+    if let Some(found) = find() {
+        return Ok(found);
+    }
+    eprintln!("xtask setup: rustup component add llvm-tools");
+    run_checked(Command::new("rustup").args(["component", "add", "llvm-tools"]))?;
+    find().with_context(|| format!("no bin/llvm-profdata under {} after installing llvm-tools", rustlib.display()))
+}
+
 /// bpf-linker must link against the same LLVM the toolchain's rustc uses.
 fn bpf_linker() -> anyhow::Result<()> {
     let lib_dir = sysroot()?.join("lib");

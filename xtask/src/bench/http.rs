@@ -88,6 +88,11 @@ pub struct HttpArgs {
     /// `shunt-mtls`, `envoy-mtls`; CPU and RSS are summed over the two sidecars.
     #[arg(long)]
     mtls: bool,
+    /// Measure shunt as a profile-guided build (`pgo.rs`): an instrumented build runs
+    /// a short training load first (h1 and h2 through the plain, RBAC and mTLS
+    /// bootstraps). The plain release build runs beside it as `shunt-plain`.
+    #[arg(long)]
+    pgo: bool,
 }
 
 /// How many RBAC policies the `--rbac` scenarios evaluate per request.
@@ -117,6 +122,8 @@ enum Scenario {
     Nginx,
     /// `--before`'s shunt binary.
     Before,
+    /// The plain release build, when `--pgo` makes `shunt` the profile-guided one.
+    ShuntPlain,
     /// shunt and Envoy with 20 RBAC policies in front of the route (`--rbac`).
     ShuntRbac,
     EnvoyRbac,
@@ -142,6 +149,7 @@ impl Scenario {
             Scenario::Haproxy => "haproxy",
             Scenario::Nginx => "nginx",
             Scenario::Before => "before",
+            Scenario::ShuntPlain => "shunt-plain",
             Scenario::ShuntRbac => "shunt-rbac",
             Scenario::EnvoyRbac => "envoy-rbac",
             Scenario::ShuntMtls => "shunt-mtls",
@@ -172,8 +180,11 @@ impl Load {
 
 /// What is fixed for the whole bench.
 struct Setup {
+    /// `bins.shunt` is the shunt measured: the profile-guided build under `--pgo`.
     bins: Bins,
     before: Option<PathBuf>,
+    /// The plain release build under `--pgo` (scenario `shunt-plain`).
+    plain: Option<PathBuf>,
     envoy: PathBuf,
     envoy_version: String,
     haproxy_version: String,
@@ -212,6 +223,7 @@ impl Setup {
                 Scenario::Shunt
                 | Scenario::Envoy
                 | Scenario::Before
+                | Scenario::ShuntPlain
                 | Scenario::ShuntRbac
                 | Scenario::EnvoyRbac
                 | Scenario::ShuntMtls
@@ -270,6 +282,10 @@ impl Setup {
             Scenario::Shunt => vec![front(self.bins.shunt.clone(), shunt(&self.bootstrap))],
             Scenario::Before => vec![front(
                 self.before.clone().context("--before has no binary")?,
+                shunt(&self.bootstrap),
+            )],
+            Scenario::ShuntPlain => vec![front(
+                self.plain.clone().context("shunt-plain runs only with --pgo")?,
                 shunt(&self.bootstrap),
             )],
             Scenario::ShuntRbac => {
@@ -437,6 +453,10 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     if args.mtls {
         scenarios.extend([Scenario::ShuntMtls, Scenario::EnvoyMtls]);
     }
+    if args.pgo {
+        let at = scenarios.iter().position(|s| *s == Scenario::Shunt);
+        scenarios.insert(at.map_or(0, |i| i + 1), Scenario::ShuntPlain);
+    }
     crate::setup::ensure_packages(TOOLS)?;
     if args.flamegraph {
         crate::setup::ensure_packages(PERF)?;
@@ -455,9 +475,10 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     let server = node.add_pod("server")?;
     let dir = target_dir().join("bench/http");
     std::fs::create_dir_all(&dir)?;
-    let setup = Setup {
+    let mut setup = Setup {
         bins,
         before: args.before.clone(),
+        plain: None,
         envoy,
         envoy_version,
         haproxy_version,
@@ -475,11 +496,12 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     let upstream = setup.upstream(UPSTREAM_PORT);
     std::fs::write(&setup.bootstrap, bootstrap(upstream))?;
     validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap)?;
-    if args.rbac {
+    // The training load (`--pgo`) runs through every bootstrap.
+    if args.rbac || args.pgo {
         std::fs::write(&setup.bootstrap_rbac, bootstrap_rbac(upstream))?;
         validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap_rbac)?;
     }
-    let pki = if args.mtls {
+    let pki = if args.mtls || args.pgo {
         let pki = http_mtls::pki(&dir.join("pki")).context("the mTLS pair's certificates")?;
         std::fs::write(
             &setup.bootstrap_mtls_client,
@@ -515,6 +537,14 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
     for port in [UPSTREAM_PORT, UPSTREAM_H2_PORT] {
         wait_for_port(&setup.server, setup.upstream(port), secs(10))
             .with_context(|| format!("upstream nginx:\n{}", app.stderr_text()))?;
+    }
+
+    if args.pgo {
+        let instrumented = crate::pgo::instrumented()?;
+        let plain = std::mem::replace(&mut setup.bins.shunt, instrumented.shunt.clone());
+        train(&setup, args).context("the PGO training load")?;
+        setup.bins.shunt = instrumented.optimize()?;
+        setup.plain = Some(plain);
     }
 
     let busy = background_busy()?;
@@ -568,7 +598,11 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         .filter(|s| {
             matches!(
                 s,
-                Scenario::Shunt | Scenario::Before | Scenario::Haproxy | Scenario::Nginx
+                Scenario::Shunt
+                    | Scenario::ShuntPlain
+                    | Scenario::Before
+                    | Scenario::Haproxy
+                    | Scenario::Nginx
             )
         })
         .collect();
@@ -796,6 +830,51 @@ fn nginx_http_common(dir: &Path) -> String {
          client_body_temp_path {d}/body;\n proxy_temp_path {d}/proxy;\n fastcgi_temp_path {d}/fastcgi;\n\
          uwsgi_temp_path {d}/uwsgi;\n scgi_temp_path {d}/scgi;\n"
     )
+}
+
+/// How long each load of the PGO training runs, per bootstrap.
+const TRAIN_SECONDS: u64 = 3;
+
+/// The PGO training load (`--pgo`): the measured loads, shorter, through each of
+/// shunt's bootstraps (plain, RBAC, the mTLS pair), with `setup.bins.shunt` the
+/// instrumented build. Each proxy is then stopped with SIGTERM: the counters are written
+/// when it exits.
+fn train(setup: &Setup, args: &HttpArgs) -> Result<()> {
+    for scenario in [Scenario::Shunt, Scenario::ShuntRbac, Scenario::ShuntMtls] {
+        println!("  PGO training: {}", scenario.name());
+        let mut proxies = setup.start_proxy(scenario)?;
+        check_answer(setup, scenario, &proxies)?;
+        for load in [Load::H1, Load::H2] {
+            load_run(setup, load, setup.target(scenario, load), TRAIN_SECONDS, args)
+                .with_context(|| format!("{} {}", scenario.name(), load.name()))?;
+        }
+        for proxy in &mut proxies {
+            stop(proxy)?;
+        }
+    }
+    Ok(())
+}
+
+/// SIGTERM, then the exit: shunt drains and returns from main, which runs the exit
+/// handlers (the profile's among them). Killing it would lose the counters.
+fn stop(proxy: &mut PodProcess) -> Result<()> {
+    let pid = libc::pid_t::try_from(proxy.pid())?;
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+    ensure!(
+        sent == 0,
+        "SIGTERM to {}: {}",
+        proxy.description(),
+        std::io::Error::last_os_error()
+    );
+    let status = proxy.wait_timeout(secs(30))?;
+    ensure!(
+        status.success(),
+        "{} exited with {status} on SIGTERM:\n{}",
+        proxy.description(),
+        proxy.stderr_text()
+    );
+    Ok(())
 }
 
 /// One scenario: a fresh proxy, the path checked with curl, then for each load a warm-up
@@ -1244,11 +1323,12 @@ struct Report<'a> {
 }
 
 /// Ratio columns (those whose scenarios both ran).
-const RATIOS: [(Scenario, Scenario); 8] = [
+const RATIOS: [(Scenario, Scenario); 9] = [
     (Scenario::Shunt, Scenario::Haproxy),
     (Scenario::Shunt, Scenario::Envoy),
     (Scenario::Shunt, Scenario::Nginx),
     (Scenario::Shunt, Scenario::Before),
+    (Scenario::Shunt, Scenario::ShuntPlain),
     (Scenario::ShuntRbac, Scenario::Shunt),
     (Scenario::EnvoyRbac, Scenario::Envoy),
     (Scenario::ShuntRbac, Scenario::EnvoyRbac),
@@ -1291,6 +1371,12 @@ impl Report<'_> {
             cpus(),
             self.busy
         );
+        if self.args.pgo {
+            let _ = writeln!(
+                t,
+                "shunt: profile-guided release build (trained {TRAIN_SECONDS} s per load on h1 and h2 through the plain, RBAC and mTLS bootstraps); shunt-plain: the same source, plain release build"
+            );
+        }
         if self.scenarios.iter().any(|s| s.is_mtls_pair()) {
             let _ = writeln!(
                 t,
@@ -1384,6 +1470,7 @@ impl Report<'_> {
                 "bootstrap_mtls_server": read(&setup.bootstrap_mtls_server),
                 "haproxy_config": read(&setup.haproxy_config),
                 "nginx_config": read(&setup.nginx_config),
+                "pgo": self.args.pgo,
                 "rounds": self.args.rounds,
                 "seconds": self.args.seconds,
                 "wrk_connections": self.args.connections,

@@ -1,0 +1,129 @@
+//! Profile-guided release builds of shunt (`cargo xtask bench http --pgo`).
+//!
+//! Three steps, as rustc's own PGO guide has them: a release build instrumented with
+//! `-Cprofile-generate`, a training load the caller runs through it (the counters are
+//! written when the process exits, so it must be stopped with SIGTERM, not killed), and
+//! the release build again with `-Cprofile-use` on the merged profile. Each build has
+//! its own target dir under `target/pgo/`: RUSTFLAGS differ, and sharing one dir would
+//! rebuild every dependency at every switch. The flags apply to the host target only
+//! (`--target <host>`), so build scripts and proc macros are neither instrumented nor
+//! optimised with a profile they never ran. The profile's file name is its content's
+//! hash: a new profile is a new RUSTFLAGS, so cargo rebuilds the dependencies with it
+//! instead of keeping code laid out for an old one.
+
+use std::hash::{Hash as _, Hasher as _};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, ensure};
+
+use crate::pods::target_dir;
+
+/// The instrumented shunt, and where its runs leave their counters.
+pub struct Instrumented {
+    pub shunt: PathBuf,
+    raw: PathBuf,
+}
+
+/// Builds the instrumented shunt, with an empty counter dir.
+pub fn instrumented() -> Result<Instrumented> {
+    let root = target_dir().join("pgo");
+    let raw = root.join("raw");
+    if raw.exists() {
+        std::fs::remove_dir_all(&raw).with_context(|| format!("clearing {}", raw.display()))?;
+    }
+    std::fs::create_dir_all(&raw)?;
+    let flags = format!("-Cprofile-generate={}", raw.display());
+    let shunt = build(&root.join("instrumented"), &flags)?;
+    Ok(Instrumented { shunt, raw })
+}
+
+impl Instrumented {
+    /// Merges what the training runs wrote and builds the optimised shunt from it.
+    pub fn optimize(self) -> Result<PathBuf> {
+        let root = target_dir().join("pgo");
+        let runs: Vec<PathBuf> = std::fs::read_dir(&self.raw)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "profraw"))
+            .collect();
+        ensure!(
+            !runs.is_empty(),
+            "the instrumented shunt wrote no profile into {} (was it stopped with SIGTERM?)",
+            self.raw.display()
+        );
+        let merged = root.join("merged.profdata");
+        crate::run_checked(
+            Command::new(crate::setup::llvm_profdata()?)
+                .arg("merge")
+                .arg("-o")
+                .arg(&merged)
+                .args(&runs),
+        )?;
+        let bytes = std::fs::read(&merged)?;
+        let profile = root.join(format!("shunt-{:016x}.profdata", content_hash(&bytes)));
+        std::fs::rename(&merged, &profile)?;
+        build(
+            &root.join("optimized"),
+            &format!("-Cprofile-use={}", profile.display()),
+        )
+    }
+}
+
+/// A cache key, not a checksum: the same bytes give the same name within one toolchain.
+fn content_hash(bytes: &[u8]) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// `cargo build --release -p shunt` into `dir` with `rustflags` on the host target.
+fn build(dir: &Path, rustflags: &str) -> Result<PathBuf> {
+    let host = host_triple()?;
+    eprintln!("xtask pgo: building shunt with {rustflags}");
+    crate::run_checked(
+        crate::cargo()
+            .args(["build", "--release", "--bins", "-p", "shunt", "--target"])
+            .arg(&host)
+            .env("CARGO_TARGET_DIR", dir)
+            .env("RUSTFLAGS", rustflags)
+            .env_remove("CARGO_ENCODED_RUSTFLAGS"),
+    )?;
+    let shunt = dir.join(&host).join("release/shunt");
+    ensure!(shunt.is_file(), "the build left no {}", shunt.display());
+    Ok(shunt)
+}
+
+fn host_triple() -> Result<String> {
+    let out = Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .context("running rustc -vV")?;
+    parse_host(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn parse_host(version: &str) -> Result<String> {
+    version
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .map(str::to_owned)
+        .with_context(|| format!("no `host:` line in rustc -vV:\n{version}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_triple_comes_from_rustc_verbose_version() {
+        let out = "rustc 1.95.0 (59807616e 2026-04-14)\nbinary: rustc\nhost: x86_64-unknown-linux-gnu\nrelease: 1.95.0\n";
+        assert_eq!(parse_host(out).unwrap(), "x86_64-unknown-linux-gnu");
+        assert!(parse_host("rustc 1.95.0\n").is_err());
+    }
+
+    #[test]
+    fn a_different_profile_gets_a_different_name() {
+        assert_eq!(content_hash(b"abc"), content_hash(b"abc"));
+        assert_ne!(content_hash(b"abc"), content_hash(b"abd"));
+    }
+}
