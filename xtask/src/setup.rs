@@ -173,7 +173,12 @@ pub fn llvm_profdata() -> anyhow::Result<PathBuf> {
     }
     eprintln!("xtask setup: rustup component add llvm-tools");
     run_checked(Command::new("rustup").args(["component", "add", "llvm-tools"]))?;
-    find().with_context(|| format!("no bin/llvm-profdata under {} after installing llvm-tools", rustlib.display()))
+    find().with_context(|| {
+        format!(
+            "no bin/llvm-profdata under {} after installing llvm-tools",
+            rustlib.display()
+        )
+    })
 }
 
 /// bpf-linker must link against the same LLVM the toolchain's rustc uses.

@@ -285,7 +285,9 @@ impl Setup {
                 shunt(&self.bootstrap),
             )],
             Scenario::ShuntPlain => vec![front(
-                self.plain.clone().context("shunt-plain runs only with --pgo")?,
+                self.plain
+                    .clone()
+                    .context("shunt-plain runs only with --pgo")?,
                 shunt(&self.bootstrap),
             )],
             Scenario::ShuntRbac => {
@@ -845,8 +847,14 @@ fn train(setup: &Setup, args: &HttpArgs) -> Result<()> {
         let mut proxies = setup.start_proxy(scenario)?;
         check_answer(setup, scenario, &proxies)?;
         for load in [Load::H1, Load::H2] {
-            load_run(setup, load, setup.target(scenario, load), TRAIN_SECONDS, args)
-                .with_context(|| format!("{} {}", scenario.name(), load.name()))?;
+            load_run(
+                setup,
+                load,
+                setup.target(scenario, load),
+                TRAIN_SECONDS,
+                args,
+            )
+            .with_context(|| format!("{} {}", scenario.name(), load.name()))?;
         }
         for proxy in &mut proxies {
             stop(proxy)?;
