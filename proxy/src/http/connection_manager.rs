@@ -289,8 +289,13 @@ async fn handle(
         .to_owned();
     if hcm.generate_request_id
         && !parts.headers.contains_key(REQUEST_ID)
-        && let Ok(id) = HeaderValue::from_bytes(&uuid4_bytes())
+        && let Ok(mut id) = HeaderValue::from_bytes(&uuid4_bytes())
     {
+        // Not indexed by an HTTP/2 upstream's HPACK encoder (h2 sends a sensitive value
+        // as a never-indexed literal): a value no later request repeats would take a
+        // slot of the connection's 4 KiB dynamic table, evicting the fields that do
+        // repeat, and every request would walk the chain of the earlier ids.
+        id.set_sensitive(true);
         parts.headers.insert(REQUEST_ID, id);
     }
     let mut entry = Entry::started_at(

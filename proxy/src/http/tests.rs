@@ -820,14 +820,22 @@ mod limits {
 
     /// A config with one STATIC cluster `up` whose host is `at`.
     fn with_upstream(store: &Store, at: std::net::SocketAddr, connect_timeout: &str) -> Empty {
+        with_cluster(store, at, json!({"connect_timeout": connect_timeout}))
+    }
+
+    /// [`with_upstream`] with `extra` merged into the cluster's config.
+    fn with_cluster(store: &Store, at: std::net::SocketAddr, extra: Value) -> Empty {
+        let mut cluster = json!({
+            "name": "up", "type": "STATIC",
+            "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
+            ]}]}
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            cluster[key] = value.clone();
+        }
         let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
-            crate::config::message_from_json(json!({
-                "name": "up", "type": "STATIC", "connect_timeout": connect_timeout,
-                "load_assignment": {"cluster_name": "up", "endpoints": [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": at.port()}}}}
-                ]}]}
-            }))
-            .unwrap();
+            crate::config::message_from_json(cluster).unwrap();
         let mut problems = Diagnostics::default();
         let compiled = crate::upstream::compile::compile(
             &cluster,
@@ -843,11 +851,8 @@ mod limits {
         config
     }
 
-    #[tokio::test]
-    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
-        let store = Store::new();
-        let at = upstream().await;
-        let config = with_upstream(&store, at, "1s");
+    /// An HCM routing everything to cluster `up` of `config`.
+    fn proxying_hcm(config: &Empty, store: &Store) -> Arc<crate::http::HttpConnectionManager> {
         let mut problems = Diagnostics::default();
         let hcm_config: EnvoyHcm = crate::config::message_from_json(json!({
             "stat_prefix": "proxied",
@@ -861,20 +866,24 @@ mod limits {
         let hcm = crate::http::compile::compile(
             &hcm_config,
             &config.clusters,
-            &store,
+            store,
             "hcm",
             &mut problems,
         )
         .unwrap();
         assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        Arc::new(hcm)
+    }
+
+    #[tokio::test]
+    async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
+        let store = Store::new();
+        let at = upstream().await;
+        let config = with_upstream(&store, at, "1s");
+        let hcm = proxying_hcm(&config, &store);
         let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
         let last = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
-        let response = exchange_with(
-            Arc::new(hcm),
-            config,
-            format!("{one}{one}{last}").into_bytes(),
-        )
-        .await;
+        let response = exchange_with(hcm, config, format!("{one}{one}{last}").into_bytes()).await;
         assert_eq!(response.matches("HTTP/1.1 200").count(), 3, "{response}");
         let counter = |name: &str| store.counter(name).value();
         for (stat, value) in [
@@ -895,6 +904,142 @@ mod limits {
                 .count,
             3
         );
+    }
+
+    #[tokio::test]
+    async fn a_generated_request_id_is_not_added_to_an_http2_upstreams_hpack_table() {
+        let store = Store::new();
+        let (at, mut blocks) = h2_header_block_upstream().await;
+        let config = with_cluster(
+            &store,
+            at,
+            json!({"connect_timeout": "1s", "http2_protocol_options": {}}),
+        );
+        let hcm = proxying_hcm(&config, &store);
+        let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let last = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+        let response = exchange_with(hcm, config, format!("{one}{last}").into_bytes()).await;
+        assert_eq!(response.matches("HTTP/1.1 200").count(), 2, "{response}");
+        let first = representations(&blocks.recv().await.unwrap());
+        let second = representations(&blocks.recv().await.unwrap());
+        // The fields that repeat (authority, x-forwarded-proto, the expected timeout)
+        // enter the table with the first request; the id, new each time, never does.
+        assert!(first.contains(&"incremental"), "{first:?}");
+        assert_eq!(
+            second.iter().filter(|r| **r == "never indexed").count(),
+            1,
+            "{second:?}"
+        );
+        assert!(
+            !second.contains(&"incremental"),
+            "the second request added to the table: {second:?}"
+        );
+    }
+
+    /// A raw HTTP/2 upstream (one connection) answering each request `:status 200` with
+    /// no body, and passing on each request's HPACK header block as it came.
+    async fn h2_header_block_upstream() -> (
+        std::net::SocketAddr,
+        tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>,
+    ) {
+        fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+            let length = u32::try_from(payload.len()).unwrap().to_be_bytes();
+            let mut frame = length[1..].to_vec();
+            frame.extend([kind, flags]);
+            frame.extend(stream.to_be_bytes());
+            frame.extend(payload);
+            frame
+        }
+        const HEADERS: u8 = 0x1;
+        const SETTINGS: u8 = 0x4;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (blocks, received) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let mut preface = [0u8; 24];
+            if stream.read_exact(&mut preface).await.is_err()
+                || stream.write_all(&frame(SETTINGS, 0, 0, &[])).await.is_err()
+            {
+                return;
+            }
+            loop {
+                let mut head = [0u8; 9];
+                if stream.read_exact(&mut head).await.is_err() {
+                    return;
+                }
+                let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                let (kind, flags) = (head[3], head[4]);
+                let id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+                let mut payload = vec![0u8; length];
+                if stream.read_exact(&mut payload).await.is_err() {
+                    return;
+                }
+                let answer = match kind {
+                    SETTINGS if flags & 0x1 == 0 => frame(SETTINGS, 0x1, 0, &[]),
+                    HEADERS => {
+                        // One frame per head (END_HEADERS), no padding or priority.
+                        let _ = blocks.send(payload);
+                        // `:status: 200` (static index 8); END_STREAM | END_HEADERS.
+                        frame(HEADERS, 0x5, id, &[0x88])
+                    }
+                    _ => continue,
+                };
+                if stream.write_all(&answer).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (address, received)
+    }
+
+    /// What each field of an HPACK block is (RFC 7541 6), by its first byte, walked
+    /// without decoding a string: `indexed`, `incremental` (added to the table),
+    /// `without indexing`, `never indexed`, `size update`.
+    fn representations(mut block: &[u8]) -> Vec<&'static str> {
+        fn int(block: &mut &[u8], prefix: u32) -> usize {
+            let max = (1usize << prefix) - 1;
+            let mut value = usize::from(block[0]) & max;
+            *block = &block[1..];
+            if value == max {
+                let mut shift = 0;
+                loop {
+                    let byte = block[0];
+                    *block = &block[1..];
+                    value += usize::from(byte & 0x7f) << shift;
+                    shift += 7;
+                    if byte & 0x80 == 0 {
+                        break;
+                    }
+                }
+            }
+            value
+        }
+        fn skip_string(block: &mut &[u8]) {
+            let length = int(block, 7);
+            *block = &block[length..];
+        }
+        let mut found = Vec::new();
+        while let Some(&first) = block.first() {
+            let (kind, prefix) = match first {
+                b if b & 0x80 != 0 => ("indexed", 7),
+                b if b & 0xc0 == 0x40 => ("incremental", 6),
+                b if b & 0xe0 == 0x20 => ("size update", 5),
+                b if b & 0xf0 == 0x10 => ("never indexed", 4),
+                _ => ("without indexing", 4),
+            };
+            let name_index = int(&mut block, prefix);
+            if !matches!(kind, "indexed" | "size update") {
+                if name_index == 0 {
+                    skip_string(&mut block);
+                }
+                skip_string(&mut block);
+            }
+            found.push(kind);
+        }
+        found
     }
 
     /// An upstream that reads what it is sent and answers `answer` (then keeps the
