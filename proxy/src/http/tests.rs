@@ -853,11 +853,20 @@ mod limits {
 
     /// An HCM routing everything to cluster `up` of `config`.
     fn proxying_hcm(config: &Empty, store: &Store) -> Arc<crate::http::HttpConnectionManager> {
+        proxying_hcm_with(config, store, json!({"cluster": "up"}))
+    }
+
+    /// An HCM routing everything with the route action `route`.
+    fn proxying_hcm_with(
+        config: &Empty,
+        store: &Store,
+        route: Value,
+    ) -> Arc<crate::http::HttpConnectionManager> {
         let mut problems = Diagnostics::default();
         let hcm_config: EnvoyHcm = crate::config::message_from_json(json!({
             "stat_prefix": "proxied",
             "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-                {"match": {"prefix": "/"}, "route": {"cluster": "up"}}
+                {"match": {"prefix": "/"}, "route": route}
             ]}]},
             "http_filters": [{"name": "router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
@@ -904,6 +913,83 @@ mod limits {
                 .count,
             3
         );
+    }
+
+    /// An HTTP/1.1 upstream that reads the request on its first `stalled` connections and
+    /// never answers, then answers 200 `late` on the next ones. Counts the connections.
+    async fn stalling_upstream(
+        stalled: usize,
+    ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if stream.read(&mut byte).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    if n < stalled {
+                        // Holds the connection open, silent, until the proxy gives up.
+                        let _ = stream.read(&mut byte).await;
+                        return;
+                    }
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nlate")
+                        .await;
+                    let _ = stream.read(&mut byte).await;
+                });
+            }
+        });
+        (address, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_per_try_timeout_retries_on_a_new_connection_and_the_retry_answers() {
+        let store = Store::new();
+        let (at, accepted) = stalling_upstream(1).await;
+        let config = with_upstream(&store, at, "1s");
+        let hcm = proxying_hcm_with(
+            &config,
+            &store,
+            json!({"cluster": "up", "timeout": "10s", "retry_policy": {
+                "retry_on": "reset", "num_retries": 1, "per_try_timeout": "0.2s"}}),
+        );
+        let request = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+        let response = exchange_with(hcm, config, request.as_bytes().to_vec()).await;
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.ends_with("late"), "{response}");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(store.counter("cluster.up.upstream_rq_retry").value(), 1);
+        assert_eq!(store.counter("cluster.up.upstream_rq_timeout").value(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_per_try_timeout_without_a_retry_left_is_a_504() {
+        let store = Store::new();
+        let (at, accepted) = stalling_upstream(usize::MAX).await;
+        let config = with_upstream(&store, at, "1s");
+        let hcm = proxying_hcm_with(
+            &config,
+            &store,
+            json!({"cluster": "up", "timeout": "10s", "retry_policy": {
+                "retry_on": "reset", "num_retries": 1, "per_try_timeout": "0.2s"}}),
+        );
+        let request = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+        let response = exchange_with(hcm, config, request.as_bytes().to_vec()).await;
+        assert!(response.starts_with("HTTP/1.1 504"), "{response}");
+        assert!(response.ends_with("upstream request timeout"), "{response}");
+        // Two tries, each cut by its own timer: the route's 10 s would have ended the
+        // first.
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(store.counter("cluster.up.upstream_rq_timeout").value(), 1);
     }
 
     #[tokio::test]
