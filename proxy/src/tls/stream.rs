@@ -198,7 +198,7 @@ impl AsyncWrite for TransportStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
-            TransportStream::Raw(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            TransportStream::Raw(s) => poll_write_vectored_raw(s, cx, bufs),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
@@ -230,9 +230,156 @@ impl AsyncWrite for TransportStream {
     }
 }
 
+/// A vectored write on a socket, without `writev(2)`: that reaches the socket through
+/// the file layer (the file position lock, the permission hook, the iovec import).
+/// hyper writes each HTTP/1.1 response's head and body this way, and perf put the file
+/// layer at about 0.3 us of kernel time per request (`bench http`, 1.5% of the
+/// proxy's CPU). A few small slices (a head and a short body) are joined and sent with
+/// one `send(2)`, as one buffer would be; more go out with `sendmsg(2)`, which enters
+/// the socket layer directly.
+fn poll_write_vectored_raw(
+    tcp: &TcpStream,
+    cx: &mut Context<'_>,
+    bufs: &[io::IoSlice<'_>],
+) -> Poll<io::Result<usize>> {
+    const JOIN_BELOW: usize = 1024;
+    let total = bufs.iter().map(|b| b.len()).fold(0, usize::saturating_add);
+    let mut joined = [0u8; JOIN_BELOW];
+    let joined = if total <= JOIN_BELOW && bufs.len() > 1 {
+        let mut at = 0;
+        for buf in bufs {
+            joined[at..at + buf.len()].copy_from_slice(buf);
+            at += buf.len();
+        }
+        Some(&joined[..total])
+    } else {
+        None
+    };
+    loop {
+        std::task::ready!(tcp.poll_write_ready(cx))?;
+        // `try_io` (and `try_write`) clear the readiness on WouldBlock: the next
+        // poll waits for it again.
+        let sent = match joined {
+            Some(joined) => tcp.try_write(joined),
+            None => tcp.try_io(tokio::io::Interest::WRITABLE, || sendmsg(tcp, bufs)),
+        };
+        match sent {
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
+            done => return Poll::Ready(done),
+        }
+    }
+}
+
+fn sendmsg(tcp: &TcpStream, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    // Linux's UIO_MAXIOV: more is EMSGSIZE, and a partial write is allowed anyway.
+    const MAX_IOV: usize = 1024;
+    // SAFETY: a zeroed msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is guaranteed ABI-compatible with `iovec` on Unix; sendmsg only reads it.
+    msg.msg_iov = bufs.as_ptr().cast_mut().cast::<libc::iovec>();
+    msg.msg_iovlen = bufs.len().min(MAX_IOV);
+    // SAFETY: the fd is the stream's, open while `tcp` is borrowed; `msg` points at
+    // `bufs`, alive for the call.
+    let sent = unsafe { libc::sendmsg(tcp.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    usize::try_from(sent).map_err(|_| io::Error::last_os_error())
+}
+
 /// Makes the coming close of `stream` send RST instead of FIN (SO_LINGER 0).
 pub fn abort(stream: &TcpStream) {
     if let Err(err) = stream.set_zero_linger() {
         tracing::debug!(%err, "setting SO_LINGER=0 failed; the peer will see FIN");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::IoSlice;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::TransportStream;
+
+    async fn pair() -> (TransportStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (TransportStream::Raw(client), server)
+    }
+
+    #[tokio::test]
+    async fn a_raw_streams_vectored_writes_send_every_slice_in_order() {
+        let (mut stream, mut peer) = pair().await;
+        // 2,000 slices of 1 KiB: more than one sendmsg takes (1,024), and more than the
+        // socket buffers hold, so the writes also wait for the reader.
+        let chunks: Vec<Vec<u8>> = (0..2000u32)
+            .map(|i| {
+                (0..1024u32)
+                    .map(|j| (i.wrapping_mul(31) ^ j) as u8)
+                    .collect()
+            })
+            .collect();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            peer.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        let mut slices: Vec<IoSlice<'_>> = chunks.iter().map(|c| IoSlice::new(c)).collect();
+        let mut rest = &mut slices[..];
+        let mut writes = 0;
+        while !rest.is_empty() {
+            let sent = stream.write_vectored(rest).await.unwrap();
+            assert!(sent > 0);
+            IoSlice::advance_slices(&mut rest, sent);
+            writes += 1;
+        }
+        stream.shutdown().await.unwrap();
+        assert!(writes > 1, "one write took all 2 MiB");
+        assert_eq!(reader.await.unwrap(), chunks.concat());
+    }
+
+    #[tokio::test]
+    async fn a_head_and_a_short_body_go_out_together() {
+        let (mut stream, mut peer) = pair().await;
+        let bufs = [
+            IoSlice::new(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"),
+            IoSlice::new(b""),
+            IoSlice::new(b"hello"),
+        ];
+        let sent = stream.write_vectored(&bufs).await.unwrap();
+        assert_eq!(sent, 43);
+        stream.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello");
+    }
+
+    #[tokio::test]
+    async fn a_vectored_write_to_a_reset_peer_is_an_error() {
+        let (mut stream, peer) = pair().await;
+        super::abort(&peer);
+        drop(peer);
+        let failed = async {
+            loop {
+                let bufs = [IoSlice::new(b"head"), IoSlice::new(b"body")];
+                if let Err(err) = stream.write_vectored(&bufs).await {
+                    return err;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        let err = tokio::time::timeout(std::time::Duration::from_secs(5), failed)
+            .await
+            .expect("writes to a reset peer kept succeeding");
+        assert!(
+            matches!(
+                err.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+            "{err}"
+        );
     }
 }
