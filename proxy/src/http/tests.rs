@@ -951,10 +951,12 @@ mod limits {
         (address, accepted)
     }
 
-    #[tokio::test]
-    async fn a_per_try_timeout_retries_on_a_new_connection_and_the_retry_answers() {
+    /// One request through a route with a 0.2 s per-try timeout and one retry on reset,
+    /// to [`stalling_upstream`]: the response, the connections the upstream took, the
+    /// stats.
+    async fn per_try_timeout_exchange(stalled: usize) -> (String, usize, Store) {
         let store = Store::new();
-        let (at, accepted) = stalling_upstream(1).await;
+        let (at, accepted) = stalling_upstream(stalled).await;
         let config = with_upstream(&store, at, "1s");
         let hcm = proxying_hcm_with(
             &config,
@@ -964,31 +966,28 @@ mod limits {
         );
         let request = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
         let response = exchange_with(hcm, config, request.as_bytes().to_vec()).await;
+        let accepted = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        (response, accepted, store)
+    }
+
+    #[tokio::test]
+    async fn a_per_try_timeout_retries_on_a_new_connection_and_the_retry_answers() {
+        let (response, accepted, store) = per_try_timeout_exchange(1).await;
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
         assert!(response.ends_with("late"), "{response}");
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(accepted, 2);
         assert_eq!(store.counter("cluster.up.upstream_rq_retry").value(), 1);
         assert_eq!(store.counter("cluster.up.upstream_rq_timeout").value(), 0);
     }
 
     #[tokio::test]
     async fn a_per_try_timeout_without_a_retry_left_is_a_504() {
-        let store = Store::new();
-        let (at, accepted) = stalling_upstream(usize::MAX).await;
-        let config = with_upstream(&store, at, "1s");
-        let hcm = proxying_hcm_with(
-            &config,
-            &store,
-            json!({"cluster": "up", "timeout": "10s", "retry_policy": {
-                "retry_on": "reset", "num_retries": 1, "per_try_timeout": "0.2s"}}),
-        );
-        let request = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
-        let response = exchange_with(hcm, config, request.as_bytes().to_vec()).await;
+        let (response, accepted, store) = per_try_timeout_exchange(usize::MAX).await;
         assert!(response.starts_with("HTTP/1.1 504"), "{response}");
         assert!(response.ends_with("upstream request timeout"), "{response}");
         // Two tries, each cut by its own timer: the route's 10 s would have ended the
         // first.
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(accepted, 2);
         assert_eq!(store.counter("cluster.up.upstream_rq_timeout").value(), 1);
     }
 
