@@ -70,21 +70,9 @@ fn target_dir() -> PathBuf {
     fuzz_dir().join("target")
 }
 
-fn host_triple() -> Result<String> {
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    let out = Command::new(rustc)
-        .arg("-vV")
-        .output()
-        .context("running rustc -vV")?;
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
-        .context("rustc -vV names no host")
-}
-
 /// Builds the targets; returns where their executables are.
 pub fn build(targets: &[&str]) -> Result<PathBuf> {
-    let triple = host_triple()?;
+    let triple = crate::setup::host_triple()?;
     let mut cmd = crate::cargo();
     cmd.args(["build", "--release", "--manifest-path"])
         .arg(fuzz_dir().join("Cargo.toml"))

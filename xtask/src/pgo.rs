@@ -79,7 +79,7 @@ fn content_hash(bytes: &[u8]) -> u64 {
 
 /// `cargo build --release -p shunt` into `dir` with `rustflags` on the host target.
 fn build(dir: &Path, rustflags: &str) -> Result<PathBuf> {
-    let host = host_triple()?;
+    let host = crate::setup::host_triple()?;
     eprintln!("xtask pgo: building shunt with {rustflags}");
     crate::run_checked(
         crate::cargo()
@@ -94,32 +94,9 @@ fn build(dir: &Path, rustflags: &str) -> Result<PathBuf> {
     Ok(shunt)
 }
 
-fn host_triple() -> Result<String> {
-    let out = Command::new("rustc")
-        .arg("-vV")
-        .output()
-        .context("running rustc -vV")?;
-    parse_host(&String::from_utf8_lossy(&out.stdout))
-}
-
-fn parse_host(version: &str) -> Result<String> {
-    version
-        .lines()
-        .find_map(|l| l.strip_prefix("host: "))
-        .map(str::to_owned)
-        .with_context(|| format!("no `host:` line in rustc -vV:\n{version}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_host_triple_comes_from_rustc_verbose_version() {
-        let out = "rustc 1.95.0 (59807616e 2026-04-14)\nbinary: rustc\nhost: x86_64-unknown-linux-gnu\nrelease: 1.95.0\n";
-        assert_eq!(parse_host(out).unwrap(), "x86_64-unknown-linux-gnu");
-        assert!(parse_host("rustc 1.95.0\n").is_err());
-    }
 
     #[test]
     fn a_different_profile_gets_a_different_name() {

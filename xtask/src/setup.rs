@@ -145,6 +145,25 @@ fn sysroot() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
 
+/// The toolchain's host target (`rustc -vV`): builds given `--target <host>` keep their
+/// RUSTFLAGS off build scripts and proc macros (the fuzz targets, the PGO builds).
+pub fn host_triple() -> anyhow::Result<String> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let out = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .context("running rustc -vV")?;
+    parse_host(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn parse_host(version: &str) -> anyhow::Result<String> {
+    version
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .map(str::to_owned)
+        .with_context(|| format!("no `host:` line in rustc -vV:\n{version}"))
+}
+
 fn rust_src() -> anyhow::Result<()> {
     if sysroot()?
         .join("lib/rustlib/src/rust/library/core")
@@ -483,4 +502,14 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
             .nth(4)
             .map(|p| Path::new(p).to_path_buf())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_host_triple_comes_from_rustc_verbose_version() {
+        let out = "rustc 1.95.0 (59807616e 2026-04-14)\nbinary: rustc\nhost: x86_64-unknown-linux-gnu\nrelease: 1.95.0\n";
+        assert_eq!(super::parse_host(out).unwrap(), "x86_64-unknown-linux-gnu");
+        assert!(super::parse_host("rustc 1.95.0\n").is_err());
+    }
 }
