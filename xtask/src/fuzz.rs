@@ -31,13 +31,16 @@ pub const TARGETS: &[&str] = &[
     "peer_exchange",
 ];
 
-/// What cargo-fuzz passes rustc (its defaults, with AddressSanitizer).
+/// What cargo-fuzz passes rustc (its defaults, with AddressSanitizer), and the linker
+/// told to compress the line tables: nine executables of ~180 MB otherwise, most of it
+/// debug info, and CI once ran out of disk building them.
 const RUSTFLAGS: &str = "-Cpasses=sancov-module \
     -Cllvm-args=-sanitizer-coverage-level=4 \
     -Cllvm-args=-sanitizer-coverage-inline-8bit-counters \
     -Cllvm-args=-sanitizer-coverage-pc-table \
     -Cllvm-args=-sanitizer-coverage-trace-compares \
-    --cfg fuzzing -Zsanitizer=address -Cdebug-assertions -Coverflow-checks";
+    --cfg fuzzing -Zsanitizer=address -Cdebug-assertions -Coverflow-checks \
+    -Clink-arg=-Wl,--compress-debug-sections=zlib";
 
 /// Options of `cargo xtask fuzz`.
 pub struct Options {

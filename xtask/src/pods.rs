@@ -25,6 +25,10 @@ impl Bins {
         let mut args = vec!["build", "--bins", "-p", "shunt", "-p", "shunt-tests"];
         if release {
             args.push("--release");
+        } else {
+            // With xtask in the selection, features resolve as for xtask's own build:
+            // the debug build of shunt that xtask already compiled is reused.
+            args.extend(["-p", "xtask"]);
         }
         crate::run_checked(crate::cargo().args(args))?;
         if release {

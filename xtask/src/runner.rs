@@ -144,10 +144,11 @@ pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
         });
     }
 
-    // The integration tests start these binaries inside pods.
-    let built = crate::pods::Bins::build(false)
-        .map(|_| ())
-        .and_then(|()| build_test_binaries());
+    // cargo builds the packages' binaries with their integration tests (the tests
+    // start `shunt` and `testapp` inside pods): no separate build, which would resolve
+    // features without the dev-dependencies' and compile shunt a second time.
+    let built =
+        build_test_binaries().and_then(|binaries| crate::pods::Bins::debug().map(|_| binaries));
     match built {
         Err(e) => {
             eprintln!("xtask test: error: {e:#}");
