@@ -74,6 +74,11 @@ enum Cmd {
         /// Targets to run (default: all).
         targets: Vec<String>,
     },
+    /// Build shunt with profile-guided optimisation for deployment: an instrumented
+    /// release build serves a short training load in the bench's pods (HTTP/1.1 and h2
+    /// through the plain, RBAC and mTLS-pair bootstraps of `bench http`), then the
+    /// release build again with the profile; prints the binary's path.
+    Pgo,
     /// Benchmarks on a node of pods, with release builds (results under target/bench/).
     Bench {
         #[command(subcommand)]
@@ -124,6 +129,9 @@ fn main() -> ExitCode {
                 targets,
                 save_corpus,
             })
+        }),
+        Cmd::Pgo => setup::run().and_then(|()| bench::pgo()).map(|shunt| {
+            println!("xtask pgo: the profile-guided shunt is {}", shunt.display());
         }),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };

@@ -1,4 +1,5 @@
-//! Profile-guided release builds of shunt (`cargo xtask bench http --pgo`).
+//! Profile-guided release builds of shunt (`cargo xtask pgo`, `cargo xtask bench http
+//! --pgo`).
 //!
 //! Three steps, as rustc's own PGO guide has them: a release build instrumented with
 //! `-Cprofile-generate`, a training load the caller runs through it (the counters are
@@ -63,11 +64,27 @@ impl Instrumented {
         let bytes = std::fs::read(&merged)?;
         let profile = root.join(format!("shunt-{:016x}.profdata", content_hash(&bytes)));
         std::fs::rename(&merged, &profile)?;
+        remove_other_profiles(&root, &profile)?;
         build(
             &root.join("optimized"),
             &format!("-Cprofile-use={}", profile.display()),
         )
     }
+}
+
+/// Every training leaves a new profile (13 MB for shunt); only the newest is built from.
+fn remove_other_profiles(root: &Path, keep: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(root)? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if path != keep && name.starts_with("shunt-") && name.ends_with(".profdata") {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// A cache key, not a checksum: the same bytes give the same name within one toolchain.
@@ -102,5 +119,23 @@ mod tests {
     fn a_different_profile_gets_a_different_name() {
         assert_eq!(content_hash(b"abc"), content_hash(b"abc"));
         assert_ne!(content_hash(b"abc"), content_hash(b"abd"));
+    }
+
+    #[test]
+    fn only_the_newest_profile_is_kept() {
+        let root = std::env::temp_dir().join(format!("xtask-pgo-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("raw")).unwrap();
+        for name in ["shunt-01.profdata", "shunt-02.profdata", "other.profdata"] {
+            std::fs::write(root.join(name), b"x").unwrap();
+        }
+        let result = remove_other_profiles(&root, &root.join("shunt-02.profdata"));
+        let mut left: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        std::fs::remove_dir_all(&root).unwrap();
+        result.unwrap();
+        assert_eq!(left, ["other.profdata", "raw", "shunt-02.profdata"]);
     }
 }

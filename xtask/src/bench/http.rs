@@ -93,6 +93,28 @@ pub struct HttpArgs {
     /// bootstraps). The plain release build runs beside it as `shunt-plain`.
     #[arg(long)]
     pgo: bool,
+    /// `cargo xtask pgo`: stop after the profile-guided build, measuring nothing.
+    #[arg(skip)]
+    pgo_only: bool,
+}
+
+/// `cargo xtask pgo`: the profile-guided build alone, trained as `bench http --pgo`
+/// trains it (the same pods, upstream and bootstraps); returns the binary.
+pub fn pgo(bins: Bins) -> Result<PathBuf> {
+    let args = HttpArgs {
+        seconds: 1,
+        rounds: 1,
+        connections: 50,
+        flamegraph: false,
+        instructions: false,
+        only: vec!["shunt".into()],
+        before: None,
+        rbac: false,
+        mtls: false,
+        pgo: true,
+        pgo_only: true,
+    };
+    run(bins, &args)?.context("the PGO build returned no binary")
 }
 
 /// How many RBAC policies the `--rbac` scenarios evaluate per request.
@@ -425,7 +447,8 @@ const METRICS: &[Metric] = &[
 const TOOLS: &[(&str, &str)] = &[("haproxy", "haproxy"), ("wrk", "wrk")];
 const PERF: &[(&str, &str)] = &[("linux-perf", "perf")];
 
-pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
+/// Returns the profile-guided build under `pgo_only`, else measures and returns `None`.
+pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     ensure!(args.seconds > 0, "--seconds must be at least 1");
     let mut scenarios: Vec<Scenario> = if args.only.is_empty() {
@@ -547,6 +570,9 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         train(&setup, args).context("the PGO training load")?;
         setup.bins.shunt = instrumented.optimize()?;
         setup.plain = Some(plain);
+        if args.pgo_only {
+            return Ok(Some(setup.bins.shunt));
+        }
     }
 
     let busy = background_busy()?;
@@ -630,7 +656,8 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<()> {
         json["instructions"] = instructions::json(&counts);
     }
     print!("\n{text}");
-    save("http", &text, &json)
+    save("http", &text, &json)?;
+    Ok(None)
 }
 
 fn first_line(program: &str, args: &[&str]) -> Result<String> {

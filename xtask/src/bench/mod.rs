@@ -59,6 +59,11 @@ pub enum Which {
     Node(node::NodeArgs),
 }
 
+/// `cargo xtask pgo`: see [`http::pgo`].
+pub fn pgo() -> Result<std::path::PathBuf> {
+    http::pgo(Bins::build(true)?)
+}
+
 pub fn run(which: Which) -> Result<()> {
     if let Which::Node(args) = &which {
         return node::run(&Bins::build(!args.debug)?, args);
@@ -72,7 +77,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Soak(args) => soak::run(bins, &args),
         Which::Dns(args) => dns::run(&bins, &args),
         Which::Agent(args) => agent::run(bins, &args),
-        Which::Http(args) => http::run(bins, &args),
+        Which::Http(args) => http::run(bins, &args).map(drop),
         Which::Node(_) => unreachable!("handled above"),
     }
 }
