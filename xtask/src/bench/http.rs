@@ -101,19 +101,14 @@ pub struct HttpArgs {
 /// `cargo xtask pgo`: the profile-guided build alone, trained as `bench http --pgo`
 /// trains it (the same pods, upstream and bootstraps); returns the binary.
 pub fn pgo(bins: Bins) -> Result<PathBuf> {
-    let args = HttpArgs {
-        seconds: 1,
-        rounds: 1,
-        connections: 50,
-        flamegraph: false,
-        instructions: false,
-        only: vec!["shunt".into()],
-        before: None,
-        rbac: false,
-        mtls: false,
-        pgo: true,
-        pgo_only: true,
-    };
+    // Parsed, not written out: the training load takes the bench's own defaults.
+    #[derive(clap::Parser)]
+    struct Bench {
+        #[command(flatten)]
+        http: HttpArgs,
+    }
+    let mut args = <Bench as clap::Parser>::try_parse_from(["http", "--pgo", "--only=shunt"])?.http;
+    args.pgo_only = true;
     run(bins, &args)?.context("the PGO build returned no binary")
 }
 
