@@ -1021,6 +1021,44 @@ mod limits {
         );
     }
 
+    #[tokio::test]
+    async fn credentials_go_to_an_http2_upstream_as_never_indexed_literals() {
+        let store = Store::new();
+        let (at, mut blocks) = h2_header_block_upstream().await;
+        let config = with_cluster(
+            &store,
+            at,
+            json!({"connect_timeout": "1s", "http2_protocol_options": {}}),
+        );
+        let hcm = proxying_hcm(&config, &store);
+        // The same request twice, the second with credentials and a long cookie, which
+        // nghttp2's policy does not count as one.
+        let plain = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let credentials = "GET / HTTP/1.1\r\nhost: a\r\nauthorization: Bearer abc\r\n\
+                           proxy-authorization: Basic eDp5\r\ncookie: s=1\r\n\
+                           cookie: long=0123456789abcdefghij\r\nconnection: close\r\n\r\n";
+        let response =
+            exchange_with(hcm, config, format!("{plain}{credentials}").into_bytes()).await;
+        assert_eq!(response.matches("HTTP/1.1 200").count(), 2, "{response}");
+        let never_indexed =
+            |found: &[&str]| found.iter().filter(|r| **r == "never indexed").count();
+        let first = representations(&blocks.recv().await.unwrap());
+        let second = representations(&blocks.recv().await.unwrap());
+        assert_eq!(
+            never_indexed(&second),
+            never_indexed(&first) + 3,
+            "{first:?} then {second:?}"
+        );
+        // The long cookie is kept out of the table too (h2's own choice for `cookie`),
+        // but as a literal the next hop may index.
+        assert!(!second.contains(&"incremental"), "{second:?}");
+        assert_eq!(
+            second.iter().filter(|r| **r == "without indexing").count(),
+            1,
+            "{second:?}"
+        );
+    }
+
     /// A raw HTTP/2 upstream (one connection) answering each request `:status 200` with
     /// no body, and passing on each request's HPACK header block as it came.
     async fn h2_header_block_upstream() -> (

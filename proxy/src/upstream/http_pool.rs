@@ -559,19 +559,23 @@ impl Sender {
                     error: Box::new(failed.error),
                     unsent: failed.unsent,
                 }),
-            Sender::Http2(mut sender, _, _) => sender
-                .try_send_request(request)
-                .await
-                .map(|response| response.map(UpstreamBody::Http2))
-                .map_err(|mut err| {
-                    let unsent = err.take_message();
-                    let error = err.into_error();
-                    SendError {
-                        malformed: error.is_parse(),
-                        error: Box::new(error),
-                        unsent,
-                    }
-                }),
+            Sender::Http2(mut sender, _, _) => {
+                let mut request = request;
+                crate::http::headers::never_index_credentials(request.headers_mut());
+                sender
+                    .try_send_request(request)
+                    .await
+                    .map(|response| response.map(UpstreamBody::Http2))
+                    .map_err(|mut err| {
+                        let unsent = err.take_message();
+                        let error = err.into_error();
+                        SendError {
+                            malformed: error.is_parse(),
+                            error: Box::new(error),
+                            unsent,
+                        }
+                    })
+            }
         }
     }
 }
