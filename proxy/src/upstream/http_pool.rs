@@ -561,7 +561,7 @@ impl Sender {
                 }),
             Sender::Http2(mut sender, _, _) => {
                 let mut request = request;
-                crate::http::headers::never_index_credentials(request.headers_mut());
+                never_index_credentials(request.headers_mut());
                 sender
                     .try_send_request(request)
                     .await
@@ -575,6 +575,28 @@ impl Sender {
                             unsent,
                         }
                     })
+            }
+        }
+    }
+}
+
+/// The credentials in `headers`, marked to be sent as never-indexed HPACK literals
+/// (RFC 7541 7.1.3), as nghttp2 sends them (Envoy's HTTP/2 codec for most of its
+/// life): `authorization`, `proxy-authorization`, and a `cookie` under 20 bytes, which
+/// is short enough to guess. A field in a connection's dynamic table can be recovered
+/// by a compression oracle (CRIME). h2 keeps `authorization` and `cookie` out of its
+/// own table, but as literals *without* indexing, which a proxy after us may index,
+/// and it indexes `proxy-authorization`. Its decoder does not keep the never-indexed
+/// mark a field arrived with, so an HTTP/2 downstream's marks are set again here.
+fn never_index_credentials(headers: &mut hyper::HeaderMap) {
+    use hyper::header::{AUTHORIZATION, COOKIE, Entry, PROXY_AUTHORIZATION};
+    for name in [AUTHORIZATION, PROXY_AUTHORIZATION, COOKIE] {
+        let short_only = name == COOKIE;
+        if let Entry::Occupied(mut values) = headers.entry(name) {
+            for value in values.iter_mut() {
+                if !short_only || value.len() < 20 {
+                    value.set_sensitive(true);
+                }
             }
         }
     }
