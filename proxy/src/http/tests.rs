@@ -993,28 +993,13 @@ mod limits {
 
     #[tokio::test]
     async fn a_generated_request_id_is_not_added_to_an_http2_upstreams_hpack_table() {
-        let store = Store::new();
-        let (at, mut blocks) = h2_header_block_upstream().await;
-        let config = with_cluster(
-            &store,
-            at,
-            json!({"connect_timeout": "1s", "http2_protocol_options": {}}),
-        );
-        let hcm = proxying_hcm(&config, &store);
         let one = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
         let last = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
-        let response = exchange_with(hcm, config, format!("{one}{last}").into_bytes()).await;
-        assert_eq!(response.matches("HTTP/1.1 200").count(), 2, "{response}");
-        let first = representations(&blocks.recv().await.unwrap());
-        let second = representations(&blocks.recv().await.unwrap());
+        let (first, second) = two_requests_to_an_http2_upstream(one, last).await;
         // The fields that repeat (authority, x-forwarded-proto, the expected timeout)
         // enter the table with the first request; the id, new each time, never does.
         assert!(first.contains(&"incremental"), "{first:?}");
-        assert_eq!(
-            second.iter().filter(|r| **r == "never indexed").count(),
-            1,
-            "{second:?}"
-        );
+        assert_eq!(count(&second, "never indexed"), 1, "{second:?}");
         assert!(
             !second.contains(&"incremental"),
             "the second request added to the table: {second:?}"
@@ -1023,6 +1008,31 @@ mod limits {
 
     #[tokio::test]
     async fn credentials_go_to_an_http2_upstream_as_never_indexed_literals() {
+        // The same request twice, the second with credentials and a long cookie, which
+        // nghttp2's policy does not count as one.
+        let plain = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
+        let credentials = "GET / HTTP/1.1\r\nhost: a\r\nauthorization: Bearer abc\r\n\
+                           proxy-authorization: Basic eDp5\r\ncookie: s=1\r\n\
+                           cookie: long=0123456789abcdefghij\r\nconnection: close\r\n\r\n";
+        let (first, second) = two_requests_to_an_http2_upstream(plain, credentials).await;
+        assert_eq!(
+            count(&second, "never indexed"),
+            count(&first, "never indexed") + 3,
+            "{first:?} then {second:?}"
+        );
+        // The long cookie is kept out of the table too (h2's own choice for `cookie`),
+        // but as a literal the next hop may index.
+        assert!(!second.contains(&"incremental"), "{second:?}");
+        assert_eq!(count(&second, "without indexing"), 1, "{second:?}");
+    }
+
+    /// `one` then `last` (which closes) on one downstream connection, proxied to
+    /// [`h2_header_block_upstream`]: both answered 200; the [`representations`] of the
+    /// two HPACK blocks the upstream received.
+    async fn two_requests_to_an_http2_upstream(
+        one: &str,
+        last: &str,
+    ) -> (Vec<&'static str>, Vec<&'static str>) {
         let store = Store::new();
         let (at, mut blocks) = h2_header_block_upstream().await;
         let config = with_cluster(
@@ -1031,32 +1041,16 @@ mod limits {
             json!({"connect_timeout": "1s", "http2_protocol_options": {}}),
         );
         let hcm = proxying_hcm(&config, &store);
-        // The same request twice, the second with credentials and a long cookie, which
-        // nghttp2's policy does not count as one.
-        let plain = "GET / HTTP/1.1\r\nhost: a\r\n\r\n";
-        let credentials = "GET / HTTP/1.1\r\nhost: a\r\nauthorization: Bearer abc\r\n\
-                           proxy-authorization: Basic eDp5\r\ncookie: s=1\r\n\
-                           cookie: long=0123456789abcdefghij\r\nconnection: close\r\n\r\n";
-        let response =
-            exchange_with(hcm, config, format!("{plain}{credentials}").into_bytes()).await;
+        let response = exchange_with(hcm, config, format!("{one}{last}").into_bytes()).await;
         assert_eq!(response.matches("HTTP/1.1 200").count(), 2, "{response}");
-        let never_indexed =
-            |found: &[&str]| found.iter().filter(|r| **r == "never indexed").count();
         let first = representations(&blocks.recv().await.unwrap());
         let second = representations(&blocks.recv().await.unwrap());
-        assert_eq!(
-            never_indexed(&second),
-            never_indexed(&first) + 3,
-            "{first:?} then {second:?}"
-        );
-        // The long cookie is kept out of the table too (h2's own choice for `cookie`),
-        // but as a literal the next hop may index.
-        assert!(!second.contains(&"incremental"), "{second:?}");
-        assert_eq!(
-            second.iter().filter(|r| **r == "without indexing").count(),
-            1,
-            "{second:?}"
-        );
+        (first, second)
+    }
+
+    /// How many fields of a block are represented as `kind`.
+    fn count(found: &[&str], kind: &str) -> usize {
+        found.iter().filter(|r| **r == kind).count()
     }
 
     /// A raw HTTP/2 upstream (one connection) answering each request `:status 200` with

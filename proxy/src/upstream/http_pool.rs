@@ -547,7 +547,7 @@ impl Sender {
     /// to its pool once the response body has been read.
     pub async fn send(
         self,
-        request: Request<RequestBody>,
+        mut request: Request<RequestBody>,
     ) -> Result<Response<UpstreamBody>, SendError> {
         match self {
             Sender::Http1(connection, pool, _, session) => connection
@@ -560,7 +560,6 @@ impl Sender {
                     unsent: failed.unsent,
                 }),
             Sender::Http2(mut sender, _, _) => {
-                let mut request = request;
                 never_index_credentials(request.headers_mut());
                 sender
                     .try_send_request(request)
