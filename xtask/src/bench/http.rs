@@ -26,9 +26,11 @@
 //!
 //! `--instructions` counts the user-space instructions per request of shunt, haproxy,
 //! nginx and `--before` under callgrind (`instructions.rs`): figures that do not drift
-//! with the machine.
+//! with the machine. `--wakeups` counts, for the same proxies, the wake-ups they cause
+//! and their sends, receives and `epoll_wait`s per request (`perf stat`, `wakeups.rs`).
 
 mod instructions;
+mod wakeups;
 
 use std::{
     fmt::Write as _,
@@ -71,6 +73,10 @@ pub struct HttpArgs {
     /// haproxy, nginx and `--before`: the same for the same build on any machine.
     #[arg(long)]
     instructions: bool,
+    /// Also count the tasks each of those proxies wakes and its sends, receives and
+    /// epoll waits per request (perf stat on the kernel's tracepoints).
+    #[arg(long)]
+    wakeups: bool,
     /// Only these scenarios (comma-separated: direct,shunt,envoy,haproxy,nginx).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -478,7 +484,7 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
         scenarios.insert(at.map_or(0, |i| i + 1), Scenario::ShuntPlain);
     }
     crate::setup::ensure_packages(TOOLS)?;
-    if args.flamegraph {
+    if args.flamegraph || args.wakeups {
         crate::setup::ensure_packages(PERF)?;
     }
     if args.instructions {
@@ -634,6 +640,11 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
     } else {
         Vec::new()
     };
+    let wakeup_counts = if args.wakeups {
+        wakeups::run(&setup, &counted)?
+    } else {
+        Vec::new()
+    };
     drop(app);
     drop(pki);
     drop(node);
@@ -649,6 +660,10 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
     if !counts.is_empty() {
         text.push_str(&instructions::table(&counts));
         json["instructions"] = instructions::json(&counts);
+    }
+    if !wakeup_counts.is_empty() {
+        text.push_str(&wakeups::table(&wakeup_counts));
+        json["wakeups"] = wakeups::json(&wakeup_counts);
     }
     print!("\n{text}");
     save("http", &text, &json)?;

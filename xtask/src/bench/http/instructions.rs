@@ -92,7 +92,7 @@ fn count(setup: &Setup, scenario: Scenario, load: Load) -> Result<f64> {
 }
 
 /// `requests` requests with h2load, every one of them answered 2xx.
-fn load_fixed(
+pub(super) fn load_fixed(
     setup: &Setup,
     load: Load,
     target: std::net::SocketAddr,
