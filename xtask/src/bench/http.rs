@@ -1100,6 +1100,25 @@ struct LoadResult {
     p99_us: f64,
 }
 
+/// `count` for each load and each of `scenarios`, in that order, an error naming `what`
+/// and the pair: the loop `--instructions` and `--wakeups` share.
+fn each_load_and_scenario<T>(
+    scenarios: &[Scenario],
+    what: &str,
+    mut count: impl FnMut(Scenario, Load) -> Result<T>,
+) -> Result<Vec<T>> {
+    let mut counts = Vec::new();
+    for load in [Load::H1, Load::H2] {
+        for &scenario in scenarios {
+            counts.push(
+                count(scenario, load)
+                    .with_context(|| format!("counting {what}: {} {load:?}", scenario.name()))?,
+            );
+        }
+    }
+    Ok(counts)
+}
+
 fn load_run(
     setup: &Setup,
     load: Load,

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, ensure};
 use harness::wait_for_port;
 use serde_json::{Value, json};
 
-use super::{H2_CLIENTS, H2_STREAMS, HOST, Load, Scenario, Setup};
+use super::{H2_CLIENTS, H2_STREAMS, HOST, Load, Scenario, Setup, each_load_and_scenario};
 use crate::pods::secs;
 
 /// Requests counted per proxy and load, after [`WARM_UP`] uncounted ones.
@@ -31,24 +31,19 @@ pub(super) struct Count {
 
 /// Counts each of `scenarios` (those with one proxy process) under both loads.
 pub(super) fn run(setup: &Setup, scenarios: &[Scenario]) -> Result<Vec<Count>> {
-    let mut counts = Vec::new();
-    for load in [Load::H1, Load::H2] {
-        for &scenario in scenarios {
-            let per_request = count(setup, scenario, load)
-                .with_context(|| format!("counting instructions: {} {load:?}", scenario.name()))?;
-            println!(
-                "  instructions {:<8} {:<3} {per_request:>8.0} per request",
-                scenario.name(),
-                load.name(),
-            );
-            counts.push(Count {
-                scenario,
-                load,
-                per_request,
-            });
-        }
-    }
-    Ok(counts)
+    each_load_and_scenario(scenarios, "instructions", |scenario, load| {
+        let per_request = count(setup, scenario, load)?;
+        println!(
+            "  instructions {:<8} {:<3} {per_request:>8.0} per request",
+            scenario.name(),
+            load.name(),
+        );
+        Ok(Count {
+            scenario,
+            load,
+            per_request,
+        })
+    })
 }
 
 fn count(setup: &Setup, scenario: Scenario, load: Load) -> Result<f64> {

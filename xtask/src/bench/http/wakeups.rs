@@ -12,7 +12,7 @@ use std::{os::unix::process::ExitStatusExt, process::Command, time::Duration};
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 
-use super::{Load, Scenario, Setup, instructions::load_fixed};
+use super::{Load, Scenario, Setup, each_load_and_scenario, instructions::load_fixed};
 
 /// Requests counted per proxy and load, after [`WARM_UP`] uncounted ones.
 const REQUESTS: u64 = 50_000;
@@ -53,23 +53,18 @@ pub(super) struct Count {
 
 /// Counts each of `scenarios` (those with one proxy process) under both loads.
 pub(super) fn run(setup: &Setup, scenarios: &[Scenario]) -> Result<Vec<Count>> {
-    let mut counts = Vec::new();
-    for load in [Load::H1, Load::H2] {
-        for &scenario in scenarios {
-            let c = count(setup, scenario, load)
-                .with_context(|| format!("counting wake-ups: {} {load:?}", scenario.name()))?;
-            println!(
-                "  wake-ups {:<8} {:<3} {:.3} per request ({:.3} sends, {:.3} receives)",
-                scenario.name(),
-                load.name(),
-                c.wakeups,
-                c.sends,
-                c.receives,
-            );
-            counts.push(c);
-        }
-    }
-    Ok(counts)
+    each_load_and_scenario(scenarios, "wake-ups", |scenario, load| {
+        let c = count(setup, scenario, load)?;
+        println!(
+            "  wake-ups {:<8} {:<3} {:.3} per request ({:.3} sends, {:.3} receives)",
+            scenario.name(),
+            load.name(),
+            c.wakeups,
+            c.sends,
+            c.receives,
+        );
+        Ok(c)
+    })
 }
 
 fn count(setup: &Setup, scenario: Scenario, load: Load) -> Result<Count> {
