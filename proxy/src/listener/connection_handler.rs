@@ -434,7 +434,7 @@ async fn serve(
                         crate::http::connection_manager::serve(
                             hcm.clone(),
                             ctx.config.clone(),
-                            stream,
+                            stream.defer_writes(),
                             downstream,
                             ctx.shutdown.closed(),
                         )

@@ -303,11 +303,15 @@ fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runt
         n => n,
     };
     if workers == 1 {
-        return tokio::runtime::Builder::new_current_thread()
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .event_interval(EVENT_INTERVAL)
             .enable_all()
             .build()
-            .context("starting the data-plane runtime");
+            .context("starting the data-plane runtime")?;
+        // The worker's connections hold their small writes to the end of its run of
+        // ready tasks (`event::deferred_write`).
+        runtime.spawn(crate::event::deferred_write::flusher());
+        return Ok(runtime);
     }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)

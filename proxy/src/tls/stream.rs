@@ -12,6 +12,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 
+use crate::event::deferred_write::DeferredWrite;
+
 /// See [`TransportStream::session_info`].
 #[derive(Debug, Clone)]
 pub struct SessionInfo {
@@ -22,6 +24,9 @@ pub struct SessionInfo {
 
 pub enum TransportStream {
     Raw(TcpStream),
+    /// A raw stream whose writes leave at the end of the worker's run (HTTP's codecs:
+    /// see `event::deferred_write`).
+    Deferred(DeferredWrite),
     Tls(Box<TlsStream<TcpStream>>),
     /// No socket underneath: bytes move within the process.
     InProcess(Box<dyn InProcessStream>),
@@ -36,6 +41,7 @@ impl std::fmt::Debug for TransportStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TransportStream::Raw(tcp) => f.debug_tuple("Raw").field(tcp).finish(),
+            TransportStream::Deferred(s) => f.debug_tuple("Deferred").field(s.tcp()).finish(),
             TransportStream::Tls(tls) => f.debug_tuple("Tls").field(tls).finish(),
             TransportStream::InProcess(_) => f.write_str("InProcess"),
         }
@@ -60,10 +66,23 @@ impl TransportStream {
         TransportStream::InProcess(Box::new(stream))
     }
 
+    /// A raw stream that holds its writes back to the end of the worker's run, when
+    /// this thread's worker does (`event::deferred_write`); any other stream as it is.
+    /// For request/response codecs, whose many small writes gain from leaving together.
+    pub fn defer_writes(self) -> Self {
+        match self {
+            TransportStream::Raw(tcp) if crate::event::deferred_write::defers_here() => {
+                TransportStream::Deferred(DeferredWrite::new(tcp))
+            }
+            other => other,
+        }
+    }
+
     /// The TCP socket underneath; `None` in process.
     pub fn tcp(&self) -> Option<&TcpStream> {
         match self {
             TransportStream::Raw(tcp) => Some(tcp),
+            TransportStream::Deferred(s) => Some(s.tcp()),
             TransportStream::Tls(tls) => Some(tls.get_ref().0),
             TransportStream::InProcess(_) => None,
         }
@@ -172,6 +191,7 @@ impl AsyncRead for TransportStream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_read(cx, buf),
+            TransportStream::Deferred(s) => Pin::new(s).poll_read(cx, buf),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
@@ -186,6 +206,7 @@ impl AsyncWrite for TransportStream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_write(cx, buf),
+            TransportStream::Deferred(s) => Pin::new(s).poll_write(cx, buf),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
@@ -198,7 +219,8 @@ impl AsyncWrite for TransportStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
-            TransportStream::Raw(s) => poll_write_vectored_raw(s, cx, bufs),
+            TransportStream::Raw(s) => crate::event::write::poll_write_vectored(s, cx, bufs),
+            TransportStream::Deferred(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
@@ -207,6 +229,7 @@ impl AsyncWrite for TransportStream {
     fn is_write_vectored(&self) -> bool {
         match self {
             TransportStream::Raw(s) => s.is_write_vectored(),
+            TransportStream::Deferred(s) => s.is_write_vectored(),
             TransportStream::Tls(s) => s.is_write_vectored(),
             TransportStream::InProcess(s) => s.is_write_vectored(),
         }
@@ -215,6 +238,7 @@ impl AsyncWrite for TransportStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_flush(cx),
+            TransportStream::Deferred(s) => Pin::new(s).poll_flush(cx),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
@@ -224,71 +248,11 @@ impl AsyncWrite for TransportStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             TransportStream::Raw(s) => Pin::new(s).poll_shutdown(cx),
+            TransportStream::Deferred(s) => Pin::new(s).poll_shutdown(cx),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
-}
-
-/// A vectored write on a socket, without `writev(2)`: that reaches the socket through
-/// the file layer (the file position lock, the permission hook, the iovec import).
-/// hyper writes each HTTP/1.1 response's head and body this way, and perf put the file
-/// layer at about 0.3 us of kernel time per request (`bench http`'s HTTP/1.1 load,
-/// about 1.5% of the proxy's CPU). One slice, or a few small ones joined (a head and a
-/// short body), go out with one `send(2)`; more with `sendmsg(2)`, which enters the
-/// socket layer directly.
-fn poll_write_vectored_raw(
-    tcp: &TcpStream,
-    cx: &mut Context<'_>,
-    bufs: &[io::IoSlice<'_>],
-) -> Poll<io::Result<usize>> {
-    const JOIN_BELOW: usize = 1024;
-    let mut storage;
-    let one: Option<&[u8]> = match bufs {
-        [single] => Some(single),
-        _ => {
-            let total = bufs.iter().map(|b| b.len()).fold(0, usize::saturating_add);
-            if total <= JOIN_BELOW {
-                storage = [0u8; JOIN_BELOW];
-                let mut at = 0;
-                for buf in bufs {
-                    storage[at..at + buf.len()].copy_from_slice(buf);
-                    at += buf.len();
-                }
-                Some(&storage[..total])
-            } else {
-                None
-            }
-        }
-    };
-    loop {
-        std::task::ready!(tcp.poll_write_ready(cx))?;
-        // `try_io` (and `try_write`) clear the readiness on WouldBlock: the next
-        // poll waits for it again.
-        let sent = match one {
-            Some(buf) => tcp.try_write(buf),
-            None => tcp.try_io(tokio::io::Interest::WRITABLE, || sendmsg(tcp, bufs)),
-        };
-        match sent {
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
-            done => return Poll::Ready(done),
-        }
-    }
-}
-
-fn sendmsg(tcp: &TcpStream, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    // Linux's UIO_MAXIOV: more is EMSGSIZE, and a partial write is allowed anyway.
-    const MAX_IOV: usize = 1024;
-    // SAFETY: a zeroed msghdr is valid (no name, no control data).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    // `IoSlice` is guaranteed ABI-compatible with `iovec` on Unix; sendmsg only reads it.
-    msg.msg_iov = bufs.as_ptr().cast_mut().cast::<libc::iovec>();
-    msg.msg_iovlen = bufs.len().min(MAX_IOV);
-    // SAFETY: the fd is the stream's, open while `tcp` is borrowed; `msg` points at
-    // `bufs`, alive for the call.
-    let sent = unsafe { libc::sendmsg(tcp.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    usize::try_from(sent).map_err(|_| io::Error::last_os_error())
 }
 
 /// Makes the coming close of `stream` send RST instead of FIN (SO_LINGER 0).

@@ -175,7 +175,7 @@ pub async fn connect_upstream(
     };
     stream.set_nodelay();
     let session = transport_socket::session(cluster, host, &stream, secrets).map(Arc::new);
-    Ok((Box::new(stream), guard, session))
+    Ok((Box::new(stream.defer_writes()), guard, session))
 }
 
 /// What an upstream connection's TLS session told (`None` without TLS), kept with the

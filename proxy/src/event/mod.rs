@@ -1,6 +1,9 @@
 //! Event-loop helpers (Envoy's `Event::Dispatcher` is where its timers and wake-ups
 //! live).
 
+pub mod deferred_write;
+pub mod write;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
