@@ -365,6 +365,12 @@ async fn serve(
         }
         connection.tls = Some(Arc::new(tls));
     }
+    // HTTP's many small writes leave together at the end of the worker's run (behind
+    // network filters too); tcp_proxy's stream stays raw for splice and sockmap.
+    let stream = match &chain.network {
+        NetworkFilter::Http(_) => stream.defer_writes(),
+        _ => stream,
+    };
     // The network filters before the terminal one.
     let (stream, connection) = if chain.filters.is_empty() {
         (Served::Plain(stream), Arc::new(connection))
@@ -434,7 +440,7 @@ async fn serve(
                         crate::http::connection_manager::serve(
                             hcm.clone(),
                             ctx.config.clone(),
-                            stream.defer_writes(),
+                            stream,
                             downstream,
                             ctx.shutdown.closed(),
                         )
