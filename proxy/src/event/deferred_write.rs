@@ -288,6 +288,7 @@ impl AsyncRead for DeferredWrite {
             // SAFETY: recv writes at most `unfilled.len()` bytes into it; those it
             // reports written are then initialised.
             let unfilled = unsafe { buf.unfilled_mut() };
+            let mut got = None;
             let read = socket.tcp.try_io(Interest::READABLE, || {
                 use std::os::fd::AsRawFd;
                 // SAFETY: the fd is the socket's, open while `socket` is borrowed;
@@ -300,17 +301,24 @@ impl AsyncRead for DeferredWrite {
                         0,
                     )
                 };
-                usize::try_from(n).map_err(|_| io::Error::last_os_error())
+                let n = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;
+                got = Some(n);
+                // A short read drained the socket: cleared readiness (as tokio's own
+                // TcpStream does) spares the next read a recv that finds nothing.
+                if n > 0 && n < unfilled.len() {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                Ok(n)
             });
-            match read {
-                Ok(n) => {
+            match (read, got) {
+                (_, Some(n)) | (Ok(n), None) => {
                     // SAFETY: recv initialised the first `n` bytes of `unfilled`.
                     unsafe { buf.assume_init(n) };
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(err) => return Poll::Ready(Err(err)),
+                (Err(err), None) if err.kind() == io::ErrorKind::WouldBlock => continue,
+                (Err(err), None) => return Poll::Ready(Err(err)),
             }
         }
     }
@@ -551,6 +559,26 @@ mod tests {
         );
         assert!(stream.flush().await.is_err());
         assert!(stream.read(&mut [0; 8]).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_short_read_leaves_the_socket_not_ready_so_no_recv_finds_nothing() {
+        let (mut stream, mut peer) = pair().await;
+        peer.write_all(b"hello").await.unwrap();
+        let mut buf = [0; 64];
+        assert_eq!(stream.read(&mut buf).await.unwrap(), 5);
+        // Not ready: tokio answers without calling the closure (no syscall).
+        let mut called = false;
+        let probe = stream.tcp().try_io(Interest::READABLE, || {
+            called = true;
+            Ok(())
+        });
+        assert!(!called, "readiness was left set after a short read");
+        assert_eq!(probe.unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        // And a later message still wakes the reader.
+        peer.write_all(b"again").await.unwrap();
+        assert_eq!(stream.read(&mut buf).await.unwrap(), 5);
+        assert_eq!(&buf[..5], b"again");
     }
 
     #[tokio::test]
