@@ -259,11 +259,27 @@ fn envoy_bootstrap(socket: &Path, port: u16) -> serde_json::Value {
                 "name": "mtls",
                 "address": support::envoy::socket_address("127.0.0.1", port),
                 "filter_chains": [{
+                    // An HTTP answer, not the direct_response network filter: that one
+                    // writes and closes on accept, before the handshake ends, and Envoy
+                    // then closes without the bytes (a TLS socket cannot flush-close
+                    // mid-handshake), so its exchanges failed at random.
                     "filters": [{
-                        "name": "envoy.filters.network.direct_response",
+                        "name": "envoy.filters.network.http_connection_manager",
                         "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.network.direct_response.v3.Config",
-                            "response": {"inline_string": "hello over mTLS\n"}
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "mtls",
+                            "route_config": {"virtual_hosts": [{
+                                "name": "all",
+                                "domains": ["*"],
+                                "routes": [{
+                                    "match": {"prefix": "/"},
+                                    "direct_response": {"status": 200, "body": {"inline_string": "hello over mTLS\n"}}
+                                }]
+                            }]},
+                            "http_filters": [{
+                                "name": "envoy.filters.http.router",
+                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+                            }]
                         }
                     }],
                     "transport_socket": {
@@ -321,7 +337,7 @@ fn mtls_exchange(
     let out = pod
         .command("openssl")
         .args(&args)
-        .stdin_bytes(Vec::new())
+        .stdin_bytes(&b"GET / HTTP/1.1\r\nhost: mtls\r\nconnection: close\r\n\r\n"[..])
         .timeout(Duration::from_secs(10))
         .output()
         .map_err(|e| e.to_string())?;
