@@ -132,9 +132,13 @@ fn bootstrap(backends: std::net::Ipv4Addr) -> Value {
 /// protocol, the URI it got and the header the route adds.
 fn nginx_config(dir: &Path) -> String {
     let dir = dir.display();
+    // A path with `/big/` is a file of `{dir}/www`, and PUT stores one (the large-body
+    // test's).
     let server = |listen: &str, name: &str| {
         format!(
-            "server {{ listen {listen}; location / {{ add_header x-served-by {name}; \
+            "server {{ listen {listen}; location ~ /big/ {{ root {dir}/www; dav_methods PUT; \
+             create_full_put_path on; client_max_body_size 64m; }} \
+             location / {{ add_header x-served-by {name}; \
              return 200 \"{name} $server_protocol $request_uri x-added=$http_x_added host=$host\\n\"; }} }}\n"
         )
     };
@@ -244,9 +248,12 @@ impl Scene {
         )
         .unwrap();
         // The proxy drops to uid 1337 after binding: it must read nothing else later.
+        // One worker: the event loop whose HTTP streams hold their writes to the end of
+        // its run (`event/deferred_write.rs`), as in `bench http`; the suites that run
+        // with the default concurrency cover the multi-threaded runtime.
         let proxy = proxy_pod
             .command(shunt_bin())
-            .args(["proxy", "--concurrency", "2", "-c"])
+            .args(["proxy", "--concurrency", "1", "-c"])
             .arg(&config)
             .spawn()
             .expect("start shunt proxy -c");
@@ -880,4 +887,87 @@ fn an_upgrade_the_config_names_is_tunnelled_and_others_are_refused() {
     assert_eq!(s.stat("cluster.echo.upstream_rq_1xx"), 1);
     assert_eq!(s.stat("http.ingress.downstream_rq_1xx"), 1);
     assert_eq!(s.stat("http.ingress.downstream_cx_upgrades_total"), 1);
+}
+
+/// A body far over what a stream holds back, through the one-worker proxy whose
+/// streams hold their small writes (`event/deferred_write.rs`): downloaded over
+/// HTTP/1.1 and h2 by a reader slower than the proxy (so its socket fills and the
+/// stream must wait for room), from HTTP/1.1 and h2 upstreams, and uploaded to both;
+/// every byte arrives, in order.
+#[test]
+fn a_large_body_crosses_the_one_worker_proxy_whole_to_a_slow_reader_and_back() {
+    let s = Scene::new("large-body");
+    const SIZE: usize = 6 << 20;
+    // Not a repeating pattern: a byte moved, lost or repeated changes the file.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let body: Vec<u8> = (0..SIZE)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect();
+    let www = s.dir.0.join("www");
+    for upstream in ["a", "h2"] {
+        std::fs::create_dir_all(www.join(upstream).join("big")).unwrap();
+        std::fs::write(www.join(upstream).join("big/file"), &body).unwrap();
+    }
+    let source = www.join("a/big/file");
+    // curl from the client pod: the status it printed.
+    let curl = |args: &[&str]| -> String {
+        let out = s
+            .client
+            .command("curl")
+            .args(["-s", "-S", "--max-time", "60", "-w", "%{http_code}"])
+            .args(args)
+            .output()
+            .expect("run curl");
+        assert!(
+            out.status.success(),
+            "curl {args:?}: {}\nproxy: {}",
+            String::from_utf8_lossy(&out.stderr),
+            s.proxy.stderr_text()
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    for (n, (upstream, h2)) in [("a", false), ("a", true), ("h2", false), ("h2", true)]
+        .into_iter()
+        .enumerate()
+    {
+        let case = format!("from upstream {upstream}, h2 downstream {h2}");
+        let prior_knowledge = if h2 {
+            "--http2-prior-knowledge"
+        } else {
+            "--http1.1"
+        };
+        let download = s.dir.0.join(format!("download-{n}"));
+        let status = curl(&[
+            prior_knowledge,
+            "--limit-rate",
+            "4M",
+            "-o",
+            download.to_str().unwrap(),
+            &s.url(HTTP_PORT, &format!("/{upstream}/big/file")),
+        ]);
+        assert_eq!(status, "200", "GET {case}");
+        let got = std::fs::read(&download).unwrap();
+        assert_eq!(got.len(), SIZE, "GET {case}: length");
+        assert!(got == body, "GET {case}: the bytes differ");
+
+        let stored = format!("{upstream}/big/upload-{n}");
+        let status = curl(&[
+            prior_knowledge,
+            "-o",
+            "/dev/null",
+            "-T",
+            source.to_str().unwrap(),
+            &s.url(HTTP_PORT, &format!("/{stored}")),
+        ]);
+        assert_eq!(status, "201", "PUT {case}");
+        let got = std::fs::read(www.join(&stored)).unwrap();
+        assert_eq!(got.len(), SIZE, "PUT {case}: length");
+        assert!(got == body, "PUT {case}: the bytes differ");
+    }
 }
