@@ -1421,6 +1421,22 @@ impl Report<'_> {
         )
     }
 
+    /// The median over rounds of `a`'s `metric` against `b`'s in the same round. The
+    /// scenarios of one round run minutes apart at most, while this machine's speed
+    /// drifts by 10-20% between rounds, for every proxy alike: a ratio taken round by
+    /// round leaves that drift out, where the ratio of the two medians keeps it.
+    fn paired_ratio(&self, a: Scenario, b: Scenario, load: Load, metric: &Metric) -> f64 {
+        median((1..=self.args.rounds).filter_map(|round| {
+            let of = |scenario| {
+                self.runs
+                    .iter()
+                    .find(|r| r.round == round && r.scenario == scenario && r.load == load)
+                    .map(metric.get)
+            };
+            Some(of(a)? / of(b)?)
+        }))
+    }
+
     fn table(&self, setup: &Setup) -> String {
         let mut t = String::new();
         let _ = writeln!(
@@ -1482,6 +1498,19 @@ impl Report<'_> {
                 }
                 t.push('\n');
             }
+            // Only the ratio columns: the same requests/s, compared round by round.
+            let _ = write!(t, "{:<36}", "  requests/s, median of round ratios");
+            t.push_str(&" ".repeat(12 * self.scenarios.len()));
+            for (a, b) in self.ratios() {
+                let r = self.paired_ratio(a, b, load, &METRICS[0]);
+                let cell = if r.is_finite() {
+                    format!("{r:.2}x")
+                } else {
+                    "-".into()
+                };
+                let _ = write!(t, "{cell:>24}");
+            }
+            t.push('\n');
             for (with, without) in RBAC_OVERHEAD {
                 if !(self.scenarios.contains(&with) && self.scenarios.contains(&without)) {
                     continue;
@@ -1546,6 +1575,10 @@ impl Report<'_> {
             "median": {"h1": medians(Load::H1), "h2": medians(Load::H2)},
             "ratios": self.ratios().map(|(a, b)| {
                 let of = |load| METRICS.iter().map(|m| (m.key.to_owned(), json!(self.median(a, load, m) / self.median(b, load, m)))).collect::<serde_json::Map<_, _>>();
+                (format!("{}/{}", a.name(), b.name()), json!({"h1": of(Load::H1), "h2": of(Load::H2)}))
+            }).collect::<serde_json::Map<_, _>>(),
+            "req_per_sec_round_ratio_medians": self.ratios().map(|(a, b)| {
+                let of = |load| json!(self.paired_ratio(a, b, load, &METRICS[0]));
                 (format!("{}/{}", a.name(), b.name()), json!({"h1": of(Load::H1), "h2": of(Load::H2)}))
             }).collect::<serde_json::Map<_, _>>(),
             "runs": self.runs,
@@ -1630,5 +1663,57 @@ status codes: 3 2xx, 0 3xx, 0 4xx, 0 5xx
         assert!(rbac < router);
         assert_eq!(yaml.matches("permissions:").count(), RBAC_POLICIES);
         assert_eq!(yaml.matches("any: true").count(), 1);
+    }
+
+    #[test]
+    fn round_by_round_ratios_leave_out_the_machines_drift_between_rounds() {
+        #[derive(clap::Parser)]
+        struct Bench {
+            #[command(flatten)]
+            http: HttpArgs,
+        }
+        let args = <Bench as clap::Parser>::try_parse_from(["http", "--rounds", "3"])
+            .unwrap()
+            .http;
+        let run = |round, scenario, req_per_sec| Run {
+            round,
+            scenario,
+            load: Load::H1,
+            requests: 1,
+            req_per_sec,
+            p50_us: 1.0,
+            p99_us: 1.0,
+            proxy_cpu_us_per_req: None,
+            rss_kib: None,
+        };
+        // shunt is 1.1x haproxy in rounds 1 and 2 (the machine ran at half speed in
+        // round 2) and 0.66x in round 3: the ratio of the medians is round 3's, the
+        // median of the round ratios the two rounds' that agree.
+        let report = Report {
+            args: &args,
+            busy: 0.0,
+            scenarios: vec![Scenario::Shunt, Scenario::Haproxy],
+            runs: vec![
+                run(1, Scenario::Shunt, 110.0),
+                run(1, Scenario::Haproxy, 100.0),
+                run(2, Scenario::Shunt, 55.0),
+                run(2, Scenario::Haproxy, 50.0),
+                run(3, Scenario::Shunt, 66.0),
+                run(3, Scenario::Haproxy, 100.0),
+            ],
+        };
+        let rate = &METRICS[0];
+        assert_eq!(rate.key, "req_per_sec");
+        let medians = report.median(Scenario::Shunt, Load::H1, rate)
+            / report.median(Scenario::Haproxy, Load::H1, rate);
+        assert!((medians - 0.66).abs() < 1e-9, "{medians}");
+        let paired = report.paired_ratio(Scenario::Shunt, Scenario::Haproxy, Load::H1, rate);
+        assert!((paired - 1.1).abs() < 1e-9, "{paired}");
+        // A load with no runs has no ratio.
+        assert!(
+            report
+                .paired_ratio(Scenario::Shunt, Scenario::Haproxy, Load::H2, rate)
+                .is_nan()
+        );
     }
 }
