@@ -30,6 +30,7 @@ pub mod formatter;
 pub mod http;
 pub mod istio_stats;
 pub mod listener;
+pub mod memory;
 pub mod network;
 pub mod node;
 pub mod peer;

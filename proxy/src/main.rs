@@ -31,6 +31,10 @@ enum Command {
     Node(Box<shunt::server::node::NodeArgs>),
 }
 
+// glibc's malloc behind a per-thread cache of freed blocks (`memory`).
+#[global_allocator]
+static ALLOCATOR: shunt::memory::CachingMalloc = shunt::memory::CachingMalloc;
+
 fn main() -> std::process::ExitCode {
     // Installed as `shunt-cni`, the binary is a CNI plugin: the runtime gives it no
     // arguments, only `CNI_*` variables and the network configuration on stdin.

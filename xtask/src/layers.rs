@@ -38,6 +38,7 @@ pub const LAYERS: &[&[&str]] = &[
         "set_filter_state",
         "peer",
         "istio_stats",
+        "memory",
     ],
     &["tls"],
     &["upstream"],

@@ -157,6 +157,8 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         stats: live.stats_store().clone(),
         dns: dns_tables,
     });
+    // With one worker this thread is the worker (`memory`: it caches its frees).
+    crate::memory::cache_this_thread();
     let result = runtime.block_on(serve(
         bound,
         store,

@@ -317,6 +317,7 @@ fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runt
         .worker_threads(workers)
         .event_interval(EVENT_INTERVAL)
         .thread_name("shunt-worker")
+        .on_thread_start(crate::memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the data-plane runtime")

@@ -143,6 +143,7 @@ pub fn serve_with(
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers.max(1))
         .thread_name("shunt-node")
+        .on_thread_start(crate::memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the node's runtime")?;

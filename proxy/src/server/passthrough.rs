@@ -53,6 +53,8 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         own_ports,
     });
     let drain_time = Duration::from_secs(args.drain_time_s);
+    // With one worker this thread is the worker (`memory`: it caches its frees).
+    crate::memory::cache_this_thread();
     let result = runtime.block_on(serve(listeners, settings, drain_time));
     // Connections still open after the drain are dropped with the runtime.
     runtime.shutdown_background();
