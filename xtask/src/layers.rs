@@ -29,6 +29,7 @@ use anyhow::{Context, Result};
 /// below its own, and those before it on its own line.
 pub const LAYERS: &[&[&str]] = &[
     &[
+        "memory",
         "stats",
         "event",
         "config",
@@ -38,7 +39,6 @@ pub const LAYERS: &[&[&str]] = &[
         "set_filter_state",
         "peer",
         "istio_stats",
-        "memory",
     ],
     &["tls"],
     &["upstream"],
@@ -654,7 +654,7 @@ mod tests {
         let all: Vec<&str> = LAYERS.iter().flat_map(|l| l.iter().copied()).collect();
         let unique: BTreeSet<&str> = all.iter().copied().collect();
         assert_eq!(all.len(), unique.len());
-        assert_eq!(rank("stats"), Some((0, 0)));
+        assert_eq!(rank("stats"), Some((0, 1)));
         assert_eq!(rank("http"), Some((3, 1)));
         assert_eq!(rank("capture"), None);
     }

@@ -155,8 +155,10 @@ pub fn trim_free_heap(min_free: usize) -> Option<usize> {
     None
 }
 
-/// Returns free heap pages to the kernel (glibc keeps them otherwise).
+/// Returns free heap pages to the kernel (glibc keeps them otherwise), this thread's
+/// cached blocks first (`memory`).
 fn trim_heap() {
+    crate::memory::release_this_thread();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks the allocator's own free lists.
     unsafe {
