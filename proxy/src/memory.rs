@@ -9,9 +9,11 @@
 //! each worker thread keeps up to [`MAX_BLOCKS`] freed blocks per size class up to
 //! 16 KiB, [`MAX_BYTES`] in all, for layouts aligned up to 16 bytes (`malloc`'s) and up
 //! to 128 (tokio's tasks); the rest goes to glibc as before. Only the threads that carry
-//! traffic cache ([`cache_this_thread`]): caches on the main, admin and blocking threads
-//! held 7 MiB more RSS at rest for no gain. mimalloc and jemalloc were measured too
-//! (README, Performance): faster on HTTP/1.1, at 1.7x-1.9x the RSS.
+//! traffic cache ([`cache_this_thread`]), from the end of their start-up, and a cache is
+//! handed back before `malloc_trim` ([`release_this_thread`]): a first version that
+//! cached everywhere kept start-up's frees, scattered over the heap, and 7 MiB more RSS
+//! at rest. mimalloc and jemalloc were measured too (README, Performance): faster on
+//! HTTP/1.1, at 1.7x-1.9x the RSS.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::UnsafeCell;
