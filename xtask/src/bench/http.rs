@@ -1269,6 +1269,15 @@ fn parse_h2load(out: &str, log: &str) -> Result<LoadResult> {
 
 /// shunt under each load, recorded with DWARF call graphs; folded and drawn with
 /// inferno into target/bench/http-shunt-h1.svg and http-shunt-h2.svg.
+/// A ratio as the tables print it: `1.04x`, or `-` when a side is missing.
+fn ratio_cell(r: f64) -> String {
+    if r.is_finite() {
+        format!("{r:.2}x")
+    } else {
+        "-".into()
+    }
+}
+
 fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
     for load in [Load::H1, Load::H2] {
         flamegraph_of(setup, args, load)?;
@@ -1489,12 +1498,7 @@ impl Report<'_> {
                 }
                 for (a, b) in self.ratios() {
                     let r = self.median(a, load, m) / self.median(b, load, m);
-                    let cell = if r.is_finite() {
-                        format!("{r:.2}x")
-                    } else {
-                        "-".into()
-                    };
-                    let _ = write!(t, "{cell:>24}");
+                    let _ = write!(t, "{:>24}", ratio_cell(r));
                 }
                 t.push('\n');
             }
@@ -1503,12 +1507,7 @@ impl Report<'_> {
             t.push_str(&" ".repeat(12 * self.scenarios.len()));
             for (a, b) in self.ratios() {
                 let r = self.paired_ratio(a, b, load, &METRICS[0]);
-                let cell = if r.is_finite() {
-                    format!("{r:.2}x")
-                } else {
-                    "-".into()
-                };
-                let _ = write!(t, "{cell:>24}");
+                let _ = write!(t, "{:>24}", ratio_cell(r));
             }
             t.push('\n');
             for (with, without) in RBAC_OVERHEAD {
