@@ -262,8 +262,13 @@ async fn handle(
     let downstream = &shared.downstream;
     let _active = hcm.stats.request(request.version());
     let (mut parts, body) = request.into_parts();
-    // Measured before anything changes the request: its head as it arrived.
-    let request_head_bytes = super::wire::request_head(&parts);
+    // Measured before anything changes the request: its head as it arrived. Only the
+    // HTTP filters read the wire sizes (Istio's request and response bytes).
+    let request_head_bytes = if hcm.filters.is_empty() {
+        0
+    } else {
+        super::wire::request_head(&parts)
+    };
     log.set_closes(super::wire::closes(&parts));
     if parts.version != Version::HTTP_2 {
         super::upgrade::ignore_h2c(&mut parts.headers);
@@ -287,8 +292,9 @@ async fn handle(
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
+    // One lookup (the entry) where a check and an insert hashed the name twice.
     if hcm.generate_request_id
-        && !parts.headers.contains_key(REQUEST_ID)
+        && let header::Entry::Vacant(vacant) = parts.headers.entry(REQUEST_ID)
         && let Ok(mut id) = HeaderValue::from_bytes(&uuid4_bytes())
     {
         // Not indexed by an HTTP/2 upstream's HPACK encoder (h2 sends a sensitive value
@@ -296,7 +302,7 @@ async fn handle(
         // slot of the connection's 4 KiB dynamic table, evicting the fields that do
         // repeat, and every request would walk the chain of the earlier ids.
         id.set_sensitive(true);
-        parts.headers.insert(REQUEST_ID, id);
+        vacant.insert(id);
     }
     let mut entry = Entry::started_at(
         downstream.direction,
@@ -579,22 +585,27 @@ async fn handle(
             let hash =
                 super::route::request_hash(&action.hash_policy, &view, downstream.remote.ip());
             let mut headers = std::mem::take(&mut parts.headers);
-            let upgrade =
-                super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
-            router::strip_hop_by_hop(&mut headers);
+            // HTTP/2's codec refuses a request with any of these (RFC 9113 8.2.2; `te`
+            // only as `trailers`): there is nothing to upgrade or strip.
+            let upgrade = if parts.version == Version::HTTP_2 {
+                None
+            } else {
+                let upgrade =
+                    super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
+                router::strip_hop_by_hop(&mut headers);
+                upgrade
+            };
             if let Some(weighted) = weighted {
                 weighted.request_headers.apply(&mut headers);
             }
             for rules in config.header_rules(vhost, route, false) {
                 rules.apply(&mut headers);
             }
-            let proto = super::headers::FORWARDED_PROTO;
-            if !headers.contains_key(&proto) {
-                headers.insert(
-                    proto,
-                    HeaderValue::from_static(if downstream.secure { "https" } else { "http" }),
-                );
-            }
+            headers
+                .entry(super::headers::FORWARDED_PROTO)
+                .or_insert_with(|| {
+                    HeaderValue::from_static(if downstream.secure { "https" } else { "http" })
+                });
             if hcm.use_remote_address {
                 let xff = super::headers::FORWARDED_FOR;
                 let ip = downstream.remote.ip().to_canonical().to_string();
@@ -893,9 +904,11 @@ async fn finish(
     }
     let body_len = hyper::body::Body::size_hint(response.body()).exact();
     let (parts, body) = response.into_parts();
-    entry.response_head_bytes = super::wire::response_head(&parts, body_len, log.closes());
-    if super::wire::chunked(&parts, body_len) {
-        log.set_chunked();
+    if !hcm.filters.is_empty() {
+        entry.response_head_bytes = super::wire::response_head(&parts, body_len, log.closes());
+        if super::wire::chunked(&parts, body_len) {
+            log.set_chunked();
+        }
     }
     log.fill(entry, hcm.clone());
     Response::from_parts(parts, body.logged(log.clone()))

@@ -1662,6 +1662,26 @@ fn hop_by_hop_headers_and_those_connection_names_are_stripped() {
     headers.insert(header::HOST, HeaderValue::from_static("a"));
     strip_hop_by_hop(&mut headers);
     assert_eq!(headers.len(), 2);
+    // Each of RFC 9110's names alone, in any case it arrives in: the scan's length
+    // filter must let every one through.
+    for name in [
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Connection",
+        "Transfer-Encoding",
+        "Upgrade",
+        "HTTP2-Settings",
+    ] {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            HeaderValue::from_static("x"),
+        );
+        headers.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|n| n.as_str()).collect();
+        assert_eq!(left, ["accept"], "{name} was kept");
+    }
 }
 
 #[test]
