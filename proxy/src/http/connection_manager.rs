@@ -325,7 +325,7 @@ async fn handle(
         }));
     }
     let mut pending = Pending {
-        entry: Some(entry),
+        entry: Some(Box::new(entry)),
         hcm: hcm.clone(),
         log: log.clone(),
     };
@@ -655,6 +655,7 @@ async fn handle(
                 method: parts.method.clone(),
                 authority: upstream_authority,
                 path: upstream_path,
+                received_path: parts.uri.path_and_query().cloned(),
                 headers,
                 downstream_version: parts.version,
             };
@@ -793,7 +794,7 @@ fn routes_connect(shared: &Shared) -> bool {
 async fn refuse_connect(
     shared: &Shared,
     parts: &hyper::http::request::Parts,
-    mut entry: Entry,
+    mut entry: Box<Entry>,
     log: &Arc<LogSlot>,
 ) -> Response<ResponseBody> {
     let http1 = parts.version != Version::HTTP_2;
@@ -826,13 +827,15 @@ fn close_connection<B>(response: &mut Response<B>) {
 /// when the downstream goes away; the request is then logged with flag DC, as Envoy
 /// logs a stream the downstream reset.
 struct Pending {
-    entry: Option<Entry>,
+    /// Boxed: the entry (~350 bytes) moves from here into `finish` and on into the log
+    /// slot; a pointer moves instead (`memcpy` calls were ~15% of h2's instructions).
+    entry: Option<Box<Entry>>,
     hcm: Arc<HttpConnectionManager>,
     log: Arc<LogSlot>,
 }
 
 impl Pending {
-    fn take(&mut self) -> Entry {
+    fn take(&mut self) -> Box<Entry> {
         self.entry.take().expect("a request is finished once")
     }
 }
@@ -861,7 +864,7 @@ impl Drop for Pending {
 async fn finish(
     shared: &Shared,
     mut response: Response<ResponseBody>,
-    mut entry: Entry,
+    mut entry: Box<Entry>,
     log: &Arc<LogSlot>,
     from_upstream: bool,
 ) -> Response<ResponseBody> {

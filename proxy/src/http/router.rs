@@ -169,6 +169,9 @@ pub struct Head {
     pub method: hyper::Method,
     pub authority: String,
     pub path: String,
+    /// The downstream's path as its codec parsed it: an HTTP/1.1 upstream request whose
+    /// `path` is still this one reuses it rather than parsing the string again.
+    pub received_path: Option<hyper::http::uri::PathAndQuery>,
     pub headers: HeaderMap,
     pub downstream_version: Version,
 }
@@ -196,16 +199,23 @@ impl Head {
             request.headers_mut().remove(header::HOST);
         } else {
             *request.version_mut() = Version::HTTP_11;
-            // The last attempt hands its strings over rather than copying them.
-            let (path, authority) = if last {
-                (
-                    std::mem::take(&mut self.path),
-                    std::mem::take(&mut self.authority),
-                )
-            } else {
-                (self.path.clone(), self.authority.clone())
+            *request.uri_mut() = match &self.received_path {
+                Some(received) if received.as_str() == self.path => Uri::from(received.clone()),
+                _ => {
+                    // The last attempt hands its strings over rather than copying them.
+                    let path = if last {
+                        std::mem::take(&mut self.path)
+                    } else {
+                        self.path.clone()
+                    };
+                    Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"))
+                }
             };
-            *request.uri_mut() = Uri::try_from(path).unwrap_or_else(|_| Uri::from_static("/"));
+            let authority = if last {
+                std::mem::take(&mut self.authority)
+            } else {
+                self.authority.clone()
+            };
             if let Ok(host) = HeaderValue::try_from(authority) {
                 request.headers_mut().insert(header::HOST, host);
             }
