@@ -75,6 +75,14 @@ pub struct HttpConnectionManager {
     pub stats: HttpStats,
 }
 
+impl HttpConnectionManager {
+    /// Whether the HTTP/1.1 wire sizes of a request's and its response's heads are
+    /// measured: only the HTTP filters read them (Istio's request and response bytes).
+    pub fn measures_wire_sizes(&self) -> bool {
+        !self.filters.is_empty()
+    }
+}
+
 /// Envoy's `headers_with_underscores_action`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Underscores {

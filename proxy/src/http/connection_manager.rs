@@ -262,12 +262,11 @@ async fn handle(
     let downstream = &shared.downstream;
     let _active = hcm.stats.request(request.version());
     let (mut parts, body) = request.into_parts();
-    // Measured before anything changes the request: its head as it arrived. Only the
-    // HTTP filters read the wire sizes (Istio's request and response bytes).
-    let request_head_bytes = if hcm.filters.is_empty() {
-        0
-    } else {
+    // Measured before anything changes the request: its head as it arrived.
+    let request_head_bytes = if hcm.measures_wire_sizes() {
         super::wire::request_head(&parts)
+    } else {
+        0
     };
     log.set_closes(super::wire::closes(&parts));
     if parts.version != Version::HTTP_2 {
@@ -907,7 +906,7 @@ async fn finish(
     }
     let body_len = hyper::body::Body::size_hint(response.body()).exact();
     let (parts, body) = response.into_parts();
-    if !hcm.filters.is_empty() {
+    if hcm.measures_wire_sizes() {
         entry.response_head_bytes = super::wire::response_head(&parts, body_len, log.closes());
         if super::wire::chunked(&parts, body_len) {
             log.set_chunked();

@@ -1267,8 +1267,6 @@ fn parse_h2load(out: &str, log: &str) -> Result<LoadResult> {
     })
 }
 
-/// shunt under each load, recorded with DWARF call graphs; folded and drawn with
-/// inferno into target/bench/http-shunt-h1.svg and http-shunt-h2.svg.
 /// A ratio as the tables print it: `1.04x`, or `-` when a side is missing.
 fn ratio_cell(r: f64) -> String {
     if r.is_finite() {
@@ -1278,6 +1276,8 @@ fn ratio_cell(r: f64) -> String {
     }
 }
 
+/// shunt under each load, recorded with DWARF call graphs; folded and drawn with
+/// inferno into target/bench/http-shunt-h1.svg and http-shunt-h2.svg.
 fn flamegraph(setup: &Setup, args: &HttpArgs) -> Result<()> {
     for load in [Load::H1, Load::H2] {
         flamegraph_of(setup, args, load)?;
