@@ -873,9 +873,9 @@ fn istios_bootstrap_is_ready_through_its_own_15021_after_the_first_push() {
 /// Without `-c` the agent is pilot-agent: it writes `etc/istio/proxy/envoy-rev.json`
 /// from the pod's environment (Istio's bootstrap: its node id, its `xds-grpc` cluster
 /// on the Unix socket `./etc/istio/proxy/XDS`), relays the proxy's ADS stream to the
-/// control plane (here `--xds-address unix:...`, the test's ADS server) by call, with no
-/// socket, and the in-process proxy gets its listeners through it: ready on 15021,
-/// traffic flows.
+/// control plane (a grpcio server in front of the test's ADS server, with istiod's
+/// header behaviour) by call, with no socket, and the in-process proxy gets its
+/// listeners through it: ready on 15021, traffic flows.
 #[test]
 fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
     let (_dir, socket, server) = unix_server("agent-generated");
@@ -883,7 +883,11 @@ fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
     let pod = node.add_pod("gen").unwrap();
     let _echo = support::start_app(&pod, &[ECHO]);
     let work = TempDir::new("agent-generated-cwd");
-    let upstream = format!("unix:{}", socket.display());
+    // The control plane is a grpcio server, which (as istiod's grpc-go) sends its
+    // response headers only with its first response: nothing is pushed until the
+    // proxy's first request has reached it through the agent.
+    let relay = support::GrpcioRelay::start(&pod, &format!("unix:{}", socket.display()));
+    let upstream = relay.address.to_string();
     let mut agent = pod
         .command(shunt_bin())
         .current_dir(&work.0)
@@ -893,6 +897,7 @@ fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
         .env("INSTANCE_IP", pod.ipv4().to_string())
         .env("SERVICE_ACCOUNT", "gen")
         .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+        .env("TERMINATION_DRAIN_DURATION_SECONDS", "3")
         .spawn()
         .expect("start shunt agent");
     let written = work.0.join("etc/istio/proxy/envoy-rev.json");
@@ -929,6 +934,62 @@ fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
         xds::reaches(&pod, local(10000)).is_some(),
         "the listener pushed through the xDS proxy serves"
     );
+    // SIGTERM: Istio's 15021, which the proxy serves, follows the agent's readiness
+    // and fails while the pod drains (the proxy's own /ready does not change).
+    agent.signal(libc::SIGTERM).unwrap();
+    wait_for("15021 to fail while the pod drains", &agent, || {
+        readiness(&pod) == 503
+    });
+    assert_eq!(status(&pod, "/healthz/ready").0, 503);
+    let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+    assert!(exit.success(), "{}", agent.stderr_text());
+    server.stop();
+}
+
+/// pilot-agent keeps the bootstrap and the xDS proxy's socket in the ProxyConfig's
+/// `configPath`, which the bootstrap's `xds-grpc` pipe names: with a configPath of its
+/// own (from `PROXY_CONFIG`) the three still agree, so the proxy's config arrives.
+#[test]
+fn a_custom_config_path_holds_the_bootstrap_and_the_xds_socket() {
+    let (_dir, socket, server) = unix_server("agent-config-path");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("cfgpath").unwrap();
+    let _echo = support::start_app(&pod, &[ECHO]);
+    xds::serve_backend(&server, eds_cluster("backend", 1), ECHO, 10000);
+    let work = TempDir::new("agent-config-path-cwd");
+    let upstream = format!("unix:{}", socket.display());
+    let mut agent = pod
+        .command(shunt_bin())
+        .current_dir(&work.0)
+        .args(["agent", "--keep-user", "--serve-proxy-sockets"])
+        .args(["--xds-address", &upstream])
+        .env("POD_NAME", "cfgpath-1")
+        .env("POD_NAMESPACE", "default")
+        .env("INSTANCE_IP", pod.ipv4().to_string())
+        .env("PROXY_CONFIG", r#"{"configPath": "./custom/proxy"}"#)
+        .spawn()
+        .expect("start shunt agent");
+    let written = work.0.join("custom/proxy/envoy-rev.json");
+    wait_for("the bootstrap in configPath", &agent, || written.exists());
+    let bootstrap: Value = serde_json::from_slice(&std::fs::read(&written).unwrap()).unwrap();
+    let xds_grpc = bootstrap["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "xds-grpc")
+        .expect("the xds-grpc cluster");
+    assert_eq!(
+        xds_grpc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["pipe"]
+            ["path"],
+        "./custom/proxy/XDS"
+    );
+    let readiness = |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0;
+    wait_for("15021 ready", &agent, || readiness(&pod) == 200);
+    assert!(
+        work.0.join("custom/proxy/XDS").exists(),
+        "the xDS proxy's socket is where the bootstrap points"
+    );
+    assert!(!work.0.join("etc/istio/proxy").exists());
     assert_eq!(
         http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
         200

@@ -490,7 +490,8 @@ fn hello_through_outbound(pod: &Pod) -> Option<String> {
 /// from the test control plane. It does mTLS with a shunt sidecar (`shunt agent`, the
 /// proxy in process) in another pod, both ways: each side's outbound connection
 /// reaches the other pod's app through the other side's inbound mTLS listener, each
-/// side checking the other's SPIFFE identity.
+/// side checking the other's SPIFFE identity. On SIGTERM both pods' 15021 fail while
+/// they drain.
 #[test]
 fn envoy_under_shunt_agent_and_a_shunt_sidecar_do_mtls_both_ways() {
     let work_envoy = TempDir::new("mesh-envoy");
@@ -530,6 +531,7 @@ fn envoy_under_shunt_agent_and_a_shunt_sidecar_do_mtls_both_ways() {
         agent_command(pod, work, &ca)
             .env("SERVICE_ACCOUNT", account)
             .env("POD_NAME", format!("{account}-1"))
+            .env("TERMINATION_DRAIN_DURATION_SECONDS", "3")
             .args(["agent", "--keep-user", "--xds-address", &upstream])
             .args(flags)
             .spawn()
@@ -606,8 +608,14 @@ fn envoy_under_shunt_agent_and_a_shunt_sidecar_do_mtls_both_ways() {
         "{signed:?}"
     );
 
+    // SIGTERM: while each agent drains, Istio's 15021 (a listener of the proxy routed
+    // to the agent) fails, so the kubelet takes the pod out of its Services, for the
+    // supervised Envoy and for the in-process proxy alike; then each exits 0.
     for (pod, mut agent) in [(&envoy_pod, envoy_agent), (&shunt_pod, shunt_agent)] {
-        assert_eq!(post(pod, STATUS, "/quitquitquit"), 200);
+        agent.signal(libc::SIGTERM).unwrap();
+        wait_for("15021 to fail while the pod drains", &agent, || {
+            get(pod, READINESS, "/healthz/ready") == 503
+        });
         let exit = agent.wait_timeout(Duration::from_secs(30)).unwrap();
         assert!(exit.success(), "{}", agent.stderr_text());
     }

@@ -30,15 +30,6 @@ const GRPC_PORT: u16 = 9300;
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/support/grpc_echo.py");
 
-fn python_grpc() -> (String, String) {
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let dir = format!("{home}/.cache/shunt/python-grpc");
-    let python = std::fs::read_to_string(format!("{dir}/PYTHON")).unwrap_or_else(|e| {
-        panic!("{dir}/PYTHON: {e}: run `cargo xtask setup` (pip install grpcio)")
-    });
-    (python.trim().to_owned(), dir)
-}
-
 fn h2_cluster(name: &str, at: SocketAddr) -> Value {
     json!({
         "name": name, "type": "STATIC", "connect_timeout": "1s",
@@ -122,7 +113,7 @@ impl Scene {
         let backends = node.add_pod("backends").expect("pod backends");
         let client = node.add_pod("client").expect("pod client");
         let dir = TempDir::new("grpc-stats");
-        let (python, path) = python_grpc();
+        let (python, path) = support::python_grpc();
         let backend = backends
             .command(&python)
             .args([SCRIPT, "serve", &GRPC_PORT.to_string()])
@@ -164,7 +155,7 @@ impl Scene {
 
     /// The table of calls through the proxy at `port`: one JSON line each.
     fn calls(&self, port: u16) -> Vec<Value> {
-        let (python, path) = python_grpc();
+        let (python, path) = support::python_grpc();
         let target = format!("{}:{port}", self.proxy_pod.ipv4());
         let out = self
             .client

@@ -241,16 +241,6 @@ fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
     })
 }
 
-/// grpcio as `cargo xtask setup` installed it: the interpreter and the PYTHONPATH.
-fn python_grpc() -> (String, String) {
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let dir = format!("{home}/.cache/shunt/python-grpc");
-    let python = std::fs::read_to_string(format!("{dir}/PYTHON")).unwrap_or_else(|e| {
-        panic!("{dir}/PYTHON: {e}: run `cargo xtask setup` (pip install grpcio, xds-protos)")
-    });
-    (python.trim().to_owned(), dir)
-}
-
 struct Scene {
     _node: Node,
     proxy_pod: Pod,
@@ -273,7 +263,7 @@ impl Scene {
             .args(["-c", ECHO_SERVER, &ECHO_PORT.to_string()])
             .spawn()
             .expect("start the echo server");
-        let (python, path) = python_grpc();
+        let (python, path) = support::python_grpc();
         let authz = backends
             .command(&python)
             .arg(concat!(

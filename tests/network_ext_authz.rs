@@ -47,15 +47,6 @@ while True:
     c.close()
 "#;
 
-fn python_grpc() -> (String, String) {
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let dir = format!("{home}/.cache/shunt/python-grpc");
-    let python = std::fs::read_to_string(format!("{dir}/PYTHON")).unwrap_or_else(|e| {
-        panic!("{dir}/PYTHON: {e}: run `cargo xtask setup` (pip install grpcio, xds-protos)")
-    });
-    (python.trim().to_owned(), dir)
-}
-
 fn cluster(name: &str, ip: Ipv4Addr, port: u16, http2: bool) -> Value {
     let mut c = json!({
         "name": name, "type": "STATIC", "connect_timeout": "1s",
@@ -171,7 +162,7 @@ impl Scene {
             .args(["-c", TCP_SERVER, &BACKEND_PORT.to_string()])
             .spawn()
             .expect("start the backend");
-        let (python, path) = python_grpc();
+        let (python, path) = support::python_grpc();
         let authz = backends
             .command(&python)
             .arg(concat!(

@@ -306,3 +306,54 @@ pub fn run_ok(cmd: harness::PodCommand) -> String {
 pub fn local(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
+
+/// grpcio as `cargo xtask setup` installed it: the interpreter and the PYTHONPATH
+/// (grpcio is a binary wheel: the test must run the interpreter it was installed for).
+pub fn python_grpc() -> (String, String) {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let dir = format!("{home}/.cache/shunt/python-grpc");
+    let python = std::fs::read_to_string(format!("{dir}/PYTHON")).unwrap_or_else(|e| {
+        panic!("{dir}/PYTHON: {e}: run `cargo xtask setup` (pip install grpcio, xds-protos)")
+    });
+    (python.trim().to_owned(), dir)
+}
+
+/// A grpcio server in `pod` relaying every stream to `backend` (`support/grpcio_relay.py`):
+/// a control plane with grpc-go's (istiod's) header behaviour in front of the tests'
+/// ADS server, which keeps the resources and records the requests.
+pub struct GrpcioRelay {
+    pub address: SocketAddr,
+    pub process: PodProcess,
+}
+
+impl GrpcioRelay {
+    pub fn start(pod: &Pod, backend: &str) -> GrpcioRelay {
+        let (python, path) = python_grpc();
+        let process = pod
+            .command(&python)
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/support/grpcio_relay.py"
+            ))
+            .args(["0", backend])
+            .env("PYTHONPATH", &path)
+            .spawn()
+            .expect("start the grpcio relay");
+        let line = process
+            .wait_for_stdout(|l| l.starts_with("listening "), Duration::from_secs(30))
+            .expect("the grpcio relay listens");
+        let port: u16 = line["listening ".len()..].trim().parse().unwrap();
+        GrpcioRelay {
+            address: local(port),
+            process,
+        }
+    }
+}
+
+impl Drop for GrpcioRelay {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("grpcio relay's log:\n{}", self.process.stderr_text());
+        }
+    }
+}

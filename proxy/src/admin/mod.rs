@@ -55,6 +55,11 @@ pub struct AdminSettings {
     pub command_line: CommandLineOptions,
     /// The log levels `/logging` lists and changes.
     pub log: LogControl,
+    /// Set once whoever owns the pod's lifecycle (`shunt agent`, node mode) starts
+    /// terminating it: from then on Istio's 15021 health port answers 503, as
+    /// pilot-agent's readiness does (the kubelet takes the pod out of its Services
+    /// while it drains). Envoy's own `/ready` does not change with a drain.
+    pub terminating: Arc<AtomicBool>,
 }
 
 impl Default for AdminSettings {
@@ -62,6 +67,7 @@ impl Default for AdminSettings {
         AdminSettings {
             command_line: CommandLineOptions::default(),
             log: LogControl::global(),
+            terminating: Arc::default(),
         }
     }
 }
@@ -96,6 +102,7 @@ impl AdminSettings {
                 ..Default::default()
             },
             log: LogControl::global(),
+            terminating: Arc::default(),
         }
     }
 }
@@ -140,6 +147,7 @@ pub fn start_with(
         started: SystemTime::now(),
         started_at: Instant::now(),
         health_check_failed: AtomicBool::new(false),
+        terminating: settings.terminating,
         command_line: settings.command_line,
         stop: stop.clone(),
     });
@@ -244,6 +252,7 @@ pub(crate) struct Shared {
     started: SystemTime,
     started_at: Instant,
     health_check_failed: AtomicBool,
+    terminating: Arc<AtomicBool>,
     command_line: CommandLineOptions,
     stop: Arc<watch::Sender<bool>>,
 }
@@ -265,9 +274,15 @@ impl Shared {
         }
     }
 
-    /// Whether readiness checks pass (`/ready`, the 15021 port).
+    /// Whether readiness checks pass (`/ready`).
     fn is_live(&self) -> bool {
         self.server_state() == server_info::State::Live
+    }
+
+    /// What pilot-agent's `/healthz/ready` answers, which Istio's 15021 routes to: the
+    /// proxy is live and the pod is not terminating.
+    fn is_ready_for_traffic(&self) -> bool {
+        self.is_live() && !self.terminating.load(Ordering::SeqCst)
     }
 
     fn set_health_check_failed(&self, failed: bool) {

@@ -51,7 +51,7 @@ pub(super) async fn serve(
                 // What the route's upstream, the admin API, would answer.
                 Some(Answer::PrometheusStats) => handlers::handle(&shared, method, path, query),
                 // What pilot-agent's /healthz/ready would answer.
-                Some(Answer::Readiness) if shared.is_live() => Reply::ok(""),
+                Some(Answer::Readiness) if shared.is_ready_for_traffic() => Reply::ok(""),
                 Some(Answer::Readiness) => Reply::text(StatusCode::SERVICE_UNAVAILABLE, ""),
                 // Envoy's router without a matching route.
                 None => Reply::text(StatusCode::NOT_FOUND, ""),

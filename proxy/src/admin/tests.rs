@@ -62,6 +62,7 @@ struct Harness {
     handle: AdminHandle,
     proxy: Arc<BootstrapOnly>,
     reloads: Arc<Mutex<Vec<String>>>,
+    terminating: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Harness {
@@ -82,12 +83,15 @@ impl Harness {
                     Ok(())
                 })),
             ),
+            terminating: Arc::default(),
         };
+        let terminating = options.terminating.clone();
         let handle = start_with(&bootstrap, proxy.clone(), options).expect("admin starts");
         Harness {
             handle,
             proxy,
             reloads,
+            terminating,
         }
     }
 
@@ -890,6 +894,21 @@ fn istios_health_ports_are_served() {
     let ready_port = harness.health_port("0.0.0.0_15021");
     assert_eq!(request(ready_port, "GET", "/healthz/ready").status, 200);
     assert_eq!(request(ready_port, "GET", "/stats/prometheus").status, 404);
+}
+
+/// Istio's 15021 routes to pilot-agent, whose readiness fails once the pod terminates:
+/// the kubelet must take the pod out of its Services while it drains. Envoy's own
+/// `/ready` is not about termination and stays 200.
+#[test]
+fn the_15021_health_port_fails_once_the_pod_terminates() {
+    let harness = Harness::istio();
+    let ready_port = harness.health_port("0.0.0.0_15021");
+    assert_eq!(request(ready_port, "GET", "/healthz/ready").status, 200);
+    harness
+        .terminating
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(request(ready_port, "GET", "/healthz/ready").status, 503);
+    assert_eq!(harness.get("/ready").status, 200);
 }
 
 #[test]

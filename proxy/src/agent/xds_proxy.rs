@@ -230,6 +230,11 @@ impl XdsProxy {
     }
 
     /// One downstream SotW ADS stream, relayed over a stream of its own upstream.
+    ///
+    /// Returns at once: the upstream stream is opened and relayed by a task, and the
+    /// proxy's requests are forwarded from the start. istiod (grpc-go) sends its
+    /// response headers only with its first response, which it sends only after it
+    /// has a request: waiting for the headers before forwarding would wait forever.
     async fn sotw(
         self: Arc<Self>,
         downstream_requests: MessageStream<DiscoveryRequest>,
@@ -237,16 +242,13 @@ impl XdsProxy {
         let proxy = self;
         proxy.streams.fetch_add(1, Ordering::Relaxed);
         let (up_tx, up_rx) = mpsc::unbounded_channel::<DiscoveryRequest>();
-        let upstream: Streaming<DiscoveryResponse> = open(&proxy, up_rx, ADS_SOTW).await?;
         let (down_tx, down_rx) = mpsc::unbounded_channel();
         // Proxy -> istiod, with the agent's own NDS subscription after the first request
-        // (which carries the node).
+        // (which carries the node: istiod has it from the first request of the stream).
         let ask_nds = proxy.name_table.is_some();
-        let requests = up_tx.clone();
         tokio::spawn(forward_requests(
             downstream_requests,
-            requests,
-            // istiod has the node from the first request of the stream.
+            up_tx.clone(),
             move |_: &DiscoveryRequest| {
                 ask_nds.then(|| DiscoveryRequest {
                     type_url: NAME_TABLE.into(),
@@ -255,21 +257,30 @@ impl XdsProxy {
             },
         ));
         // istiod -> proxy, minus the name table, which the agent ACKs itself.
-        tokio::spawn(relay_responses(upstream, down_tx, up_tx, move |r| {
-            (r.type_url == NAME_TABLE).then(|| DiscoveryRequest {
-                version_info: r.version_info.clone(),
-                response_nonce: r.nonce.clone(),
-                type_url: NAME_TABLE.into(),
-                error_detail: proxy
-                    .take_name_table(&r.resources, &r.version_info)
-                    .map(nack),
-                ..Default::default()
+        let relay = proxy.clone();
+        tokio::spawn(async move {
+            let upstream = match open(&relay, up_rx, ADS_SOTW).await {
+                Ok(upstream) => upstream,
+                Err(status) => return fail_open(&down_tx, status),
+            };
+            relay_responses(upstream, down_tx, up_tx, move |r: &DiscoveryResponse| {
+                (r.type_url == NAME_TABLE).then(|| DiscoveryRequest {
+                    version_info: r.version_info.clone(),
+                    response_nonce: r.nonce.clone(),
+                    type_url: NAME_TABLE.into(),
+                    error_detail: relay
+                        .take_name_table(&r.resources, &r.version_info)
+                        .map(nack),
+                    ..Default::default()
+                })
             })
-        }));
+            .await
+        });
         Ok(Box::pin(UnboundedReceiverStream::new(down_rx)))
     }
 
-    /// One downstream Delta ADS stream, relayed over a stream of its own upstream.
+    /// One downstream Delta ADS stream, relayed over a stream of its own upstream
+    /// (opened as [`Self::sotw`] opens it).
     async fn delta(
         self: Arc<Self>,
         downstream_requests: MessageStream<DeltaDiscoveryRequest>,
@@ -277,7 +288,6 @@ impl XdsProxy {
         let proxy = self;
         proxy.streams.fetch_add(1, Ordering::Relaxed);
         let (up_tx, up_rx) = mpsc::unbounded_channel::<DeltaDiscoveryRequest>();
-        let upstream: Streaming<DeltaDiscoveryResponse> = open(&proxy, up_rx, ADS_DELTA).await?;
         let (down_tx, down_rx) = mpsc::unbounded_channel();
         let ask_nds = proxy.name_table.is_some();
         tokio::spawn(forward_requests(
@@ -291,25 +301,45 @@ impl XdsProxy {
                 })
             },
         ));
-        tokio::spawn(relay_responses(upstream, down_tx, up_tx, move |r| {
-            (r.type_url == NAME_TABLE).then(|| {
-                let tables: Vec<Any> = r
-                    .resources
-                    .iter()
-                    .filter_map(|r| r.resource.clone())
-                    .collect();
-                DeltaDiscoveryRequest {
-                    response_nonce: r.nonce.clone(),
-                    type_url: NAME_TABLE.into(),
-                    error_detail: proxy
-                        .take_name_table(&tables, &r.system_version_info)
-                        .map(nack),
-                    ..Default::default()
-                }
-            })
-        }));
+        let relay = proxy.clone();
+        tokio::spawn(async move {
+            let upstream = match open(&relay, up_rx, ADS_DELTA).await {
+                Ok(upstream) => upstream,
+                Err(status) => return fail_open(&down_tx, status),
+            };
+            relay_responses(
+                upstream,
+                down_tx,
+                up_tx,
+                move |r: &DeltaDiscoveryResponse| {
+                    (r.type_url == NAME_TABLE).then(|| {
+                        let tables: Vec<Any> = r
+                            .resources
+                            .iter()
+                            .filter_map(|r| r.resource.clone())
+                            .collect();
+                        DeltaDiscoveryRequest {
+                            response_nonce: r.nonce.clone(),
+                            type_url: NAME_TABLE.into(),
+                            error_detail: relay
+                                .take_name_table(&tables, &r.system_version_info)
+                                .map(nack),
+                            ..Default::default()
+                        }
+                    })
+                },
+            )
+            .await
+        });
         Ok(Box::pin(UnboundedReceiverStream::new(down_rx)))
     }
+}
+
+/// The upstream stream could not be opened: the proxy's stream ends with why, and the
+/// proxy's own back-off drives the retry.
+fn fail_open<Resp>(down: &mpsc::UnboundedSender<Result<Resp, Status>>, status: Status) {
+    tracing::warn!(error = %status.message(), "xDS proxy: opening the upstream stream failed");
+    let _ = down.send(Err(status));
 }
 
 fn nack(message: String) -> RpcStatus {
@@ -331,7 +361,13 @@ async fn relay_responses<Req, Resp>(
     keep: impl Fn(&Resp) -> Option<Req>,
 ) {
     loop {
-        let response = match responses.message().await {
+        // The proxy's stream may end first (Envoy restarts): then the upstream one ends
+        // now, not at istiod's next push.
+        let message = tokio::select! {
+            message = responses.message() => message,
+            () = down.closed() => return,
+        };
+        let response = match message {
             Ok(Some(r)) => r,
             Ok(None) => return,
             Err(status) => {

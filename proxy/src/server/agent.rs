@@ -45,9 +45,11 @@ pub struct AgentArgs {
     /// pod's labels and annotations, and serves the xDS proxy and SDS it names.
     #[arg(short = 'c', long, value_name = "FILE")]
     pub config_path: Option<PathBuf>,
-    /// Where the generated bootstrap and the xDS proxy's socket (`XDS`) go.
-    #[arg(long, default_value = "./etc/istio/proxy", value_name = "DIR")]
-    pub config_dir: PathBuf,
+    /// Where the generated bootstrap and the xDS proxy's socket (`XDS`) go; sets the
+    /// ProxyConfig's `configPath` (default `./etc/istio/proxy`), which the bootstrap's
+    /// `xds-grpc` pipe names, so the three always agree, as in pilot-agent.
+    #[arg(long, value_name = "DIR")]
+    pub config_dir: Option<PathBuf>,
     /// The mesh config, whose `defaultConfig` is the base ProxyConfig.
     #[arg(long, default_value = "./etc/istio/config/mesh", value_name = "FILE")]
     pub mesh_config: PathBuf,
@@ -298,14 +300,16 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             sockets,
         )?;
         if args.proxy == ProxyKind::Shunt {
-            local.insert(&args.config_dir.join("XDS"), xds.local());
+            local.insert(&generated.xds_socket(), xds.local());
             if let Some(certificates) = certificates {
                 local.insert(&args.sds_socket, crate::agent::sds::local(certificates));
             }
         }
     }
     let proxy = match args.proxy {
-        ProxyKind::Shunt => Proxy::start_in_process(proxy_args, local)?,
+        ProxyKind::Shunt => {
+            Proxy::start_in_process(proxy_args, local, server.lifecycle.terminating_flag())?
+        }
         ProxyKind::Envoy => {
             let binary = envoy_binary(args.envoy_binary.as_deref())?;
             let _guard = runtime.enter();
@@ -518,9 +522,14 @@ enum Proxy {
 }
 
 impl Proxy {
-    fn start_in_process(mut args: ProxyArgs, local: LocalServers) -> anyhow::Result<Proxy> {
+    fn start_in_process(
+        mut args: ProxyArgs,
+        local: LocalServers,
+        terminating: Arc<std::sync::atomic::AtomicBool>,
+    ) -> anyhow::Result<Proxy> {
         let embedded = Arc::new(Embedded {
             local_xds: local,
+            terminating,
             ..Embedded::default()
         });
         args.embedded = Some(embedded.clone());
@@ -625,6 +634,8 @@ impl Proxy {
 pub struct Embedded {
     /// The agent's SDS server and xDS proxy, which the proxy's streams call.
     pub(super) local_xds: LocalServers,
+    /// The agent's termination: the proxy's 15021 answers 503 once it is set.
+    pub(super) terminating: Arc<std::sync::atomic::AtomicBool>,
     connections: OnceLock<Arc<Connections>>,
     close_inbound: Notify,
     exit: Notify,

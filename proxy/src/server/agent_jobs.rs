@@ -26,9 +26,19 @@ const DEFAULT_DISCOVERY_ADDRESS: &str = "istiod.istio-system.svc:15012";
 pub struct Generated {
     pub path: PathBuf,
     pub discovery_address: String,
+    /// The ProxyConfig's `configPath`: the bootstrap and the XDS socket are there.
+    pub config_dir: PathBuf,
 }
 
-/// Writes pilot-agent's `envoy-rev.json` (and the files it names) into `--config-dir`.
+impl Generated {
+    /// The xDS proxy's socket, which the bootstrap's `xds-grpc` pipe names.
+    pub fn xds_socket(&self) -> PathBuf {
+        self.config_dir.join("XDS")
+    }
+}
+
+/// Writes pilot-agent's `envoy-rev.json` (and the files it names) into the
+/// ProxyConfig's `configPath` (`--config-dir` sets it).
 pub fn write_bootstrap(args: &AgentArgs) -> anyhow::Result<Generated> {
     let read = |path: &Path| std::fs::read_to_string(path).ok();
     let files = PodFiles {
@@ -36,19 +46,28 @@ pub fn write_bootstrap(args: &AgentArgs) -> anyhow::Result<Generated> {
         labels: read(&args.pod_info_dir.join("labels")),
         annotations: read(&args.pod_info_dir.join("annotations")),
     };
-    let inputs = BootstrapInputs::from_pod(NodeType::Sidecar, std::env::vars().collect(), &files)
-        .context("the bootstrap's inputs")?;
-    let discovery_address = inputs
-        .proxy_config
-        .view()
-        .map(|v| v.discovery_address)
-        .ok()
+    let mut inputs =
+        BootstrapInputs::from_pod(NodeType::Sidecar, std::env::vars().collect(), &files)
+            .context("the bootstrap's inputs")?;
+    if let Some(dir) = &args.config_dir {
+        let dir = dir.to_str().context("--config-dir is not UTF-8")?;
+        inputs
+            .proxy_config
+            .set("configPath", serde_json::Value::from(dir));
+    }
+    let view = inputs.proxy_config.view()?;
+    let discovery_address = Some(view.discovery_address)
         .filter(|a| !a.is_empty())
         .unwrap_or_else(|| DEFAULT_DISCOVERY_ADDRESS.to_owned());
+    anyhow::ensure!(
+        !view.config_path.is_empty(),
+        "the ProxyConfig's configPath is empty: the bootstrap needs a folder"
+    );
+    let config_dir = PathBuf::from(&view.config_path);
     let rendered = render(&inputs).context("rendering the bootstrap")?;
-    std::fs::create_dir_all(&args.config_dir)
-        .with_context(|| format!("creating {}", args.config_dir.display()))?;
-    let path = args.config_dir.join("envoy-rev.json");
+    std::fs::create_dir_all(&config_dir)
+        .with_context(|| format!("creating {}", config_dir.display()))?;
+    let path = config_dir.join("envoy-rev.json");
     let text = serde_json::to_string_pretty(&rendered.bootstrap)?;
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     for (file, contents) in &rendered.files {
@@ -61,6 +80,7 @@ pub fn write_bootstrap(args: &AgentArgs) -> anyhow::Result<Generated> {
     Ok(Generated {
         path,
         discovery_address,
+        config_dir,
     })
 }
 
@@ -123,7 +143,7 @@ fn upstream(
     })
 }
 
-/// The xDS proxy to the control plane; served on `<config-dir>/XDS` (on the current
+/// The xDS proxy to the control plane; served on `<configPath>/XDS` (on the current
 /// runtime) when `socket`, else only to the in-process proxy by call.
 pub fn start_xds_proxy(
     args: &AgentArgs,
@@ -135,7 +155,7 @@ pub fn start_xds_proxy(
     let upstream = upstream(args, &generated.discovery_address, certificates)?;
     let proxy = XdsProxy::new(upstream, name_table);
     if socket {
-        let path = args.config_dir.join("XDS");
+        let path = generated.xds_socket();
         let serving = proxy.clone();
         tokio::spawn(async move {
             if let Err(err) = serving.serve_unix(&path, std::future::pending()).await {

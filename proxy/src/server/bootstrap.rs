@@ -71,11 +71,12 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     let store = Arc::new(Current::new(compiled.snapshot));
     let (live, requests) = Live::new(bootstrap.clone(), store.clone(), stats);
     let live = Arc::new(live);
-    let admin = admin::start_with(
-        &bootstrap,
-        live.clone(),
-        admin::AdminSettings::from_command_line(options, &args.log_level, args.concurrency),
-    )?;
+    let mut settings =
+        admin::AdminSettings::from_command_line(options, &args.log_level, args.concurrency);
+    if let Some(embedded) = &args.embedded {
+        settings.terminating = embedded.terminating.clone();
+    }
+    let admin = admin::start_with(&bootstrap, live.clone(), settings)?;
     if let Some(address) = admin.admin_address() {
         tracing::info!(addr = %address, "admin API listening");
     }

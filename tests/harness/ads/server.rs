@@ -356,12 +356,32 @@ struct Ads {
     stop: watch::Receiver<bool>,
 }
 
-type SotwResponses = UnboundedReceiverStream<Result<DiscoveryResponse, Status>>;
-type DeltaResponses = UnboundedReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
+type SotwResponses = Responses<DiscoveryResponse>;
+type DeltaResponses = Responses<DeltaDiscoveryResponse>;
+type Responses<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+/// The response stream, returned only once its first response is there: tonic sends a
+/// stream's response headers as soon as the handler returns, but grpc-go (istiod) and
+/// grpcio send them with the first response, so a client that waits for the headers
+/// before it sends its first request hangs against them. The test server behaves as
+/// istiod does so that every xDS test would catch such a client.
+async fn with_first_response<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Result<T, Status>>,
+) -> Result<Response<Responses<T>>, Status> {
+    use tokio_stream::StreamExt as _;
+    let first = rx
+        .recv()
+        .await
+        .ok_or_else(|| Status::unavailable("the test server stopped the stream"))?;
+    let rest = UnboundedReceiverStream::new(rx);
+    Ok(Response::new(Box::pin(
+        tokio_stream::once(first).chain(rest),
+    )))
+}
 
 impl Ads {
     /// A state-of-the-world stream on `method`.
-    fn sotw(
+    async fn sotw(
         &self,
         method: &'static str,
         request: Request<Streaming<DiscoveryRequest>>,
@@ -376,11 +396,11 @@ impl Ads {
             id,
             move |req| shared.on_sotw(id, req),
         ));
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        with_first_response(rx).await
     }
 
     /// A Delta stream on `method`.
-    fn delta(
+    async fn delta(
         &self,
         method: &'static str,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
@@ -395,7 +415,7 @@ impl Ads {
             id,
             move |req| shared.on_delta(id, req),
         ));
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        with_first_response(rx).await
     }
 }
 
@@ -408,14 +428,14 @@ impl AggregatedDiscoveryService for Ads {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<SotwResponses>, Status> {
-        self.sotw(methods::ADS, request)
+        self.sotw(methods::ADS, request).await
     }
 
     async fn delta_aggregated_resources(
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<DeltaResponses>, Status> {
-        self.delta(methods::ADS_DELTA, request)
+        self.delta(methods::ADS_DELTA, request).await
     }
 }
 
@@ -433,14 +453,14 @@ macro_rules! per_type_service {
                 &self,
                 request: Request<Streaming<DiscoveryRequest>>,
             ) -> Result<Response<SotwResponses>, Status> {
-                self.sotw($sotw_method, request)
+                self.sotw($sotw_method, request).await
             }
 
             async fn $delta(
                 &self,
                 request: Request<Streaming<DeltaDiscoveryRequest>>,
             ) -> Result<Response<DeltaResponses>, Status> {
-                self.delta($delta_method, request)
+                self.delta($delta_method, request).await
             }
 
             async fn $fetch(

@@ -285,6 +285,38 @@ mod tests {
         );
     }
 
+    /// Istio's `TestGetMeshConfig` ("Environment Override"): an explicit zero value in
+    /// `PROXY_CONFIG` is a value. `controlPlaneAuthPolicy: NONE` replaces the mesh
+    /// default MUTUAL_TLS, so istiod's name is not expected in its certificate and the
+    /// node metadata's ProxyConfig leaves the (zero) policy out, as protojson does.
+    #[test]
+    fn an_explicit_zero_value_in_proxy_config_overrides_the_mesh_config() {
+        let files = PodFiles {
+            mesh_config: Some(
+                "defaultConfig:\n  holdApplicationUntilProxyStarts: true\n  statNameLength: 200\n  tracingServiceName: CANONICAL_NAME_ONLY\n".into(),
+            ),
+            ..PodFiles::default()
+        };
+        let proxy_config = "controlPlaneAuthPolicy: NONE\nholdApplicationUntilProxyStarts: false\nstatNameLength: 0\ntracingServiceName: APP_LABEL_AND_NAMESPACE\ndiscoveryAddress: istiod.istio-system.svc:15010\n";
+        let inputs = BootstrapInputs::from_pod(
+            NodeType::Sidecar,
+            env(&[("PROXY_CONFIG", proxy_config), ("POD_NAMESPACE", "ns")]),
+            &files,
+        )
+        .unwrap();
+        assert!(inputs.pilot_san.is_empty(), "{:?}", inputs.pilot_san);
+        let b = render(&inputs).unwrap().bootstrap;
+        let pc = &b["node"]["metadata"]["PROXY_CONFIG"];
+        assert!(pc.get("controlPlaneAuthPolicy").is_none(), "{pc}");
+        assert!(pc.get("statNameLength").is_none(), "{pc}");
+        // A wrapper keeps its false; a oneof member its zero value, replacing the other.
+        assert_eq!(pc["holdApplicationUntilProxyStarts"], false, "{pc}");
+        assert_eq!(pc["tracingServiceName"], "APP_LABEL_AND_NAMESPACE", "{pc}");
+        assert!(pc.get("serviceCluster").is_none(), "{pc}");
+        assert_eq!(pc["discoveryAddress"], "istiod.istio-system.svc:15010");
+        assert!(b["node"]["metadata"].get("PILOT_SAN").is_none(), "{b}");
+    }
+
     #[test]
     fn a_bad_port_in_the_environment_is_named() {
         let err = BootstrapInputs::from_pod(

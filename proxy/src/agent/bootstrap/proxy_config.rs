@@ -14,12 +14,62 @@ use super::BootstrapError;
 /// written (a `proxyMetadata` key like `ISTIO_META_X` is not a proto field name).
 const MAP_FIELDS: [&str; 3] = ["proxyMetadata", "runtimeValues", "customTags"];
 
-/// Enum fields at their zero value, which protojson leaves out (as it does "").
-const ENUM_DEFAULTS: [(&str, &str); 4] = [
+/// Enum fields and their zero value. protojson leaves a zero value out of what it
+/// writes, but a zero value *written* in a layer is a value: `controlPlaneAuthPolicy:
+/// NONE` in `PROXY_CONFIG` replaces the mesh default MUTUAL_TLS (Istio's
+/// `TestGetMeshConfig`, "Environment Override").
+const ENUM_ZEROS: [(&str, &str); 10] = [
     ("controlPlaneAuthPolicy", "NONE"),
     ("interceptionMode", "REDIRECT"),
     ("tracingServiceName", "APP_LABEL_AND_NAMESPACE"),
+    // ClientTLSSettings.TLSmode, and ProxyHeaders' MetadataExchangeMode.
     ("mode", "DISABLE"),
+    ("mode", "UNDEFINED"),
+    ("forwardClientCertDetails", "UNDEFINED"),
+    ("context", "UNSPECIFIED"),
+    ("profile", "SIDECAR"),
+    (
+        "headersWithUnderscoresAction",
+        "HEADERS_WITH_UNDERSCORES_UNSPECIFIED",
+    ),
+    (
+        "pathWithEscapedSlashesAction",
+        "PATH_WITH_ESCAPED_SLASHES_UNSPECIFIED",
+    ),
+];
+
+/// ProxyConfig's `cluster_name` oneof: setting one member clears the other, and a
+/// member set to its zero value is still set (written by protojson).
+const CLUSTER_NAME_ONEOF: [&str; 2] = ["serviceCluster", "tracingServiceName"];
+
+/// Fields of a wrapper type (`google.protobuf.BoolValue`, `Int32Value`, ...) in
+/// ProxyConfig and the messages under it: present even at zero, so protojson writes
+/// `false` and `0` for them (`holdApplicationUntilProxyStarts: false` overrides a
+/// mesh-wide true).
+const WRAPPER_FIELDS: [&str; 23] = [
+    "concurrency",
+    "holdApplicationUntilProxyStarts",
+    "statsCompression",
+    "disabled",
+    "enabled",
+    "subject",
+    "cert",
+    "chain",
+    "dns",
+    "uri",
+    "fallback",
+    "insecureSkipVerify",
+    "enableIstioTags",
+    "maxNumberOfAttributes",
+    "maxNumberOfAnnotations",
+    "maxNumberOfMessageEvents",
+    "preserveHttp1HeaderCase",
+    "listenerPerConnectionBufferLimitBytes",
+    "clusterPerConnectionBufferLimitBytes",
+    "httpMaxConcurrentStreams",
+    "http2InitialStreamWindowSize",
+    "http2InitialConnectionWindowSize",
+    "globalDownstreamConnectionLimit",
 ];
 
 /// A merged ProxyConfig in protojson form.
@@ -37,6 +87,7 @@ impl ProxyConfig {
     pub fn istio_defaults() -> Self {
         let v = serde_json::json!({
             "configPath": "./etc/istio/proxy",
+            "binaryPath": "/usr/local/bin/envoy",
             "serviceCluster": "istio-proxy",
             "drainDuration": "45s",
             "terminationDrainDuration": "5s",
@@ -91,9 +142,10 @@ impl ProxyConfig {
         self.0.insert(field.to_owned(), value);
     }
 
-    /// The ProxyConfig as protojson, as the node metadata's `PROXY_CONFIG` carries it.
+    /// The ProxyConfig as protojson writes it (the node metadata's `PROXY_CONFIG`):
+    /// fields at their zero value are left out, wrapper fields and messages are not.
     pub fn to_json(&self) -> Value {
-        Value::Object(self.0.clone())
+        Value::Object(without_zero_values(&self.0))
     }
 
     /// The fields the bootstrap reads, typed.
@@ -121,17 +173,14 @@ impl ProxyConfig {
     }
 }
 
-/// snake_case field names to protojson's camelCase, except inside map fields.
+/// snake_case field names to protojson's camelCase, except inside map fields. A
+/// `null` is no value (protobuf's JSON decoding skips it); every other value is kept,
+/// zero values included: they override what an earlier layer set.
 fn canonical_keys(m: Map<String, Value>) -> Map<String, Value> {
     m.into_iter()
-        .map(|(k, v)| (camel(&k), v))
-        .filter(|(k, v)| {
-            let zero_enum = ENUM_DEFAULTS
-                .iter()
-                .any(|(f, d)| k == f && v.as_str() == Some(d));
-            !zero_enum && v.as_str() != Some("")
-        })
+        .filter(|(_, v)| !v.is_null())
         .map(|(k, v)| {
+            let k = camel(&k);
             let v = if MAP_FIELDS.contains(&k.as_str()) {
                 v
             } else {
@@ -147,6 +196,49 @@ fn canonical_value(v: Value) -> Value {
         Value::Object(m) => Value::Object(canonical_keys(m)),
         Value::Array(a) => Value::Array(a.into_iter().map(canonical_value).collect()),
         other => other,
+    }
+}
+
+/// What protojson writes of a message: scalars at their zero value (`""`, `0`,
+/// `false`, an enum's zero name), empty lists and empty maps are left out; wrapper
+/// fields and message fields are written whatever they hold.
+fn without_zero_values(m: &Map<String, Value>) -> Map<String, Value> {
+    m.iter()
+        .filter(|(k, v)| !is_zero_value(k, v))
+        .map(|(k, v)| {
+            let v = match v {
+                Value::Object(inner) if !MAP_FIELDS.contains(&k.as_str()) => {
+                    Value::Object(without_zero_values(inner))
+                }
+                Value::Array(items) => Value::Array(
+                    items
+                        .iter()
+                        .map(|item| match item {
+                            Value::Object(inner) => Value::Object(without_zero_values(inner)),
+                            other => other.clone(),
+                        })
+                        .collect(),
+                ),
+                other => other.clone(),
+            };
+            (k.clone(), v)
+        })
+        .collect()
+}
+
+fn is_zero_value(field: &str, v: &Value) -> bool {
+    if WRAPPER_FIELDS.contains(&field) || CLUSTER_NAME_ONEOF.contains(&field) {
+        return false;
+    }
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => {
+            s.is_empty() || ENUM_ZEROS.iter().any(|(f, zero)| *f == field && s == zero)
+        }
+        Value::Array(a) => a.is_empty(),
+        Value::Object(m) => MAP_FIELDS.contains(&field) && m.is_empty(),
     }
 }
 
@@ -169,9 +261,15 @@ fn camel(name: &str) -> String {
 /// pilot-agent's `MergeProxyConfig`: protobuf's JSON decoding into the existing config
 /// replaces each field it names, messages included (a later `tracing` replaces the
 /// whole `tracing`); then `proxyMetadata` gets the earlier entries back (the later wins
-/// a key), and `proxyHeaders` its earlier headers the later one leaves unset.
+/// a key), and `proxyHeaders` its earlier headers the later one leaves unset. A
+/// member of the `cluster_name` oneof replaces the other member.
 fn merge(into: &mut Map<String, Value>, from: Map<String, Value>) {
     for (k, v) in from {
+        if CLUSTER_NAME_ONEOF.contains(&k.as_str()) {
+            for member in CLUSTER_NAME_ONEOF {
+                into.remove(member);
+            }
+        }
         match (k.as_str(), into.get_mut(&k), v) {
             ("proxyMetadata" | "proxyHeaders", Some(Value::Object(a)), Value::Object(b)) => {
                 a.extend(b);

@@ -55,7 +55,8 @@ pub struct StatusServer {
 /// What the status server tells the agent's lifecycle, and what it reads back.
 #[derive(Debug, Default)]
 pub struct Lifecycle {
-    terminating: AtomicBool,
+    /// Shared with the in-process proxy, whose 15021 answers this readiness.
+    terminating: Arc<AtomicBool>,
     /// `/quitquitquit`: exit now, without a drain.
     pub quit: Notify,
     /// `/drain`: stop taking inbound connections, keep running.
@@ -70,6 +71,12 @@ impl Lifecycle {
 
     pub fn is_terminating(&self) -> bool {
         self.terminating.load(Ordering::SeqCst)
+    }
+
+    /// The flag [`Self::set_terminating`] sets, for a proxy that answers Istio's 15021
+    /// itself.
+    pub fn terminating_flag(&self) -> Arc<AtomicBool> {
+        self.terminating.clone()
     }
 }
 
