@@ -998,3 +998,107 @@ fn a_custom_config_path_holds_the_bootstrap_and_the_xds_socket() {
     assert!(exit.success(), "{}", agent.stderr_text());
     server.stop();
 }
+
+/// A malformed `PROXY_CONFIG` or mesh config stops the agent at start, naming where
+/// the bad value is (the layer and the field), before anything is written or bound.
+#[test]
+fn a_malformed_proxy_config_or_mesh_config_is_refused_at_start_naming_the_field() {
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("badcfg").unwrap();
+    let cases: [(&str, Option<&str>, &str, &str); 3] = [
+        (
+            "PROXY_CONFIG",
+            None,
+            "drainDuration: forever",
+            "drainDuration",
+        ),
+        (
+            "PROXY_CONFIG",
+            None,
+            "controlPlaneAuthPolicy: SOMETIMES",
+            "controlPlaneAuthPolicy",
+        ),
+        (
+            "the mesh config",
+            Some("defaultConfig:\n  proxyAdminPort: lots\n"),
+            "",
+            "proxyAdminPort",
+        ),
+    ];
+    for (source, mesh, proxy_config, field) in cases {
+        let work = TempDir::new("agent-bad-config");
+        let mut command = pod
+            .command(shunt_bin())
+            .current_dir(&work.0)
+            .args(["agent", "--keep-user", "--xds-address", "127.0.0.1:1"])
+            .env("POD_NAMESPACE", "default")
+            .timeout(Duration::from_secs(20));
+        if let Some(mesh) = mesh {
+            let file = work.0.join("etc/istio/config/mesh");
+            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+            std::fs::write(&file, mesh).unwrap();
+        }
+        if !proxy_config.is_empty() {
+            command = command.env("PROXY_CONFIG", proxy_config);
+        }
+        let out = command.output().expect("run shunt agent");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{source} {field}: started:\n{stderr}"
+        );
+        assert!(
+            stderr.contains(source) && stderr.contains(field),
+            "{source} {field}: the error does not name it:\n{stderr}"
+        );
+        assert!(
+            !work.0.join("etc/istio/proxy/envoy-rev.json").exists(),
+            "a bootstrap was written"
+        );
+    }
+}
+
+/// A control plane that takes the stream but never answers (istiod overloaded, or a
+/// wrong address that accepts) leaves the agent unready, and 15020 says why: the proxy
+/// waits for its first config, and the control plane at its address has not answered.
+#[test]
+fn a_control_plane_that_never_answers_leaves_the_agent_unready_with_the_reason() {
+    let (_dir, socket, server) = unix_server("agent-silent");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("silent").unwrap();
+    let work = TempDir::new("agent-silent-cwd");
+    // The test server has nothing to push, so it never answers (as grpc-go, it sends
+    // no headers either).
+    let relay = support::GrpcioRelay::start(&pod, &format!("unix:{}", socket.display()));
+    let upstream = relay.address.to_string();
+    let mut agent = pod
+        .command(shunt_bin())
+        .current_dir(&work.0)
+        .args(["agent", "--keep-user", "--xds-address", &upstream])
+        .env("POD_NAME", "silent-1")
+        .env("POD_NAMESPACE", "default")
+        .env("INSTANCE_IP", pod.ipv4().to_string())
+        .spawn()
+        .expect("start shunt agent");
+    wait_for("the proxy's request at the control plane", &agent, || {
+        !server.requests().is_empty()
+    });
+    let mut answer = (0, String::new());
+    wait_for("15020's reason", &agent, || {
+        answer = status(&pod, "/healthz/ready");
+        answer.1.contains("no response from the control plane")
+    });
+    assert_eq!(answer.0, 503);
+    assert!(answer.1.contains(&upstream), "{}", answer.1);
+    assert_eq!(
+        http(&pod, local(READINESS), "GET", "/healthz/ready", "localhost").0,
+        503
+    );
+    assert_eq!(
+        http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
+        200
+    );
+    let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+    assert!(exit.success(), "{}", agent.stderr_text());
+    server.stop();
+}

@@ -525,24 +525,27 @@ fn envoy_under_shunt_agent_and_a_shunt_sidecar_do_mtls_both_ways() {
     let _envoy_app = support::start_app(&envoy_pod, &[APP_OF_ENVOY]);
     let _shunt_app = support::start_app(&shunt_pod, &[APP_OF_SHUNT]);
 
-    let start = |pod: &Pod, work: &Path, account: &str, socket: &Path, flags: &[&str]| {
+    let start = |pod: &Pod, work: &Path, account: &str, upstream: &str, flags: &[&str]| {
         write_token(work, TOKEN);
-        let upstream = format!("unix:{}", socket.display());
         agent_command(pod, work, &ca)
             .env("SERVICE_ACCOUNT", account)
             .env("POD_NAME", format!("{account}-1"))
             .env("TERMINATION_DRAIN_DURATION_SECONDS", "3")
-            .args(["agent", "--keep-user", "--xds-address", &upstream])
+            .args(["agent", "--keep-user", "--xds-address", upstream])
             .args(flags)
             .spawn()
             .expect("start shunt agent")
     };
+    // Envoy's control plane is a grpcio server (istiod's header behaviour, as grpc-go);
+    // shunt's is the test server itself.
+    let envoy_relay =
+        support::GrpcioRelay::start(&envoy_pod, &format!("unix:{}", envoy_socket.display()));
     let envoy_bin = support::envoy::bin();
     let envoy_agent = start(
         &envoy_pod,
         &work_envoy.0,
         "envoy-sa",
-        &envoy_socket,
+        &envoy_relay.address.to_string(),
         &[
             "--proxy",
             "envoy",
@@ -550,7 +553,13 @@ fn envoy_under_shunt_agent_and_a_shunt_sidecar_do_mtls_both_ways() {
             envoy_bin.to_str().unwrap(),
         ],
     );
-    let shunt_agent = start(&shunt_pod, &work_shunt.0, "shunt-sa", &shunt_socket, &[]);
+    let shunt_agent = start(
+        &shunt_pod,
+        &work_shunt.0,
+        "shunt-sa",
+        &format!("unix:{}", shunt_socket.display()),
+        &[],
+    );
     for (pod, agent) in [(&envoy_pod, &envoy_agent), (&shunt_pod, &shunt_agent)] {
         wait_for("15021 ready", agent, || {
             get(pod, READINESS, "/healthz/ready") == 200

@@ -65,6 +65,10 @@ pub struct XdsProxy {
     pub streams: AtomicU64,
     pub name_tables: AtomicU64,
     pub name_tables_rejected: AtomicU64,
+    /// Responses from the control plane, and why the last upstream stream failed:
+    /// what the status server says when the proxy is not ready.
+    responses: AtomicU64,
+    last_error: std::sync::Mutex<Option<String>>,
 }
 
 type ResponseStream<T> = MessageStream<T>;
@@ -79,7 +83,36 @@ impl XdsProxy {
             streams: AtomicU64::new(0),
             name_tables: AtomicU64::new(0),
             name_tables_rejected: AtomicU64::new(0),
+            responses: AtomicU64::new(0),
+            last_error: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Why the control plane may be what keeps the proxy unready: nothing when it has
+    /// answered; else where it is and the last error of a stream to it.
+    pub fn diagnosis(&self) -> Option<String> {
+        if self.responses.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let last = self
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Some(match last {
+            Some(error) => format!(
+                "no response from the control plane at {} yet (last error: {error})",
+                self.upstream.target
+            ),
+            None => format!(
+                "no response from the control plane at {} yet",
+                self.upstream.target
+            ),
+        })
+    }
+
+    fn note_error(&self, error: &str) {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_owned());
     }
 
     /// Serves the ADS service on the Unix socket `path` (replacing a stale socket file)
@@ -261,19 +294,26 @@ impl XdsProxy {
         tokio::spawn(async move {
             let upstream = match open(&relay, up_rx, ADS_SOTW).await {
                 Ok(upstream) => upstream,
-                Err(status) => return fail_open(&down_tx, status),
+                Err(status) => return fail_open(&relay, &down_tx, status),
             };
-            relay_responses(upstream, down_tx, up_tx, move |r: &DiscoveryResponse| {
-                (r.type_url == NAME_TABLE).then(|| DiscoveryRequest {
-                    version_info: r.version_info.clone(),
-                    response_nonce: r.nonce.clone(),
-                    type_url: NAME_TABLE.into(),
-                    error_detail: relay
-                        .take_name_table(&r.resources, &r.version_info)
-                        .map(nack),
-                    ..Default::default()
-                })
-            })
+            let counted = relay.clone();
+            relay_responses(
+                upstream,
+                &counted,
+                down_tx,
+                up_tx,
+                move |r: &DiscoveryResponse| {
+                    (r.type_url == NAME_TABLE).then(|| DiscoveryRequest {
+                        version_info: r.version_info.clone(),
+                        response_nonce: r.nonce.clone(),
+                        type_url: NAME_TABLE.into(),
+                        error_detail: relay
+                            .take_name_table(&r.resources, &r.version_info)
+                            .map(nack),
+                        ..Default::default()
+                    })
+                },
+            )
             .await
         });
         Ok(Box::pin(UnboundedReceiverStream::new(down_rx)))
@@ -305,10 +345,12 @@ impl XdsProxy {
         tokio::spawn(async move {
             let upstream = match open(&relay, up_rx, ADS_DELTA).await {
                 Ok(upstream) => upstream,
-                Err(status) => return fail_open(&down_tx, status),
+                Err(status) => return fail_open(&relay, &down_tx, status),
             };
+            let counted = relay.clone();
             relay_responses(
                 upstream,
+                &counted,
                 down_tx,
                 up_tx,
                 move |r: &DeltaDiscoveryResponse| {
@@ -337,8 +379,13 @@ impl XdsProxy {
 
 /// The upstream stream could not be opened: the proxy's stream ends with why, and the
 /// proxy's own back-off drives the retry.
-fn fail_open<Resp>(down: &mpsc::UnboundedSender<Result<Resp, Status>>, status: Status) {
+fn fail_open<Resp>(
+    proxy: &XdsProxy,
+    down: &mpsc::UnboundedSender<Result<Resp, Status>>,
+    status: Status,
+) {
     tracing::warn!(error = %status.message(), "xDS proxy: opening the upstream stream failed");
+    proxy.note_error(status.message());
     let _ = down.send(Err(status));
 }
 
@@ -356,6 +403,7 @@ fn nack(message: String) -> RpcStatus {
 /// upstream error goes down as the stream's status, so the proxy reconnects.
 async fn relay_responses<Req, Resp>(
     mut responses: Streaming<Resp>,
+    proxy: &XdsProxy,
     down: mpsc::UnboundedSender<Result<Resp, Status>>,
     up: mpsc::UnboundedSender<Req>,
     keep: impl Fn(&Resp) -> Option<Req>,
@@ -371,10 +419,12 @@ async fn relay_responses<Req, Resp>(
             Ok(Some(r)) => r,
             Ok(None) => return,
             Err(status) => {
+                proxy.note_error(status.message());
                 let _ = down.send(Err(status));
                 return;
             }
         };
+        proxy.responses.fetch_add(1, Ordering::Relaxed);
         let sent = match keep(&response) {
             Some(ack) => up.send(ack).is_ok(),
             None => down.send(Ok(response)).is_ok(),

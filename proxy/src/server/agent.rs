@@ -299,6 +299,10 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             name_table,
             sockets,
         )?;
+        let diagnosed = xds.clone();
+        let _ = server
+            .control_plane
+            .set(Arc::new(move || diagnosed.diagnosis()));
         if args.proxy == ProxyKind::Shunt {
             local.insert(&generated.xds_socket(), xds.local());
             if let Some(certificates) = certificates {

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::node::env_value;
+use super::proxy_config::AuthenticationPolicy;
 use super::{BootstrapError, BootstrapInputs, NodeType, ProxyConfig, node_id};
 
 /// The annotation that carries a pod's own ProxyConfig.
@@ -61,16 +62,11 @@ impl BootstrapInputs {
             proxy_config.apply(a, PROXY_CONFIG_ANNOTATION)?;
         }
         let view = proxy_config.view()?;
-        let pc_json = proxy_config.to_json();
 
         // istiod's certificate names the discovery host (localhost: a debugging setup
         // with istiod's usual name).
         let mut pilot_san = Vec::new();
-        if pc_json
-            .get("controlPlaneAuthPolicy")
-            .and_then(|v| v.as_str())
-            == Some("MUTUAL_TLS")
-        {
+        if view.control_plane_auth_policy.map(|p| p.0) == Some(AuthenticationPolicy::MutualTls) {
             let host = view.discovery_address.split(':').next().unwrap_or_default();
             pilot_san.push(if host == "localhost" {
                 "istiod.istio-system.svc".to_owned()

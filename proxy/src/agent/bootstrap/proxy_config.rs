@@ -301,6 +301,93 @@ pub struct ProxyConfigView {
     pub proxy_metadata: std::collections::BTreeMap<String, String>,
     pub runtime_values: std::collections::BTreeMap<String, String>,
     pub connection_settings: Option<ConnectionSettings>,
+    // Read only to refuse a bad value at start, naming it (the bootstrap carries them
+    // in PROXY_CONFIG, where Envoy never looks).
+    pub drain_duration: Option<ProtoDuration>,
+    pub termination_drain_duration: Option<ProtoDuration>,
+    pub discovery_refresh_delay: Option<ProtoDuration>,
+    pub file_flush_interval: Option<ProtoDuration>,
+    pub concurrency: Option<i32>,
+    pub stat_name_length: i32,
+    pub hold_application_until_proxy_starts: Option<bool>,
+    pub control_plane_auth_policy: Option<Enum<AuthenticationPolicy>>,
+    pub interception_mode: Option<Enum<InterceptionMode>>,
+}
+
+/// A `google.protobuf.Duration` in protojson: seconds with up to nine decimals and an
+/// `s` ("45s", "0.5s").
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProtoDuration(pub std::time::Duration);
+
+impl<'de> Deserialize<'de> for ProtoDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.strip_suffix('s')
+            .and_then(|secs| secs.parse::<f64>().ok())
+            .filter(|secs| secs.is_finite() && *secs >= 0.0)
+            .map(|secs| ProtoDuration(std::time::Duration::from_secs_f64(secs)))
+            .ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "{text:?} is not a duration (seconds with an \"s\", e.g. \"5s\")"
+                ))
+            })
+    }
+}
+
+/// An enum field in protojson: its name, or its number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Enum<E>(pub E);
+
+/// The names of a ProxyConfig enum, in number order.
+pub trait EnumNames: Sized + Copy {
+    const NAMES: &'static [&'static str];
+    fn from_index(i: usize) -> Self;
+}
+
+impl<'de, E: EnumNames> Deserialize<'de> for Enum<E> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let index = match Value::deserialize(d)? {
+            Value::String(name) => E::NAMES.iter().position(|n| *n == name),
+            Value::Number(n) => n
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|n| *n < E::NAMES.len()),
+            _ => None,
+        };
+        index.map(|i| Enum(E::from_index(i))).ok_or_else(|| {
+            serde::de::Error::custom(format!("expected one of {}", E::NAMES.join(", ")))
+        })
+    }
+}
+
+/// `controlPlaneAuthPolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthenticationPolicy {
+    None,
+    MutualTls,
+    Inherit,
+}
+
+impl EnumNames for AuthenticationPolicy {
+    const NAMES: &'static [&'static str] = &["NONE", "MUTUAL_TLS", "INHERIT"];
+    fn from_index(i: usize) -> Self {
+        [Self::None, Self::MutualTls, Self::Inherit][i]
+    }
+}
+
+/// `interceptionMode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterceptionMode {
+    Redirect,
+    Tproxy,
+    None,
+}
+
+impl EnumNames for InterceptionMode {
+    const NAMES: &'static [&'static str] = &["REDIRECT", "TPROXY", "NONE"];
+    fn from_index(i: usize) -> Self {
+        [Self::Redirect, Self::Tproxy, Self::None][i]
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -390,6 +477,41 @@ mod tests {
         // A later message replaces the earlier one whole.
         assert!(v.tracing.unwrap().zipkin.is_none());
         assert_eq!(v.proxy_admin_port, 15000);
+    }
+
+    #[test]
+    fn bad_durations_enums_and_numbers_are_named() {
+        for (text, field) in [
+            ("drainDuration: forever", "drainDuration"),
+            ("terminationDrainDuration: 5", "terminationDrainDuration"),
+            (
+                "controlPlaneAuthPolicy: SOMETIMES",
+                "controlPlaneAuthPolicy",
+            ),
+            ("interceptionMode: 7", "interceptionMode"),
+            ("concurrency: two", "concurrency"),
+            (
+                "holdApplicationUntilProxyStarts: maybe",
+                "holdApplicationUntilProxyStarts",
+            ),
+        ] {
+            let err = ProxyConfig::parse(text, "PROXY_CONFIG")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{text}: {err}");
+        }
+        let ok = ProxyConfig::parse(
+            "drainDuration: 2.5s\ncontrolPlaneAuthPolicy: 1\ninterceptionMode: TPROXY",
+            "PROXY_CONFIG",
+        )
+        .unwrap()
+        .view()
+        .unwrap();
+        assert_eq!(ok.drain_duration.unwrap().0.as_millis(), 2500);
+        assert_eq!(
+            ok.control_plane_auth_policy.unwrap().0,
+            AuthenticationPolicy::MutualTls
+        );
     }
 
     #[test]

@@ -50,7 +50,13 @@ pub struct StatusServer {
     pub metrics: prometheus::AgentMetrics,
     pub lifecycle: Lifecycle,
     ever_ready: AtomicBool,
+    /// Why the control plane may keep the proxy unready (the agent's xDS proxy), added
+    /// to a 503's reason.
+    pub control_plane: std::sync::OnceLock<Diagnosis>,
 }
+
+/// A source of "why not ready" beyond the proxy's own answer.
+pub type Diagnosis = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 /// What the status server tells the agent's lifecycle, and what it reads back.
 #[derive(Debug, Default)]
@@ -97,6 +103,7 @@ impl StatusServer {
             metrics,
             lifecycle: Lifecycle::default(),
             ever_ready: AtomicBool::new(false),
+            control_plane: std::sync::OnceLock::new(),
         }
     }
 
@@ -134,10 +141,16 @@ impl StatusServer {
                 tracing::info!("the proxy is ready");
                 Ok(())
             }
-            Ok(answer) => Err(format!(
-                "the proxy is not ready: {}",
-                String::from_utf8_lossy(&answer.body).trim()
-            )),
+            Ok(answer) => {
+                let mut why = format!(
+                    "the proxy is not ready: {}",
+                    String::from_utf8_lossy(&answer.body).trim()
+                );
+                if let Some(more) = self.control_plane.get().and_then(|d| d()) {
+                    why = format!("{why}: {more}");
+                }
+                Err(why)
+            }
             Err(err) => Err(format!("the proxy's admin API does not answer: {err:#}")),
         }
     }
