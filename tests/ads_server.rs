@@ -66,11 +66,14 @@ fn connect(rt: &Runtime, listen: &Listen) -> AggregatedDiscoveryServiceClient<Ch
     AggregatedDiscoveryServiceClient::new(channel)
 }
 
-/// A synchronous view of one bidirectional stream.
+/// A synchronous view of one bidirectional stream. The call is made on the runtime
+/// without waiting for its response headers: the server, as grpc-go, sends them only
+/// with its first response, which needs a request first.
 struct Stream<'a, Req, Resp> {
     rt: &'a Runtime,
     tx: UnboundedSender<Req>,
-    rx: Streaming<Resp>,
+    call: Option<tokio::task::JoinHandle<Result<Streaming<Resp>, tonic::Status>>>,
+    rx: Option<Streaming<Resp>>,
 }
 
 impl<Req, Resp: Message + Default + std::fmt::Debug + 'static> Stream<'_, Req, Resp> {
@@ -81,9 +84,19 @@ impl<Req, Resp: Message + Default + std::fmt::Debug + 'static> Stream<'_, Req, R
     /// The next message, end or error; `None` if nothing came within `wait`.
     fn next(&mut self, wait: Duration) -> Option<Result<Option<Resp>, tonic::Status>> {
         // timeout() needs the runtime's context, hence the async block.
-        let rx = &mut self.rx;
+        let (call, rx) = (&mut self.call, &mut self.rx);
         self.rt
-            .block_on(async { tokio::time::timeout(wait, rx.message()).await })
+            .block_on(async {
+                tokio::time::timeout(wait, async {
+                    if let Some(pending) = call.as_mut() {
+                        let opened = pending.await.expect("the call's task");
+                        *call = None;
+                        *rx = Some(opened?);
+                    }
+                    rx.as_mut().expect("the stream is open").message().await
+                })
+                .await
+            })
             .ok()
     }
 
@@ -116,11 +129,19 @@ fn sotw<'a>(
     let (tx, rx) = unbounded_channel();
     let mut req = tonic::Request::new(UnboundedReceiverStream::new(rx));
     req.metadata_mut().insert("x-test", "sotw".parse().unwrap());
-    let rx = rt
-        .block_on(client.stream_aggregated_resources(req))
-        .unwrap()
-        .into_inner();
-    Stream { rt, tx, rx }
+    let mut client = client.clone();
+    let call = rt.spawn(async move {
+        client
+            .stream_aggregated_resources(req)
+            .await
+            .map(|r| r.into_inner())
+    });
+    Stream {
+        rt,
+        tx,
+        call: Some(call),
+        rx: None,
+    }
 }
 
 fn delta<'a>(
@@ -128,11 +149,19 @@ fn delta<'a>(
     client: &mut AggregatedDiscoveryServiceClient<Channel>,
 ) -> Stream<'a, DeltaDiscoveryRequest, DeltaDiscoveryResponse> {
     let (tx, rx) = unbounded_channel();
-    let rx = rt
-        .block_on(client.delta_aggregated_resources(UnboundedReceiverStream::new(rx)))
-        .unwrap()
-        .into_inner();
-    Stream { rt, tx, rx }
+    let mut client = client.clone();
+    let call = rt.spawn(async move {
+        client
+            .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
+            .await
+            .map(|r| r.into_inner())
+    });
+    Stream {
+        rt,
+        tx,
+        call: Some(call),
+        rx: None,
+    }
 }
 
 fn cluster(name: &str) -> (String, envoy_types::pb::google::protobuf::Any) {

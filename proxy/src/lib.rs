@@ -20,26 +20,20 @@
 // Every `unsafe` says why it is sound.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod access_log;
-pub mod admin;
-pub mod agent;
-pub mod config;
-pub mod dns;
-pub mod event;
-pub mod formatter;
-pub mod http;
-pub mod istio_stats;
-pub mod listener;
-pub mod memory;
-pub mod network;
-pub mod node;
-pub mod peer;
+pub use shunt_admin as admin;
+pub use shunt_agent as agent;
+pub use shunt_config as config;
+pub use shunt_core::{
+    access_log, event, formatter, istio_stats, peer, set_filter_state, stats, stream_info,
+};
+pub use shunt_dns as dns;
+pub use shunt_filters::{http, network, tcp};
+pub use shunt_listener as listener;
+pub use shunt_memory as memory;
+pub use shunt_node as node;
+pub use shunt_tls as tls;
+pub use shunt_upstream as upstream;
+pub use shunt_xds as xds;
+pub use shunt_xds::snapshot;
+
 pub mod server;
-pub mod set_filter_state;
-pub mod snapshot;
-pub mod stats;
-pub mod stream_info;
-pub mod tcp;
-pub mod tls;
-pub mod upstream;
-pub mod xds;

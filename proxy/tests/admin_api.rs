@@ -31,12 +31,12 @@ use common::*;
 /// bootstrap carries.
 fn pool() -> DescriptorPool {
     let mut pool = DescriptorPool::decode(
-        include_bytes!("../src/config/descriptors/envoy-types.desc").as_slice(),
+        include_bytes!("../crates/config/src/descriptors/envoy-types.desc").as_slice(),
     )
     .unwrap();
     let typed_struct = protox_parse::parse(
         "udpa/type/v1/typed_struct.proto",
-        include_str!("../src/config/protos/udpa/type/v1/typed_struct.proto"),
+        include_str!("../crates/config/src/protos/udpa/type/v1/typed_struct.proto"),
     )
     .unwrap();
     pool.add_file_descriptor_proto(typed_struct).unwrap();
@@ -458,7 +458,8 @@ fn drained_listeners_stop_accepting_and_open_connections_carry_on() {
 /// 127.0.0.1:0.
 fn istio_static_bootstrap() -> String {
     let golden = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("src/config/testdata/istio-default_golden.json"),
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("crates/config/src/testdata/istio-default_golden.json"),
     )
     .unwrap();
     let mut bootstrap: Value = serde_json::from_str(&golden).unwrap();

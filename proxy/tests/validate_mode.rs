@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/config/testdata");
+const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/crates/config/src/testdata");
 
 fn shunt(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shunt"))

@@ -1,5 +1,5 @@
-//! The layer check of `cargo xtask lint`: which of the proxy crate's top-level modules
-//! may use which.
+//! The layer check of `cargo xtask lint`: inside each crate of several top-level
+//! modules, which may use which (between crates, Cargo checks it).
 //!
 //! A top-level module is one declared with `mod x;` in `proxy/src/main.rs` or `lib.rs`
 //! (`proxy/src/x.rs` or `proxy/src/x/`); the crate roots themselves are the modules
@@ -9,9 +9,9 @@
 //! (or to the crate root, when `y` is not a module but an item of `main.rs`/`lib.rs`).
 //!
 //! The check fails on
-//! - a module missing from [`LAYERS`], so the table is kept up to date;
+//! - a module missing from [`CRATES`], so the table is kept up to date;
 //! - any cycle between modules, printed with one `file:line` per edge;
-//! - a module that uses one above it in [`LAYERS`], or one after it on its own line
+//! - a module that uses one above it in [`CRATES`], or one after it on its own line
 //!   (the order inside a line is the order: `tcp` may use nothing of `http`).
 //!
 //! Only `crate::` paths are followed: `super::` paths that climb out of a module are not
@@ -25,37 +25,76 @@ use std::{
 
 use anyhow::{Context, Result};
 
-/// The proxy crate's layers, bottom first. A module may use the modules of the lines
-/// below its own, and those before it on its own line.
-pub const LAYERS: &[&[&str]] = &[
-    &[
-        "memory",
-        "stats",
-        "event",
-        "config",
-        "access_log",
-        "stream_info",
-        "formatter",
-        "set_filter_state",
-        "peer",
-        "istio_stats",
-    ],
-    &["tls"],
-    &["upstream"],
-    &["tcp", "http", "network", "dns"],
-    &["listener"],
-    &["snapshot", "xds"],
-    &["admin", "agent", "node"],
-    &["server", "main", "lib"],
+/// The modules of each crate that holds several, bottom first: a module may use the
+/// modules of the lines below its own, and those before it on its own line. Between
+/// crates Cargo keeps the order (a crate can only use its dependencies); inside a crate
+/// only this table does.
+pub const CRATES: &[(&str, Layers)] = &[
+    (
+        "proxy/crates/core/src",
+        &[
+            &[
+                "stats",
+                "event",
+                "access_log",
+                "stream_info",
+                "formatter",
+                "set_filter_state",
+                "peer",
+                "istio_stats",
+            ],
+            &["lib"],
+        ],
+    ),
+    (
+        "proxy/crates/filters/src",
+        &[&["common"], &["tcp", "http", "network"], &["lib"]],
+    ),
+    (
+        "proxy/crates/xds/src",
+        &[
+            &["snapshot"],
+            &["type_url", "source", "local", "stream", "manager"],
+            &["lib"],
+        ],
+    ),
+    ("proxy/src", &[&["server"], &["main", "lib"]]),
 ];
 
-/// Where `module` stands: (layer, place on its line), or `None` if it is not in the table.
-pub fn rank(module: &str) -> Option<(usize, usize)> {
-    LAYERS.iter().enumerate().find_map(|(layer, line)| {
+/// A crate's layers, bottom first.
+pub type Layers = &'static [&'static [&'static str]];
+
+/// Where `module` stands in `layers`: (layer, place on its line), or `None` if it is
+/// not in the table.
+pub fn rank(module: &str, layers: Layers) -> Option<(usize, usize)> {
+    layers.iter().enumerate().find_map(|(layer, line)| {
         line.iter()
             .position(|m| *m == module)
             .map(|place| (layer, place))
     })
+}
+
+/// Checks every crate of [`CRATES`].
+pub fn check_all() -> Result<Vec<Report>> {
+    CRATES
+        .iter()
+        .map(|(src, _)| check_dir(&crate::workspace_root().join(src)))
+        .collect()
+}
+
+/// The layers of the crate whose `src/` is `src`.
+fn layers_of(src: &Path) -> Result<Layers> {
+    let root = crate::workspace_root();
+    CRATES
+        .iter()
+        .find(|(dir, _)| root.join(dir) == src || Path::new(dir) == src)
+        .map(|(_, layers)| *layers)
+        .with_context(|| {
+            format!(
+                "{} is not in the layer table: add it to CRATES in xtask/src/layers.rs",
+                src.display()
+            )
+        })
 }
 
 /// One source file, already read.
@@ -125,6 +164,7 @@ impl fmt::Display for Report {
 
 /// Reads `src` (a crate's `src/`) and checks it.
 pub fn check_dir(src: &Path) -> Result<Report> {
+    let layers = layers_of(src)?;
     // Paths as from the repository's root: `proxy/src/tcp/mod.rs`.
     let repo = src.parent().and_then(Path::parent).unwrap_or(src);
     let shown = |p: &Path| {
@@ -182,7 +222,7 @@ pub fn check_dir(src: &Path) -> Result<Report> {
         "{} has neither main.rs nor lib.rs",
         src.display()
     );
-    let mut report = check(&modules, &sources);
+    let mut report = check(&modules, &sources, layers);
     report.root = shown(src);
     Ok(report)
 }
@@ -235,7 +275,7 @@ fn is_ident(s: &str) -> bool {
 }
 
 /// Checks the sources of `modules` (name, where it is: for the messages).
-pub fn check(modules: &[(String, String)], sources: &[Source]) -> Report {
+pub fn check(modules: &[(String, String)], sources: &[Source], layers: Layers) -> Report {
     let names: BTreeSet<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
     let mut edges: BTreeMap<(String, String), Vec<Site>> = BTreeMap::new();
     for src in sources {
@@ -259,15 +299,15 @@ pub fn check(modules: &[(String, String)], sources: &[Source]) -> Report {
     }
     let mut problems = Vec::new();
     for (name, place) in modules {
-        if rank(name).is_none() {
+        if rank(name, layers).is_none() {
             problems.push(format!(
-                "module {name} ({place}) is not in the layer table: add it to LAYERS in xtask/src/layers.rs"
+                "module {name} ({place}) is not in the layer table: add it to CRATES in xtask/src/layers.rs"
             ));
         }
     }
     problems.extend(cycles(&edges));
     for ((from, to), sites) in &edges {
-        let (Some(rf), Some(rt)) = (rank(from), rank(to)) else {
+        let (Some(rf), Some(rt)) = (rank(from, layers), rank(to, layers)) else {
             continue;
         };
         if rt < rf {
@@ -277,7 +317,7 @@ pub fn check(modules: &[(String, String)], sources: &[Source]) -> Report {
             format!(
                 "{from} uses {to}, which comes after it on its own layer {} ({})",
                 rf.0 + 1,
-                LAYERS[rf.0].join(" < ")
+                layers[rf.0].join(" < ")
             )
         } else {
             format!(
@@ -633,6 +673,24 @@ pub fn blank_comments_and_strings(text: &str) -> String {
 mod tests {
     use super::*;
 
+    /// A table for the tests.
+    const LAYERS: Layers = &[
+        &["memory", "stats", "event", "config"],
+        &["tls"],
+        &["upstream"],
+        &["tcp", "http", "network", "dns"],
+        &["listener"],
+        &["main", "lib"],
+    ];
+
+    fn check(modules: &[(String, String)], sources: &[Source]) -> Report {
+        super::check(modules, sources, LAYERS)
+    }
+
+    fn rank(module: &str) -> Option<(usize, usize)> {
+        super::rank(module, LAYERS)
+    }
+
     fn src(module: &str, text: &str) -> Source {
         Source {
             path: format!("src/{module}.rs"),
@@ -650,10 +708,12 @@ mod tests {
     }
 
     #[test]
-    fn the_table_has_each_module_once() {
-        let all: Vec<&str> = LAYERS.iter().flat_map(|l| l.iter().copied()).collect();
-        let unique: BTreeSet<&str> = all.iter().copied().collect();
-        assert_eq!(all.len(), unique.len());
+    fn each_crate_table_has_each_module_once() {
+        for (src, layers) in CRATES {
+            let all: Vec<&str> = layers.iter().flat_map(|l| l.iter().copied()).collect();
+            let unique: BTreeSet<&str> = all.iter().copied().collect();
+            assert_eq!(all.len(), unique.len(), "{src}");
+        }
         assert_eq!(rank("stats"), Some((0, 1)));
         assert_eq!(rank("http"), Some((3, 1)));
         assert_eq!(rank("capture"), None);

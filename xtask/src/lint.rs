@@ -1,5 +1,5 @@
 //! `cargo xtask lint`: `cargo fmt --all --check`, `cargo clippy --workspace
-//! --all-targets -- -D warnings`, and the proxy crate's layer check (`layers.rs`).
+//! --all-targets -- -D warnings`, and the layer check inside each crate (`layers.rs`).
 
 use anyhow::{Result, bail};
 
@@ -24,15 +24,19 @@ pub fn run_all() -> Vec<&'static str> {
         eprintln!("xtask lint: clippy: {e:#}");
         failed.push("clippy");
     }
-    let src = crate::workspace_root().join("proxy/src");
-    eprintln!("xtask lint: layer check of {}", src.display());
-    match crate::layers::check_dir(&src) {
-        Ok(report) if report.problems.is_empty() => {
-            eprintln!("xtask lint: layers: ok ({})", report.summary());
-        }
-        Ok(report) => {
-            eprintln!("{report}");
-            failed.push("layers");
+    eprintln!("xtask lint: layer check inside each crate");
+    match crate::layers::check_all() {
+        Ok(reports) => {
+            for report in reports {
+                if report.problems.is_empty() {
+                    eprintln!("xtask lint: layers: {report}");
+                } else {
+                    eprintln!("{report}");
+                    if !failed.contains(&"layers") {
+                        failed.push("layers");
+                    }
+                }
+            }
         }
         Err(e) => {
             eprintln!("xtask lint: layers: {e:#}");

@@ -48,9 +48,9 @@ enum Cmd {
     },
     /// `cargo fmt --check`, `cargo clippy -D warnings` and the proxy crate's layer check.
     Lint,
-    /// Only the layer check (part of `lint`), of proxy/src or of another crate's src/.
+    /// Only the layer check (part of `lint`): of every crate, or of one crate's src/.
     Layers {
-        /// A crate's src/ directory (default: proxy/src).
+        /// A crate's src/ directory (default: every crate in xtask/src/layers.rs).
         src: Option<std::path::PathBuf>,
     },
     /// Build, start a small node of pods, capture and proxy their traffic, show it, clean up.
@@ -110,10 +110,18 @@ fn main() -> ExitCode {
         }
         Cmd::Lint => lint::run(),
         Cmd::Layers { src } => {
-            let src = src.unwrap_or_else(|| workspace_root().join("proxy/src"));
-            layers::check_dir(&src).and_then(|report| {
-                println!("{report}");
-                anyhow::ensure!(report.problems.is_empty(), "layer check failed");
+            let reports = match src {
+                Some(src) => layers::check_dir(&src).map(|r| vec![r]),
+                None => layers::check_all(),
+            };
+            reports.and_then(|reports| {
+                for report in &reports {
+                    println!("{report}");
+                }
+                anyhow::ensure!(
+                    reports.iter().all(|r| r.problems.is_empty()),
+                    "layer check failed"
+                );
                 Ok(())
             })
         }

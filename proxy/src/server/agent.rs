@@ -25,8 +25,8 @@ use clap::Parser;
 use tokio::sync::Notify;
 
 use super::{Connections, ProxyArgs};
-use crate::agent::status::{Call, StatusServer, probes, prometheus};
-use crate::xds::local::LocalServers;
+use shunt_agent::status::{Call, StatusServer, probes, prometheus};
+use shunt_xds::local::LocalServers;
 
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -86,7 +86,7 @@ pub struct AgentArgs {
     #[arg(long)]
     pub serve_proxy_sockets: bool,
     /// The SDS server's socket (the generated bootstrap's `sds-grpc`).
-    #[arg(long, default_value = crate::agent::sds::DEFAULT_SOCKET, value_name = "PATH")]
+    #[arg(long, default_value = shunt_agent::sds::DEFAULT_SOCKET, value_name = "PATH")]
     pub sds_socket: PathBuf,
     /// Status server: readiness, merged Prometheus, app probes, /quitquitquit.
     #[arg(
@@ -240,15 +240,15 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     // the name table the xDS proxy takes off istiod's stream.
     let mut dns = match (&generated, args.proxy) {
         (Some(_), ProxyKind::Envoy) => {
-            super::dns::prepare(&proxy_args, &bootstrap, &crate::stats::Store::new())?
+            super::dns::prepare(&proxy_args, &bootstrap, &shunt_core::stats::Store::new())?
         }
         _ => None,
     };
     drop(bootstrap);
     // Reading the bootstrap built the descriptor pool (~15 MiB); a supervised Envoy
     // never needs it here, and the in-process proxy builds it again while it loads.
-    crate::config::release_idle_pool(Duration::ZERO);
-    let _ = crate::config::trim_free_heap(0);
+    shunt_config::release_idle_pool(Duration::ZERO);
+    let _ = shunt_config::trim_free_heap(0);
 
     let status = bind(args.status_port, "--status-port")?;
     let readiness = match readiness_port {
@@ -286,7 +286,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         let name_table = match dns.take() {
             Some(mut dns) => {
                 let sockets = dns.bind()?;
-                crate::dns::server::serve(sockets, dns.resolver.clone())
+                shunt_dns::server::serve(sockets, dns.resolver.clone())
                     .context("starting the DNS proxy")?;
                 Some(super::agent_jobs::name_table_sink(dns.tables.clone()))
             }
@@ -306,7 +306,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         if args.proxy == ProxyKind::Shunt {
             local.insert(&generated.xds_socket(), xds.local());
             if let Some(certificates) = certificates {
-                local.insert(&args.sds_socket, crate::agent::sds::local(certificates));
+                local.insert(&args.sds_socket, shunt_agent::sds::local(certificates));
             }
         }
     }
@@ -375,24 +375,24 @@ fn read_bootstrap(
     SocketAddr,
     envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
 )> {
-    let options = crate::config::Options {
+    let options = shunt_config::Options {
         config_path: Some(config.to_owned()),
         ..Default::default()
     };
-    let bootstrap = crate::config::load::load(&options)
+    let bootstrap = shunt_config::load::load(&options)
         .map_err(|err| anyhow::anyhow!("{}: {err}", config.display()))?
         .bootstrap;
     let served = bootstrap
         .static_resources
         .iter()
         .flat_map(|r| &r.listeners)
-        .filter_map(|l| crate::config::socket_addr(l.address.as_ref()?))
+        .filter_map(|l| shunt_config::socket_addr(l.address.as_ref()?))
         .any(|addr| addr.port() == args.readiness_port);
     let readiness = (args.readiness_port != 0 && !served).then_some(args.readiness_port);
     let admin = bootstrap
         .admin
         .as_ref()
-        .and_then(|a| crate::config::socket_addr(a.address.as_ref()?));
+        .and_then(|a| shunt_config::socket_addr(a.address.as_ref()?));
     let admin = match (args.proxy_admin_port, admin) {
         (Some(port), _) => SocketAddr::from(([127, 0, 0, 1], port)),
         // A wildcard admin address answers on loopback too.

@@ -4,7 +4,7 @@
 //! `xds-grpc` cluster reaches, and the workload certificate (mesh CA or mounted files)
 //! served over SDS on the socket the bootstrap's `sds-grpc` cluster reaches. For the
 //! in-process proxy neither socket is bound (unless asked): its streams to those paths
-//! call the SDS server and the xDS proxy directly ([`crate::xds::local`]).
+//! call the SDS server and the xDS proxy directly ([`shunt_xds::local`]).
 
 use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
@@ -13,11 +13,11 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use super::agent::AgentArgs;
-use crate::agent::bootstrap::{BootstrapInputs, NodeType, PodFiles, render};
-use crate::agent::ca::{CaOptions, CertificateProvider, FileOptions};
-use crate::agent::sds;
-use crate::agent::xds_proxy::{NameTableSink, Upstream, XdsProxy};
-use crate::xds::source::{Target, Tls};
+use shunt_agent::bootstrap::{BootstrapInputs, NodeType, PodFiles, render};
+use shunt_agent::ca::{CaOptions, CertificateProvider, FileOptions};
+use shunt_agent::sds;
+use shunt_agent::xds_proxy::{NameTableSink, Upstream, XdsProxy};
+use shunt_xds::source::{Target, Tls};
 
 /// pilot-agent's default for `discoveryAddress`.
 const DEFAULT_DISCOVERY_ADDRESS: &str = "istiod.istio-system.svc:15012";
@@ -199,10 +199,10 @@ pub fn start_certificates(
 
 /// Where the xDS proxy puts the name tables it takes off istiod's stream: the agent's
 /// DNS proxy (beside a supervised Envoy, which never sees NDS).
-pub fn name_table_sink(tables: Arc<crate::dns::Tables>) -> NameTableSink {
+pub fn name_table_sink(tables: Arc<shunt_dns::Tables>) -> NameTableSink {
     Arc::new(move |any, version| {
         use prost::Message;
-        let table = crate::dns::name_table::NameTable::decode(any.value.as_slice())
+        let table = shunt_dns::name_table::NameTable::decode(any.value.as_slice())
             .map_err(|e| format!("NameTable: {e}"))?;
         tables.apply(table, version).map_err(|e| e.to_string())
     })

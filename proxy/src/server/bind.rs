@@ -9,7 +9,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 
 use socket2::{Domain, Protocol, Socket, Type};
 
-use crate::access_log::Direction;
+use shunt_core::access_log::Direction;
 
 /// Kernel accept queue per listening socket (capped by net.core.somaxconn).
 const BACKLOG: i32 = 1024;

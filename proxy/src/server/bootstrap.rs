@@ -26,13 +26,13 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::ProxyArgs;
-use crate::access_log::Direction;
-use crate::admin::live::{Live, Requests};
-use crate::admin::{self, Drain};
-use crate::listener::Listener;
-use crate::listener::connection_handler::{self, Context};
-use crate::snapshot::{self, Current};
-use crate::xds::manager::ListenerChange;
+use shunt_admin::live::{Live, Requests};
+use shunt_admin::{self as admin, Drain};
+use shunt_core::access_log::Direction;
+use shunt_listener::Listener;
+use shunt_listener::connection_handler::{self, Context};
+use shunt_xds::manager::ListenerChange;
+use shunt_xds::snapshot::{self, Current};
 
 /// One bound socket of a listener.
 struct Bound {
@@ -42,8 +42,8 @@ struct Bound {
     socket: StdListener,
 }
 
-pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result<()> {
-    let (loaded, report) = crate::config::check(options)?;
+pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<()> {
+    let (loaded, report) = shunt_config::check(options)?;
     for warning in report.warnings() {
         tracing::warn!("{warning}");
     }
@@ -58,16 +58,16 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         );
     }
     let bootstrap = loaded.bootstrap;
-    let mut xds = crate::xds::source::plan(&bootstrap)
+    let mut xds = shunt_xds::source::plan(&bootstrap)
         .map_err(|err| anyhow::anyhow!("{}: {err:#}", options.origin()))?;
-    let stats = crate::stats::Store::new();
+    let stats = shunt_core::stats::Store::new();
     let compiled = snapshot::compile(&bootstrap, &stats)
         .map_err(|err| anyhow::anyhow!("{}: {err}", options.origin()))?;
     for warning in &compiled.warnings {
         tracing::warn!("{warning}");
     }
     // Istio's 15090 and 15021: the admin API answers them, the data plane binds neither.
-    let health = crate::config::health_ports::find(&bootstrap);
+    let health = shunt_config::health_ports::find(&bootstrap);
     let store = Arc::new(Current::new(compiled.snapshot));
     let (live, requests) = Live::new(bootstrap.clone(), store.clone(), stats);
     let live = Arc::new(live);
@@ -132,7 +132,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
     if let Some(mut dns) = dns {
         let _entered = runtime.enter();
         let sockets = dns.bind()?;
-        crate::dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
+        shunt_dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
     }
     let context = Arc::new(Context {
         config: store.clone(),
@@ -140,7 +140,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         shutdown: Default::default(),
     });
     // Internal listeners: upstream connections to them are served in this process.
-    crate::upstream::internal::set_acceptor(Arc::new(connection_handler::InternalListeners(
+    shunt_upstream::internal::set_acceptor(Arc::new(connection_handler::InternalListeners(
         context.clone(),
     )));
     let drain_time = options.drain_time;
@@ -159,7 +159,7 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
         dns: dns_tables,
     });
     // With one worker this thread is the worker (`memory`: it caches its frees).
-    crate::memory::cache_this_thread();
+    shunt_memory::cache_this_thread();
     let result = runtime.block_on(serve(
         bound,
         store,
@@ -181,11 +181,11 @@ pub fn run(args: &ProxyArgs, options: &crate::config::Options) -> anyhow::Result
 struct Xds {
     /// Where the xDS manager runs: off the workers.
     main_thread: tokio::runtime::Handle,
-    plan: crate::xds::source::Plan,
+    plan: shunt_xds::source::Plan,
     bootstrap: envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
-    stats: crate::stats::Store,
+    stats: shunt_core::stats::Store,
     /// The DNS proxy's name table, set from NDS.
-    dns: Option<Arc<crate::dns::Tables>>,
+    dns: Option<Arc<shunt_dns::Tables>>,
 }
 
 /// Binds one listener address as Envoy does: SO_REUSEADDR, IPV6_V6ONLY on IPv6, and
@@ -291,7 +291,7 @@ async fn serve(
         Some(xds) => {
             let bound = loops.iter().map(|l| (l.listener.clone(), l.addr));
             let _on_main_thread = xds.main_thread.enter();
-            Some(crate::xds::Manager::start(
+            Some(shunt_xds::Manager::start(
                 xds.bootstrap,
                 xds.plan,
                 store.clone(),
@@ -311,15 +311,15 @@ async fn serve(
         }
     };
     // Start-up was the pool's last planned use.
-    crate::config::release_idle_pool(Duration::ZERO);
+    shunt_config::release_idle_pool(Duration::ZERO);
     let mut pool_check = tokio::time::interval(POOL_IDLE);
     let drain = loop {
         tokio::select! {
             _ = pool_check.tick() => {
-                if crate::config::release_idle_pool(POOL_IDLE) {
+                if shunt_config::release_idle_pool(POOL_IDLE) {
                     tracing::debug!("descriptor pool released while idle");
                 }
-                if let Some(free) = crate::config::trim_free_heap(HEAP_TRIM_FREE) {
+                if let Some(free) = shunt_config::trim_free_heap(HEAP_TRIM_FREE) {
                     tracing::debug!(free, "free heap returned to the kernel");
                 }
             }

@@ -16,10 +16,10 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::ProxyArgs;
-use crate::dns::name_table::Scope;
-use crate::dns::server::{self, Sockets};
-use crate::dns::upstream::{ResolvConf, Upstreams};
-use crate::dns::{DEFAULT_PORT, DnsStats, Resolver, Tables};
+use shunt_dns::name_table::Scope;
+use shunt_dns::server::{self, Sockets};
+use shunt_dns::upstream::{ResolvConf, Upstreams};
+use shunt_dns::{DEFAULT_PORT, DnsStats, Resolver, Tables};
 
 /// The DNS proxy, ready to serve once bound ([`Dns::bind`]).
 pub struct Dns {
@@ -46,7 +46,7 @@ impl Dns {
 pub fn prepare(
     args: &ProxyArgs,
     bootstrap: &Bootstrap,
-    stats: &crate::stats::Store,
+    stats: &shunt_core::stats::Store,
 ) -> anyhow::Result<Option<Dns>> {
     let env_on = std::env::var("ISTIO_META_DNS_CAPTURE").is_ok_and(|v| truthy(&v));
     let metadata_on = node_metadata(bootstrap, "DNS_CAPTURE").is_some_and(|v| truthy(&v));

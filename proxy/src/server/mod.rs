@@ -101,8 +101,8 @@ pub struct ProxyArgs {
     pub allow_unknown_static_fields: bool,
     /// serve: run the proxy; validate: check the bootstrap, print a summary and exit
     /// (non-zero if it is invalid).
-    #[arg(long, value_enum, default_value_t = crate::config::Mode::Serve)]
-    pub mode: crate::config::Mode,
+    #[arg(long, value_enum, default_value_t = shunt_config::Mode::Serve)]
+    pub mode: shunt_config::Mode,
     /// Serve Istio's DNS proxy on ADDR, UDP and TCP (repeatable). Without it the DNS
     /// proxy is on when ISTIO_META_DNS_CAPTURE=true or the node metadata has
     /// DNS_CAPTURE=true, on 127.0.0.1:15053 and [::1]:15053.
@@ -137,7 +137,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
 fn run_initialized(args: ProxyArgs) -> anyhow::Result<()> {
     envoy_flags::check(&args)?;
     user::raise_open_files_limit();
-    let bootstrap = crate::config::Options {
+    let bootstrap = shunt_config::Options {
         config_path: args.config_path.clone(),
         config_yaml: args.config_yaml.clone(),
         service_node: args.service_node.clone(),
@@ -146,11 +146,9 @@ fn run_initialized(args: ProxyArgs) -> anyhow::Result<()> {
         parent_shutdown_time: Duration::from_secs(args.parent_shutdown_time_s),
     };
     match args.mode {
-        crate::config::Mode::Validate => validate::run(&bootstrap),
-        crate::config::Mode::Serve if bootstrap.has_bootstrap() => {
-            bootstrap::run(&args, &bootstrap)
-        }
-        crate::config::Mode::Serve => passthrough::run(&args),
+        shunt_config::Mode::Validate => validate::run(&bootstrap),
+        shunt_config::Mode::Serve if bootstrap.has_bootstrap() => bootstrap::run(&args, &bootstrap),
+        shunt_config::Mode::Serve => passthrough::run(&args),
     }
 }
 
@@ -256,7 +254,7 @@ impl HousekeepingSignals {
         tokio::select! {
             _ = self.hangup.recv() => tracing::info!("SIGHUP: ignored"),
             _ = self.user1.recv() => {
-                let reopened = crate::access_log::reopen_files();
+                let reopened = shunt_core::access_log::reopen_files();
                 tracing::info!(files = reopened, "SIGUSR1: access logs reopened");
             }
         }
@@ -310,14 +308,14 @@ fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runt
             .context("starting the data-plane runtime")?;
         // The worker's connections hold their small writes to the end of its run of
         // ready tasks (`event::deferred_write`).
-        runtime.spawn(crate::event::deferred_write::flusher());
+        runtime.spawn(shunt_core::event::deferred_write::flusher());
         return Ok(runtime);
     }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .event_interval(EVENT_INTERVAL)
         .thread_name("shunt-worker")
-        .on_thread_start(crate::memory::cache_this_thread)
+        .on_thread_start(shunt_memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the data-plane runtime")
@@ -339,5 +337,5 @@ fn init_logging(filter: &str) -> anyhow::Result<()> {
     // The parse error repeats its cause in its own message: show it once.
     tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|err| anyhow::anyhow!("invalid --log-level {filter:?}: {err}"))?;
-    crate::admin::logging::init(filter)
+    shunt_admin::logging::init(filter)
 }

@@ -9,16 +9,16 @@ use clap::{Args, Subcommand};
 
 use shunt_capture::CaptureArgs;
 
-use crate::node::Pods;
-use crate::node::cni::install::{self, PluginSettings};
-use crate::node::cni::plugin::DEFAULT_SOCKET;
-use crate::node::enroll::Enrollment;
-use crate::node::enroll::cni_server::CniServer;
-use crate::node::enroll::zds::ZdsClient;
-use crate::node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
-use crate::node::serve::dns::DnsOptions;
-use crate::node::serve::proxy::{CaTemplate, Template};
-use crate::node::serve::{NodeOptions, NodePods, PodCapture};
+use shunt_node::Pods;
+use shunt_node::cni::install::{self, PluginSettings};
+use shunt_node::cni::plugin::DEFAULT_SOCKET;
+use shunt_node::enroll::Enrollment;
+use shunt_node::enroll::cni_server::CniServer;
+use shunt_node::enroll::zds::ZdsClient;
+use shunt_node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
+use shunt_node::serve::dns::DnsOptions;
+use shunt_node::serve::proxy::{CaTemplate, Template};
+use shunt_node::serve::{NodeOptions, NodePods, PodCapture};
 
 /// Where pods come from: the sockets and the state directory.
 #[derive(Args, Debug, Clone)]
@@ -143,7 +143,7 @@ pub fn serve_with(
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers.max(1))
         .thread_name("shunt-node")
-        .on_thread_start(crate::memory::cache_this_thread)
+        .on_thread_start(shunt_memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the node's runtime")?;

@@ -1,7 +1,7 @@
 //! The passthrough proxy (no bootstrap): an Istio pod's listeners 15001 and 15006, each
 //! on 0.0.0.0 and [::]. Every accepted connection gets its own task: the original
 //! destination is read (Envoy's `original_dst` listener filter) and the connection is
-//! handed to [`crate::tcp`] (PassthroughCluster outbound, InboundPassthroughClusterIpv4
+//! handed to [`shunt_filters::tcp`] (PassthroughCluster outbound, InboundPassthroughClusterIpv4
 //! inbound). With DNS on (`--dns-listen`, `ISTIO_META_DNS_CAPTURE`) the DNS proxy
 //! serves too, forwarding every query: there is no name table without xDS.
 
@@ -15,9 +15,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
 
 use super::{ProxyArgs, bind, data_plane_runtime, drop_privileges};
-use crate::access_log::{Direction, Entry};
-use crate::listener::original_dst;
-use crate::tcp;
+use shunt_core::access_log::{Direction, Entry};
+use shunt_filters::tcp;
+use shunt_listener::original_dst;
 
 pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     if args.outbound_port != 0 && args.outbound_port == args.inbound_port {
@@ -36,7 +36,7 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     }
 
     // DNS without a bootstrap has no xDS, so no name table: every query is forwarded.
-    let dns = super::dns::prepare(args, &Default::default(), &crate::stats::Store::new())?;
+    let dns = super::dns::prepare(args, &Default::default(), &shunt_core::stats::Store::new())?;
     if let Some(dns) = &dns {
         let _ = dns.tables.apply(Default::default(), "");
     }
@@ -46,7 +46,7 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     if let Some(mut dns) = dns {
         let _entered = runtime.enter();
         let sockets = dns.bind()?;
-        crate::dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
+        shunt_dns::server::serve(sockets, dns.resolver).context("starting the DNS proxy")?;
     }
     let settings = Arc::new(tcp::Settings {
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
@@ -54,7 +54,7 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     });
     let drain_time = Duration::from_secs(args.drain_time_s);
     // With one worker this thread is the worker (`memory`: it caches its frees).
-    crate::memory::cache_this_thread();
+    shunt_memory::cache_this_thread();
     let result = runtime.block_on(serve(listeners, settings, drain_time));
     // Connections still open after the drain are dropped with the runtime.
     runtime.shutdown_background();

@@ -7,20 +7,20 @@ use std::io::Write;
 use anyhow::Context;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
-use crate::config::{Diagnostic, Options, Report, Summary, check};
+use shunt_config::{Diagnostic, Options, Report, Summary, check};
 
 /// `--mode validate`: report on the bootstrap to stdout; an error if it is not valid.
 /// Besides [`check`], the bootstrap is compiled as serving would compile it, so what
 /// shunt cannot serve is reported too, at its JSON path.
 pub fn run(options: &Options) -> anyhow::Result<()> {
     let (loaded, mut report) = check(options)?;
-    let stats = crate::stats::Store::new();
-    match crate::snapshot::compile(&loaded.bootstrap, &stats) {
+    let stats = shunt_core::stats::Store::new();
+    match shunt_xds::snapshot::compile(&loaded.bootstrap, &stats) {
         Ok(compiled) => report.add_compiled(&[], &compiled.warnings),
         Err(err) => report.add_compiled(&err.errors, &err.warnings),
     }
     // The xDS sources as the client would open them.
-    if let Err(err) = crate::xds::source::plan(&loaded.bootstrap) {
+    if let Err(err) = shunt_xds::source::plan(&loaded.bootstrap) {
         let text = format!("{err:#}");
         let (path, message) = text
             .split_once(": ")
@@ -76,7 +76,7 @@ mod tests {
     #[test]
     fn the_validate_report_reads_well() {
         let path =
-            std::path::Path::new(crate::config::tests::TESTDATA).join("istio-default_golden.json");
+            std::path::Path::new(shunt_config::testing::TESTDATA).join("istio-default_golden.json");
         let options = Options {
             drain_time: std::time::Duration::from_secs(600),
             parent_shutdown_time: std::time::Duration::from_secs(900),

@@ -1,0 +1,665 @@
+//! The extensions shunt implements, in one place, and the walk that finds every extension
+//! a bootstrap names and reports the ones shunt does not implement.
+//!
+//! Extensions are matched by the type of their config (`typed_config`'s `@type`), as Envoy
+//! finds its factories; the `name` beside it is free text and only shown. Where an
+//! extension sits decides what missing it means:
+//! - ERROR where a listener or a cluster depends on it: a network filter, a listener
+//!   filter, a transport socket, a cluster type, an HTTP filter (unless the config marks
+//!   it optional or disabled, or it is in [`HTTP_FILTERS_SAFE_TO_SKIP`]). Serving that
+//!   listener or cluster without it would not be what the config says.
+//! - WARNING where Envoy would act on it but traffic flows the same without it: stats
+//!   sinks, tracers, access loggers, bootstrap extensions, protocol options, and any
+//!   other `Any` (resource monitors, request id extensions, matchers, ...).
+//!
+//! A missing extension's own config is not walked into, so one finding covers it.
+
+use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+use prost::{Message, Name};
+use prost_reflect::{DescriptorPool, DynamicMessage, ReflectMessage, Value};
+
+use super::diagnostic::{Diagnostic, Severity};
+use super::json::{Path, each_message, type_name_of_url};
+use super::pool::{PoolError, pool};
+
+/// Network filters (a listener filter chain's `filters`).
+pub const NETWORK_FILTERS: &[&str] = &[
+    "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+    "envoy.extensions.filters.network.rbac.v3.RBAC",
+    "io.istio.network.authn.Config",
+    "envoy.tcp.metadataexchange.config.MetadataExchange",
+    "stats.PluginConfig",
+    "envoy.extensions.filters.network.set_filter_state.v3.Config",
+    "envoy.extensions.filters.network.ext_authz.v3.ExtAuthz",
+];
+
+/// Upstream network filters (a cluster's `filters`): Istio's upstream metadata exchange.
+pub const UPSTREAM_NETWORK_FILTERS: &[&str] =
+    &["envoy.tcp.metadataexchange.config.MetadataExchange"];
+
+/// HTTP filters (`http_connection_manager`'s `http_filters`).
+pub const HTTP_FILTERS: &[&str] = &[
+    "envoy.extensions.filters.http.router.v3.Router",
+    "envoy.extensions.filters.http.rbac.v3.RBAC",
+    "envoy.extensions.filters.http.fault.v3.HTTPFault",
+    "envoy.extensions.filters.http.cors.v3.Cors",
+    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+    "io.istio.http.peer_metadata.Config",
+    "stats.PluginConfig",
+    "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+    "envoy.extensions.filters.http.set_filter_state.v3.Config",
+    "io.istio.http.connect_authority.Config",
+    "io.istio.http.connect_baggage.Config",
+    "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
+];
+
+/// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
+pub const HTTP_FILTER_PER_ROUTE: &[&str] = &[
+    "envoy.extensions.filters.http.fault.v3.HTTPFault",
+    "envoy.extensions.filters.http.cors.v3.CorsPolicy",
+    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+    "envoy.extensions.filters.http.rbac.v3.RBACPerRoute",
+    "io.istio.http.connect_authority.Config",
+];
+
+/// HTTP filters shunt does not implement but may leave out of a chain without changing
+/// what a request means or who may make it: they only change how a response is encoded.
+/// (Istio's 15090 Prometheus listener compresses the scrape.) Leaving one out is a WARNING.
+pub const HTTP_FILTERS_SAFE_TO_SKIP: &[&str] =
+    &["envoy.extensions.filters.http.compressor.v3.Compressor"];
+
+/// HTTP filters Istio puts in every sidecar's connection managers that change nothing
+/// about where a request goes or what it gets back when left out: shunt accepts them
+/// with a warning saying what is lost (`--mode validate` and xDS alike). Empty today:
+/// every such filter istiod writes is served; kept for the next one Istio adds.
+pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[];
+
+/// Listener filters (a listener's `listener_filters`).
+pub const LISTENER_FILTERS: &[&str] = &[
+    "envoy.extensions.filters.listener.original_dst.v3.OriginalDst",
+    "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
+    "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
+    "istio.set_internal_dst_address.v1.Config",
+];
+
+/// Transport sockets (a filter chain's or a cluster's `transport_socket`).
+pub const TRANSPORT_SOCKETS: &[&str] = &[
+    "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer",
+    "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+    "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+    "envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
+];
+
+/// Bootstrap extensions (`bootstrap_extensions`).
+pub const BOOTSTRAP_EXTENSIONS: &[&str] = &[
+    "envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+    // Istio's workload discovery (`shunt_core::peer::workload_discovery`).
+    "istio.workload.BootstrapExtension",
+];
+
+/// Cluster discovery types (`Cluster.type`), by enum name.
+pub const CLUSTER_TYPES: &[&str] = &["STATIC", "STRICT_DNS", "LOGICAL_DNS", "EDS", "ORIGINAL_DST"];
+
+/// Custom cluster types (`Cluster.cluster_type`): none yet.
+pub const CUSTOM_CLUSTER_TYPES: &[&str] = &[];
+
+/// Access loggers (`access_log`).
+pub const ACCESS_LOGGERS: &[&str] = &[
+    "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+    "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+];
+
+/// Cluster protocol options (`Cluster.typed_extension_protocol_options`). The HTTP one
+/// chooses the upstream HTTP version: every ADS cluster uses it to ask for HTTP/2.
+pub const PROTOCOL_OPTIONS: &[&str] = &["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+
+/// What a listener's `filter_chain_matcher` reads and matches with
+/// (`shunt_listener::chain_matcher`).
+pub const FILTER_CHAIN_MATCHING: &[&str] = &[
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourcePortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DirectSourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceTypeInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ServerNameInput",
+    "envoy.extensions.matching.common_inputs.network.v3.TransportProtocolInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ApplicationProtocolInput",
+    "xds.type.matcher.v3.IPMatcher",
+];
+
+/// Types that wrap an extension's config as JSON, naming the real type inside.
+const TYPED_STRUCTS: &[&str] = &["udpa.type.v1.TypedStruct", "xds.type.v3.TypedStruct"];
+
+const ANY: &str = "google.protobuf.Any";
+const TYPED_EXTENSION_CONFIG: &str = "envoy.config.core.v3.TypedExtensionConfig";
+const HTTP_FILTER: &str = "envoy.extensions.filters.network.http_connection_manager.v3.HttpFilter";
+
+/// What an extension is, by where it sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    NetworkFilter,
+    HttpFilter,
+    ListenerFilter,
+    TransportSocket,
+    ClusterType,
+    AccessLogger,
+    StatsSink,
+    Tracer,
+    BootstrapExtension,
+    ProtocolOptions,
+    Other,
+}
+
+impl Role {
+    /// The role of an `Any` reached through `holder` (`Message.field`); for a
+    /// `TypedExtensionConfig`, the field holding that message.
+    fn of(holder: &str) -> Role {
+        match holder {
+            "envoy.config.listener.v3.Filter.typed_config" => Role::NetworkFilter,
+            "envoy.config.listener.v3.ListenerFilter.typed_config" => Role::ListenerFilter,
+            "envoy.extensions.filters.network.http_connection_manager.v3.HttpFilter.typed_config" => {
+                Role::HttpFilter
+            }
+            "envoy.config.core.v3.TransportSocket.typed_config" => Role::TransportSocket,
+            "envoy.config.cluster.v3.Cluster.CustomClusterType.typed_config" => Role::ClusterType,
+            "envoy.config.accesslog.v3.AccessLog.typed_config" => Role::AccessLogger,
+            "envoy.config.metrics.v3.StatsSink.typed_config" => Role::StatsSink,
+            "envoy.config.trace.v3.Tracing.Http.typed_config" => Role::Tracer,
+            "envoy.config.bootstrap.v3.Bootstrap.bootstrap_extensions" => Role::BootstrapExtension,
+            "envoy.config.cluster.v3.Cluster.typed_extension_protocol_options" => {
+                Role::ProtocolOptions
+            }
+            _ => Role::Other,
+        }
+    }
+
+    /// The config types shunt implements in this role.
+    pub fn implemented(self) -> &'static [&'static str] {
+        match self {
+            Role::NetworkFilter => NETWORK_FILTERS,
+            Role::HttpFilter => HTTP_FILTERS,
+            Role::ListenerFilter => LISTENER_FILTERS,
+            Role::TransportSocket => TRANSPORT_SOCKETS,
+            Role::ClusterType => CUSTOM_CLUSTER_TYPES,
+            Role::AccessLogger => ACCESS_LOGGERS,
+            Role::ProtocolOptions => PROTOCOL_OPTIONS,
+            Role::BootstrapExtension => BOOTSTRAP_EXTENSIONS,
+            Role::StatsSink | Role::Tracer => &[],
+            // Reached through other fields: a cluster's upstream network `filters`.
+            Role::Other => UPSTREAM_NETWORK_FILTERS,
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            Role::NetworkFilter => "network filter",
+            Role::HttpFilter => "HTTP filter",
+            Role::ListenerFilter => "listener filter",
+            Role::TransportSocket => "transport socket",
+            Role::ClusterType => "cluster type",
+            Role::AccessLogger => "access logger",
+            Role::StatsSink => "stats sink",
+            Role::Tracer => "tracer",
+            Role::BootstrapExtension => "bootstrap extension",
+            Role::ProtocolOptions => "protocol options",
+            Role::Other => "extension",
+        }
+    }
+
+    /// Whether shunt implements `type_name` here. Outside the named roles any type shunt
+    /// implements somewhere counts, and so do protobuf's own value types.
+    fn implements(self, type_name: &str) -> bool {
+        if self != Role::Other {
+            return self.implemented().contains(&type_name);
+        }
+        type_name.starts_with("google.protobuf.")
+            || [
+                NETWORK_FILTERS,
+                HTTP_FILTERS,
+                HTTP_FILTER_PER_ROUTE,
+                LISTENER_FILTERS,
+                TRANSPORT_SOCKETS,
+                CUSTOM_CLUSTER_TYPES,
+                ACCESS_LOGGERS,
+                PROTOCOL_OPTIONS,
+                FILTER_CHAIN_MATCHING,
+            ]
+            .iter()
+            .any(|list| list.contains(&type_name))
+    }
+}
+
+/// Reports every extension in `bootstrap` that shunt does not implement.
+pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) -> Result<(), PoolError> {
+    let pool = &pool()?;
+    let desc = pool
+        .get_message_by_name(&Bootstrap::full_name())
+        .ok_or_else(|| PoolError::missing(&Bootstrap::full_name()))?;
+    match DynamicMessage::decode(desc, bootstrap.encode_to_vec().as_slice()) {
+        Ok(message) => Walker { pool, findings }.message(&message, &mut Path::default(), ""),
+        Err(err) => findings.push(Diagnostic::error(
+            "",
+            format!("re-reading the bootstrap: {err}"),
+        )),
+    }
+    Ok(())
+}
+
+struct Walker<'a> {
+    pool: &'a DescriptorPool,
+    findings: &'a mut Vec<Diagnostic>,
+}
+
+impl Walker<'_> {
+    /// `holder` is the `Message.field` through which `message` was reached.
+    fn message(&mut self, message: &DynamicMessage, path: &mut Path, holder: &str) {
+        let type_name = message.descriptor().full_name().to_owned();
+        self.check_message(message, &type_name, path);
+        for (field, value) in message.fields() {
+            let here = format!("{type_name}.{}", field.name());
+            // A TypedExtensionConfig's role comes from where it is held.
+            let role_key = if type_name == TYPED_EXTENSION_CONFIG {
+                holder.to_owned()
+            } else {
+                here.clone()
+            };
+            path.field(field.name());
+            each_message(value, path, &mut |item, path| {
+                if item.descriptor().full_name() == ANY {
+                    self.any(item, message, &role_key, path);
+                } else {
+                    self.message(item, path, &here);
+                }
+                None::<()>
+            });
+            path.pop();
+        }
+    }
+
+    /// What is not an `Any` but still names something shunt must implement.
+    fn check_message(&mut self, message: &DynamicMessage, type_name: &str, path: &Path) {
+        match type_name {
+            "envoy.config.cluster.v3.Cluster" => {
+                if let Some(Value::EnumNumber(number)) =
+                    message.get_field_by_name("type").as_deref()
+                    && message.has_field_by_name("type")
+                {
+                    let name = message
+                        .descriptor()
+                        .get_field_by_name("type")
+                        .and_then(|field| field.kind().as_enum().cloned())
+                        .and_then(|kind| kind.get_value(*number))
+                        .map_or_else(|| number.to_string(), |value| value.name().to_owned());
+                    if !CLUSTER_TYPES.contains(&name.as_str()) {
+                        self.findings.push(Diagnostic::error(
+                            format!("{path}.type"),
+                            format!("cluster type {name} is not implemented by shunt"),
+                        ));
+                    }
+                }
+            }
+            "envoy.config.listener.v3.Filter"
+            | "envoy.config.listener.v3.ListenerFilter"
+            | HTTP_FILTER
+                if message.has_field_by_name("config_discovery") =>
+            {
+                let (severity, tail) = optional_http_filter(message, type_name)
+                    .map_or((Severity::Error, ""), |why| (Severity::Warning, why));
+                self.findings.push(Diagnostic {
+                    severity,
+                    path: format!("{path}.config_discovery"),
+                    message: format!(
+                        "{} is configured through extension config discovery (ECDS), which \
+                         shunt does not implement{tail}",
+                        describe_name(message)
+                    ),
+                });
+            }
+            _ => {}
+        }
+    }
+
+    fn any(&mut self, any: &DynamicMessage, parent: &DynamicMessage, role_key: &str, path: &Path) {
+        let role = Role::of(role_key);
+        let type_url = string_field(any, "type_url");
+        let bytes = match any.get_field_by_name("value").as_deref() {
+            Some(Value::Bytes(bytes)) => bytes.clone(),
+            _ => Default::default(),
+        };
+        let mut type_name = type_name_of_url(&type_url).to_owned();
+        let desc = self.pool.get_message_by_name(&type_name);
+        let mut wrapped = false;
+        if TYPED_STRUCTS.contains(&type_name.as_str())
+            && let Some(desc) = &desc
+            && let Ok(typed_struct) = DynamicMessage::decode(desc.clone(), bytes.clone())
+        {
+            type_name = type_name_of_url(&string_field(&typed_struct, "type_url")).to_owned();
+            wrapped = true;
+        }
+        if !role.implements(&type_name) {
+            self.report(role, parent, &type_name, wrapped, path);
+            return;
+        }
+        if wrapped {
+            // A known type given as JSON in a TypedStruct: nothing to walk into here.
+            return;
+        }
+        let Some(desc) = desc else {
+            self.findings.push(Diagnostic::error(
+                path.to_string(),
+                format!("an Any of type {type_name}, which shunt does not know"),
+            ));
+            return;
+        };
+        match DynamicMessage::decode(desc, bytes) {
+            Ok(payload) => self.message(&payload, &mut path.clone(), role_key),
+            Err(err) => self.findings.push(Diagnostic::error(
+                path.to_string(),
+                format!("{type_name} does not decode: {err}"),
+            )),
+        }
+    }
+
+    fn report(
+        &mut self,
+        role: Role,
+        parent: &DynamicMessage,
+        type_name: &str,
+        wrapped: bool,
+        path: &Path,
+    ) {
+        let parent_type = parent.descriptor().full_name().to_owned();
+        if let Some(refusal) =
+            super::convert::wasm_unsupported(type_name, &string_field(parent, "name"))
+        {
+            self.findings
+                .push(Diagnostic::error(path.to_string(), refusal));
+            return;
+        }
+        let what = format!(
+            "{} {}({}{})",
+            role.noun(),
+            if role == Role::ProtocolOptions || role == Role::Other {
+                String::new()
+            } else {
+                format!("{} ", describe_name(parent))
+            },
+            type_name,
+            if wrapped { ", as a TypedStruct" } else { "" }
+        );
+        let (severity, consequence) = match role {
+            Role::NetworkFilter | Role::ListenerFilter => {
+                (Severity::Error, "the listener cannot be served without it")
+            }
+            Role::TransportSocket => (
+                Severity::Error,
+                "the listener or cluster that names it cannot be served without it",
+            ),
+            Role::ClusterType => (Severity::Error, "the cluster cannot be served without it"),
+            Role::HttpFilter => match optional_http_filter(parent, &parent_type) {
+                Some(why) => (Severity::Warning, why),
+                None if HTTP_FILTERS_SAFE_TO_SKIP.contains(&type_name) => (
+                    Severity::Warning,
+                    "; shunt leaves it out, responses are not re-encoded",
+                ),
+                None if HTTP_FILTERS_SKIPPED_WITH_A_WARNING
+                    .iter()
+                    .any(|(name, _)| *name == type_name) =>
+                {
+                    (Severity::Warning, "; shunt leaves it out (telemetry only)")
+                }
+                None => (Severity::Error, "the listener cannot be served without it"),
+            },
+            _ => (Severity::Warning, "ignored"),
+        };
+        let separator = if consequence.starts_with(';') {
+            ""
+        } else {
+            "; "
+        };
+        self.findings.push(Diagnostic {
+            severity,
+            path: path.to_string(),
+            message: format!("{what} is not implemented by shunt{separator}{consequence}"),
+        });
+    }
+}
+
+/// Why an HTTP filter may be left out, if its config says it may.
+fn optional_http_filter(message: &DynamicMessage, type_name: &str) -> Option<&'static str> {
+    if type_name != HTTP_FILTER {
+        return None;
+    }
+    let flag = |name| {
+        matches!(
+            message.get_field_by_name(name).as_deref(),
+            Some(Value::Bool(true))
+        )
+    };
+    if flag("is_optional") {
+        Some("; it is marked is_optional, so shunt leaves it out")
+    } else if flag("disabled") {
+        Some("; it is disabled by default, so shunt leaves it out")
+    } else {
+        None
+    }
+}
+
+/// The `name` beside an extension, quoted, or a placeholder.
+fn describe_name(message: &DynamicMessage) -> String {
+    match message.descriptor().get_field_by_name("name") {
+        Some(_) => format!("{:?}", string_field(message, "name")),
+        None => "(unnamed)".into(),
+    }
+}
+
+fn string_field(message: &DynamicMessage, name: &str) -> String {
+    match message.get_field_by_name(name).as_deref() {
+        Some(Value::String(text)) => text.clone(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::json::from_json;
+
+    fn findings_for(value: serde_json::Value) -> Vec<Diagnostic> {
+        let (bootstrap, _) = from_json::<Bootstrap>(value).unwrap();
+        let mut findings = Vec::new();
+        check(&bootstrap, &mut findings).unwrap();
+        findings
+    }
+
+    fn listener_with_filter(type_url: &str) -> serde_json::Value {
+        json!({"static_resources": {"listeners": [{
+            "name": "l",
+            "address": {"socket_address": {"address": "0.0.0.0", "port_value": 80}},
+            "filter_chains": [{"filters": [{
+                "name": "the-filter",
+                "typed_config": {"@type": type_url}
+            }]}]
+        }]}})
+    }
+
+    #[test]
+    fn implemented_network_filters_pass() {
+        let findings = findings_for(listener_with_filter(
+            "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+        ));
+        assert_eq!(findings, []);
+    }
+
+    #[test]
+    fn an_unknown_network_filter_is_an_error_at_its_path() {
+        let findings = findings_for(listener_with_filter(
+            "type.googleapis.com/envoy.extensions.filters.network.redis_proxy.v3.RedisProxy",
+        ));
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert_eq!(findings[0].severity, Severity::Error);
+        assert_eq!(
+            findings[0].path,
+            "static_resources.listeners[0].filter_chains[0].filters[0].typed_config"
+        );
+        assert!(
+            findings[0].message.starts_with(
+                "network filter \"the-filter\" (envoy.extensions.filters.network.redis_proxy.v3.RedisProxy) is not implemented"
+            ),
+            "{}",
+            findings[0].message
+        );
+    }
+
+    #[test]
+    fn a_tracer_shunt_lacks_is_a_warning_at_its_path() {
+        let findings = findings_for(json!({"tracing": {"http": {
+            "name": "envoy.tracers.zipkin",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
+                "collector_cluster": "zipkin",
+                "collector_endpoint": "/api/v2/spans"
+            }
+        }}}));
+        assert_eq!(findings.len(), 1);
+        assert_eq!(findings[0].severity, Severity::Warning);
+        assert_eq!(findings[0].path, "tracing.http.typed_config");
+        assert!(
+            findings[0]
+                .message
+                .contains("tracer \"envoy.tracers.zipkin\"")
+        );
+    }
+
+    #[test]
+    fn typed_struct_extensions_are_named_by_the_type_inside() {
+        let findings = findings_for(json!({"bootstrap_extensions": [{
+            "name": "envoy.bootstrap.internal_listener",
+            "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
+            }
+        }, {
+            "name": "envoy.bootstrap.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService"
+            }
+        }]}));
+        assert_eq!(findings.len(), 1);
+        assert_eq!(findings[0].severity, Severity::Warning);
+        // The internal listener extension is implemented: only Wasm is named.
+        assert_eq!(findings[0].path, "bootstrap_extensions[1].typed_config");
+        assert!(
+            findings[0]
+                .message
+                .contains("envoy.extensions.wasm.v3.WasmService, as a TypedStruct"),
+            "{}",
+            findings[0].message
+        );
+    }
+
+    #[test]
+    fn http_filters_are_errors_unless_optional_or_harmless_to_skip() {
+        let hcm = |filters: serde_json::Value| {
+            json!({"static_resources": {"listeners": [{
+                "name": "l",
+                "filter_chains": [{"filters": [{
+                    "name": "hcm",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "s",
+                        "http_filters": filters
+                    }
+                }]}]
+            }]}})
+        };
+        let rbac = json!({"name": "lua", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"}});
+        let mut optional_rbac = rbac.clone();
+        optional_rbac["is_optional"] = json!(true);
+        let compressor = json!({"name": "gzip", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor"}});
+        let router = json!({"name": "router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}});
+
+        let severities = |filters| {
+            findings_for(hcm(filters))
+                .into_iter()
+                .map(|f| (f.path, f.severity))
+                .collect::<Vec<_>>()
+        };
+        let at = |i: usize| {
+            format!(
+                "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[{i}].typed_config"
+            )
+        };
+        assert_eq!(
+            severities(json!([rbac, router])),
+            [(at(0), Severity::Error)]
+        );
+        assert_eq!(
+            severities(json!([optional_rbac, router])),
+            [(at(0), Severity::Warning)]
+        );
+        assert_eq!(
+            severities(json!([compressor, router])),
+            [(at(0), Severity::Warning)]
+        );
+    }
+
+    #[test]
+    fn unknown_transport_sockets_and_cluster_types_are_errors() {
+        let findings = findings_for(json!({"static_resources": {"clusters": [
+            {"name": "a", "transport_socket": {"name": "alts", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.alts.v3.Alts"}}},
+            {"name": "b", "cluster_type": {"name": "envoy.clusters.aggregate", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"}}}
+        ]}}));
+        let got: Vec<_> = findings
+            .iter()
+            .map(|f| (f.path.as_str(), f.severity))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "static_resources.clusters[0].transport_socket.typed_config",
+                    Severity::Error
+                ),
+                (
+                    "static_resources.clusters[1].cluster_type.typed_config",
+                    Severity::Error
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn known_extensions_are_walked_into() {
+        // An access logger inside a known network filter is still found.
+        let findings = findings_for(json!({"static_resources": {"listeners": [{
+            "name": "l",
+            "filter_chains": [{"filters": [{
+                "name": "tcp",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": "s",
+                    "cluster": "c",
+                    "access_log": [{"name": "grpc", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"}}]
+                }
+            }]}]
+        }]}}));
+        assert_eq!(findings.len(), 1);
+        assert_eq!(findings[0].severity, Severity::Warning);
+        assert_eq!(
+            findings[0].path,
+            "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.access_log[0].typed_config"
+        );
+    }
+}

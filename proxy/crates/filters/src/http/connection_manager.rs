@@ -1,0 +1,967 @@
+//! The HTTP connection manager serving one downstream connection: hyper's HTTP/1.1
+//! (keep-alive) and HTTP/2 servers (AUTO tells them apart by the HTTP/2 preface), and
+//! per request Envoy's steps: request id, route lookup in the route config current
+//! *now* (RDS updates apply to the next request), the route's action, header rules,
+//! the router, response headers, stats and one access log line.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderValue};
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::ConfigProvider;
+use super::body::{LogSlot, ResponseBody};
+use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, StripHostPort};
+use super::filter::chain::ActiveChain;
+use super::filter::{RequestHeaders, Routed, StreamCtx};
+use super::headers::REQUEST_ID;
+use super::matcher::RequestView;
+use super::path_normalization::Normalized;
+use super::route::{Action, PathRedirect, Redirect, RouteConfig};
+use super::router::{self, Head, LocalReply, Upstream};
+use shunt_core::access_log::{Direction, Entry, HttpFields, ResponseFlag};
+use shunt_upstream::http_pool::RequestBody;
+
+/// The downstream connection a request arrived on.
+#[derive(Debug, Clone)]
+pub struct Downstream {
+    pub remote: SocketAddr,
+    pub local: SocketAddr,
+    /// The original destination, when the listener restored one.
+    pub original_dst: Option<SocketAddr>,
+    pub direction: Direction,
+    /// Whether the connection is TLS (terminated by shunt): `x-forwarded-proto: https`.
+    pub secure: bool,
+    /// The proxy's own listener ports (ORIGINAL_DST loop protection).
+    pub own_ports: Arc<[u16]>,
+    /// What HTTP filters read about the connection (TLS peer, SNI, filter state).
+    pub connection: Arc<shunt_core::stream_info::Connection>,
+}
+
+struct Shared {
+    hcm: Arc<HttpConnectionManager>,
+    config: Arc<dyn ConfigProvider>,
+    downstream: Downstream,
+}
+
+/// Serves HTTP on `io` until the downstream closes it. Generic over the stream so a TLS
+/// stream is served the same way as a TCP one. Once `drain` resolves (the proxy is
+/// shutting down) the connection closes gracefully: requests in flight finish, an idle
+/// HTTP/1 connection closes and HTTP/2 sends GOAWAY, as Envoy's drain does.
+pub async fn serve<IO>(
+    hcm: Arc<HttpConnectionManager>,
+    config: Arc<dyn ConfigProvider>,
+    io: IO,
+    downstream: Downstream,
+    drain: impl std::future::Future<Output = ()>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let counted = Arc::new(hcm.stats.connection());
+    let codec = hcm.codec;
+    let remote = downstream.remote;
+    let shared = Arc::new(Shared {
+        hcm,
+        config,
+        downstream,
+    });
+    let limits = shared.hcm.limits.clone();
+    let stats = shared.hcm.stats.clone();
+    let requests = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    // HTTP/2's last request under `max_requests_per_connection`: GOAWAY.
+    let goaway = Arc::new(tokio::sync::Notify::new());
+    let reached = goaway.clone();
+    let service = service_fn(move |request: Request<Incoming>| {
+        let shared = shared.clone();
+        let version = request.version();
+        counted.saw(version);
+        let last = super::limits::last_request(&shared.hcm, &requests);
+        if last && version == Version::HTTP_2 {
+            reached.notify_one();
+        }
+        // Boxed: the request's future is ~10 KiB (every filter's and the router's
+        // states), and hyper moves its service future several times per request (into
+        // the h2 stream, into a spawned task, back out on completion). A pointer moves
+        // instead of 10 KiB; the one allocation costs less than those copies. Written
+        // into an uninitialised box: `Box::pin(future)` built it on the stack first and
+        // copied all of it into the heap.
+        Box::into_pin(Box::write(Box::new_uninit(), async move {
+            let mut response = handle_timed(request, &shared).await;
+            if last && version <= Version::HTTP_11 {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(response)
+        }))
+    });
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder = match codec {
+        Codec::Auto => builder,
+        Codec::Http1 => builder.http1_only(),
+        Codec::Http2 => builder.http2_only(),
+    };
+    // The codecs bound what one connection may hold while a request's headers arrive;
+    // the exact limits (Envoy's counting, its 431 body) are checked per request.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.request_headers_timeout)
+        .max_headers(limits.max_headers_count)
+        .max_buf_size(super::limits::http1_buffer(&limits));
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
+    let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
+    let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    // What makes the connection drain: the drain signal, `max_connection_duration`, or
+    // (HTTP/2) the last request `max_requests_per_connection` allows. Polled only when
+    // one of them woke the task, not at every byte the connection moves.
+    let drains = std::pin::pin!(async {
+        tokio::select! {
+            () = drain => {}
+            () = async {
+                match limits.max_connection_duration {
+                    Some(max) => tokio::time::sleep(max).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                tracing::debug!(%remote, "max_connection_duration reached: draining");
+                stats.downstream_cx_max_duration_reached.inc();
+            }
+            () = goaway.notified() => {
+                tracing::debug!(%remote, "max_requests_per_connection reached: GOAWAY");
+            }
+        }
+    });
+    let mut drains = shunt_core::event::when_woken(drains);
+    tokio::pin!(connection);
+    let mut draining = false;
+    let result = loop {
+        tokio::select! {
+            result = connection.as_mut() => break result,
+            () = &mut drains, if !draining => {}
+        }
+        // Requests in flight finish; an idle HTTP/1 connection closes, a busy one
+        // closes after its response; HTTP/2 sends GOAWAY.
+        draining = true;
+        connection.as_mut().graceful_shutdown();
+    };
+    if let Err(err) = result {
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            stats.downstream_rq_header_timeout.inc();
+        }
+        tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
+    }
+}
+
+fn protocol(version: Version) -> &'static str {
+    match version {
+        Version::HTTP_2 => "HTTP/2",
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_09 => "HTTP/0.9",
+        Version::HTTP_3 => "HTTP/3",
+        _ => "HTTP/1.1",
+    }
+}
+
+fn header_string(headers: &hyper::HeaderMap, name: impl header::AsHeaderName) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A random UUID (version 4), Envoy's `x-request-id`.
+pub fn uuid4() -> String {
+    String::from_utf8_lossy(&uuid4_bytes()).into_owned()
+}
+
+/// [`uuid4`] as its 36 ASCII bytes: every request gets one, so no formatting machinery.
+fn uuid4_bytes() -> [u8; 36] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let a = (fastrand::u64(..) & !0xf000) | 0x4000;
+    let b = (fastrand::u64(..) & !(0b11 << 62)) | (0b10 << 62);
+    let mut digits = [0u8; 32];
+    for i in 0..16 {
+        digits[i] = HEX[((a >> (60 - 4 * i)) & 0xf) as usize];
+        digits[16 + i] = HEX[((b >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    // 8-4-4-4-12: a's 16 digits, then b's 16.
+    let mut out = [b'-'; 36];
+    out[0..8].copy_from_slice(&digits[0..8]);
+    out[9..13].copy_from_slice(&digits[8..12]);
+    out[14..18].copy_from_slice(&digits[12..16]);
+    out[19..23].copy_from_slice(&digits[16..20]);
+    out[24..36].copy_from_slice(&digits[20..32]);
+    out
+}
+
+/// [`handle`] under the stream's timers: one that fires before the response is ready
+/// answers 408 (the request's work dropped); once it is, they run with its body.
+async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    let timeouts = hcm.limits.stream;
+    let http1 = request.version() <= Version::HTTP_11;
+    let log = LogSlot::new();
+    if hyper::body::Body::is_end_stream(request.body()) {
+        log.set_request_complete();
+    }
+    // Pinned where it is made: `select!` on the future itself moved all of it (~9 KiB)
+    // into its own tuple on every request.
+    let handled = std::pin::pin!(handle(request, shared, log.clone()));
+    // Not gated by `event::when_woken`: its first poll is most of its cost, and the
+    // gate's own allocation cost more than the later polls it saved (`callgrind`).
+    let outcome = tokio::select! {
+        response = handled => Ok(response),
+        why = super::timeouts::watch(timeouts, &hcm.stats, &log, false) => Err(why),
+    };
+    let response = match outcome {
+        Ok(response) => response,
+        Err(why) => {
+            // Envoy: 408 while the request is still arriving, 504 once it is all in
+            // (then it is the answer that is late).
+            let code = if log.request_complete() {
+                StatusCode::GATEWAY_TIMEOUT
+            } else {
+                StatusCode::REQUEST_TIMEOUT
+            };
+            let reply = LocalReply::new(code, why.body(), why.flag());
+            let mut response = reply.response();
+            // The rest of the request will not be read.
+            if http1 && !log.request_complete() {
+                close_connection(&mut response);
+            }
+            response
+                .headers_mut()
+                .insert(header::SERVER, hcm.server_name.clone());
+            hcm.stats.response(code.as_u16());
+            return response.map(|body| ResponseBody::full(body).logged(log));
+        }
+    };
+    response.map(|body| body.watched(timeouts, hcm.clone(), log))
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    shared: &Shared,
+    log: Arc<LogSlot>,
+) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    let downstream = &shared.downstream;
+    let _active = hcm.stats.request(request.version());
+    let (mut parts, body) = request.into_parts();
+    // Measured before anything changes the request: its head as it arrived.
+    let request_head_bytes = if hcm.measures_wire_sizes() {
+        super::wire::request_head(&parts)
+    } else {
+        0
+    };
+    log.set_closes(super::wire::closes(&parts));
+    if parts.version != Version::HTTP_2 {
+        super::upgrade::ignore_h2c(&mut parts.headers);
+    }
+    let hosts = parts.headers.get_all(header::HOST).iter().count();
+    let refused = super::limits::check_request(hcm, parts.version, &mut parts.headers);
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| header_string(&parts.headers, header::HOST))
+        .unwrap_or_default();
+    let authority = strip_host_port(
+        authority,
+        hcm.strip_host_port,
+        downstream.local.port(),
+        &parts.method,
+    );
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    // One lookup (the entry) where a check and an insert hashed the name twice.
+    if hcm.generate_request_id
+        && let header::Entry::Vacant(vacant) = parts.headers.entry(REQUEST_ID)
+        && let Ok(mut id) = HeaderValue::from_bytes(&uuid4_bytes())
+    {
+        // Not indexed by an HTTP/2 upstream's HPACK encoder (h2 sends a sensitive value
+        // as a never-indexed literal): a value no later request repeats would take a
+        // slot of the connection's 4 KiB dynamic table, evicting the fields that do
+        // repeat, and every request would walk the chain of the earlier ids.
+        id.set_sensitive(true);
+        vacant.insert(id);
+    }
+    let mut entry = Entry::started_at(
+        downstream.direction,
+        downstream.remote,
+        downstream.local,
+        log.started().into_std(),
+    );
+    entry.original_dst = downstream.original_dst;
+    entry.request_head_bytes = request_head_bytes;
+    // The line's HTTP fields are copies of the request's: made only when a log is on.
+    if !hcm.access_log.is_empty() {
+        entry.http = Some(Box::new(HttpFields {
+            method: parts.method.to_string(),
+            path: path.clone(),
+            protocol: protocol(parts.version),
+            response_code: 0,
+            authority: (!authority.is_empty()).then(|| authority.clone()),
+            request_id: header_string(&parts.headers, REQUEST_ID),
+            user_agent: header_string(&parts.headers, header::USER_AGENT),
+        }));
+    }
+    let mut pending = Pending {
+        entry: Some(Box::new(entry)),
+        hcm: hcm.clone(),
+        log: log.clone(),
+    };
+    let entry = pending.entry.as_mut().expect("just set");
+    // Envoy's codec limits come first: a request over them is refused as it arrives.
+    if let Some(reply) = refused {
+        let reply = reply.response().map(ResponseBody::full);
+        return finish(shared, reply, pending.take(), &log, false).await;
+    }
+    // A CONNECT goes on to routing only to a route with a connect_matcher.
+    if parts.method == hyper::Method::CONNECT
+        && (parts.version != Version::HTTP_2 && parts.uri.authority().is_none()
+            || !routes_connect(shared))
+    {
+        // Rare paths are boxed: the request's future is as large as its largest state.
+        return Box::pin(refuse_connect(shared, &parts, pending.take(), &log)).await;
+    }
+    // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
+    // or any HTTP/1 request with more than one Host line, is answered 400.
+    let http1 = matches!(parts.version, Version::HTTP_10 | Version::HTTP_11);
+    let missing_host =
+        parts.version == Version::HTTP_11 && hosts == 0 && parts.uri.authority().is_none();
+    if missing_host || (http1 && hosts > 1) {
+        tracing::debug!(hosts, "HTTP/1 request without exactly one Host: 400");
+        let mut response = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
+        close_connection(&mut response);
+        return finish(
+            shared,
+            response.map(ResponseBody::full),
+            pending.take(),
+            &log,
+            false,
+        )
+        .await;
+    }
+    // Envoy's path normalization, before filters and routing read the path.
+    let path = match hcm.path_normalization.apply(&path) {
+        Normalized::Path(std::borrow::Cow::Borrowed(_)) => path,
+        Normalized::Path(std::borrow::Cow::Owned(normalized)) => normalized,
+        Normalized::Reject => {
+            hcm.stats.downstream_rq_failed_path_normalization.inc();
+            let reply = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
+            return finish(
+                shared,
+                reply.map(ResponseBody::full),
+                pending.take(),
+                &log,
+                false,
+            )
+            .await;
+        }
+        Normalized::Redirect(location) => {
+            hcm.stats
+                .downstream_rq_redirected_with_normalized_path
+                .inc();
+            let mut reply = LocalReply::new(StatusCode::TEMPORARY_REDIRECT, "", None).response();
+            if let Ok(location) = HeaderValue::from_str(&location) {
+                reply.headers_mut().insert(header::LOCATION, location);
+            }
+            return finish(
+                shared,
+                reply.map(ResponseBody::full),
+                pending.take(),
+                &log,
+                false,
+            )
+            .await;
+        }
+    };
+    let snapshot = shared.config.request_config();
+    let config: Option<Arc<RouteConfig>> = match &hcm.routes {
+        RouteSource::Static(config) => Some(config.clone()),
+        RouteSource::Rds(name) => snapshot.route_config(name).cloned(),
+    };
+    let scheme = if downstream.secure { "https" } else { "http" };
+    let mut request = RequestHeaders {
+        method: parts.method.clone(),
+        authority,
+        path,
+        scheme,
+        version: parts.version,
+        headers: std::mem::take(&mut parts.headers),
+    };
+    let mut routed = config
+        .as_ref()
+        .and_then(|c| Routed::find(c, &request.view()));
+    let mut body = RequestBody::new(body, log.clone());
+    // The HTTP filters, in front of the router (which is what follows).
+    if !hcm.filters.is_empty() {
+        let mut info = shunt_core::stream_info::StreamInfo::new(downstream.connection.clone());
+        info.route_name = routed
+            .as_ref()
+            .map(|r| r.route().name.as_str())
+            .filter(|n| !n.is_empty())
+            .map(Arc::from);
+        let mut chain = ActiveChain::new(&hcm.filters, StreamCtx::new(info, routed.clone()));
+        let end_stream = hyper::body::Body::is_end_stream(&body);
+        let decoded = chain.decode(&mut request, &mut body, end_stream).await;
+        if chain.take_route_cache_cleared() {
+            routed = config
+                .as_ref()
+                .and_then(|c| Routed::find(c, &request.view()));
+            chain.ctx.route = routed.clone();
+        }
+        if let Err(reply) = decoded {
+            tracing::debug!(status = %reply.status, details = %reply.details, "HTTP filter local reply");
+            if let Some(flag) = reply.flag {
+                entry.flag(flag);
+            }
+            chain.note_reply(&reply);
+            log.set_chain(chain);
+            let response = reply.response().map(ResponseBody::full);
+            return finish(shared, response, pending.take(), &log, false).await;
+        }
+        log.set_chain(chain);
+    }
+    let RequestHeaders {
+        method,
+        authority,
+        path,
+        headers,
+        ..
+    } = request;
+    parts.method = method;
+    parts.headers = headers;
+    let entry = pending.entry.as_mut().expect("just set");
+    let view = RequestView {
+        method: parts.method.as_str(),
+        authority: &authority,
+        path: &path,
+        scheme,
+        headers: &parts.headers,
+    };
+    let Some(routed) = routed else {
+        tracing::debug!(stat_prefix = %hcm.stat_prefix, %authority, %path, "no route");
+        hcm.stats.no_route.inc();
+        entry.flag(ResponseFlag::NoRouteFound);
+        let reply = LocalReply::new(StatusCode::NOT_FOUND, "", None).response();
+        return finish(
+            shared,
+            reply.map(ResponseBody::full),
+            pending.take(),
+            &log,
+            false,
+        )
+        .await;
+    };
+    let (config, vhost, route) = (&*routed.config, routed.virtual_host(), routed.route());
+    tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
+    let response = match &route.action {
+        Action::DirectResponse { status, body } => {
+            hcm.stats.rq_direct_response.inc();
+            let mut response = Response::new(ResponseBody::full(body.clone()));
+            *response.status_mut() = *status;
+            if !body.is_empty() {
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            }
+            response
+        }
+        Action::Redirect(redirect) => {
+            hcm.stats.rq_redirect.inc();
+            let location = redirect_location(
+                redirect,
+                route.matcher.matched_prefix_len(),
+                scheme,
+                &authority,
+                &path,
+            );
+            let mut response = Response::new(ResponseBody::full(Bytes::new()));
+            *response.status_mut() = redirect.status;
+            if let Ok(location) = HeaderValue::from_str(&location) {
+                response.headers_mut().insert(header::LOCATION, location);
+            }
+            response
+        }
+        Action::Route(action) => {
+            if let Some(max) = action
+                .stream_duration
+                .and_then(|d| d.for_request(&parts.headers))
+            {
+                log.set_max_duration(max);
+            }
+            let picked = match routed.weighted_cluster() {
+                Some(weighted) => Some((weighted.name.clone(), Some(weighted))),
+                None => action.cluster.pick(&view),
+            };
+            if let Some((name, _)) = &picked {
+                entry.upstream_cluster = Some(name.clone());
+            }
+            let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&*name) {
+                Some(cluster) => Some((cluster, weighted)),
+                None => {
+                    tracing::debug!(cluster = %name, "route names an unknown cluster");
+                    None
+                }
+            });
+            // No cluster picked (a `cluster_header` the request lacks) or none of that name.
+            if let Some((cluster, _)) = &found {
+                entry.upstream_cluster_metadata = cluster.metadata.clone();
+            }
+            let Some((cluster, weighted)) = found else {
+                hcm.stats.no_cluster.inc();
+                entry.flag(ResponseFlag::NoClusterFound);
+                let reply = LocalReply::new(action.cluster_not_found, "", None).response();
+                return finish(
+                    shared,
+                    reply.map(ResponseBody::full),
+                    pending.take(),
+                    &log,
+                    false,
+                )
+                .await;
+            };
+            if parts.method == hyper::Method::CONNECT {
+                let upstream = Upstream {
+                    cluster,
+                    destination: downstream.original_dst.unwrap_or(downstream.local),
+                    downstream_local: downstream.local,
+                    own_ports: &downstream.own_ports,
+                    retry_policy: None,
+                    suppress_envoy_headers: hcm.suppress_envoy_headers,
+                    hash: None,
+                    secrets: snapshot.secrets(),
+                    alpn: None,
+                };
+                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
+                let result = match (action.connect, on_upgrade) {
+                    (Some(connect), Some(on_upgrade)) if connect.terminate => {
+                        Box::pin(super::connect::terminate(
+                            &upstream,
+                            &authority,
+                            downstream.remote,
+                            on_upgrade,
+                            log.clone(),
+                            &hcm.stats,
+                            entry,
+                        ))
+                        .await
+                    }
+                    // Envoy refuses a CONNECT the route does not upgrade.
+                    _ => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
+                };
+                let response = match result {
+                    Ok(response) => response,
+                    Err(reply) => {
+                        if let Some(flag) = reply.flag {
+                            entry.flag(flag);
+                        }
+                        reply.response().map(ResponseBody::full)
+                    }
+                };
+                return finish(shared, response, pending.take(), &log, true).await;
+            }
+            // Request headers: weighted cluster, route, virtual host, route configuration.
+            let hash =
+                super::route::request_hash(&action.hash_policy, &view, downstream.remote.ip());
+            let mut headers = std::mem::take(&mut parts.headers);
+            // HTTP/2's codec refuses a request with any of these (RFC 9113 8.2.2; `te`
+            // only as `trailers`): there is nothing to upgrade or strip.
+            let upgrade = if parts.version == Version::HTTP_2 {
+                None
+            } else {
+                let upgrade =
+                    super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
+                router::strip_hop_by_hop(&mut headers);
+                upgrade
+            };
+            if let Some(weighted) = weighted {
+                weighted.request_headers.apply(&mut headers);
+            }
+            for rules in config.header_rules(vhost, route, false) {
+                rules.apply(&mut headers);
+            }
+            headers
+                .entry(super::headers::FORWARDED_PROTO)
+                .or_insert_with(|| {
+                    HeaderValue::from_static(if downstream.secure { "https" } else { "http" })
+                });
+            if hcm.use_remote_address {
+                let xff = super::headers::FORWARDED_FOR;
+                let ip = downstream.remote.ip().to_canonical().to_string();
+                let value = match header_string(&headers, &xff) {
+                    Some(existing) => format!("{existing},{ip}"),
+                    None => ip,
+                };
+                if let Ok(value) = HeaderValue::from_str(&value) {
+                    headers.insert(xff, value);
+                }
+            }
+            // Most routes rewrite nothing: then the request's path goes on as it is.
+            let rewritten = if let (Some(rewrite), Some(len)) =
+                (&action.prefix_rewrite, route.matcher.matched_prefix_len())
+            {
+                let rest = path.get(len..).unwrap_or("");
+                Some(format!("{rewrite}{rest}"))
+            } else if let Some((pattern, substitution)) = &action.regex_rewrite {
+                let (only, query) = match path.split_once('?') {
+                    Some((p, q)) => (p, Some(q)),
+                    None => (path.as_str(), None),
+                };
+                let rewritten = pattern.replace_all(only, substitution.as_str());
+                Some(match query {
+                    Some(q) => format!("{rewritten}?{q}"),
+                    None => rewritten.into_owned(),
+                })
+            } else {
+                None
+            };
+            let upstream_path = match rewritten {
+                Some(rewritten) => {
+                    if rewritten != path
+                        && let Ok(original) = HeaderValue::from_str(&path)
+                    {
+                        headers.insert(super::headers::ENVOY_ORIGINAL_PATH, original);
+                    }
+                    rewritten
+                }
+                None => path,
+            };
+            let upstream_authority = weighted
+                .and_then(|w| w.host_rewrite.clone())
+                .or_else(|| action.host_rewrite.clone())
+                .unwrap_or(authority);
+            let head = Head {
+                method: parts.method.clone(),
+                authority: upstream_authority,
+                path: upstream_path,
+                received_path: parts.uri.path_and_query().cloned(),
+                headers,
+                downstream_version: parts.version,
+            };
+            let upstream = Upstream {
+                cluster,
+                destination: downstream.original_dst.unwrap_or(downstream.local),
+                downstream_local: downstream.local,
+                own_ports: &downstream.own_ports,
+                retry_policy: action
+                    .retry_policy
+                    .as_deref()
+                    .or(vhost.retry_policy.as_deref()),
+                suppress_envoy_headers: hcm.suppress_envoy_headers,
+                hash,
+                secrets: snapshot.secrets(),
+                alpn: log.upstream_alpn(cluster, parts.version),
+            };
+            let result = if let Some((kind, value)) = upgrade {
+                let mut head = head;
+                head.headers.insert(header::UPGRADE, value);
+                let allowed = parts.version == Version::HTTP_11 && hcm.upgrades.contains(&kind);
+                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
+                match on_upgrade.filter(|_| allowed) {
+                    Some(on_upgrade) => {
+                        Box::pin(super::upgrade::forward(
+                            &upstream,
+                            head,
+                            body,
+                            on_upgrade,
+                            log.clone(),
+                            &hcm.stats,
+                            entry,
+                        ))
+                        .await
+                    }
+                    // Envoy refuses upgrades its config does not name.
+                    None => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
+                }
+            } else {
+                router::forward(&upstream, action, head, body, entry)
+                    .await
+                    .map(|forwarded| {
+                        let (mut response_parts, incoming) = forwarded.response.into_parts();
+                        router::strip_hop_by_hop(&mut response_parts.headers);
+                        if !hcm.suppress_envoy_headers {
+                            response_parts.headers.insert(
+                                super::headers::ENVOY_UPSTREAM_SERVICE_TIME,
+                                router::millis_header(forwarded.service_time.as_millis() as u64),
+                            );
+                        }
+                        if let Some(weighted) = weighted {
+                            weighted.response_headers.apply(&mut response_parts.headers);
+                        }
+                        Response::from_parts(
+                            response_parts,
+                            ResponseBody::upstream(
+                                incoming,
+                                forwarded
+                                    .deadline
+                                    .map(|d| (d, cluster.stats.upstream_rq_timeout.clone())),
+                            ),
+                        )
+                    })
+            };
+            match result {
+                Ok(mut response) => {
+                    for rules in config.header_rules(vhost, route, true) {
+                        rules.apply(response.headers_mut());
+                    }
+                    return finish(shared, response, pending.take(), &log, true).await;
+                }
+                Err(reply) => {
+                    // The upstream request failed because the downstream's body broke
+                    // the protocol: Envoy's codec answers 400 and closes the connection.
+                    let downstream_fault = log.downstream_protocol_error();
+                    let reply = if downstream_fault {
+                        LocalReply::downstream_protocol_error()
+                    } else {
+                        reply
+                    };
+                    if let Some(flag) = reply.flag {
+                        entry.flag(flag);
+                    }
+                    let mut response = reply.response();
+                    if downstream_fault {
+                        close_connection(&mut response);
+                    }
+                    response.map(ResponseBody::full)
+                }
+            }
+        }
+    };
+    let mut response = response;
+    for rules in config.header_rules(vhost, route, true) {
+        rules.apply(response.headers_mut());
+    }
+    finish(shared, response, pending.take(), &log, false).await
+}
+
+/// Envoy's `strip_any_host_port` / `strip_matching_host_port` (the latter when the port
+/// is the listener's): the Host without its port, for routing and upstream alike.
+fn strip_host_port(
+    authority: String,
+    mode: StripHostPort,
+    listener_port: u16,
+    method: &hyper::Method,
+) -> String {
+    // A CONNECT's port is where the tunnel goes.
+    if mode == StripHostPort::Keep || method == hyper::Method::CONNECT {
+        return authority;
+    }
+    let host = super::route::strip_port(&authority);
+    let port = authority.get(host.len() + 1..).unwrap_or("");
+    let strip = !port.is_empty()
+        && (mode == StripHostPort::Any || port.parse::<u16>().ok() == Some(listener_port));
+    if strip { host.to_owned() } else { authority }
+}
+
+/// Whether the connection manager's routes can serve a CONNECT at all (one has a
+/// `connect_matcher`); RDS routes are looked at as they are now.
+fn routes_connect(shared: &Shared) -> bool {
+    match &shared.hcm.routes {
+        RouteSource::Static(config) => config.has_connect_routes(),
+        RouteSource::Rds(name) => shared
+            .config
+            .request_config()
+            .route_config(name)
+            .is_some_and(|c| c.has_connect_routes()),
+    }
+}
+
+/// CONNECT, which only a route with a `connect_matcher` serves in Envoy: without one,
+/// a CONNECT is answered as Envoy answers one no route matches: 404 NR, and the HTTP/1
+/// connection closed. A CONNECT whose target is not `host:port` is a malformed request
+/// to Envoy's HTTP/1 codec: 400 DPE.
+async fn refuse_connect(
+    shared: &Shared,
+    parts: &hyper::http::request::Parts,
+    mut entry: Box<Entry>,
+    log: &Arc<LogSlot>,
+) -> Response<ResponseBody> {
+    let http1 = parts.version != Version::HTTP_2;
+    let reply = if http1 && parts.uri.authority().is_none() {
+        LocalReply::downstream_protocol_error()
+    } else {
+        tracing::debug!(stat_prefix = %shared.hcm.stat_prefix, uri = %parts.uri, "CONNECT: no route");
+        shared.hcm.stats.no_route.inc();
+        LocalReply::new(StatusCode::NOT_FOUND, "", Some(ResponseFlag::NoRouteFound))
+    };
+    if let Some(flag) = reply.flag {
+        entry.flag(flag);
+    }
+    let mut response = reply.response();
+    if http1 {
+        close_connection(&mut response);
+    }
+    finish(shared, response.map(ResponseBody::full), entry, log, false).await
+}
+
+/// Asks hyper to close the downstream connection once this response is sent (and says
+/// so in `connection: close`), as Envoy does after a protocol error.
+fn close_connection<B>(response: &mut Response<B>) {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+}
+
+/// The log entry of a request still being handled. hyper drops the request's future
+/// when the downstream goes away; the request is then logged with flag DC, as Envoy
+/// logs a stream the downstream reset.
+struct Pending {
+    /// Boxed: the entry (~350 bytes) moves from here into `finish` and on into the log
+    /// slot; a pointer moves instead (`memcpy` calls were ~15% of h2's instructions).
+    entry: Option<Box<Entry>>,
+    hcm: Arc<HttpConnectionManager>,
+    log: Arc<LogSlot>,
+}
+
+impl Pending {
+    fn take(&mut self) -> Box<Entry> {
+        self.entry.take().expect("a request is finished once")
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(mut entry) = self.entry.take() {
+            // Dropped for a stream timer's 408, or because the downstream went away.
+            match self.log.timeout() {
+                Some(why) => {
+                    if let Some(flag) = why.flag() {
+                        entry.flag(flag);
+                    }
+                    if let Some(http) = entry.http.as_mut() {
+                        http.response_code = 408;
+                    }
+                }
+                None => entry.flag(ResponseFlag::DownstreamConnectionTermination),
+            }
+            self.log.fill(entry, self.hcm.clone());
+        }
+    }
+}
+
+/// Server header, version, stats, the access log line: what every response gets.
+async fn finish(
+    shared: &Shared,
+    mut response: Response<ResponseBody>,
+    mut entry: Box<Entry>,
+    log: &Arc<LogSlot>,
+    from_upstream: bool,
+) -> Response<ResponseBody> {
+    let hcm = &shared.hcm;
+    // The encoder filters, last to first; the chain then waits in the log slot for the
+    // end of the stream. Boxed: their state (over 2 KiB) would size every `finish`,
+    // and each `finish` future is moved whole into its caller's when it starts.
+    if let Some(mut chain) = log.take_chain() {
+        // Encoders see the upstream host, as in Envoy (peer_metadata's workload discovery
+        // finds the upstream peer by it).
+        chain.ctx.info.upstream_host = entry.upstream_host;
+        response = Box::pin(async {
+            let response = chain.encode(response).await;
+            chain.ctx.info.response_code = Some(response.status().as_u16());
+            log.set_chain(chain);
+            response
+        })
+        .await;
+    }
+    let headers = response.headers_mut();
+    match hcm.server_header {
+        ServerHeader::Overwrite => {
+            headers.insert(header::SERVER, hcm.server_name.clone());
+        }
+        ServerHeader::AppendIfAbsent => {
+            if !headers.contains_key(header::SERVER) {
+                headers.insert(header::SERVER, hcm.server_name.clone());
+            }
+        }
+        ServerHeader::PassThrough => {
+            if !from_upstream {
+                headers.insert(header::SERVER, hcm.server_name.clone());
+            }
+        }
+    }
+    let status = response.status().as_u16();
+    hcm.stats.response(status);
+    if let Some(http) = entry.http.as_mut() {
+        http.response_code = status;
+    }
+    let body_len = hyper::body::Body::size_hint(response.body()).exact();
+    let (parts, body) = response.into_parts();
+    if hcm.measures_wire_sizes() {
+        entry.response_head_bytes = super::wire::response_head(&parts, body_len, log.closes());
+        if super::wire::chunked(&parts, body_len) {
+            log.set_chunked();
+        }
+    }
+    log.fill(entry, hcm.clone());
+    Response::from_parts(parts, body.logged(log.clone()))
+}
+
+/// The `Location` of a redirect: each part of the request's URL the redirect replaces.
+pub fn redirect_location(
+    redirect: &Redirect,
+    matched_prefix_len: Option<usize>,
+    scheme: &str,
+    authority: &str,
+    path: &str,
+) -> String {
+    let new_scheme = redirect.scheme.as_deref().unwrap_or(scheme);
+    let host = redirect
+        .host
+        .as_deref()
+        .unwrap_or_else(|| super::route::strip_port(authority));
+    let original_port = (redirect.host.is_none())
+        .then(|| authority.get(super::route::strip_port(authority).len() + 1..))
+        .flatten()
+        .filter(|p| !p.is_empty());
+    let port = match (redirect.port, original_port) {
+        (Some(port), _) => Some(port.to_string()),
+        // A scheme change drops the old scheme's port, as Envoy does.
+        (None, Some(port)) if new_scheme == scheme => Some(port.to_owned()),
+        _ => None,
+    };
+    let (only_path, query) = match path.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path, None),
+    };
+    let mut new_path = match &redirect.path {
+        PathRedirect::Keep => only_path.to_owned(),
+        PathRedirect::Path(p) => p.clone(),
+        PathRedirect::Prefix(prefix) => {
+            let rest = matched_prefix_len
+                .and_then(|len| only_path.get(len..))
+                .unwrap_or("");
+            format!("{prefix}{rest}")
+        }
+    };
+    let path_has_query = new_path.contains('?');
+    if !redirect.strip_query
+        && !path_has_query
+        && let Some(q) = query
+    {
+        new_path = format!("{new_path}?{q}");
+    }
+    match port {
+        Some(port) => format!("{new_scheme}://{host}:{port}{new_path}"),
+        None => format!("{new_scheme}://{host}{new_path}"),
+    }
+}

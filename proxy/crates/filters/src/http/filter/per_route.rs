@@ -1,0 +1,111 @@
+//! `typed_per_filter_config` (on a route configuration, virtual host, route or weighted
+//! cluster), compiled: filter name to its per-route config, `disabled` and
+//! `is_optional` (Envoy's `envoy.config.route.v3.FilterConfig` wrapper).
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::route::v3::FilterConfig;
+use envoy_types::pb::google::protobuf::Any as PbAny;
+
+use shunt_config::Diagnostics;
+use shunt_config::convert::{decode, type_name};
+
+const FILTER_CONFIG: &str = "envoy.config.route.v3.FilterConfig";
+
+/// A filter's compiled per-route config; the filter downcasts it
+/// ([`super::StreamCtx::route_config`]).
+pub trait RouteSpecificConfig: fmt::Debug + Send + Sync {
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One `typed_per_filter_config` entry.
+#[derive(Debug, Clone, Default)]
+pub struct PerFilterConfig {
+    /// The filter is off for this route (or, when false and the filter is disabled in
+    /// the connection manager, on).
+    pub disabled: bool,
+    /// `None`: only `disabled` was given (a `FilterConfig` without `config`), or the
+    /// filter is not implemented and the entry was optional.
+    pub config: Option<Arc<dyn RouteSpecificConfig>>,
+}
+
+/// Filter name to its entry; empty (and unallocated) for most routes.
+pub type PerFilterConfigs = HashMap<String, PerFilterConfig>;
+
+/// Compiles `typed_per_filter_config` at `path`. A per-route type no filter of shunt
+/// compiles is a warning (the filter itself is refused or skipped where it is
+/// configured); one that does not compile is an error.
+pub fn compile(
+    configs: &HashMap<String, PbAny>,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> PerFilterConfigs {
+    let mut compiled = PerFilterConfigs::new();
+    // Sorted, so diagnostics come in a stable order.
+    let mut names: Vec<_> = configs.keys().collect();
+    names.sort();
+    for name in names {
+        let e_path = format!("{path}[{name:?}]");
+        if let Some(entry) = compile_one(name, &configs[name], &e_path, problems) {
+            compiled.insert(name.clone(), entry);
+        }
+    }
+    compiled
+}
+
+fn compile_one(
+    name: &str,
+    any: &PbAny,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<PerFilterConfig> {
+    let any = shunt_config::typed_struct::unwrap(any, path, problems)?;
+    let (disabled, is_optional, inner, inner_path) = if type_name(&any) == FILTER_CONFIG {
+        let wrapper = decode::<FilterConfig>(&any, path, problems)?;
+        let inner = match wrapper.config {
+            Some(config) => Some(
+                shunt_config::typed_struct::unwrap(&config, &format!("{path}.config"), problems)?
+                    .into_owned(),
+            ),
+            None => None,
+        };
+        (
+            wrapper.disabled,
+            wrapper.is_optional,
+            inner,
+            format!("{path}.config"),
+        )
+    } else {
+        (false, false, Some(any.into_owned()), path.to_owned())
+    };
+    let Some(inner) = inner else {
+        return Some(PerFilterConfig {
+            disabled,
+            config: None,
+        });
+    };
+    let kind = type_name(&inner);
+    let Some(compile) = super::registry::find_per_route(kind) else {
+        let why = if is_optional {
+            "it is optional"
+        } else {
+            "the filter is not implemented"
+        };
+        problems.warning(
+            &inner_path,
+            format!("per-route config {kind} for HTTP filter {name:?} is ignored: {why}"),
+        );
+        return Some(PerFilterConfig {
+            disabled,
+            config: None,
+        });
+    };
+    let config = compile(&inner, &inner_path, problems)?;
+    Some(PerFilterConfig {
+        disabled,
+        config: Some(config),
+    })
+}

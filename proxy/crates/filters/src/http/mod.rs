@@ -1,0 +1,64 @@
+//! HTTP: Envoy's `http_connection_manager` network filter and its router. A listener's
+//! filter chain hands its connection to [`connection_manager::serve`], which speaks
+//! HTTP/1.1 and HTTP/2 to the downstream, routes each request with a [`RouteConfig`]
+//! ([`route`]: virtual hosts, routes, actions; compiled by [`route_config::compile`])
+//! and forwards it with the [`router`] over the cluster's connection pools
+//! (`upstream::http_pool`).
+//!
+//! Each request reads the config current when it arrives through [`ConfigProvider`]:
+//! the snapshot, which sits above this module, implements it.
+
+pub mod alpn;
+pub mod body;
+pub mod compile;
+pub mod config;
+pub mod connect;
+pub mod connect_authority;
+pub mod connect_baggage;
+pub mod connection_manager;
+pub mod cors;
+pub mod delayed_close;
+pub mod ext_authz;
+pub mod fault;
+pub mod filter;
+pub mod grpc_stats;
+pub mod header_rules;
+pub mod headers;
+pub mod limits;
+pub mod matcher;
+pub mod path_normalization;
+
+pub mod route;
+pub mod route_action;
+pub mod route_config;
+pub mod router;
+pub mod set_filter_state;
+pub mod timeouts;
+pub mod upgrade;
+pub mod wire;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+pub use config::HttpConnectionManager;
+pub use route::RouteConfig;
+
+use shunt_tls::Secrets;
+use shunt_upstream::Clusters;
+
+/// The config one request is routed with: the snapshot current when it arrived.
+pub trait RequestConfig: Send + Sync {
+    /// A route configuration from RDS, by name.
+    fn route_config(&self, name: &str) -> Option<&Arc<RouteConfig>>;
+    fn clusters(&self) -> &Clusters;
+    /// Named secrets (static or SDS), looked up at each upstream handshake.
+    fn secrets(&self) -> &Secrets;
+}
+
+/// Where the connection manager finds the config current at each request (the
+/// snapshot store, which xDS swaps).
+pub trait ConfigProvider: Send + Sync {
+    fn request_config(&self) -> Arc<dyn RequestConfig>;
+}

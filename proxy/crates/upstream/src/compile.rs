@@ -1,0 +1,1020 @@
+//! Compiling `static_resources.clusters` into [`Cluster`]s: discovery type, endpoints,
+//! `lb_policy` and its config, `connect_timeout`, `upstream_bind_config`, circuit
+//! breakers, outlier detection and active health checks. What shunt cannot honour is an
+//! error when it changes where traffic goes, a warning when it only changes how well.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3::{
+    Cluster as EnvoyCluster, OutlierDetection as EnvoyOutlier,
+    cluster::{
+        ClusterDiscoveryType, DiscoveryType, DnsLookupFamily, LbConfig, LbPolicy as EnvoyLbPolicy,
+    },
+};
+use envoy_types::pb::envoy::config::core::v3::address::Address;
+use envoy_types::pb::envoy::config::core::v3::{
+    HealthCheck as EnvoyHealthCheck, HealthStatus, RoutingPriority,
+    health_check::{HealthChecker, Payload, payload},
+};
+use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+
+use super::cluster::UpstreamProtocol;
+use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
+use super::dns::{DnsTarget, LookupFamily};
+use super::health_check::{Checker, HealthCheck};
+use super::host::{FAILED_EDS_HEALTH, Host};
+use super::load_balancer::{
+    DEFAULT_MAGLEV_TABLE_SIZE, DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, LbPolicy,
+};
+use super::outlier::OutlierDetection;
+use super::stats::ClusterStats;
+use super::{Cluster, ClusterConfig, Clusters, Discovery};
+use shunt_config::Diagnostics;
+use shunt_config::convert::{self, duration_or};
+use shunt_core::stats::Store;
+
+/// The compiled clusters, and the endpoints left out of them for being Unix domain
+/// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether
+/// leaving them out matters depends on whether a served listener routes to the cluster
+/// (see `snapshot::compile`).
+#[derive(Default)]
+pub struct CompiledClusters {
+    pub clusters: Clusters,
+    /// The clusters compiled afresh (not kept from the previous snapshot): they start.
+    pub fresh: Vec<Arc<Cluster>>,
+    pub pipe_endpoints: Vec<(String, Vec<String>)>,
+}
+
+/// A cluster to compile: its index in `static_resources.clusters` (`None`: from CDS),
+/// its config and the config's digest.
+pub type Source<'a> = (Option<usize>, &'a EnvoyCluster, u64);
+
+/// What an update does to one dynamic cluster (see [`patch`]).
+#[derive(Debug, PartialEq)]
+pub enum ClusterChange<'a> {
+    /// Added, or its config (endpoints included) changed: the new version.
+    Upserted(Source<'a>),
+    Removed(&'a str),
+}
+
+/// A cluster's JSON path in messages, written only when needed: an update keeps most
+/// clusters as they are and names none of them.
+fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> String {
+    match index {
+        Some(i) => format!("static_resources.clusters[{i}]"),
+        None => format!("Cluster {:?}", cluster.name),
+    }
+}
+
+/// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
+/// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
+/// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
+/// connection counts carry over an update.
+pub fn compile_all(
+    clusters: &[Source<'_>],
+    previous: Option<&Clusters>,
+    stats: &Store,
+    problems: &mut Diagnostics,
+) -> CompiledClusters {
+    let mut compiled = CompiledClusters::default();
+    for source in clusters {
+        compiled.add(*source, previous, stats, problems);
+    }
+    compiled
+}
+
+/// Compiles an update as a patch of `previous` (compiled from the same bootstrap): its
+/// clusters with `changes` applied, the others keeping their `Arc`. The result is what
+/// [`compile_all`] makes of the whole updated set, at the cost of the changed clusters
+/// only; the caller checks that no change needs a check across clusters (a missing
+/// name, the name of a static cluster: see `snapshot::cluster_changes`).
+pub fn patch(
+    previous: &Clusters,
+    changes: &[ClusterChange<'_>],
+    stats: &Store,
+    problems: &mut Diagnostics,
+) -> CompiledClusters {
+    // Clones only pointers: the names and clusters are shared.
+    let mut compiled = CompiledClusters {
+        clusters: previous.clone(),
+        ..Default::default()
+    };
+    // Every changed name goes first, so that a replaced cluster is not a second one.
+    for change in changes {
+        let name = match change {
+            ClusterChange::Upserted((_, cluster, _)) => cluster.name.as_str(),
+            ClusterChange::Removed(name) => name,
+        };
+        compiled.clusters.remove(name);
+    }
+    for change in changes {
+        if let ClusterChange::Upserted(source) = change {
+            compiled.add(*source, Some(previous), stats, problems);
+        }
+    }
+    compiled
+}
+
+impl CompiledClusters {
+    /// Adds one cluster: kept from `previous` if its config is the same there, else
+    /// compiled (and `fresh`).
+    fn add(
+        &mut self,
+        (index, cluster, digest): Source<'_>,
+        previous: Option<&Clusters>,
+        stats: &Store,
+        problems: &mut Diagnostics,
+    ) {
+        if cluster.name.is_empty() {
+            let path = path_of(index, cluster);
+            problems.error(format!("{path}.name"), "a cluster needs a name");
+            return;
+        }
+        if self.clusters.contains_key(cluster.name.as_str()) {
+            let path = path_of(index, cluster);
+            problems.error(
+                format!("{path}.name"),
+                format!("a second cluster named {:?}", cluster.name),
+            );
+            return;
+        }
+        let kept = previous
+            .and_then(|p| p.get(cluster.name.as_str()))
+            .filter(|c| c.config_digest == digest)
+            .cloned();
+        let mut pipes = Vec::new();
+        let built = match kept {
+            Some(kept) => Some(kept),
+            None => {
+                let path = path_of(index, cluster);
+                let made = compile(cluster, &path, digest, stats, &mut pipes, problems);
+                self.fresh.extend(made.clone());
+                made
+            }
+        };
+        if let Some(c) = built {
+            self.clusters.insert(cluster.name.as_str().into(), c);
+        }
+        if !pipes.is_empty() {
+            self.pipe_endpoints.push((cluster.name.clone(), pipes));
+        }
+    }
+}
+
+struct Endpoint {
+    host: String,
+    port: u16,
+    weight: u32,
+    priority: u32,
+    unhealthy: bool,
+    /// `metadata.filter_metadata["envoy.transport_socket_match"]`.
+    socket_match: Option<Arc<shunt_tls::transport_socket::MatchMetadata>>,
+    /// `envoy_internal_address` (then `host` is empty and `port` 0).
+    internal: Option<super::internal::InternalAddress>,
+    metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+}
+
+/// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
+/// go to `pipes`.
+pub fn compile(
+    cluster: &EnvoyCluster,
+    path: &str,
+    digest: u64,
+    stats: &Store,
+    pipes: &mut Vec<String>,
+    problems: &mut Diagnostics,
+) -> Option<Arc<Cluster>> {
+    let errors_before = problems.errors.len();
+    let mut config = ClusterConfig::new(cluster.name.clone());
+    config.config_digest = digest;
+    let observability_name = if cluster.alt_stat_name.is_empty() {
+        &cluster.name
+    } else {
+        &cluster.alt_stat_name
+    };
+    config.stats = ClusterStats::new(stats, observability_name);
+    config.http_protocol = http_protocol(cluster, path, problems);
+
+    let kind = match &cluster.cluster_discovery_type {
+        None => DiscoveryType::Static,
+        Some(ClusterDiscoveryType::Type(t)) => DiscoveryType::try_from(*t).unwrap_or_else(|_| {
+            problems.error(format!("{path}.type"), format!("unknown cluster type {t}"));
+            DiscoveryType::Static
+        }),
+        Some(ClusterDiscoveryType::ClusterType(custom)) => {
+            problems.error(
+                format!("{path}.cluster_type"),
+                format!(
+                    "custom cluster type {:?} is not implemented yet",
+                    custom.name
+                ),
+            );
+            return None;
+        }
+    };
+
+    config.connect_timeout = duration_or(
+        cluster.connect_timeout.as_ref(),
+        DEFAULT_CONNECT_TIMEOUT,
+        &format!("{path}.connect_timeout"),
+        problems,
+    );
+    config.lb_policy = lb_policy(cluster, kind, path, problems);
+    let endpoints = endpoints(cluster, kind, path, pipes, problems);
+
+    let family = match DnsLookupFamily::try_from(cluster.dns_lookup_family) {
+        Ok(DnsLookupFamily::V4Only) => LookupFamily::V4Only,
+        Ok(DnsLookupFamily::V6Only) => LookupFamily::V6Only,
+        Ok(DnsLookupFamily::V4Preferred) => LookupFamily::V4Preferred,
+        Ok(DnsLookupFamily::All) => LookupFamily::All,
+        _ => LookupFamily::Auto,
+    };
+    #[allow(
+        deprecated,
+        reason = "Envoy still reads dns_refresh_rate, and bootstraps use it"
+    )]
+    let refresh_rate = cluster.dns_refresh_rate.as_ref();
+    let refresh = duration_or(
+        refresh_rate,
+        DEFAULT_DNS_REFRESH_RATE,
+        &format!("{path}.dns_refresh_rate"),
+        problems,
+    );
+    if refresh.is_zero() {
+        problems.error(
+            format!("{path}.dns_refresh_rate"),
+            "must be greater than 0s",
+        );
+    }
+    let target = |e: &Endpoint| DnsTarget {
+        name: e.host.clone(),
+        port: e.port,
+        weight: e.weight,
+        priority: e.priority,
+    };
+    let mut hosts = Vec::new();
+    config.discovery = match kind {
+        DiscoveryType::Static | DiscoveryType::Eds => {
+            for (endpoint, endpoint_path) in &endpoints {
+                if let Some(internal) = &endpoint.internal {
+                    hosts.push(
+                        Host::internal(internal.clone())
+                            .with_weight(endpoint.weight)
+                            .with_priority(endpoint.priority)
+                            .with_socket_match(endpoint.socket_match.clone())
+                            .with_metadata(endpoint.metadata.clone()),
+                    );
+                    continue;
+                }
+                match endpoint.host.parse::<std::net::IpAddr>() {
+                    Ok(ip) => hosts.push(
+                        Host::new(std::net::SocketAddr::new(ip, endpoint.port))
+                            .with_weight(endpoint.weight)
+                            .with_priority(endpoint.priority)
+                            .with_socket_match(endpoint.socket_match.clone())
+                            .with_metadata(endpoint.metadata.clone())
+                            .with_health_flags(if endpoint.unhealthy {
+                                FAILED_EDS_HEALTH
+                            } else {
+                                0
+                            }),
+                    ),
+                    Err(_) => problems.error(
+                        format!("{endpoint_path}.address"),
+                        format!(
+                            "{:?} is not an IP address; a {} cluster needs IP endpoints \
+                             (use STRICT_DNS or LOGICAL_DNS for names)",
+                            endpoint.host,
+                            kind.as_str_name()
+                        ),
+                    ),
+                }
+            }
+            if kind == DiscoveryType::Eds {
+                // Envoy's proto validation: a config source needs its specifier.
+                if let Some(eds) = &cluster.eds_cluster_config
+                    && eds
+                        .eds_config
+                        .as_ref()
+                        .is_some_and(|source| source.config_source_specifier.is_none())
+                {
+                    problems.error(
+                        format!("{path}.eds_cluster_config.eds_config"),
+                        "a config source needs ads, api_config_source or path_config_source",
+                    );
+                }
+                if cluster.load_assignment.is_none() {
+                    problems.warning(
+                        format!("{path}.eds_cluster_config"),
+                        "a static cluster gets no endpoints over EDS (only CDS clusters \
+                         subscribe to theirs) and this one has no load_assignment: it has \
+                         no endpoints",
+                    );
+                }
+                Discovery::Eds
+            } else {
+                Discovery::Static
+            }
+        }
+        DiscoveryType::StrictDns => Discovery::StrictDns {
+            targets: endpoints.iter().map(|(e, _)| target(e)).collect(),
+            refresh,
+            family,
+        },
+        DiscoveryType::LogicalDns => {
+            if endpoints.len() != 1 {
+                problems.error(
+                    format!("{path}.load_assignment"),
+                    format!(
+                        "LOGICAL_DNS needs exactly one endpoint, not {}",
+                        endpoints.len()
+                    ),
+                );
+                return None;
+            }
+            Discovery::LogicalDns {
+                target: target(&endpoints[0].0),
+                refresh,
+                family,
+            }
+        }
+        DiscoveryType::OriginalDst => {
+            if !endpoints.is_empty() {
+                problems.error(
+                    format!("{path}.load_assignment"),
+                    "an ORIGINAL_DST cluster has no endpoints of its own",
+                );
+            }
+            config.cleanup_interval = duration_or(
+                cluster.cleanup_interval.as_ref(),
+                super::cluster::DEFAULT_CLEANUP_INTERVAL,
+                &format!("{path}.cleanup_interval"),
+                problems,
+            );
+            Discovery::OriginalDst
+        }
+    };
+
+    if let Some(bind) = &cluster.upstream_bind_config {
+        let bind_path = format!("{path}.upstream_bind_config.source_address");
+        if let Some(source) = &bind.source_address {
+            let address = envoy_types::pb::envoy::config::core::v3::Address {
+                address: Some(
+                    envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(
+                        source.clone(),
+                    ),
+                ),
+            };
+            let mut inner = Diagnostics::default();
+            config.source_address = convert::ip_socket_addr(Some(&address), &bind_path, &mut inner);
+            for p in inner.errors {
+                // Paths from the helper name `.socket_address`, which this field has not.
+                problems.error(p.path.replace(".socket_address", ""), p.message);
+            }
+        }
+    }
+
+    if let Some(breakers) = &cluster.circuit_breakers {
+        for threshold in &breakers.thresholds {
+            // HIGH priority applies to requests routed with that priority; tcp_proxy
+            // connections are always DEFAULT, as in Envoy.
+            if threshold.priority == RoutingPriority::Default as i32
+                && let Some(max) = threshold.max_connections
+            {
+                config.max_connections = u64::from(max.value);
+            }
+        }
+        if !breakers.per_host_thresholds.is_empty() {
+            problems.warning(
+                format!("{path}.circuit_breakers.per_host_thresholds"),
+                "per-host circuit breakers are not implemented yet; ignored",
+            );
+        }
+    }
+
+    if let Some(outlier) = &cluster.outlier_detection {
+        config.outlier_detection = Some(outlier_detection(
+            outlier,
+            &format!("{path}.outlier_detection"),
+            problems,
+        ));
+    }
+    for (i, check) in cluster.health_checks.iter().enumerate() {
+        if let Some(check) = health_check(check, &format!("{path}.health_checks[{i}]"), problems) {
+            config.health_checks.push(check);
+        }
+    }
+    if let Some(common) = &cluster.common_lb_config
+        && let Some(threshold) = &common.healthy_panic_threshold
+    {
+        config.panic_threshold = threshold.value.clamp(0.0, 100.0);
+    }
+    if let Some(factor) = cluster
+        .load_assignment
+        .as_ref()
+        .and_then(|a| a.policy.as_ref())
+        .and_then(|p| p.overprovisioning_factor)
+    {
+        if factor.value == 0 {
+            problems.error(
+                format!("{path}.load_assignment.policy.overprovisioning_factor"),
+                "must be greater than 0",
+            );
+        }
+        config.overprovisioning_factor = factor.value.max(1);
+    }
+    if let Some(socket) = &cluster.transport_socket
+        && let Ok(tls) = shunt_tls::transport_socket::upstream(
+            socket,
+            &format!("{path}.transport_socket"),
+            problems,
+        )
+    {
+        config.transport_socket = tls;
+        config.passthrough = shunt_tls::transport_socket::passthrough(socket);
+    }
+    config.metadata = cluster.metadata.clone().map(Arc::new);
+    config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
+    if let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config {
+        let o_path = format!("{path}.original_dst_lb_config");
+        if let Some(port) = original.upstream_port_override {
+            match u16::try_from(port.value) {
+                Ok(port) if port > 0 => config.port_override = Some(port),
+                _ => problems.error(
+                    format!("{o_path}.upstream_port_override"),
+                    format!("{} is not a TCP port", port.value),
+                ),
+            }
+        }
+        if original.use_http_header || original.metadata_key.is_some() {
+            // Istio sets metadata_key to steer to a waypoint named in the endpoint's
+            // metadata; without one the destination stays the original.
+            problems.warning(
+                &o_path,
+                "use_http_header and metadata_key are not implemented; the original destination is used",
+            );
+        }
+    }
+    config.transport_socket_matches = shunt_tls::transport_socket::matches(
+        &cluster.transport_socket_matches,
+        &format!("{path}.transport_socket_matches"),
+        problems,
+    )
+    .into();
+    if cluster.load_balancing_policy.is_some() {
+        problems.error(
+            format!("{path}.load_balancing_policy"),
+            "load_balancing_policy extensions are not implemented yet; use lb_policy",
+        );
+    }
+
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(Cluster::new(config, hosts))
+}
+
+fn lb_policy(
+    cluster: &EnvoyCluster,
+    kind: DiscoveryType,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> LbPolicy {
+    let policy_path = format!("{path}.lb_policy");
+    let policy = EnvoyLbPolicy::try_from(cluster.lb_policy).unwrap_or_else(|_| {
+        problems.error(
+            &policy_path,
+            format!("unknown lb_policy {}", cluster.lb_policy),
+        );
+        EnvoyLbPolicy::RoundRobin
+    });
+    match policy {
+        EnvoyLbPolicy::ClusterProvided if kind == DiscoveryType::OriginalDst => {
+            LbPolicy::RoundRobin
+        }
+        // An ORIGINAL_DST cluster has one possible host per connection: any policy will do.
+        _ if kind == DiscoveryType::OriginalDst => LbPolicy::RoundRobin,
+        EnvoyLbPolicy::RoundRobin => LbPolicy::RoundRobin,
+        EnvoyLbPolicy::Random => LbPolicy::Random,
+        EnvoyLbPolicy::LeastRequest => {
+            let choice_count = match &cluster.lb_config {
+                Some(LbConfig::LeastRequestLbConfig(c)) => c.choice_count.map_or(2, |c| c.value),
+                _ => 2,
+            };
+            if choice_count < 2 {
+                problems.error(
+                    format!("{path}.least_request_lb_config.choice_count"),
+                    "must be at least 2",
+                );
+            }
+            // Envoy's default bias is 1.0; it reads runtime overrides we do not have.
+            let active_request_bias = match &cluster.lb_config {
+                Some(LbConfig::LeastRequestLbConfig(c)) => c
+                    .active_request_bias
+                    .as_ref()
+                    .map_or(1.0, |b| b.default_value),
+                _ => 1.0,
+            };
+            if !(0.0..=10.0).contains(&active_request_bias) {
+                problems.error(
+                    format!("{path}.least_request_lb_config.active_request_bias"),
+                    "must be between 0 and 10",
+                );
+            }
+            LbPolicy::LeastRequest {
+                choice_count,
+                active_request_bias,
+            }
+        }
+        EnvoyLbPolicy::RingHash => {
+            let (mut min, mut max) = (DEFAULT_MIN_RING_SIZE, DEFAULT_MAX_RING_SIZE);
+            if let Some(LbConfig::RingHashLbConfig(c)) = &cluster.lb_config {
+                min = c.minimum_ring_size.map_or(min, |v| v.value);
+                max = c.maximum_ring_size.map_or(max, |v| v.value);
+            }
+            if min == 0 || min > max || max > DEFAULT_MAX_RING_SIZE {
+                problems.error(
+                    format!("{path}.ring_hash_lb_config"),
+                    format!("ring sizes must satisfy 0 < minimum ({min}) <= maximum ({max}) <= 8M"),
+                );
+            }
+            LbPolicy::RingHash {
+                min_ring_size: min,
+                max_ring_size: max,
+            }
+        }
+        EnvoyLbPolicy::Maglev => {
+            let table_size = match &cluster.lb_config {
+                Some(LbConfig::MaglevLbConfig(c)) => {
+                    c.table_size.map_or(DEFAULT_MAGLEV_TABLE_SIZE, |v| v.value)
+                }
+                _ => DEFAULT_MAGLEV_TABLE_SIZE,
+            };
+            if !is_prime(table_size) || table_size > 5_000_011 {
+                problems.error(
+                    format!("{path}.maglev_lb_config.table_size"),
+                    format!("{table_size} must be a prime no larger than 5000011"),
+                );
+            }
+            LbPolicy::Maglev { table_size }
+        }
+        EnvoyLbPolicy::ClusterProvided => {
+            problems.error(
+                &policy_path,
+                "CLUSTER_PROVIDED is only valid for ORIGINAL_DST clusters",
+            );
+            LbPolicy::RoundRobin
+        }
+        EnvoyLbPolicy::LoadBalancingPolicyConfig => {
+            problems.error(
+                &policy_path,
+                "LOAD_BALANCING_POLICY_CONFIG is not implemented yet",
+            );
+            LbPolicy::RoundRobin
+        }
+    }
+}
+
+fn is_prime(n: u64) -> bool {
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
+}
+
+/// The endpoints of `load_assignment` with the path of each; Unix domain socket
+/// endpoints are left out, their paths pushed to `pipes`.
+fn endpoints(
+    cluster: &EnvoyCluster,
+    kind: DiscoveryType,
+    path: &str,
+    pipes: &mut Vec<String>,
+    problems: &mut Diagnostics,
+) -> Vec<(Endpoint, String)> {
+    let mut out = Vec::new();
+    let Some(assignment) = &cluster.load_assignment else {
+        return out;
+    };
+    for (l, locality) in assignment.endpoints.iter().enumerate() {
+        for (e, lb_endpoint) in locality.lb_endpoints.iter().enumerate() {
+            let endpoint_path = format!("{path}.load_assignment.endpoints[{l}].lb_endpoints[{e}]");
+            let endpoint = match &lb_endpoint.host_identifier {
+                Some(HostIdentifier::Endpoint(endpoint)) => endpoint,
+                Some(HostIdentifier::EndpointName(name)) => {
+                    problems.error(
+                        format!("{endpoint_path}.endpoint_name"),
+                        format!("named endpoint {name:?} is not implemented yet"),
+                    );
+                    continue;
+                }
+                None => {
+                    problems.error(&endpoint_path, "an endpoint needs an address");
+                    continue;
+                }
+            };
+            let address_path = format!("{endpoint_path}.endpoint.address");
+            let unhealthy = matches!(
+                HealthStatus::try_from(lb_endpoint.health_status),
+                Ok(HealthStatus::Unhealthy | HealthStatus::Draining | HealthStatus::Timeout)
+            );
+            let weight = lb_endpoint
+                .load_balancing_weight
+                .map_or(1, |w| w.value.max(1));
+            let socket_match =
+                shunt_tls::transport_socket::endpoint_match_metadata(lb_endpoint.metadata.as_ref());
+            let metadata = lb_endpoint.metadata.clone().map(Arc::new);
+            match endpoint.address.as_ref().and_then(|a| a.address.as_ref()) {
+                Some(Address::Pipe(_)) => {
+                    pipes.push(format!("{address_path}.pipe"));
+                    continue;
+                }
+                Some(Address::EnvoyInternalAddress(internal)) => {
+                    let internal_path = format!("{address_path}.envoy_internal_address");
+                    let Some(address) = internal_address(internal, kind, &internal_path, problems)
+                    else {
+                        continue;
+                    };
+                    out.push((
+                        Endpoint {
+                            host: String::new(),
+                            port: 0,
+                            weight,
+                            priority: locality.priority,
+                            unhealthy,
+                            socket_match,
+                            internal: Some(address),
+                            metadata,
+                        },
+                        internal_path,
+                    ));
+                    continue;
+                }
+                _ => {}
+            }
+            let Some(socket) =
+                convert::socket_address(endpoint.address.as_ref(), &address_path, problems)
+            else {
+                continue;
+            };
+            let socket_path = format!("{address_path}.socket_address");
+            let Some(port) = convert::port(socket, &socket_path, problems) else {
+                continue;
+            };
+            if port == 0 && kind != DiscoveryType::OriginalDst {
+                problems.error(
+                    format!("{socket_path}.port_value"),
+                    "an endpoint needs a port",
+                );
+                continue;
+            }
+            out.push((
+                Endpoint {
+                    host: socket.address.clone(),
+                    port,
+                    weight,
+                    priority: locality.priority,
+                    unhealthy,
+                    socket_match,
+                    internal: None,
+                    metadata,
+                },
+                socket_path,
+            ));
+        }
+    }
+    out
+}
+
+/// An endpoint's `envoy_internal_address` at `path`: only STATIC and EDS clusters
+/// list internal listeners (Envoy resolves no names and restores no destination for
+/// them).
+fn internal_address(
+    internal: &envoy_types::pb::envoy::config::core::v3::EnvoyInternalAddress,
+    kind: DiscoveryType,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<super::internal::InternalAddress> {
+    use envoy_types::pb::envoy::config::core::v3::envoy_internal_address::AddressNameSpecifier;
+    let name = match &internal.address_name_specifier {
+        Some(AddressNameSpecifier::ServerListenerName(name)) if !name.is_empty() => name,
+        _ => {
+            problems.error(
+                format!("{path}.server_listener_name"),
+                "an internal address needs the name of an internal listener",
+            );
+            return None;
+        }
+    };
+    if !matches!(kind, DiscoveryType::Static | DiscoveryType::Eds) {
+        problems.error(
+            path,
+            format!(
+                "a {} cluster cannot have internal listener endpoints (only STATIC and EDS)",
+                kind.as_str_name()
+            ),
+        );
+        return None;
+    }
+    Some(super::internal::InternalAddress {
+        server_listener_name: name.as_str().into(),
+        endpoint_id: internal.endpoint_id.clone(),
+    })
+}
+
+fn outlier_detection(
+    outlier: &EnvoyOutlier,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> OutlierDetection {
+    let defaults = OutlierDetection::default();
+    let value = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>, default: u32| {
+        v.map_or(default, |v| v.value)
+    };
+    let (consecutive, enforcing) = if outlier.split_external_local_origin_errors {
+        (
+            value(outlier.consecutive_local_origin_failure, 5),
+            value(outlier.enforcing_consecutive_local_origin_failure, 100),
+        )
+    } else {
+        // Envoy maps a connect failure to a 5xx when local and external errors are not split.
+        (
+            value(outlier.consecutive_5xx, 5),
+            value(outlier.enforcing_consecutive_5xx, 100),
+        )
+    };
+    if outlier.success_rate_stdev_factor.is_some() || outlier.failure_percentage_threshold.is_some()
+    {
+        problems.warning(
+            path,
+            "success rate and failure percentage ejection are not implemented; only consecutive failures eject",
+        );
+    }
+    let base = duration_or(
+        outlier.base_ejection_time.as_ref(),
+        defaults.base_ejection_time,
+        &format!("{path}.base_ejection_time"),
+        problems,
+    );
+    OutlierDetection {
+        consecutive: consecutive.max(1),
+        enforcing: enforcing.min(100),
+        base_ejection_time: base,
+        max_ejection_time: duration_or(
+            outlier.max_ejection_time.as_ref(),
+            defaults.max_ejection_time.max(base),
+            &format!("{path}.max_ejection_time"),
+            problems,
+        ),
+        max_ejection_percent: value(outlier.max_ejection_percent, defaults.max_ejection_percent)
+            .min(100),
+    }
+}
+
+fn health_check(
+    check: &EnvoyHealthCheck,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<HealthCheck> {
+    let required = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
+                    field: &str,
+                    problems: &mut Diagnostics|
+     -> Option<Duration> {
+        let field_path = format!("{path}.{field}");
+        match d {
+            None => {
+                problems.error(field_path, "is required");
+                None
+            }
+            Some(d) => convert::duration(d, &field_path, problems).filter(|d| {
+                let ok = !d.is_zero();
+                if !ok {
+                    problems.error(format!("{path}.{field}"), "must be greater than 0s");
+                }
+                ok
+            }),
+        }
+    };
+    let timeout = required(check.timeout.as_ref(), "timeout", problems);
+    let interval = required(check.interval.as_ref(), "interval", problems);
+    let threshold = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>,
+                     field: &str,
+                     problems: &mut Diagnostics| {
+        let value = v.map(|v| v.value);
+        if value.is_none() {
+            problems.error(format!("{path}.{field}"), "is required");
+        }
+        value.unwrap_or(1).max(1)
+    };
+    let unhealthy_threshold = threshold(check.unhealthy_threshold, "unhealthy_threshold", problems);
+    let healthy_threshold = threshold(check.healthy_threshold, "healthy_threshold", problems);
+    let checker = match &check.health_checker {
+        Some(HealthChecker::TcpHealthCheck(tcp)) => Checker::Tcp {
+            send: tcp
+                .send
+                .as_ref()
+                .and_then(|p| payload_bytes(p, &format!("{path}.tcp_health_check.send"), problems)),
+            receive: tcp
+                .receive
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| {
+                    payload_bytes(
+                        p,
+                        &format!("{path}.tcp_health_check.receive[{i}]"),
+                        problems,
+                    )
+                })
+                .collect(),
+        },
+        Some(HealthChecker::HttpHealthCheck(http)) => {
+            if http.path.is_empty() {
+                problems.error(format!("{path}.http_health_check.path"), "is required");
+            }
+            let mut expected: Vec<_> = http
+                .expected_statuses
+                .iter()
+                .filter_map(|r| Some(u16::try_from(r.start).ok()?..u16::try_from(r.end).ok()?))
+                .collect();
+            if expected.is_empty() {
+                expected.push(200..201);
+            }
+            Checker::Http {
+                host: http.host.clone(),
+                path: http.path.clone(),
+                expected_statuses: expected,
+            }
+        }
+        Some(HealthChecker::GrpcHealthCheck(_)) => {
+            problems.error(
+                format!("{path}.grpc_health_check"),
+                "gRPC health checks are not implemented yet",
+            );
+            return None;
+        }
+        Some(HealthChecker::CustomHealthCheck(custom)) => {
+            problems.error(
+                format!("{path}.custom_health_check"),
+                format!(
+                    "custom health checker {:?} is not implemented yet",
+                    custom.name
+                ),
+            );
+            return None;
+        }
+        None => {
+            problems.error(
+                path,
+                "a health check needs a health checker (tcp_health_check or http_health_check)",
+            );
+            return None;
+        }
+    };
+    let optional = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
+                    field: &str,
+                    problems: &mut Diagnostics| {
+        duration_or(d, Duration::ZERO, &format!("{path}.{field}"), problems)
+    };
+    let interval_jitter = optional(check.interval_jitter.as_ref(), "interval_jitter", problems);
+    let initial_jitter = optional(check.initial_jitter.as_ref(), "initial_jitter", problems);
+    Some(HealthCheck {
+        timeout: timeout?,
+        interval: interval?,
+        interval_jitter,
+        interval_jitter_percent: check.interval_jitter_percent,
+        initial_jitter,
+        unhealthy_threshold,
+        healthy_threshold,
+        checker,
+    })
+}
+
+/// A health check payload: `text` is hex in Envoy's API.
+fn payload_bytes(p: &Payload, path: &str, problems: &mut Diagnostics) -> Option<Vec<u8>> {
+    match &p.payload {
+        Some(payload::Payload::Binary(bytes)) => Some(bytes.clone()),
+        Some(payload::Payload::Text(hex)) => {
+            let decoded: Option<Vec<u8>> = (hex.len() % 2 == 0)
+                .then(|| {
+                    (0..hex.len())
+                        .step_by(2)
+                        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+                        .collect()
+                })
+                .flatten();
+            if decoded.is_none() {
+                problems.error(format!("{path}.text"), format!("{hex:?} is not hex"));
+            }
+            decoded
+        }
+        None => None,
+    }
+}
+
+const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// The HTTP version the router speaks to the cluster: HTTP/2 when its upstream
+/// `HttpProtocolOptions` say so explicitly (or the deprecated
+/// `http2_protocol_options` is set), the downstream's with
+/// `use_downstream_protocol_config`, else HTTP/1.1.
+#[allow(
+    deprecated,
+    reason = "Istio and older configs still set http2_protocol_options"
+)]
+fn http_protocol(
+    cluster: &EnvoyCluster,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> UpstreamProtocol {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+        HttpProtocolOptions,
+        http_protocol_options::{UpstreamProtocolOptions, explicit_http_config::ProtocolConfig},
+    };
+    let mut protocol = if cluster.http2_protocol_options.is_some() {
+        UpstreamProtocol::Http2
+    } else {
+        UpstreamProtocol::Http1
+    };
+    let Some(any) = cluster
+        .typed_extension_protocol_options
+        .get(HTTP_PROTOCOL_OPTIONS)
+    else {
+        return protocol;
+    };
+    let o_path = format!("{path}.typed_extension_protocol_options[{HTTP_PROTOCOL_OPTIONS:?}]");
+    let Some(options) = convert::decode::<HttpProtocolOptions>(any, &o_path, problems) else {
+        return protocol;
+    };
+    match options.upstream_protocol_options {
+        Some(UpstreamProtocolOptions::ExplicitHttpConfig(explicit)) => {
+            match explicit.protocol_config {
+                Some(ProtocolConfig::Http2ProtocolOptions(_)) => protocol = UpstreamProtocol::Http2,
+                Some(ProtocolConfig::HttpProtocolOptions(_)) => protocol = UpstreamProtocol::Http1,
+                Some(ProtocolConfig::Http3ProtocolOptions(_)) => problems.error(
+                    format!("{o_path}.explicit_http_config.http3_protocol_options"),
+                    "HTTP/3 upstreams are not implemented yet",
+                ),
+                None => {}
+            }
+        }
+        Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(_)) => {
+            protocol = UpstreamProtocol::UseDownstream;
+        }
+        Some(UpstreamProtocolOptions::AutoConfig(_)) => problems.warning(
+            format!("{o_path}.auto_config"),
+            "ALPN protocol selection is not implemented; HTTP/1.1 is used",
+        ),
+        None => {}
+    }
+    protocol
+}
+
+/// The type of Istio's upstream metadata exchange filter's config.
+const METADATA_EXCHANGE: &str = "envoy.tcp.metadataexchange.config.MetadataExchange";
+
+/// The protocol of the cluster's upstream metadata exchange filter, if it has one. Other
+/// upstream network filters are not implemented: a warning says they are left out.
+fn upstream_metadata_exchange(
+    cluster: &envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<Arc<str>> {
+    let mut protocol = None;
+    for (i, filter) in cluster.filters.iter().enumerate() {
+        let f_path = format!("{path}.filters[{i}].typed_config");
+        let Some(any) = &filter.typed_config else {
+            continue;
+        };
+        let Some(any) = shunt_config::typed_struct::unwrap(any, &f_path, problems) else {
+            continue;
+        };
+        let kind = shunt_config::convert::type_name(&any);
+        if kind != METADATA_EXCHANGE {
+            problems.warning(
+                &f_path,
+                format!("upstream network filter {kind} is not implemented; left out"),
+            );
+            continue;
+        }
+        let config =
+            shunt_config::convert::decode::<UpstreamMetadataExchange>(&any, &f_path, problems)?;
+        protocol = Some(Arc::from(if config.protocol.is_empty() {
+            shunt_core::peer::exchange::PROTOCOL
+        } else {
+            config.protocol.as_str()
+        }));
+    }
+    protocol
+}
+
+/// `envoy.tcp.metadataexchange.config.MetadataExchange`, the fields shunt reads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UpstreamMetadataExchange {
+    #[prost(string, tag = "1")]
+    pub protocol: String,
+}
+
+impl prost::Name for UpstreamMetadataExchange {
+    const NAME: &'static str = "MetadataExchange";
+    const PACKAGE: &'static str = "envoy.tcp.metadataexchange.config";
+}

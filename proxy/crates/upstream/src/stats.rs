@@ -1,0 +1,197 @@
+//! A cluster's stats by their Envoy names (`cluster.<observability name>.<stat>`), as
+//! handles into the admin API's [`Store`]: created once when the cluster is compiled,
+//! then each update is one relaxed atomic operation on the data path.
+//!
+//! A cluster compiled without a store (tests, `--mode validate`) gets handles that belong
+//! to no store: they count, and nobody reads them.
+
+use std::sync::{Arc, OnceLock};
+
+use shunt_core::stats::{self, Counter, Gauge, Histogram, Store};
+
+/// `upstream_rq_<code>` (`upstream_rq_200`, ...) and `upstream_rq_<class>`
+/// (`upstream_rq_2xx`, ...), each made in the store the first time a response has that
+/// code or class, then kept: Envoy's code stats exist once charged, never at zero.
+#[derive(Debug, Default)]
+pub struct CodeCounters {
+    /// The store and the cluster's observability name; `None`: counts go nowhere.
+    store: Option<(Store, String)>,
+    /// Codes 100 to 599.
+    by_code: Vec<OnceLock<Counter>>,
+    /// Classes 1xx to 5xx.
+    by_class: [OnceLock<Counter>; 5],
+}
+
+impl CodeCounters {
+    fn new(store: &Store, name: &str) -> Self {
+        CodeCounters {
+            store: Some((store.clone(), name.to_owned())),
+            by_code: (100..600).map(|_| OnceLock::new()).collect(),
+            by_class: Default::default(),
+        }
+    }
+
+    /// Counts one response with `code`, by code and by class.
+    pub fn inc(&self, code: u16) {
+        let Some((store, name)) = &self.store else {
+            return;
+        };
+        let Some(slot) = self.by_code.get(usize::from(code).wrapping_sub(100)) else {
+            return;
+        };
+        slot.get_or_init(|| {
+            store.counter(&stats::cluster_stat(name, &format!("upstream_rq_{code}")))
+        })
+        .inc();
+        let class = code / 100;
+        if let Some(slot) = self.by_class.get(usize::from(class).wrapping_sub(1)) {
+            slot.get_or_init(|| {
+                store.counter(&stats::cluster_stat(
+                    name,
+                    &format!("upstream_rq_{class}xx"),
+                ))
+            })
+            .inc();
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ClusterStats {
+    /// The observability name the stats are under (`cluster.<name>.`): `alt_stat_name`,
+    /// else the cluster's name. Filters that count under the cluster (grpc_stats) use it.
+    pub observability_name: Arc<str>,
+    /// Upstream connections opened (attempted), successful or not.
+    pub upstream_cx_total: Counter,
+    /// Upstream connections open now (connecting or connected).
+    pub upstream_cx_active: Gauge,
+    /// Connect attempts that failed, timeouts included.
+    pub upstream_cx_connect_fail: Counter,
+    /// Connect attempts that ran out of `connect_timeout`.
+    pub upstream_cx_connect_timeout: Counter,
+    /// Connections refused because the circuit breaker's `max_connections` was reached.
+    pub upstream_cx_overflow: Counter,
+    /// Connections for which load balancing found no host (flag UH).
+    pub upstream_cx_none_healthy: Counter,
+    /// How long successful connects took.
+    pub upstream_cx_connect_ms: Histogram,
+    /// How long upstream connections lasted, from connect to close.
+    pub upstream_cx_length_ms: Histogram,
+    /// Bytes written to and read from the cluster's hosts, added as each connection ends.
+    pub upstream_cx_tx_bytes_total: Counter,
+    pub upstream_cx_rx_bytes_total: Counter,
+    /// Hosts in the cluster, and those of them that are healthy.
+    pub membership_total: Gauge,
+    pub membership_healthy: Gauge,
+    /// HTTP requests sent to the cluster (each retry counts).
+    pub upstream_rq_total: Counter,
+    /// HTTP requests on their way to the cluster or waiting for its response head.
+    pub upstream_rq_active: Gauge,
+    /// HTTP requests that waited for a connection to be made (none was free).
+    pub upstream_rq_pending_total: Counter,
+    /// HTTP requests that waited for a connection whose connect failed.
+    pub upstream_rq_pending_failure_eject: Counter,
+    /// HTTP responses by code (`upstream_rq_200`) and class (`upstream_rq_2xx`): the
+    /// upstream's, and the router's own replies for the cluster (503 no healthy
+    /// upstream, connect failure, overflow, reset; 504 timeout), as Envoy charges them.
+    pub upstream_rq_code: Arc<CodeCounters>,
+    /// HTTP requests answered (by the upstream or the router, as above); how long the
+    /// upstream took to a response head.
+    pub upstream_rq_completed: Counter,
+    pub upstream_rq_time: Histogram,
+    /// Upstream HTTP connections by protocol.
+    pub upstream_cx_http1_total: Counter,
+    pub upstream_cx_http2_total: Counter,
+    /// HTTP requests that got no response within the route's timeout.
+    pub upstream_rq_timeout: Counter,
+    /// HTTP requests sent again under a route's retry policy.
+    pub upstream_rq_retry: Counter,
+    /// `ssl.handshake` / `ssl.connection_error` of upstream TLS.
+    pub ssl: shunt_tls::SslStats,
+}
+
+impl ClusterStats {
+    /// The stats of the cluster whose observability name (`alt_stat_name`, else its
+    /// name) is `name`, in `store`.
+    pub fn new(store: &Store, name: &str) -> Self {
+        let counter = |stat: &str| store.counter(&stats::cluster_stat(name, stat));
+        let gauge = |stat: &str| store.gauge(&stats::cluster_stat(name, stat));
+        ClusterStats {
+            observability_name: name.into(),
+            upstream_cx_total: counter("upstream_cx_total"),
+            upstream_cx_active: gauge("upstream_cx_active"),
+            upstream_cx_connect_fail: counter("upstream_cx_connect_fail"),
+            upstream_cx_connect_timeout: counter("upstream_cx_connect_timeout"),
+            upstream_cx_overflow: counter("upstream_cx_overflow"),
+            upstream_cx_none_healthy: counter("upstream_cx_none_healthy"),
+            upstream_cx_connect_ms: store
+                .histogram(&stats::cluster_stat(name, "upstream_cx_connect_ms")),
+            upstream_cx_length_ms: store
+                .histogram(&stats::cluster_stat(name, "upstream_cx_length_ms")),
+            upstream_cx_tx_bytes_total: counter("upstream_cx_tx_bytes_total"),
+            upstream_cx_rx_bytes_total: counter("upstream_cx_rx_bytes_total"),
+            membership_total: gauge("membership_total"),
+            membership_healthy: gauge("membership_healthy"),
+            upstream_rq_total: counter("upstream_rq_total"),
+            upstream_rq_active: gauge("upstream_rq_active"),
+            upstream_rq_pending_total: counter("upstream_rq_pending_total"),
+            upstream_rq_pending_failure_eject: counter("upstream_rq_pending_failure_eject"),
+            upstream_rq_code: Arc::new(CodeCounters::new(store, name)),
+            upstream_rq_completed: counter("upstream_rq_completed"),
+            upstream_rq_time: store.histogram(&stats::cluster_stat(name, "upstream_rq_time")),
+            upstream_cx_http1_total: counter("upstream_cx_http1_total"),
+            upstream_cx_http2_total: counter("upstream_cx_http2_total"),
+            upstream_rq_timeout: counter("upstream_rq_timeout"),
+            upstream_rq_retry: counter("upstream_rq_retry"),
+            ssl: shunt_tls::SslStats::new(store, &format!("cluster.{name}")),
+        }
+    }
+
+    /// Charges one answer to a request for the cluster, as Envoy's router's
+    /// `chargeUpstreamCode`: `upstream_rq_completed`, `upstream_rq_<code>` and
+    /// `upstream_rq_<class>`.
+    pub fn charge(&self, code: u16) {
+        self.upstream_rq_completed.inc();
+        self.upstream_rq_code.inc(code);
+    }
+}
+
+/// Counts a request active (`upstream_rq_active`) until dropped.
+#[derive(Debug)]
+pub struct ActiveRequest(Gauge);
+
+impl ActiveRequest {
+    pub fn new(stats: &ClusterStats) -> Self {
+        stats.upstream_rq_active.inc();
+        ActiveRequest(stats.upstream_rq_active.clone())
+    }
+}
+
+impl Drop for ActiveRequest {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shunt_core::stats::Stat;
+
+    #[test]
+    fn stats_are_named_after_the_cluster() {
+        let store = Store::new();
+        let stats = ClusterStats::new(&store, "outbound|8080||b");
+        stats.upstream_cx_total.inc();
+        stats.upstream_cx_active.inc();
+        let snapshot = store.snapshot();
+        assert!(snapshot.contains(&Stat::counter(
+            "cluster.outbound|8080||b.upstream_cx_total",
+            1
+        )));
+        assert!(snapshot.contains(&Stat::gauge(
+            "cluster.outbound|8080||b.upstream_cx_active",
+            1
+        )));
+    }
+}

@@ -1,0 +1,186 @@
+//! The resource cache: what each accepted xDS resource is (decoded, with its digest,
+//! version and update time), how a response edits a type's set and how that edit is
+//! undone when the update is refused, and EDS endpoints merged into their clusters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+
+use crate::type_url::TypeUrl;
+use shunt_config::Tracked;
+use shunt_core::peer::workload_discovery::WorkloadResource;
+use shunt_dns::name_table::NameTable;
+
+/// A decoded resource, shared with the snapshots built from it.
+#[derive(Debug, Clone)]
+pub(super) enum Resource {
+    Listener(Arc<EnvoyListener>),
+    Cluster(Arc<EnvoyCluster>),
+    Endpoints(Arc<ClusterLoadAssignment>),
+    Route(Arc<RouteConfiguration>),
+    Secret(Arc<Secret>),
+    /// Istio's one unnamed name table.
+    NameTable(Arc<NameTable>),
+    /// An Istio workload, named by its uid.
+    Workload(Arc<WorkloadResource>),
+}
+
+impl Resource {
+    pub(super) fn decode(kind: TypeUrl, any: &Any) -> Result<Resource, String> {
+        if any.type_url != kind.as_str() {
+            return Err(format!(
+                "a {} response carries a resource of type {}",
+                kind.short().to_uppercase(),
+                any.type_url
+            ));
+        }
+        let bytes = any.value.as_slice();
+        let decoded = match kind {
+            TypeUrl::Listener => {
+                EnvoyListener::decode(bytes).map(|r| Resource::Listener(Arc::new(r)))
+            }
+            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(|r| Resource::Cluster(Arc::new(r))),
+            TypeUrl::ClusterLoadAssignment => {
+                ClusterLoadAssignment::decode(bytes).map(|r| Resource::Endpoints(Arc::new(r)))
+            }
+            TypeUrl::RouteConfiguration => {
+                RouteConfiguration::decode(bytes).map(|r| Resource::Route(Arc::new(r)))
+            }
+            TypeUrl::Secret => Secret::decode(bytes).map(|r| Resource::Secret(Arc::new(r))),
+            TypeUrl::NameTable => {
+                NameTable::decode(bytes).map(|r| Resource::NameTable(Arc::new(r)))
+            }
+            TypeUrl::Workload => {
+                WorkloadResource::decode(bytes).map(|r| Resource::Workload(Arc::new(r)))
+            }
+        };
+        decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
+    }
+
+    pub(super) fn name(&self) -> &str {
+        match self {
+            Resource::Listener(r) => &r.name,
+            Resource::Cluster(r) => &r.name,
+            Resource::Endpoints(r) => &r.cluster_name,
+            Resource::Route(r) => &r.name,
+            Resource::Secret(r) => &r.name,
+            Resource::NameTable(_) => "",
+            Resource::Workload(r) => &r.uid,
+        }
+    }
+
+    pub(super) fn to_any(&self, kind: TypeUrl) -> Any {
+        let value = match self {
+            Resource::Listener(r) => r.encode_to_vec(),
+            Resource::Cluster(r) => r.encode_to_vec(),
+            Resource::Endpoints(r) => r.encode_to_vec(),
+            Resource::Route(r) => r.encode_to_vec(),
+            Resource::Secret(r) => r.encode_to_vec(),
+            Resource::NameTable(r) => r.encode_to_vec(),
+            Resource::Workload(r) => r.encode_to_vec(),
+        };
+        Any {
+            type_url: kind.as_str().to_owned(),
+            value,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Accepted {
+    pub(super) resource: Resource,
+    /// Digest of the resource as it came on the wire: tells a changed one from a resent one.
+    pub(super) digest: u64,
+    /// The resource's version: Delta's own, or the SotW response's.
+    pub(super) version: Arc<str>,
+    pub(super) last_updated: SystemTime,
+}
+
+impl Accepted {
+    pub(super) fn new(kind: TypeUrl, any: &Any, version: Arc<str>) -> Result<Accepted, String> {
+        Ok(Accepted {
+            resource: Resource::decode(kind, any)?,
+            digest: xxhash_rust::xxh64::xxh64(&any.value, 0),
+            version,
+            last_updated: SystemTime::now(),
+        })
+    }
+
+    pub(super) fn tracked<T>(&self, resource: &Arc<T>) -> Tracked<Arc<T>> {
+        Tracked {
+            resource: resource.clone(),
+            version_info: Some(self.version.clone()),
+            last_updated: self.last_updated,
+        }
+    }
+}
+
+/// How a response changes a type's accepted set.
+pub(super) enum Edit {
+    /// State of the world for a wildcard type: this is the whole set.
+    Replace(BTreeMap<String, Accepted>),
+    /// These entries added or replaced, these names removed.
+    Patch {
+        upserts: Vec<(String, Accepted)>,
+        removals: Vec<String>,
+    },
+}
+
+/// An EDS cluster with its endpoints filled in: the digests of the cluster and the
+/// endpoints it was made from, the result, and the result's digest.
+pub(super) type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);
+
+/// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
+pub(super) fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
+    let is_eds = matches!(
+        cluster.cluster_discovery_type,
+        Some(ClusterDiscoveryType::Type(t)) if t == DiscoveryType::Eds as i32
+    );
+    if !is_eds {
+        return None;
+    }
+    let service = cluster
+        .eds_cluster_config
+        .as_ref()
+        .map_or("", |eds| eds.service_name.as_str());
+    Some(if service.is_empty() {
+        &cluster.name
+    } else {
+        service
+    })
+}
+
+/// An EDS cluster (`cluster`, whose CDS config has `cluster_digest`) with its endpoints
+/// (`eds`, if they came) in its `load_assignment`, and the result's digest: made again
+/// only when the cluster or its endpoints changed since the last time (`made`, by
+/// cluster name), else shared.
+pub(super) fn with_endpoints_of(
+    made: &mut HashMap<String, Effective>,
+    cluster_digest: u64,
+    cluster: &EnvoyCluster,
+    eds: Option<&Accepted>,
+) -> (Arc<EnvoyCluster>, u64) {
+    let key = (cluster_digest, eds.map_or(0, |e| e.digest));
+    if let Some((k, effective, digest)) = made.get(cluster.name.as_str())
+        && *k == key
+    {
+        return (effective.clone(), *digest);
+    }
+    let mut with_endpoints = cluster.clone();
+    if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
+        with_endpoints.load_assignment = Some((**cla).clone());
+    }
+    let digest = xxhash_rust::xxh64::xxh64(&[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(), 0);
+    let effective = Arc::new(with_endpoints);
+    made.insert(cluster.name.clone(), (key, effective.clone(), digest));
+    (effective, digest)
+}

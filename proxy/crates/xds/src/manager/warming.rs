@@ -1,0 +1,242 @@
+//! Warming, as Envoy does it: which CDS clusters and LDS listeners are served and which
+//! wait for their endpoints, routes or secrets (or `initial_fetch_timeout`).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
+use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
+
+use super::resources::{Resource, eds_service_name, with_endpoints_of};
+use super::{Manager, TypeState};
+use crate::snapshot::DynamicCluster;
+use crate::type_url::TypeUrl;
+use shunt_config::Tracked;
+use shunt_config::references::{self, SecretSource};
+
+/// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
+/// only the clusters those endpoints are for.
+#[derive(Debug, Default)]
+pub(super) struct ServedClusters {
+    /// Active, in name order (as [`DynamicResources::clusters`]).
+    pub(super) active: Vec<Arc<DynamicCluster>>,
+    /// Waiting for their endpoints or secrets.
+    pub(super) warming: Vec<Tracked<Arc<EnvoyCluster>>>,
+    /// The active EDS clusters by the service their endpoints come under: each one's
+    /// place in `active` and the digest of its CDS config.
+    pub(super) by_service: HashMap<String, Vec<(usize, u64)>>,
+    /// The EDS services of warming clusters: their endpoints may end the warming,
+    /// which takes a full rebuild.
+    pub(super) awaited: HashSet<String>,
+}
+
+/// The LDS listeners a rebuild served.
+#[derive(Debug, Default)]
+pub(super) struct ServedListeners {
+    /// Served: the accepted version, or the last one served while a newer one warms.
+    pub(super) active: Vec<Tracked<Arc<EnvoyListener>>>,
+    /// Waiting for their routes or secrets.
+    pub(super) warming: Vec<Tracked<Arc<EnvoyListener>>>,
+    pub(super) version: String,
+}
+
+/// Whether secret `name` is there: SDS sent it or the bootstrap has it.
+pub(super) fn has_secret(
+    types: &BTreeMap<TypeUrl, TypeState>,
+    static_secrets: &HashSet<String>,
+    name: &str,
+) -> bool {
+    static_secrets.contains(name)
+        || types
+            .get(&TypeUrl::Secret)
+            .is_some_and(|t| t.resources.contains_key(name))
+}
+
+/// Until when a resource warming since `since` (`None`: starting now) waits:
+/// `initial_fetch_timeout` from its start, or for ever when that is 0.
+pub(super) fn warm_until(
+    timeout: std::time::Duration,
+    since: Option<&Option<Instant>>,
+) -> Option<Instant> {
+    since
+        .copied()
+        .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
+}
+
+pub(super) async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Manager {
+    /// Works out every CDS cluster afresh: active (EDS ones with their endpoints filled
+    /// in) or warming, and until when.
+    pub(super) fn serve_clusters(&mut self) {
+        let mut served = ServedClusters::default();
+        let endpoints = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| &t.resources);
+        let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
+        let deadline = |since| warm_until(self.plan.initial_fetch_timeout, since);
+        let mut still_warming = HashMap::new();
+        if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
+            for entry in clusters.resources.values() {
+                let Resource::Cluster(cluster) = &entry.resource else {
+                    continue;
+                };
+                let tracked = entry.tracked(cluster);
+                let service = eds_service_name(cluster);
+                let secrets_missing = references::cluster_secrets(cluster)
+                    .iter()
+                    .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
+                let waiting = secrets_missing || (service.is_some() && eds.is_none());
+                if waiting && !self.timed_out.contains(&cluster.name) {
+                    let deadline = deadline(self.warming.get(&cluster.name));
+                    still_warming.insert(cluster.name.clone(), deadline);
+                    served.awaited.extend(service.map(str::to_owned));
+                    served.warming.push(tracked);
+                    continue;
+                }
+                let Some(service) = service else {
+                    served.active.push(Arc::new(DynamicCluster {
+                        tracked,
+                        effective: cluster.clone(),
+                        digest: entry.digest,
+                    }));
+                    continue;
+                };
+                let (effective, digest) =
+                    with_endpoints_of(&mut self.effective, entry.digest, cluster, eds);
+                served
+                    .by_service
+                    .entry(service.to_owned())
+                    .or_default()
+                    .push((served.active.len(), entry.digest));
+                served.active.push(Arc::new(DynamicCluster {
+                    tracked,
+                    effective,
+                    digest,
+                }));
+            }
+            // Forget the clusters made for EDS clusters no longer served with endpoints
+            // (removed, warming, or no longer EDS), if there are any.
+            let with_endpoints: usize = served.by_service.values().map(Vec::len).sum();
+            if self.effective.len() != with_endpoints {
+                self.effective.retain(|name, _| {
+                    !still_warming.contains_key(name)
+                        && clusters.resources.get(name).is_some_and(|e| {
+                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
+                        })
+                });
+            }
+        }
+        self.warming = still_warming;
+        if !self.timed_out.is_empty()
+            && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
+        {
+            self.timed_out
+                .retain(|name| clusters.resources.contains_key(name));
+        }
+        self.served = Some(served);
+    }
+
+    /// Redoes the served clusters whose endpoints (`services`) an update upserted, the
+    /// others staying as they are: an update of one cluster's endpoints costs that
+    /// cluster. False, with nothing done, when that is not all the update changes: no
+    /// clusters were served yet, a warming cluster waits for one of these endpoints.
+    pub(super) fn patch_served_clusters(&mut self, services: &[String]) -> bool {
+        let Some(served) = &mut self.served else {
+            return false;
+        };
+        let Some(endpoints) = self
+            .types
+            .get(&TypeUrl::ClusterLoadAssignment)
+            .map(|t| &t.resources)
+        else {
+            return false;
+        };
+        let patchable = services
+            .iter()
+            .all(|s| !served.awaited.contains(s) && endpoints.contains_key(s));
+        if !patchable {
+            return false;
+        }
+        for service in services {
+            let Some(users) = served.by_service.get(service) else {
+                continue;
+            };
+            let eds = endpoints.get(service);
+            for &(i, cluster_digest) in users {
+                let old = &served.active[i];
+                let (effective, digest) = with_endpoints_of(
+                    &mut self.effective,
+                    cluster_digest,
+                    &old.tracked.resource,
+                    eds,
+                );
+                if !Arc::ptr_eq(&effective, &old.effective) {
+                    served.active[i] = Arc::new(DynamicCluster {
+                        tracked: old.tracked.clone(),
+                        effective,
+                        digest,
+                    });
+                }
+            }
+        }
+        true
+    }
+
+    /// Works out every LDS listener afresh: a listener warms until its routes and
+    /// secrets are in (or its wait is over); a version already served keeps serving
+    /// meanwhile.
+    pub(super) fn serve_listeners(&mut self) {
+        let mut served = ServedListeners::default();
+        let routes = self
+            .types
+            .get(&TypeUrl::RouteConfiguration)
+            .map(|t| &t.resources);
+        let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
+        let deadline = |since| warm_until(self.plan.initial_fetch_timeout, since);
+        let mut warming_listeners = HashMap::new();
+        let mut active_listeners = HashMap::new();
+        if let Some(listeners) = self.types.get(&TypeUrl::Listener) {
+            served.version = listeners.system_version.clone();
+            for entry in listeners.resources.values() {
+                let Resource::Listener(l) = &entry.resource else {
+                    continue;
+                };
+                let waiting = references::rds_names(l)
+                    .iter()
+                    .any(|name| !routes.is_some_and(|r| r.contains_key(name)))
+                    || references::listener_secrets(l)
+                        .iter()
+                        .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
+                let tracked = entry.tracked(l);
+                if waiting && !self.listeners_timed_out.contains(&l.name) {
+                    warming_listeners.insert(
+                        l.name.clone(),
+                        deadline(self.warming_listeners.get(&l.name)),
+                    );
+                    served.warming.push(tracked);
+                    if let Some(active) = self.active_listeners.get(&l.name) {
+                        served.active.push(active.clone());
+                        active_listeners.insert(l.name.clone(), active.clone());
+                    }
+                    continue;
+                }
+                served.active.push(tracked.clone());
+                active_listeners.insert(l.name.clone(), tracked);
+            }
+            self.listeners_timed_out
+                .retain(|name| listeners.resources.contains_key(name));
+        }
+        self.warming_listeners = warming_listeners;
+        self.active_listeners = active_listeners;
+        self.served_listeners = Some(served);
+    }
+}
