@@ -21,11 +21,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Parser;
 use tokio::sync::Notify;
 
-use super::{Connections, ProxyArgs};
+use super::ProxyArgs;
 use shunt_agent::status::{Call, StatusServer, probes, prometheus};
+use shunt_instance::Connections;
 use shunt_xds::local::LocalServers;
 
 #[derive(clap::Args, Debug)]
@@ -186,14 +186,6 @@ pub enum ProxyKind {
     Envoy,
 }
 
-/// Parses the proxy's command line as `shunt proxy` would.
-#[derive(Parser)]
-#[command(name = "shunt proxy")]
-struct ProxyCommandLine {
-    #[command(flatten)]
-    args: ProxyArgs,
-}
-
 pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     if let Some(AgentCommand::Wait(wait)) = &args.command {
         return run_wait(wait);
@@ -228,14 +220,8 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         Some(g) => g.path.clone(),
         None => bootstrap_path(&args)?,
     };
-    let argv = proxy_command_line(&args, &config);
     let (readiness_port, admin, bootstrap) = read_bootstrap(&args, &config)?;
-    let mut proxy_args = ProxyCommandLine::try_parse_from(
-        std::iter::once(OsString::from("shunt-proxy")).chain(argv.clone()),
-    )
-    .context("the proxy's command line")?
-    .args;
-    proxy_args.keep_user = args.keep_user;
+    let proxy_args = in_process_proxy(&args, &config);
     // pilot-agent's DNS proxy beside Envoy (the in-process proxy runs its own), with
     // the name table the xDS proxy takes off istiod's stream.
     let mut dns = match (&generated, args.proxy) {
@@ -317,6 +303,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         ProxyKind::Envoy => {
             let binary = envoy_binary(args.envoy_binary.as_deref())?;
             let _guard = runtime.enter();
+            let argv = envoy_command_line(&args, &config);
             Proxy::Envoy(Supervisor::start(binary, argv, server.clone(), admin))
         }
     };
@@ -332,8 +319,26 @@ fn bootstrap_path(args: &AgentArgs) -> anyhow::Result<PathBuf> {
         .context("shunt agent: no -c FILE and no generated bootstrap")
 }
 
-/// pilot-agent's Envoy command line (`pkg/envoy/proxy.go`), for either proxy.
-fn proxy_command_line(args: &AgentArgs, config: &Path) -> Vec<OsString> {
+/// The in-process proxy's settings: what pilot-agent's Envoy command line
+/// ([`envoy_command_line`]) says, as `shunt proxy` takes it.
+fn in_process_proxy(args: &AgentArgs, config: &Path) -> ProxyArgs {
+    let mut proxy = ProxyArgs::defaults();
+    proxy.config_path = Some(config.to_owned());
+    proxy.drain_time_s = args.drain_time_s;
+    proxy.parent_shutdown_time_s = args.parent_shutdown_time_s;
+    proxy.drain_strategy = super::envoy_flags::DrainStrategy::Immediate;
+    proxy.file_flush_interval_msec = 1000;
+    proxy.disable_hot_restart = true;
+    proxy.allow_unknown_static_fields = true;
+    proxy.log_level = args.proxy_log_level.clone();
+    proxy.component_log_level = Some(args.proxy_component_log_level.clone());
+    proxy.concurrency = args.concurrency;
+    proxy.keep_user = args.keep_user;
+    proxy
+}
+
+/// pilot-agent's Envoy command line (`pkg/envoy/proxy.go`), for a supervised Envoy.
+fn envoy_command_line(args: &AgentArgs, config: &Path) -> Vec<OsString> {
     let mut argv: Vec<OsString> = vec!["-c".into(), config.into()];
     let flags = [
         ("--drain-time-s", args.drain_time_s.to_string()),
@@ -660,7 +665,7 @@ impl Embedded {
     }
 
     fn active_connections(&self) -> Option<usize> {
-        self.connections.get().map(|c| c.count())
+        self.connections.get().map(|c| c.active())
     }
 
     /// Resolves when the agent asks to stop accepting inbound connections; never
@@ -899,4 +904,46 @@ fn run_wait(args: &WaitArgs) -> anyhow::Result<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The in-process proxy is configured with typed settings, a supervised Envoy with
+    /// pilot-agent's command line: both must say the same.
+    #[test]
+    fn the_in_process_proxy_gets_what_envoys_command_line_says() {
+        #[derive(clap::Parser)]
+        struct Agent {
+            #[command(flatten)]
+            args: AgentArgs,
+        }
+        #[derive(clap::Parser)]
+        struct Proxy {
+            #[command(flatten)]
+            args: ProxyArgs,
+        }
+        let agent = <Agent as clap::Parser>::parse_from([
+            "shunt-agent",
+            "--concurrency",
+            "3",
+            "--drain-time-s",
+            "7",
+            "--proxy-log-level",
+            "debug",
+        ])
+        .args;
+        let config = Path::new("/etc/istio/proxy/envoy-rev.json");
+        let argv = envoy_command_line(&agent, config);
+        let mut parsed = <Proxy as clap::Parser>::parse_from(
+            std::iter::once(OsString::from("shunt-proxy")).chain(argv),
+        )
+        .args;
+        parsed.keep_user = agent.keep_user;
+        assert_eq!(
+            format!("{parsed:?}"),
+            format!("{:?}", in_process_proxy(&agent, config))
+        );
+    }
 }

@@ -124,6 +124,18 @@ pub struct ProxyArgs {
     pub embedded: Option<std::sync::Arc<agent::Embedded>>,
 }
 
+impl ProxyArgs {
+    /// `shunt proxy`'s settings when no flag is given (the flags' own defaults).
+    pub fn defaults() -> ProxyArgs {
+        #[derive(clap::Parser)]
+        struct NoFlags {
+            #[command(flatten)]
+            args: ProxyArgs,
+        }
+        <NoFlags as clap::Parser>::parse_from(["shunt-proxy"]).args
+    }
+}
+
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     HousekeepingSignals::ignore_until_installed()?;
     init_logging(&envoy_flags::log_filter(
@@ -149,72 +161,6 @@ fn run_initialized(args: ProxyArgs) -> anyhow::Result<()> {
         shunt_config::Mode::Validate => validate::run(&bootstrap),
         shunt_config::Mode::Serve if bootstrap.has_bootstrap() => bootstrap::run(&args, &bootstrap),
         shunt_config::Mode::Serve => passthrough::run(&args),
-    }
-}
-
-/// The connections accepted and not yet finished, so a shutdown can wait for them.
-#[derive(Debug, Default)]
-struct Connections {
-    open: std::sync::atomic::AtomicUsize,
-    finished: tokio::sync::Notify,
-}
-
-/// Held by one connection's task; dropping it counts the connection finished.
-struct Open(std::sync::Arc<Connections>);
-
-impl Connections {
-    fn open(self: &std::sync::Arc<Self>) -> Open {
-        self.open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Open(self.clone())
-    }
-
-    fn count(&self) -> usize {
-        self.open.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Resolves once no connection is open.
-    async fn all_finished(&self) {
-        loop {
-            let finished = self.finished.notified();
-            if self.count() == 0 {
-                return;
-            }
-            finished.await;
-        }
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        if self
-            .0
-            .open
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-            == 1
-        {
-            self.0.finished.notify_waiters();
-        }
-    }
-}
-
-/// Waits, after the listeners closed, for the open connections to finish, at most
-/// `drain_time` (Envoy's drain on shutdown); what is still open then is cut.
-async fn drain(connections: &Connections, drain_time: Duration) {
-    let open = connections.count();
-    if open == 0 {
-        return;
-    }
-    tracing::info!(
-        connections = open,
-        drain_time_s = drain_time.as_secs(),
-        "draining: waiting for open connections to finish"
-    );
-    match tokio::time::timeout(drain_time, connections.all_finished()).await {
-        Ok(()) => tracing::info!("drained: every connection finished"),
-        Err(_) => tracing::info!(
-            connections = connections.count(),
-            "drain time over: closing the connections still open"
-        ),
     }
 }
 

@@ -1,23 +1,22 @@
 //! The passthrough proxy (no bootstrap): an Istio pod's listeners 15001 and 15006, each
-//! on 0.0.0.0 and [::]. Every accepted connection gets its own task: the original
-//! destination is read (Envoy's `original_dst` listener filter) and the connection is
-//! handed to [`shunt_filters::tcp`] (PassthroughCluster outbound, InboundPassthroughClusterIpv4
-//! inbound). With DNS on (`--dns-listen`, `ISTIO_META_DNS_CAPTURE`) the DNS proxy
-//! serves too, forwarding every query: there is no name table without xDS.
+//! on 0.0.0.0 and [::], served by a [`ProxyInstance`] without configuration: the
+//! original destination is read (Envoy's `original_dst` listener filter) and the
+//! connection handed to [`shunt_filters::tcp`] (PassthroughCluster outbound,
+//! InboundPassthroughClusterIpv4 inbound). With DNS on (`--dns-listen`,
+//! `ISTIO_META_DNS_CAPTURE`) the DNS proxy serves too, forwarding every query: there
+//! is no name table without xDS.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::task::JoinSet;
 
 use super::{ProxyArgs, bind, data_plane_runtime, drop_privileges};
-use shunt_core::access_log::{Direction, Entry};
+use shunt_core::access_log::Direction;
 use shunt_filters::tcp;
-use shunt_listener::original_dst;
+use shunt_instance::{InstanceConfig, ProxyInputs, ProxyInstance, Serves, Socket};
 
 pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     if args.outbound_port != 0 && args.outbound_port == args.inbound_port {
@@ -53,9 +52,28 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         own_ports,
     });
     let drain_time = Duration::from_secs(args.drain_time_s);
+    let sockets = listeners
+        .into_iter()
+        .map(|bound| {
+            tracing::info!(direction = %bound.direction, addr = %bound.addr, "listening");
+            Socket {
+                addr: bound.addr,
+                listener: bound.listener,
+                serves: Serves::Passthrough(bound.direction),
+            }
+        })
+        .collect();
+    let inputs = ProxyInputs {
+        config: InstanceConfig::Passthrough(settings),
+        sockets,
+        scope: Default::default(),
+        drain_time,
+        ready: Default::default(),
+    };
     // With one worker this thread is the worker (`memory`: it caches its frees).
     shunt_memory::cache_this_thread();
-    let result = runtime.block_on(serve(listeners, settings, drain_time));
+    let instance = ProxyInstance::start(runtime.handle(), inputs)?;
+    let result = runtime.block_on(serve(&instance, drain_time));
     // Connections still open after the drain are dropped with the runtime.
     runtime.shutdown_background();
     result
@@ -78,33 +96,13 @@ fn warn_if_inbound_source_v6_missing() {
     }
 }
 
-/// Accepts on every listener until SIGTERM or SIGINT, then drains: the listeners close
-/// and open connections run on until they end or `drain_time` is over. SIGHUP is
-/// ignored and SIGUSR1 reopens access log files, as in Envoy.
-async fn serve(
-    listeners: Vec<bind::Bound>,
-    settings: Arc<tcp::Settings>,
-    drain_time: Duration,
-) -> anyhow::Result<()> {
+/// Serves until SIGTERM or SIGINT, then drains: the listeners close and open
+/// connections run on until they end or `drain_time` is over. SIGHUP is ignored and
+/// SIGUSR1 reopens access log files, as in Envoy.
+async fn serve(instance: &ProxyInstance, drain_time: Duration) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     let mut housekeeping = super::HousekeepingSignals::install()?;
-    let connections = Arc::new(super::Connections::default());
-
-    let mut accepting = JoinSet::new();
-    for bound in listeners {
-        let listener = TcpListener::from_std(bound.listener)
-            .with_context(|| format!("registering the listener on {}", bound.addr))?;
-        tracing::info!(direction = %bound.direction, addr = %bound.addr, "listening");
-        accepting.spawn(accept_loop(
-            listener,
-            bound.direction,
-            bound.addr,
-            settings.clone(),
-            connections.clone(),
-        ));
-    }
-
     loop {
         tokio::select! {
             _ = sigterm.recv() => {
@@ -116,69 +114,9 @@ async fn serve(
                 break;
             }
             () = housekeeping.handle_next() => {}
-            Some(ended) = accepting.join_next() => {
-                anyhow::bail!("an accept loop ended unexpectedly: {ended:?}");
-            }
         }
     }
-    // Dropping the accept loops closes the listening sockets: no new connections.
-    accepting.abort_all();
-    while accepting.join_next().await.is_some() {}
-    super::drain(&connections, drain_time).await;
+    instance.stop(true);
+    instance.drain(drain_time).await;
     Ok(())
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    direction: Direction,
-    addr: SocketAddr,
-    settings: Arc<tcp::Settings>,
-    connections: Arc<super::Connections>,
-) {
-    loop {
-        match listener.accept().await {
-            Ok((stream, peer)) => {
-                let open = connections.open();
-                let handled = handle(stream, peer, direction, addr.port(), settings.clone());
-                tokio::spawn(async move {
-                    handled.await;
-                    drop(open);
-                });
-            }
-            // The client gave up while queued; nothing to back off from.
-            Err(err) if err.kind() == std::io::ErrorKind::ConnectionAborted => {}
-            Err(err) => {
-                // Out of file descriptors or memory: back off instead of spinning, the
-                // pending connections stay queued in the backlog.
-                tracing::warn!(%addr, %err, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
-async fn handle(
-    stream: TcpStream,
-    peer: SocketAddr,
-    direction: Direction,
-    listener_port: u16,
-    settings: Arc<tcp::Settings>,
-) {
-    let local = match stream.local_addr() {
-        Ok(local) => local,
-        Err(err) => {
-            tracing::warn!(%peer, %err, "accepted connection has no local address; closing");
-            return;
-        }
-    };
-    let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
-    let entry = Entry::start(direction, canonical(peer), canonical(local));
-    let original_dst = match original_dst::original_dst(&stream, local, listener_port) {
-        Ok(dst) => Some(dst),
-        Err(err) => {
-            tracing::warn!(%peer, %err, "closing connection");
-            None
-        }
-    };
-    tcp::proxy(stream, entry, original_dst, &settings).await;
 }

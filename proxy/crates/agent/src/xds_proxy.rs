@@ -153,7 +153,7 @@ impl XdsProxy {
                 bundle.private_key.as_bytes().to_vec(),
             ));
         }
-        shunt_xds::stream::connect(&self.upstream.target, tls.as_ref(), None)
+        shunt_xds::stream::connect(&self.upstream.target, tls.as_ref(), None, None)
             .await
             .map_err(|e| Status::unavailable(format!("istiod at {}: {e}", self.upstream.target)))
     }

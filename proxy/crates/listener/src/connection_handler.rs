@@ -172,7 +172,7 @@ pub async fn handle_internal(connection: InternalConnection, ctx: Arc<Context>) 
     serve(accepted, unaddressed(), unaddressed(), listener, 0, ctx).await;
 }
 
-/// The process's internal listener registry: the current snapshot's internal
+/// A proxy instance's internal listener registry: its current snapshot's internal
 /// listeners, served on the data plane's runtime.
 pub struct InternalListeners(pub Arc<Context>);
 
@@ -188,7 +188,13 @@ impl shunt_upstream::internal::Acceptor for InternalListeners {
                 format!("no internal listener named {:?}", connection.listener),
             ));
         }
-        tokio::spawn(handle_internal(connection, self.0.clone()));
+        // In the same registry's scope: an internal listener's own upstream may be
+        // another internal listener.
+        let registry = Arc::new(InternalListeners(self.0.clone()));
+        tokio::spawn(shunt_upstream::internal::scope(
+            registry,
+            handle_internal(connection, self.0.clone()),
+        ));
         Ok(())
     }
 }

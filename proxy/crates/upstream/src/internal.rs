@@ -4,12 +4,13 @@
 //! in-process pipe, to the listener of that name, with the metadata the cluster's
 //! `internal_upstream` socket passes and the filter state shared with upstream.
 //!
-//! The listeners live above this layer, so the proxy registers an [`Acceptor`] for the
-//! process once it serves (Envoy's registry is per process too).
+//! The listeners live above this layer, so each proxy instance runs its connections in
+//! the [`scope`] of its own [`Acceptor`] (its internal listeners; Envoy's registry is
+//! per server instance). An upstream connection made in that scope reaches them.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use tokio::io::DuplexStream;
 
@@ -78,11 +79,13 @@ pub trait Acceptor: Send + Sync {
     fn accept(&self, connection: InternalConnection) -> io::Result<()>;
 }
 
-static ACCEPTOR: RwLock<Option<Arc<dyn Acceptor>>> = RwLock::new(None);
+tokio::task_local! {
+    static ACCEPTOR: Arc<dyn Acceptor>;
+}
 
-/// Makes `acceptor` the process's internal listener registry.
-pub fn set_acceptor(acceptor: Arc<dyn Acceptor>) {
-    *ACCEPTOR.write().unwrap_or_else(|e| e.into_inner()) = Some(acceptor);
+/// Runs `f` with `acceptor` as the internal listener registry of its connections.
+pub async fn scope<F: std::future::Future>(acceptor: Arc<dyn Acceptor>, f: F) -> F::Output {
+    ACCEPTOR.scope(acceptor, f).await
 }
 
 /// Opens a connection to the internal listener `address` names; returns the
@@ -92,16 +95,12 @@ pub fn connect(
     metadata: PassedMetadata,
     filter_state: SharedFilterState,
 ) -> io::Result<DuplexStream> {
-    let acceptor = ACCEPTOR
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::ConnectionRefused,
-                "no internal listener registry (the proxy is not serving)",
-            )
-        })?;
+    let acceptor = ACCEPTOR.try_with(Arc::clone).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            "no internal listener registry (not a connection of a serving proxy)",
+        )
+    })?;
     let (upstream, listener_end) = tokio::io::duplex(PIPE_BUFFER);
     acceptor.accept(InternalConnection {
         listener: address.server_listener_name.clone(),

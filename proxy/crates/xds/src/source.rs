@@ -81,6 +81,9 @@ pub struct Plan {
     /// Servers in this process (`shunt agent`'s SDS and xDS proxy): a stream to one of
     /// their socket paths calls them instead of connecting.
     pub local: super::local::LocalServers,
+    /// Connections shared with other instances' streams (node mode's pods); `None`: this
+    /// instance's streams connect on their own.
+    pub channels: Option<std::sync::Arc<super::stream::ChannelPool>>,
 }
 
 impl Plan {
@@ -180,6 +183,7 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
         streams,
         initial_fetch_timeout: initial_fetch_timeout.unwrap_or(DEFAULT_INITIAL_FETCH_TIMEOUT),
         local: Default::default(),
+        channels: None,
     }))
 }
 

@@ -62,6 +62,7 @@ pub async fn run(
     config: Stream,
     events: mpsc::UnboundedSender<Event>,
     local: LocalServers,
+    pool: Option<Arc<ChannelPool>>,
 ) {
     let path = crate::type_url::method(&config.types, config.delta);
     let server = local.get(&config.target);
@@ -72,7 +73,7 @@ pub async fn run(
     loop {
         let result = match &server {
             Some(server) => local_session(index, &config, path, server.as_ref(), &events).await,
-            None => session(index, &config, path, &events).await,
+            None => session(index, &config, path, &events, pool.as_deref()).await,
         };
         if events.is_closed() {
             return;
@@ -102,8 +103,9 @@ async fn session(
     config: &Stream,
     path: &'static str,
     events: &mpsc::UnboundedSender<Event>,
+    pool: Option<&ChannelPool>,
 ) -> Result<bool, (String, bool)> {
-    let channel = connect(&config.target, config.tls.as_ref(), config.timeout)
+    let channel = connect(&config.target, config.tls.as_ref(), config.timeout, pool)
         .await
         .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
     // No 4 MiB cap on a response: a full push of a large mesh is bigger (Envoy has none).
@@ -278,50 +280,69 @@ fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (Stri
 }
 
 /// A gRPC channel to `target` (TLS when given): the manager's streams use it, and so
-/// does the agent's xDS proxy for its upstream.
+/// does the agent's xDS proxy for its upstream. With a `pool`, streams to the same
+/// server share its connection.
 pub async fn connect(
     target: &Target,
     tls: Option<&Tls>,
     timeout: Option<Duration>,
+    pool: Option<&ChannelPool>,
 ) -> Result<Channel, String> {
-    if !SHARING.load(std::sync::atomic::Ordering::Relaxed) {
-        return connect_new(target, tls, timeout).await;
+    match pool {
+        Some(pool) => pool.connect(target, tls, timeout).await,
+        None => connect_new(target, tls, timeout).await,
     }
-    let shared = || {
-        let channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
+}
+
+/// Connections shared by the xDS streams of several proxy instances: every stream to
+/// one server (same address, same TLS) goes over one HTTP/2 connection, as many streams
+/// as there are xDS nodes. Node mode gives one to its pods (each pod is its own node, so
+/// the streams stay one per pod; the connection is shared). A channel reconnects by
+/// itself.
+#[derive(Default)]
+pub struct ChannelPool {
+    channels: std::sync::Mutex<Vec<(Target, Option<Tls>, Channel)>>,
+}
+
+impl std::fmt::Debug for ChannelPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_struct("ChannelPool")
+            .field("connections", &channels.len())
+            .finish()
+    }
+}
+
+impl ChannelPool {
+    async fn connect(
+        &self,
+        target: &Target,
+        tls: Option<&Tls>,
+        timeout: Option<Duration>,
+    ) -> Result<Channel, String> {
+        if let Some(channel) = self.find(target, tls) {
+            return Ok(channel);
+        }
+        let channel = connect_new(target, tls, timeout).await?;
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        // Another stream may have connected meanwhile: keep one connection.
+        if let Some((_, _, c)) = channels
+            .iter()
+            .find(|(t, s, _)| t == target && s.as_ref() == tls)
+        {
+            return Ok(c.clone());
+        }
+        channels.push((target.clone(), tls.cloned(), channel.clone()));
+        Ok(channel)
+    }
+
+    fn find(&self, target: &Target, tls: Option<&Tls>) -> Option<Channel> {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         channels
             .iter()
             .find(|(t, s, _)| t == target && s.as_ref() == tls)
             .map(|(_, _, c)| c.clone())
-    };
-    if let Some(channel) = shared() {
-        return Ok(channel);
     }
-    let channel = connect_new(target, tls, timeout).await?;
-    let mut channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
-    // Another stream may have connected meanwhile: keep one connection.
-    if let Some((_, _, c)) = channels
-        .iter()
-        .find(|(t, s, _)| t == target && s.as_ref() == tls)
-    {
-        return Ok(c.clone());
-    }
-    channels.push((target.clone(), tls.cloned(), channel.clone()));
-    Ok(channel)
-}
-
-/// Whether streams to the same server with the same TLS share one HTTP/2 connection.
-static SHARING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// The shared connections, by server and TLS settings (few: one per control plane).
-type SharedChannel = (Target, Option<Tls>, Channel);
-static CHANNELS: std::sync::Mutex<Vec<SharedChannel>> = std::sync::Mutex::new(Vec::new());
-
-/// From now on every stream of the process to one server (same address, same TLS)
-/// goes over one HTTP/2 connection, as many streams as there are xDS nodes: node mode,
-/// where each pod is its own node (an xDS stream carries one node, so the streams stay
-/// one per pod, the connection is shared). The connection reconnects by itself.
-pub fn share_connections() {
-    SHARING.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 async fn connect_new(

@@ -6,14 +6,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 
 use shunt_upstream::same_node::{Client, Directory, Handoff};
 
 /// One pod's inbound side, as the directory hands connections to it.
 pub struct Inbound {
-    pub proxy: Arc<super::proxy::Handle>,
+    pub proxy: Arc<shunt_instance::ProxyInstance>,
     /// The port its inbound listener is bound at (15006).
     pub inbound_port: u16,
 }
@@ -33,7 +32,7 @@ impl Registry {
     }
 
     /// Unlists the pod served by `proxy` (not a newer one at the same addresses).
-    pub fn remove(&self, ips: &[IpAddr], proxy: &Arc<super::proxy::Handle>) {
+    pub fn remove(&self, ips: &[IpAddr], proxy: &Arc<shunt_instance::ProxyInstance>) {
         let mut all = self.by_ip.write().unwrap_or_else(|e| e.into_inner());
         for ip in ips {
             if all.get(ip).is_some_and(|i| Arc::ptr_eq(&i.proxy, proxy)) {
@@ -78,10 +77,4 @@ impl Directory for Registry {
             .serve_handed(*handoff, listener, inbound.inbound_port);
         Ok(())
     }
-}
-
-/// The counters a handed connection moves on its pod, as an accepted one does.
-pub(super) fn count(stats: &super::instance::PodStats) {
-    stats.downstream_cx_total.fetch_add(1, Ordering::Relaxed);
-    stats.downstream_cx_active.fetch_add(1, Ordering::SeqCst);
 }

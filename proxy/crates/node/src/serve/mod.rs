@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 
 use super::{EnrollError, PodInfo, Pods};
-use instance::{Instance, PodStats};
+use instance::Instance;
 use listen::Role;
 use shunt_core::access_log::Direction;
 use shunt_filters::tcp;
@@ -95,6 +95,8 @@ pub struct NodePods {
     registry: Arc<fast_path::Registry>,
     /// How a pod's 15090 writes its stats (the template's `stats_config`).
     scrape: Arc<shunt_admin::StatsScrape>,
+    /// The pods' xDS streams share their connections to the control plane.
+    channels: Option<Arc<shunt_xds::stream::ChannelPool>>,
 }
 
 struct Served {
@@ -143,6 +145,7 @@ impl NodePods {
             certificates: proxy::Certificates::default(),
             registry: Arc::default(),
             scrape: Arc::new(shunt_admin::StatsScrape::new(&Default::default())),
+            channels: None,
         }
     }
 
@@ -150,7 +153,7 @@ impl NodePods {
     /// certificate from the template's CA, instead of the passthrough.
     pub fn with_config(mut self, template: proxy::Template) -> NodePods {
         // One connection to the control plane, a stream per pod on it.
-        shunt_xds::stream::share_connections();
+        self.channels = Some(Arc::default());
         self.scrape = Arc::new(shunt_admin::StatsScrape::new(&template.bootstrap));
         self.config = Some(template);
         self
@@ -196,18 +199,28 @@ impl NodePods {
                 shunt_agent::sds::local(provider),
             );
         }
-        let client = self
-            .options
-            .fast_path
-            .then(|| self.registry.client(&pod.ips));
         Some(proxy::Setup {
             bootstrap: proxy::pod_bootstrap(&template.bootstrap, pod, dns.is_some()),
             local,
-            drain_time: self.options.drain_time,
-            client,
             stats: stats.clone(),
             dns: dns.map(|d| d.tables.clone()),
+            channels: self.channels.clone(),
         })
+    }
+
+    /// Where the pod's connections run: in its network namespace, and, with a proxy from
+    /// the control plane and the fast path on, as its same-node client.
+    fn scope(
+        &self,
+        pod: &PodInfo,
+        netns: Arc<OwnedFd>,
+        configured: bool,
+    ) -> shunt_instance::ConnectionScope {
+        shunt_instance::ConnectionScope {
+            netns: Some(netns),
+            same_node: (configured && self.options.fast_path)
+                .then(|| self.registry.client(&pod.ips)),
+        }
     }
 
     /// Gives back what [`NodePods::setup`] took for the pod (its CA client's share).
@@ -221,11 +234,9 @@ impl NodePods {
     /// Lists the pod for the fast path (with a proxy from the control plane and the
     /// fast path on).
     fn register(&self, pod: &PodInfo, instance: &Instance) {
-        if let Some(proxy) = &instance.proxy
-            && self.options.fast_path
-        {
+        if instance.configured && self.options.fast_path {
             let inbound = fast_path::Inbound {
-                proxy: proxy.handle.clone(),
+                proxy: instance.proxy.clone(),
                 inbound_port: self.options.inbound_port,
             };
             self.registry.insert(&pod.ips, Arc::new(inbound));
@@ -241,18 +252,13 @@ impl NodePods {
                 info: s.info.clone(),
                 node_id: s.node_id.clone(),
                 listeners: s.instance.addrs.clone(),
-                downstream_cx_total: s.instance.stats.downstream_cx_total.load(ORDER),
-                downstream_cx_active: s.instance.stats.downstream_cx_active.load(ORDER),
+                downstream_cx_total: s.instance.proxy.connections().total(),
+                downstream_cx_active: s.instance.proxy.connections().active() as u64,
                 ready: s.instance.ready.load(ORDER),
             })
             .collect();
         out.sort_by(|a, b| a.info.uid.cmp(&b.info.uid));
         out
-    }
-
-    /// A pod's counters, by uid.
-    pub fn stats(&self, uid: &str) -> Option<Arc<PodStats>> {
-        self.lock().get(uid).map(|s| s.instance.stats.clone())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Served>> {
@@ -333,7 +339,8 @@ impl NodePods {
                 let settings = self.settings(&stats);
                 let setup = self.setup(pod, &stats, pod_dns.as_ref());
                 let configured = setup.is_some();
-                Instance::start(&self.runtime, listeners, netns, &settings, setup).inspect_err(
+                let scope = self.scope(pod, netns, configured);
+                Instance::start(&self.runtime, listeners, scope, &settings, setup).inspect_err(
                     |_| {
                         if configured {
                             self.release(pod);
@@ -403,16 +410,17 @@ impl NodePods {
         let settings = self.settings(&stats);
         let setup = self.setup(&pod, &stats, pod_dns.as_ref());
         let configured = setup.is_some();
-        let instance = Instance::start(&self.runtime, listeners, netns.clone(), &settings, setup)
-            .map_err(|e| {
-            if configured {
-                self.release(&pod);
-            }
-            if let Some(dns) = &pod_dns {
-                dns.stop();
-            }
-            Self::enroll_error(&pod, format!("listeners: {e:#}"))
-        })?;
+        let scope = self.scope(&pod, netns.clone(), configured);
+        let instance =
+            Instance::start(&self.runtime, listeners, scope, &settings, setup).map_err(|e| {
+                if configured {
+                    self.release(&pod);
+                }
+                if let Some(dns) = &pod_dns {
+                    dns.stop();
+                }
+                Self::enroll_error(&pod, format!("listeners: {e:#}"))
+            })?;
         self.register(&pod, &instance);
         let served = Served {
             node_id: xds_node_id(&pod),
@@ -430,13 +438,14 @@ impl NodePods {
     }
 
     fn stop(&self, served: Served) {
-        if let Some(proxy) = &served.instance.proxy {
-            self.registry.remove(&served.info.ips, &proxy.handle);
+        if served.instance.configured {
+            self.registry
+                .remove(&served.info.ips, &served.instance.proxy);
         }
         if let Some(dns) = &served.dns {
             dns.stop();
         }
-        if served.instance.proxy.is_some() {
+        if served.instance.configured {
             self.release(&served.info);
         }
         served.instance.stop(&self.runtime, self.options.drain_time);

@@ -14,25 +14,19 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use anyhow::Context as _;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Struct, Value};
-use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio::task::{AbortHandle, JoinHandle, JoinSet};
+use tokio::task::AbortHandle;
 
-use super::instance::PodStats;
 use crate::PodInfo;
 use shunt_agent::ca::{CaOptions, CertificateProvider};
-use shunt_listener::connection_handler::{self, Context};
-use shunt_upstream::same_node::{Client, Handoff};
+use shunt_instance::{Configured, Serves, Socket, XdsInputs};
 use shunt_xds::local::LocalServers;
-use shunt_xds::manager::ListenerChange;
+use shunt_xds::manager::Binder;
 use shunt_xds::snapshot::{self, Current};
 
 /// What every pod's proxy starts from: a bootstrap whose `node` is replaced per pod
@@ -233,338 +227,88 @@ pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo, dns: bool) -> Bootstra
     bootstrap
 }
 
-/// What serving one of the pod's connections takes, shared by its accept loops and the
-/// same-node directory.
-pub struct Handle {
-    context: Arc<Context>,
-    netns: Arc<OwnedFd>,
-    stats: Arc<PodStats>,
-    cut: watch::Receiver<bool>,
-    /// The pod as a same-node client (the fast path on).
-    client: Option<Arc<Client>>,
-    /// The listener names of the pod's bound sockets, by address.
-    bound: Mutex<HashMap<SocketAddr, Arc<str>>>,
-}
-
-impl Handle {
-    /// The pod's listener bound at `addr`, if any.
-    pub fn listener_at(&self, addr: SocketAddr) -> Option<Arc<str>> {
-        let bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
-        bound.get(&addr).cloned()
-    }
-
-    /// Serves a same-node connection handed over in process on `listener`.
-    pub fn serve_handed(&self, handoff: Handoff, listener: Arc<str>, port: u16) {
-        let handled =
-            connection_handler::handle_handed(handoff, listener, port, self.context.clone());
-        self.spawn(handled);
-    }
-
-    /// Runs one connection of the pod: counted, in the pod's namespace (and as the
-    /// pod's client when the fast path is on), cut when the pod's drain is over.
-    fn spawn(&self, handled: impl std::future::Future<Output = ()> + Send + 'static) {
-        let stats = self.stats.clone();
-        super::fast_path::count(&stats);
-        let netns = self.netns.clone();
-        let client = self.client.clone();
-        let mut cut = self.cut.clone();
-        tokio::spawn(async move {
-            let handled = shunt_upstream::netns::scope(netns, async move {
-                match client {
-                    Some(client) => shunt_upstream::same_node::scope(client, handled).await,
-                    None => handled.await,
-                }
-            });
-            tokio::select! {
-                () = handled => {}
-                _ = cut.wait_for(|c| *c) => {}
-            }
-            stats.downstream_cx_active.fetch_sub(1, Ordering::SeqCst);
-        });
-    }
-}
-
-/// A pod's running proxy. Stopping it ([`PodProxy::stop`]) closes its listeners (other
-/// than the capture sockets, which the instance owns) and ends its xDS streams.
-pub struct PodProxy {
-    serving: JoinHandle<()>,
-    /// The pod's own stats (Envoy's names, not prefixed by the pod).
-    pub stats: shunt_core::stats::Store,
-    pub config: Arc<Current>,
-    pub handle: Arc<Handle>,
-}
-
 /// What the pod's proxy is started with, besides its sockets.
 pub struct Setup {
     pub bootstrap: Bootstrap,
     /// In-process xDS servers (the pod's SDS), by the socket path the bootstrap names.
     pub local: LocalServers,
-    pub drain_time: Duration,
-    /// The pod as a same-node client; `None`: the fast path is off.
-    pub client: Option<Arc<Client>>,
     /// The pod's stats store (its DNS proxy counts there too).
     pub stats: shunt_core::stats::Store,
     /// The pod's DNS proxy's name table, which the pod's ADS stream then asks for.
     pub dns: Option<Arc<shunt_dns::Tables>>,
+    /// The node's connections to the control plane, shared by the pods' streams.
+    pub channels: Option<Arc<shunt_xds::stream::ChannelPool>>,
 }
 
-/// The connection-level pieces the instance shares with its proxy.
-pub struct Shared {
-    pub netns: Arc<OwnedFd>,
-    pub stats: Arc<PodStats>,
-    pub cut: watch::Receiver<bool>,
-    /// Set once the first configuration is in (the health port says ready).
-    pub ready: Arc<AtomicBool>,
-}
-
-impl PodProxy {
-    /// Compiles the pod's bootstrap, starts its xDS manager and its serve loop on
-    /// `runtime`. `capture` are the sockets opened at enrollment, by address: a
-    /// listener the control plane puts at one of them accepts on it.
-    pub fn start(
-        runtime: &tokio::runtime::Handle,
-        setup: Setup,
-        capture: Vec<(SocketAddr, std::net::TcpListener)>,
-        shared: Shared,
-    ) -> anyhow::Result<PodProxy> {
-        let _entered = runtime.enter();
-        let Setup {
-            bootstrap,
-            local,
-            drain_time,
-            client,
-            stats,
-            dns,
-        } = setup;
-        let mut plan = shunt_xds::source::plan(&bootstrap)?
-            .context("the node's bootstrap has no dynamic_resources: pods would get no config")?;
-        plan.local = local;
-        if let Some(tables) = &dns
-            && !plan.add_name_table()
-        {
-            tracing::warn!("the pod's DNS proxy without an ADS stream: forwarding every query");
-            let _ = tables.apply(Default::default(), "");
+/// The pod's proxy as an instance's configuration: its bootstrap compiled, its xDS
+/// (on `runtime`, the node's), a binder that gives the listeners its control plane puts
+/// at the `capture` addresses the sockets opened at enrollment and binds any other
+/// inside the pod; and the sockets of the bootstrap's static listeners.
+pub fn configure(
+    runtime: &tokio::runtime::Handle,
+    setup: Setup,
+    capture: Vec<(SocketAddr, std::net::TcpListener)>,
+    netns: Arc<OwnedFd>,
+) -> anyhow::Result<(Configured, Vec<Socket>)> {
+    let Setup {
+        bootstrap,
+        local,
+        stats,
+        dns,
+        channels,
+    } = setup;
+    let mut plan = shunt_xds::source::plan(&bootstrap)?
+        .context("the node's bootstrap has no dynamic_resources: pods would get no config")?;
+    plan.local = local;
+    plan.channels = channels;
+    if let Some(tables) = &dns
+        && !plan.add_name_table()
+    {
+        tracing::warn!("the pod's DNS proxy without an ADS stream: forwarding every query");
+        let _ = tables.apply(Default::default(), "");
+    }
+    let compiled = snapshot::compile(&bootstrap, &stats)?;
+    let store = Arc::new(Current::new(compiled.snapshot));
+    let own_ports: Vec<u16> = capture.iter().map(|(a, _)| a.port()).collect();
+    let capture: HashMap<SocketAddr, std::net::TcpListener> = capture.into_iter().collect();
+    let binder: Binder = Arc::new(move |listener, addr| {
+        match capture.get(&addr) {
+            // The same socket (a second descriptor): its backlog is the pod's.
+            Some(socket) => socket.try_clone(),
+            None => super::listen::bind_listener(&netns, listener, addr),
         }
-        let compiled = snapshot::compile(&bootstrap, &stats)?;
-        let config = Arc::new(Current::new(compiled.snapshot));
-        let own_ports: Vec<u16> = capture.iter().map(|(a, _)| a.port()).collect();
-        let context = Arc::new(Context {
-            config: config.clone(),
-            own_ports: std::sync::RwLock::new(own_ports.into()),
-            shutdown: Default::default(),
-        });
-        let capture: HashMap<SocketAddr, std::net::TcpListener> = capture.into_iter().collect();
-        let netns = shared.netns.clone();
-        let binder: shunt_xds::manager::Binder = Arc::new(move |listener, addr| {
-            match capture.get(&addr) {
-                // The same socket (a second descriptor): its backlog is the pod's.
-                Some(socket) => socket.try_clone(),
-                None => super::listen::bind_listener(&netns, listener, addr),
-            }
-        });
-        // Static listeners of the bootstrap, other than the health ports the instance
-        // serves itself.
-        let health = shunt_config::health_ports::find(&bootstrap);
-        let mut bound = Vec::new();
-        for listener in config.load().listeners.iter().filter(|l| l.bind_to_port) {
-            if health.iter().any(|h| *h.name == *listener.name) {
-                continue;
-            }
-            for addr in &listener.addresses {
-                let socket = binder(listener, *addr).with_context(|| {
-                    format!("listener {:?}: cannot listen on {addr}", listener.name)
-                })?;
-                bound.push(shunt_xds::manager::BoundSocket {
-                    listener: listener.name.clone(),
+    });
+    // The bootstrap's static listeners (compiling left out the health ports, which the
+    // instance answers itself).
+    let mut statics = Vec::new();
+    for listener in store.load().listeners.iter().filter(|l| l.bind_to_port) {
+        for addr in &listener.addresses {
+            let socket = binder(listener, *addr).with_context(|| {
+                format!("listener {:?}: cannot listen on {addr}", listener.name)
+            })?;
+            statics.push(Socket {
+                addr: *addr,
+                listener: socket,
+                serves: Serves::Listener {
+                    name: listener.name.clone(),
                     direction: listener.direction,
-                    addr: *addr,
-                    socket,
-                });
-            }
-        }
-        // Ready once the serve loop accepts on the first listeners (the manager sends
-        // them before it says ready), so the fast path finds them too.
-        let (configured, first_config) = tokio::sync::oneshot::channel();
-        let changes = shunt_xds::Manager::start(
-            bootstrap,
-            plan,
-            config.clone(),
-            stats.clone(),
-            Box::new(move || {
-                let _ = configured.send(());
-            }),
-            binder,
-            bound.iter().map(|b| (b.listener.clone(), b.addr)),
-            dns,
-        );
-        let handle = Arc::new(Handle {
-            context,
-            netns: shared.netns,
-            stats: shared.stats,
-            cut: shared.cut,
-            client,
-            bound: Mutex::default(),
-        });
-        let serve = Serve {
-            handle: handle.clone(),
-            ready: shared.ready,
-            drain_time,
-            accepting: JoinSet::new(),
-            loops: Vec::new(),
-        };
-        let serving = runtime.spawn(serve.run(
-            config.clone(),
-            ListenerChange {
-                bound,
-                ..Default::default()
-            },
-            changes,
-            first_config,
-        ));
-        Ok(PodProxy {
-            serving,
-            stats,
-            config,
-            handle,
-        })
-    }
-
-    /// Stops accepting on every listener of the pod's config and ends its xDS streams;
-    /// HTTP connections are told to close after the requests in flight.
-    pub fn stop(&self) {
-        self.serving.abort();
-        self.handle.context.shutdown.close_connections();
-    }
-}
-
-struct Serve {
-    handle: Arc<Handle>,
-    ready: Arc<AtomicBool>,
-    drain_time: Duration,
-    accepting: JoinSet<()>,
-    /// (listener, address, its accept loop)
-    loops: Vec<(Arc<str>, SocketAddr, AbortHandle)>,
-}
-
-impl Serve {
-    async fn run(
-        mut self,
-        config: Arc<Current>,
-        initial: ListenerChange,
-        mut changes: tokio::sync::mpsc::UnboundedReceiver<ListenerChange>,
-        mut first_config: tokio::sync::oneshot::Receiver<()>,
-    ) {
-        // Cluster warming, as the proxy's: first DNS answers before the first connection.
-        let snapshot = config.load();
-        let mut warming = JoinSet::new();
-        for cluster in snapshot.clusters.values() {
-            let cluster = cluster.clone();
-            warming.spawn(async move { cluster.start().await });
-        }
-        while warming.join_next().await.is_some() {}
-        drop(snapshot);
-        self.apply(initial);
-        loop {
-            tokio::select! {
-                change = changes.recv() => match change {
-                    Some(change) => self.apply(change),
-                    None => return,
                 },
-                Ok(()) = &mut first_config, if !self.ready.load(Ordering::SeqCst) => {
-                    while let Ok(change) = changes.try_recv() {
-                        self.apply(change);
-                    }
-                    self.ready.store(true, Ordering::SeqCst);
-                }
-                Some(_) = self.accepting.join_next() => {}
-            }
-        }
-    }
-
-    fn apply(&mut self, change: ListenerChange) {
-        let context = &self.handle.context;
-        let mut names = self.handle.bound.lock().unwrap_or_else(|e| e.into_inner());
-        for (name, addr) in &change.unbound {
-            if names.get(addr) == Some(name) {
-                names.remove(addr);
-            }
-            self.loops.retain(|(l, a, handle)| {
-                let gone = l == name && a == addr;
-                if gone {
-                    handle.abort();
-                }
-                !gone
-            });
-        }
-        let mut ports: Vec<u16> = context
-            .own_ports
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .to_vec();
-        for b in change.bound {
-            let listener = match TcpListener::from_std(b.socket) {
-                Ok(listener) => listener,
-                Err(err) => {
-                    tracing::error!(listener = %b.listener, addr = %b.addr, %err, "registering a pod's listener failed");
-                    continue;
-                }
-            };
-            tracing::debug!(listener = %b.listener, addr = %b.addr, "pod listening");
-            ports.push(b.addr.port());
-            names.insert(b.addr, b.listener.clone());
-            let accept = Accept {
-                listener,
-                name: b.listener.clone(),
-                addr: b.addr,
-                handle: self.handle.clone(),
-            };
-            let handle = self.accepting.spawn(accept.run());
-            self.loops.push((b.listener, b.addr, handle));
-        }
-        ports.sort_unstable();
-        ports.dedup();
-        *context.own_ports.write().unwrap_or_else(|e| e.into_inner()) = ports.into();
-        if !change.retired.is_empty() {
-            let (retired, drain_time) = (change.retired, self.drain_time);
-            tokio::spawn(async move {
-                tokio::time::sleep(drain_time).await;
-                for listener in retired {
-                    listener.draining.close_connections();
-                }
             });
         }
     }
-}
-
-struct Accept {
-    listener: TcpListener,
-    name: Arc<str>,
-    addr: SocketAddr,
-    handle: Arc<Handle>,
-}
-
-impl Accept {
-    async fn run(self) {
-        loop {
-            match self.listener.accept().await {
-                Ok((stream, peer)) => self.spawn(stream, peer),
-                Err(err) if err.kind() == std::io::ErrorKind::ConnectionAborted => {}
-                Err(err) => {
-                    tracing::warn!(listener = %self.name, addr = %self.addr, %err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-    }
-
-    fn spawn(&self, stream: tokio::net::TcpStream, peer: SocketAddr) {
-        let handled = connection_handler::handle(
-            stream,
-            peer,
-            self.name.clone(),
-            self.addr,
-            self.handle.context.clone(),
-        );
-        self.handle.spawn(handled);
-    }
+    let configured = Configured {
+        bootstrap,
+        store,
+        stats,
+        xds: Some(XdsInputs {
+            plan,
+            main_thread: runtime.clone(),
+            dns,
+        }),
+        binder,
+        own_ports,
+        on_ready: None,
+        on_bound: None,
+    };
+    Ok((configured, statics))
 }

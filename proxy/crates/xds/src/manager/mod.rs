@@ -160,6 +160,7 @@ impl Manager {
                 config.clone(),
                 events_tx.clone(),
                 plan.local.clone(),
+                plan.channels.clone(),
             ));
         }
         let types = plan

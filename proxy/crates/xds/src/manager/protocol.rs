@@ -445,6 +445,7 @@ impl Manager {
             config,
             self.events_tx.clone(),
             self.plan.local.clone(),
+            self.plan.channels.clone(),
         ));
     }
 }

@@ -200,13 +200,15 @@ async fn a_connection_reaches_the_internal_listener_and_its_restored_destination
         own_ports: std::sync::RwLock::new(Arc::from(Vec::new())),
         shutdown: Default::default(),
     });
-    shunt_upstream::internal::set_acceptor(Arc::new(InternalListeners(ctx)));
+    let registry: Arc<dyn shunt_upstream::internal::Acceptor> = Arc::new(InternalListeners(ctx));
 
     let host = cluster.hosts()[0].clone();
-    let (mut stream, _guard) =
-        shunt_upstream::transport_socket::connect(&cluster, &host, &Default::default())
-            .await
-            .expect("the internal listener takes the connection");
+    let (mut stream, _guard) = shunt_upstream::internal::scope(
+        registry,
+        shunt_upstream::transport_socket::connect(&cluster, &host, &Default::default()),
+    )
+    .await
+    .expect("the internal listener takes the connection");
     stream.write_all(b"hello").await.unwrap();
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.unwrap();
