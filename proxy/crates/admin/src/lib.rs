@@ -16,6 +16,8 @@
 //! The admin API itself owns the health-check state (`/healthcheck/fail`), the server
 //! state (`LIVE`, `DRAINING`, `INITIALIZING`) and the `server.*` stats.
 
+#![forbid(unsafe_code)]
+
 #[cfg(test)]
 mod bootstrap_only;
 mod config_dump;

@@ -6,6 +6,8 @@
 //! (start-up order, the in-process proxy or a supervised Envoy, drain) is the program's
 //! business: `server/agent.rs`.
 
+#![forbid(unsafe_code)]
+
 pub mod bootstrap;
 pub mod ca;
 pub mod sds;

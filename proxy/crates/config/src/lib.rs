@@ -10,6 +10,8 @@
 //! these types; `--mode validate` runs it too, so the report names everything shunt
 //! cannot serve, and the xDS sources are checked as the client would open them.
 
+#![forbid(unsafe_code)]
+
 pub mod convert;
 mod diagnostic;
 pub mod extensions;
@@ -89,9 +91,9 @@ pub fn release_idle_pool(idle: std::time::Duration) -> bool {
 }
 
 /// Returns glibc's free heap to the kernel once it holds `min_free` bytes (see
-/// [`pool::trim_free_heap`]).
+/// [`shunt_memory::trim_free_heap`]).
 pub fn trim_free_heap(min_free: usize) -> Option<usize> {
-    pool::trim_free_heap(min_free)
+    shunt_memory::trim_free_heap(min_free)
 }
 
 /// Loads and validates the bootstrap the options name.

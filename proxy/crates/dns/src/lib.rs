@@ -14,6 +14,8 @@
 //! query and a query in flight keeps the table it started with. Until the first table
 //! arrives every query is answered SERVFAIL, as Istio's agent does on 15053.
 
+#![forbid(unsafe_code)]
+
 pub mod cache;
 pub mod name_table;
 pub mod server;

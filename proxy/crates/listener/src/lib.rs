@@ -7,6 +7,8 @@
 //! ([`connection_handler`]), for sockets and for internal listeners' in-process
 //! connections ([`internal`]).
 
+#![forbid(unsafe_code)]
+
 pub mod chain_matcher;
 pub mod compile;
 pub mod config;

@@ -6,6 +6,8 @@
 //! [`pem`] read certificates and keys, for the xDS client's own TLS too.
 //! [`internal_upstream`] is the socket that wraps another for internal listeners.
 
+#![forbid(unsafe_code)]
+
 pub mod context;
 pub mod data_source;
 pub mod internal_upstream;

@@ -15,6 +15,8 @@
 //!   an EDS cluster warms until its endpoints arrive (or `initial_fetch_timeout`), and
 //!   listeners are asked for once the first clusters are in.
 
+#![forbid(unsafe_code)]
+
 pub mod local;
 pub mod manager;
 pub mod snapshot;
