@@ -104,13 +104,26 @@ fn iptables_chains(pod: &Pod) -> String {
         + &run_ok(pod.command("ip6tables").args(["-w", "-t", "nat", "-S"]))
 }
 
-/// `bpftool -j ARGS`: its output, after checking that it succeeded.
+/// `bpftool -j ARGS`: its output, after checking that it succeeded. A listing that
+/// raced another process's link or program going away (`can't get link by id`) is
+/// taken again: the kernel's objects are not this test's alone.
 fn bpftool(args: &[&std::ffi::OsStr]) -> String {
-    let out = std::process::Command::new("bpftool")
-        .arg("-j")
-        .args(args)
-        .output()
-        .expect("running bpftool");
+    let run = || {
+        std::process::Command::new("bpftool")
+            .arg("-j")
+            .args(args)
+            .output()
+            .expect("running bpftool")
+    };
+    let mut out = run();
+    for _ in 0..5 {
+        let raced = String::from_utf8_lossy(&out.stdout).contains("can't get ");
+        if out.status.success() || !raced {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        out = run();
+    }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),

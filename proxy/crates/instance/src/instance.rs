@@ -1,7 +1,6 @@
 //! [`ProxyInstance`]: one proxy, started from its [`ProxyInputs`].
 
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -17,7 +16,7 @@ use shunt_core::access_log::Direction;
 use shunt_filters::tcp;
 use shunt_listener::connection_handler::{self, Context, InternalListeners};
 use shunt_upstream::internal::Acceptor;
-use shunt_upstream::same_node::{Client, Handoff};
+use shunt_upstream::same_node::Handoff;
 use shunt_xds::manager::{Binder, ListenerChange};
 use shunt_xds::snapshot::Current;
 
@@ -73,12 +72,9 @@ pub struct XdsInputs {
 }
 
 /// Where an instance's connections run: for a pod of node mode, in the pod's network
-/// namespace (its upstream sockets are made there) and as the pod's same-node client.
-#[derive(Clone, Default)]
-pub struct ConnectionScope {
-    pub netns: Option<Arc<OwnedFd>>,
-    pub same_node: Option<Arc<Client>>,
-}
+/// namespace (its upstream sockets are made there) and as the pod's same-node client;
+/// the instance adds its internal listeners.
+pub use shunt_upstream::scope::ConnectionScope;
 
 /// What every connection of one instance shares.
 pub(crate) struct Shared {
@@ -89,22 +85,20 @@ pub(crate) struct Shared {
 
 enum Served {
     Passthrough(Arc<tcp::Settings>),
+    /// The connections' scope holds the instance's internal listeners, which their
+    /// upstreams reach.
     Configured {
         context: Arc<Context>,
-        /// The instance's internal listeners, which its connections' upstreams reach.
-        internal: Arc<dyn Acceptor>,
     },
 }
 
 impl Shared {
-    /// Runs `connection` in the instance's scope, counted and cuttable.
+    /// Runs `connection` in the instance's scope, counted and cuttable. Boxed first: the
+    /// scope's layers each hold the future they wrap, and a connection's future is large
+    /// (moved by value through them it overflowed a worker's stack).
     fn spawn(&self, connection: impl Future<Output = ()> + Send + 'static) {
-        let scope = self.scope.clone();
-        let internal = match &self.served {
-            Served::Configured { internal, .. } => Some(internal.clone()),
-            Served::Passthrough(_) => None,
-        };
-        self.connections.spawn(scope.run(internal, connection));
+        let connection: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(connection);
+        self.connections.spawn(self.scope.clone().run(connection));
     }
 
     pub(crate) fn serve_listener(
@@ -154,28 +148,6 @@ impl Shared {
         all.sort_unstable();
         all.dedup();
         *own = all.into();
-    }
-}
-
-impl ConnectionScope {
-    async fn run<F: Future<Output = ()>>(self, internal: Option<Arc<dyn Acceptor>>, f: F) {
-        let ConnectionScope { netns, same_node } = self;
-        let f = async move {
-            match same_node {
-                Some(client) => shunt_upstream::same_node::scope(client, f).await,
-                None => f.await,
-            }
-        };
-        let f = async move {
-            match internal {
-                Some(registry) => shunt_upstream::internal::scope(registry, f).await,
-                None => f.await,
-            }
-        };
-        match netns {
-            Some(netns) => shunt_upstream::netns::scope(netns, f).await,
-            None => f.await,
-        }
     }
 }
 
@@ -255,10 +227,12 @@ impl ProxyInstance {
             shutdown: Default::default(),
         });
         let internal: Arc<dyn Acceptor> = Arc::new(InternalListeners(context.clone()));
+        let mut scope = scope;
+        scope.internal = Some(internal);
         let shared = Arc::new(Shared {
             connections,
             scope,
-            served: Served::Configured { context, internal },
+            served: Served::Configured { context },
         });
         let listeners = Arc::new(Mutex::new(ListenerManager::new(
             shared.clone(),

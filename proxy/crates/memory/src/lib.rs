@@ -271,6 +271,35 @@ unsafe impl GlobalAlloc for CachingMalloc {
     }
 }
 
+/// Hands free heap back to the kernel when glibc holds at least `min_free` bytes
+/// free: after a burst (many connections' buffers freed at once) glibc keeps the
+/// pages in its per-thread arenas, and RSS stays at the burst's peak. Returns the
+/// free bytes it saw when it trimmed.
+pub fn trim_free_heap(min_free: usize) -> Option<usize> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's own statistics.
+        let free = unsafe { libc::mallinfo2() }.fordblks;
+        if free >= min_free {
+            trim_heap();
+            return Some(free);
+        }
+    }
+    let _ = min_free;
+    None
+}
+
+/// Returns free heap pages to the kernel (glibc keeps them otherwise), this thread's
+/// cached blocks first.
+pub fn trim_heap() {
+    release_this_thread();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,34 +501,5 @@ mod tests {
         })
         .join()
         .unwrap();
-    }
-}
-
-/// Hands free heap back to the kernel when glibc holds at least `min_free` bytes
-/// free: after a burst (many connections' buffers freed at once) glibc keeps the
-/// pages in its per-thread arenas, and RSS stays at the burst's peak. Returns the
-/// free bytes it saw when it trimmed.
-pub fn trim_free_heap(min_free: usize) -> Option<usize> {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallinfo2 only reads the allocator's own statistics.
-        let free = unsafe { libc::mallinfo2() }.fordblks;
-        if free >= min_free {
-            trim_heap();
-            return Some(free);
-        }
-    }
-    let _ = min_free;
-    None
-}
-
-/// Returns free heap pages to the kernel (glibc keeps them otherwise), this thread's
-/// cached blocks first.
-pub fn trim_heap() {
-    release_this_thread();
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }

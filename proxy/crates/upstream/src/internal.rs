@@ -88,6 +88,11 @@ pub async fn scope<F: std::future::Future>(acceptor: Arc<dyn Acceptor>, f: F) ->
     ACCEPTOR.scope(acceptor, f).await
 }
 
+/// The current task's internal listener registry, if it has one.
+pub fn current() -> Option<Arc<dyn Acceptor>> {
+    ACCEPTOR.try_with(Arc::clone).ok()
+}
+
 /// Opens a connection to the internal listener `address` names; returns the
 /// upstream's end of the pipe.
 pub fn connect(

@@ -24,6 +24,7 @@ pub mod load_balancer;
 pub mod netns;
 pub mod outlier;
 pub mod same_node;
+pub mod scope;
 pub mod stats;
 pub mod transport_socket;
 pub mod tunnel_pool;

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode, Version};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -103,7 +103,8 @@ pub async fn serve<IO>(
             Ok::<_, Infallible>(response)
         }))
     });
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Streams run in the connection's scope (a pod's namespace, internal listeners).
+    let mut builder = auto::Builder::new(shunt_upstream::scope::ScopedExecutor::current());
     builder = match codec {
         Codec::Auto => builder,
         Codec::Http1 => builder.http1_only(),

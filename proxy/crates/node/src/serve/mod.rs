@@ -220,6 +220,8 @@ impl NodePods {
             netns: Some(netns),
             same_node: (configured && self.options.fast_path)
                 .then(|| self.registry.client(&pod.ips)),
+            // A configured instance adds its own internal listeners.
+            internal: None,
         }
     }
 
