@@ -844,7 +844,7 @@ mod tests {
         );
         // crate::VERSION is an item of main.rs: tcp uses main, above it.
         assert!(
-            text.contains("tcp (layer 4) uses main (layer 8), a layer above it: src/tcp.rs:2"),
+            text.contains("tcp (layer 4) uses main (layer 6), a layer above it: src/tcp.rs:2"),
             "{text}"
         );
     }

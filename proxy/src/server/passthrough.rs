@@ -54,13 +54,10 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
     let drain_time = Duration::from_secs(args.drain_time_s);
     let sockets = listeners
         .into_iter()
-        .map(|bound| {
-            tracing::info!(direction = %bound.direction, addr = %bound.addr, "listening");
-            Socket {
-                addr: bound.addr,
-                listener: bound.listener,
-                serves: Serves::Passthrough(bound.direction),
-            }
+        .map(|bound| Socket {
+            addr: bound.addr,
+            listener: bound.listener,
+            serves: Serves::Passthrough(bound.direction),
         })
         .collect();
     let inputs = ProxyInputs {

@@ -110,7 +110,11 @@ impl ListenerManager {
         let control = socket.listener.try_clone()?;
         let listener = TcpListener::from_std(socket.listener)?;
         let addr = listener.local_addr().unwrap_or(socket.addr);
-        tracing::debug!(serves = ?socket.serves, %addr, "listening");
+        match &socket.serves {
+            Serves::Listener { name, .. } => tracing::info!(listener = %name, %addr, "listening"),
+            Serves::Passthrough(direction) => tracing::info!(%direction, %addr, "listening"),
+            Serves::LocalReply(_) => tracing::debug!(%addr, "listening: local replies"),
+        }
         if let (Some(name), Some(on_bound)) = (socket.serves.name(), &self.on_bound) {
             on_bound(BoundEvent::Bound(name, addr));
         }

@@ -202,55 +202,61 @@ async fn a_connection_reaches_the_internal_listener_and_its_restored_destination
     });
     let registry: Arc<dyn shunt_upstream::internal::Acceptor> = Arc::new(InternalListeners(ctx));
 
-    let host = cluster.hosts()[0].clone();
-    let (mut stream, _guard) = shunt_upstream::internal::scope(
-        registry,
-        shunt_upstream::transport_socket::connect(&cluster, &host, &Default::default()),
-    )
-    .await
-    .expect("the internal listener takes the connection");
-    stream.write_all(b"hello").await.unwrap();
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).await.unwrap();
-    assert_eq!(answer, b"app:hello");
-    // The internal listener's ORIGINAL_DST cluster connected to the restored address.
-    let hosts: Vec<_> = passthrough.hosts().iter().map(|h| h.address).collect();
-    assert_eq!(hosts, [target]);
-    // Counted under Envoy's name for an internal listener.
-    let total = stats.counter("listener.envoy_internal_connect_originate.downstream_cx_total");
-    assert_eq!(total.value(), 1);
+    // The instance's connections run in its registry's scope.
+    shunt_upstream::internal::scope(registry, async move {
+        let host = cluster.hosts()[0].clone();
+        let (mut stream, _guard) =
+            shunt_upstream::transport_socket::connect(&cluster, &host, &Default::default())
+                .await
+                .expect("the internal listener takes the connection");
+        stream.write_all(b"hello").await.unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.unwrap();
+        assert_eq!(answer, b"app:hello");
+        // The internal listener's ORIGINAL_DST cluster connected to the restored address.
+        let hosts: Vec<_> = passthrough.hosts().iter().map(|h| h.address).collect();
+        assert_eq!(hosts, [target]);
+        // Counted under Envoy's name for an internal listener.
+        let total = stats.counter("listener.envoy_internal_connect_originate.downstream_cx_total");
+        assert_eq!(total.value(), 1);
 
-    // Without the metadata nothing restores a destination: the internal listener's
-    // ORIGINAL_DST cluster has no host for it (UH), and the connection just closes.
-    let mut bare =
-        shunt_upstream::host::Host::internal(shunt_upstream::internal::InternalAddress {
-            server_listener_name: "connect_originate".into(),
-            endpoint_id: String::new(),
-        });
-    bare.metadata = None;
-    let none_healthy = stats.counter("cluster.passthrough.upstream_cx_none_healthy");
-    let (mut stream, _guard) =
-        shunt_upstream::transport_socket::connect(&cluster, &Arc::new(bare), &Default::default())
-            .await
-            .expect("the internal listener takes the connection");
-    let mut nothing = Vec::new();
-    stream.read_to_end(&mut nothing).await.unwrap();
-    assert!(nothing.is_empty());
-    assert_eq!(none_healthy.value(), 1);
+        // Without the metadata nothing restores a destination: the internal listener's
+        // ORIGINAL_DST cluster has no host for it (UH), and the connection just closes.
+        let mut bare =
+            shunt_upstream::host::Host::internal(shunt_upstream::internal::InternalAddress {
+                server_listener_name: "connect_originate".into(),
+                endpoint_id: String::new(),
+            });
+        bare.metadata = None;
+        let none_healthy = stats.counter("cluster.passthrough.upstream_cx_none_healthy");
+        let (mut stream, _guard) = shunt_upstream::transport_socket::connect(
+            &cluster,
+            &Arc::new(bare),
+            &Default::default(),
+        )
+        .await
+        .expect("the internal listener takes the connection");
+        let mut nothing = Vec::new();
+        stream.read_to_end(&mut nothing).await.unwrap();
+        assert!(nothing.is_empty());
+        assert_eq!(none_healthy.value(), 1);
 
-    // A name no listener has: the connect fails, as Envoy's does (flag UF).
-    let missing = shunt_upstream::host::Host::internal(shunt_upstream::internal::InternalAddress {
-        server_listener_name: "nowhere".into(),
-        endpoint_id: String::new(),
-    });
-    let err = shunt_upstream::transport_socket::connect(
-        &cluster,
-        &Arc::new(missing),
-        &Default::default(),
-    )
-    .await
-    .expect_err("no such internal listener");
-    assert!(err.to_string().contains("\"nowhere\""), "{err}");
+        // A name no listener has: the connect fails, as Envoy's does (flag UF).
+        let missing =
+            shunt_upstream::host::Host::internal(shunt_upstream::internal::InternalAddress {
+                server_listener_name: "nowhere".into(),
+                endpoint_id: String::new(),
+            });
+        let err = shunt_upstream::transport_socket::connect(
+            &cluster,
+            &Arc::new(missing),
+            &Default::default(),
+        )
+        .await
+        .expect_err("no such internal listener");
+        assert!(err.to_string().contains("\"nowhere\""), "{err}");
+    })
+    .await;
 }
 
 #[test]
