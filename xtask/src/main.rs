@@ -14,6 +14,7 @@ mod pgo;
 mod pods;
 mod runner;
 mod setup;
+mod ztunnel;
 
 use std::process::{Command, ExitCode};
 
@@ -79,6 +80,10 @@ enum Cmd {
     /// through the plain, RBAC and mTLS-pair bootstraps of `bench http`), then the
     /// release build again with the profile; prints the binary's path.
     Pgo,
+    /// Build ztunnel (Istio's node proxy, `bench mesh`'s peer) from a checkout of
+    /// istio/ztunnel into ~/.cache/shunt/ztunnel (its dependencies from crates.io,
+    /// protoc from Debian); prints the binary's path.
+    Ztunnel(ztunnel::ZtunnelArgs),
     /// Benchmarks on a node of pods, with release builds (results under target/bench/).
     Bench {
         #[command(subcommand)]
@@ -141,6 +146,7 @@ fn main() -> ExitCode {
         Cmd::Pgo => setup::run().and_then(|()| bench::pgo()).map(|shunt| {
             println!("xtask pgo: the profile-guided shunt is {}", shunt.display());
         }),
+        Cmd::Ztunnel(args) => setup::run().and_then(|()| ztunnel::build_command(&args)),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
     match result {
