@@ -7,6 +7,7 @@
 
 mod bench;
 mod demo;
+mod dist;
 mod fuzz;
 mod layers;
 mod lint;
@@ -80,6 +81,10 @@ enum Cmd {
     /// through the plain, RBAC and mTLS-pair bootstraps of `bench http`), then the
     /// release build again with the profile; prints the binary's path.
     Pgo,
+    /// The build users get: the profile-guided shunt (as `pgo`), debug info split into
+    /// target/dist/shunt.debug, the stripped binary in target/dist/shunt (what
+    /// deploy/Dockerfile ships), and shunt.build.json saying what it is.
+    Dist(dist::DistArgs),
     /// Build ztunnel (Istio's node proxy, `bench mesh`'s peer) from a checkout of
     /// istio/ztunnel into ~/.cache/shunt/ztunnel (its dependencies from crates.io,
     /// protoc from Debian); prints the binary's path.
@@ -146,6 +151,7 @@ fn main() -> ExitCode {
         Cmd::Pgo => setup::run().and_then(|()| bench::pgo()).map(|shunt| {
             println!("xtask pgo: the profile-guided shunt is {}", shunt.display());
         }),
+        Cmd::Dist(args) => setup::run().and_then(|()| dist::run(&args)),
         Cmd::Ztunnel(args) => setup::run().and_then(|()| ztunnel::build_command(&args)),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
