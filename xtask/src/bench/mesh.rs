@@ -517,10 +517,33 @@ fn shunt_build(bins: &Bins, explicit: Option<&std::path::Path>) -> Result<Build>
 struct Wakeups {
     plane: Plane,
     point: Point,
-    values: [f64; 4],
+    values: [f64; 6],
 }
 
-const WAKEUP_COLUMNS: [&str; 4] = ["wake-ups", "sends", "receives", "epoll_waits"];
+const WAKEUP_COLUMNS: [&str; 6] = [
+    "wake-ups",
+    "sends",
+    "receives",
+    "epoll_waits",
+    "syscalls",
+    "switches",
+];
+
+/// Counted beside `bench http --wakeups`' events: every system call, and the context
+/// switches of the mesh's threads.
+const MORE_EVENTS: [&str; 2] = ["raw_syscalls:sys_enter", "context-switches"];
+
+/// An event's count from `perf stat -x,`'s lines.
+fn perf_count(csv: &str, event: &str) -> Result<u64> {
+    let line = csv
+        .lines()
+        .find(|l| l.split(',').nth(2) == Some(event))
+        .with_context(|| format!("perf stat printed no line for {event}"))?;
+    let count = line.split(',').next().unwrap_or_default();
+    count
+        .parse()
+        .with_context(|| format!("perf stat could not count {event}: {count:?}"))
+}
 
 /// `perf stat` on each plane's mesh processes over a 1000/s run of HTTP and TCP
 /// keep-alive over 16 connections.
@@ -539,7 +562,8 @@ fn wakeup_counts(bins: &Bins, running: &[Running], args: &Settings) -> Result<Ve
                 std::process::id(),
                 r.plane.name()
             ));
-            let events: Vec<&str> = EVENTS.iter().map(|(e, _)| *e).collect();
+            let mut events: Vec<&str> = EVENTS.iter().map(|(e, _)| *e).collect();
+            events.extend(MORE_EVENTS);
             let pids: Vec<String> = r.mesh_pids().iter().map(u32::to_string).collect();
             let mut perf = Command::new("perf")
                 .args(["stat", "-x", ",", "-e", &events.join(","), "-o"])
@@ -573,15 +597,19 @@ fn wakeup_counts(bins: &Bins, running: &[Running], args: &Settings) -> Result<Ve
                 per(Column::Sends),
                 per(Column::Receives),
                 per(Column::EpollWaits),
+                perf_count(&text, MORE_EVENTS[0])? as f64 / requests,
+                perf_count(&text, MORE_EVENTS[1])? as f64 / requests,
             ];
             eprintln!(
-                "  wake-ups {:<15} {:<16} {:.2} wake-ups, {:.2} sends, {:.2} receives, {:.2} epoll_waits per request",
+                "  wake-ups {:<15} {:<16} {:.2} wake-ups, {:.2} sends, {:.2} receives, {:.2} epoll_waits, {:.1} syscalls, {:.2} switches per request",
                 r.plane.name(),
                 point.label(),
                 values[0],
                 values[1],
                 values[2],
-                values[3]
+                values[3],
+                values[4],
+                values[5]
             );
             counts.push(Wakeups {
                 plane: r.plane,
@@ -731,6 +759,7 @@ fn report(
             point.label(),
             args.fraction * 100.0
         )?;
+        let pct = format!("{:.0}%", args.fraction * 100.0);
         writeln!(
             t,
             "{:<15}{:>8}{:>8}{:>8}{:>8}{:>10}{:>9}{:>10}{:>10}{:>10}",
@@ -742,8 +771,8 @@ fn report(
             "vCPU/1k",
             "RSS MiB",
             "max/s",
-            "p50@80%",
-            "p99@80%"
+            format!("p50@{pct}"),
+            format!("p99@{pct}")
         )?;
         for &plane in planes {
             let at = Load::Rate(rate);
@@ -812,22 +841,17 @@ fn report(
             t,
             "\nkernel work per request of the mesh processes at 1000/s, 16 keep-alive connections (perf stat):"
         )?;
-        writeln!(
-            t,
-            "{:<15}{:<8}{:>10}{:>10}{:>10}{:>13}",
-            "", "", WAKEUP_COLUMNS[0], WAKEUP_COLUMNS[1], WAKEUP_COLUMNS[2], WAKEUP_COLUMNS[3]
-        )?;
+        write!(t, "{:<15}{:<8}", "", "")?;
+        for c in WAKEUP_COLUMNS {
+            write!(t, "{c:>12}")?;
+        }
+        writeln!(t)?;
         for w in wakeups {
-            writeln!(
-                t,
-                "{:<15}{:<8}{:>10.2}{:>10.2}{:>10.2}{:>13.2}",
-                w.plane.name(),
-                w.point.proto.name(),
-                w.values[0],
-                w.values[1],
-                w.values[2],
-                w.values[3]
-            )?;
+            write!(t, "{:<15}{:<8}", w.plane.name(), w.point.proto.name())?;
+            for v in w.values {
+                write!(t, "{v:>12.2}")?;
+            }
+            writeln!(t)?;
         }
     }
     Ok(t)
@@ -877,6 +901,7 @@ fn json_report(
         "wakeups_per_request": wakeups.iter().map(|w| json!({
             "plane": w.plane.name(), "protocol": w.point.proto.name(),
             "wakeups": w.values[0], "sends": w.values[1], "receives": w.values[2], "epoll_waits": w.values[3],
+            "syscalls": w.values[4], "context_switches": w.values[5],
         })).collect::<Vec<_>>(),
     })
 }
