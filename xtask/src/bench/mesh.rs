@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 
 use super::measure::{
@@ -227,9 +227,18 @@ pub fn run(bins: Bins, args: &MeshArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let started = Instant::now();
     let mut samples = Vec::new();
+    let mut refused = Vec::new();
     for round in 0..args.rounds {
         for point in args.points() {
-            measure_point(&programs.bins, &running, &args, point, round, &mut samples)?;
+            measure_point(
+                &programs.bins,
+                &running,
+                &args,
+                point,
+                round,
+                &mut samples,
+                &mut refused,
+            )?;
         }
     }
     let wakeups = if args.wakeups {
@@ -238,12 +247,22 @@ pub fn run(bins: Bins, args: &MeshArgs) -> Result<()> {
         Vec::new()
     };
     let minutes = started.elapsed().as_secs_f64() / 60.0;
-    let text = report(
+    let mut text = report(
         &args, &build, &planes, &samples, &idle_rss, &wakeups, minutes,
     )?;
+    for r in &refused {
+        writeln!(text, "REFUSED {r}")?;
+    }
     print!("{text}");
-    let json = json_report(&args, &build, &planes, &samples, &idle_rss, &wakeups);
-    save("mesh", &text, &json)
+    let mut json = json_report(&args, &build, &planes, &samples, &idle_rss, &wakeups);
+    json["refused"] = json!(refused);
+    save("mesh", &text, &json)?;
+    ensure!(
+        refused.is_empty(),
+        "{} run(s) refused for errors (listed above); their numbers are left out",
+        refused.len()
+    );
+    Ok(())
 }
 
 /// The settings after `--quick`.
@@ -332,6 +351,7 @@ fn measure_point(
     point: Point,
     round: usize,
     samples: &mut Vec<Sample>,
+    refused: &mut Vec<String>,
 ) -> Result<()> {
     let mut turn = round;
     for load in args.loads() {
@@ -349,9 +369,12 @@ fn measure_point(
                         .iter()
                         .rev()
                         .find(|s| s.plane == r.plane && s.point == point && s.load == Load::Max)
-                        .map(|s| s.per_sec)
-                        .context("no maximum measured before its fraction")?;
-                    (max * f).floor()
+                        .map(|s| s.per_sec);
+                    match max {
+                        Some(max) => (max * f).floor(),
+                        // Its maximum-rate run was refused: there is no rate to take a fraction of.
+                        None => continue,
+                    }
                 }
             };
             let duration = if load == Load::Max {
@@ -359,9 +382,16 @@ fn measure_point(
             } else {
                 args.duration_ms
             };
-            let s = one_run(bins, r, point, load, rate, duration).with_context(|| {
-                format!("{} at {} {}", r.plane.name(), point.label(), load.label())
-            })?;
+            let what = format!("{} at {} {}", r.plane.name(), point.label(), load.label());
+            let s = match one_run(bins, r, point, load, rate, duration) {
+                Ok(s) => s,
+                Err(e) if e.downcast_ref::<Refused>().is_some() => {
+                    eprintln!("  {what}: {e:#}");
+                    refused.push(format!("{what}: {e:#}"));
+                    continue;
+                }
+                Err(e) => return Err(e.context(what)),
+            };
             eprintln!(
                 "  {:<15} {:<16} {:>9} {:>9.0}/s  p50 {:>6.0}  p99 {:>7.0}  p99.9 {:>7.0} us  {:.3} vCPU/1000",
                 r.plane.name(),
@@ -441,20 +471,24 @@ fn one_run(
     })
 }
 
-/// A run with errors, or one that measured nothing, is refused: its numbers would not
-/// be the plane's.
-fn refuse_errors(report: &Value) -> Result<()> {
+/// A run whose numbers are not the plane's: it had errors or completed nothing.
+#[derive(Debug, thiserror::Error)]
+#[error("refused: {0}")]
+struct Refused(String);
+
+/// A run with errors, or one that measured nothing, is refused: its numbers are left
+/// out, the bench goes on and fails at the end naming it.
+fn refuse_errors(report: &Value) -> Result<(), Refused> {
     let errors = report["errors"].as_u64().unwrap_or(u64::MAX);
     if errors > 0 {
-        bail!(
-            "refused: {errors} errors (first: {}); report {report}",
+        return Err(Refused(format!(
+            "{errors} errors (first: {})",
             report["first_error"]
-        );
+        )));
     }
-    ensure!(
-        report["requests"].as_u64().unwrap_or(0) > 0,
-        "refused: no request completed: {report}"
-    );
+    if report["requests"].as_u64().unwrap_or(0) == 0 {
+        return Err(Refused(format!("no request completed: {report}")));
+    }
     Ok(())
 }
 
