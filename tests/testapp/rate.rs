@@ -98,7 +98,7 @@ fn parse(argv: &[String]) -> Result<Plan, String> {
     let connections: usize = args.num("connections", 4)?;
     let rate: f64 = args.num("rate", 1000.0)?;
     let payload: usize = args.num("payload", 1024)?;
-    if connections == 0 || payload == 0 || !(rate >= 0.0) {
+    if connections == 0 || payload == 0 || rate.is_nan() || rate < 0.0 {
         return Err("--connections and --payload must be at least 1, --rate at least 0".into());
     }
     Ok(Plan {

@@ -353,13 +353,11 @@ fn measure_point(
     samples: &mut Vec<Sample>,
     refused: &mut Vec<String>,
 ) -> Result<()> {
-    let mut turn = round;
-    for load in args.loads() {
+    for (turn, load) in (round..).zip(args.loads()) {
         let mut order: Vec<&Running> = running.iter().collect();
         if turn % 2 == 1 {
             order.reverse();
         }
-        turn += 1;
         for r in order {
             let rate = match load {
                 Load::Max => 0.0,
@@ -665,7 +663,10 @@ fn med(samples: &[Sample], plane: Plane, point: Point, load: Load, f: fn(&Sample
     )
 }
 
-const PERCENTILES: [(&str, fn(&Sample) -> f64); 4] = [
+/// A column: its name and how to read it from a sample.
+type Percentile = (&'static str, fn(&Sample) -> f64);
+
+const PERCENTILES: [Percentile; 4] = [
     ("p50", |s| s.p50),
     ("p90", |s| s.p90),
     ("p99", |s| s.p99),
