@@ -201,10 +201,11 @@ impl Ztunnel {
             _zds: zds,
             dir,
         };
+        // ztunnel binds the IPv6 wildcard, dual-stack.
         for pod in pods {
             harness::wait_for_port(
                 pod,
-                SocketAddr::from(([127, 0, 0, 1], 15001)),
+                SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 15001)),
                 Duration::from_secs(20),
             )
             .with_context(|| format!("ztunnel in {}; its log:\n{}", pod.name(), ztunnel.log()))?;

@@ -84,6 +84,9 @@ pub struct MeshArgs {
     /// Use the debug build (a quick check of the bench itself; numbers mean little).
     #[arg(long)]
     pub debug: bool,
+    /// Run the release binaries already in target/release (no `cargo build` first).
+    #[arg(long)]
+    pub no_build: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -78,7 +78,12 @@ pub fn run(which: Which) -> Result<()> {
         return node::run(&Bins::build(!args.debug)?, args);
     }
     if let Which::Mesh(args) = &which {
-        return mesh::run(Bins::build(!args.debug)?, args);
+        let bins = if args.no_build {
+            Bins::release()?
+        } else {
+            Bins::build(!args.debug)?
+        };
+        return mesh::run(bins, args);
     }
     let bins = Bins::build(true)?;
     match which {
