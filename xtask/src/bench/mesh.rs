@@ -744,6 +744,12 @@ const GOALS: [Goal; 6] = [
     },
 ];
 
+/// `a / b`, when both are above zero: an added latency at or below zero means direct's
+/// own tail was the higher one in that run (noise), and a ratio of it means nothing.
+fn goal_ratio(a: f64, b: f64) -> Option<f64> {
+    (a > 0.0 && b > 0.0).then(|| a / b)
+}
+
 /// A goal's two values at `point` (the fixed rate `rate`).
 fn goal_values(samples: &[Sample], g: &Goal, point: Point, rate: f64) -> (f64, f64) {
     let at = Load::Rate(rate);
@@ -862,7 +868,10 @@ fn report(
         write!(t, "  {:<48}", g.what)?;
         for point in args.points() {
             let (a, b) = goal_values(samples, g, point, rate);
-            let ratio = a / b;
+            let Some(ratio) = goal_ratio(a, b) else {
+                write!(t, " {} -", point.label())?;
+                continue;
+            };
             let met = g.at_most.is_none_or(|m| ratio <= m) && g.at_least.is_none_or(|m| ratio >= m);
             write!(
                 t,
@@ -873,7 +882,10 @@ fn report(
         }
         writeln!(t)?;
     }
-    writeln!(t, "  (! : not met)")?;
+    writeln!(
+        t,
+        "  (! : not met; - : an added latency at or below zero, direct's own tail was higher)"
+    )?;
     if !wakeups.is_empty() {
         writeln!(
             t,
@@ -923,7 +935,7 @@ fn json_report(
         .flat_map(|g| {
             args.points().into_iter().map(move |point| {
                 let (a, b) = goal_values(samples, g, point, rate);
-                json!({"goal": g.what, "point": point.label(), "plane": a, "peer": b, "ratio": a / b})
+                json!({"goal": g.what, "point": point.label(), "plane": a, "peer": b, "ratio": goal_ratio(a, b)})
             })
         })
         .collect();
@@ -997,5 +1009,9 @@ mod tests {
             goal_values(&samples, &GOALS[4], point, 1000.0),
             (30000.0, 20000.0)
         );
+        // An added latency at or below zero (direct's tail was higher) gives no ratio.
+        assert_eq!(goal_ratio(50.0, 200.0), Some(0.25));
+        assert_eq!(goal_ratio(-50.0, 200.0), None);
+        assert_eq!(goal_ratio(50.0, 0.0), None);
     }
 }
