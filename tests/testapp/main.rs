@@ -1,10 +1,11 @@
 //! testapp: the TCP workload of the integration tests (std + threads only).
 //!
 //! ```text
-//! testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http]
+//! testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http|http-echo] [--quiet yes]
 //! testapp call ADDR:PORT [--bind IP] [--bytes N] [--timeout-ms MS] [--seed S]
 //! testapp bench-connect ADDR:PORT [--duration-ms MS] [--concurrency C] [--payload B] [--timeout-ms MS]
 //! testapp bench-rr ADDR:PORT [--duration-ms MS] [--payload B] [--timeout-ms MS]
+//! testapp bench-rate ADDR:PORT [--proto http|tcp] [--rate RPS] [--connections N] [--new-connection yes|no] [--duration-ms MS] [--warmup-ms MS] [--payload B]
 //! testapp probe ADDR:PORT [--timeout-ms MS]
 //! testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect yes|no] [--timeout-ms MS]
 //! ```
@@ -14,6 +15,7 @@
 //! its write side.
 
 mod dns;
+mod rate;
 mod sock;
 
 use serde::Serialize;
@@ -28,10 +30,11 @@ use std::{
 
 const USAGE: &str = "\
 usage:
-  testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http]
+  testapp serve --listen ADDR:PORT [--listen ADDR:PORT ...] [--mode echo|half-close|http|http-echo] [--quiet yes]
   testapp call ADDR:PORT [--bind IP] [--bytes N=1024] [--timeout-ms 5000] [--seed S]
   testapp bench-connect ADDR:PORT [--duration-ms 3000] [--concurrency 4] [--payload 64] [--timeout-ms 2000]
   testapp bench-rr ADDR:PORT [--duration-ms 3000] [--payload 64] [--timeout-ms 2000]
+  testapp bench-rate ADDR:PORT [--proto http] [--rate 1000 (0: maximum)] [--connections 4] [--new-connection no] [--duration-ms 5000] [--warmup-ms 500] [--payload 1024] [--timeout-ms 2000]
   testapp probe ADDR:PORT [--timeout-ms 200]
   testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect no] [--timeout-ms 3000]
 IPv6 addresses are written [addr]:port.";
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         "call" => call(rest),
         "bench-connect" => bench_connect(rest),
         "bench-rr" => bench_rr(rest),
+        "bench-rate" => rate::bench_rate(rest),
         "probe" => probe(rest),
         "many" => report(many(rest)),
         "half-close" => report(half_close(rest)),
@@ -159,7 +163,7 @@ fn print_json(value: &impl Serialize) {
 // ---------------------------------------------------------------- serve
 
 fn serve(argv: &[String]) -> ExitCode {
-    let args = match Args::parse(argv, &["listen", "mode"]) {
+    let args = match Args::parse(argv, &["listen", "mode", "quiet"]) {
         Ok(a) => a,
         Err(e) => return usage_error("serve", &e),
     };
@@ -171,12 +175,21 @@ fn serve(argv: &[String]) -> ExitCode {
         ["http"] => {
             HTTP.store(true, std::sync::atomic::Ordering::Relaxed);
         }
+        ["http-echo"] => {
+            HTTP.store(true, std::sync::atomic::Ordering::Relaxed);
+            HTTP_ECHO.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         other => {
             return usage_error(
                 "serve",
-                &format!("--mode {other:?}: echo, half-close or http"),
+                &format!("--mode {other:?}: echo, half-close, http or http-echo"),
             );
         }
+    }
+    match args.all("quiet").last() {
+        None | Some("no") => {}
+        Some("yes") => QUIET.store(true, std::sync::atomic::Ordering::Relaxed),
+        Some(other) => return usage_error("serve", &format!("--quiet {other:?}: yes or no")),
     }
     if !args.positional.is_empty() {
         return usage_error("serve", &format!("unexpected {:?}", args.positional));
@@ -239,7 +252,10 @@ fn serve_conn(mut stream: TcpStream) {
             return;
         }
     };
-    say(&format!("ACCEPT peer={peer} local={local}"));
+    let quiet = QUIET.load(std::sync::atomic::Ordering::Relaxed);
+    if !quiet {
+        say(&format!("ACCEPT peer={peer} local={local}"));
+    }
     let _ = stream.set_nodelay(true);
     let mut received = 0u64;
     let result = if HALF_CLOSE.load(std::sync::atomic::Ordering::Relaxed) {
@@ -255,7 +271,9 @@ fn serve_conn(mut stream: TcpStream) {
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => "reset".to_string(),
         Err(e) => format!("error:{}", e.kind()),
     };
-    say(&format!("END peer={peer} received={received} result={end}"));
+    if !quiet {
+        say(&format!("END peer={peer} received={received} result={end}"));
+    }
     if let Err(e) = result {
         let quiet = matches!(
             e.kind(),
@@ -271,6 +289,10 @@ fn serve_conn(mut stream: TcpStream) {
 static HALF_CLOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--mode http`: answer HTTP/1.1 requests instead of echoing.
 static HTTP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--mode http-echo`: the response's body is the request's (a load generator's echo).
+static HTTP_ECHO: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--quiet yes`: no ACCEPT/END line per connection (a load test opens thousands).
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// What a `--half-close` server sends before shutting down its write side.
 const HALF_CLOSE_BYTES: usize = 1 << 20;
 
@@ -318,7 +340,8 @@ fn echo(
 
 /// `--mode http`: answers each HTTP/1.1 request on the connection (keep-alive) with 200
 /// and the greeting line as the body, so an HTTP client learns which server it reached
-/// and from where. Request bodies (`content-length`) are read and counted.
+/// and from where. Request bodies (`content-length`) are read and counted; with
+/// `--mode http-echo` a request's body is the response's (the greeting when it has none).
 fn http(
     stream: &mut TcpStream,
     peer: SocketAddr,
@@ -345,13 +368,24 @@ fn http(
             }
             close |= lower.starts_with("connection:") && lower.contains("close");
         }
-        *received += io::copy(&mut (&mut reader).take(length), &mut io::sink())?;
-        let head = format!(
+        let echo = HTTP_ECHO.load(std::sync::atomic::Ordering::Relaxed) && length > 0;
+        let reply = if echo {
+            let mut request_body = Vec::with_capacity(length as usize);
+            (&mut reader).take(length).read_to_end(&mut request_body)?;
+            *received += request_body.len() as u64;
+            request_body
+        } else {
+            *received += io::copy(&mut (&mut reader).take(length), &mut io::sink())?;
+            body.as_bytes().to_vec()
+        };
+        let mut response = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(body.as_bytes())?;
+            reply.len()
+        )
+        .into_bytes();
+        response.extend_from_slice(&reply);
+        // One write: head and body in one segment, as a server with a buffered writer.
+        stream.write_all(&response)?;
         if close {
             return stream.shutdown(Shutdown::Write);
         }

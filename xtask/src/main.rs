@@ -7,6 +7,7 @@
 
 mod bench;
 mod demo;
+mod dist;
 mod fuzz;
 mod layers;
 mod lint;
@@ -14,6 +15,7 @@ mod pgo;
 mod pods;
 mod runner;
 mod setup;
+mod ztunnel;
 
 use std::process::{Command, ExitCode};
 
@@ -79,6 +81,14 @@ enum Cmd {
     /// through the plain, RBAC and mTLS-pair bootstraps of `bench http`), then the
     /// release build again with the profile; prints the binary's path.
     Pgo,
+    /// The build users get: the profile-guided shunt (as `pgo`), debug info split into
+    /// target/dist/shunt.debug, the stripped binary in target/dist/shunt (what
+    /// deploy/Dockerfile ships), and shunt.build.json saying what it is.
+    Dist(dist::DistArgs),
+    /// Build ztunnel (Istio's node proxy, `bench mesh`'s peer) from a checkout of
+    /// istio/ztunnel into ~/.cache/shunt/ztunnel (its dependencies from crates.io,
+    /// protoc from Debian); prints the binary's path.
+    Ztunnel(ztunnel::ZtunnelArgs),
     /// Benchmarks on a node of pods, with release builds (results under target/bench/).
     Bench {
         #[command(subcommand)]
@@ -141,6 +151,8 @@ fn main() -> ExitCode {
         Cmd::Pgo => setup::run().and_then(|()| bench::pgo()).map(|shunt| {
             println!("xtask pgo: the profile-guided shunt is {}", shunt.display());
         }),
+        Cmd::Dist(args) => setup::run().and_then(|()| dist::run(&args)),
+        Cmd::Ztunnel(args) => setup::run().and_then(|()| ztunnel::build_command(&args)),
         Cmd::Bench { which } => setup::run().and_then(|()| bench::run(which)),
     };
     match result {

@@ -119,7 +119,7 @@ pub fn ensure_packages(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 
 /// `apt-get install` (after `apt-get update` if the first try fails: a fresh machine has
 /// no package lists yet).
-fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
     let apt = |args: &[&str]| {
         Command::new("apt-get")
             .args(args)

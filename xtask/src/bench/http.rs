@@ -30,7 +30,7 @@
 //! and their sends, receives and `epoll_wait`s per request (`perf stat`, `wakeups.rs`).
 
 mod instructions;
-mod wakeups;
+pub(super) mod wakeups;
 
 use std::{
     fmt::Write as _,

@@ -8,7 +8,9 @@
 //! minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
 //! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
 //! against Envoy plus an agent: time to ready and RSS), `node.rs` (node mode: per-pod
-//! memory and enrollment, app-to-app against sidecars); what they share (medians,
+//! memory and enrollment, app-to-app against sidecars), `mesh.rs` (Istio's method:
+//! latency added at a fixed rate and CPU per 1000 requests/s, shunt's sidecars and node
+//! mode against Envoy sidecars and ztunnel; `mesh_planes.rs` its data planes); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
 
 mod agent;
@@ -18,6 +20,8 @@ mod http;
 mod http_mtls;
 mod l4;
 mod measure;
+mod mesh;
+mod mesh_planes;
 mod node;
 mod node_mesh;
 mod soak;
@@ -57,6 +61,11 @@ pub enum Which {
     /// Node mode (one process, every pod): per-pod RSS and enrollment time at 10/50/100
     /// pods; same-node round trips through it against two eBPF sidecars and direct.
     Node(node::NodeArgs),
+    /// Istio's method: two pods on one node, HTTP/1.1 and TCP echo of 1 KB at 1000/s and
+    /// at 80% of each plane's maximum, through direct, Envoy sidecars, shunt sidecars,
+    /// node mode (L7 fast path on/off, L4) and ztunnel: latency added over direct
+    /// (p50..p99.9), CPU per 1000 requests/s, RSS, maximum rate; ratios and goals.
+    Mesh(mesh::MeshArgs),
 }
 
 /// `cargo xtask pgo`: see [`http::pgo`].
@@ -68,6 +77,14 @@ pub fn run(which: Which) -> Result<()> {
     if let Which::Node(args) = &which {
         return node::run(&Bins::build(!args.debug)?, args);
     }
+    if let Which::Mesh(args) = &which {
+        let bins = if args.no_build {
+            Bins::release()?
+        } else {
+            Bins::build(!args.debug)?
+        };
+        return mesh::run(bins, args);
+    }
     let bins = Bins::build(true)?;
     match which {
         Which::Capture(args) => capture::run(&bins, &args),
@@ -78,6 +95,6 @@ pub fn run(which: Which) -> Result<()> {
         Which::Dns(args) => dns::run(&bins, &args),
         Which::Agent(args) => agent::run(bins, &args),
         Which::Http(args) => http::run(bins, &args).map(drop),
-        Which::Node(_) => unreachable!("handled above"),
+        Which::Node(_) | Which::Mesh(_) => unreachable!("handled above"),
     }
 }

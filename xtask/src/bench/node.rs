@@ -452,8 +452,8 @@ fn app_to_app(
 }
 
 /// `nodeserve` in the node's bridge namespace, in a cgroup under the node's (where the
-/// capture programs attach); its pins go with it.
-struct Agent {
+/// capture programs attach); its pins go with it. `bench mesh` runs node mode with it too.
+pub(super) struct Agent {
     child: Child,
     stdin: ChildStdin,
     lines: Arc<Mutex<Vec<String>>>,
@@ -462,11 +462,16 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(node: &Node, nodeserve: &Path, tag: &str) -> Result<Agent> {
+    pub(super) fn start(node: &Node, nodeserve: &Path, tag: &str) -> Result<Agent> {
         Self::start_with(node, nodeserve, tag, &[])
     }
 
-    fn start_with(node: &Node, nodeserve: &Path, tag: &str, flags: &[String]) -> Result<Agent> {
+    pub(super) fn start_with(
+        node: &Node,
+        nodeserve: &Path,
+        tag: &str,
+        flags: &[String],
+    ) -> Result<Agent> {
         let cgroup = node.cgroup_path().join("agent");
         let pins = PathBuf::from(format!("{PIN_ROOT}-{tag}"));
         let mut child = Command::new("nsenter")
@@ -481,7 +486,11 @@ impl Agent {
             // As the sidecars here: no sockmap short-circuit, so both pay the same TCP hops.
             .arg("--no-sockmap")
             .args(flags)
-            .env("RUST_LOG", "warn")
+            // `SHUNT_BENCH_LOG=debug` to see why a pod's traffic is refused.
+            .env(
+                "RUST_LOG",
+                std::env::var("SHUNT_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -535,7 +544,7 @@ impl Agent {
         }
     }
 
-    fn add(&mut self, pod: &Pod) -> Result<Duration> {
+    pub(super) fn add(&mut self, pod: &Pod) -> Result<Duration> {
         self.add_with(pod, "")
     }
 
@@ -555,7 +564,7 @@ impl Agent {
     }
 
     /// Waits until the pod's proxy has its first config from the control plane.
-    fn wait_ready(&mut self, pod: &Pod) -> Result<()> {
+    pub(super) fn wait_ready(&mut self, pod: &Pod) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             writeln!(self.stdin, "ready {}", pod.name())?;
@@ -575,6 +584,10 @@ impl Agent {
     fn rss(&mut self) -> Result<u64> {
         writeln!(self.stdin, "rss")?;
         Ok(self.reply("@rss ")?[5..].parse()?)
+    }
+
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 

@@ -157,14 +157,7 @@ pub struct ControlPlane {
 
 impl ControlPlane {
     pub fn start(node: &Node, dir: &Path, server: IpAddr) -> Result<ControlPlane> {
-        let gateway = IpAddr::V4(node.gateway_ipv4());
-        let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
-            TestCa::start_on(dir, TOKEN, Duration::from_secs(3600), gateway)
-        })??;
-        let token = dir.join("token");
-        std::fs::write(&token, TOKEN)?;
-        let socket = dir.join("XDS");
-        let ads = AdsServer::start(Listen::Unix(socket.clone()))?;
+        let (ca, token, ads, socket) = serve(node, dir)?;
         let sds = grpc_source("sds-grpc");
         let to_server = with_upstream_mtls(
             eds_cluster("to-server", ads_source(), 2),
@@ -216,32 +209,61 @@ impl ControlPlane {
                 named("virtualInbound", &inbound),
             ],
         );
-        let pipe = |name: &str, path: &str| {
-            serde_json::json!({
-                "name": name, "type": "STATIC", "connect_timeout": "1s",
-                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}}},
-                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                    {"endpoint": {"address": {"pipe": {"path": path}}}}]}]}
-            })
+        let template = write_template(dir, &socket)?;
+        Ok(ControlPlane {
+            _ads: ads,
+            template,
+            ca,
+            token,
+        })
+    }
+
+    /// As [`ControlPlane::start`], with the listeners and clusters of `resources`
+    /// (`{"listeners": [...], "clusters": [...]}` in Envoy's JSON, TLS from SDS as an
+    /// Istio control plane sends them), read with shunt's own config loader and served
+    /// over ADS.
+    pub fn start_with(
+        node: &Node,
+        dir: &Path,
+        resources: serde_json::Value,
+    ) -> Result<ControlPlane> {
+        let (ca, token, ads, socket) = serve(node, dir)?;
+        let file = dir.join("resources.json");
+        std::fs::write(
+            &file,
+            serde_json::json!({"static_resources": resources}).to_string(),
+        )?;
+        let options = shunt::config::Options {
+            config_path: Some(file.clone()),
+            ..Default::default()
         };
-        let bootstrap = serde_json::json!({
-            "node": {"id": "template", "cluster": "template"},
-            "dynamic_resources": {
-                "lds_config": {"ads": {}, "resource_api_version": "V3"},
-                "cds_config": {"ads": {}, "resource_api_version": "V3"},
-                "ads_config": {"api_type": "GRPC", "transport_api_version": "V3",
-                               "set_node_on_first_message_only": true,
-                               "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]}
-            },
-            "static_resources": {"clusters": [
-                pipe("xds-grpc", &socket.display().to_string()),
-                pipe("sds-grpc", "./var/run/secrets/workload-spiffe-uds/socket"),
-            ]}
-        });
-        let template = dir.join("pods.json");
-        std::fs::write(&template, bootstrap.to_string())?;
+        let (loaded, report) = shunt::config::check(&options)?;
+        anyhow::ensure!(
+            report.is_valid(),
+            "{}: {}",
+            file.display(),
+            report
+                .errors()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        let statics = loaded.bootstrap.static_resources.unwrap_or_default();
+        ads.set(
+            type_urls::CLUSTER,
+            "1",
+            statics.clusters.iter().map(|c| named(&c.name, c)).collect(),
+        );
+        ads.set(
+            type_urls::LISTENER,
+            "1",
+            statics
+                .listeners
+                .iter()
+                .map(|l| named(&l.name, l))
+                .collect(),
+        );
+        let template = write_template(dir, &socket)?;
         Ok(ControlPlane {
             _ads: ads,
             template,
@@ -263,6 +285,51 @@ impl ControlPlane {
             self.token.display().to_string(),
         ]
     }
+}
+
+/// The CA (in the node's bridge namespace, where the node process runs), the token
+/// file, and the ADS server on a Unix socket: what every node-mode control plane has.
+fn serve(node: &Node, dir: &Path) -> Result<(TestCa, PathBuf, AdsServer, PathBuf)> {
+    let gateway = IpAddr::V4(node.gateway_ipv4());
+    let ca = harness::run_in_netns(&node.bridge_netns_path(), || {
+        TestCa::start_on(dir, TOKEN, Duration::from_secs(3600), gateway)
+    })??;
+    let token = dir.join("token");
+    std::fs::write(&token, TOKEN)?;
+    let socket = dir.join("XDS");
+    let ads = AdsServer::start(Listen::Unix(socket.clone()))?;
+    Ok((ca, token, ads, socket))
+}
+
+/// The pods' bootstrap template: ADS over `socket`, SDS from the node process.
+fn write_template(dir: &Path, socket: &Path) -> Result<PathBuf> {
+    let pipe = |name: &str, path: &str| {
+        serde_json::json!({
+            "name": name, "type": "STATIC", "connect_timeout": "1s",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"pipe": {"path": path}}}}]}]}
+        })
+    };
+    let bootstrap = serde_json::json!({
+        "node": {"id": "template", "cluster": "template"},
+        "dynamic_resources": {
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "ads_config": {"api_type": "GRPC", "transport_api_version": "V3",
+                           "set_node_on_first_message_only": true,
+                           "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]}
+        },
+        "static_resources": {"clusters": [
+            pipe("xds-grpc", &socket.display().to_string()),
+            pipe("sds-grpc", "./var/run/secrets/workload-spiffe-uds/socket"),
+        ]}
+    });
+    let template = dir.join("pods.json");
+    std::fs::write(&template, bootstrap.to_string())?;
+    Ok(template)
 }
 
 /// A test CA in this process's namespace (the sidecars' certificates are issued from

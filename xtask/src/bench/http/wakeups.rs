@@ -19,7 +19,7 @@ const REQUESTS: u64 = 50_000;
 const WARM_UP: u64 = 5_000;
 
 /// The tracepoints counted, and the column each one adds to.
-const EVENTS: &[(&str, Column)] = &[
+pub(crate) const EVENTS: &[(&str, Column)] = &[
     ("sched:sched_waking", Column::Wakeups),
     ("syscalls:sys_enter_sendto", Column::Sends),
     ("syscalls:sys_enter_sendmsg", Column::Sends),
@@ -34,7 +34,7 @@ const EVENTS: &[(&str, Column)] = &[
 ];
 
 #[derive(Clone, Copy, PartialEq)]
-enum Column {
+pub(crate) enum Column {
     Wakeups,
     Sends,
     Receives,
@@ -123,7 +123,7 @@ fn count(setup: &Setup, scenario: Scenario, load: Load) -> Result<Count> {
 
 /// Each of [`EVENTS`]' totals, in order, from `perf stat -x,`'s lines
 /// (`COUNT,UNIT,EVENT,...`); an event the kernel does not have is an error.
-fn parse(csv: &str) -> Result<Vec<u64>> {
+pub(crate) fn parse(csv: &str) -> Result<Vec<u64>> {
     EVENTS
         .iter()
         .map(|(event, _)| {
