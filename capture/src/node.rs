@@ -146,6 +146,35 @@ pub fn uninstall(root: &Path) -> anyhow::Result<()> {
     ebpf::remove_root_if_unused(root)
 }
 
+/// Removes everything the node's capture pinned under `root`: every pod's `sk_lookup`
+/// link, the node's cgroup links and the maps (a link detaches with its last pin, a map
+/// goes with its last reference). For uninstalling a node; `shunt inspect` then finds
+/// nothing. Returns how many pins were removed.
+pub fn uninstall_all(root: &Path) -> anyhow::Result<usize> {
+    fn remove(dir: &Path, removed: &mut usize) -> anyhow::Result<()> {
+        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let path = entry?.path();
+            if path.is_dir() {
+                remove(&path, removed)?;
+                std::fs::remove_dir(&path)
+                    .with_context(|| format!("removing {}", path.display()))?;
+            } else {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("unpinning {}", path.display()))?;
+                *removed += 1;
+            }
+        }
+        Ok(())
+    }
+    if !root.exists() {
+        return Ok(0);
+    }
+    let mut removed = 0;
+    remove(root, &mut removed)?;
+    std::fs::remove_dir(root).with_context(|| format!("removing {}", root.display()))?;
+    Ok(removed)
+}
+
 /// The pod's identity from its namespace handle: the inode names it, and the cookie
 /// (what the programs see) is read from a socket made inside it.
 fn identity(netns: BorrowedFd<'_>, addresses: &[IpAddr]) -> anyhow::Result<PodIdentity> {

@@ -129,7 +129,7 @@ fn main() -> anyhow::Result<()> {
     }
     let pods = Arc::new(pods);
     if let Some(path) = &args.take_over {
-        let n = shunt::node::serve::handover::take_over(&pods, path)?;
+        let n = shunt::node::serve::handover::take_over(&pods, path)?.pods;
         reply(&format!("took {n}"));
     }
     reply("ready");
@@ -203,7 +203,7 @@ fn main() -> anyhow::Result<()> {
             ["handover", path] => {
                 let (pods, path) = (pods.clone(), PathBuf::from(path));
                 std::thread::spawn(move || {
-                    match shunt::node::serve::handover::hand_over(&pods, &path) {
+                    match shunt::node::serve::handover::hand_over_once(&pods, &path) {
                         Ok(n) => reply(&format!("handed-over {n}")),
                         Err(err) => reply(&format!("error - handover: {err:#}")),
                     }

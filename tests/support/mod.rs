@@ -3,6 +3,7 @@
 //! stay in the tests.
 #![allow(dead_code)]
 
+pub mod cni;
 pub mod envoy;
 pub mod http_client;
 pub mod nds;

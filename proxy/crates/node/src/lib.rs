@@ -9,6 +9,7 @@
 
 pub mod cni;
 pub mod enroll;
+pub mod owner;
 pub mod serve;
 
 use std::net::IpAddr;
@@ -76,6 +77,13 @@ pub trait Pods: Send + Sync {
     /// pod stays reachable even if its mount goes away). Returns once the pod's
     /// listeners are bound, so the pod's first packet already finds its proxy.
     fn add(&self, pod: PodInfo, netns: OwnedFd) -> Result<(), EnrollError>;
+    /// Serves again a pod recorded before a restart. Unlike [`Pods::add`] (where a
+    /// refused ADD means the pod will not run, so its capture is undone), a pod that
+    /// cannot be served again keeps its capture: it runs, and its failure policy holds
+    /// until it is served (a later ADD, CHECK or restart).
+    fn restore(&self, pod: PodInfo, netns: OwnedFd) -> Result<(), EnrollError> {
+        self.add(pod, netns)
+    }
     /// Stop serving the pod: listeners closed, its connections drained.
     fn remove(&self, uid: &str);
     /// The pods served now (for reconciliation with an enroller's snapshot).

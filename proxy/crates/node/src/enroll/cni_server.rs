@@ -3,11 +3,10 @@
 //! enrollments are rare next to traffic.
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -21,47 +20,94 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct CniServer {
     path: PathBuf,
     listener: Arc<UnixListener>,
-    stopping: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    enrollment: Arc<Enrollment>,
+    serving: Option<Serving>,
+    /// Handed to a successor: the socket file is its now.
+    released: bool,
+}
+
+/// The accept thread, and how to wake it to stop (without touching the socket, which a
+/// successor may be accepting on).
+struct Serving {
+    thread: JoinHandle<()>,
+    wake: OwnedFd,
 }
 
 impl CniServer {
     /// Binds `path` and serves `enrollment` there.
     pub fn start(path: &Path, enrollment: Arc<Enrollment>) -> io::Result<Self> {
-        let listener = Arc::new(wire::bind(path)?);
-        let stopping = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let listener = listener.clone();
-            let stopping = stopping.clone();
-            std::thread::Builder::new()
-                .name("cni-server".into())
-                .spawn(move || accept_loop(&listener, &stopping, &enrollment))?
-        };
-        Ok(Self {
+        let listener = wire::bind(path)?;
+        Self::start_on(path, listener, enrollment)
+    }
+
+    /// Serves `enrollment` on `listener`, already listening at `path` (handed over by
+    /// the process this one replaces).
+    pub fn start_on(
+        path: &Path,
+        listener: UnixListener,
+        enrollment: Arc<Enrollment>,
+    ) -> io::Result<Self> {
+        let mut server = Self {
             path: path.to_path_buf(),
-            listener,
-            stopping,
-            thread: Some(thread),
-        })
+            listener: Arc::new(listener),
+            enrollment,
+            serving: None,
+            released: false,
+        };
+        server.listener.set_nonblocking(true)?;
+        server.resume()?;
+        Ok(server)
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Stops accepting and removes the socket file (requests in flight finish).
-    pub fn stop(&mut self) {
-        let Some(thread) = self.thread.take() else {
+    /// The listening socket, to hand to a successor.
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
+    }
+
+    /// Accepts again after [`CniServer::pause`].
+    pub fn resume(&mut self) -> io::Result<()> {
+        if self.serving.is_some() {
+            return Ok(());
+        }
+        let (wake_rx, wake) = nix::unistd::pipe().map_err(io::Error::from)?;
+        let thread = {
+            let listener = self.listener.clone();
+            let enrollment = self.enrollment.clone();
+            std::thread::Builder::new()
+                .name("cni-server".into())
+                .spawn(move || accept_loop(&listener, &wake_rx, &enrollment))?
+        };
+        self.serving = Some(Serving { thread, wake });
+        Ok(())
+    }
+
+    /// Stops accepting, leaving the socket listening: requests queue until this or a
+    /// successor accepts them (requests in flight finish).
+    pub fn pause(&mut self) {
+        let Some(serving) = self.serving.take() else {
             return;
         };
-        self.stopping.store(true, Ordering::SeqCst);
-        // Shutting a listening socket down wakes the thread blocked in accept().
-        let _ = nix::sys::socket::shutdown(
-            std::os::fd::AsRawFd::as_raw_fd(&*self.listener),
-            nix::sys::socket::Shutdown::Both,
-        );
-        let _ = thread.join();
-        let _ = std::fs::remove_file(&self.path);
+        let _ = nix::unistd::write(&serving.wake, b"x");
+        let _ = serving.thread.join();
+    }
+
+    /// Stops accepting and removes the socket file (requests in flight finish).
+    pub fn stop(&mut self) {
+        self.pause();
+        if !self.released {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Stops accepting and leaves the socket to the successor that took it over: the
+    /// file stays.
+    pub fn release(&mut self) {
+        self.pause();
+        self.released = true;
     }
 }
 
@@ -71,12 +117,26 @@ impl Drop for CniServer {
     }
 }
 
-fn accept_loop(listener: &UnixListener, stopping: &AtomicBool, enrollment: &Arc<Enrollment>) {
+fn accept_loop(listener: &UnixListener, wake: &OwnedFd, enrollment: &Arc<Enrollment>) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     loop {
-        let conn = listener.accept();
-        if stopping.load(Ordering::SeqCst) {
+        let mut fds = [
+            PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+            PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => {
+                tracing::warn!("cni server: poll: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        }
+        if fds[1].any().unwrap_or(true) {
             return;
         }
+        let conn = listener.accept();
         match conn {
             Ok((conn, _)) => {
                 let enrollment = enrollment.clone();
@@ -88,6 +148,8 @@ fn accept_loop(listener: &UnixListener, stopping: &AtomicBool, enrollment: &Arc<
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // Taken by the other process holding this socket during a hand-over.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 tracing::warn!("cni server: accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));

@@ -32,9 +32,12 @@ use super::{EnrollError, PodInfo, Pods};
 pub struct Restored {
     /// CNI pods served again (their netns paths still open).
     pub served: Vec<String>,
-    /// CNI pods dropped: their netns is gone (deleted while the agent was down) or
-    /// `Pods::add` refused them; with the reason.
+    /// CNI pods dropped: their netns is gone (deleted while the agent was down); with
+    /// the reason.
     pub dropped: Vec<(String, String)>,
+    /// CNI pods recorded and running but not served again (their listeners could not
+    /// be opened); kept, with their capture, and the reason.
+    pub unserved: Vec<(String, String)>,
     /// ZDS pods waiting for istio-cni's snapshot to send their netns again.
     pub awaiting_snapshot: Vec<String>,
     /// State files that could not be read.
@@ -70,14 +73,17 @@ impl Enrollment {
                     kept.insert(uid, record);
                 }
                 Source::Cni => match reopen(&record.pod) {
-                    Ok(netns) => match pods.add(record.pod.clone(), netns) {
+                    Ok(netns) => match pods.restore(record.pod.clone(), netns) {
                         Ok(()) => {
                             restored.served.push(uid.clone());
                             kept.insert(uid, record);
                         }
+                        // The pod runs (its namespace is there): its record and its
+                        // capture stay, so a fail-closed pod is never reachable around
+                        // a proxy; a later ADD or restart serves it.
                         Err(e) => {
-                            let _ = state.remove(&uid);
-                            restored.dropped.push((uid, e.reason));
+                            restored.unserved.push((uid.clone(), e.reason));
+                            kept.insert(uid, record);
                         }
                     },
                     Err(e) => {

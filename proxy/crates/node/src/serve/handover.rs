@@ -13,7 +13,7 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use anyhow::{Context, bail};
@@ -62,49 +62,144 @@ fn role_of(name: &str) -> anyhow::Result<Role> {
     })
 }
 
-/// The old process's side: waits at `path` for one new process, hands it every pod,
-/// and once it runs them stops accepting here and drains. Returns the pods handed.
-pub fn hand_over(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
-    let _ = std::fs::remove_file(path);
-    let server = Socket::new(Domain::UNIX, Type::SEQPACKET, None)?;
-    server
-        .bind(&SockAddr::unix(path)?)
-        .with_context(|| format!("binding {}", path.display()))?;
-    server.listen(1)?;
-    let (conn, _) = server
-        .accept()
-        .context("waiting for the new node process")?;
-    let _ = std::fs::remove_file(path);
-    expect(&conn, "take")?;
+/// What comes before the pods: which of the node's own descriptors follow (the
+/// ownership lock, the CNI socket), in that order.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Header {
+    lock: bool,
+    cni: bool,
+}
+
+/// The node's own descriptors, handed with its pods.
+#[derive(Debug, Default)]
+pub struct NodeFds<'a> {
+    /// The ownership lock ([`crate::owner::Owner`]): the successor holds it from the
+    /// moment it arrives.
+    pub lock: Option<BorrowedFd<'a>>,
+    /// The CNI socket, listening: CNI requests queue there while it changes hands.
+    pub cni: Option<BorrowedFd<'a>>,
+}
+
+/// What the new process took besides the pods.
+#[derive(Debug)]
+pub struct Taken {
+    pub lock: Option<OwnedFd>,
+    pub cni: Option<OwnedFd>,
+    pub pods: usize,
+}
+
+/// The old process's offer of its node to a successor, open while it serves.
+pub struct Offer {
+    socket: Socket,
+}
+
+impl Offer {
+    /// Listens at `path` (a stale file replaced). The file is never removed by this
+    /// side: a successor's own offer replaces it.
+    pub fn open(path: &Path) -> anyhow::Result<Offer> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let _ = std::fs::remove_file(path);
+        let socket = Socket::new(Domain::UNIX, Type::SEQPACKET, None)?;
+        socket
+            .bind(&SockAddr::unix(path)?)
+            .with_context(|| format!("binding {}", path.display()))?;
+        socket.listen(1)?;
+        Ok(Offer { socket })
+    }
+
+    /// Waits for a successor.
+    pub fn accept(&self) -> anyhow::Result<Socket> {
+        let (conn, _) = self
+            .socket
+            .accept()
+            .context("waiting for the new node process")?;
+        Ok(conn)
+    }
+}
+
+/// The old process's side, on a successor's connection: the node's own descriptors,
+/// then every pod (its namespace, listening sockets, DNS sockets), then waits until the
+/// successor serves them. The caller then lets go ([`NodePods::release_all`]); if this
+/// fails, nothing was let go and the caller carries on serving.
+pub fn hand_over(conn: &Socket, node: NodeFds<'_>, pods: &NodePods) -> anyhow::Result<usize> {
+    expect(conn, "take")?;
+    let header = Header {
+        lock: node.lock.is_some(),
+        cni: node.cni.is_some(),
+    };
+    let fds: Vec<RawFd> = node
+        .lock
+        .into_iter()
+        .chain(node.cni)
+        .map(|fd| fd.as_raw_fd())
+        .collect();
+    send_with_fds(conn, &serde_json::to_vec(&header)?, &fds).context("handing over the node")?;
     let exported = pods.export();
     for (wire, fds) in &exported {
-        let text = serde_json::to_vec(wire)?;
         let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-        sendmsg::<()>(
-            conn.as_raw_fd(),
-            &[IoSlice::new(&text)],
-            &[ControlMessage::ScmRights(&raw)],
-            MsgFlags::empty(),
-            None,
-        )
-        .with_context(|| format!("handing over pod {}", wire.pod.uid))?;
+        send_with_fds(conn, &serde_json::to_vec(wire)?, &raw)
+            .with_context(|| format!("handing over pod {}", wire.pod.uid))?;
     }
-    send(&conn, b"end")?;
-    expect(&conn, "started")?;
-    pods.release_all();
+    send(conn, b"end")?;
+    expect(conn, "started")?;
     Ok(exported.len())
 }
 
-/// The new process's side: takes every pod from the old process listening at `path`
-/// and serves them here. Returns the pods taken.
-pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
+/// One hand-over of the pods alone at `path`, then letting them go (for a process that
+/// owns no node state).
+pub fn hand_over_once(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
+    let offer = Offer::open(path)?;
+    let conn = offer.accept()?;
+    let _ = std::fs::remove_file(path);
+    let n = hand_over(&conn, NodeFds::default(), pods)?;
+    drop(pods.release_all());
+    Ok(n)
+}
+
+fn send_with_fds(conn: &Socket, text: &[u8], fds: &[RawFd]) -> anyhow::Result<()> {
+    sendmsg::<()>(
+        conn.as_raw_fd(),
+        &[IoSlice::new(text)],
+        &[ControlMessage::ScmRights(fds)],
+        MsgFlags::empty(),
+        None,
+    )?;
+    Ok(())
+}
+
+/// The node as received from the old process, not yet served here.
+pub struct Handed {
+    conn: Socket,
+    /// The ownership lock: held by this process from the moment it arrived.
+    pub lock: Option<OwnedFd>,
+    /// The CNI socket, listening.
+    pub cni: Option<OwnedFd>,
+    pods: Vec<(Wire, Vec<OwnedFd>)>,
+}
+
+/// The new process's side, first half: takes the node from the old process offering it
+/// at `path` (its descriptors and every pod's), before this process touches anything.
+pub fn receive(path: &Path) -> anyhow::Result<Handed> {
     let conn = Socket::new(Domain::UNIX, Type::SEQPACKET, None)?;
     conn.connect(&SockAddr::unix(path)?)
         .with_context(|| format!("connecting to the old node process at {}", path.display()))?;
     send(&conn, b"take")?;
-    let mut taken = 0;
+    let (text, fds) = receive_message(&conn)?;
+    let header: Header = serde_json::from_slice(&text).context("the hand-over's header")?;
+    if fds.len() != usize::from(header.lock) + usize::from(header.cni) {
+        bail!(
+            "the hand-over's header names {header:?} but {} descriptors came",
+            fds.len()
+        );
+    }
+    let mut fds = fds.into_iter();
+    let lock = if header.lock { fds.next() } else { None };
+    let cni = if header.cni { fds.next() } else { None };
+    let mut pods = Vec::new();
     loop {
-        let (text, mut fds) = receive(&conn)?;
+        let (text, fds) = receive_message(&conn)?;
         if text == b"end" {
             break;
         }
@@ -118,35 +213,69 @@ pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
                 wire.dns.len()
             );
         }
-        let netns = fds.remove(0);
-        let dns: Vec<DnsSocket> = wire
-            .dns
-            .iter()
-            .zip(fds.split_off(wire.listeners.len()))
-            .map(|((protocol, addr), fd)| DnsSocket {
-                protocol: *protocol,
-                addr: *addr,
-                fd,
-            })
-            .collect();
-        let listeners = wire
-            .listeners
-            .iter()
-            .zip(fds)
-            .map(|((role, addr), fd)| {
-                Ok(PodListener {
-                    role: role_of(role)?,
-                    addr: *addr,
-                    listener: std::net::TcpListener::from(fd),
-                })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        pods.adopt(wire.pod, netns, listeners, dns)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        taken += 1;
+        pods.push((wire, fds));
     }
-    send(&conn, b"started")?;
-    Ok(taken)
+    Ok(Handed {
+        conn,
+        lock,
+        cni,
+        pods,
+    })
+}
+
+impl Handed {
+    /// The second half: serves every pod here on the sockets received, then tells the
+    /// old process, which lets go. Returns the pods taken.
+    pub fn adopt_into(self, pods: &NodePods) -> anyhow::Result<usize> {
+        let mut taken = 0;
+        for (wire, mut fds) in self.pods {
+            let netns = fds.remove(0);
+            let dns: Vec<DnsSocket> = wire
+                .dns
+                .iter()
+                .zip(fds.split_off(wire.listeners.len()))
+                .map(|((protocol, addr), fd)| DnsSocket {
+                    protocol: *protocol,
+                    addr: *addr,
+                    fd,
+                })
+                .collect();
+            let listeners = wire
+                .listeners
+                .iter()
+                .zip(fds)
+                .map(|((role, addr), fd)| {
+                    Ok(PodListener {
+                        role: role_of(role)?,
+                        addr: *addr,
+                        listener: std::net::TcpListener::from(fd),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            pods.adopt(wire.pod, netns, listeners, dns)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            taken += 1;
+        }
+        // The node is this process's now, whether or not the old one hears it (it may
+        // have died mid-way: its lock and sockets are held here already).
+        if let Err(err) = send(&self.conn, b"started") {
+            tracing::warn!("the old node process did not hear that the node is served: {err:#}");
+        }
+        Ok(taken)
+    }
+}
+
+/// Both halves at once: takes the node from the old process at `path` and serves its
+/// pods here.
+pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<Taken> {
+    let mut handed = receive(path)?;
+    let (lock, cni) = (handed.lock.take(), handed.cni.take());
+    let taken = handed.adopt_into(pods)?;
+    Ok(Taken {
+        lock,
+        cni,
+        pods: taken,
+    })
 }
 
 impl NodePods {
@@ -188,16 +317,21 @@ impl NodePods {
 
     /// Stops accepting (and reading DNS) for every pod without closing the sockets
     /// (another process holds them now) and drains; the kernel side is left as it is.
-    fn release_all(&self) {
+    /// The handles end with each pod's drain.
+    pub fn release_all(&self) -> Vec<tokio::task::JoinHandle<()>> {
         let all: Vec<_> = self.lock().drain().collect();
+        let mut drains = Vec::new();
         for (_, served) in all {
             if let Some(dns) = &served.dns {
                 dns.stop();
             }
-            served
-                .instance
-                .release(&self.runtime, self.options.drain_time);
+            drains.push(
+                served
+                    .instance
+                    .release(&self.runtime, self.options.drain_time),
+            );
         }
+        drains
     }
 }
 
@@ -207,7 +341,7 @@ fn send(conn: &Socket, text: &[u8]) -> anyhow::Result<()> {
 }
 
 fn expect(conn: &Socket, what: &str) -> anyhow::Result<()> {
-    let (text, _) = receive(conn)?;
+    let (text, _) = receive_message(conn)?;
     if text != what.as_bytes() {
         bail!(
             "handover: expected {what:?}, got {:?}",
@@ -217,7 +351,7 @@ fn expect(conn: &Socket, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn receive(conn: &Socket) -> anyhow::Result<(Vec<u8>, Vec<OwnedFd>)> {
+fn receive_message(conn: &Socket) -> anyhow::Result<(Vec<u8>, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
     let mut iov = [IoSliceMut::new(&mut buf)];

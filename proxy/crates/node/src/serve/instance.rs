@@ -115,18 +115,27 @@ impl Instance {
             let _ = socket2::SockRef::from(socket).shutdown(std::net::Shutdown::Both);
         }
         self.proxy.stop(true);
-        Self::drain(self.proxy, runtime, drain_time);
+        drop(Self::drain(self.proxy, runtime, drain_time));
     }
 
     /// Stops accepting here but leaves the sockets listening (a new process accepts on
-    /// them now); open connections run on for `drain_time`, then are cut.
-    pub fn release(self, runtime: &tokio::runtime::Handle, drain_time: Duration) {
+    /// them now); open connections run on for `drain_time`, then are cut. The handle
+    /// ends with the drain.
+    pub fn release(
+        self,
+        runtime: &tokio::runtime::Handle,
+        drain_time: Duration,
+    ) -> tokio::task::JoinHandle<()> {
         self.proxy.stop(false);
-        Self::drain(self.proxy, runtime, drain_time);
+        Self::drain(self.proxy, runtime, drain_time)
     }
 
-    fn drain(proxy: Arc<ProxyInstance>, runtime: &tokio::runtime::Handle, drain_time: Duration) {
-        runtime.spawn(async move { proxy.drain(drain_time).await });
+    fn drain(
+        proxy: Arc<ProxyInstance>,
+        runtime: &tokio::runtime::Handle,
+        drain_time: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        runtime.spawn(async move { proxy.drain(drain_time).await })
     }
 }
 

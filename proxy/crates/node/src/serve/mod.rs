@@ -319,7 +319,10 @@ impl NodePods {
         Ok(all)
     }
 
-    fn start(&self, pod: &PodInfo, netns: OwnedFd) -> Result<Served, EnrollError> {
+    /// Captures and serves `pod`. If serving fails, a fresh enrollment (`undo`) takes
+    /// the capture back (the runtime will not run the pod); a restored one keeps it
+    /// (the pod runs: its failure policy holds until it is served).
+    fn start(&self, pod: &PodInfo, netns: OwnedFd, undo: bool) -> Result<Served, EnrollError> {
         let started = Instant::now();
         let netns_inode = inode(&netns)
             .map_err(|e| Self::enroll_error(pod, format!("the network namespace handle: {e}")))?;
@@ -356,7 +359,7 @@ impl NodePods {
                 if let Some(dns) = &pod_dns {
                     dns.stop();
                 }
-                if let Some(capture) = &self.capture
+                if let Some(capture) = self.capture.as_ref().filter(|_| undo)
                     && let Err(undo) = capture.withdraw(pod, &netns)
                 {
                     tracing::warn!(pod = %pod.name, %undo, "undoing capture failed");
@@ -466,8 +469,8 @@ impl NodePods {
 
 const ORDER: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
 
-impl Pods for NodePods {
-    fn add(&self, pod: PodInfo, netns: OwnedFd) -> Result<(), EnrollError> {
+impl NodePods {
+    fn enroll(&self, pod: PodInfo, netns: OwnedFd, undo: bool) -> Result<(), EnrollError> {
         let mut pods = self.lock();
         if let Some(served) = pods.get(&pod.uid) {
             // A repeated ADD of the same sandbox: nothing to do. Another namespace under
@@ -479,9 +482,19 @@ impl Pods for NodePods {
                 self.stop(old);
             }
         }
-        let served = self.start(&pod, netns)?;
+        let served = self.start(&pod, netns, undo)?;
         pods.insert(pod.uid.clone(), served);
         Ok(())
+    }
+}
+
+impl Pods for NodePods {
+    fn add(&self, pod: PodInfo, netns: OwnedFd) -> Result<(), EnrollError> {
+        self.enroll(pod, netns, true)
+    }
+
+    fn restore(&self, pod: PodInfo, netns: OwnedFd) -> Result<(), EnrollError> {
+        self.enroll(pod, netns, false)
     }
 
     fn remove(&self, uid: &str) {

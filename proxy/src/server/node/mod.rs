@@ -9,12 +9,16 @@ use clap::{Args, Subcommand};
 
 use shunt_capture::CaptureArgs;
 
+mod lifecycle;
+mod uninstall;
+
 use shunt_node::Pods;
 use shunt_node::cni::install::{self, PluginSettings};
 use shunt_node::cni::plugin::DEFAULT_SOCKET;
 use shunt_node::enroll::Enrollment;
 use shunt_node::enroll::cni_server::CniServer;
 use shunt_node::enroll::zds::ZdsClient;
+use shunt_node::owner::{self, Acquired, Owner};
 use shunt_node::serve::capture::{EbpfCapture, FailurePolicy, NodeCapture, Policies};
 use shunt_node::serve::dns::DnsOptions;
 use shunt_node::serve::proxy::{CaTemplate, Template};
@@ -84,17 +88,28 @@ impl PodConfigArgs {
     }
 }
 
-/// The enrollers, running until dropped.
-pub struct Enrollers {
-    pub enrollment: Arc<Enrollment>,
-    _cni: CniServer,
-    _zds: Option<ZdsClient>,
-}
-
 /// The node agent: the node's capture (loaded once), [`NodePods`] serving every pod, the
-/// enrollers feeding it.
+/// enrollers feeding it. The node's state is this process's alone ([`owner`]): a node
+/// owned by another process is taken over (`--take-over`, what an upgrade does) or left
+/// untouched.
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     super::init_logging(&args.log_level)?;
+    let state_dir = args.enroll.state_dir.clone();
+    // Nothing is touched before this: a second process leaves the node as it found it.
+    let start = match Owner::acquire(&state_dir)? {
+        Acquired::Owner(owner) => lifecycle::Start::Fresh(owner),
+        Acquired::Busy(by) if args.take_over => {
+            tracing::info!("{by}: taking the node over");
+            // The old process's sockets and its lock, before anything here is touched.
+            let handed = shunt_node::serve::handover::receive(&owner::handover_path(&state_dir))
+                .with_context(|| format!("{by}, and it did not hand the node over"))?;
+            lifecycle::Start::TakeOver(handed)
+        }
+        Acquired::Busy(by) => anyhow::bail!(
+            "{by}: leaving it untouched (stop that process first, or pass --take-over to \
+             take the node over from it, as an upgrade does)"
+        ),
+    };
     let capture: Option<Box<dyn PodCapture>> = if args.no_capture {
         None
     } else {
@@ -117,71 +132,57 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         resolv_conf: args.dns_resolv_conf.clone(),
         ..DnsOptions::default()
     });
-    serve_with(&args.enroll, args.concurrency, |runtime| {
-        let options = NodeOptions {
-            fast_path: !args.no_fast_path,
-            dns,
-            ..NodeOptions::default()
-        };
-        let mut pods = NodePods::new(options, runtime.clone(), capture);
-        if let Some(template) = template {
-            pods = pods.with_config(template);
-        }
-        let pods: Arc<dyn Pods> = Arc::new(pods);
-        Ok(pods)
-    })
-}
-
-/// Runs the node agent until SIGTERM or SIGINT: a data-plane runtime for the pods'
-/// proxies, `make_pods` (serving, on that runtime), then the enrollers over it. On a
-/// signal the enrollers stop; pods stay recorded, to be rebuilt by the next start.
-pub fn serve_with(
-    enroll: &EnrollArgs,
-    workers: usize,
-    make_pods: impl FnOnce(&tokio::runtime::Handle) -> anyhow::Result<Arc<dyn Pods>>,
-) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers.max(1))
+        .worker_threads(args.concurrency.max(1))
         .thread_name("shunt-node")
         .on_thread_start(shunt_memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the node's runtime")?;
-    let pods = make_pods(runtime.handle())?;
-    let enrollers = start_enrollers(enroll, pods)?;
-    tracing::info!(
-        "shunt node: enrolling on {}{}",
-        enroll.cni_socket.display(),
-        enroll
-            .zds_socket
-            .as_ref()
-            .map(|z| format!(" and istio-cni's {}", z.display()))
-            .unwrap_or_default()
-    );
-    runtime.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
-        let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        anyhow::Ok(())
-    })?;
-    tracing::info!("shunt node: stopping");
-    drop(enrollers);
-    Ok(())
+    let options = NodeOptions {
+        fast_path: !args.no_fast_path,
+        dns,
+        drain_time: std::time::Duration::from_secs(args.drain_time_s),
+        ..NodeOptions::default()
+    };
+    let mut pods = NodePods::new(options, runtime.handle().clone(), capture);
+    if let Some(template) = template {
+        pods = pods.with_config(template);
+    }
+    if let lifecycle::Start::TakeOver(_) = &start
+        && args.handover_pause_ms > 0
+    {
+        std::thread::sleep(std::time::Duration::from_millis(args.handover_pause_ms));
+    }
+    lifecycle::run(
+        start,
+        Arc::new(pods),
+        &args.enroll,
+        args.ready_file.as_deref(),
+        &runtime,
+    )
 }
 
-/// Rebuilds the pods of the state directory into `pods`, then opens the CNI socket and
-/// connects to istio-cni (the sockets open after the rebuild, so a DEL never races it).
-pub fn start_enrollers(args: &EnrollArgs, pods: Arc<dyn Pods>) -> anyhow::Result<Enrollers> {
+/// Rebuilds the pods of the state directory into `pods`, then serves the CNI socket
+/// (`cni`: the one handed over, or bound at `--cni-socket`) and connects to istio-cni
+/// (the sockets open after the rebuild, so a DEL never races it).
+pub fn start_enrollers(
+    args: &EnrollArgs,
+    pods: Arc<dyn Pods>,
+    cni: Option<std::os::unix::net::UnixListener>,
+) -> anyhow::Result<Enrollers> {
     let (enrollment, restored) = Enrollment::open(pods, &args.state_dir)?;
     for file in &restored.unreadable {
         tracing::warn!("state: unreadable record {file}");
     }
     for (uid, why) in &restored.dropped {
         tracing::info!(uid, "state: pod dropped at start: {why}");
+    }
+    for (uid, why) in &restored.unserved {
+        tracing::warn!(
+            uid,
+            "state: pod not served again (its capture stays, its failure policy holds): {why}"
+        );
     }
     tracing::info!(
         served = restored.served.len(),
@@ -190,17 +191,27 @@ pub fn start_enrollers(args: &EnrollArgs, pods: Arc<dyn Pods>) -> anyhow::Result
         args.state_dir.display()
     );
     let enrollment = Arc::new(enrollment);
-    let cni = CniServer::start(&args.cni_socket, enrollment.clone())
-        .with_context(|| format!("CNI socket {}", args.cni_socket.display()))?;
+    let cni = match cni {
+        Some(listener) => CniServer::start_on(&args.cni_socket, listener, enrollment.clone()),
+        None => CniServer::start(&args.cni_socket, enrollment.clone()),
+    }
+    .with_context(|| format!("CNI socket {}", args.cni_socket.display()))?;
     let zds = match &args.zds_socket {
         Some(path) => Some(ZdsClient::start(path, enrollment.clone())?),
         None => None,
     };
     Ok(Enrollers {
         enrollment,
-        _cni: cni,
-        _zds: zds,
+        cni,
+        zds,
     })
+}
+
+/// The enrollers, running until dropped.
+pub struct Enrollers {
+    pub enrollment: Arc<Enrollment>,
+    pub cni: CniServer,
+    pub zds: Option<ZdsClient>,
 }
 
 #[derive(Args, Debug)]
@@ -217,6 +228,25 @@ pub struct NodeArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub enroll: EnrollArgs,
+    /// When another `shunt node` owns the node's state (the same --state-dir), take the
+    /// node over from it: its pods' listening sockets, the CNI socket and the ownership
+    /// pass to this process without a connection refused, then it drains and exits.
+    /// What the DaemonSet's rolling update does. Without it a second process exits,
+    /// naming the owner, and touches nothing.
+    #[arg(long)]
+    pub take_over: bool,
+    /// Written once this process owns the node and serves its pods, removed when it
+    /// hands them over or stops: the DaemonSet's readiness (`test -f`).
+    #[arg(long, value_name = "PATH")]
+    pub ready_file: Option<PathBuf>,
+    /// Time a pod's connections have to finish when it is removed, or when this process
+    /// hands the node over.
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    pub drain_time_s: u64,
+    /// Tests only: the pause between receiving a node and serving it, in which a test
+    /// kills one side of the hand-over.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub handover_pause_ms: u64,
     #[command(flatten)]
     pub pods: PodConfigArgs,
     /// Send same-node mTLS connections over the network (two proxies, a TLS handshake)
@@ -258,6 +288,24 @@ pub enum NodeAction {
     /// Remove `shunt-cni` from every conflist of the conf directory and from the bin
     /// directory.
     UninstallCni(CniDirs),
+    /// Remove node mode from this node: every pod's capture, the node's eBPF programs,
+    /// links, maps and pins, the state records and the CNI socket. Refused while a
+    /// `shunt node` owns the node (stop it first). `uninstall-cni` is separate.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct UninstallArgs {
+    #[command(flatten)]
+    pub enroll: EnrollArgs,
+    /// Where the capture is pinned (`shunt node --bpffs`).
+    #[arg(
+        long,
+        env = "SHUNT_BPFFS",
+        default_value = "/sys/fs/bpf/shunt",
+        value_name = "DIR"
+    )]
+    pub bpffs: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -306,6 +354,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        NodeAction::Uninstall(a) => uninstall::run(&a),
         NodeAction::UninstallCni(dirs) => {
             let changed = install::uninstall(&dirs.cni_bin_dir, &dirs.cni_conf_dir)?;
             for path in changed {
