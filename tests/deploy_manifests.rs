@@ -74,7 +74,12 @@ fn yaml_docs(path: &Path) -> Vec<Value> {
 
 #[test]
 fn the_manifests_validate_against_the_kubernetes_schemas() {
-    let files: Vec<PathBuf> = ["serviceaccount.yaml", "rbac.yaml", "daemonset.yaml"]
+    let files: Vec<PathBuf> = [
+        "serviceaccount.yaml",
+        "rbac.yaml",
+        "daemonset.yaml",
+        "uninstall.yaml",
+    ]
         .iter()
         .map(|f| deploy_dir().join(f))
         .collect();
@@ -174,6 +179,11 @@ fn the_daemonset_runs_the_node_agent_with_dns_capture() {
         .collect();
     assert_eq!(args[0], "node");
     assert!(args.contains(&"--redirect-dns"), "{args:?}");
+    // Upgrades: the new pod starts first and takes the node over.
+    assert!(args.contains(&"--take-over"), "{args:?}");
+    let rolling = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!(rolling["maxSurge"], 1, "{rolling:?}");
+    assert_eq!(rolling["maxUnavailable"], 0, "{rolling:?}");
     assert!(
         args.iter().any(|a| a.starts_with("--cgroup=")),
         "the capture needs the pods' parent cgroup: {args:?}"
@@ -185,6 +195,7 @@ fn the_daemonset_runs_the_node_agent_with_dns_capture() {
         .iter()
         .map(|a| {
             a.replace("=/var/", &format!("={root}/var/"))
+                .replace("=/run/", &format!("={root}/run/"))
                 .replace("=/sys/fs/cgroup/", &format!("={root}/cgroup/"))
         })
         .collect();
