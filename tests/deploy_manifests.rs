@@ -80,9 +80,9 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
         "daemonset.yaml",
         "uninstall.yaml",
     ]
-        .iter()
-        .map(|f| deploy_dir().join(f))
-        .collect();
+    .iter()
+    .map(|f| deploy_dir().join(f))
+    .collect();
     let (ok, out) = validate(&files);
     assert!(ok, "{out}");
 
