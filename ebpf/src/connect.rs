@@ -316,7 +316,7 @@ pub fn report_before_pod(ctx: &SockAddrContext, v6: bool, decision: Decision) {
     let protocol = unsafe { (*ctx.sock_addr).protocol };
     // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let pod_id = match POD_CONFIG.get_ptr(&netns) {
+    let pod_id = match POD_CONFIG.get_ptr(netns) {
         // SAFETY: a value pointer from a successful lookup.
         Some(cfg) => unsafe { (*cfg).pod_id },
         None => 0,

@@ -49,7 +49,7 @@ pub fn send(mut event: DecisionEvent, verdict: Verdict) {
     event.rule = verdict.rule as u16;
     // SAFETY: a helper every program type may call.
     event.time_ns = unsafe { bpf_ktime_get_ns() };
-    if EVENTS.output(&event, 0).is_err()
+    if EVENTS.output(event, 0).is_err()
         && let Some(n) = EVENTS_DROPPED.get_ptr_mut(0)
     {
         // SAFETY: this CPU's slot of a per-CPU array; programs do not migrate mid-run.

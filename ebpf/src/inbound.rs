@@ -92,7 +92,7 @@ fn steer(ctx: &SkLookupContext) -> u32 {
         local,
         remote,
         local_port,
-        remote_port: u16::from_be(remote_port as u16),
+        remote_port: u16::from_be(remote_port),
     };
     let Some(cfg) = POD_ADDRS.get_ptr(&AddrKey {
         addr: local,

@@ -131,7 +131,7 @@ fn report_unpaired(
     decision: Decision,
     event: impl FnOnce() -> shunt_common::events::DecisionEvent,
 ) {
-    let (pod_id, pod_flags) = match POD_CONFIG.get_ptr(&netns) {
+    let (pod_id, pod_flags) = match POD_CONFIG.get_ptr(netns) {
         // SAFETY: a value pointer from a successful lookup.
         Some(cfg) => unsafe { ((*cfg).pod_id, (*cfg).flags) },
         None => (0, 0),

@@ -1,9 +1,19 @@
-//! `bench capture` puts the three ways a client pod's connection can leave side by
-//! side: `direct` (no capture, no proxy), `iptables` and `ebpf` (the client pod captured
-//! with that backend, `shunt proxy` in it). Scenarios run in rounds, in alternating
-//! order, and the medians are reported.
+//! `bench capture` puts the ways a client pod's connection can leave side by side:
+//! `direct` (no capture, no proxy), `iptables` and `ebpf` (the client pod captured with
+//! that backend, `shunt proxy` in it), `ebpf+events` (eBPF with decision events on
+//! node-wide and `shunt inspect --follow` reading them), and with `--baseline SHUNT`
+//! `ebpf-base`: the client pod captured by another build's `shunt capture` (its eBPF
+//! programs; the proxy stays this build's), to compare a change's programs with the
+//! programs without it in one run. Scenarios run in rounds, in alternating order, and
+//! the medians are reported.
 
-use std::{fmt::Write as _, net::SocketAddr};
+use std::{
+    fmt::Write as _,
+    io::Read as _,
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+};
 
 use anyhow::{Context, Result, bail, ensure};
 use harness::{Node, Pod};
@@ -21,9 +31,14 @@ pub struct CaptureArgs {
     /// Length of each bench-connect and each bench-rr run.
     #[arg(long, default_value_t = 3000)]
     duration_ms: u64,
-    /// Rounds of all three scenarios (the order alternates); medians are reported.
+    /// Rounds of all scenarios (the order alternates); medians are reported.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Another build's `shunt` (say, main's: `git worktree add ../base main`, then
+    /// `cargo build --release -p shunt` there): its `shunt capture` is the `ebpf-base`
+    /// scenario.
+    #[arg(long, value_name = "SHUNT")]
+    baseline: Option<PathBuf>,
 }
 
 const PIN_ROOT: &str = "/sys/fs/bpf/shunt-bench";
@@ -32,14 +47,17 @@ const CONCURRENCY: &str = "2";
 const PAYLOAD: &str = "64";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 enum Scenario {
     Direct,
     Iptables,
     Ebpf,
+    /// eBPF with decision events on node-wide, read by `shunt inspect --follow`.
+    #[serde(rename = "ebpf+events")]
+    EbpfEvents,
+    /// eBPF as `--baseline`'s `shunt capture` installs it.
+    EbpfBase,
 }
-
-const SCENARIOS: [Scenario; 3] = [Scenario::Direct, Scenario::Iptables, Scenario::Ebpf];
 
 impl Scenario {
     fn name(self) -> &'static str {
@@ -47,6 +65,8 @@ impl Scenario {
             Scenario::Direct => "direct",
             Scenario::Iptables => "iptables",
             Scenario::Ebpf => "ebpf",
+            Scenario::EbpfEvents => "ebpf+events",
+            Scenario::EbpfBase => "ebpf-base",
         }
     }
 
@@ -54,9 +74,37 @@ impl Scenario {
         match self {
             Scenario::Direct => None,
             Scenario::Iptables => Some(Backend::Iptables),
-            Scenario::Ebpf => Some(Backend::Ebpf),
+            Scenario::Ebpf | Scenario::EbpfEvents | Scenario::EbpfBase => Some(Backend::Ebpf),
         }
     }
+}
+
+/// The scenarios of this run, in the order of odd rounds.
+fn scenarios(args: &CaptureArgs) -> Vec<Scenario> {
+    let mut all = vec![
+        Scenario::Direct,
+        Scenario::Iptables,
+        Scenario::Ebpf,
+        Scenario::EbpfEvents,
+    ];
+    if args.baseline.is_some() {
+        all.push(Scenario::EbpfBase);
+    }
+    all
+}
+
+/// The ratios of the table: (numerator, denominator), as present in this run.
+fn ratios(scenarios: &[Scenario]) -> Vec<(Scenario, Scenario)> {
+    [
+        (Scenario::Iptables, Scenario::Direct),
+        (Scenario::Ebpf, Scenario::Direct),
+        (Scenario::Ebpf, Scenario::Iptables),
+        (Scenario::Ebpf, Scenario::EbpfBase),
+        (Scenario::EbpfEvents, Scenario::Ebpf),
+    ]
+    .into_iter()
+    .filter(|(a, b)| scenarios.contains(a) && scenarios.contains(b))
+    .collect()
 }
 
 /// One scenario, once.
@@ -75,6 +123,10 @@ struct Run {
     proxy_log_lines: usize,
     /// TIME_WAIT sockets in the client pod when bench-connect started (earlier runs').
     time_wait_before: u64,
+    /// Decision events the follower read during bench-connect, and those the ring
+    /// dropped (`ebpf+events` only).
+    events_read: u64,
+    events_dropped: u64,
 }
 
 /// A row of the table: how to read it from a run.
@@ -140,6 +192,16 @@ const METRICS: &[Metric] = &[
         label: "proxy access-log lines per run",
         get: |r| r.proxy_log_lines as f64,
     },
+    Metric {
+        key: "events_per_conn",
+        label: "decision events read per connection",
+        get: |r| r.events_read as f64 / num(&r.connect, "connections"),
+    },
+    Metric {
+        key: "events_dropped",
+        label: "decision events dropped per run",
+        get: |r| r.events_dropped as f64,
+    },
 ];
 
 pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
@@ -160,17 +222,41 @@ pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
         println!("  warning: something else is using the CPU; numbers will be noisy");
     }
 
+    let baseline = args.baseline.as_ref().map(|shunt| Bins {
+        shunt: shunt.clone(),
+        testapp: bins.testapp.clone(),
+    });
+    if let Some(b) = &baseline {
+        ensure!(
+            b.shunt.is_file(),
+            "--baseline {}: no such file",
+            b.shunt.display()
+        );
+    }
+    let scenarios = scenarios(args);
     let mut runs = Vec::new();
     for round in 1..=args.rounds {
-        let mut order = SCENARIOS;
+        let mut order = scenarios.clone();
         if round % 2 == 0 {
             order.reverse();
         }
         for scenario in order {
-            let run = measure(bins, &client, target, scenario, round, args.duration_ms)
-                .with_context(|| format!("round {round}, scenario {}", scenario.name()))?;
+            // The baseline's capture; every proxy is this build's.
+            let capture_bins = match (scenario, &baseline) {
+                (Scenario::EbpfBase, Some(b)) => b,
+                _ => bins,
+            };
+            let run = measure(
+                (bins, capture_bins),
+                &client,
+                target,
+                scenario,
+                round,
+                args.duration_ms,
+            )
+            .with_context(|| format!("round {round}, scenario {}", scenario.name()))?;
             println!(
-                "  round {round} {:<8} {:>7.0} conn/s  p50 {:>5} us  p99 {:>5} us  cpu {:>5.1} us/conn  | rr p50 {:>4} us  p99 {:>5} us  | proxy log {} lines | TIME_WAIT before {}",
+                "  round {round} {:<11} {:>7.0} conn/s  p50 {:>5} us  p99 {:>5} us  cpu {:>5.1} us/conn  | rr p50 {:>4} us  p99 {:>5} us  | proxy log {} lines | TIME_WAIT before {}",
                 scenario.name(),
                 num(&run.connect, "conn_per_sec"),
                 run.connect["p50_us"],
@@ -186,16 +272,16 @@ pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
     }
     drop(node);
 
-    let report = Report::new(args, busy, runs);
+    let report = Report::new(args, busy, scenarios, runs);
     let text = report.table();
     print!("\n{text}");
     save("capture", &text, &report.json())
 }
 
 /// Set up the scenario in the client pod, check which path traffic takes, measure,
-/// check the proxy saw it, tear down.
+/// check the proxy saw it, tear down. `bins.1` installs capture.
 fn measure(
-    bins: &Bins,
+    (bins, capture_bins): (&Bins, &Bins),
     client: &Pod,
     target: SocketAddr,
     scenario: Scenario,
@@ -204,7 +290,7 @@ fn measure(
 ) -> Result<Run> {
     let mut capture = scenario
         .backend()
-        .map(|backend| Capture::new(bins, backend, PIN_ROOT));
+        .map(|backend| Capture::new(capture_bins, backend, PIN_ROOT));
     if let Some(capture) = &mut capture {
         capture.install(client)?;
     }
@@ -232,6 +318,10 @@ fn measure(
 
     let duration = duration_ms.to_string();
     let time_wait_before = time_wait(client)?;
+    let follower = match scenario {
+        Scenario::EbpfEvents => Some(Follower::start(bins, PIN_ROOT)?),
+        _ => None,
+    };
     let before = CpuTimes::now()?;
     let connect = app_testapp(
         bins,
@@ -249,6 +339,10 @@ fn measure(
         duration_ms,
     )?;
     let cpu = CpuTimes::now()?.since(&before);
+    let (events_read, events_dropped) = match follower {
+        Some(f) => f.stop()?,
+        None => (0, 0),
+    };
     let rr = app_testapp(
         bins,
         client,
@@ -291,28 +385,97 @@ fn measure(
         rr,
         proxy_log_lines,
         time_wait_before,
+        events_read,
+        events_dropped,
     })
+}
+
+/// `shunt inspect --follow` (events on node-wide while it runs), its output discarded
+/// but counted: the reader an operator would run, whose CPU the run pays too.
+struct Follower {
+    child: Option<Child>,
+}
+
+impl Follower {
+    fn start(bins: &Bins, root: &str) -> Result<Follower> {
+        let mut child = Command::new(&bins.shunt)
+            .args(["inspect", "--follow", "--json", "--bpffs", root])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting shunt inspect --follow")?;
+        // Its first line says the switch is on.
+        let mut stderr = child.stderr.take().context("follower's stderr")?;
+        let mut said = Vec::new();
+        let mut byte = [0u8; 1];
+        while !said.ends_with(b"\n") && stderr.read(&mut byte)? == 1 {
+            said.push(byte[0]);
+        }
+        let said = String::from_utf8_lossy(&said);
+        ensure!(
+            said.contains("switched on node-wide"),
+            "shunt inspect --follow: {said}"
+        );
+        child.stderr = Some(stderr);
+        Ok(Follower { child: Some(child) })
+    }
+
+    /// Stops it (SIGINT) and returns (events read, events dropped) from its last line.
+    fn stop(mut self) -> Result<(u64, u64)> {
+        let child = self.child.take().context("the follower was stopped")?;
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let out = child.wait_with_output()?;
+        let said = String::from_utf8_lossy(&out.stderr);
+        // "shunt inspect: N events shown; M dropped while following"
+        let words: Vec<&str> = said.split_whitespace().collect();
+        let before = |w: &str| {
+            words
+                .windows(2)
+                .find(|p| p[1].starts_with(w))
+                .and_then(|p| p[0].parse::<u64>().ok())
+        };
+        match (before("events"), before("dropped")) {
+            (Some(read), Some(dropped)) => Ok((read, dropped)),
+            _ => bail!("shunt inspect --follow ended with {said:?}"),
+        }
+    }
+}
+
+impl Drop for Follower {
+    /// A bench that failed midway still switches the events back off (the follower
+    /// does that when interrupted).
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+            let _ = child.wait();
+        }
+    }
 }
 
 struct Report {
     duration_ms: u64,
     rounds: usize,
     background_busy_pct: f64,
+    scenarios: Vec<Scenario>,
+    baseline: Option<PathBuf>,
     runs: Vec<Run>,
 }
 
-const RATIOS: [(Scenario, Scenario); 3] = [
-    (Scenario::Iptables, Scenario::Direct),
-    (Scenario::Ebpf, Scenario::Direct),
-    (Scenario::Ebpf, Scenario::Iptables),
-];
-
 impl Report {
-    fn new(args: &CaptureArgs, background_busy_pct: f64, runs: Vec<Run>) -> Report {
+    fn new(
+        args: &CaptureArgs,
+        background_busy_pct: f64,
+        scenarios: Vec<Scenario>,
+        runs: Vec<Run>,
+    ) -> Report {
         Report {
             duration_ms: args.duration_ms,
             rounds: args.rounds,
             background_busy_pct,
+            scenarios,
+            baseline: args.baseline.clone(),
             runs,
         }
     }
@@ -330,32 +493,56 @@ impl Report {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "bench capture: medians over rounds: {}, {} ms per run, concurrency {CONCURRENCY}, payload {PAYLOAD} B; kernel {}, {} CPUs",
+            "bench capture: medians over rounds: {}, {} ms per run, concurrency {CONCURRENCY}, payload {PAYLOAD} B; kernel {}, {} CPUs{}",
             self.rounds,
             self.duration_ms,
             kernel(),
-            cpus()
+            cpus(),
+            self.baseline
+                .as_ref()
+                .map(|b| format!("; ebpf-base: {}", b.display()))
+                .unwrap_or_default()
         );
-        let _ = writeln!(
-            t,
-            "{:<42}{:>10}{:>10}{:>10}{:>17}{:>13}{:>15}",
-            "", "direct", "iptables", "ebpf", "iptables/direct", "ebpf/direct", "ebpf/iptables"
-        );
+        let ratios = ratios(&self.scenarios);
+        let _ = write!(t, "{:<42}", "");
+        for s in &self.scenarios {
+            let _ = write!(t, "{:>12}", s.name());
+        }
+        for (a, b) in &ratios {
+            let _ = write!(t, "{:>24}", format!("{}/{}", a.name(), b.name()));
+        }
+        t.push('\n');
         for m in METRICS {
             let _ = write!(t, "{:<42}", m.label);
-            for s in SCENARIOS {
-                let _ = write!(t, "{:>10}", fmt_value(self.median(s, m)));
+            for s in &self.scenarios {
+                let _ = write!(t, "{:>12}", fmt_value(self.median(*s, m)));
             }
-            for ((a, b), width) in RATIOS.iter().zip([17, 13, 15]) {
+            for (a, b) in &ratios {
                 let ratio = self.median(*a, m) / self.median(*b, m);
                 let cell = if ratio.is_finite() {
                     format!("{ratio:.2}x")
                 } else {
                     "-".into()
                 };
-                let _ = write!(t, "{cell:>width$}");
+                let _ = write!(t, "{cell:>24}");
             }
             t.push('\n');
+        }
+        let per_conn = |s: Scenario, key: &str| {
+            METRICS
+                .iter()
+                .find(|m| m.key == key)
+                .map_or(f64::NAN, |m| self.median(s, m))
+        };
+        if self.scenarios.contains(&Scenario::EbpfEvents) {
+            let _ = writeln!(
+                t,
+                "decision events on (and read): {:+.1} us CPU busy, {:+.1} us connect() p50 per connection against ebpf",
+                per_conn(Scenario::EbpfEvents, "cpu_busy_us_per_conn")
+                    - per_conn(Scenario::Ebpf, "cpu_busy_us_per_conn"),
+                per_conn(Scenario::EbpfEvents, "connect_only_p50_us")
+                    - per_conn(Scenario::Ebpf, "connect_only_p50_us"),
+            );
         }
         t
     }
@@ -390,9 +577,10 @@ impl Report {
                 "kernel": kernel(),
                 "cpus": cpus(),
                 "background_busy_pct": self.background_busy_pct,
+                "baseline": self.baseline.as_ref().map(|b| b.display().to_string()),
             },
-            "median": SCENARIOS.iter().map(|s| (s.name().to_owned(), per(*s))).collect::<serde_json::Map<_, _>>(),
-            "ratios": RATIOS.iter().map(|(a, b)| (format!("{}/{}", a.name(), b.name()), ratio(*a, *b))).collect::<serde_json::Map<_, _>>(),
+            "median": self.scenarios.iter().map(|s| (s.name().to_owned(), per(*s))).collect::<serde_json::Map<_, _>>(),
+            "ratios": ratios(&self.scenarios).iter().map(|(a, b)| (format!("{}/{}", a.name(), b.name()), ratio(*a, *b))).collect::<serde_json::Map<_, _>>(),
             "runs": self.runs,
         })
     }
