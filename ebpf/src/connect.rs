@@ -174,17 +174,13 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     let uid_gid = bpf_get_current_uid_gid();
     let verdict = verdict(&facts(&cfg, &dial, u16::from_be(port_be), uid_gid));
     let decision = verdict.decision;
-    let seen = |verdict, to_port| {
-        (
-            Conn {
-                ctx,
-                cfg: &cfg,
-                dial: &dial,
-                uid_gid,
-            },
-            Decided { verdict, to_port },
-        )
+    let conn = Conn {
+        ctx,
+        cfg: &cfg,
+        dial: &dial,
+        uid_gid,
     };
+    let decided = |verdict, to_port| Decided { verdict, to_port };
     let (to_port, direction) = match decision {
         Decision::OutboundRedirected => (cfg.outbound_port, direction::OUTBOUND),
         Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
@@ -199,7 +195,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
                 let _ = PROXY_SOCKS.insert(&cookie, &1, 0);
             }
-            report_connect(seen(verdict, 0));
+            report(&conn, IPPROTO_TCP, decided(verdict, 0));
             return;
         }
     };
@@ -218,7 +214,11 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 u16::from_be(port_be)
             );
         }
-        report_connect(seen(Verdict::ruleless(Decision::FailOpenNoProxy), 0));
+        report(
+            &conn,
+            IPPROTO_TCP,
+            decided(Verdict::ruleless(Decision::FailOpenNoProxy), 0),
+        );
         return;
     }
     let original = OriginalDst {
@@ -242,11 +242,15 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 u16::from_be(port_be)
             );
         }
-        report_connect(seen(Verdict::ruleless(Decision::SkipMapFull), 0));
+        report(
+            &conn,
+            IPPROTO_TCP,
+            decided(Verdict::ruleless(Decision::SkipMapFull), 0),
+        );
         return;
     }
     count_pod(cfg.pod_id, decision);
-    report_connect(seen(verdict, to_port));
+    report(&conn, IPPROTO_TCP, decided(verdict, to_port));
     if decision == Decision::DnsCapturedTcp {
         // The DNS proxy listens on loopback, as iptables' REDIRECT of a local packet
         // delivers it there.
@@ -298,11 +302,6 @@ pub fn report(conn: &Conn, protocol: u32, d: Decided) {
         let seen = Seen::with_ids(conn.ctx, conn.dial, conn.cfg.pod_id, protocol, conn.uid_gid);
         events::send(seen.event(d.to_port), d.verdict);
     }
-}
-
-#[inline(always)]
-fn report_connect((conn, d): (Conn, Decided)) {
-    report(&conn, IPPROTO_TCP, d);
 }
 
 /// A decision taken before the pod is known (not TCP, not enrolled): reported only

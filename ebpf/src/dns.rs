@@ -111,7 +111,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
             let dial = dial(ctx, v6);
             let uid_gid = bpf_get_current_uid_gid();
             let conn = Conn { ctx, cfg: &cfg, dial: &dial, uid_gid };
-            report_query(conn, Verdict::ruleless(Decision::SkipNotTcp), 0);
+            report_query(&conn, Verdict::ruleless(Decision::SkipNotTcp), 0);
         }
         return;
     }
@@ -125,7 +125,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
             let uid_gid = bpf_get_current_uid_gid();
             let conn = Conn { ctx, cfg: &cfg, dial: &dial, uid_gid };
             let marked = Verdict::new(Decision::SkipNodeProxyMark, Rule::NodeProxyMark);
-            report_query(conn, marked, 0);
+            report_query(&conn, marked, 0);
         }
         return;
     }
@@ -146,7 +146,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
         resolver: is_resolver(&cfg, &dial),
     });
     let decision = verdict.decision;
-    let conn = || Conn {
+    let conn = Conn {
         ctx,
         cfg: &cfg,
         dial: &dial,
@@ -154,7 +154,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     };
     if decision != Decision::DnsCapturedUdp {
         count_pod(cfg.pod_id, decision);
-        report_query(conn(), verdict, 0);
+        report_query(&conn, verdict, 0);
         return;
     }
     let original = OriginalDst {
@@ -176,18 +176,18 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
                 "pod {}: DNS_ORIG_DST is full: DNS query left uncaptured", cfg.pod_id
             );
         }
-        report_query(conn(), Verdict::ruleless(Decision::SkipMapFull), 0);
+        report_query(&conn, Verdict::ruleless(Decision::SkipMapFull), 0);
         return;
     }
     count_pod(cfg.pod_id, decision);
-    report_query(conn(), verdict, DNS_PROXY_PORT);
+    report_query(&conn, verdict, DNS_PROXY_PORT);
     rewrite_to_proxy(ctx, &dial, v6);
 }
 
 /// Reports a decision about the pod's query, if events are on for the pod.
 #[inline(always)]
-fn report_query(conn: Conn, verdict: Verdict, to_port: u16) {
-    report(&conn, IPPROTO_UDP, Decided { verdict, to_port });
+fn report_query(conn: &Conn, verdict: Verdict, to_port: u16) {
+    report(conn, IPPROTO_UDP, Decided { verdict, to_port });
 }
 
 /// Rewrites the destination to the DNS proxy on loopback, in the socket's own family.
