@@ -248,6 +248,9 @@ pub struct Renderer {
     /// CLOCK_REALTIME − CLOCK_MONOTONIC, nanoseconds.
     offset_ns: i128,
     names: HashMap<u32, String>,
+    /// When `names` was read: a pod without a label is looked up again at most once a
+    /// second (it may have been enrolled since), not for each of its events.
+    names_read: std::time::Instant,
     root: PathBuf,
 }
 
@@ -256,14 +259,18 @@ impl Renderer {
         Renderer {
             offset_ns: clock_ns(libc::CLOCK_REALTIME) - clock_ns(libc::CLOCK_MONOTONIC),
             names: crate::pod_names::all(root),
+            names_read: std::time::Instant::now(),
             root: root.to_owned(),
         }
     }
 
     pub fn event(&mut self, e: &DecisionEvent) -> Event {
-        if e.pod_id != 0 && !self.names.contains_key(&e.pod_id) {
-            // A pod enrolled since: its label may be there now.
+        if e.pod_id != 0
+            && !self.names.contains_key(&e.pod_id)
+            && self.names_read.elapsed() > Duration::from_secs(1)
+        {
             self.names = crate::pod_names::all(&self.root);
+            self.names_read = std::time::Instant::now();
         }
         let decision = Decision::from_u32(e.decision);
         let rule = Rule::from_u16(e.rule);

@@ -170,7 +170,8 @@ fn follow(args: &InspectArgs) -> anyhow::Result<()> {
         checked: Instant::now(),
     };
     while !STOP.load(Ordering::Relaxed) {
-        let batch = reader.next_batch(Duration::from_millis(200));
+        // The programs wake the reader only when the ring fills up: look often.
+        let batch = reader.next_batch(Duration::from_millis(50));
         if !printer.print(&batch) {
             break;
         }

@@ -127,6 +127,12 @@ struct Run {
     /// dropped (`ebpf+events` only).
     events_read: u64,
     events_dropped: u64,
+    /// The kernel's accounting (BPF_ENABLE_STATS) of the client pod's programs during
+    /// bench-connect: nanoseconds run and runs (eBPF scenarios only).
+    prog_run_ns: u64,
+    prog_runs: u64,
+    /// The follower's own CPU (user + system) during bench-connect, microseconds.
+    follower_cpu_us: f64,
 }
 
 /// A row of the table: how to read it from a run.
@@ -193,6 +199,21 @@ const METRICS: &[Metric] = &[
         get: |r| r.proxy_log_lines as f64,
     },
     Metric {
+        key: "prog_ns_per_conn",
+        label: "  in shunt's programs per connection (ns)",
+        get: |r| r.prog_run_ns as f64 / num(&r.connect, "connections"),
+    },
+    Metric {
+        key: "prog_runs_per_conn",
+        label: "  program runs per connection",
+        get: |r| r.prog_runs as f64 / num(&r.connect, "connections"),
+    },
+    Metric {
+        key: "follower_cpu_us_per_conn",
+        label: "  the follower's CPU per connection (us)",
+        get: |r| r.follower_cpu_us / num(&r.connect, "connections"),
+    },
+    Metric {
         key: "events_per_conn",
         label: "decision events read per connection",
         get: |r| r.events_read as f64 / num(&r.connect, "connections"),
@@ -234,6 +255,8 @@ pub fn run(bins: &Bins, args: &CaptureArgs) -> Result<()> {
         );
     }
     let scenarios = scenarios(args);
+    // Per-program run time in the kernel, for the eBPF scenarios' rows.
+    let _stats = BpfStats::enable()?;
     let mut runs = Vec::new();
     for round in 1..=args.rounds {
         let mut order = scenarios.clone();
@@ -322,6 +345,11 @@ fn measure(
         Scenario::EbpfEvents => Some(Follower::start(bins, PIN_ROOT)?),
         _ => None,
     };
+    let programs = match scenario.backend() {
+        Some(Backend::Ebpf) => pod_programs(client)?,
+        _ => Vec::new(),
+    };
+    let progs_before = prog_stats(&programs)?;
     let before = CpuTimes::now()?;
     let connect = app_testapp(
         bins,
@@ -339,9 +367,10 @@ fn measure(
         duration_ms,
     )?;
     let cpu = CpuTimes::now()?.since(&before);
-    let (events_read, events_dropped) = match follower {
+    let progs_after = prog_stats(&programs)?;
+    let (events_read, events_dropped, follower_cpu_us) = match follower {
         Some(f) => f.stop()?,
-        None => (0, 0),
+        None => (0, 0, 0.0),
     };
     let rr = app_testapp(
         bins,
@@ -387,7 +416,90 @@ fn measure(
         time_wait_before,
         events_read,
         events_dropped,
+        prog_run_ns: progs_after.0 - progs_before.0,
+        prog_runs: progs_after.1 - progs_before.1,
+        follower_cpu_us,
     })
+}
+
+/// The kernel keeps each BPF program's run time and count while this is held
+/// (`BPF_ENABLE_STATS`, as `sysctl kernel.bpf_stats_enabled=1` but ending with us).
+struct BpfStats(#[allow(dead_code)] std::os::fd::OwnedFd);
+
+impl BpfStats {
+    fn enable() -> Result<BpfStats> {
+        use std::os::fd::FromRawFd;
+        const BPF_ENABLE_STATS: libc::c_long = 32;
+        const BPF_STATS_RUN_TIME: u32 = 0;
+        let mut attr = [BPF_STATS_RUN_TIME, 0u32];
+        // SAFETY: bpf(2) reads a `struct { __u32 type; }` from `attr`, which outlives the
+        // call; it returns a new descriptor or -1.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_ENABLE_STATS,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(&attr),
+            )
+        };
+        ensure!(
+            fd >= 0,
+            "BPF_ENABLE_STATS: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: a descriptor the kernel just handed us, owned from here on.
+        Ok(BpfStats(unsafe {
+            std::os::fd::OwnedFd::from_raw_fd(fd as i32)
+        }))
+    }
+}
+
+/// The ids of the programs behind the links `shunt capture` pinned for `pod`.
+fn pod_programs(pod: &Pod) -> Result<Vec<u64>> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(pod.netns_path())?.ino();
+    let dir = PathBuf::from(PIN_ROOT)
+        .join("pods")
+        .join(format!("pod_{ino}"));
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.file_name().is_some_and(|n| n == "AYA_LOGS") {
+            continue;
+        }
+        let link = bpftool(&["link", "show", "pinned", &path.display().to_string()])?;
+        ids.push(
+            link["prog_id"]
+                .as_u64()
+                .with_context(|| format!("no prog_id for {}: {link}", path.display()))?,
+        );
+    }
+    Ok(ids)
+}
+
+/// (run time in ns, runs) summed over `programs`.
+fn prog_stats(programs: &[u64]) -> Result<(u64, u64)> {
+    let mut sum = (0, 0);
+    for id in programs {
+        let p = bpftool(&["prog", "show", "id", &id.to_string()])?;
+        sum.0 += p["run_time_ns"].as_u64().unwrap_or(0);
+        sum.1 += p["run_cnt"].as_u64().unwrap_or(0);
+    }
+    Ok(sum)
+}
+
+fn bpftool(args: &[&str]) -> Result<Value> {
+    let out = Command::new("bpftool")
+        .arg("-j")
+        .args(args)
+        .output()
+        .context("running bpftool")?;
+    ensure!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 /// `shunt inspect --follow` (events on node-wide while it runs), its output discarded
@@ -420,9 +532,11 @@ impl Follower {
         Ok(Follower { child: Some(child) })
     }
 
-    /// Stops it (SIGINT) and returns (events read, events dropped) from its last line.
-    fn stop(mut self) -> Result<(u64, u64)> {
+    /// Stops it (SIGINT) and returns (events read, events dropped) from its last line,
+    /// and the CPU it had used (microseconds).
+    fn stop(mut self) -> Result<(u64, u64, f64)> {
         let child = self.child.take().context("the follower was stopped")?;
+        let cpu_us = process_cpu_ticks(child.id())? as f64 * TICK_US;
         // SAFETY: kill(2) on our own child.
         unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
         let out = child.wait_with_output()?;
@@ -436,9 +550,23 @@ impl Follower {
                 .and_then(|p| p[0].parse::<u64>().ok())
         };
         match (before("events"), before("dropped")) {
-            (Some(read), Some(dropped)) => Ok((read, dropped)),
+            (Some(read), Some(dropped)) => Ok((read, dropped, cpu_us)),
             _ => bail!("shunt inspect --follow ended with {said:?}"),
         }
+    }
+}
+
+/// utime + stime of a process, in clock ticks (`/proc/PID/stat` fields 14 and 15).
+fn process_cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces: count from the ')' that ends it.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    // After ')', field 3 is at index 0: utime (14) at 11, stime (15) at 12.
+    match (tick(11), tick(12)) {
+        (Some(u), Some(s)) => Ok(u + s),
+        _ => bail!("unreadable /proc/{pid}/stat: {stat}"),
     }
 }
 
@@ -534,14 +662,25 @@ impl Report {
                 .find(|m| m.key == key)
                 .map_or(f64::NAN, |m| self.median(s, m))
         };
+        if self.scenarios.contains(&Scenario::EbpfBase) {
+            let _ = writeln!(
+                t,
+                "events off against the base build: {:.0} ns vs {:.0} ns in the programs per connection ({:+.0} ns)",
+                per_conn(Scenario::Ebpf, "prog_ns_per_conn"),
+                per_conn(Scenario::EbpfBase, "prog_ns_per_conn"),
+                per_conn(Scenario::Ebpf, "prog_ns_per_conn")
+                    - per_conn(Scenario::EbpfBase, "prog_ns_per_conn"),
+            );
+        }
         if self.scenarios.contains(&Scenario::EbpfEvents) {
             let _ = writeln!(
                 t,
-                "decision events on (and read): {:+.1} us CPU busy, {:+.1} us connect() p50 per connection against ebpf",
+                "events on and read, per connection against ebpf: {:+.0} ns in the programs, {:.1} us in the follower, {:+.1} us machine CPU busy",
+                per_conn(Scenario::EbpfEvents, "prog_ns_per_conn")
+                    - per_conn(Scenario::Ebpf, "prog_ns_per_conn"),
+                per_conn(Scenario::EbpfEvents, "follower_cpu_us_per_conn"),
                 per_conn(Scenario::EbpfEvents, "cpu_busy_us_per_conn")
                     - per_conn(Scenario::Ebpf, "cpu_busy_us_per_conn"),
-                per_conn(Scenario::EbpfEvents, "connect_only_p50_us")
-                    - per_conn(Scenario::Ebpf, "connect_only_p50_us"),
             );
         }
         t
