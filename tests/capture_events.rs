@@ -745,12 +745,49 @@ fn istio_iptables_flags_give_their_rules_in_events_and_explain() {
                 .map(|e| format!("{}: {e}", row.name))
         })
         .collect();
+    // The ring hands each record to one reader: a second follower is refused.
+    let second = Command::new(shunt_bin())
+        .args(["inspect", "--follow", "--bpffs"])
+        .arg(&capture.bpffs)
+        .output()
+        .expect("run a second follower");
     let (_, said) = follower.stop();
     assert!(
         failures.is_empty(),
         "{} row(s) wrong:\n{}\nfollower: {said}",
         failures.len(),
         failures.join("\n")
+    );
+    assert!(
+        !second.status.success()
+            && String::from_utf8_lossy(&second.stderr).contains("another `shunt inspect --follow`"),
+        "{second:?}"
+    );
+
+    // --port and --decision: only the -o connection to 9090 passes both.
+    let filtered = Follower::start(
+        &capture.bpffs,
+        &[
+            "--pod",
+            &pod_name(&a),
+            "--port",
+            "9090",
+            "--decision",
+            "passed",
+        ],
+    );
+    let to_9090 = Caller::app(&a)
+        .call(v4(&c, OTHER_PORT))
+        .expect("a -> c:9090");
+    let to_8080 = Caller::app(&a).call(v4(&b, APP_PORT)).expect("a -> b:8080");
+    std::thread::sleep(Duration::from_millis(500));
+    let (shown, said) = filtered.stop();
+    let cookies: Vec<u64> = shown.iter().filter_map(|v| v["cookie"].as_u64()).collect();
+    assert!(
+        shown.iter().all(|v| v["outcome"] == "passed")
+            && cookies.contains(&to_9090.cookie)
+            && !cookies.contains(&to_8080.cookie),
+        "{shown:?}\n{said}"
     );
 }
 
