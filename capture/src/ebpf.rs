@@ -20,8 +20,8 @@ use aya::{
 use ipnet::IpNet;
 use shunt_common::{
     AF_INET, AF_INET6, Addr, AddrKey, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, Decision, DnsServerKey,
-    ListenerKey, OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind, flags, pins,
-    port_kind,
+    ListenerKey, OriginalDst, PodConfig, PodCounterKey, PortKey, SockTuple, cidr_kind,
+    events::PodLabel, flags, pins, port_kind,
 };
 
 use crate::{
@@ -258,8 +258,11 @@ fn install_pod(
 ) -> anyhow::Result<()> {
     let dir = pod_dir(root, pod.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut bpf = load(root)?;
+    let mut bpf = load(root, &dir, Loader::Pod)?;
     write_config(root, cfg, pod, 0)?;
+    if let Some(label) = crate::pod_names::from_environment() {
+        crate::pod_names::write(root, pod.id, &label)?;
+    }
     let cgroup_fd = File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
     let netns_fd = File::open("/proc/thread-self/ns/net")?;
     for (name, attach_type) in cgroup_programs(cfg) {
@@ -313,7 +316,7 @@ pub(crate) fn load_program(bpf: &mut Ebpf, name: &str) -> anyhow::Result<OwnedFd
 
 /// Key and value sizes of every map, as this build defines them (LPM keys carry a 4-byte
 /// prefix length; SOCKHASH values are socket fds).
-fn expected_map_sizes() -> [(&'static str, usize, usize); 15] {
+fn expected_map_sizes() -> [(&'static str, usize, usize); 19] {
     use std::mem::size_of as sz;
     [
         (pins::POD_CONFIG, sz::<u64>(), sz::<PodConfig>()),
@@ -331,6 +334,18 @@ fn expected_map_sizes() -> [(&'static str, usize, usize); 15] {
         (pins::POD_COUNTERS, sz::<PodCounterKey>(), 8),
         (pins::DNS_SERVERS, sz::<DnsServerKey>(), 1),
         (pins::DNS_ORIG_DST, sz::<u64>(), sz::<OriginalDst>()),
+        (pins::EVENTS, 0, 0),
+        (pins::EVENTS_ON, 4, 4),
+        (pins::EVENTS_DROPPED, 4, 8),
+        (pins::POD_LABELS, 4, sz::<PodLabel>()),
+    ]
+}
+
+/// Maps whose number of entries is part of the layout: COUNTERS has one per decision.
+fn expected_max_entries() -> [(&'static str, u32); 2] {
+    [
+        (pins::COUNTERS, Decision::COUNT),
+        (pins::EVENTS, shunt_common::events::EVENTS_RING_BYTES),
     ]
 }
 
@@ -355,17 +370,51 @@ pub(crate) fn check_pinned_maps(root: &Path) -> anyhow::Result<()> {
             );
         }
     }
+    for (name, entries) in expected_max_entries() {
+        let path = root.join(name);
+        let Ok(info) = aya::maps::MapInfo::from_pin(&path) else {
+            continue;
+        };
+        if info.max_entries() != entries {
+            bail!(
+                "{} was pinned by an incompatible shunt ({} entries; this build expects \
+                 {entries}): run `shunt capture --cleanup` with the old version in every pod, \
+                 or remove {}",
+                path.display(),
+                info.max_entries(),
+                root.display()
+            );
+        }
+    }
     Ok(())
 }
 
-/// Loads the object; maps already pinned under `root` are reused, so every pod shares them.
-pub(crate) fn load(root: &Path) -> anyhow::Result<Ebpf> {
+/// Who loads the programs: where their aya-log ring is pinned (see `pins::AYA_LOGS`)
+/// and whether they sit above pods that are not enrolled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Loader {
+    /// `shunt capture`: one pod's programs, attached to that pod's cgroup.
+    Pod,
+    /// `shunt node`: the node's programs, attached above every pod.
+    Node,
+}
+
+/// Loads the object; maps already pinned under `root` are reused, so every pod shares
+/// them. The aya-log ring is pinned in `own_dir` (the loader's folder: the pod's or the
+/// node's), so the process that reads it sees its own programs' records only, and a
+/// program loaded later by the same owner (node mode after a restart) writes to the
+/// same ring.
+pub(crate) fn load(root: &Path, own_dir: &Path, loader_kind: Loader) -> anyhow::Result<Ebpf> {
     std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
     let paths: Vec<(&str, PathBuf)> = pins::MAPS.iter().map(|m| (*m, root.join(m))).collect();
+    let log_pin = own_dir.join(pins::AYA_LOGS);
     let mut loader = EbpfLoader::new();
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
+    loader.map_pin_path(pins::AYA_LOGS, log_pin.as_path());
+    let node_mode = u8::from(loader_kind == Loader::Node);
+    loader.override_global("SHUNT_NODE_MODE", &node_mode, true);
     loader.load(OBJECT).map_err(|e| {
         let hint = if format!("{e:?}").contains("PermissionDenied")
             || format!("{e:?}").contains("EPERM")
@@ -382,18 +431,21 @@ pub(crate) fn load(root: &Path) -> anyhow::Result<Ebpf> {
 }
 
 /// The shared maps, opened from their pins.
-struct Maps<'a> {
-    root: &'a Path,
+pub(crate) struct Maps<'a> {
+    pub(crate) root: &'a Path,
 }
 
 impl Maps<'_> {
-    fn map(&self, name: &str) -> anyhow::Result<Map> {
+    pub(crate) fn map(&self, name: &str) -> anyhow::Result<Map> {
         let path = self.root.join(name);
         let data = MapData::from_pin(&path)
             .with_context(|| format!("opening pinned map {}", path.display()))?;
         Ok(Map::from_map_data(data)?)
     }
-    fn hash<K: Pod, V: Pod>(&self, name: &str) -> anyhow::Result<HashMap<MapData, K, V>> {
+    pub(crate) fn hash<K: Pod, V: Pod>(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<HashMap<MapData, K, V>> {
         Ok(HashMap::try_from(self.map(name)?)?)
     }
     fn lpm<K: Pod, V: Pod>(&self, name: &str) -> anyhow::Result<LpmTrie<MapData, K, V>> {
@@ -413,6 +465,12 @@ pub(crate) fn write_config(
     extra_flags: u32,
 ) -> anyhow::Result<()> {
     let maps = Maps { root };
+    // A pod enrolled again (node mode after a restart) keeps its events switch.
+    let events_on = maps
+        .hash::<u64, PodConfig>(pins::POD_CONFIG)?
+        .get(&pod.netns_cookie, 0)
+        .is_ok_and(|old| old.pod_id == pod.id && old.flags & flags::EVENTS != 0);
+    let extra_flags = extra_flags | if events_on { flags::EVENTS } else { 0 };
     let pc = pod_config(cfg, pod, extra_flags);
     let mut addrs = maps.hash::<AddrKey, PodConfig>(pins::POD_ADDRS)?;
     for ip in &pod.addresses {
@@ -572,6 +630,9 @@ pub(crate) fn cleanup_pod(root: &Path, pod: &PodIdentity) -> anyhow::Result<bool
     if let Ok(mut m) = maps.hash::<u64, OriginalDst>(pins::DNS_ORIG_DST) {
         retain_other_pods(&mut m, |_, v| v.pod_id == id);
     }
+    if let Ok(mut m) = maps.hash::<u32, PodLabel>(pins::POD_LABELS) {
+        retain_other_pods(&mut m, |k, _| *k == id);
+    }
     if let Ok(mut m) = maps.hash::<SockTuple, u32>(pins::PAIR_STATE) {
         // Sockets still open fall back to TCP (a missing state means TCP).
         retain_other_pods(&mut m, |k, _| pair_of_pod(k, pod));
@@ -716,6 +777,10 @@ pub fn counters(root: &Path) -> anyhow::Result<Option<Vec<(Decision, u64)>>> {
 #[derive(Debug, serde::Serialize)]
 pub struct PodState {
     pub pod: String,
+    /// `namespace/name`, when whoever enrolled the pod said (node mode does).
+    pub name: Option<String>,
+    /// Whether this pod reports its decisions (`shunt inspect --events on --pod`).
+    pub events: bool,
     pub netns_cookie: u64,
     pub outbound_port: u16,
     pub inbound_port: u16,
@@ -761,9 +826,19 @@ pub struct PinnedMap {
     pub max_entries: u32,
 }
 
+/// The decision events' switch and ring, node-wide.
+#[derive(Debug, serde::Serialize)]
+pub struct EventsState {
+    /// Every decision on the node reports (`shunt inspect --events on`).
+    pub node_wide: bool,
+    /// Records the ring had no room for, since the maps were created.
+    pub dropped: u64,
+}
+
 #[derive(Debug, serde::Serialize)]
 pub struct State {
     pub bpffs: String,
+    pub events: EventsState,
     pub maps: Vec<PinnedMap>,
     pub pods: Vec<PodState>,
     pub counters: Vec<(String, u64)>,
@@ -800,6 +875,8 @@ fn attached_links(dir: &Path) -> Vec<String> {
     };
     let mut links: Vec<String> = entries
         .filter_map(Result::ok)
+        // The loader's aya-log ring is pinned beside its links.
+        .filter(|e| e.file_name() != pins::AYA_LOGS)
         .map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let target = match link::pinned_target(&e.path()) {
@@ -857,11 +934,14 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
         .keys()
         .filter_map(Result::ok)
         .collect();
+    let labels = crate::pod_names::all(root);
     let mut pods = Vec::new();
     for (cookie, pc) in config.iter().filter_map(Result::ok) {
         let links = attached_links(&pod_dir(root, pc.pod_id));
         pods.push(PodState {
             pod: format!("pod_{}", pc.pod_id),
+            name: labels.get(&pc.pod_id).cloned(),
+            events: pc.flags & flags::EVENTS != 0,
             netns_cookie: cookie,
             outbound_port: pc.outbound_port,
             inbound_port: pc.inbound_port,
@@ -950,6 +1030,10 @@ pub fn state(root: &Path) -> anyhow::Result<Option<State>> {
         .collect();
     Ok(Some(State {
         bpffs: root.display().to_string(),
+        events: EventsState {
+            node_wide: crate::events::node_wide(root).unwrap_or(false),
+            dropped: crate::events::dropped(root).unwrap_or(0),
+        },
         maps: pinned,
         pods,
         counters: counters

@@ -11,11 +11,15 @@
 
 pub mod config;
 pub mod ebpf;
+pub mod events;
+pub mod explain;
 pub mod inspect;
 pub mod iptables;
+pub mod kernel_log;
 pub mod link;
 pub mod netns;
 pub mod node;
+pub mod pod_names;
 
 use std::path::PathBuf;
 

@@ -158,6 +158,20 @@ const BPF_LINK_TYPE_NETNS: u32 = 5;
 
 /// Opens a pinned link and asks the kernel what it is attached to.
 pub fn pinned_target(path: &Path) -> io::Result<Target> {
+    let info = pinned_link_info(path)?;
+    Ok(match info.link_type {
+        BPF_LINK_TYPE_CGROUP => Target::Cgroup(info.union[0]),
+        BPF_LINK_TYPE_NETNS => Target::Netns(info.union[0] as u32),
+        _ => Target::Other,
+    })
+}
+
+/// The id of the program a pinned link runs.
+pub fn pinned_prog_id(path: &Path) -> io::Result<u32> {
+    Ok(pinned_link_info(path)?.prog_id)
+}
+
+fn pinned_link_info(path: &Path) -> io::Result<LinkInfo> {
     let c = CString::new(path.as_os_str().as_encoded_bytes())?;
     let mut get = ObjPinAttr {
         pathname: c.as_ptr() as u64,
@@ -180,9 +194,5 @@ pub fn pinned_target(path: &Path) -> io::Result<Target> {
     // SAFETY: `info` is the address of `info`, a live local of exactly `info_len` bytes
     // that the kernel fills (it writes at most `info_len`).
     unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)? };
-    Ok(match info.link_type {
-        BPF_LINK_TYPE_CGROUP => Target::Cgroup(info.union[0]),
-        BPF_LINK_TYPE_NETNS => Target::Netns(info.union[0] as u32),
-        _ => Target::Other,
-    })
+    Ok(info)
 }

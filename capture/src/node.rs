@@ -20,7 +20,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use shunt_common::flags;
+use shunt_common::{events::PodLabel, flags};
 
 use crate::{
     config::CaptureConfig,
@@ -45,6 +45,7 @@ pub struct NodeCapture {
     root: PathBuf,
     /// The `sk_lookup` program, loaded once and linked into each pod's namespace.
     steer_inbound: OwnedFd,
+    _kernel_log: crate::kernel_log::KernelLog,
 }
 
 /// The subdirectory of the bpffs root holding the node's cgroup links.
@@ -61,9 +62,11 @@ impl NodeCapture {
         netns::check_cgroup2_dir(cgroup)?;
         netns::ensure_bpffs(root)?;
         ebpf::check_pinned_maps(root)?;
-        let mut bpf = ebpf::load(root)?;
         let dir = node_dir(root);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut bpf = ebpf::load(root, &dir, ebpf::Loader::Node)?;
+        // The programs' aya-log records, into this process's log from now on.
+        let kernel_log = crate::kernel_log::KernelLog::start(&mut bpf)?;
         let cgroup_fd =
             File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
         for (name, attach_type) in ebpf::cgroup_programs(&cfg) {
@@ -82,17 +85,20 @@ impl NodeCapture {
             cfg,
             root: root.to_owned(),
             steer_inbound,
+            _kernel_log: kernel_log,
         })
     }
 
     /// Captures the pod whose network namespace is `netns`: its addresses are
     /// `addresses` (or, when empty, those configured in the namespace now). Enrolling
-    /// a pod again (after a restart) rewrites its settings and keeps its link.
+    /// a pod again (after a restart) rewrites its settings and keeps its link. `label`
+    /// (its Kubernetes namespace and name) tags its decision events.
     pub fn enroll(
         &self,
         netns: BorrowedFd<'_>,
         addresses: &[IpAddr],
         policy: FailurePolicy,
+        label: &PodLabel,
     ) -> anyhow::Result<PodIdentity> {
         let pod = identity(netns, addresses)?;
         // The inbound passthrough's IPv6 source (::6) must be on the pod's lo.
@@ -105,6 +111,7 @@ impl NodeCapture {
         let link_pin = dir.join(ebpf::NETNS_PROGRAM);
         let result = (|| {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            crate::pod_names::write(&self.root, pod.id, label)?;
             ebpf::write_config(&self.root, &self.cfg, &pod, extra)?;
             if !link_pin.exists() {
                 let link = link::create(self.steer_inbound.as_fd(), netns, link::BPF_SK_LOOKUP)

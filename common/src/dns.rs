@@ -4,7 +4,7 @@
 //! The kernel's sendmsg and connect hooks and the host tests share it. TCP to port 53
 //! is part of [`crate::outbound::decide`], as it is part of ISTIO_OUTPUT.
 
-use crate::Decision;
+use crate::{Decision, Rule, Verdict};
 
 /// What a hook knows about one UDP datagram (or UDP `connect()`) to port 53 in a pod
 /// with DNS capture on.
@@ -23,22 +23,29 @@ pub struct QueryFacts {
 /// The first rule that matches decides; `DnsCapturedUdp` means "to the DNS proxy".
 #[inline(always)]
 pub fn decide_udp(f: &QueryFacts) -> Decision {
+    verdict_udp(f).decision
+}
+
+/// [`decide_udp`], with the rule that matched.
+#[inline(always)]
+pub fn verdict_udp(f: &QueryFacts) -> Verdict {
     // 15: -o lo -s 127.0.0.6/32 -j RETURN
     if f.inbound_passthrough {
-        return Decision::DnsSkipInboundPassthrough;
+        return Verdict::new(Decision::DnsSkipInboundPassthrough, Rule::PassthroughSource);
     }
     // 18: -m owner --uid-owner 1337 -j RETURN: the proxy's forwarded queries leave.
     if f.uid == f.proxy_uid {
-        return Decision::DnsSkipProxyUid;
+        return Verdict::new(Decision::DnsSkipProxyUid, Rule::ProxyUid);
     }
     // 21: -m owner --gid-owner 1337 -j RETURN
     if f.gid == f.proxy_gid {
-        return Decision::DnsSkipProxyGid;
+        return Verdict::new(Decision::DnsSkipProxyGid, Rule::ProxyGid);
     }
     if f.resolver {
-        Decision::DnsCapturedUdp
+        Verdict::new(Decision::DnsCapturedUdp, Rule::DnsRedirect)
     } else {
-        Decision::DnsSkipNotResolver
+        // No ISTIO_OUTPUT_DNS rule names this address, and UDP meets no other redirect.
+        Verdict::ruleless(Decision::DnsSkipNotResolver)
     }
 }
 

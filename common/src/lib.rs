@@ -35,8 +35,16 @@ pub mod pins {
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
     pub const DNS_SERVERS: &str = "DNS_SERVERS";
     pub const DNS_ORIG_DST: &str = "DNS_ORIG_DST";
+    pub const EVENTS: &str = "EVENTS";
+    pub const EVENTS_ON: &str = "EVENTS_ON";
+    pub const EVENTS_DROPPED: &str = "EVENTS_DROPPED";
+    pub const POD_LABELS: &str = "POD_LABELS";
+    /// aya-log's ring of the programs' log records. Not shared node-wide as the maps
+    /// above: pinned in the folder of whoever loaded the programs (a pod's, or the
+    /// node's), so the process reading it sees only its own programs' records.
+    pub const AYA_LOGS: &str = "AYA_LOGS";
     /// Every map, in the order userspace pins and removes them.
-    pub const MAPS: [&str; 15] = [
+    pub const MAPS: [&str; 19] = [
         POD_CONFIG,
         POD_ADDRS,
         POD_PORTS,
@@ -52,6 +60,10 @@ pub mod pins {
         POD_COUNTERS,
         DNS_SERVERS,
         DNS_ORIG_DST,
+        EVENTS,
+        EVENTS_ON,
+        EVENTS_DROPPED,
+        POD_LABELS,
     ];
 }
 
@@ -79,6 +91,8 @@ pub mod flags {
     /// Node mode's `fail-open`: with no proxy listening for the pod, connects go
     /// straight to their destination and inbound straight to the app (default: closed).
     pub const FAIL_OPEN: u32 = 1 << 7;
+    /// Decision events are on for this pod (`shunt inspect --follow --pod`, `--events`).
+    pub const EVENTS: u32 = 1 << 8;
 }
 
 /// The mark node mode's proxy puts on the upstream sockets it opens inside a pod
@@ -209,7 +223,10 @@ pub struct OriginalDst {
     pub addr: Addr,
     /// Network byte order, as in `sockaddr_in`.
     pub port: u16,
-    pub _pad: u16,
+    /// 1 when decision events were on for the pod when the record was made: the
+    /// connection's later decisions (recorded, answered, removed, restored) are reported
+    /// too, without looking the pod up again.
+    pub events: u16,
     pub family: u32,
     pub pod_id: u32,
     /// `direction::OUTBOUND` or `direction::INBOUND`.
@@ -321,10 +338,13 @@ pub enum Decision {
     SkipNodeProxyMark,
     /// connect()/sk_lookup: a `fail-open` pod with no proxy listening: passed straight.
     FailOpenNoProxy,
+    /// connect()/sendmsg: the record a capture needs could not be stored (its map is
+    /// full): left uncaptured rather than captured without its original destination.
+    SkipMapFull,
 }
 
 impl Decision {
-    pub const COUNT: u32 = 35;
+    pub const COUNT: u32 = 36;
     pub const ALL: [Decision; Self::COUNT as usize] = [
         Decision::OutboundRedirected,
         Decision::InboundRedirectedLocal,
@@ -361,7 +381,13 @@ impl Decision {
         Decision::DnsReplyRestored,
         Decision::SkipNodeProxyMark,
         Decision::FailOpenNoProxy,
+        Decision::SkipMapFull,
     ];
+
+    /// The decision a counter index or event field names.
+    pub fn from_u32(n: u32) -> Option<Decision> {
+        Self::ALL.get(n as usize).copied()
+    }
 
     /// The counter's name in `shunt` output and the demo.
     pub const fn name(self) -> &'static str {
@@ -401,6 +427,48 @@ impl Decision {
             Decision::DnsReplyRestored => "dns_reply_restored",
             Decision::SkipNodeProxyMark => "skip_node_proxy_mark",
             Decision::FailOpenNoProxy => "fail_open_no_proxy",
+            Decision::SkipMapFull => "skip_map_full",
+        }
+    }
+
+    /// What happened to the connection (or record), in one word: `captured` (sent to a
+    /// proxy), `passed` (left alone), `dropped`, or for bookkeeping `recorded`,
+    /// `answered`, `restored`, `removed`, `fallback`.
+    pub const fn outcome(self) -> &'static str {
+        use Decision::*;
+        match self {
+            OutboundRedirected
+            | InboundRedirectedLocal
+            | InboundSteered
+            | DnsCapturedUdp
+            | DnsCapturedTcp => "captured",
+            SkipNotEnrolled
+            | SkipNotTcp
+            | SkipInboundPassthrough
+            | SkipProxyUid
+            | SkipProxyGid
+            | SkipAppLocal
+            | SkipLoopback
+            | SkipExcludedCidr
+            | SkipNotIncludedCidr
+            | SkipExcludedPort
+            | InboundSkipPort
+            | InboundSkipLocalSource
+            | InboundSkipNotPod
+            | DnsSkipProxyUid
+            | DnsSkipProxyGid
+            | DnsSkipNotResolver
+            | DnsSkipInboundPassthrough
+            | SkipNodeProxyMark
+            | FailOpenNoProxy
+            | SkipMapFull => "passed",
+            InboundNoListener => "dropped",
+            OrigDstRecorded | ListenerRegistered | PairAdded => "recorded",
+            OrigDstAnswered => "answered",
+            DnsReplyRestored => "restored",
+            OrigDstRemoved | PairRemoved => "removed",
+            MsgRedirected | BytesRedirected => "redirected",
+            MsgFallback => "fallback",
         }
     }
 }
@@ -419,7 +487,14 @@ mod user {
     unsafe impl aya::Pod for ListenerKey {}
     unsafe impl aya::Pod for PodCounterKey {}
     unsafe impl aya::Pod for DnsServerKey {}
+    unsafe impl aya::Pod for events::DecisionEvent {}
+    unsafe impl aya::Pod for events::PodLabel {}
 }
 
 pub mod dns;
+pub mod events;
+pub mod inbound;
 pub mod outbound;
+pub mod rule;
+
+pub use rule::{Rule, Verdict};

@@ -4,7 +4,7 @@
 //! `--redirect-dns` its TCP half of ISTIO_OUTPUT_DNS and the `! --dport 53` it adds to
 //! rules 16, 17 and 20).
 
-use crate::Decision;
+use crate::{Decision, Rule, Verdict};
 
 /// What the connect hook knows about one `connect()`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -34,58 +34,65 @@ pub struct ConnectFacts {
 /// The chain walked top to bottom; the first rule that matches decides.
 #[inline(always)]
 pub fn decide(f: &ConnectFacts) -> Decision {
+    verdict(f).decision
+}
+
+/// [`decide`], with the rule that matched.
+#[inline(always)]
+pub fn verdict(f: &ConnectFacts) -> Verdict {
+    let v = Verdict::new;
     // `-p tcp --dport P -j RETURN`, before everything else.
     if f.port_excluded {
-        return Decision::SkipExcludedPort;
+        return v(Decision::SkipExcludedPort, Rule::ExcludedPort);
     }
     // 15: -o lo -s 127.0.0.6/32 -j RETURN
     if f.via_lo && f.src_inbound_passthrough {
-        return Decision::SkipInboundPassthrough;
+        return v(Decision::SkipInboundPassthrough, Rule::PassthroughSource);
     }
     // 16: -o lo ! -d 127.0.0.1/32 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
     // (with DNS capture: `-m multiport ! --dports 53,15008`)
     if f.via_lo && !f.dst_localhost && f.uid == f.proxy_uid && !f.dns_port {
-        return Decision::InboundRedirectedLocal;
+        return v(Decision::InboundRedirectedLocal, Rule::OwnPodIpByUid);
     }
     // 17: -o lo -m owner ! --uid-owner 1337 -j RETURN (with DNS capture: `! --dport 53`,
     // so the app's TCP DNS to a local resolver such as 127.0.0.53 reaches the DNS rules)
     if f.via_lo && f.uid != f.proxy_uid && !f.dns_port {
-        return Decision::SkipAppLocal;
+        return v(Decision::SkipAppLocal, Rule::AppLocalByUid);
     }
     // 18: -m owner --uid-owner 1337 -j RETURN
     if f.uid == f.proxy_uid {
-        return Decision::SkipProxyUid;
+        return v(Decision::SkipProxyUid, Rule::ProxyUid);
     }
     // 19: -o lo ! -d 127.0.0.1/32 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
     // (istio-iptables leaves port 53 in this one)
     if f.via_lo && !f.dst_localhost && f.gid == f.proxy_gid {
-        return Decision::InboundRedirectedLocal;
+        return v(Decision::InboundRedirectedLocal, Rule::OwnPodIpByGid);
     }
     // 20: -o lo -m owner ! --gid-owner 1337 -j RETURN (with DNS capture: `! --dport 53`)
     if f.via_lo && f.gid != f.proxy_gid && !f.dns_port {
-        return Decision::SkipAppLocal;
+        return v(Decision::SkipAppLocal, Rule::AppLocalByGid);
     }
     // 21: -m owner --gid-owner 1337 -j RETURN
     if f.gid == f.proxy_gid {
-        return Decision::SkipProxyGid;
+        return v(Decision::SkipProxyGid, Rule::ProxyGid);
     }
     // -j ISTIO_OUTPUT_DNS: -p tcp --dport 53 [-d RESOLVER] -j REDIRECT --to-ports 15053
     if f.dns_port && f.dns_resolver {
-        return Decision::DnsCapturedTcp;
+        return v(Decision::DnsCapturedTcp, Rule::DnsRedirect);
     }
     // 22: -d 127.0.0.1/32 -j RETURN
     if f.dst_localhost {
-        return Decision::SkipLoopback;
+        return v(Decision::SkipLoopback, Rule::Localhost);
     }
     // -d EXCLUDED_CIDR -j RETURN (before inclusions)
     if f.cidr_excluded {
-        return Decision::SkipExcludedCidr;
+        return v(Decision::SkipExcludedCidr, Rule::ExcludedCidr);
     }
     // 23: -j ISTIO_REDIRECT (or -d INCLUDED_CIDR -j ISTIO_REDIRECT)
     if f.cidr_included {
-        Decision::OutboundRedirected
+        v(Decision::OutboundRedirected, Rule::Redirect)
     } else {
-        Decision::SkipNotIncludedCidr
+        v(Decision::SkipNotIncludedCidr, Rule::NotIncludedCidr)
     }
 }
 
@@ -231,5 +238,34 @@ mod tests {
             ..other
         };
         assert_eq!(decide(&proxy_gid), Decision::InboundRedirectedLocal);
+    }
+
+    #[test]
+    fn uid_and_gid_rules_are_told_apart() {
+        let uid = ConnectFacts {
+            uid: 1337,
+            via_lo: true,
+            ..app()
+        };
+        assert_eq!(verdict(&uid).rule, Rule::OwnPodIpByUid);
+        let gid = ConnectFacts {
+            gid: 1337,
+            via_lo: true,
+            ..app()
+        };
+        // 17 returns first for another uid: a gid-only caller over lo is the app...
+        assert_eq!(verdict(&gid).rule, Rule::AppLocalByUid);
+        // ...unless DNS capture takes port 53 out of 16 and 17: then 19 decides.
+        let gid_dns = ConnectFacts {
+            dns_port: true,
+            ..gid
+        };
+        assert_eq!(verdict(&gid_dns).rule, Rule::OwnPodIpByGid);
+        let app_local = ConnectFacts {
+            via_lo: true,
+            ..app()
+        };
+        assert_eq!(verdict(&app_local).rule, Rule::AppLocalByUid);
+        assert_eq!(verdict(&app()).rule, Rule::Redirect);
     }
 }

@@ -22,10 +22,14 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
+use aya_log_ebpf::{error, warn};
 use shunt_common::{
     AF_INET, AF_INET6, Addr, CIDR_KEY_PREFIX_BITS, Cidr4, Cidr6, DNS_PORT, DNS_PROXY_PORT,
-    Decision, NODE_PROXY_MARK, OriginalDst, PodConfig, PortKey, cidr_kind, direction, flags,
-    outbound::{ConnectFacts, decide},
+    Decision, NODE_PROXY_MARK, OriginalDst, PodConfig, PortKey, Rule, Verdict, cidr_kind,
+    direction,
+    events::DecisionEvent,
+    flags,
+    outbound::{ConnectFacts, verdict},
     port_kind,
 };
 
@@ -34,14 +38,14 @@ use crate::{
         LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, is_unspecified6,
         map_v4, read6, unmap_v4, v4,
     },
-    dns,
+    dns, events, log,
     maps::{
         CIDR_V4, CIDR_V6, ORIG_DST_COOKIE, POD_CONFIG, POD_PORTS, PROXY_SOCKS, count, count_pod,
         is_pod_addr,
     },
 };
 
-const IPPROTO_TCP: u32 = 6;
+pub const IPPROTO_TCP: u32 = 6;
 pub const IPPROTO_UDP: u32 = 17;
 const ALLOW: i32 = 1;
 
@@ -125,17 +129,27 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
             dns::capture_query(ctx, v6);
         } else {
             count(Decision::SkipNotTcp);
+            report_before_pod(ctx, v6, Decision::SkipNotTcp);
         }
         return;
     }
     if protocol != IPPROTO_TCP {
         count(Decision::SkipNotTcp);
+        report_before_pod(ctx, v6, Decision::SkipNotTcp);
         return;
     }
     // SAFETY: a helper this program type may call, given its own context pointer.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
         count(Decision::SkipNotEnrolled);
+        if !log::node_mode() && log::due(log::kind::CONFIG_MISSING) {
+            warn!(
+                ctx,
+                "capture is attached to this cgroup, but network namespace cookie {} has no POD_CONFIG entry: connect left uncaptured",
+                netns
+            );
+        }
+        report_before_pod(ctx, v6, Decision::SkipNotEnrolled);
         return;
     };
     // SAFETY: a value pointer from a successful lookup.
@@ -145,11 +159,28 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     if unsafe { (*(*sa).__bindgen_anon_1.sk).mark } == NODE_PROXY_MARK {
         // Node mode's proxy connecting upstream from inside the pod.
         count_pod(cfg.pod_id, Decision::SkipNodeProxyMark);
+        if events::on(cfg.flags) {
+            let dial = dial(ctx, v6);
+            let seen = Seen::now(ctx, &dial, cfg.pod_id, IPPROTO_TCP);
+            events::send(
+                seen.event(0),
+                Verdict::new(Decision::SkipNodeProxyMark, Rule::NodeProxyMark),
+            );
+        }
         return;
     }
     let dial = dial(ctx, v6);
     let port_be = dial.port_be;
-    let decision = decide(&facts(&cfg, &dial, u16::from_be(port_be)));
+    let uid_gid = bpf_get_current_uid_gid();
+    let verdict = verdict(&facts(&cfg, &dial, u16::from_be(port_be), uid_gid));
+    let decision = verdict.decision;
+    let conn = Conn {
+        ctx,
+        cfg: &cfg,
+        dial: &dial,
+        uid_gid,
+    };
+    let decided = |verdict, to_port| Decided { verdict, to_port };
     let (to_port, direction) = match decision {
         Decision::OutboundRedirected => (cfg.outbound_port, direction::OUTBOUND),
         Decision::InboundRedirectedLocal => (cfg.inbound_port, direction::INBOUND),
@@ -164,6 +195,7 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
                 let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
                 let _ = PROXY_SOCKS.insert(&cookie, &1, 0);
             }
+            report(&conn, IPPROTO_TCP, decided(verdict, 0));
             return;
         }
     };
@@ -173,12 +205,26 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     {
         // Nothing serves the pod now (node mode, the proxy down): straight through.
         count_pod(cfg.pod_id, Decision::FailOpenNoProxy);
+        if log::due(log::kind::FAIL_OPEN) {
+            warn!(
+                ctx,
+                "pod {}: nothing listens on its proxy port {}: connect to port {} passed uncaptured (fail-open)",
+                cfg.pod_id,
+                to_port,
+                u16::from_be(port_be)
+            );
+        }
+        report(
+            &conn,
+            IPPROTO_TCP,
+            decided(Verdict::ruleless(Decision::FailOpenNoProxy), 0),
+        );
         return;
     }
     let original = OriginalDst {
         addr: dial.dst,
         port: port_be,
-        _pad: 0,
+        events: events::record_flag(cfg.flags),
         family: dial.family,
         pod_id: cfg.pod_id,
         direction,
@@ -187,10 +233,24 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     if ORIG_DST_COOKIE.insert(&cookie, &original, 0).is_err() {
         // Without the record the proxy could not tell where to go: leave it uncaptured.
-        count(Decision::SkipNotEnrolled);
+        count_pod(cfg.pod_id, Decision::SkipMapFull);
+        if log::due(log::kind::MAP_FULL) {
+            error!(
+                ctx,
+                "pod {}: ORIG_DST_COOKIE is full: connect to port {} left uncaptured",
+                cfg.pod_id,
+                u16::from_be(port_be)
+            );
+        }
+        report(
+            &conn,
+            IPPROTO_TCP,
+            decided(Verdict::ruleless(Decision::SkipMapFull), 0),
+        );
         return;
     }
     count_pod(cfg.pod_id, decision);
+    report(&conn, IPPROTO_TCP, decided(verdict, to_port));
     if decision == Decision::DnsCapturedTcp {
         // The DNS proxy listens on loopback, as iptables' REDIRECT of a local packet
         // delivers it there.
@@ -217,6 +277,101 @@ fn capture(ctx: &SockAddrContext, v6: bool) {
             write_volatile(p.add(3), to[3]);
         }
         write_volatile(&raw mut (*sa).user_port, u32::from(to_port.to_be()));
+    }
+}
+
+/// One connect of a pod, as far as its event needs it.
+pub struct Conn<'a> {
+    pub ctx: &'a SockAddrContext,
+    pub cfg: &'a PodConfig,
+    pub dial: &'a Dial,
+    pub uid_gid: u64,
+}
+
+/// A verdict and where it sends the connection (0: nowhere).
+pub struct Decided {
+    pub verdict: Verdict,
+    pub to_port: u16,
+}
+
+/// Reports a decision about a pod's connection (TCP connect, UDP query), if events
+/// are on for the pod.
+#[inline(always)]
+pub fn report(conn: &Conn, protocol: u32, d: Decided) {
+    if events::on(conn.cfg.flags) {
+        let seen = Seen::with_ids(conn.ctx, conn.dial, conn.cfg.pod_id, protocol, conn.uid_gid);
+        events::send(seen.event(d.to_port), d.verdict);
+    }
+}
+
+/// A decision taken before the pod is known (not TCP, not enrolled): reported only
+/// node-wide, and then tagged with the pod if the namespace is one.
+#[inline(always)]
+pub fn report_before_pod(ctx: &SockAddrContext, v6: bool, decision: Decision) {
+    if !events::node_wide() {
+        return;
+    }
+    // SAFETY: a field of this program's context.
+    let protocol = unsafe { (*ctx.sock_addr).protocol };
+    // SAFETY: a helper this program type may call, given its own context pointer.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let pod_id = match POD_CONFIG.get_ptr(netns) {
+        // SAFETY: a value pointer from a successful lookup.
+        Some(cfg) => unsafe { (*cfg).pod_id },
+        None => 0,
+    };
+    let dial = dial(ctx, v6);
+    let seen = Seen::now(ctx, &dial, pod_id, protocol as u8 as u32);
+    events::send(seen.event(0), Verdict::ruleless(decision));
+}
+
+/// What a sock_addr hook reports of its connection: everything but the verdict.
+pub struct Seen {
+    event: DecisionEvent,
+}
+
+impl Seen {
+    /// With the calling process's uid and gid read now.
+    #[inline(always)]
+    pub fn now(ctx: &SockAddrContext, dial: &Dial, pod_id: u32, protocol: u32) -> Seen {
+        Self::with_ids(ctx, dial, pod_id, protocol, bpf_get_current_uid_gid())
+    }
+
+    #[inline(always)]
+    pub fn with_ids(
+        ctx: &SockAddrContext,
+        dial: &Dial,
+        pod_id: u32,
+        protocol: u32,
+        uid_gid: u64,
+    ) -> Seen {
+        // SAFETY: sock_addr hooks always set `sk`; `src_port` (host order) is readable.
+        let src_port = unsafe { (*(*ctx.sock_addr).__bindgen_anon_1.sk).src_port } as u16;
+        Seen {
+            event: DecisionEvent {
+                // SAFETY: a helper this program type may call, given its own context.
+                cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+                src: dial.src,
+                dst: dial.dst,
+                src_port,
+                dst_port: u16::from_be(dial.port_be),
+                family: dial.family,
+                pod_id,
+                uid: uid_gid as u32,
+                gid: (uid_gid >> 32) as u32,
+                protocol: protocol as u8,
+                ..DecisionEvent::default()
+            },
+        }
+    }
+
+    /// The event, with where a capture sends the connection (0: nowhere).
+    #[inline(always)]
+    pub fn event(self, to_port: u16) -> DecisionEvent {
+        DecisionEvent {
+            to_port,
+            ..self.event
+        }
     }
 }
 
@@ -284,8 +439,7 @@ fn proxy_listening(ctx: &SockAddrContext, cfg: &PodConfig, dial: &Dial, v6: bool
 }
 
 #[inline(always)]
-fn facts(cfg: &PodConfig, dial: &Dial, port: u16) -> ConnectFacts {
-    let uid_gid = bpf_get_current_uid_gid();
+fn facts(cfg: &PodConfig, dial: &Dial, port: u16, uid_gid: u64) -> ConnectFacts {
     let v4 = dial.family == AF_INET;
     let dns_port = cfg.flags & flags::DNS_REDIRECT != 0 && port == DNS_PORT;
     let all = if v4 {

@@ -21,19 +21,22 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
+use aya_log_ebpf::error;
 use shunt_common::{
-    AF_INET, DNS_PORT, DNS_PROXY_PORT, Decision, DnsServerKey, NODE_PROXY_MARK, OriginalDst, PodConfig,
-    direction,
-    dns::{QueryFacts, decide_udp},
+    AF_INET, DNS_PORT, DNS_PROXY_PORT, Decision, DnsServerKey, NODE_PROXY_MARK, OriginalDst,
+    PodConfig, Rule, Verdict, direction,
+    dns::{QueryFacts, verdict_udp},
+    events::DecisionEvent,
     flags,
 };
 
 use crate::{
     addr::{
         LOCALHOST4, LOCALHOST6, PASSTHROUGH4, PASSTHROUGH6, eq6, is_loopback, map_v4, read6,
-        unmap_v4,
+        unmap_v4, v4,
     },
-    connect::{Dial, IPPROTO_UDP, dial},
+    connect::{Conn, Decided, Dial, IPPROTO_UDP, dial, report, report_before_pod},
+    events, log,
     maps::{DNS_ORIG_DST, DNS_SERVERS, POD_CONFIG, count, count_pod},
 };
 
@@ -96,6 +99,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(cfg) = POD_CONFIG.get_ptr(&netns) else {
         count(Decision::SkipNotEnrolled);
+        report_before_pod(ctx, v6, Decision::SkipNotEnrolled);
         return;
     };
     // SAFETY: a value pointer from a successful lookup.
@@ -103,6 +107,12 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     if cfg.flags & flags::DNS_REDIRECT == 0 {
         // Only the connect hooks get here without DNS capture: a UDP connect as before.
         count(Decision::SkipNotTcp);
+        if events::on(cfg.flags) {
+            let dial = dial(ctx, v6);
+            let uid_gid = bpf_get_current_uid_gid();
+            let conn = Conn { ctx, cfg: &cfg, dial: &dial, uid_gid };
+            report_query(&conn, Verdict::ruleless(Decision::SkipNotTcp), 0);
+        }
         return;
     }
     // SAFETY: sock_addr hooks always set `sk` (the socket at hand); `mark` is one of
@@ -110,6 +120,13 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     if unsafe { (*(*ctx.sock_addr).__bindgen_anon_1.sk).mark } == NODE_PROXY_MARK {
         // Node mode's DNS proxy forwarding a pod's query from inside the pod.
         count_pod(cfg.pod_id, Decision::SkipNodeProxyMark);
+        if events::on(cfg.flags) {
+            let dial = dial(ctx, v6);
+            let uid_gid = bpf_get_current_uid_gid();
+            let conn = Conn { ctx, cfg: &cfg, dial: &dial, uid_gid };
+            let marked = Verdict::new(Decision::SkipNodeProxyMark, Rule::NodeProxyMark);
+            report_query(&conn, marked, 0);
+        }
         return;
     }
     let dial = dial(ctx, v6);
@@ -120,7 +137,7 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     } else {
         eq6(&dial.src, &PASSTHROUGH6)
     };
-    let decision = decide_udp(&QueryFacts {
+    let verdict = verdict_udp(&QueryFacts {
         uid: uid_gid as u32,
         gid: (uid_gid >> 32) as u32,
         proxy_uid: cfg.proxy_uid,
@@ -128,14 +145,22 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
         inbound_passthrough: via_lo && passthrough_src,
         resolver: is_resolver(&cfg, &dial),
     });
+    let decision = verdict.decision;
+    let conn = Conn {
+        ctx,
+        cfg: &cfg,
+        dial: &dial,
+        uid_gid,
+    };
     if decision != Decision::DnsCapturedUdp {
         count_pod(cfg.pod_id, decision);
+        report_query(&conn, verdict, 0);
         return;
     }
     let original = OriginalDst {
         addr: dial.dst,
         port: dial.port_be,
-        _pad: 0,
+        events: events::record_flag(cfg.flags),
         family: dial.family,
         pod_id: cfg.pod_id,
         direction: direction::OUTBOUND,
@@ -144,11 +169,25 @@ pub fn capture_query(ctx: &SockAddrContext, v6: bool) {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     if DNS_ORIG_DST.insert(&cookie, &original, 0).is_err() {
         // Without the record the reply could not be restored: leave the query alone.
-        count_pod(cfg.pod_id, Decision::SkipNotEnrolled);
+        count_pod(cfg.pod_id, Decision::SkipMapFull);
+        if log::due(log::kind::MAP_FULL) {
+            error!(
+                ctx,
+                "pod {}: DNS_ORIG_DST is full: DNS query left uncaptured", cfg.pod_id
+            );
+        }
+        report_query(&conn, Verdict::ruleless(Decision::SkipMapFull), 0);
         return;
     }
     count_pod(cfg.pod_id, decision);
+    report_query(&conn, verdict, DNS_PROXY_PORT);
     rewrite_to_proxy(ctx, &dial, v6);
+}
+
+/// Reports a decision about the pod's query, if events are on for the pod.
+#[inline(always)]
+fn report_query(conn: &Conn, verdict: Verdict, to_port: u16) {
+    report(conn, IPPROTO_UDP, Decided { verdict, to_port });
 }
 
 /// Rewrites the destination to the DNS proxy on loopback, in the socket's own family.
@@ -227,4 +266,24 @@ fn restore_reply(ctx: &SockAddrContext, v6: bool) {
         write_volatile(&raw mut (*sa).user_port, u32::from(original.port));
     }
     count_pod(original.pod_id, Decision::DnsReplyRestored);
+    if events::on_for_record(original.events) {
+        // The reply as the app now sees it: from the resolver, to the app's socket.
+        events::send(
+            DecisionEvent {
+                // SAFETY: a helper this program type may call, given its own context.
+                cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+                src: if v4_original { v4(original.addr[0]) } else { original.addr },
+                dst: [0; 4],
+                src_port: u16::from_be(original.port),
+                family: original.family,
+                pod_id: original.pod_id,
+                // recvmsg runs in the reading process.
+                uid: bpf_get_current_uid_gid() as u32,
+                gid: (bpf_get_current_uid_gid() >> 32) as u32,
+                protocol: IPPROTO_UDP as u8,
+                ..DecisionEvent::default()
+            },
+            Verdict::ruleless(Decision::DnsReplyRestored),
+        );
+    }
 }

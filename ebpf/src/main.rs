@@ -11,6 +11,8 @@
 //!   listener (ISTIO_INBOUND), without rewriting packets.
 //! - `shortcircuit.rs`: `sk_msg` hands sends between local socket pairs straight to the
 //!   peer, skipping the TCP/IP stack.
+//! - `events.rs`: each of them can report its decisions to user space (off by default);
+//!   `log.rs`: aya-log for the rare things an operator must hear about.
 #![no_std]
 #![no_main]
 // Every unsafe block says why it is sound (checked by `cargo clippy` in this directory).
@@ -19,7 +21,9 @@
 mod addr;
 mod connect;
 mod dns;
+mod events;
 mod inbound;
+mod log;
 mod maps;
 mod original_dst;
 mod shortcircuit;

@@ -2,12 +2,16 @@
 //! Userspace pins them under the bpffs root so all pods share one set.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf, SockHash,
+    },
     macros::btf_map,
 };
 use shunt_common::{
     AddrKey, Cidr4, Cidr6, Decision, DnsServerKey, ListenerKey, OriginalDst, PodConfig,
     PodCounterKey, PortKey, SockTuple,
+    events::{DecisionEvent, EVENTS_RING_BYTES, PodLabel},
 };
 
 /// Network namespace cookie → the pod's capture settings.
@@ -71,6 +75,26 @@ pub static DNS_SERVERS: HashMap<DnsServerKey, u8, 16384> = HashMap::new();
 /// show that address again. LRU: UDP sockets have no close hook to clean up after.
 #[btf_map]
 pub static DNS_ORIG_DST: LruHashMap<u64, OriginalDst, 65536> = LruHashMap::new();
+
+/// Decision events on their way to user space (`events.rs`): bounded, never waited on.
+#[btf_map]
+pub static EVENTS: RingBuf<DecisionEvent, { EVENTS_RING_BYTES as usize }> = RingBuf::new();
+
+/// `[0]`: the node-wide switch (`shunt_common::events::switch`). Per pod, events are a
+/// flag of its `PodConfig`.
+#[btf_map]
+pub static EVENTS_ON: Array<u32, 1> = Array::new();
+
+/// Events the ring had no room for.
+#[btf_map]
+pub static EVENTS_DROPPED: PerCpuArray<u64, 1> = PerCpuArray::new();
+
+/// Pod id → its Kubernetes namespace and name, for user space's tools only (node mode
+/// writes them; the programs never read them). Not preallocated: most pods of a
+/// sidecar node have none.
+#[btf_map]
+pub static POD_LABELS: HashMap<u32, PodLabel, 4096, { BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
 
 /// Counts `decision` globally and for `pod_id`.
 #[inline(always)]

@@ -22,13 +22,18 @@ use aya_ebpf::{
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
+use aya_ebpf::helpers::bpf_get_current_uid_gid;
+use aya_log_ebpf::error;
 use shunt_common::{
     AF_INET, AF_INET6, Addr, Decision, IP6T_SO_ORIGINAL_DST, ListenerKey, SO_ORIGINAL_DST, SOL_IP,
-    SOL_IPV6, SockTuple,
+    SOL_IPV6, SockTuple, Verdict,
+    events::{DecisionEvent, NO_ID},
 };
 
 use crate::{
     addr::{read6, unmap_v4, v4},
+    connect::IPPROTO_TCP,
+    events, log,
     maps::{LISTENERS, ORIG_DST_COOKIE, ORIG_DST_TUPLE, POD_CONFIG, count, count_pod},
     shortcircuit,
 };
@@ -95,6 +100,24 @@ fn tuple(ctx: &SockOpsContext) -> Option<SockTuple> {
     })
 }
 
+/// A sockops (or getsockopt) event about the connection `t` (the socket's own view).
+#[inline(always)]
+pub fn tuple_event(t: &SockTuple, cookie: u64, pod_id: u32) -> DecisionEvent {
+    DecisionEvent {
+        cookie,
+        src: t.src,
+        dst: t.dst,
+        src_port: t.src_port,
+        dst_port: t.dst_port,
+        family: t.family,
+        pod_id,
+        uid: NO_ID,
+        gid: NO_ID,
+        protocol: IPPROTO_TCP as u8,
+        ..DecisionEvent::default()
+    }
+}
+
 #[inline(always)]
 fn swapped(t: &SockTuple) -> SockTuple {
     SockTuple {
@@ -120,6 +143,18 @@ fn on_connect(ctx: &SockOpsContext) {
         count_pod(original.pod_id, Decision::OrigDstRecorded);
         // Told on close, so a failed connect can take its entry back.
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+        if events::on_for_record(original.events) {
+            let mut e = tuple_event(&key, cookie, original.pod_id);
+            e.to_port = u16::from_be(original.port);
+            events::send(e, Verdict::ruleless(Decision::OrigDstRecorded));
+        }
+    } else if log::due(log::kind::MAP_FULL) {
+        error!(
+            ctx,
+            "pod {}: ORIG_DST_TUPLE refused a record: the proxy will not find the original destination of a connection from port {}",
+            original.pod_id,
+            key.src_port
+        );
     }
     let _ = ORIG_DST_COOKIE.remove(&cookie);
 }
@@ -138,11 +173,30 @@ fn on_state_change(ctx: &SockOpsContext) {
         return;
     }
     let Some(local) = tuple(ctx) else { return };
-    shortcircuit::on_close(&local);
-    if ORIG_DST_TUPLE.remove(&swapped(&local)).is_ok() {
+    shortcircuit::on_close(ctx, &local);
+    // The proxy's side closing ends the record; or the client's, if its connect failed.
+    let key = if ORIG_DST_TUPLE.get_ptr(&swapped(&local)).is_some() {
+        swapped(&local)
+    } else if ctx.arg(0) == TCP_SYN_SENT {
+        local
+    } else {
+        return;
+    };
+    let Some(original) = ORIG_DST_TUPLE.get_ptr(&key) else {
+        return;
+    };
+    // SAFETY: a value pointer from a successful lookup.
+    let (pod_id, record_events, port) =
+        unsafe { ((*original).pod_id, (*original).events, (*original).port) };
+    if ORIG_DST_TUPLE.remove(&key).is_ok() {
         count(Decision::OrigDstRemoved);
-    } else if ctx.arg(0) == TCP_SYN_SENT && ORIG_DST_TUPLE.remove(&local).is_ok() {
-        count(Decision::OrigDstRemoved);
+        if events::on_for_record(record_events) {
+            // Cookie 0: the closing socket is mostly the proxy's, not the one that
+            // connected; the 4-tuple ties this to the `orig_dst_recorded` event.
+            let mut e = tuple_event(&key, 0, pod_id);
+            e.to_port = u16::from_be(port);
+            events::send(e, Verdict::ruleless(Decision::OrigDstRemoved));
+        }
     }
 }
 
@@ -154,7 +208,8 @@ fn on_listen(ctx: &SockOpsContext) {
         return;
     };
     // SAFETY: value pointer from a successful lookup.
-    let (pod_id, inbound_port) = unsafe { ((*cfg).pod_id, (*cfg).inbound_port) };
+    let (pod_id, inbound_port, pod_flags) =
+        unsafe { ((*cfg).pod_id, (*cfg).inbound_port, (*cfg).flags) };
     if ctx.local_port() != u32::from(inbound_port) {
         return;
     }
@@ -166,9 +221,27 @@ fn on_listen(ctx: &SockOpsContext) {
         // SAFETY: the context is the kernel's bpf_sock_ops for this socket, and nothing
         // else holds a reference to it while the program runs.
         .update(&mut key, unsafe { &mut *ctx.ops }, 0)
-        .is_ok()
+        .is_err()
     {
-        count_pod(pod_id, Decision::ListenerRegistered);
+        if log::due(log::kind::MAP_FULL) {
+            error!(
+                ctx,
+                "pod {}: LISTENERS refused its inbound listener: inbound connections will be dropped",
+                pod_id
+            );
+        }
+        return;
+    }
+    count_pod(pod_id, Decision::ListenerRegistered);
+    if events::on(pod_flags)
+        && let Some(t) = tuple(ctx)
+    {
+        // SAFETY: a helper this program type may call, given its own context pointer.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        events::send(
+            tuple_event(&t, cookie, pod_id),
+            Verdict::ruleless(Decision::ListenerRegistered),
+        );
     }
 }
 
@@ -285,4 +358,14 @@ fn answer_original_dst(ctx: &SockoptContext) {
         write_volatile(&raw mut (*so).retval, 0);
     }
     count_pod(original.pod_id, Decision::OrigDstAnswered);
+    if events::on_for_record(original.events) {
+        // The proxy's accepted socket asking: its peer is the client, its end the proxy.
+        // (getsockopt programs may not ask for socket cookies.)
+        let mut e = tuple_event(&key, 0, original.pod_id);
+        let uid_gid = bpf_get_current_uid_gid();
+        e.uid = uid_gid as u32;
+        e.gid = (uid_gid >> 32) as u32;
+        e.to_port = u16::from_be(original.port);
+        events::send(e, Verdict::ruleless(Decision::OrigDstAnswered));
+    }
 }

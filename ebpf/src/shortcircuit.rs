@@ -14,15 +14,17 @@ use aya_ebpf::{
     macros::sk_msg,
     programs::{SkMsgContext, SockOpsContext},
 };
-use shunt_common::{AF_INET, AddrKey, Decision, PodConfig, SockTuple, flags, pair_state};
+use shunt_common::{AF_INET, AddrKey, Decision, PodConfig, SockTuple, Verdict, flags, pair_state};
 
 use crate::{
     addr::{is_loopback, read6, unmap_v4, v4},
+    events,
     inbound::captures_port,
     maps::{
         PAIR_STATE, POD_ADDRS, POD_CONFIG, PROXY_SOCKS, SOCK_PAIRS, count, count_n, count_pod,
         is_pod_addr,
     },
+    original_dst::tuple_event,
 };
 
 const SK_PASS: u32 = 1;
@@ -98,13 +100,46 @@ pub fn on_established(ctx: &SockOpsContext, t: &SockTuple, active: bool) {
     let _ = PAIR_STATE.insert(&key, &pair_state::UNDECIDED, 0);
     let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
     count_pod(cfg.pod_id, Decision::PairAdded);
+    if events::on(cfg.flags) {
+        // SAFETY: a helper this program type may call, given its own context pointer.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        events::send(
+            tuple_event(t, cookie, cfg.pod_id),
+            Verdict::ruleless(Decision::PairAdded),
+        );
+    }
 }
 
 /// sockops, closed: the kernel drops the socket from `SOCK_PAIRS` itself.
 #[inline(always)]
-pub fn on_close(t: &SockTuple) {
+pub fn on_close(ctx: &SockOpsContext, t: &SockTuple) {
     if PAIR_STATE.remove(&pair_key(t)).is_ok() {
         count(Decision::PairRemoved);
+        report_unpaired(t.netns, Decision::PairRemoved, || {
+            // SAFETY: a helper this program type may call, given its own context pointer.
+            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+            tuple_event(t, cookie, 0)
+        });
+    }
+}
+
+/// Reports a decision about a socket leaving the short-circuit (rare: once a socket),
+/// when events are on for its pod (found by `netns`) or node-wide.
+#[inline(always)]
+fn report_unpaired(
+    netns: u64,
+    decision: Decision,
+    event: impl FnOnce() -> shunt_common::events::DecisionEvent,
+) {
+    let (pod_id, pod_flags) = match POD_CONFIG.get_ptr(netns) {
+        // SAFETY: a value pointer from a successful lookup.
+        Some(cfg) => unsafe { ((*cfg).pod_id, (*cfg).flags) },
+        None => (0, 0),
+    };
+    if events::on(pod_flags) {
+        let mut e = event();
+        e.pod_id = pod_id;
+        events::send(e, Verdict::ruleless(decision));
     }
 }
 
@@ -184,5 +219,10 @@ fn redirect(ctx: &SkMsgContext) {
         // The peer is not (or no longer) there: TCP for the rest of this socket's life.
         let _ = PAIR_STATE.insert(&own, &pair_state::FALLBACK, 0);
         count(Decision::MsgFallback);
+        // SAFETY: a helper this program type may call, given its own context pointer.
+        let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+        report_unpaired(netns, Decision::MsgFallback, || {
+            tuple_event(&own, 0, 0)
+        });
     }
 }

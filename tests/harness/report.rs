@@ -15,6 +15,8 @@ pub struct Call {
     pub server_peer: SocketAddr,
     pub server_local: SocketAddr,
     pub bytes: u64,
+    /// The client socket's `SO_COOKIE` (0 from a testapp that does not say).
+    pub cookie: u64,
 }
 
 impl Call {
@@ -35,6 +37,7 @@ impl Call {
             server_peer: addr("server_peer")?,
             server_local: addr("server_local")?,
             bytes: v["bytes"].as_u64().unwrap_or(0),
+            cookie: v["cookie"].as_u64().unwrap_or(0),
         })
     }
 }

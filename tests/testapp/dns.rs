@@ -9,7 +9,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use crate::Args;
 
 pub fn query(argv: &[String]) -> Result<serde_json::Value, String> {
-    let args = Args::parse(argv, &["name", "type", "connect", "timeout-ms"])?;
+    let args = Args::parse(argv, &["name", "type", "connect", "bind", "timeout-ms"])?;
     let server = args.target()?;
     let name: String = args.get("name")?.ok_or("missing --name")?;
     let qtype: u16 = match args.get::<String>("type")?.as_deref() {
@@ -23,10 +23,11 @@ pub fn query(argv: &[String]) -> Result<serde_json::Value, String> {
         Some(other) => return Err(format!("--connect {other:?}: yes or no")),
     };
     let timeout = args.millis("timeout-ms", 3000)?;
-    let bind: SocketAddr = match server {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+    let bind: SocketAddr = match (server, args.get::<IpAddr>("bind")?) {
+        (_, Some(ip)) => (ip, 0).into(),
+        (SocketAddr::V4(_), None) => (Ipv4Addr::UNSPECIFIED, 0).into(),
         // Also for ::ffff:a.b.c.d: a dual-stack socket, as an IPv6 app would have.
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+        (SocketAddr::V6(_), None) => (Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let sock = UdpSocket::bind(bind).map_err(|e| format!("bind {bind}: {e}"))?;
     sock.set_read_timeout(Some(timeout))
@@ -43,14 +44,23 @@ pub fn query(argv: &[String]) -> Result<serde_json::Value, String> {
             .map_err(|e| format!("sendto {server}: {e}"))?;
     }
     let mut buf = [0u8; 1500];
-    let (len, from) = sock
-        .recv_from(&mut buf)
-        .map_err(|e| format!("no reply from {server} within {timeout:?}: {e}"))?;
+    let (len, from) = match sock.recv_from(&mut buf) {
+        Ok(got) => got,
+        // Still say which socket asked: the capture's events name it by its cookie.
+        Err(e) => {
+            return Ok(serde_json::json!({
+                "ok": false,
+                "error": format!("no reply from {server} within {timeout:?}: {e}"),
+                "cookie": crate::sock::cookie(&sock),
+            }));
+        }
+    };
     let reply = &buf[..len];
     let (rcode, answers) = decode(id, reply)?;
     Ok(serde_json::json!({
         "ok": true,
         "from": from.to_string(),
+        "cookie": crate::sock::cookie(&sock),
         "rcode": rcode,
         "answers": answers.iter().map(ToString::to_string).collect::<Vec<_>>(),
     }))

@@ -7,7 +7,7 @@
 //! testapp bench-rr ADDR:PORT [--duration-ms MS] [--payload B] [--timeout-ms MS]
 //! testapp bench-rate ADDR:PORT [--proto http|tcp] [--rate RPS] [--connections N] [--new-connection yes|no] [--duration-ms MS] [--warmup-ms MS] [--payload B]
 //! testapp probe ADDR:PORT [--timeout-ms MS]
-//! testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect yes|no] [--timeout-ms MS]
+//! testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect yes|no] [--bind IP] [--timeout-ms MS]
 //! ```
 //!
 //! Protocol: the server first sends `HELLO peer=<ip:port> local=<ip:port>\n` (its view
@@ -36,7 +36,7 @@ usage:
   testapp bench-rr ADDR:PORT [--duration-ms 3000] [--payload 64] [--timeout-ms 2000]
   testapp bench-rate ADDR:PORT [--proto http] [--rate 1000 (0: maximum)] [--connections 4] [--new-connection no] [--duration-ms 5000] [--warmup-ms 500] [--payload 1024] [--timeout-ms 2000]
   testapp probe ADDR:PORT [--timeout-ms 200]
-  testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect no] [--timeout-ms 3000]
+  testapp dns-query ADDR:PORT --name NAME [--type A|AAAA] [--connect no] [--bind IP] [--timeout-ms 3000]
 IPv6 addresses are written [addr]:port.";
 
 fn main() -> ExitCode {
@@ -485,6 +485,8 @@ struct CallOk {
     server_peer: String,
     server_local: String,
     client_local: String,
+    /// The client socket's `SO_COOKIE`, as the capture programs' events name it.
+    cookie: u64,
     bytes: usize,
     /// From the first payload byte sent to the last echoed byte received.
     elapsed_us: u64,
@@ -535,6 +537,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
     let client_local = stream
         .local_addr()
         .map_err(|e| format!("getsockname: {e}"))?;
+    let cookie = sock::cookie(&stream);
     let (server_peer, server_local) = read_hello(&mut stream)?;
 
     let data = pseudo_random(len, seed);
@@ -550,6 +553,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
             server_peer,
             server_local,
             client_local: client_local.to_string(),
+            cookie,
             bytes: k.min(len),
             elapsed_us: 0,
         });
@@ -610,6 +614,7 @@ fn call_inner(argv: &[String]) -> Result<CallOk, String> {
         server_peer,
         server_local,
         client_local: client_local.to_string(),
+        cookie,
         bytes: len,
         elapsed_us,
     })
@@ -620,7 +625,11 @@ fn report(result: Result<serde_json::Value, String>) -> ExitCode {
     match result {
         Ok(v) => {
             print_json(&v);
-            ExitCode::SUCCESS
+            if v["ok"] == false {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
         }
         Err(error) => {
             print_json(&CallErr { ok: false, error });
@@ -930,7 +939,10 @@ fn probe(argv: &[String]) -> ExitCode {
         Err(e) => return usage_error("probe", &e),
     };
     match sock::connect(target, None, timeout) {
-        Ok(_) => ExitCode::SUCCESS,
+        Ok(stream) => {
+            print_json(&serde_json::json!({"ok": true, "cookie": sock::cookie(&stream)}));
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("testapp probe: {target}: {e}");
             ExitCode::FAILURE

@@ -220,3 +220,21 @@ pub fn abort(stream: std::net::TcpStream) -> io::Result<()> {
     drop(stream);
     Ok(())
 }
+
+/// The socket's cookie (`SO_COOKIE`): the id the kernel's eBPF programs know it by (0
+/// if the kernel will not say).
+pub fn cookie(fd: &impl std::os::fd::AsRawFd) -> u64 {
+    let mut cookie: u64 = 0;
+    let mut len = mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a u64 and its length for the kernel to fill, on a socket the caller holds.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 { cookie } else { 0 }
+}

@@ -271,6 +271,7 @@ pub fn http_call(pod: &Pod, target: SocketAddr, host: &str) -> Result<Call> {
         server_peer: field("peer=")?,
         server_local: field("local=")?,
         bytes: 0,
+        cookie: 0,
     })
 }
 

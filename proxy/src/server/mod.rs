@@ -157,10 +157,28 @@ fn run_initialized(args: ProxyArgs) -> anyhow::Result<()> {
         drain_time: Duration::from_secs(args.drain_time_s),
         parent_shutdown_time: Duration::from_secs(args.parent_shutdown_time_s),
     };
-    match args.mode {
-        shunt_config::Mode::Validate => validate::run(&bootstrap),
-        shunt_config::Mode::Serve if bootstrap.has_bootstrap() => bootstrap::run(&args, &bootstrap),
-        shunt_config::Mode::Serve => passthrough::run(&args),
+    if args.mode == shunt_config::Mode::Validate {
+        return validate::run(&bootstrap);
+    }
+    // Opened while still root; it logs for as long as the proxy runs.
+    let _kernel_log = kernel_log();
+    if bootstrap.has_bootstrap() {
+        bootstrap::run(&args, &bootstrap)
+    } else {
+        passthrough::run(&args)
+    }
+}
+
+/// In a pod captured by `shunt capture` (eBPF), its programs' aya-log records join this
+/// log (`shunt::ebpf`); the bpffs root is `SHUNT_BPFFS`, as for `shunt capture`.
+fn kernel_log() -> Option<shunt_capture::kernel_log::KernelLog> {
+    let root = std::env::var_os("SHUNT_BPFFS").unwrap_or_else(|| "/sys/fs/bpf/shunt".into());
+    match shunt_capture::kernel_log::KernelLog::for_this_pod(std::path::Path::new(&root)) {
+        Ok(log) => log,
+        Err(err) => {
+            tracing::warn!("the capture programs' log is not readable: {err:#}");
+            None
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! The eBPF capture of node mode as [`PodCapture`]: `shunt_capture::node::NodeCapture`
-//! with each pod's failure policy.
+//! with each pod's failure policy, and its name and namespace for the decision events.
 
 use std::os::fd::{AsFd, OwnedFd};
 
@@ -35,7 +35,10 @@ pub struct EbpfCapture {
 impl PodCapture for EbpfCapture {
     fn enroll(&self, pod: &PodInfo, netns: &OwnedFd) -> anyhow::Result<()> {
         let policy = self.policies.of(pod);
-        let id = self.capture.enroll(netns.as_fd(), &pod.ips, policy)?;
+        let label = shunt_common::events::PodLabel::new(&pod.namespace, &pod.name);
+        let id = self
+            .capture
+            .enroll(netns.as_fd(), &pod.ips, policy, &label)?;
         tracing::debug!(pod = %pod.name, pod_id = id.id, ?policy, "pod captured");
         Ok(())
     }
