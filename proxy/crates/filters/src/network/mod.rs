@@ -13,13 +13,8 @@
 //!
 //! Filters are found by config type in [`registry`], like HTTP filters.
 
-pub mod ext_authz;
-pub mod istio_authn;
-pub mod istio_stats;
-pub mod metadata_exchange;
-pub mod rbac;
+pub mod filter;
 pub mod registry;
-pub mod set_filter_state;
 pub mod stream;
 
 use std::fmt;

@@ -39,12 +39,12 @@ pub struct Factory {
 
 /// Every non-terminal network filter.
 pub static FACTORIES: &[&Factory] = &[
-    &super::rbac::FACTORY,
-    &super::istio_authn::FACTORY,
-    &super::metadata_exchange::FACTORY,
-    &super::istio_stats::FACTORY,
-    &super::set_filter_state::FACTORY,
-    &super::ext_authz::FACTORY,
+    &super::filter::rbac::FACTORY,
+    &super::filter::istio_authn::FACTORY,
+    &super::filter::metadata_exchange::FACTORY,
+    &super::filter::istio_stats::FACTORY,
+    &super::filter::set_filter_state::FACTORY,
+    &super::filter::ext_authz::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

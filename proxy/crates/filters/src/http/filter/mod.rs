@@ -14,11 +14,22 @@
 //! stream's shared facts in [`StreamCtx::info`] ([`shunt_core::stream_info`]).
 
 pub mod chain;
+pub mod per_route;
+pub mod registry;
+
+// The filters, one module each, named as Envoy's (`envoy.filters.http.<name>`) or
+// Istio's (`istio.alpn`: `alpn`).
+pub mod alpn;
+pub mod connect_authority;
+pub mod connect_baggage;
+pub mod cors;
+pub mod ext_authz;
+pub mod fault;
+pub mod grpc_stats;
 pub mod istio_stats;
 pub mod peer_metadata;
-pub mod per_route;
 pub mod rbac;
-pub mod registry;
+pub mod set_filter_state;
 
 use std::any::Any;
 use std::borrow::Cow;

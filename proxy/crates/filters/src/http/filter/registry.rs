@@ -51,16 +51,16 @@ pub struct Factory {
 /// Every HTTP filter but the router (which the connection manager runs itself).
 pub static FACTORIES: &[&Factory] = &[
     &super::rbac::FACTORY,
-    &crate::http::fault::filter::FACTORY,
-    &crate::http::cors::filter::FACTORY,
-    &crate::http::ext_authz::filter::FACTORY,
+    &super::fault::filter::FACTORY,
+    &super::cors::filter::FACTORY,
+    &super::ext_authz::filter::FACTORY,
     &super::peer_metadata::FACTORY,
     &super::istio_stats::FACTORY,
-    &crate::http::grpc_stats::filter::FACTORY,
-    &crate::http::set_filter_state::FACTORY,
-    &crate::http::connect_authority::FACTORY,
-    &crate::http::connect_baggage::FACTORY,
-    &crate::http::alpn::FACTORY,
+    &super::grpc_stats::filter::FACTORY,
+    &super::set_filter_state::FACTORY,
+    &super::connect_authority::FACTORY,
+    &super::connect_baggage::FACTORY,
+    &super::alpn::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

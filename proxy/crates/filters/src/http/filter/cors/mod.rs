@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher as EnvoyStringMat
 use hyper::HeaderMap;
 
 use super::fault::Percent;
-use super::matcher::{StringMatcher, string_matcher};
+use crate::http::matcher::{StringMatcher, string_matcher};
 use shunt_config::Diagnostics;
 
 pub mod filter;

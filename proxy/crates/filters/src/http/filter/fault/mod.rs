@@ -20,7 +20,7 @@ use envoy_types::pb::envoy::extensions::filters::http::fault::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::FractionalPercent;
 
-use super::matcher::{HeaderMatcher, RequestView, header_matcher};
+use crate::http::matcher::{HeaderMatcher, RequestView, header_matcher};
 use shunt_config::{Diagnostics, convert};
 
 pub mod filter;
