@@ -128,9 +128,9 @@ mod tests {
     use hyper::HeaderMap;
     use serde_json::json;
 
-    use super::super::matcher::RequestView;
     use super::super::route::Action;
     use super::super::route_config::compile;
+    use crate::common::matcher::RequestView;
     use shunt_config::Diagnostics;
 
     fn routes(routes: serde_json::Value) -> (Option<super::super::RouteConfig>, Diagnostics) {

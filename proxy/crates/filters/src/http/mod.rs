@@ -18,7 +18,6 @@ pub mod filter;
 pub mod header_rules;
 pub mod headers;
 pub mod limits;
-pub mod matcher;
 pub mod path_normalization;
 pub mod route;
 pub mod route_action;

@@ -13,7 +13,7 @@ use regex::Regex;
 
 use super::filter::PerFilterConfigs;
 use super::header_rules::HeaderRules;
-use super::matcher::{HeaderMatcher, QueryParameterMatcher, RequestView};
+use crate::common::matcher::{HeaderMatcher, RequestView, StringMatcher};
 
 /// Envoy's default route `timeout`.
 pub const DEFAULT_ROUTE_TIMEOUT: Duration = Duration::from_secs(15);
@@ -235,6 +235,22 @@ impl RouteMatch {
             PathMatch::Path(path) => Some(path.len()),
             PathMatch::Regex(_) | PathMatch::Connect => None,
         }
+    }
+}
+
+#[derive(Debug)]
+pub struct QueryParameterMatcher {
+    pub name: String,
+    /// `None`: `present_match`, any value.
+    pub matcher: Option<StringMatcher>,
+}
+
+impl QueryParameterMatcher {
+    pub fn matches(&self, request: &RequestView<'_>) -> bool {
+        request
+            .query_parameters()
+            .find(|(name, _)| *name == self.name)
+            .is_some_and(|(_, value)| self.matcher.as_ref().is_none_or(|m| m.matches(value)))
     }
 }
 

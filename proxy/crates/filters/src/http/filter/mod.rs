@@ -42,8 +42,8 @@ use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Method, StatusCode, Version};
 
-use super::matcher::RequestView;
 use super::route::{Action, ClusterChoice, Route, RouteConfig, VirtualHost, WeightedCluster};
+use crate::common::matcher::RequestView;
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stream_info::StreamInfo;
 

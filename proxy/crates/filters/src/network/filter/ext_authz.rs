@@ -14,8 +14,8 @@ use envoy_types::pb::envoy::service::auth::v3::{
 };
 use envoy_types::pb::google::protobuf::{Any, Timestamp};
 
-use crate::http::filter::ext_authz::check::Verdict;
-use crate::http::filter::ext_authz::{Service, grpc, grpc_service};
+use crate::common::ext_authz::check::Verdict;
+use crate::common::ext_authz::{Service, grpc, grpc_service};
 use crate::network::registry::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,

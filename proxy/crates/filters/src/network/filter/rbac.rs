@@ -11,8 +11,8 @@ use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::{
 };
 use envoy_types::pb::google::protobuf::Any;
 
-use crate::http::filter::rbac::engine::Subject;
-use crate::http::filter::rbac::{Engines, RbacStats, denied_details};
+use crate::common::rbac::engine::Subject;
+use crate::common::rbac::{Engines, RbacStats, denied_details};
 use crate::network::registry::{CompileCtx, Factory};
 use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkStatus};
 use shunt_config::Diagnostics;
