@@ -20,17 +20,11 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::body::{LogSlot, ResponseBody};
+pub use super::route::ConnectUpgrade;
 use super::router::{LocalReply, Upstream};
 use shunt_core::access_log::{Entry, ResponseFlag};
 use shunt_upstream::LbContext;
 use shunt_upstream::internal::SharedFilterState;
-
-/// A route action's CONNECT upgrade.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnectUpgrade {
-    /// `connect_config` is set: terminate here (else the CONNECT would be proxied on).
-    pub terminate: bool,
-}
 
 /// Terminates a CONNECT for `authority` on `upstream`; the tunnel runs in a task of
 /// its own that holds the request's log until it closes.

@@ -13,6 +13,7 @@
 //!
 //! Filters are found by config type in [`registry`], like HTTP filters.
 
+pub mod factory;
 pub mod filter;
 pub mod registry;
 pub mod stream;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
 use shunt_config::Diagnostics;
 use shunt_core::peer::Workload;

@@ -14,6 +14,7 @@
 //! stream's shared facts in [`StreamCtx::info`] ([`shunt_core::stream_info`]).
 
 pub mod chain;
+pub mod factory;
 pub mod per_route;
 pub mod registry;
 
@@ -47,7 +48,7 @@ use crate::common::matcher::RequestView;
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stream_info::StreamInfo;
 
-pub use per_route::{PerFilterConfig, PerFilterConfigs, RouteSpecificConfig};
+pub use super::route::{PerFilterConfig, PerFilterConfigs, RouteSpecificConfig};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

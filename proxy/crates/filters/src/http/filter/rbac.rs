@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{
 use envoy_types::pb::google::protobuf::Any as PbAny;
 use hyper::StatusCode;
 
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders,
     RouteSpecificConfig, StreamCtx,

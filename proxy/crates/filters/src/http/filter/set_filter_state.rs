@@ -9,7 +9,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::http::set_filter_state::v3::Config;
 use envoy_types::pb::google::protobuf::Any;
 
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
 use shunt_config::{Diagnostics, convert::decode};
 use shunt_core::formatter::{self, Context};

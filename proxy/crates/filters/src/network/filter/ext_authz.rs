@@ -16,7 +16,7 @@ use envoy_types::pb::google::protobuf::{Any, Timestamp};
 
 use crate::common::ext_authz::check::Verdict;
 use crate::common::ext_authz::{Service, grpc, grpc_service};
-use crate::network::registry::{CompileCtx, Factory};
+use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };

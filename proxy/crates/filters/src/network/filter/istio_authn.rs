@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use crate::network::registry::{CompileCtx, Factory};
+use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };

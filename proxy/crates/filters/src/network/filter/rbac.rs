@@ -13,7 +13,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use crate::common::rbac::engine::Subject;
 use crate::common::rbac::{Engines, RbacStats, denied_details};
-use crate::network::registry::{CompileCtx, Factory};
+use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkStatus};
 use shunt_config::Diagnostics;
 use shunt_config::convert::decode;

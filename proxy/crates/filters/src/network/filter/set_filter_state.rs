@@ -9,7 +9,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::network::set_filter_state::v3::Config;
 use envoy_types::pb::google::protobuf::Any;
 
-use crate::network::registry::{CompileCtx, Factory};
+use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NewConnection};
 use shunt_config::{Diagnostics, convert::decode};
 use shunt_core::formatter::Context;

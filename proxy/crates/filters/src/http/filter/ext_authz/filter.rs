@@ -21,7 +21,7 @@ use super::{
 };
 use crate::common::ext_authz::check::{self, CheckInput, HeaderChange, Verdict};
 use crate::common::ext_authz::{Service, grpc};
-use crate::http::filter::registry::{CompileCtx, Factory};
+use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders, ResponseHeaders,
     RouteSpecificConfig, StreamCtx,
