@@ -1,7 +1,8 @@
 //! The HTTP filters shunt implements, by the type of their config, as Envoy finds its
-//! filter factories. To add a filter: write its module under `http/filter/`, give it a
-//! `pub const FACTORY: Factory`, list it in [`FACTORIES`], and add its type name to
-//! `config::extensions::HTTP_FILTERS` (a test checks the two agree).
+//! filter factories. To add a filter: write its module under `http/filter/<name>`, give
+//! it a `pub const FACTORY: Factory` ([`super::factory`]) and list it in [`FACTORIES`].
+//! This list is the one list: config validation's set of implemented HTTP filters is
+//! read from it ([`type_names`], [`per_route_type_names`]).
 
 /// What the registry holds, for the compilers that look a filter up.
 pub use super::factory::{CompileCtx, CompileFn, CompilePerRouteFn, Factory};
@@ -32,18 +33,15 @@ pub fn find_per_route(type_name: &str) -> Option<CompilePerRouteFn> {
         .and_then(|f| f.compile_per_route)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// The config types of every filter here (the router, which the connection manager
+/// runs itself, is not one of them).
+pub fn type_names() -> impl Iterator<Item = &'static str> {
+    FACTORIES.iter().map(|f| f.type_name)
+}
 
-    #[test]
-    fn every_factory_is_listed_as_implemented() {
-        for factory in FACTORIES {
-            assert!(
-                shunt_config::extensions::HTTP_FILTERS.contains(&factory.type_name),
-                "{} is missing from config::extensions::HTTP_FILTERS",
-                factory.type_name
-            );
-        }
-    }
+/// The per-route config types the filters here compile.
+pub fn per_route_type_names() -> impl Iterator<Item = &'static str> {
+    FACTORIES
+        .iter()
+        .flat_map(|f| f.per_route_types.iter().copied())
 }
