@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 
 use super::cluster::UpstreamProtocol;
 use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
-use super::dns::{DnsTarget, LookupFamily};
+use super::dns_cluster::{DnsTarget, LookupFamily};
 use super::health_check::{Checker, HealthCheck};
 use super::host::{FAILED_EDS_HEALTH, Host};
 use super::load_balancer::{

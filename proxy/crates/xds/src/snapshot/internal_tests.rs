@@ -330,7 +330,7 @@ static_resources:
 }
 
 enum NetworkFilterRef<'a> {
-    TcpProxy(&'a shunt_filters::tcp::filter::TcpProxy),
+    TcpProxy(&'a shunt_filters::tcp::tcp_proxy::TcpProxy),
     Other,
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::*;
 use shunt_config::Options;
-use shunt_filters::tcp::filter::ClusterSpecifier;
+use shunt_filters::tcp::tcp_proxy::ClusterSpecifier;
 use shunt_listener::config::NetworkFilter;
 use shunt_upstream::Discovery;
 use shunt_upstream::load_balancer::LbPolicy;
