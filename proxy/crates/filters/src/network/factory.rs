@@ -1,6 +1,7 @@
 //! What a network filter gives the [`super::registry`]: the type name of its config
 //! and its compiler ([`Factory`]), and what compiling may read besides the config
-//! ([`CompileCtx`]). A filter names its `FACTORY` here; only the registry lists them.
+//! ([`CompileCtx`]). Each filter defines its `FACTORY` with these types; only the
+//! registry lists the filters.
 
 use std::sync::Arc;
 

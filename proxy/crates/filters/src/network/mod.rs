@@ -11,7 +11,8 @@
 //!   on the first one, as Envoy's does. `Close` ends the connection there.
 //! - [`NetworkFilter::on_close`] when the connection is over.
 //!
-//! Filters are found by config type in [`registry`], like HTTP filters.
+//! Filters are found by config type in [`registry`], like HTTP filters; each lives in
+//! [`filter`] (`network/filter/<name>`) and gives the registry a [`factory::Factory`].
 
 pub mod factory;
 pub mod filter;

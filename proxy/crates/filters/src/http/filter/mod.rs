@@ -3,12 +3,15 @@
 //! - [`HttpFilterConfig`] is a filter as compiled from its `typed_config` (shared by
 //!   every stream); [`HttpFilterConfig::create`] makes the per-stream [`HttpFilter`].
 //! - [`registry`] finds the compiler for a type URL (typed, or wrapped in a
-//!   `TypedStruct`), and for the per-route configs in `typed_per_filter_config`.
+//!   `TypedStruct`), and for the per-route configs in `typed_per_filter_config`; each
+//!   filter gives it a [`factory::Factory`].
 //! - [`chain`] runs a stream through the filters: decode in config order, then the
 //!   router, then encode in reverse order; [`HttpFilter::on_stream_complete`] when the
 //!   stream is over (after the access log's facts are known).
-//! - [`per_route`] holds the compiled `typed_per_filter_config` of virtual hosts,
-//!   routes and weighted clusters; [`StreamCtx::route_config`] picks the most specific.
+//! - [`per_route`] compiles the `typed_per_filter_config` of virtual hosts, routes and
+//!   weighted clusters (into [`PerFilterConfigs`], which the routes hold);
+//!   [`StreamCtx::route_config`] picks the most specific.
+//! - The filters themselves, one module each (`rbac`, `fault`, `cors`, ...).
 //!
 //! A filter sees the request's pseudo-headers as fields of [`RequestHeaders`] and the
 //! stream's shared facts in [`StreamCtx::info`] ([`shunt_core::stream_info`]).
