@@ -24,6 +24,6 @@ fuzz_target!(|data: &[u8]| {
         config_yaml: std::str::from_utf8(document).ok().map(str::to_owned),
         ..Default::default()
     });
-    let _ = shunt::config::check(&options);
+    let _ = shunt::config::check(&options, &shunt::snapshot::extensions::IMPLEMENTED);
     shunt_fuzz::compile_bootstrap(&bootstrap);
 });

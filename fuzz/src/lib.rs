@@ -16,7 +16,7 @@ use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use prost::Message;
 use serde_json::json;
 use shunt::config::{Diagnostics, Tracked};
-use shunt::http::matcher::RequestView;
+use shunt::filters::common::matcher::RequestView;
 use shunt::http::route::Action;
 use shunt::http::{ConfigProvider, RequestConfig, RouteConfig};
 use shunt::snapshot::{DynamicCluster, DynamicResources};

@@ -14,7 +14,7 @@ pub use shunt_core::{
     access_log, event, formatter, istio_stats, peer, set_filter_state, stats, stream_info,
 };
 pub use shunt_dns as dns;
-pub use shunt_filters::{http, network, tcp};
+pub use shunt_filters::{self as filters, http, network, tcp};
 pub use shunt_listener as listener;
 pub use shunt_memory as memory;
 pub use shunt_node as node;

@@ -48,7 +48,7 @@ pub const CRATES: &[(&str, Layers)] = &[
     ),
     (
         "proxy/crates/filters/src",
-        &[&["common"], &["tcp", "http", "network"], &["lib"]],
+        &[&["common"], &["tcp", "network", "http"], &["lib"]],
     ),
     (
         "proxy/crates/xds/src",

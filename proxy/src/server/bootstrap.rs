@@ -34,7 +34,8 @@ use shunt_listener::Listener;
 use shunt_xds::snapshot::{self, Current};
 
 pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<()> {
-    let (loaded, report) = shunt_config::check(options)?;
+    let (loaded, report) =
+        shunt_config::check(options, &shunt_xds::snapshot::extensions::IMPLEMENTED)?;
     for warning in report.warnings() {
         tracing::warn!("{warning}");
     }

@@ -13,7 +13,7 @@ use shunt_config::{Diagnostic, Options, Report, Summary, check};
 /// Besides [`check`], the bootstrap is compiled as serving would compile it, so what
 /// shunt cannot serve is reported too, at its JSON path.
 pub fn run(options: &Options) -> anyhow::Result<()> {
-    let (loaded, mut report) = check(options)?;
+    let (loaded, mut report) = check(options, &shunt_xds::snapshot::extensions::IMPLEMENTED)?;
     let stats = shunt_core::stats::Store::new();
     match shunt_xds::snapshot::compile(&loaded.bootstrap, &stats) {
         Ok(compiled) => report.add_compiled(&[], &compiled.warnings),
@@ -83,7 +83,8 @@ mod tests {
             config_path: Some(path),
             ..Default::default()
         };
-        let (loaded, report) = check(&options).unwrap();
+        let (loaded, report) =
+            check(&options, &shunt_xds::snapshot::extensions::IMPLEMENTED).unwrap();
         let mut out = Vec::new();
         print_report(&mut out, &options, &loaded.bootstrap, &report).unwrap();
         let text = String::from_utf8(out).unwrap();

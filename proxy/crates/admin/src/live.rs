@@ -324,7 +324,11 @@ static_resources:
             config_yaml: Some(BOOTSTRAP.to_owned()),
             ..Default::default()
         };
-        let bootstrap = shunt_config::check(&options).unwrap().0.bootstrap;
+        let bootstrap =
+            shunt_config::check(&options, &shunt_xds::snapshot::extensions::IMPLEMENTED)
+                .unwrap()
+                .0
+                .bootstrap;
         let stats = StatsStore::new();
         let compiled = shunt_xds::snapshot::compile(&bootstrap, &stats).unwrap();
         Live::new(bootstrap, Arc::new(Current::new(compiled.snapshot)), stats).0
@@ -383,7 +387,11 @@ static_resources:
             config_yaml: Some(BOOTSTRAP.to_owned()),
             ..Default::default()
         };
-        let bootstrap = shunt_config::check(&options).unwrap().0.bootstrap;
+        let bootstrap =
+            shunt_config::check(&options, &shunt_xds::snapshot::extensions::IMPLEMENTED)
+                .unwrap()
+                .0
+                .bootstrap;
         let stats = StatsStore::new();
         let compiled = shunt_xds::snapshot::compile(&bootstrap, &stats).unwrap();
         let (live, mut requests) =

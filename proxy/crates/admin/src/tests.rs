@@ -34,7 +34,7 @@ fn load(yaml: Option<&str>) -> Bootstrap {
         config_yaml: yaml.map(str::to_owned),
         ..Default::default()
     };
-    shunt_config::check(&options)
+    shunt_config::check(&options, &shunt_xds::snapshot::extensions::IMPLEMENTED)
         .expect("the Istio bootstrap loads")
         .0
         .bootstrap

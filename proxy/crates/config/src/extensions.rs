@@ -1,5 +1,9 @@
-//! The extensions shunt implements, in one place, and the walk that finds every extension
-//! a bootstrap names and reports the ones shunt does not implement.
+//! The walk that finds every extension a bootstrap names and reports the ones shunt does
+//! not implement. What shunt implements ([`Implemented`]) is not listed here: the code
+//! that compiles each kind of extension (the filter registries, the listener's, cluster's
+//! and transport socket's compilers) names its types, and `shunt_xds::snapshot::extensions`
+//! hands the set to [`check`]. What is policy about extensions shunt does not implement
+//! (which may be left out) is here.
 //!
 //! Extensions are matched by the type of their config (`typed_config`'s `@type`), as Envoy
 //! finds its factories; the `name` beside it is free text and only shown. Where an
@@ -22,47 +26,6 @@ use super::diagnostic::{Diagnostic, Severity};
 use super::json::{Path, each_message, type_name_of_url};
 use super::pool::{PoolError, pool};
 
-/// Network filters (a listener filter chain's `filters`).
-pub const NETWORK_FILTERS: &[&str] = &[
-    "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-    "envoy.extensions.filters.network.rbac.v3.RBAC",
-    "io.istio.network.authn.Config",
-    "envoy.tcp.metadataexchange.config.MetadataExchange",
-    "stats.PluginConfig",
-    "envoy.extensions.filters.network.set_filter_state.v3.Config",
-    "envoy.extensions.filters.network.ext_authz.v3.ExtAuthz",
-];
-
-/// Upstream network filters (a cluster's `filters`): Istio's upstream metadata exchange.
-pub const UPSTREAM_NETWORK_FILTERS: &[&str] =
-    &["envoy.tcp.metadataexchange.config.MetadataExchange"];
-
-/// HTTP filters (`http_connection_manager`'s `http_filters`).
-pub const HTTP_FILTERS: &[&str] = &[
-    "envoy.extensions.filters.http.router.v3.Router",
-    "envoy.extensions.filters.http.rbac.v3.RBAC",
-    "envoy.extensions.filters.http.fault.v3.HTTPFault",
-    "envoy.extensions.filters.http.cors.v3.Cors",
-    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-    "io.istio.http.peer_metadata.Config",
-    "stats.PluginConfig",
-    "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-    "envoy.extensions.filters.http.set_filter_state.v3.Config",
-    "io.istio.http.connect_authority.Config",
-    "io.istio.http.connect_baggage.Config",
-    "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
-];
-
-/// Per-route configs of the HTTP filters above (`typed_per_filter_config`).
-pub const HTTP_FILTER_PER_ROUTE: &[&str] = &[
-    "envoy.extensions.filters.http.fault.v3.HTTPFault",
-    "envoy.extensions.filters.http.cors.v3.CorsPolicy",
-    "envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
-    "envoy.extensions.filters.http.rbac.v3.RBACPerRoute",
-    "io.istio.http.connect_authority.Config",
-];
-
 /// HTTP filters shunt does not implement but may leave out of a chain without changing
 /// what a request means or who may make it: they only change how a response is encoded.
 /// (Istio's 15090 Prometheus listener compresses the scrape.) Leaving one out is a WARNING.
@@ -75,59 +38,79 @@ pub const HTTP_FILTERS_SAFE_TO_SKIP: &[&str] =
 /// every such filter istiod writes is served; kept for the next one Istio adds.
 pub const HTTP_FILTERS_SKIPPED_WITH_A_WARNING: &[(&str, &str)] = &[];
 
-/// Listener filters (a listener's `listener_filters`).
-pub const LISTENER_FILTERS: &[&str] = &[
-    "envoy.extensions.filters.listener.original_dst.v3.OriginalDst",
-    "envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
-    "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
-    "istio.set_internal_dst_address.v1.Config",
-];
+/// The config types a build of shunt implements, by where they sit. This crate sits
+/// below the code that implements extensions, so it is handed the set: each list comes
+/// from the code that compiles those extensions (the network and HTTP filter
+/// registries, the listener's, cluster's and transport socket's compilers), assembled
+/// by `shunt_xds::snapshot::extensions`.
+#[derive(Debug, Clone, Default)]
+pub struct Implemented {
+    /// Network filters (a listener filter chain's `filters`).
+    pub network_filters: Vec<&'static str>,
+    /// Upstream network filters (a cluster's `filters`).
+    pub upstream_network_filters: Vec<&'static str>,
+    /// HTTP filters (`http_connection_manager`'s `http_filters`).
+    pub http_filters: Vec<&'static str>,
+    /// Per-route configs of the HTTP filters (`typed_per_filter_config`).
+    pub http_filter_per_route: Vec<&'static str>,
+    /// Listener filters (a listener's `listener_filters`).
+    pub listener_filters: Vec<&'static str>,
+    /// Transport sockets (a filter chain's or a cluster's `transport_socket`).
+    pub transport_sockets: Vec<&'static str>,
+    /// Bootstrap extensions (`bootstrap_extensions`).
+    pub bootstrap_extensions: Vec<&'static str>,
+    /// Cluster discovery types (`Cluster.type`), by enum name.
+    pub cluster_types: Vec<&'static str>,
+    /// Custom cluster types (`Cluster.cluster_type`).
+    pub custom_cluster_types: Vec<&'static str>,
+    /// Access loggers (`access_log`).
+    pub access_loggers: Vec<&'static str>,
+    /// Cluster protocol options (`Cluster.typed_extension_protocol_options`).
+    pub protocol_options: Vec<&'static str>,
+    /// What a listener's `filter_chain_matcher` reads and matches with.
+    pub filter_chain_matching: Vec<&'static str>,
+}
 
-/// Transport sockets (a filter chain's or a cluster's `transport_socket`).
-pub const TRANSPORT_SOCKETS: &[&str] = &[
-    "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer",
-    "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-    "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
-    "envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
-];
+impl Implemented {
+    /// The config types implemented in `role`.
+    pub fn of(&self, role: Role) -> &[&'static str] {
+        match role {
+            Role::NetworkFilter => &self.network_filters,
+            Role::HttpFilter => &self.http_filters,
+            Role::ListenerFilter => &self.listener_filters,
+            Role::TransportSocket => &self.transport_sockets,
+            Role::ClusterType => &self.custom_cluster_types,
+            Role::AccessLogger => &self.access_loggers,
+            Role::ProtocolOptions => &self.protocol_options,
+            Role::BootstrapExtension => &self.bootstrap_extensions,
+            Role::StatsSink | Role::Tracer => &[],
+            // Reached through other fields: a cluster's upstream network `filters`.
+            Role::Other => &self.upstream_network_filters,
+        }
+    }
 
-/// Bootstrap extensions (`bootstrap_extensions`).
-pub const BOOTSTRAP_EXTENSIONS: &[&str] = &[
-    "envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
-    // Istio's workload discovery (`shunt_core::peer::workload_discovery`).
-    "istio.workload.BootstrapExtension",
-];
-
-/// Cluster discovery types (`Cluster.type`), by enum name.
-pub const CLUSTER_TYPES: &[&str] = &["STATIC", "STRICT_DNS", "LOGICAL_DNS", "EDS", "ORIGINAL_DST"];
-
-/// Custom cluster types (`Cluster.cluster_type`): none yet.
-pub const CUSTOM_CLUSTER_TYPES: &[&str] = &[];
-
-/// Access loggers (`access_log`).
-pub const ACCESS_LOGGERS: &[&str] = &[
-    "envoy.extensions.access_loggers.file.v3.FileAccessLog",
-    "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-];
-
-/// Cluster protocol options (`Cluster.typed_extension_protocol_options`). The HTTP one
-/// chooses the upstream HTTP version: every ADS cluster uses it to ask for HTTP/2.
-pub const PROTOCOL_OPTIONS: &[&str] = &["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
-
-/// What a listener's `filter_chain_matcher` reads and matches with
-/// (`shunt_listener::chain_matcher`).
-pub const FILTER_CHAIN_MATCHING: &[&str] = &[
-    "envoy.extensions.matching.common_inputs.network.v3.DestinationIPInput",
-    "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput",
-    "envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
-    "envoy.extensions.matching.common_inputs.network.v3.SourcePortInput",
-    "envoy.extensions.matching.common_inputs.network.v3.DirectSourceIPInput",
-    "envoy.extensions.matching.common_inputs.network.v3.SourceTypeInput",
-    "envoy.extensions.matching.common_inputs.network.v3.ServerNameInput",
-    "envoy.extensions.matching.common_inputs.network.v3.TransportProtocolInput",
-    "envoy.extensions.matching.common_inputs.network.v3.ApplicationProtocolInput",
-    "xds.type.matcher.v3.IPMatcher",
-];
+    /// Whether `type_name` is implemented in `role`. Outside the named roles any type
+    /// implemented somewhere counts, and so do protobuf's own value types.
+    fn implements(&self, role: Role, type_name: &str) -> bool {
+        if role != Role::Other {
+            return self.of(role).contains(&type_name);
+        }
+        type_name.starts_with("google.protobuf.")
+            || [
+                &self.network_filters,
+                &self.http_filters,
+                &self.http_filter_per_route,
+                &self.listener_filters,
+                &self.transport_sockets,
+                &self.custom_cluster_types,
+                &self.access_loggers,
+                &self.protocol_options,
+                &self.filter_chain_matching,
+            ]
+            .iter()
+            .any(|list| list.contains(&type_name))
+    }
+}
 
 /// Types that wrap an extension's config as JSON, naming the real type inside.
 const TYPED_STRUCTS: &[&str] = &["udpa.type.v1.TypedStruct", "xds.type.v3.TypedStruct"];
@@ -175,23 +158,6 @@ impl Role {
         }
     }
 
-    /// The config types shunt implements in this role.
-    pub fn implemented(self) -> &'static [&'static str] {
-        match self {
-            Role::NetworkFilter => NETWORK_FILTERS,
-            Role::HttpFilter => HTTP_FILTERS,
-            Role::ListenerFilter => LISTENER_FILTERS,
-            Role::TransportSocket => TRANSPORT_SOCKETS,
-            Role::ClusterType => CUSTOM_CLUSTER_TYPES,
-            Role::AccessLogger => ACCESS_LOGGERS,
-            Role::ProtocolOptions => PROTOCOL_OPTIONS,
-            Role::BootstrapExtension => BOOTSTRAP_EXTENSIONS,
-            Role::StatsSink | Role::Tracer => &[],
-            // Reached through other fields: a cluster's upstream network `filters`.
-            Role::Other => UPSTREAM_NETWORK_FILTERS,
-        }
-    }
-
     fn noun(self) -> &'static str {
         match self {
             Role::NetworkFilter => "network filter",
@@ -207,38 +173,25 @@ impl Role {
             Role::Other => "extension",
         }
     }
-
-    /// Whether shunt implements `type_name` here. Outside the named roles any type shunt
-    /// implements somewhere counts, and so do protobuf's own value types.
-    fn implements(self, type_name: &str) -> bool {
-        if self != Role::Other {
-            return self.implemented().contains(&type_name);
-        }
-        type_name.starts_with("google.protobuf.")
-            || [
-                NETWORK_FILTERS,
-                HTTP_FILTERS,
-                HTTP_FILTER_PER_ROUTE,
-                LISTENER_FILTERS,
-                TRANSPORT_SOCKETS,
-                CUSTOM_CLUSTER_TYPES,
-                ACCESS_LOGGERS,
-                PROTOCOL_OPTIONS,
-                FILTER_CHAIN_MATCHING,
-            ]
-            .iter()
-            .any(|list| list.contains(&type_name))
-    }
 }
 
-/// Reports every extension in `bootstrap` that shunt does not implement.
-pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) -> Result<(), PoolError> {
+/// Reports every extension in `bootstrap` that is not in `implemented`.
+pub fn check(
+    bootstrap: &Bootstrap,
+    implemented: &Implemented,
+    findings: &mut Vec<Diagnostic>,
+) -> Result<(), PoolError> {
     let pool = &pool()?;
     let desc = pool
         .get_message_by_name(&Bootstrap::full_name())
         .ok_or_else(|| PoolError::missing(&Bootstrap::full_name()))?;
     match DynamicMessage::decode(desc, bootstrap.encode_to_vec().as_slice()) {
-        Ok(message) => Walker { pool, findings }.message(&message, &mut Path::default(), ""),
+        Ok(message) => Walker {
+            pool,
+            implemented,
+            findings,
+        }
+        .message(&message, &mut Path::default(), ""),
         Err(err) => findings.push(Diagnostic::error(
             "",
             format!("re-reading the bootstrap: {err}"),
@@ -249,6 +202,7 @@ pub fn check(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) -> Result<()
 
 struct Walker<'a> {
     pool: &'a DescriptorPool,
+    implemented: &'a Implemented,
     findings: &'a mut Vec<Diagnostic>,
 }
 
@@ -292,7 +246,7 @@ impl Walker<'_> {
                         .and_then(|field| field.kind().as_enum().cloned())
                         .and_then(|kind| kind.get_value(*number))
                         .map_or_else(|| number.to_string(), |value| value.name().to_owned());
-                    if !CLUSTER_TYPES.contains(&name.as_str()) {
+                    if !self.implemented.cluster_types.contains(&name.as_str()) {
                         self.findings.push(Diagnostic::error(
                             format!("{path}.type"),
                             format!("cluster type {name} is not implemented by shunt"),
@@ -338,7 +292,7 @@ impl Walker<'_> {
             type_name = type_name_of_url(&string_field(&typed_struct, "type_url")).to_owned();
             wrapped = true;
         }
-        if !role.implements(&type_name) {
+        if !self.implemented.implements(role, &type_name) {
             self.report(role, parent, &type_name, wrapped, path);
             return;
         }
@@ -469,10 +423,29 @@ mod tests {
     use super::*;
     use crate::json::from_json;
 
+    /// What these tests take as implemented: a few of shunt's types.
+    fn implemented() -> Implemented {
+        Implemented {
+            network_filters: vec![
+                "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                HTTP_CONNECTION_MANAGER,
+            ],
+            http_filters: vec!["envoy.extensions.filters.http.router.v3.Router"],
+            bootstrap_extensions: vec![
+                "envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+            ],
+            cluster_types: vec!["STATIC"],
+            ..Default::default()
+        }
+    }
+
+    const HTTP_CONNECTION_MANAGER: &str =
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+
     fn findings_for(value: serde_json::Value) -> Vec<Diagnostic> {
         let (bootstrap, _) = from_json::<Bootstrap>(value).unwrap();
         let mut findings = Vec::new();
-        check(&bootstrap, &mut findings).unwrap();
+        check(&bootstrap, &implemented(), &mut findings).unwrap();
         findings
     }
 

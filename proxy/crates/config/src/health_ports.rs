@@ -113,7 +113,7 @@ mod tests {
             config_path: Some(path),
             ..Default::default()
         };
-        let found = find(&crate::check(&options).unwrap().0.bootstrap);
+        let found = find(&crate::load::load(&options).unwrap().bootstrap);
         assert_eq!(
             found,
             vec![

@@ -4,7 +4,8 @@
 //! envoy-types' `Bootstrap` ([`load`]), through a descriptor pool ([`pool`]) so that
 //! `Any` fields resolve by `@type`, with every error naming the file and the JSON path
 //! ([`json`]). Validation ([`validate`]) then reports what shunt cannot serve as written,
-//! notably extensions it does not implement ([`extensions`], the one list of them).
+//! notably extensions it does not implement ([`extensions`]: the walk; what is
+//! implemented is handed in by the crates that implement it).
 //!
 //! [`shunt_xds::snapshot::compile`] then builds the immutable snapshot a proxy serves from
 //! these types; `--mode validate` runs it too, so the report names everything shunt
@@ -96,10 +97,19 @@ pub fn trim_free_heap(min_free: usize) -> Option<usize> {
     shunt_memory::trim_free_heap(min_free)
 }
 
-/// Loads and validates the bootstrap the options name.
-pub fn check(options: &Options) -> anyhow::Result<(Loaded, Report)> {
+/// Loads and validates the bootstrap the options name, its extensions against what the
+/// build `implemented` (`shunt_xds::snapshot::extensions::IMPLEMENTED`).
+pub fn check(
+    options: &Options,
+    implemented: &extensions::Implemented,
+) -> anyhow::Result<(Loaded, Report)> {
     let loaded = load::load(options)?;
-    let report = validate::validate(&loaded.bootstrap, options, loaded.findings.clone())?;
+    let report = validate::validate(
+        &loaded.bootstrap,
+        options,
+        implemented,
+        loaded.findings.clone(),
+    )?;
     Ok((loaded, report))
 }
 

@@ -20,7 +20,7 @@ use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue;
 use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
 
 use super::diagnostic::{Diagnostic, Severity};
-use super::extensions;
+use super::extensions::{self, Implemented};
 use super::load::Options;
 use super::pool::PoolError;
 
@@ -73,14 +73,16 @@ impl Report {
     }
 }
 
-/// Validates a bootstrap; `findings` from loading (leniencies) come first in the report.
+/// Validates a bootstrap, its extensions against `implemented`; `findings` from loading
+/// (leniencies) come first in the report.
 pub fn validate(
     bootstrap: &Bootstrap,
     options: &Options,
+    implemented: &Implemented,
     findings: Vec<Diagnostic>,
 ) -> Result<Report, PoolError> {
     let mut report = Report { findings };
-    extensions::check(bootstrap, &mut report.findings)?;
+    extensions::check(bootstrap, implemented, &mut report.findings)?;
     check_names(bootstrap, &mut report.findings);
     check_dynamic_resources(bootstrap, &mut report.findings);
     check_stats(bootstrap, &mut report.findings);
@@ -406,7 +408,13 @@ mod tests {
     fn report_for(value: serde_json::Value) -> Report {
         let (bootstrap, leniencies) = from_json::<Bootstrap>(value).unwrap();
         assert!(leniencies.is_empty());
-        validate(&bootstrap, &Options::default(), Vec::new()).unwrap()
+        validate(
+            &bootstrap,
+            &Options::default(),
+            &Implemented::default(),
+            Vec::new(),
+        )
+        .unwrap()
     }
 
     #[test]

@@ -384,6 +384,9 @@ const FILE: &str = "envoy.extensions.access_loggers.file.v3.FileAccessLog";
 const STDOUT: &str = "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog";
 const STDERR: &str = "envoy.extensions.access_loggers.stream.v3.StderrAccessLog";
 
+/// The access loggers [`compile`] opens: config validation's list of them.
+pub const ACCESS_LOGGERS: &[&str] = &[FILE, STDOUT, STDERR];
+
 /// Opens the access logs shunt can write: files, stdout and stderr. Each writes shunt's
 /// JSON line whatever format it asks for.
 pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Vec<Sink> {

@@ -1,8 +1,10 @@
-//! What a listener's filter chain runs: network filters and `tcp_proxy` (`tcp`), and
-//! the HTTP connection manager with its HTTP filters and router (`http`).
+//! What a listener's filter chain runs: network filters (`network`) and `tcp_proxy`
+//! (`tcp`), and the HTTP connection manager with its HTTP filters and router (`http`);
+//! what filters of both kinds share is in `common`.
 
 #![forbid(unsafe_code)]
 
+pub mod common;
 pub mod http;
 pub mod network;
 pub mod tcp;

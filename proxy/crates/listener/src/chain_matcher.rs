@@ -56,8 +56,7 @@ impl Input {
             problems.error(path, "a matcher needs an input");
             return None;
         };
-        const PREFIX: &str = "envoy.extensions.matching.common_inputs.network.v3.";
-        let input = match type_name(any).strip_prefix(PREFIX) {
+        let input = match type_name(any).strip_prefix(INPUT_PREFIX) {
             Some("DestinationIPInput") => Input::DestinationIp,
             Some("DestinationPortInput") => Input::DestinationPort,
             Some("SourceIPInput") => Input::SourceIp,
@@ -273,6 +272,25 @@ struct IpRangeMatcher {
 }
 
 const IP_MATCHER: &str = "xds.type.matcher.v3.IPMatcher";
+
+/// Where the network inputs' type names start.
+const INPUT_PREFIX: &str = "envoy.extensions.matching.common_inputs.network.v3.";
+
+/// The inputs [`Input::parse`] reads and the matchers compiled here: config
+/// validation's list of what a `filter_chain_matcher` may use (a test checks each input
+/// parses).
+pub const FILTER_CHAIN_MATCHING: &[&str] = &[
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourcePortInput",
+    "envoy.extensions.matching.common_inputs.network.v3.DirectSourceIPInput",
+    "envoy.extensions.matching.common_inputs.network.v3.SourceTypeInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ServerNameInput",
+    "envoy.extensions.matching.common_inputs.network.v3.TransportProtocolInput",
+    "envoy.extensions.matching.common_inputs.network.v3.ApplicationProtocolInput",
+    IP_MATCHER,
+];
 
 struct Compiler<'a> {
     chains: &'a dyn Fn(&str) -> Option<usize>,
@@ -624,5 +642,22 @@ mod tests {
             "{:?}",
             problems.errors
         );
+    }
+
+    #[test]
+    fn every_listed_input_is_one_a_matcher_reads() {
+        let inputs = FILTER_CHAIN_MATCHING.iter().filter(|t| **t != IP_MATCHER);
+        for type_name in inputs {
+            let config = TypedExtensionConfig {
+                name: "input".into(),
+                typed_config: Some(Any {
+                    type_url: format!("type.googleapis.com/{type_name}"),
+                    value: Vec::new(),
+                }),
+            };
+            let mut problems = Diagnostics::default();
+            let input = Input::parse(Some(&config), "input", &mut problems);
+            assert!(input.is_some(), "{type_name}: {:?}", problems.errors);
+        }
     }
 }

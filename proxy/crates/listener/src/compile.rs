@@ -38,6 +38,18 @@ const TCP_PROXY: &str = "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
 const HCM: &str =
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 
+/// The listener filters compiled here: config validation's list of them.
+pub const LISTENER_FILTERS: &[&str] = &[
+    ORIGINAL_DST,
+    TLS_INSPECTOR,
+    HTTP_INSPECTOR,
+    SET_INTERNAL_DST_ADDRESS,
+];
+
+/// The terminal network filters compiled here (the others are in
+/// `shunt_filters::network::registry`): config validation's list of them.
+pub const TERMINAL_FILTERS: &[&str] = &[TCP_PROXY, HCM];
+
 /// A listener's `listener.<stat_prefix or address>.*` stats.
 #[derive(Debug, Clone, Default)]
 pub struct ListenerStats {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::filter_chain::FilterChains;
 use shunt_core::access_log::{Direction, Sink};
 use shunt_filters::http::HttpConnectionManager;
-use shunt_filters::tcp::filter::TcpProxy;
+use shunt_filters::tcp::tcp_proxy::TcpProxy;
 
 /// Envoy's default `listener_filters_timeout`.
 pub const DEFAULT_LISTENER_FILTERS_TIMEOUT: Duration = Duration::from_secs(15);

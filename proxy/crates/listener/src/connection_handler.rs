@@ -21,7 +21,7 @@ use super::inspector::{self, HttpVerdict, TlsVerdict};
 use super::original_dst;
 use super::{ConnectionConfig, ListenerProvider, ListenerStats};
 use shunt_core::access_log::{Entry, ResponseFlag};
-use shunt_filters::tcp::filter::Upstreams;
+use shunt_filters::tcp::tcp_proxy::Upstreams;
 use shunt_tls::HandshakeError;
 use shunt_tls::TransportStream;
 

@@ -19,6 +19,15 @@ const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBu
 const DOWNSTREAM_TLS: &str = "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
 const UPSTREAM_TLS: &str = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
 
+/// The transport sockets [`downstream`] and [`upstream`] serve: config validation's list
+/// of them.
+pub const TRANSPORT_SOCKETS: &[&str] = &[
+    RAW_BUFFER,
+    UPSTREAM_TLS,
+    DOWNSTREAM_TLS,
+    super::internal_upstream::INTERNAL_UPSTREAM,
+];
+
 /// The message type of a socket's `typed_config`; empty when there is none.
 fn type_name(socket: &TransportSocket) -> (&str, &[u8]) {
     match &socket.config_type {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
 use super::circuit_breaker::CircuitBreaker;
-use super::dns::{self, DnsTarget, LookupFamily};
+use super::dns_cluster::{self, DnsTarget, LookupFamily};
 use super::health_check::{self, HealthCheck};
 use super::host::{self, ActiveConnection, Host};
 use super::load_balancer::{Balancer, LbContext, LbPolicy};
@@ -491,8 +491,12 @@ impl Cluster {
                 refresh, family, ..
             } => {
                 let (refresh, family) = (*refresh, *family);
-                dns::resolve_into(self, family).await;
-                tokio::spawn(dns::refresh_loop(Arc::downgrade(self), refresh, family));
+                dns_cluster::resolve_into(self, family).await;
+                tokio::spawn(dns_cluster::refresh_loop(
+                    Arc::downgrade(self),
+                    refresh,
+                    family,
+                ));
             }
             Discovery::OriginalDst => {
                 let cluster = Arc::downgrade(self);

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 
 use super::cluster::UpstreamProtocol;
 use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
-use super::dns::{DnsTarget, LookupFamily};
+use super::dns_cluster::{DnsTarget, LookupFamily};
 use super::health_check::{Checker, HealthCheck};
 use super::host::{FAILED_EDS_HEALTH, Host};
 use super::load_balancer::{
@@ -33,6 +33,13 @@ use super::{Cluster, ClusterConfig, Clusters, Discovery};
 use shunt_config::Diagnostics;
 use shunt_config::convert::{self, duration_or};
 use shunt_core::stats::Store;
+
+/// The discovery types (`Cluster.type`, by enum name) compiled here: every one of
+/// Envoy's. Config validation's list of them.
+pub const CLUSTER_TYPES: &[&str] = &["STATIC", "STRICT_DNS", "LOGICAL_DNS", "EDS", "ORIGINAL_DST"];
+
+/// Custom cluster types (`Cluster.cluster_type`) compiled here: none yet.
+pub const CUSTOM_CLUSTER_TYPES: &[&str] = &[];
 
 /// The compiled clusters, and the endpoints left out of them for being Unix domain
 /// sockets: each cluster's name with its endpoints' paths, in bootstrap order. Whether
@@ -913,6 +920,9 @@ fn payload_bytes(p: &Payload, path: &str, problems: &mut Diagnostics) -> Option<
 
 const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
+/// The cluster protocol options read here: config validation's list of them.
+pub const PROTOCOL_OPTIONS: &[&str] = &[HTTP_PROTOCOL_OPTIONS];
+
 /// The HTTP version the router speaks to the cluster: HTTP/2 when its upstream
 /// `HttpProtocolOptions` say so explicitly (or the deprecated
 /// `http2_protocol_options` is set), the downstream's with
@@ -971,6 +981,10 @@ fn http_protocol(
 
 /// The type of Istio's upstream metadata exchange filter's config.
 const METADATA_EXCHANGE: &str = "envoy.tcp.metadataexchange.config.MetadataExchange";
+
+/// The upstream network filters (a cluster's `filters`) read here: config validation's
+/// list of them.
+pub const UPSTREAM_NETWORK_FILTERS: &[&str] = &[METADATA_EXCHANGE];
 
 /// The protocol of the cluster's upstream metadata exchange filter, if it has one. Other
 /// upstream network filters are not implemented: a warning says they are left out.

@@ -2,10 +2,10 @@
 //! goes to and whether it may go at all. Named after Envoy's pieces so an Envoy user
 //! finds them: [`cluster`] (discovery types, host sets), [`load_balancer`] (`lb_policy`),
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
-//! health checks), [`dns`] (STRICT_DNS / LOGICAL_DNS), [`connect`] (the connect
-//! itself, with `upstream_bind_config` and `connect_timeout`), [`internal`] (connections
-//! to internal listeners), [`http_pool`] and [`http1`] (the HTTP connection pools, and
-//! the HTTP/1.1 codec their connections speak) and [`stats`] (the
+//! health checks), [`dns_cluster`] (STRICT_DNS / LOGICAL_DNS discovery), [`connect`]
+//! (the connect itself, with `upstream_bind_config` and `connect_timeout`), [`internal`]
+//! (connections to internal listeners), [`http_pool`] and [`http1`] (the HTTP
+//! connection pools, and the HTTP/1.1 codec their connections speak) and [`stats`] (the
 //! `cluster.<name>.*` stats the admin API shows). [`backoff`] is the retry back-off
 //! `tcp`, `http` and `xds` share.
 
@@ -14,7 +14,7 @@ pub mod circuit_breaker;
 pub mod cluster;
 pub mod compile;
 pub mod connect;
-pub mod dns;
+pub mod dns_cluster;
 pub mod health_check;
 pub mod host;
 pub mod http1;

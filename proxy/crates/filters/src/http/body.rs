@@ -216,7 +216,7 @@ impl LogSlot {
         if state.is_empty() {
             return None;
         }
-        super::alpn::upstream_alpn(state, cluster, downstream)
+        super::filter::alpn::upstream_alpn(state, cluster, downstream)
     }
 
     /// Bytes a tunnel moved (an upgraded connection): `received` from the downstream,

@@ -26,7 +26,8 @@ use shunt_config::Diagnostics;
 use shunt_config::convert::{decode, type_name};
 use shunt_core::stats::Store;
 
-const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
+/// The router's config type: the last HTTP filter, which the connection manager runs.
+pub const ROUTER: &str = "envoy.extensions.filters.http.router.v3.Router";
 
 /// Compiles `hcm`; an inline route configuration's clusters must be among `clusters`.
 pub fn compile(

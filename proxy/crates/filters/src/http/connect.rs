@@ -20,17 +20,11 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::body::{LogSlot, ResponseBody};
+pub use super::route::ConnectUpgrade;
 use super::router::{LocalReply, Upstream};
 use shunt_core::access_log::{Entry, ResponseFlag};
 use shunt_upstream::LbContext;
 use shunt_upstream::internal::SharedFilterState;
-
-/// A route action's CONNECT upgrade.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnectUpgrade {
-    /// `connect_config` is set: terminate here (else the CONNECT would be proxied on).
-    pub terminate: bool,
-}
 
 /// Terminates a CONNECT for `authority` on `upstream`; the tunnel runs in a task of
 /// its own that holds the request's log until it closes.
@@ -128,9 +122,9 @@ mod tests {
     use hyper::HeaderMap;
     use serde_json::json;
 
-    use super::super::matcher::RequestView;
     use super::super::route::Action;
     use super::super::route_config::compile;
+    use crate::common::matcher::RequestView;
     use shunt_config::Diagnostics;
 
     fn routes(routes: serde_json::Value) -> (Option<super::super::RouteConfig>, Diagnostics) {

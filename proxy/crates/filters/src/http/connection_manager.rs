@@ -23,10 +23,10 @@ use super::config::{Codec, HttpConnectionManager, RouteSource, ServerHeader, Str
 use super::filter::chain::ActiveChain;
 use super::filter::{RequestHeaders, Routed, StreamCtx};
 use super::headers::REQUEST_ID;
-use super::matcher::RequestView;
 use super::path_normalization::Normalized;
 use super::route::{Action, PathRedirect, Redirect, RouteConfig};
 use super::router::{self, Head, LocalReply, Upstream};
+use crate::common::matcher::RequestView;
 use shunt_core::access_log::{Direction, Entry, HttpFields, ResponseFlag};
 use shunt_upstream::http_pool::RequestBody;
 

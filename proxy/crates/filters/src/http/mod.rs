@@ -8,31 +8,21 @@
 //! Each request reads the config current when it arrives through [`ConfigProvider`]:
 //! the snapshot, which sits above this module, implements it.
 
-pub mod alpn;
 pub mod body;
 pub mod compile;
 pub mod config;
 pub mod connect;
-pub mod connect_authority;
-pub mod connect_baggage;
 pub mod connection_manager;
-pub mod cors;
 pub mod delayed_close;
-pub mod ext_authz;
-pub mod fault;
 pub mod filter;
-pub mod grpc_stats;
 pub mod header_rules;
 pub mod headers;
 pub mod limits;
-pub mod matcher;
 pub mod path_normalization;
-
 pub mod route;
 pub mod route_action;
 pub mod route_config;
 pub mod router;
-pub mod set_filter_state;
 pub mod timeouts;
 pub mod upgrade;
 pub mod wire;

@@ -3,6 +3,9 @@
 //! (forward to a cluster, redirect, or answer directly). Immutable; an RDS update
 //! replaces the whole thing.
 
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,9 +14,8 @@ use hyper::StatusCode;
 use hyper::header::{HeaderName, HeaderValue};
 use regex::Regex;
 
-use super::filter::PerFilterConfigs;
 use super::header_rules::HeaderRules;
-use super::matcher::{HeaderMatcher, QueryParameterMatcher, RequestView};
+use crate::common::matcher::{HeaderMatcher, RequestView, StringMatcher};
 
 /// Envoy's default route `timeout`.
 pub const DEFAULT_ROUTE_TIMEOUT: Duration = Duration::from_secs(15);
@@ -238,6 +240,22 @@ impl RouteMatch {
     }
 }
 
+#[derive(Debug)]
+pub struct QueryParameterMatcher {
+    pub name: String,
+    /// `None`: `present_match`, any value.
+    pub matcher: Option<StringMatcher>,
+}
+
+impl QueryParameterMatcher {
+    pub fn matches(&self, request: &RequestView<'_>) -> bool {
+        request
+            .query_parameters()
+            .find(|(name, _)| *name == self.name)
+            .is_some_and(|(_, value)| self.matcher.as_ref().is_none_or(|m| m.matches(value)))
+    }
+}
+
 /// `a == b`, ignoring ASCII case when `fold`.
 fn same(a: &[u8], b: &str, fold: bool) -> bool {
     if fold {
@@ -272,7 +290,7 @@ pub struct RouteAction {
     /// `max_stream_duration`: the route's override of the connection manager's.
     pub stream_duration: Option<StreamDuration>,
     /// `upgrade_configs` `CONNECT`: the route terminates CONNECT requests.
-    pub connect: Option<super::connect::ConnectUpgrade>,
+    pub connect: Option<ConnectUpgrade>,
 }
 
 /// A route's `max_stream_duration` block.
@@ -487,3 +505,31 @@ pub struct Redirect {
     pub status: StatusCode,
     pub strip_query: bool,
 }
+
+/// A route action's CONNECT upgrade (served by `http::connect`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectUpgrade {
+    /// `connect_config` is set: terminate here (else the CONNECT would be proxied on).
+    pub terminate: bool,
+}
+
+/// A filter's compiled per-route config; the filter downcasts it
+/// ([`crate::http::filter::StreamCtx::route_config`]; Envoy's
+/// `RouteSpecificFilterConfig`).
+pub trait RouteSpecificConfig: fmt::Debug + Send + Sync {
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One `typed_per_filter_config` entry.
+#[derive(Debug, Clone, Default)]
+pub struct PerFilterConfig {
+    /// The filter is off for this route (or, when false and the filter is disabled in
+    /// the connection manager, on).
+    pub disabled: bool,
+    /// `None`: only `disabled` was given (a `FilterConfig` without `config`), or the
+    /// filter is not implemented and the entry was optional.
+    pub config: Option<Arc<dyn RouteSpecificConfig>>,
+}
+
+/// Filter name to its entry; empty (and unallocated) for most routes.
+pub type PerFilterConfigs = HashMap<String, PerFilterConfig>;

@@ -2,7 +2,8 @@
 //! resource) into a [`RouteConfig`]. What shunt cannot honour is an error when it would
 //! send a request somewhere else than Envoy would, a warning when it only changes how.
 //! Route actions are compiled in [`super::route_action`], matchers in
-//! [`super::matcher`], header rules in [`super::header_rules`].
+//! [`crate::common::matcher`] (query parameters here), header rules in
+//! [`super::header_rules`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,13 +11,18 @@ use std::sync::Arc;
 use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
 use envoy_types::pb::envoy::config::route::v3::{
-    Route as EnvoyRoute, RouteConfiguration, RouteMatch as EnvoyMatch,
-    VirtualHost as EnvoyVirtualHost, route::Action as EnvoyActionKind, route_match::PathSpecifier,
+    QueryParameterMatcher as EnvoyQueryMatcher, Route as EnvoyRoute, RouteConfiguration,
+    RouteMatch as EnvoyMatch, VirtualHost as EnvoyVirtualHost,
+    query_parameter_matcher::QueryParameterMatchSpecifier, route::Action as EnvoyActionKind,
+    route_match::PathSpecifier,
 };
 use hyper::StatusCode;
 
-use super::route::{Action, Domains, PathMatch, Route, RouteConfig, RouteMatch, VirtualHost};
-use super::{header_rules, matcher, route_action};
+use super::route::{
+    Action, Domains, PathMatch, QueryParameterMatcher, Route, RouteConfig, RouteMatch, VirtualHost,
+};
+use super::{header_rules, route_action};
+use crate::common::matcher::{self, string_matcher};
 use shunt_config::Diagnostics;
 
 /// Compiles `config`, found at JSON path `path`; `None` if it has errors (in `problems`).
@@ -404,9 +410,7 @@ fn route_match(
         .query_parameters
         .iter()
         .enumerate()
-        .filter_map(|(i, q)| {
-            matcher::query_matcher(q, &format!("{path}.query_parameters[{i}]"), problems)
-        })
+        .filter_map(|(i, q)| query_matcher(q, &format!("{path}.query_parameters[{i}]"), problems))
         .collect();
     if problems.errors.len() > errors_before {
         return None;
@@ -417,6 +421,33 @@ fn route_match(
         headers,
         query_parameters,
         grpc: m.grpc.is_some(),
+    })
+}
+
+/// A `QueryParameterMatcher`: `string_match`, or `present_match: true`.
+pub fn query_matcher(
+    q: &EnvoyQueryMatcher,
+    path: &str,
+    problems: &mut Diagnostics,
+) -> Option<QueryParameterMatcher> {
+    let matcher = match &q.query_parameter_match_specifier {
+        Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(
+            m,
+            &format!("{path}.string_match"),
+            problems,
+        )?),
+        Some(QueryParameterMatchSpecifier::PresentMatch(true)) => None,
+        _ => {
+            problems.error(
+                path,
+                "a query parameter matcher needs string_match or present_match: true",
+            );
+            return None;
+        }
+    };
+    Some(QueryParameterMatcher {
+        name: q.name.clone(),
+        matcher,
     })
 }
 

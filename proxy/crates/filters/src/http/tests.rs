@@ -7,9 +7,9 @@ use hyper::HeaderMap;
 use serde_json::json;
 
 use super::connection_manager::redirect_location;
-use super::matcher::RequestView;
 use super::route::{Action, ClusterChoice, RouteConfig};
 use super::route_config::compile;
+use crate::common::matcher::RequestView;
 use shunt_config::Diagnostics;
 
 fn route_config(config: serde_json::Value) -> RouteConfig {

@@ -11,15 +11,12 @@
 //!   on the first one, as Envoy's does. `Close` ends the connection there.
 //! - [`NetworkFilter::on_close`] when the connection is over.
 //!
-//! Filters are found by config type in [`registry`], like HTTP filters.
+//! Filters are found by config type in [`registry`], like HTTP filters; each lives in
+//! [`filter`] (`network/filter/<name>`) and gives the registry a [`factory::Factory`].
 
-pub mod ext_authz;
-pub mod istio_authn;
-pub mod istio_stats;
-pub mod metadata_exchange;
-pub mod rbac;
+pub mod factory;
+pub mod filter;
 pub mod registry;
-pub mod set_filter_state;
 pub mod stream;
 
 use std::fmt;

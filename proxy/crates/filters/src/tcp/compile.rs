@@ -7,7 +7,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::hash_policy::PolicySpecifier;
 
-use super::filter::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
+use super::tcp_proxy::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
 use shunt_config::Diagnostics;
 use shunt_config::convert::duration_or;
 use shunt_core::stats::Store;

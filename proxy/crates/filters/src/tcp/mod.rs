@@ -1,13 +1,14 @@
 //! TCP proxying, Envoy's `tcp_proxy` network filter: choose the passthrough cluster and
 //! upstream for a captured connection, connect to it, and hand both sockets to
 //! [`copy`] (or through an HTTP CONNECT tunnel, [`tunnel`]). Every connection ends in
-//! exactly one access log line.
+//! exactly one access log line. A filter chain's configured `tcp_proxy` is
+//! [`tcp_proxy::TcpProxy`], compiled by [`compile`].
 
 pub mod compile;
 pub mod copy;
 pub mod copy_io;
-pub mod filter;
 pub mod metadata_exchange;
+pub mod tcp_proxy;
 pub mod tunnel;
 
 use std::io;

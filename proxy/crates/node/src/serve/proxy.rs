@@ -46,7 +46,8 @@ impl Template {
             config_path: Some(path.to_owned()),
             ..Default::default()
         };
-        let (loaded, report) = shunt_config::check(&options)?;
+        let (loaded, report) =
+            shunt_config::check(&options, &shunt_xds::snapshot::extensions::IMPLEMENTED)?;
         if !report.is_valid() {
             let errors: Vec<String> = report.errors().map(|e| e.to_string()).collect();
             anyhow::bail!(

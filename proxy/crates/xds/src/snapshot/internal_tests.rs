@@ -16,7 +16,7 @@ fn bootstrap(yaml: &str) -> Bootstrap {
         config_yaml: Some(yaml.to_owned()),
         ..Default::default()
     };
-    shunt_config::check(&options)
+    shunt_config::check(&options, &extensions::IMPLEMENTED)
         .expect("a loadable bootstrap")
         .0
         .bootstrap
@@ -330,7 +330,7 @@ static_resources:
 }
 
 enum NetworkFilterRef<'a> {
-    TcpProxy(&'a shunt_filters::tcp::filter::TcpProxy),
+    TcpProxy(&'a shunt_filters::tcp::tcp_proxy::TcpProxy),
     Other,
 }
 

@@ -8,6 +8,8 @@
 //! state (health, DNS answers, counters) inside their `Arc`, so a later snapshot that
 //! keeps a cluster can share it.
 
+pub mod extensions;
+
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
@@ -422,6 +424,10 @@ fn cluster_changes<'a>(
 /// refuses the config when `static_resources.secrets` lacks it, and so does shunt.
 /// Dynamic clusters the previous snapshot compiled as they are, and listeners when
 /// `listeners_changed` is false, were checked already.
+/// The bootstrap extension that enables internal listeners.
+pub const INTERNAL_LISTENER_EXTENSION: &str =
+    "envoy.extensions.bootstrap.internal_listener.v3.InternalListener";
+
 /// Envoy refuses an internal listener unless the bootstrap enables the
 /// `envoy.bootstrap.internal_listener` extension ("InternalListener bootstrap extension
 /// is mandatory").
@@ -431,7 +437,7 @@ fn internal_listener_extension(
     problems: &mut Diagnostics,
 ) {
     use envoy_types::pb::envoy::config::listener::v3::listener::ListenerSpecifier;
-    const EXTENSION: &str = "envoy.extensions.bootstrap.internal_listener.v3.InternalListener";
+    const EXTENSION: &str = INTERNAL_LISTENER_EXTENSION;
     #[derive(Clone, PartialEq, prost::Message)]
     struct TypedStructHead {
         #[prost(string, tag = "1")]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::*;
 use shunt_config::Options;
-use shunt_filters::tcp::filter::ClusterSpecifier;
+use shunt_filters::tcp::tcp_proxy::ClusterSpecifier;
 use shunt_listener::config::NetworkFilter;
 use shunt_upstream::Discovery;
 use shunt_upstream::load_balancer::LbPolicy;
@@ -15,7 +15,7 @@ fn bootstrap(yaml: &str) -> Bootstrap {
         config_yaml: Some(yaml.to_owned()),
         ..Default::default()
     };
-    shunt_config::check(&options)
+    shunt_config::check(&options, &extensions::IMPLEMENTED)
         .expect("a loadable bootstrap")
         .0
         .bootstrap
@@ -529,7 +529,10 @@ fn istios_health_listeners_are_left_to_the_admin_api() {
         ),
         ..Default::default()
     };
-    let mut bootstrap = shunt_config::check(&options).unwrap().0.bootstrap;
+    let mut bootstrap = shunt_config::check(&options, &extensions::IMPLEMENTED)
+        .unwrap()
+        .0
+        .bootstrap;
     bootstrap.dynamic_resources = None;
     let compiled = compile(&bootstrap, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
     // 15090 and 15021 are HTTP listeners shunt answers in the admin API.
@@ -766,7 +769,10 @@ static_resources:
         config_yaml: Some(yaml.to_owned()),
         ..Default::default()
     };
-    let bootstrap = shunt_config::check(&options).unwrap().0.bootstrap;
+    let bootstrap = shunt_config::check(&options, &extensions::IMPLEMENTED)
+        .unwrap()
+        .0
+        .bootstrap;
     let snapshot = crate::snapshot::compile(&bootstrap, &Default::default())
         .unwrap()
         .snapshot;
@@ -804,7 +810,10 @@ static_resources:
             config_yaml: Some(LISTENERS.to_owned()),
             ..Default::default()
         };
-        let bootstrap = shunt_config::check(&options).unwrap().0.bootstrap;
+        let bootstrap = shunt_config::check(&options, &crate::snapshot::extensions::IMPLEMENTED)
+            .unwrap()
+            .0
+            .bootstrap;
         crate::snapshot::compile(&bootstrap, &Default::default())
             .unwrap()
             .snapshot

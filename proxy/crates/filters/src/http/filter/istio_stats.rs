@@ -10,7 +10,7 @@ use std::sync::Arc;
 use envoy_types::pb::google::protobuf::Any;
 use hyper::HeaderMap;
 
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };

@@ -3,22 +3,37 @@
 //! - [`HttpFilterConfig`] is a filter as compiled from its `typed_config` (shared by
 //!   every stream); [`HttpFilterConfig::create`] makes the per-stream [`HttpFilter`].
 //! - [`registry`] finds the compiler for a type URL (typed, or wrapped in a
-//!   `TypedStruct`), and for the per-route configs in `typed_per_filter_config`.
+//!   `TypedStruct`), and for the per-route configs in `typed_per_filter_config`; each
+//!   filter gives it a [`factory::Factory`].
 //! - [`chain`] runs a stream through the filters: decode in config order, then the
 //!   router, then encode in reverse order; [`HttpFilter::on_stream_complete`] when the
 //!   stream is over (after the access log's facts are known).
-//! - [`per_route`] holds the compiled `typed_per_filter_config` of virtual hosts,
-//!   routes and weighted clusters; [`StreamCtx::route_config`] picks the most specific.
+//! - [`per_route`] compiles the `typed_per_filter_config` of virtual hosts, routes and
+//!   weighted clusters (into [`PerFilterConfigs`], which the routes hold);
+//!   [`StreamCtx::route_config`] picks the most specific.
+//! - The filters themselves, one module each (`rbac`, `fault`, `cors`, ...).
 //!
 //! A filter sees the request's pseudo-headers as fields of [`RequestHeaders`] and the
 //! stream's shared facts in [`StreamCtx::info`] ([`shunt_core::stream_info`]).
 
 pub mod chain;
+pub mod factory;
+pub mod per_route;
+pub mod registry;
+
+// The filters, one module each, named as Envoy's (`envoy.filters.http.<name>`) or
+// Istio's (`istio.alpn`: `alpn`).
+pub mod alpn;
+pub mod connect_authority;
+pub mod connect_baggage;
+pub mod cors;
+pub mod ext_authz;
+pub mod fault;
+pub mod grpc_stats;
 pub mod istio_stats;
 pub mod peer_metadata;
-pub mod per_route;
 pub mod rbac;
-pub mod registry;
+pub mod set_filter_state;
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -31,12 +46,12 @@ use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Method, StatusCode, Version};
 
-use super::matcher::RequestView;
 use super::route::{Action, ClusterChoice, Route, RouteConfig, VirtualHost, WeightedCluster};
+use crate::common::matcher::RequestView;
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stream_info::StreamInfo;
 
-pub use per_route::{PerFilterConfig, PerFilterConfigs, RouteSpecificConfig};
+pub use super::route::{PerFilterConfig, PerFilterConfigs, RouteSpecificConfig};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

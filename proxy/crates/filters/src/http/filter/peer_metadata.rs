@@ -17,7 +17,7 @@ use hyper::HeaderMap;
 use hyper::header::{HeaderName, HeaderValue};
 use serde_json::Value;
 
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };

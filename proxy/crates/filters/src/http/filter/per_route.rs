@@ -1,39 +1,19 @@
-//! `typed_per_filter_config` (on a route configuration, virtual host, route or weighted
-//! cluster), compiled: filter name to its per-route config, `disabled` and
-//! `is_optional` (Envoy's `envoy.config.route.v3.FilterConfig` wrapper).
+//! Compiling `typed_per_filter_config` (on a route configuration, virtual host, route or
+//! weighted cluster): filter name to its per-route config, `disabled` and `is_optional`
+//! (Envoy's `envoy.config.route.v3.FilterConfig` wrapper), each config by the filter
+//! the [`super::registry`] finds for its type. What it compiles to is in
+//! [`crate::http::route`], which routes hold.
 
-use std::any::Any;
 use std::collections::HashMap;
-use std::fmt;
-use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::route::v3::FilterConfig;
 use envoy_types::pb::google::protobuf::Any as PbAny;
 
+use crate::http::route::{PerFilterConfig, PerFilterConfigs};
 use shunt_config::Diagnostics;
 use shunt_config::convert::{decode, type_name};
 
 const FILTER_CONFIG: &str = "envoy.config.route.v3.FilterConfig";
-
-/// A filter's compiled per-route config; the filter downcasts it
-/// ([`super::StreamCtx::route_config`]).
-pub trait RouteSpecificConfig: fmt::Debug + Send + Sync {
-    fn as_any(&self) -> &dyn Any;
-}
-
-/// One `typed_per_filter_config` entry.
-#[derive(Debug, Clone, Default)]
-pub struct PerFilterConfig {
-    /// The filter is off for this route (or, when false and the filter is disabled in
-    /// the connection manager, on).
-    pub disabled: bool,
-    /// `None`: only `disabled` was given (a `FilterConfig` without `config`), or the
-    /// filter is not implemented and the entry was optional.
-    pub config: Option<Arc<dyn RouteSpecificConfig>>,
-}
-
-/// Filter name to its entry; empty (and unallocated) for most routes.
-pub type PerFilterConfigs = HashMap<String, PerFilterConfig>;
 
 /// Compiles `typed_per_filter_config` at `path`. A per-route type no filter of shunt
 /// compiles is a warning (the filter itself is refused or skipped where it is

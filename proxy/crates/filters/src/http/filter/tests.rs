@@ -349,7 +349,7 @@ fn per_route_configs_are_most_specific_first() {
     let compiled =
         Arc::new(crate::http::route_config::compile(&config, "rc", &mut problems).unwrap());
     let headers = HeaderMap::new();
-    let view = crate::http::matcher::RequestView {
+    let view = crate::common::matcher::RequestView {
         method: "GET",
         authority: "h",
         path: "/",

@@ -11,10 +11,10 @@ use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::{
 };
 use envoy_types::pb::google::protobuf::Any;
 
-use super::registry::{CompileCtx, Factory};
-use super::{NetworkFilter, NetworkFilterConfig, NetworkStatus};
-use crate::http::filter::rbac::engine::Subject;
-use crate::http::filter::rbac::{Engines, RbacStats, denied_details};
+use crate::common::rbac::engine::Subject;
+use crate::common::rbac::{Engines, RbacStats, denied_details};
+use crate::network::factory::{CompileCtx, Factory};
+use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkStatus};
 use shunt_config::Diagnostics;
 use shunt_config::convert::decode;
 use shunt_core::stream_info::Connection;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use super::filter::registry::{CompileCtx, Factory};
-use super::filter::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
+use super::factory::{CompileCtx, Factory};
+use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
 use shunt_config::Diagnostics;
 use shunt_core::peer::Workload;
 use shunt_core::set_filter_state::store;

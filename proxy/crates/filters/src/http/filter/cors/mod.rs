@@ -16,8 +16,8 @@ use envoy_types::pb::envoy::extensions::filters::http::cors::v3::CorsPolicy;
 use envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher as EnvoyStringMatcher;
 use hyper::HeaderMap;
 
-use super::fault::Percent;
-use super::matcher::{StringMatcher, string_matcher};
+use crate::common::matcher::{StringMatcher, string_matcher};
+use crate::common::percent::Percent;
 use shunt_config::Diagnostics;
 
 pub mod filter;

@@ -6,27 +6,24 @@
 //! `http.<stat_prefix>.rbac.<shadow_rules_stat_prefix>.shadow_{allowed,denied}` (checked
 //! against Envoy 1.40 in tests/rbac.rs).
 
-pub mod engine;
-
 use std::any::Any;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::rbac::v3::Rbac as EnvoyRbac;
 use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{
     Rbac as EnvoyHttpRbac, RbacPerRoute as EnvoyRbacPerRoute,
 };
 use envoy_types::pb::google::protobuf::Any as PbAny;
 use hyper::StatusCode;
 
-use self::engine::{Decision, Engine, Subject};
-use super::registry::{CompileCtx, Factory};
+use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders,
     RouteSpecificConfig, StreamCtx,
 };
+use crate::common::rbac::engine::{Decision, Subject};
+use crate::common::rbac::{Engines, RbacStats, denied_details};
 use shunt_config::Diagnostics;
 use shunt_config::convert::decode;
-use shunt_core::stats::{Counter, Store};
 
 pub const TYPE: &str = "envoy.extensions.filters.http.rbac.v3.RBAC";
 pub const PER_ROUTE_TYPE: &str = "envoy.extensions.filters.http.rbac.v3.RBACPerRoute";
@@ -39,115 +36,6 @@ pub const FACTORY: Factory = Factory {
     per_route_types: &[PER_ROUTE_TYPE],
     compile_per_route: Some(compile_per_route),
 };
-
-/// Envoy's `statPrefixJoin(prefix, "rbac.")`.
-pub fn stats_prefix(prefix: &str) -> String {
-    if prefix.is_empty() {
-        "rbac.".to_owned()
-    } else if prefix.ends_with('.') {
-        format!("{prefix}rbac.")
-    } else {
-        format!("{prefix}.rbac.")
-    }
-}
-
-/// `allowed`, `denied`, `shadow_allowed`, `shadow_denied`.
-#[derive(Debug, Clone, Default)]
-pub struct RbacStats {
-    pub allowed: Counter,
-    pub denied: Counter,
-    pub shadow_allowed: Counter,
-    pub shadow_denied: Counter,
-}
-
-impl RbacStats {
-    /// `prefix` is the filter's (`http.<stat_prefix>.` or the network filter's own).
-    pub fn new(store: &Store, prefix: &str, rules_prefix: &str, shadow_prefix: &str) -> Self {
-        let base = stats_prefix(prefix);
-        // Envoy joins a non-empty rules prefix with a dot: `rbac.istio_dry_run_allow_.shadow_denied`.
-        let join = |p: &str| {
-            if p.is_empty() || p.ends_with('.') {
-                p.to_owned()
-            } else {
-                format!("{p}.")
-            }
-        };
-        let (rules_prefix, shadow_prefix) = (join(rules_prefix), join(shadow_prefix));
-        let enforced = |name: &str| store.counter(&format!("{base}{rules_prefix}{name}"));
-        let shadow = |name: &str| store.counter(&format!("{base}{shadow_prefix}{name}"));
-        RbacStats {
-            allowed: enforced("allowed"),
-            denied: enforced("denied"),
-            shadow_allowed: shadow("shadow_allowed"),
-            shadow_denied: shadow("shadow_denied"),
-        }
-    }
-}
-
-/// The enforced and shadow engines of one RBAC config.
-#[derive(Debug, Default)]
-pub struct Engines {
-    pub enforced: Option<Engine>,
-    pub shadow: Option<Engine>,
-}
-
-impl Engines {
-    pub fn compile(
-        rules: Option<&EnvoyRbac>,
-        shadow_rules: Option<&EnvoyRbac>,
-        path: &str,
-        problems: &mut Diagnostics,
-    ) -> Option<Engines> {
-        let enforced = match rules {
-            Some(rules) => Some(Engine::compile(rules, &format!("{path}.rules"), problems)?),
-            None => None,
-        };
-        let shadow = match shadow_rules {
-            Some(rules) => Some(Engine::compile(
-                rules,
-                &format!("{path}.shadow_rules"),
-                problems,
-            )?),
-            None => None,
-        };
-        Some(Engines { enforced, shadow })
-    }
-
-    /// Shadow first (stats only), then the enforced engine; `None` without one.
-    pub fn evaluate(
-        &self,
-        subject: &Subject<'_>,
-        stats: &RbacStats,
-    ) -> (Option<Decision>, Option<Decision>) {
-        let shadow = self.shadow.as_ref().map(|engine| {
-            let decision = engine.decide(subject);
-            if decision.allowed {
-                stats.shadow_allowed.inc();
-            } else {
-                stats.shadow_denied.inc();
-            }
-            decision
-        });
-        let enforced = self.enforced.as_ref().map(|engine| {
-            let decision = engine.decide(subject);
-            if decision.allowed {
-                stats.allowed.inc();
-            } else {
-                stats.denied.inc();
-            }
-            decision
-        });
-        (shadow, enforced)
-    }
-}
-
-/// Envoy's `responseDetail`: `rbac_access_denied_matched_policy[<id or none>]`.
-pub fn denied_details(decision: &Decision) -> String {
-    format!(
-        "rbac_access_denied_matched_policy[{}]",
-        decision.effective_policy_id.as_deref().unwrap_or("none")
-    )
-}
 
 #[derive(Debug)]
 struct Config {

@@ -12,8 +12,10 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use super::registry::{CompileCtx, Factory};
-use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection};
+use crate::network::factory::{CompileCtx, Factory};
+use crate::network::{
+    NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
+};
 use shunt_config::Diagnostics;
 use shunt_core::peer::exchange::{self, Decoded};
 use shunt_core::peer::filter_state::{self, Side};

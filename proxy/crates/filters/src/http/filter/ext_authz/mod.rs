@@ -1,25 +1,23 @@
 //! Envoy's external authorization filter (`envoy.filters.http.ext_authz`), as Istio's
 //! CUSTOM AuthorizationPolicy uses it: the config compiled (`ExtAuthz`,
-//! `ExtAuthzPerRoute`), the `CheckRequest` built from a request ([`check`]), the call
-//! to the authorization service over the cluster's own HTTP/2 pool, so every check of a
-//! filter config shares the connections to that cluster ([`grpc`]), and what its
-//! answer means for the request ([`check::Verdict`]).
+//! `ExtAuthzPerRoute`) and the filter on a stream ([`filter`]). The client it shares
+//! with the network filter is [`crate::common::ext_authz`]: the `CheckRequest` built
+//! from a request, the call to the authorization service over the cluster's own HTTP/2
+//! pool, so every check of a filter config shares the connections to that cluster, and
+//! what its answer means for the request.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
 use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::{
     BufferSettings, ExtAuthz, ExtAuthzPerRoute, ext_authz::Services, ext_authz_per_route::Override,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::MetadataMatcher;
 
-use super::fault::Percent;
+use crate::common::ext_authz::{DEFAULT_TIMEOUT, Service, grpc_service};
+use crate::common::percent::Percent;
 use shunt_config::{Diagnostics, convert};
 
-pub mod check;
 pub mod filter;
-pub mod grpc;
 #[cfg(test)]
 mod tests;
 
@@ -30,38 +28,6 @@ pub const PER_ROUTE_TYPE_NAME: &str = "envoy.extensions.filters.http.ext_authz.v
 pub const FAILURE_MODE_ALLOWED_HEADER: &str = "x-envoy-auth-failure-mode-allowed";
 /// Tells the authorization service whether the body it got is the whole body.
 pub const PARTIAL_BODY_HEADER: &str = "x-envoy-auth-partial-body";
-
-/// Envoy's default check timeout (`GrpcService.timeout` / `server_uri.timeout` unset).
-const DEFAULT_TIMEOUT: Duration = Duration::from_millis(200);
-
-/// Where checks go.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Service {
-    /// `envoy.service.auth.v3.Authorization/Check` on `cluster`.
-    Grpc {
-        cluster: String,
-        /// `:authority` of the calls (`envoy_grpc.authority`, else the cluster name).
-        authority: String,
-        timeout: Duration,
-    },
-    /// Envoy's raw HTTP mode: the request's headers (no body) to `cluster`,
-    /// `path_prefix` + the request's path; 200 allows.
-    Http {
-        cluster: String,
-        /// `server_uri.uri`'s authority.
-        authority: String,
-        path_prefix: String,
-        timeout: Duration,
-    },
-}
-
-impl Service {
-    pub fn cluster(&self) -> &str {
-        match self {
-            Service::Grpc { cluster, .. } | Service::Http { cluster, .. } => cluster,
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodySettings {
@@ -84,7 +50,7 @@ fn body_settings(b: &BufferSettings) -> BodySettings {
 pub struct EnabledMetadata {
     pub filter: String,
     pub path: Vec<String>,
-    pub value: crate::http::matcher::StringMatcher,
+    pub value: crate::common::matcher::StringMatcher,
     pub invert: bool,
 }
 
@@ -114,43 +80,6 @@ pub struct PerRoute {
     pub context_extensions: HashMap<String, String>,
     pub disable_request_body_buffering: bool,
     pub with_request_body: Option<BodySettings>,
-}
-
-pub fn grpc_service(
-    g: &envoy_types::pb::envoy::config::core::v3::GrpcService,
-    path: &str,
-    problems: &mut Diagnostics,
-) -> Option<Service> {
-    let timeout = match &g.timeout {
-        Some(t) => convert::duration(t, &format!("{path}.timeout"), problems)?,
-        None => DEFAULT_TIMEOUT,
-    };
-    match &g.target_specifier {
-        Some(TargetSpecifier::EnvoyGrpc(e)) if !e.cluster_name.is_empty() => Some(Service::Grpc {
-            cluster: e.cluster_name.clone(),
-            authority: if e.authority.is_empty() {
-                e.cluster_name.clone()
-            } else {
-                e.authority.clone()
-            },
-            timeout,
-        }),
-        Some(TargetSpecifier::EnvoyGrpc(_)) => {
-            problems.error(format!("{path}.envoy_grpc.cluster_name"), "is required");
-            None
-        }
-        Some(TargetSpecifier::GoogleGrpc(_)) => {
-            problems.error(
-                format!("{path}.google_grpc"),
-                "google_grpc is not implemented; use envoy_grpc with a cluster",
-            );
-            None
-        }
-        None => {
-            problems.error(path, "a gRPC service needs envoy_grpc");
-            None
-        }
-    }
 }
 
 /// Compiles an `ExtAuthz`. `path`: its JSON path.
@@ -267,7 +196,7 @@ fn enabled_metadata(
         })
         .collect();
     let value = match m.value.as_ref().and_then(|v| v.match_pattern.as_ref()) {
-        Some(MatchPattern::StringMatch(s)) => crate::http::matcher::string_matcher(
+        Some(MatchPattern::StringMatch(s)) => crate::common::matcher::string_matcher(
             s,
             &format!("{path}.value.string_match"),
             problems,

@@ -18,9 +18,9 @@ use envoy_types::pb::envoy::extensions::filters::common::fault::v3::fault_delay:
 use envoy_types::pb::envoy::extensions::filters::http::fault::v3::{
     HttpFault, fault_abort::ErrorType,
 };
-use envoy_types::pb::envoy::r#type::v3::FractionalPercent;
 
-use super::matcher::{HeaderMatcher, RequestView, header_matcher};
+use crate::common::matcher::{HeaderMatcher, RequestView, header_matcher};
+use crate::common::percent::Percent;
 use shunt_config::{Diagnostics, convert};
 
 pub mod filter;
@@ -39,52 +39,6 @@ pub const DOWNSTREAM_CLUSTER: &str = "x-envoy-downstream-service-cluster";
 
 /// The local reply's body when the config names none.
 pub const DEFAULT_ABORT_BODY: &str = "fault filter abort";
-
-/// Envoy's `FractionalPercent`: `numerator` out of `denominator` (100, 10 000 or
-/// 1 000 000). An absent percentage is the proto default: 0 %.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Percent {
-    pub numerator: u64,
-    pub denominator: u64,
-}
-
-impl Percent {
-    pub fn from_proto(p: Option<&FractionalPercent>) -> Percent {
-        let Some(p) = p else {
-            return Percent {
-                numerator: 0,
-                denominator: 100,
-            };
-        };
-        let denominator = match p.denominator {
-            1 => 10_000,
-            2 => 1_000_000,
-            _ => 100,
-        };
-        Percent {
-            numerator: u64::from(p.numerator),
-            denominator,
-        }
-    }
-
-    /// Envoy's `featureEnabled`: a uniform draw modulo the denominator below the
-    /// numerator (a numerator above the denominator is always on).
-    pub fn hit(&self, random: u64) -> bool {
-        random % self.denominator < self.numerator
-    }
-
-    /// The percentage header's value lowers the numerator, never raises it; an
-    /// unparsable header leaves the configured one.
-    fn capped_by(self, header: Option<std::borrow::Cow<'_, str>>) -> Percent {
-        match header.and_then(|h| h.trim().parse::<u64>().ok()) {
-            Some(n) => Percent {
-                numerator: n.min(self.numerator),
-                ..self
-            },
-            None => self,
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DelaySource {

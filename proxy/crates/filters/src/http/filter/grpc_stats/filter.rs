@@ -12,7 +12,7 @@ use envoy_types::pb::google::protobuf::Any as PbAny;
 use hyper::HeaderMap;
 
 use super::{FILTER_STATE_KEY, FrameCounter, GrpcStatsConfig, TYPE_NAME, compile};
-use crate::http::filter::registry::{CompileCtx, Factory};
+use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };

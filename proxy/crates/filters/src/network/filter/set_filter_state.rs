@@ -9,8 +9,8 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::network::set_filter_state::v3::Config;
 use envoy_types::pb::google::protobuf::Any;
 
-use super::registry::{CompileCtx, Factory};
-use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NewConnection};
+use crate::network::factory::{CompileCtx, Factory};
+use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NewConnection};
 use shunt_config::{Diagnostics, convert::decode};
 use shunt_core::formatter::Context;
 use shunt_core::set_filter_state::{ValueSetter, compile as compile_values, store};

@@ -12,7 +12,7 @@ use hyper::StatusCode;
 use hyper::header::{HeaderName, HeaderValue};
 
 use super::{Abort, Applies, DOWNSTREAM_CLUSTER, FaultConfig, TYPE_NAME, compile};
-use crate::http::filter::registry::{CompileCtx, Factory};
+use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders,
     RouteSpecificConfig, StreamCtx,

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::http::set_filter_state::v3::Config;
 use envoy_types::pb::google::protobuf::Any;
 
-use super::filter::registry::{CompileCtx, Factory};
-use super::filter::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
+use super::factory::{CompileCtx, Factory};
+use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
 use shunt_config::{Diagnostics, convert::decode};
 use shunt_core::formatter::{self, Context};
 use shunt_core::set_filter_state::{ValueSetter, compile as compile_values, store};

@@ -20,7 +20,7 @@ use ipnet::IpNet;
 use prost::Message;
 use regex::Regex;
 
-use crate::http::matcher::{self, HeaderMatcher, RequestView, StringMatcher};
+use crate::common::matcher::{self, HeaderMatcher, RequestView, StringMatcher};
 use shunt_config::Diagnostics;
 use shunt_config::convert::cidr;
 use shunt_core::stream_info::{Connection, StreamInfo};

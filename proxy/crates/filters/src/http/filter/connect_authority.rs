@@ -11,10 +11,8 @@ use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
 
-use super::filter::registry::{CompileCtx, Factory};
-use super::filter::{
-    Flow, HttpFilter, HttpFilterConfig, RequestHeaders, RouteSpecificConfig, StreamCtx,
-};
+use super::factory::{CompileCtx, Factory};
+use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, RouteSpecificConfig, StreamCtx};
 use shunt_config::Diagnostics;
 use shunt_core::set_filter_state::{AddressObject, ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, store};
 use shunt_core::stream_info::{FilterStateEntry, LifeSpan};

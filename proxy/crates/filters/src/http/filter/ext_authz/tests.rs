@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use bytes::Bytes;
 use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::{
     ExtAuthz, ExtAuthzPerRoute,
@@ -5,8 +7,11 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::{
 use envoy_types::pb::envoy::service::auth::v3::CheckResponse;
 use hyper::HeaderMap;
 
-use super::check::{Apply, CheckInput, HeaderChange, Verdict, apply, request, verdict};
 use super::*;
+use crate::common::ext_authz::check::{
+    Apply, CheckInput, HeaderChange, Verdict, apply, request, verdict,
+};
+use crate::common::ext_authz::grpc;
 
 fn compiled(json: serde_json::Value) -> Result<ExtAuthzConfig, Diagnostics> {
     let config: ExtAuthz = shunt_config::message_from_json(json).expect("ExtAuthz JSON");

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use envoy_types::pb::google::protobuf::{Any, value::Kind};
 use hyper::Version;
 
-use super::filter::registry::{CompileCtx, Factory};
-use super::filter::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
+use super::factory::{CompileCtx, Factory};
+use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
 use shunt_config::Diagnostics;
 use shunt_core::stream_info::{FilterState, FilterStateObject, LifeSpan};
 use shunt_upstream::Cluster;

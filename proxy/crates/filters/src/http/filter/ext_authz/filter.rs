@@ -15,12 +15,13 @@ use envoy_types::pb::google::protobuf::Any as PbAny;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{StatusCode, Version};
 
-use super::check::{self, CheckInput, HeaderChange, Verdict};
 use super::{
     BodySettings, ExtAuthzConfig, FAILURE_MODE_ALLOWED_HEADER, PARTIAL_BODY_HEADER,
-    PER_ROUTE_TYPE_NAME, PerRoute, Service, TYPE_NAME, compile, compile_per_route, grpc,
+    PER_ROUTE_TYPE_NAME, PerRoute, TYPE_NAME, compile, compile_per_route,
 };
-use crate::http::filter::registry::{CompileCtx, Factory};
+use crate::common::ext_authz::check::{self, CheckInput, HeaderChange, Verdict};
+use crate::common::ext_authz::{Service, grpc};
+use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders, ResponseHeaders,
     RouteSpecificConfig, StreamCtx,

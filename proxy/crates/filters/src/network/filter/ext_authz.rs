@@ -14,10 +14,12 @@ use envoy_types::pb::envoy::service::auth::v3::{
 };
 use envoy_types::pb::google::protobuf::{Any, Timestamp};
 
-use super::registry::{CompileCtx, Factory};
-use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection};
-use crate::http::ext_authz::check::Verdict;
-use crate::http::ext_authz::{Service, grpc, grpc_service};
+use crate::common::ext_authz::check::Verdict;
+use crate::common::ext_authz::{Service, grpc, grpc_service};
+use crate::network::factory::{CompileCtx, Factory};
+use crate::network::{
+    NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
+};
 use shunt_config::{Diagnostics, convert::decode};
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stats::{Counter, Gauge};

@@ -12,7 +12,7 @@ use hyper::StatusCode;
 use hyper::header::{HeaderName, HeaderValue};
 
 use super::{Counted, FILTER_TYPE_NAME, OnRequest, POLICY_TYPE_NAME, Policies, Policy, compile};
-use crate::http::filter::registry::{CompileCtx, Factory};
+use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, LocalReply, RequestHeaders, ResponseHeaders,
     RouteSpecificConfig, Routed, StreamCtx,

@@ -1,13 +1,13 @@
-//! Envoy's request matchers as compiled for routes: `StringMatcher` (exact, prefix,
-//! suffix, contains, safe_regex; `ignore_case`), `HeaderMatcher` and
-//! `QueryParameterMatcher`, each compiled from Envoy's config and evaluated against a
-//! [`RequestView`].
+//! Envoy's request matchers, shared by routes and filters (RBAC, CORS, fault,
+//! ext_authz): `StringMatcher` (exact, prefix, suffix, contains, safe_regex;
+//! `ignore_case`) and `HeaderMatcher`, each compiled from Envoy's config and evaluated
+//! against a [`RequestView`]. The routes' own `QueryParameterMatcher` is in
+//! `http::route`.
 
 use std::borrow::Cow;
 
 use envoy_types::pb::envoy::config::route::v3::{
-    HeaderMatcher as EnvoyHeaderMatcher, QueryParameterMatcher as EnvoyQueryMatcher,
-    header_matcher::HeaderMatchSpecifier, query_parameter_matcher::QueryParameterMatchSpecifier,
+    HeaderMatcher as EnvoyHeaderMatcher, header_matcher::HeaderMatchSpecifier,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     RegexMatcher, StringMatcher as EnvoyStringMatcher, string_matcher::MatchPattern,
@@ -164,22 +164,6 @@ impl HeaderMatcher {
     }
 }
 
-#[derive(Debug)]
-pub struct QueryParameterMatcher {
-    pub name: String,
-    /// `None`: `present_match`, any value.
-    pub matcher: Option<StringMatcher>,
-}
-
-impl QueryParameterMatcher {
-    pub fn matches(&self, request: &RequestView<'_>) -> bool {
-        request
-            .query_parameters()
-            .find(|(name, _)| *name == self.name)
-            .is_some_and(|(_, value)| self.matcher.as_ref().is_none_or(|m| m.matches(value)))
-    }
-}
-
 /// A `RegexMatcher`, anchored (Envoy's regexes match whole values).
 pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Diagnostics) -> Option<regex::Regex> {
     match full_match_regex(&re.regex) {
@@ -280,33 +264,6 @@ pub fn header_matcher(
         matcher: matcher?,
         invert: h.invert_match,
         treat_missing_as_empty: h.treat_missing_header_as_empty,
-    })
-}
-
-/// A `QueryParameterMatcher`: `string_match`, or `present_match: true`.
-pub fn query_matcher(
-    q: &EnvoyQueryMatcher,
-    path: &str,
-    problems: &mut Diagnostics,
-) -> Option<QueryParameterMatcher> {
-    let matcher = match &q.query_parameter_match_specifier {
-        Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(
-            m,
-            &format!("{path}.string_match"),
-            problems,
-        )?),
-        Some(QueryParameterMatchSpecifier::PresentMatch(true)) => None,
-        _ => {
-            problems.error(
-                path,
-                "a query parameter matcher needs string_match or present_match: true",
-            );
-            return None;
-        }
-    };
-    Some(QueryParameterMatcher {
-        name: q.name.clone(),
-        matcher,
     })
 }
 

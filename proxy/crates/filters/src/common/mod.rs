@@ -1,0 +1,9 @@
+//! What several filters share, network and HTTP alike (Envoy's `filters/common/`): the
+//! RBAC engine ([`rbac`]), the request matchers ([`matcher`]), the external
+//! authorization client ([`ext_authz`]) and the fractional percentages filters are
+//! enabled by ([`percent`]). Nothing here imports `http` or `network`.
+
+pub mod ext_authz;
+pub mod matcher;
+pub mod percent;
+pub mod rbac;
