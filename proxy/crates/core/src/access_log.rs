@@ -414,10 +414,12 @@ pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Ve
                 }
                 match Sink::open(Path::new(&file.path)) {
                     Ok(sink) => sinks.push(sink),
-                    Err(err) => problems.error(
-                        format!("{typed_path}.path"),
-                        format!("cannot open {:?}: {err}", file.path),
-                    ),
+                    Err(err) => {
+                        problems.error(
+                            format!("{typed_path}.path"),
+                            format!("cannot open {:?}: {err}", file.path),
+                        );
+                    }
                 }
             }
             STDOUT => sinks.push(Sink::Stdout),

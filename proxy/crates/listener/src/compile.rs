@@ -310,24 +310,32 @@ fn compile(
                     TLS_INSPECTOR => filters.tls_inspector = true,
                     HTTP_INSPECTOR => filters.http_inspector = true,
                     SET_INTERNAL_DST_ADDRESS if internal => filters.set_internal_dst_address = true,
-                    SET_INTERNAL_DST_ADDRESS => problems.error(
-                        format!("{f_path}.typed_config"),
-                        "set_internal_dst_address only works on an internal_listener",
-                    ),
-                    other => problems.error(
-                        format!("{f_path}.typed_config"),
-                        format!("listener filter {other} is not implemented yet"),
-                    ),
+                    SET_INTERNAL_DST_ADDRESS => {
+                        problems.error(
+                            format!("{f_path}.typed_config"),
+                            "set_internal_dst_address only works on an internal_listener",
+                        );
+                    }
+                    other => {
+                        problems.error(
+                            format!("{f_path}.typed_config"),
+                            format!("listener filter {other} is not implemented yet"),
+                        );
+                    }
                 }
             }
-            Some(listener_filter::ConfigType::ConfigDiscovery(_)) => problems.error(
-                format!("{f_path}.config_discovery"),
-                "listener filters over ECDS are not implemented yet",
-            ),
-            None => problems.error(
-                &f_path,
-                format!("listener filter {:?} has no typed_config", filter.name),
-            ),
+            Some(listener_filter::ConfigType::ConfigDiscovery(_)) => {
+                problems.error(
+                    format!("{f_path}.config_discovery"),
+                    "listener filters over ECDS are not implemented yet",
+                );
+            }
+            None => {
+                problems.error(
+                    &f_path,
+                    format!("listener filter {:?} has no typed_config", filter.name),
+                );
+            }
         }
     }
     // Envoy adds the original_dst listener filter itself to a `use_original_dst`

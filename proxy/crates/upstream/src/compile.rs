@@ -280,15 +280,17 @@ pub fn compile(
                                 0
                             }),
                     ),
-                    Err(_) => problems.error(
-                        format!("{endpoint_path}.address"),
-                        format!(
-                            "{:?} is not an IP address; a {} cluster needs IP endpoints \
+                    Err(_) => {
+                        problems.error(
+                            format!("{endpoint_path}.address"),
+                            format!(
+                                "{:?} is not an IP address; a {} cluster needs IP endpoints \
                              (use STRICT_DNS or LOGICAL_DNS for names)",
-                            endpoint.host,
-                            kind.as_str_name()
-                        ),
-                    ),
+                                endpoint.host,
+                                kind.as_str_name()
+                            ),
+                        );
+                    }
                 }
             }
             if kind == DiscoveryType::Eds {
@@ -441,10 +443,12 @@ pub fn compile(
         if let Some(port) = original.upstream_port_override {
             match u16::try_from(port.value) {
                 Ok(port) if port > 0 => config.port_override = Some(port),
-                _ => problems.error(
-                    format!("{o_path}.upstream_port_override"),
-                    format!("{} is not a TCP port", port.value),
-                ),
+                _ => {
+                    problems.error(
+                        format!("{o_path}.upstream_port_override"),
+                        format!("{} is not a TCP port", port.value),
+                    );
+                }
             }
         }
         if original.use_http_header || original.metadata_key.is_some() {
@@ -950,10 +954,12 @@ fn http_protocol(
             match explicit.protocol_config {
                 Some(ProtocolConfig::Http2ProtocolOptions(_)) => protocol = UpstreamProtocol::Http2,
                 Some(ProtocolConfig::HttpProtocolOptions(_)) => protocol = UpstreamProtocol::Http1,
-                Some(ProtocolConfig::Http3ProtocolOptions(_)) => problems.error(
-                    format!("{o_path}.explicit_http_config.http3_protocol_options"),
-                    "HTTP/3 upstreams are not implemented yet",
-                ),
+                Some(ProtocolConfig::Http3ProtocolOptions(_)) => {
+                    problems.error(
+                        format!("{o_path}.explicit_http_config.http3_protocol_options"),
+                        "HTTP/3 upstreams are not implemented yet",
+                    );
+                }
                 None => {}
             }
         }

@@ -81,7 +81,9 @@ pub fn compile(
         }
         match HeaderName::from_bytes(lower.as_bytes()) {
             Ok(name) => rules.remove.push(name),
-            Err(_) => problems.error(r_path, format!("{name:?} is not a header name")),
+            Err(_) => {
+                problems.error(r_path, format!("{name:?} is not a header name"));
+            }
         }
     }
     for (i, option) in add.iter().enumerate() {
