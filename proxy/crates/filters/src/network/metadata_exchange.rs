@@ -14,7 +14,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::registry::{CompileCtx, Factory};
 use super::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::exchange::{self, Decoded};
 use shunt_core::peer::filter_state::{self, Side};
 use shunt_core::stats::Counter;
@@ -55,7 +55,7 @@ struct Stats {
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let config = match <Config as prost::Message>::decode(any.value.as_slice()) {
