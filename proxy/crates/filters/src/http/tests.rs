@@ -845,7 +845,7 @@ mod limits {
         let mut problems = Diagnostics::default();
         let compiled = shunt_upstream::compile::compile(
             &cluster,
-            "c",
+            &JsonPath::new("c"),
             0,
             store,
             &mut Vec::new(),
