@@ -237,7 +237,8 @@ impl ControlPlane {
             config_path: Some(file.clone()),
             ..Default::default()
         };
-        let (loaded, report) = shunt::config::check(&options)?;
+        let (loaded, report) =
+            shunt::config::check(&options, &shunt::snapshot::extensions::IMPLEMENTED)?;
         anyhow::ensure!(
             report.is_valid(),
             "{}: {}",

@@ -112,55 +112,81 @@ fn configs(
     include_eds: bool,
     pool: &DescriptorPool,
 ) -> Result<Vec<DynamicMessage>, Failure> {
-    let Resources {
-        listeners,
-        mut clusters,
-        route_configs,
-        secrets,
-        mut endpoints,
-        listeners_version,
-        clusters_version,
-        warming_clusters,
-        warming_listeners,
-        errors,
-    } = state.resources();
-    let error_state = |type_url: &str, name: &str| {
-        errors
-            .iter()
-            .find(|e| e.type_url.ends_with(type_url) && e.name == name)
-            .map(failure_state)
-    };
+    let mut resources = state.resources();
     // Envoy keeps clusters in a map by name; listeners and routes in the order added.
-    clusters.sort_by(|a, b| a.resource.name.cmp(&b.resource.name));
-    endpoints.sort_by(|a, b| a.resource.cluster_name.cmp(&b.resource.cluster_name));
-
+    resources
+        .clusters
+        .sort_by(|a, b| a.resource.name.cmp(&b.resource.name));
+    resources
+        .endpoints
+        .sort_by(|a, b| a.resource.cluster_name.cmp(&b.resource.cluster_name));
     let bootstrap = BootstrapConfigDump {
         bootstrap: Some(state.bootstrap()),
         last_updated: Some(timestamp(started)),
     };
+    let mut configs = vec![
+        dynamic(&bootstrap, pool)?,
+        dynamic(&clusters_dump(&resources, names), pool)?,
+    ];
+    // Envoy adds endpoints only when there are clusters to take them from.
+    if include_eds && !resources.clusters.is_empty() {
+        configs.push(dynamic(&endpoints_dump(&resources, names), pool)?);
+    }
+    configs.extend([
+        dynamic(&listeners_dump(&resources, names), pool)?,
+        dynamic(&ScopedRoutesConfigDump::default(), pool)?,
+        dynamic(&routes_dump(&resources, names), pool)?,
+        dynamic(&secrets_dump(&resources, names), pool)?,
+    ]);
+    // Not Envoy's: the DNS proxy's name table, as istiod sent it (pilot-agent shows it
+    // on its own debug endpoint; shunt has one dump).
+    if let Some(table) = state.name_table() {
+        let desc = pool
+            .get_message_by_name(NAME_TABLE)
+            .ok_or_else(|| internal(format!("{NAME_TABLE} is not in the pool")))?;
+        configs.push(DynamicMessage::decode(desc, table.value.as_slice()).map_err(internal)?);
+    }
+    Ok(configs)
+}
 
-    let mut clusters_dump = ClustersConfigDump {
-        version_info: clusters_version,
+/// The `error_state` of a resource whose last xDS update was refused.
+fn error_state(errors: &[UpdateFailure], type_url: &str, name: &str) -> Option<UpdateFailureState> {
+    errors
+        .iter()
+        .find(|e| e.type_url.ends_with(type_url) && e.name == name)
+        .map(failure_state)
+}
+
+/// Static, active, warming and refused clusters.
+fn clusters_dump(resources: &Resources, names: &NameFilter) -> ClustersConfigDump {
+    let Resources {
+        clusters,
+        clusters_version,
+        warming_clusters,
+        errors,
+        ..
+    } = resources;
+    let mut dump = ClustersConfigDump {
+        version_info: clusters_version.clone(),
         ..Default::default()
     };
     for tracked in clusters.iter().filter(|c| names.keeps(&c.resource.name)) {
         let cluster = Some(any(&tracked.resource));
         let last_updated = Some(timestamp(tracked.last_updated));
         match &tracked.version_info {
-            None => clusters_dump
+            None => dump
                 .static_clusters
                 .push(clusters_config_dump::StaticCluster {
                     cluster,
                     last_updated,
                 }),
             Some(version) => {
-                clusters_dump
-                    .dynamic_active_clusters
+                dump.dynamic_active_clusters
                     .push(clusters_config_dump::DynamicCluster {
                         version_info: version.to_string(),
                         cluster,
                         last_updated,
-                        error_state: error_state(CLUSTER, &tracked.resource.name),
+                        error_state: error_state(errors, CLUSTER, &tracked.resource.name),
                         client_status: ClientResourceStatus::Acked as i32,
                     })
             }
@@ -170,8 +196,7 @@ fn configs(
         .iter()
         .filter(|c| names.keeps(&c.resource.name))
     {
-        clusters_dump
-            .dynamic_warming_clusters
+        dump.dynamic_warming_clusters
             .push(clusters_config_dump::DynamicCluster {
                 version_info: tracked
                     .version_info
@@ -188,8 +213,7 @@ fn configs(
     for error in errors.iter().filter(|e| e.type_url.ends_with(CLUSTER)) {
         let known = clusters.iter().any(|c| c.resource.name == error.name);
         if !known && names.keeps(&error.name) {
-            clusters_dump
-                .dynamic_active_clusters
+            dump.dynamic_active_clusters
                 .push(clusters_config_dump::DynamicCluster {
                     error_state: Some(failure_state(error)),
                     client_status: ClientResourceStatus::Nacked as i32,
@@ -197,61 +221,78 @@ fn configs(
                 });
         }
     }
+    dump
+}
 
-    let mut endpoints_dump = EndpointsConfigDump::default();
-    for tracked in endpoints
+/// The endpoints of each cluster as the load balancer has them (`?include_eds`).
+fn endpoints_dump(resources: &Resources, names: &NameFilter) -> EndpointsConfigDump {
+    let mut dump = EndpointsConfigDump::default();
+    for tracked in resources
+        .endpoints
         .iter()
         .filter(|e| names.keeps(&e.resource.cluster_name))
     {
         let endpoint_config = Some(any(&tracked.resource));
         match &tracked.version_info {
-            None => endpoints_dump.static_endpoint_configs.push(
-                endpoints_config_dump::StaticEndpointConfig {
-                    endpoint_config,
-                    last_updated: None,
-                },
-            ),
-            Some(version) => endpoints_dump.dynamic_endpoint_configs.push(
-                endpoints_config_dump::DynamicEndpointConfig {
-                    version_info: version.to_string(),
-                    endpoint_config,
-                    last_updated: Some(timestamp(tracked.last_updated)),
-                    client_status: ClientResourceStatus::Acked as i32,
-                    ..Default::default()
-                },
-            ),
+            None => {
+                dump.static_endpoint_configs
+                    .push(endpoints_config_dump::StaticEndpointConfig {
+                        endpoint_config,
+                        last_updated: None,
+                    })
+            }
+            Some(version) => {
+                dump.dynamic_endpoint_configs
+                    .push(endpoints_config_dump::DynamicEndpointConfig {
+                        version_info: version.to_string(),
+                        endpoint_config,
+                        last_updated: Some(timestamp(tracked.last_updated)),
+                        client_status: ClientResourceStatus::Acked as i32,
+                        ..Default::default()
+                    })
+            }
         }
     }
+    dump
+}
 
-    let mut listeners_dump = ListenersConfigDump {
-        version_info: listeners_version,
+/// Static and dynamic listeners, each dynamic one with its active and warming state
+/// and its refused update.
+fn listeners_dump(resources: &Resources, names: &NameFilter) -> ListenersConfigDump {
+    let Resources {
+        listeners,
+        listeners_version,
+        warming_listeners,
+        errors,
+        ..
+    } = resources;
+    let mut dump = ListenersConfigDump {
+        version_info: listeners_version.clone(),
         ..Default::default()
     };
     for tracked in listeners.iter().filter(|l| names.keeps(&l.resource.name)) {
         let listener = Some(any(&tracked.resource));
         let last_updated = Some(timestamp(tracked.last_updated));
         match &tracked.version_info {
-            None => listeners_dump
+            None => dump
                 .static_listeners
                 .push(listeners_config_dump::StaticListener {
                     listener,
                     last_updated,
                 }),
-            Some(version) => {
-                listeners_dump
-                    .dynamic_listeners
-                    .push(listeners_config_dump::DynamicListener {
-                        name: tracked.resource.name.clone(),
-                        active_state: Some(listeners_config_dump::DynamicListenerState {
-                            version_info: version.to_string(),
-                            listener,
-                            last_updated,
-                        }),
-                        error_state: error_state(LISTENER, &tracked.resource.name),
-                        client_status: ClientResourceStatus::Acked as i32,
-                        ..Default::default()
-                    })
-            }
+            Some(version) => dump
+                .dynamic_listeners
+                .push(listeners_config_dump::DynamicListener {
+                    name: tracked.resource.name.clone(),
+                    active_state: Some(listeners_config_dump::DynamicListenerState {
+                        version_info: version.to_string(),
+                        listener,
+                        last_updated,
+                    }),
+                    error_state: error_state(errors, LISTENER, &tracked.resource.name),
+                    client_status: ClientResourceStatus::Acked as i32,
+                    ..Default::default()
+                }),
         }
     }
     // A warming version joins its active one, or stands alone until it is served.
@@ -268,18 +309,18 @@ fn configs(
             listener: Some(any(&tracked.resource)),
             last_updated: Some(timestamp(tracked.last_updated)),
         });
-        match listeners_dump
+        match dump
             .dynamic_listeners
             .iter_mut()
             .find(|l| l.name == tracked.resource.name)
         {
             Some(active) => active.warming_state = warming,
-            None => listeners_dump
+            None => dump
                 .dynamic_listeners
                 .push(listeners_config_dump::DynamicListener {
                     name: tracked.resource.name.clone(),
                     warming_state: warming,
-                    error_state: error_state(LISTENER, &tracked.resource.name),
+                    error_state: error_state(errors, LISTENER, &tracked.resource.name),
                     client_status: ClientResourceStatus::Acked as i32,
                     ..Default::default()
                 }),
@@ -288,11 +329,10 @@ fn configs(
     for error in errors.iter().filter(|e| e.type_url.ends_with(LISTENER)) {
         let known = listeners
             .iter()
-            .chain(&warming_listeners)
+            .chain(warming_listeners)
             .any(|l| l.resource.name == error.name);
         if !known && names.keeps(&error.name) {
-            listeners_dump
-                .dynamic_listeners
+            dump.dynamic_listeners
                 .push(listeners_config_dump::DynamicListener {
                     name: error.name.clone(),
                     error_state: Some(failure_state(error)),
@@ -301,82 +341,74 @@ fn configs(
                 });
         }
     }
+    dump
+}
 
-    let mut routes_dump = RoutesConfigDump::default();
-    for tracked in route_configs
+/// Static (inline) and RDS route configurations.
+fn routes_dump(resources: &Resources, names: &NameFilter) -> RoutesConfigDump {
+    let mut dump = RoutesConfigDump::default();
+    for tracked in resources
+        .route_configs
         .iter()
         .filter(|r| names.keeps(&r.resource.name))
     {
         let route_config = Some(any(&tracked.resource));
         let last_updated = Some(timestamp(tracked.last_updated));
         match &tracked.version_info {
-            None => routes_dump
+            None => dump
                 .static_route_configs
                 .push(routes_config_dump::StaticRouteConfig {
                     route_config,
                     last_updated,
                 }),
             Some(version) => {
-                routes_dump
-                    .dynamic_route_configs
+                dump.dynamic_route_configs
                     .push(routes_config_dump::DynamicRouteConfig {
                         version_info: version.to_string(),
                         route_config,
                         last_updated,
-                        error_state: error_state(ROUTE_CONFIGURATION, &tracked.resource.name),
+                        error_state: error_state(
+                            &resources.errors,
+                            ROUTE_CONFIGURATION,
+                            &tracked.resource.name,
+                        ),
                         client_status: ClientResourceStatus::Acked as i32,
                     })
             }
         }
     }
+    dump
+}
 
-    let mut secrets_dump = SecretsConfigDump::default();
-    for tracked in secrets.iter().filter(|s| names.keeps(&s.resource.name)) {
+/// Static and SDS secrets.
+fn secrets_dump(resources: &Resources, names: &NameFilter) -> SecretsConfigDump {
+    let mut dump = SecretsConfigDump::default();
+    for tracked in resources
+        .secrets
+        .iter()
+        .filter(|s| names.keeps(&s.resource.name))
+    {
         let secret = Some(any(&tracked.resource));
         let name = tracked.resource.name.clone();
         let last_updated = Some(timestamp(tracked.last_updated));
         match &tracked.version_info {
-            None => secrets_dump
-                .static_secrets
-                .push(secrets_config_dump::StaticSecret {
+            None => dump.static_secrets.push(secrets_config_dump::StaticSecret {
+                name,
+                last_updated,
+                secret,
+            }),
+            Some(version) => dump
+                .dynamic_active_secrets
+                .push(secrets_config_dump::DynamicSecret {
                     name,
+                    version_info: version.to_string(),
                     last_updated,
                     secret,
+                    ..Default::default()
                 }),
-            Some(version) => {
-                secrets_dump
-                    .dynamic_active_secrets
-                    .push(secrets_config_dump::DynamicSecret {
-                        name,
-                        version_info: version.to_string(),
-                        last_updated,
-                        secret,
-                        ..Default::default()
-                    })
-            }
         }
     }
-
-    let mut configs = vec![dynamic(&bootstrap, pool)?, dynamic(&clusters_dump, pool)?];
-    // Envoy adds endpoints only when there are clusters to take them from.
-    if include_eds && !clusters.is_empty() {
-        configs.push(dynamic(&endpoints_dump, pool)?);
-    }
-    configs.extend([
-        dynamic(&listeners_dump, pool)?,
-        dynamic(&ScopedRoutesConfigDump::default(), pool)?,
-        dynamic(&routes_dump, pool)?,
-        dynamic(&secrets_dump, pool)?,
-    ]);
-    // Not Envoy's: the DNS proxy's name table, as istiod sent it (pilot-agent shows it
-    // on its own debug endpoint; shunt has one dump).
-    if let Some(table) = state.name_table() {
-        let desc = pool
-            .get_message_by_name(NAME_TABLE)
-            .ok_or_else(|| internal(format!("{NAME_TABLE} is not in the pool")))?;
-        configs.push(DynamicMessage::decode(desc, table.value.as_slice()).map_err(internal)?);
-    }
-    Ok(configs)
+    dump
 }
 
 const CLUSTER: &str = "envoy.config.cluster.v3.Cluster";

@@ -10,7 +10,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::google::protobuf::{Any, Duration as PbDuration};
 use prost::{Message, Name};
 
-use super::diagnostic::Diagnostics;
+use super::diagnostic::{Diagnostics, JsonPath};
 use ipnet::IpNet;
 
 /// An IP prefix of `len` bits; host bits are cleared, as Envoy does. `None` past the
@@ -20,7 +20,7 @@ pub fn prefix(addr: IpAddr, len: u8) -> Option<IpNet> {
 }
 
 /// A `google.protobuf.Duration`; negative is an error.
-pub fn duration(d: &PbDuration, path: &str, problems: &mut Diagnostics) -> Option<Duration> {
+pub fn duration(d: &PbDuration, path: &JsonPath, problems: &mut Diagnostics) -> Option<Duration> {
     if d.seconds < 0 || d.nanos < 0 {
         problems.error(path, "a duration cannot be negative");
         return None;
@@ -32,7 +32,7 @@ pub fn duration(d: &PbDuration, path: &str, problems: &mut Diagnostics) -> Optio
 pub fn duration_or(
     d: Option<&PbDuration>,
     default: Duration,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Duration {
     d.and_then(|d| duration(d, path, problems))
@@ -42,14 +42,14 @@ pub fn duration_or(
 /// The socket address of an `Address`, which must be TCP with a port number.
 pub fn socket_address<'a>(
     address: Option<&'a Address>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<&'a SocketAddress> {
     match address.and_then(|a| a.address.as_ref()) {
         Some(address::Address::SocketAddress(socket)) => {
             if socket.protocol == Protocol::Udp as i32 {
                 problems.error(
-                    format!("{path}.socket_address.protocol"),
+                    path.field("socket_address").field("protocol"),
                     "UDP is not implemented yet",
                 );
                 return None;
@@ -58,14 +58,14 @@ pub fn socket_address<'a>(
         }
         Some(address::Address::Pipe(_)) => {
             problems.error(
-                format!("{path}.pipe"),
+                path.field("pipe"),
                 "Unix domain socket addresses are not implemented yet",
             );
             None
         }
         Some(address::Address::EnvoyInternalAddress(_)) => {
             problems.error(
-                format!("{path}.envoy_internal_address"),
+                path.field("envoy_internal_address"),
                 "internal addresses are not implemented yet",
             );
             None
@@ -78,13 +78,13 @@ pub fn socket_address<'a>(
 }
 
 /// The port of a socket address; named ports are not supported.
-pub fn port(socket: &SocketAddress, path: &str, problems: &mut Diagnostics) -> Option<u16> {
+pub fn port(socket: &SocketAddress, path: &JsonPath, problems: &mut Diagnostics) -> Option<u16> {
     match &socket.port_specifier {
         Some(PortSpecifier::PortValue(port)) => match u16::try_from(*port) {
             Ok(port) => Some(port),
             Err(_) => {
                 problems.error(
-                    format!("{path}.port_value"),
+                    path.field("port_value"),
                     format!("{port} is not a TCP port"),
                 );
                 None
@@ -92,7 +92,7 @@ pub fn port(socket: &SocketAddress, path: &str, problems: &mut Diagnostics) -> O
         },
         Some(PortSpecifier::NamedPort(name)) => {
             problems.error(
-                format!("{path}.named_port"),
+                path.field("named_port"),
                 format!("named port {name:?} is not supported; give port_value"),
             );
             None
@@ -104,17 +104,17 @@ pub fn port(socket: &SocketAddress, path: &str, problems: &mut Diagnostics) -> O
 /// An `Address` that must be an IP literal and port.
 pub fn ip_socket_addr(
     address: Option<&Address>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<SocketAddr> {
     let socket = socket_address(address, path, problems)?;
-    let path = format!("{path}.socket_address");
+    let path = path.field("socket_address");
     let port = port(socket, &path, problems)?;
     match socket.address.parse::<IpAddr>() {
         Ok(ip) => Some(SocketAddr::new(ip, port)),
         Err(_) => {
             problems.error(
-                format!("{path}.address"),
+                path.field("address"),
                 format!("{:?} is not an IP address", socket.address),
             );
             None
@@ -122,10 +122,10 @@ pub fn ip_socket_addr(
     }
 }
 
-pub fn cidr(range: &CidrRange, path: &str, problems: &mut Diagnostics) -> Option<IpNet> {
+pub fn cidr(range: &CidrRange, path: &JsonPath, problems: &mut Diagnostics) -> Option<IpNet> {
     let Ok(ip) = range.address_prefix.parse::<IpAddr>() else {
         problems.error(
-            format!("{path}.address_prefix"),
+            path.field("address_prefix"),
             format!("{:?} is not an IP address", range.address_prefix),
         );
         return None;
@@ -134,7 +134,7 @@ pub fn cidr(range: &CidrRange, path: &str, problems: &mut Diagnostics) -> Option
     let cidr = u8::try_from(len).ok().and_then(|len| prefix(ip, len));
     if cidr.is_none() {
         problems.error(
-            format!("{path}.prefix_len"),
+            path.field("prefix_len"),
             format!("{len} is too long for {ip}"),
         );
     }
@@ -149,7 +149,7 @@ pub fn type_name(any: &Any) -> &str {
 /// Decodes an `Any` known to hold `M`.
 pub fn decode<M: Message + Name + Default>(
     any: &Any,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<M> {
     match M::decode(any.value.as_slice()) {

@@ -22,7 +22,7 @@ use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use prost::{Message, Name};
 use prost_reflect::{DescriptorPool, DynamicMessage, ReflectMessage, Value};
 
-use super::diagnostic::{Diagnostic, Severity};
+use super::diagnostic::{Diagnostic, JsonPath, Severity};
 use super::json::{Path, each_message, type_name_of_url};
 use super::pool::{PoolError, pool};
 
@@ -248,7 +248,7 @@ impl Walker<'_> {
                         .map_or_else(|| number.to_string(), |value| value.name().to_owned());
                     if !self.implemented.cluster_types.contains(&name.as_str()) {
                         self.findings.push(Diagnostic::error(
-                            format!("{path}.type"),
+                            JsonPath::from(path).field("type"),
                             format!("cluster type {name} is not implemented by shunt"),
                         ));
                     }
@@ -263,7 +263,7 @@ impl Walker<'_> {
                     .map_or((Severity::Error, ""), |why| (Severity::Warning, why));
                 self.findings.push(Diagnostic {
                     severity,
-                    path: format!("{path}.config_discovery"),
+                    path: JsonPath::from(path).field("config_discovery").into(),
                     message: format!(
                         "{} is configured through extension config discovery (ECDS), which \
                          shunt does not implement{tail}",

@@ -193,6 +193,13 @@ impl fmt::Display for Path {
     }
 }
 
+/// A walk's place as a diagnostic names it.
+impl From<&Path> for crate::JsonPath {
+    fn from(path: &Path) -> Self {
+        crate::JsonPath::new(path.to_string())
+    }
+}
+
 /// The field a JSON key names: proto3 JSON accepts the lowerCamelCase JSON name and the
 /// proto field name.
 fn field_for_key(desc: &MessageDescriptor, key: &str) -> Option<FieldDescriptor> {

@@ -27,7 +27,9 @@ mod validate;
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
-pub use diagnostic::{CompileError, Diagnostic, Diagnostics, Reported, Severity};
+pub use diagnostic::{
+    CompileError, Diagnostic, Diagnostics, JsonPath, Parts, Reported, Severity, compile_each,
+};
 pub use json::any_to_json;
 pub use load::{Loaded, Options};
 pub use resources::{

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use envoy_types::pb::google::protobuf::Any;
 use prost_reflect::{DynamicMessage, Value};
 
-use super::diagnostic::Diagnostics;
+use super::diagnostic::{Diagnostics, JsonPath};
 use super::json::type_name_of_url;
 use super::pool::pool;
 
@@ -17,7 +17,11 @@ pub const TYPED_STRUCTS: &[&str] = &["udpa.type.v1.TypedStruct", "xds.type.v3.Ty
 
 /// `any` itself, or the typed config inside it when it is a `TypedStruct`. Errors (an
 /// unknown inner type, a value that does not fit it) go to `problems` at `path`.
-pub fn unwrap<'a>(any: &'a Any, path: &str, problems: &mut Diagnostics) -> Option<Cow<'a, Any>> {
+pub fn unwrap<'a>(
+    any: &'a Any,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Cow<'a, Any>> {
     let outer = type_name_of_url(&any.type_url);
     if !TYPED_STRUCTS.contains(&outer) {
         return Some(Cow::Borrowed(any));
@@ -78,7 +82,7 @@ mod tests {
         }))
         .unwrap();
         let mut problems = Diagnostics::default();
-        let inner = unwrap(&any, "p", &mut problems).unwrap();
+        let inner = unwrap(&any, &JsonPath::new("p"), &mut problems).unwrap();
         assert_eq!(
             inner.type_url,
             "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
@@ -99,7 +103,7 @@ mod tests {
         }))
         .unwrap();
         let mut problems = Diagnostics::default();
-        assert!(unwrap(&any, "a.b", &mut problems).is_none());
+        assert!(unwrap(&any, &JsonPath::new("a.b"), &mut problems).is_none());
         assert_eq!(problems.errors.len(), 1);
         assert_eq!(problems.errors[0].path, "a.b");
     }

@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::config::metrics::v3::stats_matcher::StatsMatcher;
 use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue;
 use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
 
-use super::diagnostic::{Diagnostic, Severity};
+use super::diagnostic::{Diagnostic, JsonPath, Severity};
 use super::extensions::{self, Implemented};
 use super::load::Options;
 use super::pool::PoolError;
@@ -107,10 +107,12 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     };
     let mut seen = HashSet::new();
     for (i, listener) in resources.listeners.iter().enumerate() {
-        let path = format!("static_resources.listeners[{i}]");
+        let path = JsonPath::new("static_resources")
+            .field("listeners")
+            .index(i);
         if !listener.name.is_empty() && !seen.insert(listener.name.as_str()) {
             findings.push(Diagnostic::error(
-                format!("{path}.name"),
+                path.field("name"),
                 format!("a second listener named {:?}", listener.name),
             ));
         }
@@ -126,7 +128,10 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     }
     let mut seen = HashSet::new();
     for (i, cluster) in resources.clusters.iter().enumerate() {
-        let path = format!("static_resources.clusters[{i}].name");
+        let path = JsonPath::new("static_resources")
+            .field("clusters")
+            .index(i)
+            .field("name");
         if cluster.name.is_empty() {
             findings.push(Diagnostic::error(&path, "a cluster needs a name"));
         } else if !seen.insert(cluster.name.as_str()) {
@@ -140,7 +145,10 @@ fn check_names(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     for (i, secret) in resources.secrets.iter().enumerate() {
         if !secret.name.is_empty() && !seen.insert(secret.name.as_str()) {
             findings.push(Diagnostic::error(
-                format!("static_resources.secrets[{i}].name"),
+                JsonPath::new("static_resources")
+                    .field("secrets")
+                    .index(i)
+                    .field("name"),
                 format!("a second secret named {:?}", secret.name),
             ));
         }
@@ -159,13 +167,16 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>
         .flat_map(|resources| &resources.clusters)
         .map(|cluster| cluster.name.as_str())
         .collect();
-    let check_api = |api: &ApiConfigSource, path: &str, findings: &mut Vec<Diagnostic>| {
+    let check_api = |api: &ApiConfigSource, path: &JsonPath, findings: &mut Vec<Diagnostic>| {
         for (i, service) in api.grpc_services.iter().enumerate() {
             if let Some(TargetSpecifier::EnvoyGrpc(grpc)) = &service.target_specifier
                 && !static_clusters.contains(grpc.cluster_name.as_str())
             {
                 findings.push(Diagnostic::error(
-                    format!("{path}.grpc_services[{i}].envoy_grpc.cluster_name"),
+                    path.field("grpc_services")
+                        .index(i)
+                        .field("envoy_grpc")
+                        .field("cluster_name"),
                     format!(
                         "{:?} is not a static cluster, and the xDS server must be reachable \
                          before any dynamic cluster exists",
@@ -176,23 +187,24 @@ fn check_dynamic_resources(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>
         }
     };
     if let Some(ads) = &dynamic.ads_config {
-        check_api(ads, "dynamic_resources.ads_config", findings);
+        let path = JsonPath::new("dynamic_resources").field("ads_config");
+        check_api(ads, &path, findings);
     }
     for (name, source) in [
         ("lds_config", &dynamic.lds_config),
         ("cds_config", &dynamic.cds_config),
     ] {
-        let path = format!("dynamic_resources.{name}");
+        let path = JsonPath::new("dynamic_resources").field(name);
         match source
             .as_ref()
             .and_then(|s| s.config_source_specifier.as_ref())
         {
             Some(ConfigSourceSpecifier::ApiConfigSource(api)) => {
-                check_api(api, &format!("{path}.api_config_source"), findings)
+                check_api(api, &path.field("api_config_source"), findings)
             }
             Some(ConfigSourceSpecifier::Ads(_)) if dynamic.ads_config.is_none() => {
                 findings.push(Diagnostic::error(
-                    format!("{path}.ads"),
+                    path.field("ads"),
                     "says ADS, but dynamic_resources.ads_config is not set",
                 ));
             }
@@ -213,7 +225,10 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
             && let Err(err) = regex::Regex::new(pattern)
         {
             findings.push(Diagnostic::warning(
-                format!("stats_config.stats_tags[{i}].regex"),
+                JsonPath::new("stats_config")
+                    .field("stats_tags")
+                    .index(i)
+                    .field("regex"),
                 format!(
                     "tag {:?}: shunt cannot run this regex ({}); the tag is not extracted",
                     tag.tag_name,
@@ -233,12 +248,16 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
     };
     if let Some((list, patterns)) = patterns {
         for (i, pattern) in patterns.iter().enumerate() {
-            let path = format!("stats_config.stats_matcher.{list}.patterns[{i}]");
+            let path = JsonPath::new("stats_config")
+                .field("stats_matcher")
+                .field(list)
+                .field("patterns")
+                .index(i);
             match &pattern.match_pattern {
                 Some(MatchPattern::SafeRegex(regex)) => {
                     if let Err(err) = regex::Regex::new(&regex.regex) {
                         findings.push(Diagnostic::warning(
-                            format!("{path}.safe_regex.regex"),
+                            path.field("safe_regex").field("regex"),
                             format!(
                                 "invalid regex ({}); it matches no stat",
                                 first_line(&err.to_string())
@@ -247,7 +266,7 @@ fn check_stats(bootstrap: &Bootstrap, findings: &mut Vec<Diagnostic>) {
                     }
                 }
                 Some(MatchPattern::Custom(_)) => findings.push(Diagnostic::warning(
-                    format!("{path}.custom"),
+                    path.field("custom"),
                     "custom string matchers are not implemented; it matches no stat",
                 )),
                 _ => {}

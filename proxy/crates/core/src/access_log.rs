@@ -15,8 +15,8 @@ use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
 use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
 use serde::Serialize;
 
-use shunt_config::Diagnostics;
 use shunt_config::convert::{self, decode};
+use shunt_config::{Diagnostics, JsonPath};
 
 /// Which listener accepted the connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -389,13 +389,13 @@ pub const ACCESS_LOGGERS: &[&str] = &[FILE, STDOUT, STDERR];
 
 /// Opens the access logs shunt can write: files, stdout and stderr. Each writes shunt's
 /// JSON line whatever format it asks for.
-pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Vec<Sink> {
+pub fn compile(logs: &[AccessLog], path: &JsonPath, problems: &mut Diagnostics) -> Vec<Sink> {
     let mut sinks = Vec::new();
     for (i, log) in logs.iter().enumerate() {
-        let log_path = format!("{path}[{i}]");
+        let log_path = path.index(i);
         if log.filter.is_some() {
             problems.warning(
-                format!("{log_path}.filter"),
+                log_path.field("filter"),
                 "access log filters are not implemented; every connection is logged",
             );
         }
@@ -403,7 +403,7 @@ pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Ve
             problems.warning(&log_path, "an access log without typed_config is ignored");
             continue;
         };
-        let typed_path = format!("{log_path}.typed_config");
+        let typed_path = log_path.field("typed_config");
         match convert::type_name(any) {
             FILE => {
                 let Some(file) = decode::<FileAccessLog>(any, &typed_path, problems) else {
@@ -411,16 +411,18 @@ pub fn compile(logs: &[AccessLog], path: &str, problems: &mut Diagnostics) -> Ve
                 };
                 if file.access_log_format.is_some() {
                     problems.warning(
-                        format!("{typed_path}.access_log_format"),
+                        typed_path.field("access_log_format"),
                         "custom formats are not implemented; shunt writes its JSON line",
                     );
                 }
                 match Sink::open(Path::new(&file.path)) {
                     Ok(sink) => sinks.push(sink),
-                    Err(err) => problems.error(
-                        format!("{typed_path}.path"),
-                        format!("cannot open {:?}: {err}", file.path),
-                    ),
+                    Err(err) => {
+                        problems.error(
+                            typed_path.field("path"),
+                            format!("cannot open {:?}: {err}", file.path),
+                        );
+                    }
                 }
             }
             STDOUT => sinks.push(Sink::Stdout),

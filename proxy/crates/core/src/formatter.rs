@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use hyper::HeaderMap;
 
 use crate::stream_info::{Connection, FilterState};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// One piece of a format string.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +82,7 @@ pub struct Format {
 
 impl Format {
     /// Compiles `text` at `path`; an unknown or malformed operator is an error.
-    pub fn compile(text: &str, path: &str, problems: &mut Diagnostics) -> Option<Format> {
+    pub fn compile(text: &str, path: &JsonPath, problems: &mut Diagnostics) -> Option<Format> {
         let mut pieces = Vec::new();
         let mut rest = text;
         while let Some(start) = rest.find('%') {
@@ -317,7 +317,7 @@ mod tests {
 
     fn format(text: &str) -> Format {
         let mut problems = Diagnostics::default();
-        Format::compile(text, "f", &mut problems)
+        Format::compile(text, &JsonPath::new("f"), &mut problems)
             .unwrap_or_else(|| panic!("{text}: {:?}", problems.errors))
     }
 
@@ -376,7 +376,7 @@ mod tests {
             ("%REQ(a):x%", "max length"),
         ] {
             let mut problems = Diagnostics::default();
-            assert!(Format::compile(text, "at.path", &mut problems).is_none());
+            assert!(Format::compile(text, &JsonPath::new("at.path"), &mut problems).is_none());
             let error = format!("{:?}", problems.errors);
             assert!(
                 error.contains(says) && error.contains("at.path"),

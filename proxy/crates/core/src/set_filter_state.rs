@@ -26,7 +26,7 @@ use crate::formatter::{Context, Format};
 use crate::stream_info::{
     FilterState, FilterStateEntry, FilterStateObject, LifeSpan, StringAccessor,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// The original destination an internal listener's `original_dst` restores.
 pub const ORIGINAL_DST_LOCAL: &str = "envoy.filters.listener.original_dst.local_ip";
@@ -95,14 +95,14 @@ pub struct ValueSetter {
 /// Compiles `values` (at `path`, a list).
 pub fn compile(
     values: &[FilterStateValue],
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Vec<ValueSetter>> {
     let before = problems.errors.len();
     let setters: Vec<_> = values
         .iter()
         .enumerate()
-        .filter_map(|(i, v)| compile_value(v, &format!("{path}[{i}]"), problems))
+        .filter_map(|(i, v)| compile_value(v, &path.index(i), problems))
         .collect();
     (problems.errors.len() == before).then_some(setters)
 }
@@ -113,15 +113,15 @@ pub fn compile(
 )]
 fn compile_value(
     value: &FilterStateValue,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<ValueSetter> {
     let Some(Key::ObjectKey(key)) = &value.key else {
-        problems.error(format!("{path}.object_key"), "is required");
+        problems.error(path.field("object_key"), "is required");
         return None;
     };
     if key.is_empty() {
-        problems.error(format!("{path}.object_key"), "must not be empty");
+        problems.error(path.field("object_key"), "must not be empty");
         return None;
     }
     let factory_key = if value.factory_key.is_empty() {
@@ -136,16 +136,12 @@ fn compile_value(
             "factory_key"
         };
         problems.error(
-            format!("{path}.{field}"),
+            path.field(field),
             format!("'{factory_key}' does not have an object factory"),
         );
         return None;
     };
-    let format = compile_format(
-        value.value.as_ref(),
-        &format!("{path}.format_string"),
-        problems,
-    )?;
+    let format = compile_format(value.value.as_ref(), &path.field("format_string"), problems)?;
     let (shared_with_upstream, transitive) =
         match SharedWithUpstream::try_from(value.shared_with_upstream) {
             Ok(SharedWithUpstream::None) => (false, false),
@@ -153,7 +149,7 @@ fn compile_value(
             Ok(SharedWithUpstream::Transitive) => (true, true),
             Err(_) => {
                 problems.error(
-                    format!("{path}.shared_with_upstream"),
+                    path.field("shared_with_upstream"),
                     format!(
                         "{} is not a SharedWithUpstream value",
                         value.shared_with_upstream
@@ -177,7 +173,11 @@ fn compile_value(
     deprecated,
     reason = "text_format is deprecated but still accepted by Envoy"
 )]
-fn compile_format(value: Option<&Value>, path: &str, problems: &mut Diagnostics) -> Option<Format> {
+fn compile_format(
+    value: Option<&Value>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Format> {
     let Some(Value::FormatString(SubstitutionFormatString {
         format,
         omit_empty_values,
@@ -189,7 +189,7 @@ fn compile_format(value: Option<&Value>, path: &str, problems: &mut Diagnostics)
         return None;
     };
     if !formatters.is_empty() {
-        problems.error(format!("{path}.formatters"), "is not implemented");
+        problems.error(path.field("formatters"), "is not implemented");
         return None;
     }
     let text = match format {
@@ -199,14 +199,14 @@ fn compile_format(value: Option<&Value>, path: &str, problems: &mut Diagnostics)
             Some(Specifier::InlineBytes(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
             _ => {
                 problems.error(
-                    format!("{path}.text_format_source"),
+                    path.field("text_format_source"),
                     "only inline_string and inline_bytes are implemented",
                 );
                 return None;
             }
         },
         Some(FormatSource::JsonFormat(_)) => {
-            problems.error(format!("{path}.json_format"), "is not implemented");
+            problems.error(path.field("json_format"), "is not implemented");
             return None;
         }
         None => {
@@ -320,7 +320,7 @@ mod tests {
                     SharedWithUpstream::None,
                 ),
             ],
-            "on_new_connection",
+            &JsonPath::new("on_new_connection"),
             &mut problems,
         )
         .expect("compiles");
@@ -354,7 +354,7 @@ mod tests {
                 value("x.all", "t", "envoy.string", SharedWithUpstream::Transitive),
                 value("x.none", "n", "envoy.string", SharedWithUpstream::None),
             ],
-            "on_new_connection",
+            &JsonPath::new("on_new_connection"),
             &mut problems,
         )
         .expect("compiles");
@@ -380,7 +380,7 @@ mod tests {
         let mut problems = Diagnostics::default();
         let refused = compile(
             &[value("unknown.key", "x", "", SharedWithUpstream::None)],
-            "on_request_headers",
+            &JsonPath::new("on_request_headers"),
             &mut problems,
         );
         assert!(refused.is_none());
@@ -402,7 +402,7 @@ mod tests {
                 "",
                 SharedWithUpstream::Once,
             )],
-            "v",
+            &JsonPath::new("v"),
             &mut problems,
         )
         .unwrap();

@@ -29,8 +29,8 @@ use ipnet::IpNet;
 use prost::Message;
 
 use super::filter_chain::{ConnectionInfo, is_local};
-use shunt_config::Diagnostics;
 use shunt_config::convert::type_name;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// A connection fact the matcher reads (`envoy.extensions.matching.common_inputs.network.v3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ enum Input {
 impl Input {
     fn parse(
         config: Option<&TypedExtensionConfig>,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Input> {
         let Some(any) = config.and_then(|c| c.typed_config.as_ref()) else {
@@ -68,7 +68,7 @@ impl Input {
             Some("ApplicationProtocolInput") => Input::ApplicationProtocol,
             _ => {
                 problems.error(
-                    format!("{path}.typed_config"),
+                    path.field("typed_config"),
                     format!(
                         "matcher input {} is not implemented for filter chains",
                         type_name(any)
@@ -187,7 +187,7 @@ impl ChainMatcher {
     pub fn compile(
         matcher: &PbMatcher,
         chains: &dyn Fn(&str) -> Option<usize>,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<ChainMatcher> {
         let errors_before = problems.errors.len();
@@ -298,32 +298,29 @@ struct Compiler<'a> {
 }
 
 impl Compiler<'_> {
-    fn matcher(&mut self, matcher: &PbMatcher, path: &str) -> ChainMatcher {
+    fn matcher(&mut self, matcher: &PbMatcher, path: &JsonPath) -> ChainMatcher {
         let kind = match &matcher.matcher_type {
             Some(MatcherType::MatcherTree(tree)) => {
-                let t_path = format!("{path}.matcher_tree");
-                let input = Input::parse(
-                    tree.input.as_ref(),
-                    &format!("{t_path}.input"),
-                    self.problems,
-                );
+                let t_path = path.field("matcher_tree");
+                let input =
+                    Input::parse(tree.input.as_ref(), &t_path.field("input"), self.problems);
                 let map = self.map(tree.tree_type.as_ref(), &t_path, input);
                 input.zip(map).map(|(input, map)| Kind::Tree(input, map))
             }
             Some(MatcherType::MatcherList(list)) => {
                 let mut compiled = Vec::new();
                 for (i, field) in list.matchers.iter().enumerate() {
-                    let f_path = format!("{path}.matcher_list.matchers[{i}]");
+                    let f_path = path.field("matcher_list").field("matchers").index(i);
                     let predicate = match &field.predicate {
-                        Some(p) => self.predicate(p, &format!("{f_path}.predicate")),
+                        Some(p) => self.predicate(p, &f_path.field("predicate")),
                         None => {
                             self.problems
-                                .error(format!("{f_path}.predicate"), "is required");
+                                .error(f_path.field("predicate"), "is required");
                             None
                         }
                     };
                     let on_match =
-                        self.on_match(field.on_match.as_ref(), &format!("{f_path}.on_match"));
+                        self.on_match(field.on_match.as_ref(), &f_path.field("on_match"));
                     if let (Some(p), Some(m)) = (predicate, on_match) {
                         compiled.push((p, m));
                     }
@@ -335,16 +332,21 @@ impl Compiler<'_> {
         let on_no_match = matcher
             .on_no_match
             .as_ref()
-            .and_then(|m| self.on_match(Some(m), &format!("{path}.on_no_match")));
+            .and_then(|m| self.on_match(Some(m), &path.field("on_no_match")));
         ChainMatcher { kind, on_no_match }
     }
 
-    fn map(&mut self, tree: Option<&TreeType>, path: &str, input: Option<Input>) -> Option<Map> {
+    fn map(
+        &mut self,
+        tree: Option<&TreeType>,
+        path: &JsonPath,
+        input: Option<Input>,
+    ) -> Option<Map> {
         match tree {
             Some(TreeType::ExactMatchMap(map)) => {
                 let mut entries = HashMap::new();
                 for (key, on_match) in &map.map {
-                    let m_path = format!("{path}.exact_match_map.map[{key:?}]");
+                    let m_path = path.field("exact_match_map").field("map").key(key);
                     if let Some(m) = self.on_match(Some(on_match), &m_path) {
                         entries.insert(key.clone(), m);
                     }
@@ -354,7 +356,7 @@ impl Compiler<'_> {
             Some(TreeType::PrefixMatchMap(map)) => {
                 let mut entries = Vec::new();
                 for (key, on_match) in &map.map {
-                    let m_path = format!("{path}.prefix_match_map.map[{key:?}]");
+                    let m_path = path.field("prefix_match_map").field("map").key(key);
                     if let Some(m) = self.on_match(Some(on_match), &m_path) {
                         entries.push((key.clone(), m));
                     }
@@ -363,7 +365,7 @@ impl Compiler<'_> {
                 Some(Map::Prefix(entries))
             }
             Some(TreeType::CustomMatch(custom)) => {
-                let c_path = format!("{path}.custom_match.typed_config");
+                let c_path = path.field("custom_match").field("typed_config");
                 let any = custom
                     .typed_config
                     .as_ref()
@@ -397,7 +399,7 @@ impl Compiler<'_> {
         }
     }
 
-    fn ip_matcher(&mut self, any: &Any, path: &str) -> Option<Vec<(IpNet, bool, OnMatch)>> {
+    fn ip_matcher(&mut self, any: &Any, path: &JsonPath) -> Option<Vec<(IpNet, bool, OnMatch)>> {
         let matcher = match IpMatcher::decode(any.value.as_slice()) {
             Ok(m) => m,
             Err(err) => {
@@ -408,7 +410,7 @@ impl Compiler<'_> {
         };
         let mut ranges = Vec::new();
         for (i, range) in matcher.range_matchers.iter().enumerate() {
-            let r_path = format!("{path}.range_matchers[{i}]");
+            let r_path = path.field("range_matchers").index(i);
             // Each range shares the one OnMatch: compiled once per range.
             for (j, cidr) in range.ranges.iter().enumerate() {
                 let len = cidr.prefix_len.as_ref().map_or(0, |l| l.value);
@@ -419,14 +421,12 @@ impl Compiler<'_> {
                 });
                 let Some(net) = net else {
                     self.problems.error(
-                        format!("{r_path}.ranges[{j}]"),
+                        r_path.field("ranges").index(j),
                         format!("{:?}/{len} is not an IP range", cidr.address_prefix),
                     );
                     continue;
                 };
-                if let Some(m) =
-                    self.on_match(range.on_match.as_ref(), &format!("{r_path}.on_match"))
-                {
+                if let Some(m) = self.on_match(range.on_match.as_ref(), &r_path.field("on_match")) {
                     ranges.push((net, range.exclusive, m));
                 }
             }
@@ -435,29 +435,26 @@ impl Compiler<'_> {
         Some(ranges)
     }
 
-    fn predicate(&mut self, p: &PbPredicate, path: &str) -> Option<Predicate> {
-        let list = |this: &mut Self, list: &predicate::PredicateList, path: &str| {
+    fn predicate(&mut self, p: &PbPredicate, path: &JsonPath) -> Option<Predicate> {
+        let list = |this: &mut Self, list: &predicate::PredicateList, path: &JsonPath| {
             list.predicate
                 .iter()
                 .enumerate()
-                .map(|(i, p)| this.predicate(p, &format!("{path}.predicate[{i}]")))
+                .map(|(i, p)| this.predicate(p, &path.field("predicate").index(i)))
                 .collect::<Option<Vec<_>>>()
         };
         match &p.match_type {
             Some(predicate::MatchType::SinglePredicate(single)) => {
-                let s_path = format!("{path}.single_predicate");
-                let input = Input::parse(
-                    single.input.as_ref(),
-                    &format!("{s_path}.input"),
-                    self.problems,
-                )?;
+                let s_path = path.field("single_predicate");
+                let input =
+                    Input::parse(single.input.as_ref(), &s_path.field("input"), self.problems)?;
                 match &single.matcher {
                     Some(single_predicate::Matcher::ValueMatch(value)) => self
-                        .text(value, &format!("{s_path}.value_match"))
+                        .text(value, &s_path.field("value_match"))
                         .map(|t| Predicate::Single(input, t)),
                     _ => {
                         self.problems.error(
-                            format!("{s_path}.custom_match"),
+                            s_path.field("custom_match"),
                             "custom predicate matchers are not implemented for filter chains",
                         );
                         None
@@ -465,13 +462,13 @@ impl Compiler<'_> {
                 }
             }
             Some(predicate::MatchType::OrMatcher(l)) => {
-                list(self, l, &format!("{path}.or_matcher")).map(Predicate::Or)
+                list(self, l, &path.field("or_matcher")).map(Predicate::Or)
             }
             Some(predicate::MatchType::AndMatcher(l)) => {
-                list(self, l, &format!("{path}.and_matcher")).map(Predicate::And)
+                list(self, l, &path.field("and_matcher")).map(Predicate::And)
             }
             Some(predicate::MatchType::NotMatcher(p)) => self
-                .predicate(p, &format!("{path}.not_matcher"))
+                .predicate(p, &path.field("not_matcher"))
                 .map(|p| Predicate::Not(Box::new(p))),
             None => {
                 self.problems.error(path, "a predicate needs a match type");
@@ -480,7 +477,7 @@ impl Compiler<'_> {
         }
     }
 
-    fn text(&mut self, matcher: &StringMatcher, path: &str) -> Option<Text> {
+    fn text(&mut self, matcher: &StringMatcher, path: &JsonPath) -> Option<Text> {
         match &matcher.match_pattern {
             Some(MatchPattern::SafeRegex(_)) | Some(MatchPattern::Custom(_)) | None => {
                 self.problems.error(
@@ -496,13 +493,13 @@ impl Compiler<'_> {
         }
     }
 
-    fn on_match(&mut self, on_match: Option<&PbOnMatch>, path: &str) -> Option<OnMatch> {
+    fn on_match(&mut self, on_match: Option<&PbOnMatch>, path: &JsonPath) -> Option<OnMatch> {
         match on_match.and_then(|m| m.on_match.as_ref()) {
             Some(on_match::OnMatch::Matcher(m)) => Some(OnMatch::Matcher(Box::new(
-                self.matcher(m, &format!("{path}.matcher")),
+                self.matcher(m, &path.field("matcher")),
             ))),
             Some(on_match::OnMatch::Action(action)) => {
-                let a_path = format!("{path}.action.typed_config");
+                let a_path = path.field("action").field("typed_config");
                 let name = action
                     .typed_config
                     .as_ref()
@@ -592,7 +589,7 @@ mod tests {
         let matcher = ChainMatcher::compile(
             listener.filter_chain_matcher.as_ref().unwrap(),
             &by_name,
-            "m",
+            &JsonPath::new("m"),
             &mut problems,
         )
         .unwrap_or_else(|| panic!("{:?}", problems.errors));
@@ -629,7 +626,7 @@ mod tests {
         let matcher = ChainMatcher::compile(
             listener.filter_chain_matcher.as_ref().unwrap(),
             &|name| (name != "direct-tcp").then_some(0),
-            "Listener \"main_internal\".filter_chain_matcher",
+            &JsonPath::new("Listener \"main_internal\".filter_chain_matcher"),
             &mut problems,
         );
         assert!(matcher.is_none());
@@ -656,7 +653,7 @@ mod tests {
                 }),
             };
             let mut problems = Diagnostics::default();
-            let input = Input::parse(Some(&config), "input", &mut problems);
+            let input = Input::parse(Some(&config), &JsonPath::new("input"), &mut problems);
             assert!(input.is_some(), "{type_name}: {:?}", problems.errors);
         }
     }

@@ -21,8 +21,8 @@ use super::config::{
     DEFAULT_LISTENER_FILTERS_TIMEOUT, FilterChain, Listener, ListenerFilters, NetworkFilter,
 };
 use super::filter_chain::{FilterChainMatch, FilterChains, SourceType};
-use shunt_config::Diagnostics;
 use shunt_config::convert::{self, decode, duration_or};
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::access_log::Direction;
 use shunt_core::stats::{self, Counter, Gauge, Histogram, Store};
 use shunt_filters::tcp::compile as tcp_proxy;
@@ -127,11 +127,8 @@ pub type Source<'a> = (Option<usize>, &'a EnvoyListener);
 
 /// A listener's JSON path in messages, written only when needed: an update keeps most
 /// listeners as they are and names none of them.
-fn path_of((index, listener): Source<'_>) -> String {
-    match index {
-        Some(i) => format!("static_resources.listeners[{i}]"),
-        None => format!("Listener {:?}", listener.name),
-    }
+fn path_of((index, listener): Source<'_>) -> JsonPath {
+    JsonPath::resource("listeners", "Listener", index, &listener.name)
 }
 
 /// The previous snapshot's listener `name` with its stats, if compiled from the config
@@ -159,13 +156,13 @@ pub fn compile_all(
     for &source in listeners {
         let listener = source.1;
         let name = if listener.name.is_empty() {
-            path_of(source)
+            path_of(source).into()
         } else {
             listener.name.clone()
         };
         if !names.insert(name.clone()) {
             problems.error(
-                format!("{}.name", path_of(source)),
+                path_of(source).field("name"),
                 format!("a second listener named {name:?}"),
             );
             continue;
@@ -194,7 +191,7 @@ pub fn compile_all(
             }
             if let Some(other) = addresses.insert(*addr, compiled_listener.name.clone()) {
                 problems.error(
-                    format!("{}.address", path_of(source)),
+                    path_of(source).field("address"),
                     format!("{addr} is already the address of listener {other:?}"),
                 );
             }
@@ -250,7 +247,7 @@ fn compile(
     clusters: &Clusters,
     stats: &Store,
     node: &Arc<shunt_core::peer::LocalNode>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Listener> {
     let errors_before = problems.errors.len();
@@ -264,7 +261,7 @@ fn compile(
     };
     if listener.api_listener.is_some() {
         problems.error(
-            format!("{path}.api_listener"),
+            path.field("api_listener"),
             "API listeners are not implemented yet",
         );
         return None;
@@ -276,15 +273,13 @@ fn compile(
     let mut addresses = Vec::new();
     if internal {
         check_internal(listener, path, problems);
-    } else if let Some(addr) = convert::ip_socket_addr(
-        listener.address.as_ref(),
-        &format!("{path}.address"),
-        problems,
-    ) {
+    } else if let Some(addr) =
+        convert::ip_socket_addr(listener.address.as_ref(), &path.field("address"), problems)
+    {
         addresses.push(addr);
     }
     for (j, additional) in listener.additional_addresses.iter().enumerate() {
-        let a_path = format!("{path}.additional_addresses[{j}].address");
+        let a_path = path.field("additional_addresses").index(j).field("address");
         if let Some(addr) = convert::ip_socket_addr(additional.address.as_ref(), &a_path, problems)
         {
             addresses.push(addr);
@@ -301,17 +296,17 @@ fn compile(
         let t = duration_or(
             Some(timeout),
             DEFAULT_LISTENER_FILTERS_TIMEOUT,
-            &format!("{path}.listener_filters_timeout"),
+            &path.field("listener_filters_timeout"),
             problems,
         );
         // 0s disables the timeout, as in Envoy.
         filters.timeout = (!t.is_zero()).then_some(t);
     }
     for (j, filter) in listener.listener_filters.iter().enumerate() {
-        let f_path = format!("{path}.listener_filters[{j}]");
+        let f_path = path.field("listener_filters").index(j);
         if filter.filter_disabled.is_some() {
             problems.warning(
-                format!("{f_path}.filter_disabled"),
+                f_path.field("filter_disabled"),
                 "not implemented; the filter always runs",
             );
         }
@@ -322,24 +317,32 @@ fn compile(
                     TLS_INSPECTOR => filters.tls_inspector = true,
                     HTTP_INSPECTOR => filters.http_inspector = true,
                     SET_INTERNAL_DST_ADDRESS if internal => filters.set_internal_dst_address = true,
-                    SET_INTERNAL_DST_ADDRESS => problems.error(
-                        format!("{f_path}.typed_config"),
-                        "set_internal_dst_address only works on an internal_listener",
-                    ),
-                    other => problems.error(
-                        format!("{f_path}.typed_config"),
-                        format!("listener filter {other} is not implemented yet"),
-                    ),
+                    SET_INTERNAL_DST_ADDRESS => {
+                        problems.error(
+                            f_path.field("typed_config"),
+                            "set_internal_dst_address only works on an internal_listener",
+                        );
+                    }
+                    other => {
+                        problems.error(
+                            f_path.field("typed_config"),
+                            format!("listener filter {other} is not implemented yet"),
+                        );
+                    }
                 }
             }
-            Some(listener_filter::ConfigType::ConfigDiscovery(_)) => problems.error(
-                format!("{f_path}.config_discovery"),
-                "listener filters over ECDS are not implemented yet",
-            ),
-            None => problems.error(
-                &f_path,
-                format!("listener filter {:?} has no typed_config", filter.name),
-            ),
+            Some(listener_filter::ConfigType::ConfigDiscovery(_)) => {
+                problems.error(
+                    f_path.field("config_discovery"),
+                    "listener filters over ECDS are not implemented yet",
+                );
+            }
+            None => {
+                problems.error(
+                    &f_path,
+                    format!("listener filter {:?} has no typed_config", filter.name),
+                );
+            }
         }
     }
     // Envoy adds the original_dst listener filter itself to a `use_original_dst`
@@ -352,11 +355,11 @@ fn compile(
     // The config index of each compiled chain: a chain that failed to compile is absent.
     let mut config_index = Vec::new();
     for (j, chain) in listener.filter_chains.iter().enumerate() {
-        let c_path = format!("{path}.filter_chains[{j}]");
+        let c_path = path.field("filter_chains").index(j);
         let errors_before = problems.errors.len();
         let matcher = chain_match(
             chain.filter_chain_match.as_ref(),
-            &format!("{c_path}.filter_chain_match"),
+            &c_path.field("filter_chain_match"),
             problems,
         );
         // A match with a bad criterion would match more than it says: leave it out.
@@ -371,7 +374,7 @@ fn compile(
         );
         if internal && chain.transport_socket.is_some() {
             problems.error(
-                format!("{c_path}.transport_socket"),
+                c_path.field("transport_socket"),
                 "TLS on an internal listener's filter chain is not implemented",
             );
         }
@@ -383,7 +386,7 @@ fn compile(
         }
     }
     let default = listener.default_filter_chain.as_ref().and_then(|chain| {
-        let c_path = format!("{path}.default_filter_chain");
+        let c_path = path.field("default_filter_chain");
         compile_chain(
             chain,
             "default_filter_chain",
@@ -410,7 +413,7 @@ fn compile(
         if let Some(matcher) = ChainMatcher::compile(
             matcher,
             &by_name,
-            &format!("{path}.filter_chain_matcher"),
+            &path.field("filter_chain_matcher"),
             problems,
         ) {
             filter_chains = filter_chains.with_matcher(matcher);
@@ -419,7 +422,9 @@ fn compile(
     if let Some((a, b)) = filter_chains.first_overlap() {
         let (a, b) = (config_index[a], config_index[b]);
         problems.error(
-            format!("{path}.filter_chains[{b}].filter_chain_match"),
+            path.field("filter_chains")
+                .index(b)
+                .field("filter_chain_match"),
             format!(
                 "matches the same connections as filter_chains[{a}]; Envoy rejects such listeners"
             ),
@@ -427,7 +432,7 @@ fn compile(
     }
     if listener.filter_chains.is_empty() && listener.default_filter_chain.is_none() {
         problems.error(
-            format!("{path}.filter_chains"),
+            path.field("filter_chains"),
             "a listener needs a filter chain or a default_filter_chain",
         );
     }
@@ -438,7 +443,7 @@ fn compile(
     });
     if uses_tls_facts && !filters.tls_inspector {
         problems.warning(
-            format!("{path}.listener_filters"),
+            path.field("listener_filters"),
             "chains match on server_names or transport_protocol tls, but there is no tls_inspector: they never match",
         );
     }
@@ -448,11 +453,8 @@ fn compile(
         Ok(TrafficDirection::Outbound) => Direction::Outbound,
         _ => Direction::Unspecified,
     };
-    let access_log = shunt_core::access_log::compile(
-        &listener.access_log,
-        &format!("{path}.access_log"),
-        problems,
-    );
+    let access_log =
+        shunt_core::access_log::compile(&listener.access_log, &path.field("access_log"), problems);
     if problems.errors.len() > errors_before {
         return None;
     }
@@ -504,22 +506,23 @@ fn listener_filter_type(any: &envoy_types::pb::google::protobuf::Any) -> std::bo
 }
 
 /// What an `internal_listener` may not have: an address to bind.
-fn check_internal(listener: &EnvoyListener, path: &str, problems: &mut Diagnostics) {
+fn check_internal(listener: &EnvoyListener, path: &JsonPath, problems: &mut Diagnostics) {
     if listener.address.is_some() || !listener.additional_addresses.is_empty() {
-        problems.error(
-            format!("{path}.address"),
-            "an internal_listener has no address",
-        );
+        problems.error(path.field("address"), "an internal_listener has no address");
     }
     if listener.use_original_dst.is_some_and(|b| b.value) {
         problems.error(
-            format!("{path}.use_original_dst"),
+            path.field("use_original_dst"),
             "an internal_listener cannot hand connections off by address",
         );
     }
 }
 
-fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -> FilterChainMatch {
+fn chain_match(
+    m: Option<&EnvoyMatch>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> FilterChainMatch {
     let Some(m) = m else {
         return FilterChainMatch::default();
     };
@@ -529,7 +532,7 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -
         ranges
             .iter()
             .enumerate()
-            .filter_map(|(i, r)| convert::cidr(r, &format!("{path}.{field}[{i}]"), problems))
+            .filter_map(|(i, r)| convert::cidr(r, &path.field(field).index(i), problems))
             .collect::<Vec<_>>()
     };
     let destination_port = m
@@ -538,7 +541,7 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -
             Ok(port) if port > 0 => Some(port),
             _ => {
                 problems.error(
-                    format!("{path}.destination_port"),
+                    path.field("destination_port"),
                     format!("{} is not a TCP port", p.value),
                 );
                 None
@@ -552,7 +555,7 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -
             Ok(port) if port > 0 => Some(port),
             _ => {
                 problems.error(
-                    format!("{path}.source_ports[{i}]"),
+                    path.field("source_ports").index(i),
                     format!("{p} is not a TCP port"),
                 );
                 None
@@ -562,7 +565,7 @@ fn chain_match(m: Option<&EnvoyMatch>, path: &str, problems: &mut Diagnostics) -
     for (i, name) in m.server_names.iter().enumerate() {
         if name.contains('*') && !(name.starts_with("*.") && name[1..].find('*').is_none()) {
             problems.error(
-                format!("{path}.server_names[{i}]"),
+                path.field("server_names").index(i),
                 format!("{name:?}: a wildcard must be a leading \"*.\""),
             );
         }
@@ -599,13 +602,13 @@ fn compile_chain(
     default_name: &str,
     clusters: &Clusters,
     (stats, listener_prefix, env): (&Store, Option<&str>, &shunt_filters::http::compile::Env),
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<FilterChain> {
     let transport_socket = match &chain.transport_socket {
         Some(socket) => shunt_tls::transport_socket::downstream(
             socket,
-            &format!("{path}.transport_socket"),
+            &path.field("transport_socket"),
             problems,
         )
         .ok()?,
@@ -614,7 +617,7 @@ fn compile_chain(
     let mut network = None;
     let mut filters = shunt_filters::network::NetworkFilters::default();
     for (k, f) in chain.filters.iter().enumerate() {
-        let f_path = format!("{path}.filters[{k}]");
+        let f_path = path.field("filters").index(k);
         if network.is_some() {
             problems.error(&f_path, "comes after the terminal network filter");
             return None;
@@ -623,7 +626,7 @@ fn compile_chain(
             Some(filter::ConfigType::TypedConfig(any)) => any,
             Some(filter::ConfigType::ConfigDiscovery(_)) => {
                 problems.error(
-                    format!("{f_path}.config_discovery"),
+                    f_path.field("config_discovery"),
                     "network filters over ECDS are not implemented yet",
                 );
                 return None;
@@ -636,7 +639,7 @@ fn compile_chain(
                 return None;
             }
         };
-        let typed_path = format!("{f_path}.typed_config");
+        let typed_path = f_path.field("typed_config");
         let any = shunt_config::typed_struct::unwrap(any, &typed_path, problems)?;
         if let Some(refusal) = convert::wasm_unsupported(convert::type_name(&any), &f.name) {
             problems.error(&typed_path, refusal);
@@ -691,7 +694,7 @@ fn compile_chain(
     }
     let Some(network) = network else {
         problems.error(
-            format!("{path}.filters"),
+            path.field("filters"),
             "a filter chain needs a terminal network filter (tcp_proxy or http_connection_manager)",
         );
         return None;
@@ -707,11 +710,7 @@ fn compile_chain(
             .transport_socket_connect_timeout
             .as_ref()
             .and_then(|t| {
-                convert::duration(
-                    t,
-                    &format!("{path}.transport_socket_connect_timeout"),
-                    problems,
-                )
+                convert::duration(t, &path.field("transport_socket_connect_timeout"), problems)
             })
             .filter(|t| !t.is_zero()),
         filters,

@@ -29,7 +29,7 @@ use super::secret::{
     compile_validation_context,
 };
 use super::verifier::{DownstreamVerifier, UpstreamVerifier};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// The secrets a handshake can name, by name (the snapshot's).
 pub type Secrets = HashMap<String, Arc<Secret>>;
@@ -90,7 +90,11 @@ struct Resolved {
 }
 
 impl CommonTls {
-    fn compile(common: &CommonTlsContext, path: &str, problems: &mut Diagnostics) -> Option<Self> {
+    fn compile(
+        common: &CommonTlsContext,
+        path: &JsonPath,
+        problems: &mut Diagnostics,
+    ) -> Option<Self> {
         let mut ok = true;
         let unsupported = [
             (
@@ -105,22 +109,22 @@ impl CommonTls {
         ];
         for (set, field) in unsupported {
             if set {
-                problems.error(format!("{path}.{field}"), "is not implemented");
+                problems.error(path.field(field), "is not implemented");
                 ok = false;
             }
         }
         if common.key_log.is_some() {
-            problems.warning(format!("{path}.key_log"), "is not implemented; ignored");
+            problems.warning(path.field("key_log"), "is not implemented; ignored");
         }
         let mut certificates = Vec::new();
         for (i, cert) in common.tls_certificates.iter().enumerate() {
-            match compile_certificate(cert, &format!("{path}.tls_certificates[{i}]"), problems) {
+            match compile_certificate(cert, &path.field("tls_certificates").index(i), problems) {
                 Some(cert) => certificates.push(CertificateSource::Inline(Arc::new(cert))),
                 None => ok = false,
             }
         }
         for (i, sds) in common.tls_certificate_sds_secret_configs.iter().enumerate() {
-            let at = format!("{path}.tls_certificate_sds_secret_configs[{i}]");
+            let at = path.field("tls_certificate_sds_secret_configs").index(i);
             match sds_name(sds, &at, problems) {
                 Some(name) => certificates.push(CertificateSource::Sds(name)),
                 None => ok = false,
@@ -129,7 +133,7 @@ impl CommonTls {
         let validation = match &common.validation_context_type {
             None => None,
             Some(ValidationContextType::ValidationContext(context)) => {
-                let at = format!("{path}.validation_context");
+                let at = path.field("validation_context");
                 match compile_validation_context(context, &at, problems) {
                     Some(context) => Some(ValidationSource::Inline(context)),
                     None => {
@@ -139,7 +143,7 @@ impl CommonTls {
                 }
             }
             Some(ValidationContextType::ValidationContextSdsSecretConfig(sds)) => {
-                let at = format!("{path}.validation_context_sds_secret_config");
+                let at = path.field("validation_context_sds_secret_config");
                 match sds_name(sds, &at, problems) {
                     Some(name) => Some(ValidationSource::Sds {
                         name,
@@ -152,11 +156,11 @@ impl CommonTls {
                 }
             }
             Some(ValidationContextType::CombinedValidationContext(combined)) => {
-                let at = format!("{path}.combined_validation_context");
+                let at = path.field("combined_validation_context");
                 let default = combined.default_validation_context.as_ref().and_then(|c| {
                     let default = compile_validation_context(
                         c,
-                        &format!("{at}.default_validation_context"),
+                        &at.field("default_validation_context"),
                         problems,
                     );
                     ok &= default.is_some();
@@ -165,14 +169,11 @@ impl CommonTls {
                 let name = match &combined.validation_context_sds_secret_config {
                     Some(sds) => sds_name(
                         sds,
-                        &format!("{at}.validation_context_sds_secret_config"),
+                        &at.field("validation_context_sds_secret_config"),
                         problems,
                     ),
                     None => {
-                        problems.error(
-                            format!("{at}.validation_context_sds_secret_config"),
-                            "needed",
-                        );
+                        problems.error(at.field("validation_context_sds_secret_config"), "needed");
                         None
                     }
                 };
@@ -195,7 +196,7 @@ impl CommonTls {
         };
         let versions = versions(common, path, problems);
         ok &= versions.is_some();
-        let params_path = format!("{path}.tls_params");
+        let params_path = path.field("tls_params");
         if let Some(params) = &common.tls_params {
             for (set, field) in [
                 (!params.cipher_suites.is_empty(), "cipher_suites"),
@@ -208,7 +209,7 @@ impl CommonTls {
                 if set {
                     // rustls' defaults are a modern subset of what these lists name.
                     problems.warning(
-                        format!("{params_path}.{field}"),
+                        params_path.field(field),
                         "is not implemented; rustls' defaults are used",
                     );
                 }
@@ -246,7 +247,7 @@ impl CommonTls {
     /// built now with `build`, so its errors are the config's (at `path`).
     fn builds_now<T>(
         &self,
-        path: String,
+        path: JsonPath,
         problems: &mut Diagnostics,
         build: impl FnOnce(&Secrets) -> Result<T, HandshakeError>,
     ) -> bool {
@@ -306,9 +307,9 @@ impl CommonTls {
     }
 }
 
-fn sds_name(sds: &SdsSecretConfig, path: &str, problems: &mut Diagnostics) -> Option<String> {
+fn sds_name(sds: &SdsSecretConfig, path: &JsonPath, problems: &mut Diagnostics) -> Option<String> {
     if sds.name.is_empty() {
-        problems.error(format!("{path}.name"), "an SDS secret config needs a name");
+        problems.error(path.field("name"), "an SDS secret config needs a name");
         return None;
     }
     Some(sds.name.clone())
@@ -318,7 +319,7 @@ fn sds_name(sds: &SdsSecretConfig, path: &str, problems: &mut Diagnostics) -> Op
 /// so a minimum below 1.2 allows 1.2 and a maximum below it is an error.
 fn versions(
     common: &CommonTlsContext,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Vec<&'static SupportedProtocolVersion>> {
     let params = common.tls_params.clone().unwrap_or_default();
@@ -344,7 +345,7 @@ fn versions(
         .collect();
     if versions.is_empty() {
         problems.error(
-            format!("{path}.tls_params"),
+            path.field("tls_params"),
             "no TLS version left: shunt speaks TLS 1.2 and 1.3",
         );
         return None;
@@ -475,19 +476,19 @@ impl DownstreamTls {
     /// SDS secret is built here, so its errors are the config's.
     pub fn compile(
         context: &DownstreamTlsContext,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Self> {
         if context.require_sni.is_some_and(|v| v.value) {
-            problems.error(format!("{path}.require_sni"), "is not implemented");
+            problems.error(path.field("require_sni"), "is not implemented");
             return None;
         }
         let common = context.common_tls_context.clone().unwrap_or_default();
-        let common_path = format!("{path}.common_tls_context");
+        let common_path = path.field("common_tls_context");
         let common = CommonTls::compile(&common, &common_path, problems)?;
         if common.certificates.is_empty() {
             problems.error(
-                format!("{common_path}.tls_certificates"),
+                common_path.field("tls_certificates"),
                 "terminating TLS needs a certificate (tls_certificates or \
                  tls_certificate_sds_secret_configs)",
             );
@@ -618,7 +619,7 @@ impl UpstreamTls {
 
     pub fn compile(
         context: &UpstreamTlsContext,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Self> {
         let mut ok = true;
@@ -627,7 +628,7 @@ impl UpstreamTls {
             (context.auto_sni_san_validation, "auto_sni_san_validation"),
         ] {
             if set {
-                problems.error(format!("{path}.{field}"), "is not implemented");
+                problems.error(path.field(field), "is not implemented");
                 ok = false;
             }
         }
@@ -637,14 +638,14 @@ impl UpstreamTls {
             match ServerName::try_from(context.sni.clone()) {
                 Ok(name) => Some(name),
                 Err(err) => {
-                    problems.error(format!("{path}.sni"), format!("{:?}: {err}", context.sni));
+                    problems.error(path.field("sni"), format!("{:?}: {err}", context.sni));
                     ok = false;
                     None
                 }
             }
         };
         let common = context.common_tls_context.clone().unwrap_or_default();
-        let common_path = format!("{path}.common_tls_context");
+        let common_path = path.field("common_tls_context");
         let common = CommonTls::compile(&common, &common_path, problems)?;
         if !ok {
             return None;

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::internal_upstream::v3
 use envoy_types::pb::envoy::r#type::metadata::v3::metadata_kind::Kind;
 use envoy_types::pb::google::protobuf::Struct;
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 pub const INTERNAL_UPSTREAM: &str =
     "envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport";
@@ -54,7 +54,7 @@ impl Passthrough {
 /// passthrough config and the socket it wraps (`None`: raw bytes).
 pub fn compile(
     bytes: &[u8],
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<(Passthrough, Option<TransportSocket>)> {
     let config = <InternalUpstreamTransport as prost::Message>::decode(bytes)
@@ -63,7 +63,7 @@ pub fn compile(
     let mut passthrough = Passthrough::default();
     let errors_before = problems.errors.len();
     for (i, source) in config.passthrough_metadata.iter().enumerate() {
-        let at = format!("{path}.passthrough_metadata[{i}]");
+        let at = path.field("passthrough_metadata").index(i);
         let kind = match source.kind.as_ref().and_then(|k| k.kind.as_ref()) {
             Some(Kind::Host(_)) => Source::Host,
             Some(Kind::Cluster(_)) => Source::Cluster,
@@ -73,18 +73,18 @@ pub fn compile(
                     _ => "route",
                 };
                 problems.error(
-                    format!("{at}.kind"),
+                    at.field("kind"),
                     format!("{name} metadata cannot be passed to an internal listener: only host and cluster"),
                 );
                 continue;
             }
             None => {
-                problems.error(format!("{at}.kind"), "is required");
+                problems.error(at.field("kind"), "is required");
                 continue;
             }
         };
         if source.name.is_empty() {
-            problems.error(format!("{at}.name"), "is required");
+            problems.error(at.field("name"), "is required");
             continue;
         }
         passthrough.sources.push((kind, source.name.clone()));
@@ -137,8 +137,12 @@ mod tests {
             transport_socket: None,
         };
         let mut problems = Diagnostics::default();
-        let (passthrough, inner) =
-            compile(&prost::Message::encode_to_vec(&config), "ts", &mut problems).unwrap();
+        let (passthrough, inner) = compile(
+            &prost::Message::encode_to_vec(&config),
+            &JsonPath::new("ts"),
+            &mut problems,
+        )
+        .unwrap();
         assert!(problems.errors.is_empty(), "{problems:?}");
         assert!(inner.is_none());
         let host = metadata(
@@ -165,7 +169,14 @@ mod tests {
             transport_socket: None,
         };
         let mut problems = Diagnostics::default();
-        assert!(compile(&prost::Message::encode_to_vec(&config), "ts", &mut problems).is_none());
+        assert!(
+            compile(
+                &prost::Message::encode_to_vec(&config),
+                &JsonPath::new("ts"),
+                &mut problems
+            )
+            .is_none()
+        );
         assert_eq!(problems.errors[0].path, "ts.passthrough_metadata[0].kind");
     }
 }

@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::subject_alt_
 use envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher;
 use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// One SAN of a certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,7 +79,7 @@ impl StringMatch {
     /// matches nothing (or everything) would change who may connect.
     pub fn compile(
         matcher: &StringMatcher,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Self> {
         let ic = matcher.ignore_case;
@@ -94,14 +94,14 @@ impl StringMatch {
                 match regex::Regex::new(&format!("^(?:{})$", regex.regex)) {
                     Ok(regex) => StringMatch::Regex(regex),
                     Err(err) => {
-                        problems.error(format!("{path}.safe_regex.regex"), err.to_string());
+                        problems.error(path.field("safe_regex").field("regex"), err.to_string());
                         return None;
                     }
                 }
             }
             Some(MatchPattern::Custom(_)) => {
                 problems.error(
-                    format!("{path}.custom"),
+                    path.field("custom"),
                     "custom string matchers are not implemented",
                 );
                 return None;
@@ -142,7 +142,7 @@ pub struct SanMatcher {
 impl SanMatcher {
     pub fn compile_typed(
         m: &SubjectAltNameMatcher,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Self> {
         let san_type = match EnvoySanType::try_from(m.san_type) {
@@ -152,24 +152,24 @@ impl SanMatcher {
             Ok(EnvoySanType::Email) => SanType::Email,
             Ok(EnvoySanType::OtherName) => {
                 problems.error(
-                    format!("{path}.san_type"),
+                    path.field("san_type"),
                     "OTHER_NAME SANs are not implemented",
                 );
                 return None;
             }
             _ => {
                 problems.error(
-                    format!("{path}.san_type"),
+                    path.field("san_type"),
                     "needs a SAN type (DNS, URI, IP_ADDRESS or EMAIL)",
                 );
                 return None;
             }
         };
         let Some(matcher) = &m.matcher else {
-            problems.error(format!("{path}.matcher"), "needed");
+            problems.error(path.field("matcher"), "needed");
             return None;
         };
-        let matcher = StringMatch::compile(matcher, &format!("{path}.matcher"), problems)?;
+        let matcher = StringMatch::compile(matcher, &path.field("matcher"), problems)?;
         Some(SanMatcher {
             san_type: Some(san_type),
             matcher,
@@ -178,7 +178,7 @@ impl SanMatcher {
 
     pub fn compile_untyped(
         m: &StringMatcher,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Self> {
         Some(SanMatcher {

@@ -15,7 +15,7 @@ use rustls::sign::CertifiedKey;
 
 use super::san::SanMatcher;
 use super::{data_source, pem};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// A compiled secret. Shared by `Arc`: its identity is what TLS configs are cached by.
 #[derive(Debug)]
@@ -73,28 +73,32 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// Compiles `secret` at `path`; `None` after reporting what is wrong.
-pub fn compile(secret: &EnvoySecret, path: &str, problems: &mut Diagnostics) -> Option<Secret> {
+pub fn compile(
+    secret: &EnvoySecret,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Secret> {
     if secret.name.is_empty() {
-        problems.error(format!("{path}.name"), "a secret needs a name");
+        problems.error(path.field("name"), "a secret needs a name");
         return None;
     }
     let kind = match &secret.r#type {
         Some(SecretType::TlsCertificate(cert)) => SecretKind::TlsCertificate(Arc::new(
-            compile_certificate(cert, &format!("{path}.tls_certificate"), problems)?,
+            compile_certificate(cert, &path.field("tls_certificate"), problems)?,
         )),
         Some(SecretType::ValidationContext(context)) => SecretKind::ValidationContext(Arc::new(
-            compile_validation_context(context, &format!("{path}.validation_context"), problems)?,
+            compile_validation_context(context, &path.field("validation_context"), problems)?,
         )),
         Some(SecretType::SessionTicketKeys(_)) => {
             problems.error(
-                format!("{path}.session_ticket_keys"),
+                path.field("session_ticket_keys"),
                 "session ticket key secrets are not implemented",
             );
             return None;
         }
         Some(SecretType::GenericSecret(_)) => {
             problems.error(
-                format!("{path}.generic_secret"),
+                path.field("generic_secret"),
                 "generic secrets are not implemented",
             );
             return None;
@@ -113,7 +117,7 @@ pub fn compile(secret: &EnvoySecret, path: &str, problems: &mut Diagnostics) -> 
 /// A `TlsCertificate`: its chain and key read, parsed and checked to belong together.
 pub fn compile_certificate(
     cert: &EnvoyTlsCertificate,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<TlsCertificate> {
     for (set, field) in [
@@ -123,12 +127,12 @@ pub fn compile_certificate(
         (cert.watched_directory.is_some(), "watched_directory"),
     ] {
         if set {
-            problems.error(format!("{path}.{field}"), "is not implemented");
+            problems.error(path.field(field), "is not implemented");
             return None;
         }
     }
-    let chain_path = format!("{path}.certificate_chain");
-    let key_path = format!("{path}.private_key");
+    let chain_path = path.field("certificate_chain");
+    let key_path = path.field("private_key");
     let (Some(chain), Some(key)) = (&cert.certificate_chain, &cert.private_key) else {
         let missing = if cert.certificate_chain.is_none() {
             chain_path
@@ -170,7 +174,7 @@ pub fn compile_certificate(
 /// config keeps out.
 pub fn compile_validation_context(
     context: &CertificateValidationContext,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<ValidationContext> {
     let mut ok = true;
@@ -200,14 +204,14 @@ pub fn compile_validation_context(
         ),
     ] {
         if set {
-            problems.error(format!("{path}.{field}"), "is not implemented");
+            problems.error(path.field(field), "is not implemented");
             ok = false;
         }
     }
     let roots = match &context.trusted_ca {
         None => None,
         Some(source) => {
-            match data_source::read_with(source, &format!("{path}.trusted_ca"), pem::roots) {
+            match data_source::read_with(source, &path.field("trusted_ca"), pem::roots) {
                 Ok(roots) => Some(Arc::new(roots)),
                 Err(err) => {
                     problems.error(err.path, err.message);
@@ -219,7 +223,7 @@ pub fn compile_validation_context(
     };
     let mut san_matchers = Vec::new();
     for (i, m) in context.match_typed_subject_alt_names.iter().enumerate() {
-        let at = format!("{path}.match_typed_subject_alt_names[{i}]");
+        let at = path.field("match_typed_subject_alt_names").index(i);
         match SanMatcher::compile_typed(m, &at, problems) {
             Some(m) => san_matchers.push(m),
             None => ok = false,
@@ -227,7 +231,7 @@ pub fn compile_validation_context(
     }
     #[allow(deprecated, reason = "Envoy still honours match_subject_alt_names")]
     for (i, m) in context.match_subject_alt_names.iter().enumerate() {
-        let at = format!("{path}.match_subject_alt_names[{i}]");
+        let at = path.field("match_subject_alt_names").index(i);
         match SanMatcher::compile_untyped(m, &at, problems) {
             Some(m) => san_matchers.push(m),
             None => ok = false,
@@ -246,13 +250,13 @@ pub fn compile_static(
 ) -> std::collections::HashMap<String, Arc<Secret>> {
     let mut compiled = std::collections::HashMap::new();
     for (i, secret) in secrets.iter().enumerate() {
-        let path = format!("static_resources.secrets[{i}]");
+        let path = JsonPath::new("static_resources").field("secrets").index(i);
         let Some(secret) = compile(secret, &path, problems) else {
             continue;
         };
         if compiled.contains_key(&secret.name) {
             problems.error(
-                format!("{path}.name"),
+                path.field("name"),
                 format!("secret {:?} is defined twice", secret.name),
             );
             continue;

@@ -15,12 +15,16 @@ use super::san::{self, San};
 use super::secret::{self, SecretKind};
 use super::testing::Pki;
 use super::{DownstreamTls, HandshakeError, Secrets, UpstreamTls};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 fn secret(json: serde_json::Value) -> (Option<secret::Secret>, Diagnostics) {
     let message: EnvoySecret = shunt_config::message_from_json(json).unwrap();
     let mut problems = Diagnostics::default();
-    let compiled = secret::compile(&message, "static_resources.secrets[0]", &mut problems);
+    let compiled = secret::compile(
+        &message,
+        &JsonPath::new("static_resources.secrets[0]"),
+        &mut problems,
+    );
     (compiled, problems)
 }
 
@@ -180,7 +184,7 @@ fn the_sans_of_a_certificate_are_read_from_its_der() {
 fn matcher(json: serde_json::Value) -> san::SanMatcher {
     let m = shunt_config::message_from_json(json).unwrap();
     let mut problems = Diagnostics::default();
-    san::SanMatcher::compile_typed(&m, "m", &mut problems).expect("compiles")
+    san::SanMatcher::compile_typed(&m, &JsonPath::new("m"), &mut problems).expect("compiles")
 }
 
 #[test]
@@ -234,13 +238,15 @@ fn san_matchers_compare_by_type_and_pattern() {
 fn downstream(json: serde_json::Value) -> Result<DownstreamTls, Vec<(String, String)>> {
     let context: DownstreamTlsContext = shunt_config::message_from_json(json).unwrap();
     let mut problems = Diagnostics::default();
-    DownstreamTls::compile(&context, "ts", &mut problems).ok_or_else(|| errors(&problems))
+    DownstreamTls::compile(&context, &JsonPath::new("ts"), &mut problems)
+        .ok_or_else(|| errors(&problems))
 }
 
 fn upstream(json: serde_json::Value) -> Result<UpstreamTls, Vec<(String, String)>> {
     let context: UpstreamTlsContext = shunt_config::message_from_json(json).unwrap();
     let mut problems = Diagnostics::default();
-    UpstreamTls::compile(&context, "ts", &mut problems).ok_or_else(|| errors(&problems))
+    UpstreamTls::compile(&context, &JsonPath::new("ts"), &mut problems)
+        .ok_or_else(|| errors(&problems))
 }
 
 fn certificate(pki: &Pki, name: &str) -> serde_json::Value {

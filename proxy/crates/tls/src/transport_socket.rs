@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use prost::Message;
 
 use super::{DownstreamTls, UpstreamTls};
-use shunt_config::{Diagnostics, Reported};
+use shunt_config::{Diagnostics, JsonPath, Reported};
 
 const RAW_BUFFER: &str = "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
 const DOWNSTREAM_TLS: &str = "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
@@ -39,7 +39,11 @@ fn type_name(socket: &TransportSocket) -> (&str, &[u8]) {
     }
 }
 
-fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Diagnostics) -> Option<M> {
+fn decode<M: Message + Default>(
+    bytes: &[u8],
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<M> {
     M::decode(bytes)
         .map_err(|e| problems.error(path, format!("cannot decode: {e}")))
         .ok()
@@ -49,10 +53,10 @@ fn decode<M: Message + Default>(bytes: &[u8], path: &str, problems: &mut Diagnos
 /// context to terminate with, or `Err(Reported)` once the problem is reported.
 pub fn downstream(
     socket: &TransportSocket,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Result<Option<Arc<DownstreamTls>>, Reported> {
-    let typed = format!("{path}.typed_config");
+    let typed = path.field("typed_config");
     match type_name(socket) {
         ("", _) | (RAW_BUFFER, _) => Ok(None),
         (DOWNSTREAM_TLS, bytes) => {
@@ -74,10 +78,10 @@ pub fn downstream(
 /// A cluster's `transport_socket` at `path`, as [`downstream`].
 pub fn upstream(
     socket: &TransportSocket,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Result<Option<Arc<UpstreamTls>>, Reported> {
-    let typed = format!("{path}.typed_config");
+    let typed = path.field("typed_config");
     match type_name(socket) {
         ("", _) | (RAW_BUFFER, _) => Ok(None),
         (UPSTREAM_TLS, bytes) => {
@@ -90,7 +94,7 @@ pub fn upstream(
             let (_, inner) =
                 super::internal_upstream::compile(bytes, &typed, problems).ok_or(Reported)?;
             match inner {
-                Some(inner) => upstream(&inner, &format!("{typed}.transport_socket"), problems),
+                Some(inner) => upstream(&inner, &typed.field("transport_socket"), problems),
                 None => Ok(None),
             }
         }
@@ -110,7 +114,8 @@ pub fn passthrough(socket: &TransportSocket) -> Option<Arc<super::internal_upstr
     match type_name(socket) {
         (super::internal_upstream::INTERNAL_UPSTREAM, bytes) => {
             let mut ignored = Diagnostics::default();
-            super::internal_upstream::compile(bytes, "", &mut ignored).map(|(p, _)| Arc::new(p))
+            super::internal_upstream::compile(bytes, &JsonPath::default(), &mut ignored)
+                .map(|(p, _)| Arc::new(p))
         }
         _ => None,
     }
@@ -163,14 +168,14 @@ impl SocketMatch {
 /// A cluster's `transport_socket_matches` at `path`, in order (the first match wins).
 pub fn matches(
     matches: &[envoy_types::pb::envoy::config::cluster::v3::cluster::TransportSocketMatch],
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Vec<SocketMatch> {
     let mut out = Vec::new();
     for (i, m) in matches.iter().enumerate() {
-        let at = format!("{path}[{i}]");
+        let at = path.index(i);
         let (socket, passthrough) = match &m.transport_socket {
-            Some(socket) => match upstream(socket, &format!("{at}.transport_socket"), problems) {
+            Some(socket) => match upstream(socket, &at.field("transport_socket"), problems) {
                 Ok(tls) => (tls, passthrough(socket)),
                 Err(Reported) => continue,
             },

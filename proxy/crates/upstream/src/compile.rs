@@ -30,8 +30,8 @@ use super::load_balancer::{
 use super::outlier::OutlierDetection;
 use super::stats::ClusterStats;
 use super::{Cluster, ClusterConfig, Clusters, Discovery};
-use shunt_config::Diagnostics;
 use shunt_config::convert::{self, duration_or};
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stats::Store;
 
 /// The discovery types (`Cluster.type`, by enum name) compiled here: every one of
@@ -67,11 +67,8 @@ pub enum ClusterChange<'a> {
 
 /// A cluster's JSON path in messages, written only when needed: an update keeps most
 /// clusters as they are and names none of them.
-fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> String {
-    match index {
-        Some(i) => format!("static_resources.clusters[{i}]"),
-        None => format!("Cluster {:?}", cluster.name),
-    }
+fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> JsonPath {
+    JsonPath::resource("clusters", "Cluster", index, &cluster.name)
 }
 
 /// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
@@ -135,13 +132,13 @@ impl CompiledClusters {
     ) {
         if cluster.name.is_empty() {
             let path = path_of(index, cluster);
-            problems.error(format!("{path}.name"), "a cluster needs a name");
+            problems.error(path.field("name"), "a cluster needs a name");
             return;
         }
         if self.clusters.contains_key(cluster.name.as_str()) {
             let path = path_of(index, cluster);
             problems.error(
-                format!("{path}.name"),
+                path.field("name"),
                 format!("a second cluster named {:?}", cluster.name),
             );
             return;
@@ -186,7 +183,7 @@ struct Endpoint {
 /// go to `pipes`.
 pub fn compile(
     cluster: &EnvoyCluster,
-    path: &str,
+    path: &JsonPath,
     digest: u64,
     stats: &Store,
     pipes: &mut Vec<String>,
@@ -206,12 +203,12 @@ pub fn compile(
     let kind = match &cluster.cluster_discovery_type {
         None => DiscoveryType::Static,
         Some(ClusterDiscoveryType::Type(t)) => DiscoveryType::try_from(*t).unwrap_or_else(|_| {
-            problems.error(format!("{path}.type"), format!("unknown cluster type {t}"));
+            problems.error(path.field("type"), format!("unknown cluster type {t}"));
             DiscoveryType::Static
         }),
         Some(ClusterDiscoveryType::ClusterType(custom)) => {
             problems.error(
-                format!("{path}.cluster_type"),
+                path.field("cluster_type"),
                 format!(
                     "custom cluster type {:?} is not implemented yet",
                     custom.name
@@ -224,7 +221,7 @@ pub fn compile(
     config.connect_timeout = duration_or(
         cluster.connect_timeout.as_ref(),
         DEFAULT_CONNECT_TIMEOUT,
-        &format!("{path}.connect_timeout"),
+        &path.field("connect_timeout"),
         problems,
     );
     config.lb_policy = lb_policy(cluster, kind, path, problems);
@@ -245,14 +242,11 @@ pub fn compile(
     let refresh = duration_or(
         refresh_rate,
         DEFAULT_DNS_REFRESH_RATE,
-        &format!("{path}.dns_refresh_rate"),
+        &path.field("dns_refresh_rate"),
         problems,
     );
     if refresh.is_zero() {
-        problems.error(
-            format!("{path}.dns_refresh_rate"),
-            "must be greater than 0s",
-        );
+        problems.error(path.field("dns_refresh_rate"), "must be greater than 0s");
     }
     let target = |e: &Endpoint| DnsTarget {
         name: e.host.clone(),
@@ -287,15 +281,17 @@ pub fn compile(
                                 0
                             }),
                     ),
-                    Err(_) => problems.error(
-                        format!("{endpoint_path}.address"),
-                        format!(
-                            "{:?} is not an IP address; a {} cluster needs IP endpoints \
+                    Err(_) => {
+                        problems.error(
+                            endpoint_path.field("address"),
+                            format!(
+                                "{:?} is not an IP address; a {} cluster needs IP endpoints \
                              (use STRICT_DNS or LOGICAL_DNS for names)",
-                            endpoint.host,
-                            kind.as_str_name()
-                        ),
-                    ),
+                                endpoint.host,
+                                kind.as_str_name()
+                            ),
+                        );
+                    }
                 }
             }
             if kind == DiscoveryType::Eds {
@@ -307,13 +303,13 @@ pub fn compile(
                         .is_some_and(|source| source.config_source_specifier.is_none())
                 {
                     problems.error(
-                        format!("{path}.eds_cluster_config.eds_config"),
+                        path.field("eds_cluster_config").field("eds_config"),
                         "a config source needs ads, api_config_source or path_config_source",
                     );
                 }
                 if cluster.load_assignment.is_none() {
                     problems.warning(
-                        format!("{path}.eds_cluster_config"),
+                        path.field("eds_cluster_config"),
                         "a static cluster gets no endpoints over EDS (only CDS clusters \
                          subscribe to theirs) and this one has no load_assignment: it has \
                          no endpoints",
@@ -332,7 +328,7 @@ pub fn compile(
         DiscoveryType::LogicalDns => {
             if endpoints.len() != 1 {
                 problems.error(
-                    format!("{path}.load_assignment"),
+                    path.field("load_assignment"),
                     format!(
                         "LOGICAL_DNS needs exactly one endpoint, not {}",
                         endpoints.len()
@@ -349,14 +345,14 @@ pub fn compile(
         DiscoveryType::OriginalDst => {
             if !endpoints.is_empty() {
                 problems.error(
-                    format!("{path}.load_assignment"),
+                    path.field("load_assignment"),
                     "an ORIGINAL_DST cluster has no endpoints of its own",
                 );
             }
             config.cleanup_interval = duration_or(
                 cluster.cleanup_interval.as_ref(),
                 super::cluster::DEFAULT_CLEANUP_INTERVAL,
-                &format!("{path}.cleanup_interval"),
+                &path.field("cleanup_interval"),
                 problems,
             );
             Discovery::OriginalDst
@@ -364,7 +360,7 @@ pub fn compile(
     };
 
     if let Some(bind) = &cluster.upstream_bind_config {
-        let bind_path = format!("{path}.upstream_bind_config.source_address");
+        let bind_path = path.field("upstream_bind_config").field("source_address");
         if let Some(source) = &bind.source_address {
             let address = envoy_types::pb::envoy::config::core::v3::Address {
                 address: Some(
@@ -394,7 +390,7 @@ pub fn compile(
         }
         if !breakers.per_host_thresholds.is_empty() {
             problems.warning(
-                format!("{path}.circuit_breakers.per_host_thresholds"),
+                path.field("circuit_breakers").field("per_host_thresholds"),
                 "per-host circuit breakers are not implemented yet; ignored",
             );
         }
@@ -403,12 +399,12 @@ pub fn compile(
     if let Some(outlier) = &cluster.outlier_detection {
         config.outlier_detection = Some(outlier_detection(
             outlier,
-            &format!("{path}.outlier_detection"),
+            &path.field("outlier_detection"),
             problems,
         ));
     }
     for (i, check) in cluster.health_checks.iter().enumerate() {
-        if let Some(check) = health_check(check, &format!("{path}.health_checks[{i}]"), problems) {
+        if let Some(check) = health_check(check, &path.field("health_checks").index(i), problems) {
             config.health_checks.push(check);
         }
     }
@@ -425,18 +421,17 @@ pub fn compile(
     {
         if factor.value == 0 {
             problems.error(
-                format!("{path}.load_assignment.policy.overprovisioning_factor"),
+                path.field("load_assignment")
+                    .field("policy")
+                    .field("overprovisioning_factor"),
                 "must be greater than 0",
             );
         }
         config.overprovisioning_factor = factor.value.max(1);
     }
     if let Some(socket) = &cluster.transport_socket
-        && let Ok(tls) = shunt_tls::transport_socket::upstream(
-            socket,
-            &format!("{path}.transport_socket"),
-            problems,
-        )
+        && let Ok(tls) =
+            shunt_tls::transport_socket::upstream(socket, &path.field("transport_socket"), problems)
     {
         config.transport_socket = tls;
         config.passthrough = shunt_tls::transport_socket::passthrough(socket);
@@ -444,14 +439,16 @@ pub fn compile(
     config.metadata = cluster.metadata.clone().map(Arc::new);
     config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
     if let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config {
-        let o_path = format!("{path}.original_dst_lb_config");
+        let o_path = path.field("original_dst_lb_config");
         if let Some(port) = original.upstream_port_override {
             match u16::try_from(port.value) {
                 Ok(port) if port > 0 => config.port_override = Some(port),
-                _ => problems.error(
-                    format!("{o_path}.upstream_port_override"),
-                    format!("{} is not a TCP port", port.value),
-                ),
+                _ => {
+                    problems.error(
+                        o_path.field("upstream_port_override"),
+                        format!("{} is not a TCP port", port.value),
+                    );
+                }
             }
         }
         if original.use_http_header || original.metadata_key.is_some() {
@@ -465,13 +462,13 @@ pub fn compile(
     }
     config.transport_socket_matches = shunt_tls::transport_socket::matches(
         &cluster.transport_socket_matches,
-        &format!("{path}.transport_socket_matches"),
+        &path.field("transport_socket_matches"),
         problems,
     )
     .into();
     if cluster.load_balancing_policy.is_some() {
         problems.error(
-            format!("{path}.load_balancing_policy"),
+            path.field("load_balancing_policy"),
             "load_balancing_policy extensions are not implemented yet; use lb_policy",
         );
     }
@@ -485,10 +482,10 @@ pub fn compile(
 fn lb_policy(
     cluster: &EnvoyCluster,
     kind: DiscoveryType,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> LbPolicy {
-    let policy_path = format!("{path}.lb_policy");
+    let policy_path = path.field("lb_policy");
     let policy = EnvoyLbPolicy::try_from(cluster.lb_policy).unwrap_or_else(|_| {
         problems.error(
             &policy_path,
@@ -511,7 +508,7 @@ fn lb_policy(
             };
             if choice_count < 2 {
                 problems.error(
-                    format!("{path}.least_request_lb_config.choice_count"),
+                    path.field("least_request_lb_config").field("choice_count"),
                     "must be at least 2",
                 );
             }
@@ -525,7 +522,8 @@ fn lb_policy(
             };
             if !(0.0..=10.0).contains(&active_request_bias) {
                 problems.error(
-                    format!("{path}.least_request_lb_config.active_request_bias"),
+                    path.field("least_request_lb_config")
+                        .field("active_request_bias"),
                     "must be between 0 and 10",
                 );
             }
@@ -542,7 +540,7 @@ fn lb_policy(
             }
             if min == 0 || min > max || max > DEFAULT_MAX_RING_SIZE {
                 problems.error(
-                    format!("{path}.ring_hash_lb_config"),
+                    path.field("ring_hash_lb_config"),
                     format!("ring sizes must satisfy 0 < minimum ({min}) <= maximum ({max}) <= 8M"),
                 );
             }
@@ -560,7 +558,7 @@ fn lb_policy(
             };
             if !is_prime(table_size) || table_size > 5_000_011 {
                 problems.error(
-                    format!("{path}.maglev_lb_config.table_size"),
+                    path.field("maglev_lb_config").field("table_size"),
                     format!("{table_size} must be a prime no larger than 5000011"),
                 );
             }
@@ -595,22 +593,27 @@ fn is_prime(n: u64) -> bool {
 fn endpoints(
     cluster: &EnvoyCluster,
     kind: DiscoveryType,
-    path: &str,
+    path: &JsonPath,
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
-) -> Vec<(Endpoint, String)> {
+) -> Vec<(Endpoint, JsonPath)> {
     let mut out = Vec::new();
     let Some(assignment) = &cluster.load_assignment else {
         return out;
     };
     for (l, locality) in assignment.endpoints.iter().enumerate() {
         for (e, lb_endpoint) in locality.lb_endpoints.iter().enumerate() {
-            let endpoint_path = format!("{path}.load_assignment.endpoints[{l}].lb_endpoints[{e}]");
+            let endpoint_path = path
+                .field("load_assignment")
+                .field("endpoints")
+                .index(l)
+                .field("lb_endpoints")
+                .index(e);
             let endpoint = match &lb_endpoint.host_identifier {
                 Some(HostIdentifier::Endpoint(endpoint)) => endpoint,
                 Some(HostIdentifier::EndpointName(name)) => {
                     problems.error(
-                        format!("{endpoint_path}.endpoint_name"),
+                        endpoint_path.field("endpoint_name"),
                         format!("named endpoint {name:?} is not implemented yet"),
                     );
                     continue;
@@ -620,7 +623,7 @@ fn endpoints(
                     continue;
                 }
             };
-            let address_path = format!("{endpoint_path}.endpoint.address");
+            let address_path = endpoint_path.field("endpoint").field("address");
             let unhealthy = matches!(
                 HealthStatus::try_from(lb_endpoint.health_status),
                 Ok(HealthStatus::Unhealthy | HealthStatus::Draining | HealthStatus::Timeout)
@@ -633,11 +636,11 @@ fn endpoints(
             let metadata = lb_endpoint.metadata.clone().map(Arc::new);
             match endpoint.address.as_ref().and_then(|a| a.address.as_ref()) {
                 Some(Address::Pipe(_)) => {
-                    pipes.push(format!("{address_path}.pipe"));
+                    pipes.push(address_path.field("pipe").into());
                     continue;
                 }
                 Some(Address::EnvoyInternalAddress(internal)) => {
-                    let internal_path = format!("{address_path}.envoy_internal_address");
+                    let internal_path = address_path.field("envoy_internal_address");
                     let Some(address) = internal_address(internal, kind, &internal_path, problems)
                     else {
                         continue;
@@ -664,15 +667,12 @@ fn endpoints(
             else {
                 continue;
             };
-            let socket_path = format!("{address_path}.socket_address");
+            let socket_path = address_path.field("socket_address");
             let Some(port) = convert::port(socket, &socket_path, problems) else {
                 continue;
             };
             if port == 0 && kind != DiscoveryType::OriginalDst {
-                problems.error(
-                    format!("{socket_path}.port_value"),
-                    "an endpoint needs a port",
-                );
+                problems.error(socket_path.field("port_value"), "an endpoint needs a port");
                 continue;
             }
             out.push((
@@ -699,7 +699,7 @@ fn endpoints(
 fn internal_address(
     internal: &envoy_types::pb::envoy::config::core::v3::EnvoyInternalAddress,
     kind: DiscoveryType,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<super::internal::InternalAddress> {
     use envoy_types::pb::envoy::config::core::v3::envoy_internal_address::AddressNameSpecifier;
@@ -707,7 +707,7 @@ fn internal_address(
         Some(AddressNameSpecifier::ServerListenerName(name)) if !name.is_empty() => name,
         _ => {
             problems.error(
-                format!("{path}.server_listener_name"),
+                path.field("server_listener_name"),
                 "an internal address needs the name of an internal listener",
             );
             return None;
@@ -731,7 +731,7 @@ fn internal_address(
 
 fn outlier_detection(
     outlier: &EnvoyOutlier,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> OutlierDetection {
     let defaults = OutlierDetection::default();
@@ -760,7 +760,7 @@ fn outlier_detection(
     let base = duration_or(
         outlier.base_ejection_time.as_ref(),
         defaults.base_ejection_time,
-        &format!("{path}.base_ejection_time"),
+        &path.field("base_ejection_time"),
         problems,
     );
     OutlierDetection {
@@ -770,7 +770,7 @@ fn outlier_detection(
         max_ejection_time: duration_or(
             outlier.max_ejection_time.as_ref(),
             defaults.max_ejection_time.max(base),
-            &format!("{path}.max_ejection_time"),
+            &path.field("max_ejection_time"),
             problems,
         ),
         max_ejection_percent: value(outlier.max_ejection_percent, defaults.max_ejection_percent)
@@ -780,14 +780,14 @@ fn outlier_detection(
 
 fn health_check(
     check: &EnvoyHealthCheck,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<HealthCheck> {
     let required = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
                     field: &str,
                     problems: &mut Diagnostics|
      -> Option<Duration> {
-        let field_path = format!("{path}.{field}");
+        let field_path = path.field(field);
         match d {
             None => {
                 problems.error(field_path, "is required");
@@ -796,7 +796,7 @@ fn health_check(
             Some(d) => convert::duration(d, &field_path, problems).filter(|d| {
                 let ok = !d.is_zero();
                 if !ok {
-                    problems.error(format!("{path}.{field}"), "must be greater than 0s");
+                    problems.error(path.field(field), "must be greater than 0s");
                 }
                 ok
             }),
@@ -809,7 +809,7 @@ fn health_check(
                      problems: &mut Diagnostics| {
         let value = v.map(|v| v.value);
         if value.is_none() {
-            problems.error(format!("{path}.{field}"), "is required");
+            problems.error(path.field(field), "is required");
         }
         value.unwrap_or(1).max(1)
     };
@@ -817,10 +817,9 @@ fn health_check(
     let healthy_threshold = threshold(check.healthy_threshold, "healthy_threshold", problems);
     let checker = match &check.health_checker {
         Some(HealthChecker::TcpHealthCheck(tcp)) => Checker::Tcp {
-            send: tcp
-                .send
-                .as_ref()
-                .and_then(|p| payload_bytes(p, &format!("{path}.tcp_health_check.send"), problems)),
+            send: tcp.send.as_ref().and_then(|p| {
+                payload_bytes(p, &path.field("tcp_health_check").field("send"), problems)
+            }),
             receive: tcp
                 .receive
                 .iter()
@@ -828,7 +827,7 @@ fn health_check(
                 .filter_map(|(i, p)| {
                     payload_bytes(
                         p,
-                        &format!("{path}.tcp_health_check.receive[{i}]"),
+                        &path.field("tcp_health_check").field("receive").index(i),
                         problems,
                     )
                 })
@@ -836,7 +835,7 @@ fn health_check(
         },
         Some(HealthChecker::HttpHealthCheck(http)) => {
             if http.path.is_empty() {
-                problems.error(format!("{path}.http_health_check.path"), "is required");
+                problems.error(path.field("http_health_check").field("path"), "is required");
             }
             let mut expected: Vec<_> = http
                 .expected_statuses
@@ -854,14 +853,14 @@ fn health_check(
         }
         Some(HealthChecker::GrpcHealthCheck(_)) => {
             problems.error(
-                format!("{path}.grpc_health_check"),
+                path.field("grpc_health_check"),
                 "gRPC health checks are not implemented yet",
             );
             return None;
         }
         Some(HealthChecker::CustomHealthCheck(custom)) => {
             problems.error(
-                format!("{path}.custom_health_check"),
+                path.field("custom_health_check"),
                 format!(
                     "custom health checker {:?} is not implemented yet",
                     custom.name
@@ -880,7 +879,7 @@ fn health_check(
     let optional = |d: Option<&envoy_types::pb::google::protobuf::Duration>,
                     field: &str,
                     problems: &mut Diagnostics| {
-        duration_or(d, Duration::ZERO, &format!("{path}.{field}"), problems)
+        duration_or(d, Duration::ZERO, &path.field(field), problems)
     };
     let interval_jitter = optional(check.interval_jitter.as_ref(), "interval_jitter", problems);
     let initial_jitter = optional(check.initial_jitter.as_ref(), "initial_jitter", problems);
@@ -897,7 +896,7 @@ fn health_check(
 }
 
 /// A health check payload: `text` is hex in Envoy's API.
-fn payload_bytes(p: &Payload, path: &str, problems: &mut Diagnostics) -> Option<Vec<u8>> {
+fn payload_bytes(p: &Payload, path: &JsonPath, problems: &mut Diagnostics) -> Option<Vec<u8>> {
     match &p.payload {
         Some(payload::Payload::Binary(bytes)) => Some(bytes.clone()),
         Some(payload::Payload::Text(hex)) => {
@@ -910,7 +909,7 @@ fn payload_bytes(p: &Payload, path: &str, problems: &mut Diagnostics) -> Option<
                 })
                 .flatten();
             if decoded.is_none() {
-                problems.error(format!("{path}.text"), format!("{hex:?} is not hex"));
+                problems.error(path.field("text"), format!("{hex:?} is not hex"));
             }
             decoded
         }
@@ -933,7 +932,7 @@ pub const PROTOCOL_OPTIONS: &[&str] = &[HTTP_PROTOCOL_OPTIONS];
 )]
 fn http_protocol(
     cluster: &EnvoyCluster,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> UpstreamProtocol {
     use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
@@ -951,7 +950,9 @@ fn http_protocol(
     else {
         return protocol;
     };
-    let o_path = format!("{path}.typed_extension_protocol_options[{HTTP_PROTOCOL_OPTIONS:?}]");
+    let o_path = path
+        .field("typed_extension_protocol_options")
+        .key(HTTP_PROTOCOL_OPTIONS);
     let Some(options) = convert::decode::<HttpProtocolOptions>(any, &o_path, problems) else {
         return protocol;
     };
@@ -960,10 +961,14 @@ fn http_protocol(
             match explicit.protocol_config {
                 Some(ProtocolConfig::Http2ProtocolOptions(_)) => protocol = UpstreamProtocol::Http2,
                 Some(ProtocolConfig::HttpProtocolOptions(_)) => protocol = UpstreamProtocol::Http1,
-                Some(ProtocolConfig::Http3ProtocolOptions(_)) => problems.error(
-                    format!("{o_path}.explicit_http_config.http3_protocol_options"),
-                    "HTTP/3 upstreams are not implemented yet",
-                ),
+                Some(ProtocolConfig::Http3ProtocolOptions(_)) => {
+                    problems.error(
+                        o_path
+                            .field("explicit_http_config")
+                            .field("http3_protocol_options"),
+                        "HTTP/3 upstreams are not implemented yet",
+                    );
+                }
                 None => {}
             }
         }
@@ -971,7 +976,7 @@ fn http_protocol(
             protocol = UpstreamProtocol::UseDownstream;
         }
         Some(UpstreamProtocolOptions::AutoConfig(_)) => problems.warning(
-            format!("{o_path}.auto_config"),
+            o_path.field("auto_config"),
             "ALPN protocol selection is not implemented; HTTP/1.1 is used",
         ),
         None => {}
@@ -990,12 +995,12 @@ pub const UPSTREAM_NETWORK_FILTERS: &[&str] = &[METADATA_EXCHANGE];
 /// upstream network filters are not implemented: a warning says they are left out.
 fn upstream_metadata_exchange(
     cluster: &envoy_types::pb::envoy::config::cluster::v3::Cluster,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<str>> {
     let mut protocol = None;
     for (i, filter) in cluster.filters.iter().enumerate() {
-        let f_path = format!("{path}.filters[{i}].typed_config");
+        let f_path = path.field("filters").index(i).field("typed_config");
         let Some(any) = &filter.typed_config else {
             continue;
         };

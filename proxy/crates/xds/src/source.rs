@@ -193,7 +193,9 @@ pub fn plan(bootstrap: &Bootstrap) -> anyhow::Result<Option<Plan>> {
 fn workload_source(bootstrap: &Bootstrap) -> anyhow::Result<Option<(ConfigSource, String)>> {
     use shunt_core::peer::workload_discovery::{BootstrapExtension, EXTENSION};
     for (i, extension) in bootstrap.bootstrap_extensions.iter().enumerate() {
-        let path = format!("bootstrap_extensions[{i}].typed_config");
+        let path = shunt_config::JsonPath::new("bootstrap_extensions")
+            .index(i)
+            .field("typed_config");
         let Some(any) = &extension.typed_config else {
             continue;
         };
@@ -210,7 +212,7 @@ fn workload_source(bootstrap: &Bootstrap) -> anyhow::Result<Option<(ConfigSource
         let source = config
             .config_source
             .ok_or_else(|| anyhow::anyhow!("{path}.config_source: {EXTENSION} needs one"))?;
-        return Ok(Some((source, format!("{path}.config_source"))));
+        return Ok(Some((source, path.field("config_source").into())));
     }
     Ok(None)
 }

@@ -161,16 +161,9 @@ pub fn render(inputs: &BootstrapInputs) -> Result<Rendered, BootstrapError> {
 
     let mut files = Vec::new();
     let mut b = Map::new();
-    let log_format = if inputs.log_as_json {
-        json!({"json_format": {
-            "time": "%Y-%m-%dT%T.%fZ", "level": "%l", "scope": "envoy %n",
-            "msg": "%j", "caller": "%g:%#", "thread": "%t"}})
-    } else {
-        json!({"text_format": "%Y-%m-%dT%T.%fZ\t%l\tenvoy %n %g:%#\t%v\tthread=%t"})
-    };
     b.insert(
         "application_log_config".into(),
-        json!({ "log_format": log_format }),
+        application_log_config(inputs),
     );
     b.insert("node".into(), node.json());
     b.insert(
@@ -180,6 +173,70 @@ pub fn render(inputs: &BootstrapInputs) -> Result<Rendered, BootstrapError> {
             {"name": "admin", "admin_layer": {}},
         ]}),
     );
+    b.insert(
+        "bootstrap_extensions".into(),
+        bootstrap_extensions(metadata_discovery),
+    );
+    let stats = stats::Stats::of(&node, &pc, inputs.exit_on_zero_active_connections);
+    if let Some(flush) = &stats.flush_interval {
+        b.insert("stats_flush_interval".into(), flush.clone().into());
+    }
+    if let Some(evict) = &stats.eviction_interval {
+        b.insert("stats_eviction_interval".into(), evict.clone().into());
+    }
+    b.insert("stats_config".into(), stats.config(metadata_discovery));
+    b.insert("admin".into(), admin(&net, &pc));
+    b.insert("dynamic_resources".into(), dynamic_resources(delta));
+    let tracer = clusters::Tracer::of(&pc, &env_host_ip(env))?;
+    if let Some((path, token)) = tracer.as_ref().and_then(|t| t.token_file.clone()) {
+        files.push((path, token));
+    }
+    let clusters = clusters::static_clusters(inputs, &pc, &node, &net, tracer.as_ref())?;
+    let listeners = listeners::static_listeners(
+        inputs,
+        &pc,
+        &net,
+        switch("ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL", false),
+    );
+    b.insert(
+        "static_resources".into(),
+        json!({"clusters": clusters, "listeners": listeners}),
+    );
+    b.insert("overload_manager".into(), overload_manager(&pc));
+    if let Some(t) = tracer.as_ref().and_then(|t| t.tracing(&node.cluster)) {
+        b.insert("tracing".into(), t);
+    }
+    let sinks = stats::sinks(&pc, &env_host_ip(env))?;
+    if !sinks.is_empty() {
+        b.insert("stats_sinks".into(), Value::Array(sinks));
+    }
+    if let Some(cluster_manager) = cluster_manager(inputs, &node)? {
+        b.insert("cluster_manager".into(), cluster_manager);
+    }
+    b.insert(
+        "deferred_stat_options".into(),
+        json!({"enable_deferred_creation_stats": true}),
+    );
+    Ok(Rendered {
+        bootstrap: Value::Object(b),
+        files,
+    })
+}
+
+/// Envoy's log format: pilot-agent's JSON one or its text one.
+fn application_log_config(inputs: &BootstrapInputs) -> Value {
+    let log_format = if inputs.log_as_json {
+        json!({"json_format": {
+            "time": "%Y-%m-%dT%T.%fZ", "level": "%l", "scope": "envoy %n",
+            "msg": "%j", "caller": "%g:%#", "thread": "%t"}})
+    } else {
+        json!({"text_format": "%Y-%m-%dT%T.%fZ\t%l\tenvoy %n %g:%#\t%v\tthread=%t"})
+    };
+    json!({ "log_format": log_format })
+}
+
+/// Istio's metadata discovery (when on) and the internal listener extension.
+fn bootstrap_extensions(metadata_discovery: bool) -> Value {
     let mut extensions = Vec::new();
     if metadata_discovery {
         extensions.push(json!({
@@ -199,75 +256,56 @@ pub fn render(inputs: &BootstrapInputs) -> Result<Rendered, BootstrapError> {
             "value": {"buffer_size_kb": 64},
         }
     }));
-    b.insert("bootstrap_extensions".into(), Value::Array(extensions));
-    let stats = stats::Stats::of(&node, &pc, inputs.exit_on_zero_active_connections);
-    if let Some(flush) = &stats.flush_interval {
-        b.insert("stats_flush_interval".into(), flush.clone().into());
-    }
-    if let Some(evict) = &stats.eviction_interval {
-        b.insert("stats_eviction_interval".into(), evict.clone().into());
-    }
-    b.insert("stats_config".into(), stats.config(metadata_discovery));
-    b.insert(
-        "admin".into(),
-        json!({
-            "access_log": [{
-                "name": "envoy.access_loggers.file",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-                    "path": "/dev/null",
-                }
-            }],
-            "profile_path": "/var/lib/istio/data/envoy.prof",
-            "address": {"socket_address": {"address": net.localhost, "port_value": pc.proxy_admin_port}},
-        }),
-    );
-    let xds_type = if delta { "DELTA_GRPC" } else { "GRPC" };
-    b.insert(
-        "dynamic_resources".into(),
-        json!({
-            "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
-            "ads_config": {
-                "api_type": xds_type,
-                "set_node_on_first_message_only": true,
-                "transport_api_version": "V3",
-                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}],
-            },
-        }),
-    );
-    let tracer = clusters::Tracer::of(&pc, &env_host_ip(env))?;
-    if let Some((path, token)) = tracer.as_ref().and_then(|t| t.token_file.clone()) {
-        files.push((path, token));
-    }
-    let clusters = clusters::static_clusters(inputs, &pc, &node, &net, tracer.as_ref())?;
-    let listeners = listeners::static_listeners(
-        inputs,
-        &pc,
-        &net,
-        switch("ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL", false),
-    );
-    b.insert(
-        "static_resources".into(),
-        json!({"clusters": clusters, "listeners": listeners}),
-    );
-    b.insert(
-        "overload_manager".into(),
-        json!({"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
+    Value::Array(extensions)
+}
+
+/// The admin listener, on the pod's localhost.
+fn admin(net: &Network, pc: &ProxyConfigView) -> Value {
+    json!({
+        "access_log": [{
+            "name": "envoy.access_loggers.file",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                "max_active_downstream_connections": global_downstream_max_connections(&pc),
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": "/dev/null",
             }
-        }]}),
-    );
-    if let Some(t) = tracer.as_ref().and_then(|t| t.tracing(&node.cluster)) {
-        b.insert("tracing".into(), t);
-    }
-    let sinks = stats::sinks(&pc, &env_host_ip(env))?;
-    if !sinks.is_empty() {
-        b.insert("stats_sinks".into(), Value::Array(sinks));
-    }
+        }],
+        "profile_path": "/var/lib/istio/data/envoy.prof",
+        "address": {"socket_address": {"address": net.localhost, "port_value": pc.proxy_admin_port}},
+    })
+}
+
+/// LDS and CDS over ADS, Delta or State of the World.
+fn dynamic_resources(delta: bool) -> Value {
+    let xds_type = if delta { "DELTA_GRPC" } else { "GRPC" };
+    json!({
+        "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+        "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
+        "ads_config": {
+            "api_type": xds_type,
+            "set_node_on_first_message_only": true,
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}],
+        },
+    })
+}
+
+/// The global downstream connection limit.
+fn overload_manager(pc: &ProxyConfigView) -> Value {
+    json!({"resource_monitors": [{
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+            "max_active_downstream_connections": global_downstream_max_connections(pc),
+        }
+    }]})
+}
+
+/// `cluster_manager`, when something sets it: the local cluster for self discovery,
+/// the outlier log, the load stats config from the node metadata.
+fn cluster_manager(
+    inputs: &BootstrapInputs,
+    node: &node::Node,
+) -> Result<Option<Value>, BootstrapError> {
     let lrs = node
         .raw
         .get("LOAD_STATS_CONFIG_JSON")
@@ -294,16 +332,9 @@ pub fn render(inputs: &BootstrapInputs) -> Result<Rendered, BootstrapError> {
             cm.insert("load_stats_config".into(), lrs);
         }
         cm.insert("enable_deferred_cluster_creation".into(), true.into());
-        b.insert("cluster_manager".into(), Value::Object(cm));
+        return Ok(Some(Value::Object(cm)));
     }
-    b.insert(
-        "deferred_stat_options".into(),
-        json!({"enable_deferred_creation_stats": true}),
-    );
-    Ok(Rendered {
-        bootstrap: Value::Object(b),
-        files,
-    })
+    Ok(None)
 }
 
 fn env_host_ip(env: &[(String, String)]) -> String {

@@ -131,7 +131,60 @@ impl Node {
 }
 
 pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, BootstrapError> {
-    let env = &inputs.env;
+    let mut raw = raw_metadata(&inputs.env, pc);
+    let instance_ips = dedup(&inputs.instance_ips);
+    let mut typed = typed_metadata(inputs, &raw, &instance_ips)?;
+    let (labels, annotations, locality) = pod_attributes(inputs, &mut typed);
+    typed.insert("PILOT_SAN".into(), json!(inputs.pilot_san));
+    typed.insert(
+        "OUTLIER_LOG_PATH".into(),
+        inputs.outlier_log_path.clone().into(),
+    );
+    if inputs.credential_socket_exists {
+        raw.insert("credential".into(), "true".into());
+    }
+    if inputs.custom_credentials_file_exists {
+        raw.insert("file-credential".into(), "true".into());
+    }
+    // Not asked either way: on for ambient (HBONE) proxies.
+    let metadata_discovery = inputs
+        .metadata_discovery
+        .unwrap_or_else(|| typed_bool(&typed, "ENABLE_HBONE"));
+    typed.insert("METADATA_DISCOVERY".into(), bool_str(metadata_discovery));
+    let enable_self_discovery = typed_bool(&typed, "ENABLE_SELF_DISCOVERY");
+    let cluster = service_cluster(
+        pc,
+        &labels,
+        &typed_str(&typed, "WORKLOAD_NAME"),
+        &typed_str(&typed, "NAMESPACE"),
+    );
+    // Go's omitempty: empty typed fields are left out, and then an untyped key of the
+    // same name (as it came from the environment) shows through.
+    let mut metadata: Map<String, Value> = typed
+        .into_iter()
+        .filter(|(k, v)| k == "METADATA_DISCOVERY" || !is_empty(k, v))
+        .collect();
+    for (k, v) in &raw {
+        if !metadata.contains_key(k) {
+            metadata.insert(k.clone(), v.clone());
+        }
+    }
+    Ok(Node {
+        id: inputs.node_id.clone(),
+        cluster,
+        locality,
+        metadata,
+        raw,
+        annotations,
+        instance_ips,
+        enable_self_discovery,
+        metadata_discovery,
+    })
+}
+
+/// The metadata as given: ProxyConfig's `proxyMetadata` and the environment's
+/// `ISTIO_META_*` keys, `ISTIO_METAJSON_*` objects, and `DNS_PROXY_ADDR`.
+fn raw_metadata(env: &[(String, String)], pc: &ProxyConfigView) -> Map<String, Value> {
     let mut raw = Map::new();
     for (k, v) in &pc.proxy_metadata {
         if let Some(key) = k.strip_prefix(META_PREFIX) {
@@ -154,27 +207,25 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
     if let Some(v) = env_value(env, "DNS_PROXY_ADDR").filter(|v| !v.is_empty()) {
         raw.insert("DNS_PROXY_ADDR".into(), v.into());
     }
+    raw
+}
 
-    // Typed fields, converted as Go's json.Unmarshal into model.BootstrapNodeMetadata.
+/// The typed fields, converted as Go's json.Unmarshal into
+/// model.BootstrapNodeMetadata, and those pilot-agent sets itself.
+fn typed_metadata(
+    inputs: &BootstrapInputs,
+    raw: &Map<String, Value>,
+    instance_ips: &[String],
+) -> Result<Map<String, Value>, BootstrapError> {
     let mut typed = Map::new();
     for (key, kind) in TYPED {
         if let Some(v) = raw.get(key) {
             typed.insert(key.into(), convert(key, kind, v)?);
         }
     }
-    let typed_str = |typed: &Map<String, Value>, k: &str| {
-        typed
-            .get(k)
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned()
-    };
-    let typed_bool = |typed: &Map<String, Value>, k: &str| typed.get(k) == Some(&json!("true"));
-
     if typed_str(&typed, "ISTIO_VERSION").is_empty() {
         typed.insert("ISTIO_VERSION".into(), inputs.istio_version.clone().into());
     }
-    let instance_ips = dedup(&inputs.instance_ips);
     typed.insert("INSTANCE_IPS".into(), instance_ips.join(",").into());
     if inputs.sts_port != 0 {
         typed.insert("STS_PORT".into(), inputs.sts_port.to_string().into());
@@ -196,8 +247,8 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
         "EXIT_ON_ZERO_ACTIVE_CONNECTIONS".into(),
         bool_str(inputs.exit_on_zero_active_connections),
     );
+    // Set from the agent's own setting (`build`), whatever the metadata said.
     typed.remove("METADATA_DISCOVERY");
-    let mut metadata_discovery = inputs.metadata_discovery;
     typed.insert(
         "ENVOY_SKIP_DEPRECATED_LOGS".into(),
         bool_str(inputs.envoy_skip_deprecated_logs),
@@ -207,14 +258,26 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
         inputs.workload_identity_socket_file.clone().into(),
     );
     typed.insert("PROXY_CONFIG".into(), inputs.proxy_config.to_json());
+    Ok(typed)
+}
 
-    // extractAttributesMetadata: the pod's identity and its labels from the injector.
+/// extractAttributesMetadata: the pod's identity, labels and annotations from the
+/// injector and the downward API, written into `typed`; returns the labels, the
+/// annotations and the locality (from the locality label, else the platform's).
+fn pod_attributes(
+    inputs: &BootstrapInputs,
+    typed: &mut Map<String, Value>,
+) -> (
+    BTreeMap<String, String>,
+    BTreeMap<String, String>,
+    [String; 3],
+) {
     // LABELS and STATIC_LABELS are one map in pilot-agent until pod labels are read from
     // the downward API, so a locality rewrite shows in both: `static_shared` keeps that.
-    let mut labels: Option<BTreeMap<String, String>> = typed_map(&typed, "LABELS");
-    let mut static_labels = typed_map(&typed, "STATIC_LABELS");
+    let mut labels: Option<BTreeMap<String, String>> = typed_map(typed, "LABELS");
+    let mut static_labels = typed_map(typed, "STATIC_LABELS");
     let mut static_shared = false;
-    for (k, v) in env {
+    for (k, v) in &inputs.env {
         match k.as_str() {
             "ISTIO_METAJSON_LABELS" => {
                 if let Ok(m) = serde_json::from_str::<BTreeMap<String, String>>(v)
@@ -250,11 +313,27 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
         labels = Some(merged);
         static_shared = false;
     }
-    let mut annotations = typed_map(&typed, "ANNOTATIONS").unwrap_or_default();
+    let mut annotations = typed_map(typed, "ANNOTATIONS").unwrap_or_default();
     if let Some(pod_annotations) = &inputs.annotations {
         annotations.extend(pod_annotations.clone());
     }
+    let locality = locality(inputs, &mut labels, &mut static_labels, static_shared);
+    let labels = labels.unwrap_or_default();
+    put_map(typed, "LABELS", &labels);
+    put_map(typed, "STATIC_LABELS", &static_labels.unwrap_or_default());
+    put_map(typed, "ANNOTATIONS", &annotations);
+    (labels, annotations, locality)
+}
 
+/// The locality (region, zone, subzone) from the pod's locality label, written back in
+/// its `/` form (into the static labels too while they are the same map); else the
+/// platform's.
+fn locality(
+    inputs: &BootstrapInputs,
+    labels: &mut Option<BTreeMap<String, String>>,
+    static_labels: &mut Option<BTreeMap<String, String>>,
+    static_shared: bool,
+) -> [String; 3] {
     let mut locality = [String::new(), String::new(), String::new()];
     let label = labels.as_ref().and_then(|l| {
         l.get(TOPOLOGY_LOCALITY_LABEL)
@@ -280,67 +359,19 @@ pub fn build(inputs: &BootstrapInputs, pc: &ProxyConfigView) -> Result<Node, Boo
         }
         None => locality.clone_from(&inputs.platform_locality),
     }
-    let labels = labels.unwrap_or_default();
-    put_map(&mut typed, "LABELS", &labels);
-    put_map(
-        &mut typed,
-        "STATIC_LABELS",
-        &static_labels.unwrap_or_default(),
-    );
-    put_map(&mut typed, "ANNOTATIONS", &annotations);
+    locality
+}
 
-    typed.insert("PILOT_SAN".into(), json!(inputs.pilot_san));
-    typed.insert(
-        "OUTLIER_LOG_PATH".into(),
-        inputs.outlier_log_path.clone().into(),
-    );
-    if inputs.credential_socket_exists {
-        raw.insert("credential".into(), "true".into());
-    }
-    if inputs.custom_credentials_file_exists {
-        raw.insert("file-credential".into(), "true".into());
-    }
-    let enable_hbone = typed_bool(&typed, "ENABLE_HBONE");
-    if metadata_discovery.is_none() {
-        // Not asked either way: on for ambient (HBONE) proxies.
-        metadata_discovery = Some(enable_hbone);
-    }
-    typed.insert(
-        "METADATA_DISCOVERY".into(),
-        bool_str(metadata_discovery == Some(true)),
-    );
+fn typed_str(typed: &Map<String, Value>, k: &str) -> String {
+    typed
+        .get(k)
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned()
+}
 
-    let enable_self_discovery = typed_bool(&typed, "ENABLE_SELF_DISCOVERY");
-    let cluster = service_cluster(
-        pc,
-        &labels,
-        &typed_str(&typed, "WORKLOAD_NAME"),
-        &typed_str(&typed, "NAMESPACE"),
-    );
-
-    // Go's omitempty: empty typed fields are left out, and then an untyped key of the
-    // same name (as it came from the environment) shows through.
-    let mut metadata: Map<String, Value> = typed
-        .into_iter()
-        .filter(|(k, v)| k == "METADATA_DISCOVERY" || !is_empty(k, v))
-        .collect();
-    for (k, v) in &raw {
-        if !metadata.contains_key(k) {
-            metadata.insert(k.clone(), v.clone());
-        }
-    }
-
-    Ok(Node {
-        id: inputs.node_id.clone(),
-        cluster,
-        locality,
-        metadata,
-        raw,
-        annotations,
-        instance_ips,
-        enable_self_discovery,
-        metadata_discovery: metadata_discovery == Some(true),
-    })
+fn typed_bool(typed: &Map<String, Value>, k: &str) -> bool {
+    typed.get(k) == Some(&json!("true"))
 }
 
 fn convert(key: &str, kind: Kind, v: &Value) -> Result<Value, BootstrapError> {

@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use rustls::pki_types::{CertificateDer, UnixTime};
 use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_tls::{Secrets, secret};
 
 /// The SDS name of the workload certificate (Istio's `default`).
@@ -56,7 +56,9 @@ impl Bundle {
             private_key: Some(inline(&private_key)),
             ..Default::default()
         };
-        if secret::compile_certificate(&certificate, "private key", &mut problems).is_none() {
+        if secret::compile_certificate(&certificate, &JsonPath::new("private key"), &mut problems)
+            .is_none()
+        {
             let why: Vec<String> = problems.errors.iter().map(|d| d.to_string()).collect();
             return Err(why.join("; "));
         }
@@ -103,7 +105,9 @@ impl Bundle {
         let mut problems = Diagnostics::default();
         let mut secrets = Secrets::new();
         for s in self.envoy_secrets() {
-            if let Some(compiled) = secret::compile(&s, &s.name, &mut problems) {
+            if let Some(compiled) =
+                secret::compile(&s, &JsonPath::new(s.name.as_str()), &mut problems)
+            {
                 secrets.insert(s.name.clone(), std::sync::Arc::new(compiled));
             }
         }

@@ -95,9 +95,37 @@ fn peer_tags(config: &PluginConfig, node: &LocalNode, obs: &Observation) -> (Tag
         (None, Reporter::ClientSidecar) => obs.endpoint,
         (None, _) => None,
     };
+    let (service_host, service_name) = destination_service(config, obs);
+    let tls_peer_san = obs.peer_principal.unwrap_or_default();
+    let local_san = obs.local_principal.unwrap_or_default();
+    let mutual_tls = match reporter {
+        Reporter::ClientSidecar => None,
+        _ => Some(!tls_peer_san.is_empty() && !local_san.is_empty()),
+    };
+    // Without a certificate, the identity workload discovery knows for the peer.
+    let peer_san = or(tls_peer_san, peer.map_or("", |p| p.identity.as_str()));
+    let sides = Sides {
+        peer,
+        peer_san,
+        peer_namespace: spiffe_namespace(peer_san)
+            .or_else(|| peer.map(|p| p.namespace_name.as_str()))
+            .unwrap_or_default(),
+        local: &node.workload(),
+        local_san,
+        service_host,
+        service_name,
+    };
+    match reporter {
+        Reporter::ServerSidecar => inbound_tags(&mut tags, &sides),
+        Reporter::ServerGateway => gateway_tags(&mut tags, &sides, obs.endpoint),
+        Reporter::ClientSidecar => outbound_tags(&mut tags, &sides),
+    }
+    (tags, mutual_tls)
+}
 
-    // Destination service: the Host header unless disabled, then the special clusters,
-    // then the cluster's `istio.services`.
+/// The destination service's host and name: the Host header unless disabled, then the
+/// special clusters, then the cluster's `istio.services`.
+fn destination_service<'a>(config: &PluginConfig, obs: &Observation<'a>) -> (&'a str, &'a str) {
     let mut service_host: &str = "";
     let mut service_name: &str = "";
     if !config.disable_host_header_fallback
@@ -129,124 +157,155 @@ fn peer_tags(config: &PluginConfig, node: &LocalNode, obs: &Observation) -> (Tag
             }
         },
     }
+    (service_host, service_name)
+}
 
-    let tls_peer_san = obs.peer_principal.unwrap_or_default();
-    let local_san = obs.local_principal.unwrap_or_default();
-    let mutual_tls = match reporter {
-        Reporter::ClientSidecar => None,
-        _ => Some(!tls_peer_san.is_empty() && !local_san.is_empty()),
-    };
-    // Without a certificate, the identity workload discovery knows for the peer.
-    let peer_san = or(tls_peer_san, peer.map_or("", |p| p.identity.as_str()));
-    let peer_namespace = spiffe_namespace(peer_san)
-        .or_else(|| peer.map(|p| p.namespace_name.as_str()))
-        .unwrap_or_default();
-    let local = node.workload();
-    let peer_field = |get: fn(&Workload) -> &str, fallback: &'static str| -> String {
-        peer.map(get)
+/// The two sides of a report: the peer (the other side) and the local workload, each
+/// with its identity, and the destination service.
+struct Sides<'a> {
+    peer: Option<&'a Workload>,
+    peer_san: &'a str,
+    peer_namespace: &'a str,
+    local: &'a Workload,
+    local_san: &'a str,
+    service_host: &'a str,
+    service_name: &'a str,
+}
+
+impl Sides<'_> {
+    /// A field of the peer's workload, `fallback` when it is unknown or empty.
+    fn peer_field(&self, get: fn(&Workload) -> &str, fallback: &'static str) -> String {
+        self.peer
+            .map(get)
             .filter(|v| !v.is_empty())
             .unwrap_or(fallback)
             .to_owned()
-    };
-
-    match reporter {
-        Reporter::ServerSidecar | Reporter::ServerGateway => {
-            tags.push(
-                "source_workload",
-                &peer_field(|p| &p.workload_name, UNKNOWN),
-            );
-            tags.push(
-                "source_canonical_service",
-                &peer_field(|p| &p.canonical_name, UNKNOWN),
-            );
-            tags.push(
-                "source_canonical_revision",
-                &peer_field(|p| &p.canonical_revision, LATEST),
-            );
-            tags.push("source_workload_namespace", or(peer_namespace, UNKNOWN));
-            tags.push("source_principal", or(peer_san, UNKNOWN));
-            tags.push("source_app", &peer_field(|p| &p.app_name, UNKNOWN));
-            tags.push("source_version", &peer_field(|p| &p.app_version, UNKNOWN));
-            tags.push("source_cluster", &peer_field(|p| &p.cluster_name, UNKNOWN));
-            if reporter == Reporter::ServerGateway {
-                let endpoint = obs.endpoint;
-                let canonical = endpoint.map_or(UNKNOWN, |e| e.canonical_name.as_str());
-                tags.push(
-                    "destination_workload",
-                    endpoint.map_or(UNKNOWN, |e| e.workload_name.as_str()),
-                );
-                tags.push("destination_workload_namespace", &local.namespace_name);
-                tags.push("destination_principal", or(local_san, UNKNOWN));
-                tags.push("destination_app", UNKNOWN);
-                tags.push("destination_version", UNKNOWN);
-                tags.push("destination_service", or(service_host, canonical));
-                tags.push("destination_canonical_service", canonical);
-                tags.push(
-                    "destination_canonical_revision",
-                    endpoint.map_or(UNKNOWN, |e| e.canonical_revision.as_str()),
-                );
-                tags.push("destination_service_name", or(service_name, canonical));
-            } else {
-                tags.push("destination_workload", &local.workload_name);
-                tags.push("destination_workload_namespace", &local.namespace_name);
-                tags.push("destination_principal", or(local_san, UNKNOWN));
-                tags.push("destination_app", &local.app_name);
-                tags.push("destination_version", &local.app_version);
-                tags.push(
-                    "destination_service",
-                    or(service_host, &local.canonical_name),
-                );
-                tags.push("destination_canonical_service", &local.canonical_name);
-                tags.push("destination_canonical_revision", &local.canonical_revision);
-                tags.push(
-                    "destination_service_name",
-                    or(service_name, &local.canonical_name),
-                );
-            }
-            tags.push("destination_service_namespace", &local.namespace_name);
-            tags.push("destination_cluster", &local.cluster_name);
-        }
-        Reporter::ClientSidecar => {
-            tags.push("source_workload", &local.workload_name);
-            tags.push("source_canonical_service", &local.canonical_name);
-            tags.push("source_canonical_revision", &local.canonical_revision);
-            tags.push("source_workload_namespace", &local.namespace_name);
-            tags.push("source_principal", or(local_san, UNKNOWN));
-            tags.push("source_app", &local.app_name);
-            tags.push("source_version", &local.app_version);
-            tags.push("source_cluster", &local.cluster_name);
-            tags.push(
-                "destination_workload",
-                &peer_field(|p| &p.workload_name, UNKNOWN),
-            );
-            tags.push(
-                "destination_workload_namespace",
-                or(peer_namespace, UNKNOWN),
-            );
-            tags.push("destination_principal", or(peer_san, UNKNOWN));
-            tags.push("destination_app", &peer_field(|p| &p.app_name, UNKNOWN));
-            tags.push(
-                "destination_version",
-                &peer_field(|p| &p.app_version, UNKNOWN),
-            );
-            tags.push("destination_service", or(service_host, UNKNOWN));
-            tags.push(
-                "destination_canonical_service",
-                &peer_field(|p| &p.canonical_name, UNKNOWN),
-            );
-            tags.push(
-                "destination_canonical_revision",
-                &peer_field(|p| &p.canonical_revision, LATEST),
-            );
-            tags.push("destination_service_name", or(service_name, UNKNOWN));
-            tags.push("destination_service_namespace", or(peer_namespace, UNKNOWN));
-            tags.push(
-                "destination_cluster",
-                &peer_field(|p| &p.cluster_name, UNKNOWN),
-            );
-        }
     }
-    (tags, mutual_tls)
+
+    /// The source labels of an inbound report: the peer's.
+    fn peer_source_tags(&self, tags: &mut Tags) {
+        tags.push(
+            "source_workload",
+            &self.peer_field(|p| &p.workload_name, UNKNOWN),
+        );
+        tags.push(
+            "source_canonical_service",
+            &self.peer_field(|p| &p.canonical_name, UNKNOWN),
+        );
+        tags.push(
+            "source_canonical_revision",
+            &self.peer_field(|p| &p.canonical_revision, LATEST),
+        );
+        tags.push(
+            "source_workload_namespace",
+            or(self.peer_namespace, UNKNOWN),
+        );
+        tags.push("source_principal", or(self.peer_san, UNKNOWN));
+        tags.push("source_app", &self.peer_field(|p| &p.app_name, UNKNOWN));
+        tags.push(
+            "source_version",
+            &self.peer_field(|p| &p.app_version, UNKNOWN),
+        );
+        tags.push(
+            "source_cluster",
+            &self.peer_field(|p| &p.cluster_name, UNKNOWN),
+        );
+    }
+}
+
+/// A sidecar's inbound report: the peer is the source, the local workload the
+/// destination.
+fn inbound_tags(tags: &mut Tags, s: &Sides) {
+    let local = s.local;
+    s.peer_source_tags(tags);
+    tags.push("destination_workload", &local.workload_name);
+    tags.push("destination_workload_namespace", &local.namespace_name);
+    tags.push("destination_principal", or(s.local_san, UNKNOWN));
+    tags.push("destination_app", &local.app_name);
+    tags.push("destination_version", &local.app_version);
+    tags.push(
+        "destination_service",
+        or(s.service_host, &local.canonical_name),
+    );
+    tags.push("destination_canonical_service", &local.canonical_name);
+    tags.push("destination_canonical_revision", &local.canonical_revision);
+    tags.push(
+        "destination_service_name",
+        or(s.service_name, &local.canonical_name),
+    );
+    tags.push("destination_service_namespace", &local.namespace_name);
+    tags.push("destination_cluster", &local.cluster_name);
+}
+
+/// A gateway's report: the peer is the source, the upstream endpoint the destination
+/// (in the gateway's namespace and with its principal).
+fn gateway_tags(tags: &mut Tags, s: &Sides, endpoint: Option<&Workload>) {
+    let local = s.local;
+    s.peer_source_tags(tags);
+    let canonical = endpoint.map_or(UNKNOWN, |e| e.canonical_name.as_str());
+    tags.push(
+        "destination_workload",
+        endpoint.map_or(UNKNOWN, |e| e.workload_name.as_str()),
+    );
+    tags.push("destination_workload_namespace", &local.namespace_name);
+    tags.push("destination_principal", or(s.local_san, UNKNOWN));
+    tags.push("destination_app", UNKNOWN);
+    tags.push("destination_version", UNKNOWN);
+    tags.push("destination_service", or(s.service_host, canonical));
+    tags.push("destination_canonical_service", canonical);
+    tags.push(
+        "destination_canonical_revision",
+        endpoint.map_or(UNKNOWN, |e| e.canonical_revision.as_str()),
+    );
+    tags.push("destination_service_name", or(s.service_name, canonical));
+    tags.push("destination_service_namespace", &local.namespace_name);
+    tags.push("destination_cluster", &local.cluster_name);
+}
+
+/// A sidecar's outbound report: the local workload is the source, the peer the
+/// destination.
+fn outbound_tags(tags: &mut Tags, s: &Sides) {
+    let local = s.local;
+    tags.push("source_workload", &local.workload_name);
+    tags.push("source_canonical_service", &local.canonical_name);
+    tags.push("source_canonical_revision", &local.canonical_revision);
+    tags.push("source_workload_namespace", &local.namespace_name);
+    tags.push("source_principal", or(s.local_san, UNKNOWN));
+    tags.push("source_app", &local.app_name);
+    tags.push("source_version", &local.app_version);
+    tags.push("source_cluster", &local.cluster_name);
+    tags.push(
+        "destination_workload",
+        &s.peer_field(|p| &p.workload_name, UNKNOWN),
+    );
+    tags.push(
+        "destination_workload_namespace",
+        or(s.peer_namespace, UNKNOWN),
+    );
+    tags.push("destination_principal", or(s.peer_san, UNKNOWN));
+    tags.push("destination_app", &s.peer_field(|p| &p.app_name, UNKNOWN));
+    tags.push(
+        "destination_version",
+        &s.peer_field(|p| &p.app_version, UNKNOWN),
+    );
+    tags.push("destination_service", or(s.service_host, UNKNOWN));
+    tags.push(
+        "destination_canonical_service",
+        &s.peer_field(|p| &p.canonical_name, UNKNOWN),
+    );
+    tags.push(
+        "destination_canonical_revision",
+        &s.peer_field(|p| &p.canonical_revision, LATEST),
+    );
+    tags.push("destination_service_name", or(s.service_name, UNKNOWN));
+    tags.push(
+        "destination_service_namespace",
+        or(s.peer_namespace, UNKNOWN),
+    );
+    tags.push(
+        "destination_cluster",
+        &s.peer_field(|p| &p.cluster_name, UNKNOWN),
+    );
 }
 
 fn security_policy(mutual_tls: Option<bool>) -> &'static str {

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use crate::peer::LocalNode;
 use crate::stats::Store;
+use shunt_config::JsonPath;
 
 pub use config::{PluginConfig, Reporter};
 pub use labels::{Observation, Tags};
@@ -218,7 +219,7 @@ pub fn compile(
     store: &Store,
     node: &Arc<LocalNode>,
     inbound: Option<bool>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut shunt_config::Diagnostics,
 ) -> Option<Recorder> {
     let json = match shunt_config::any_to_json(any) {
@@ -232,7 +233,7 @@ pub fn compile(
         Ok(config) => config,
         Err(err) => {
             let at = if err.path.is_empty() {
-                path.to_owned()
+                String::from(path)
             } else {
                 format!("{path}.{}", err.path)
             };

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
 use hyper::HeaderMap;
 use regex::Regex;
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// What route matching reads from a request. Pseudo-headers (`:method`, `:authority`,
 /// `:path`, `:scheme`) are fields because HTTP/1.1 requests do not carry them as headers.
@@ -165,7 +165,11 @@ impl HeaderMatcher {
 }
 
 /// A `RegexMatcher`, anchored (Envoy's regexes match whole values).
-pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Diagnostics) -> Option<regex::Regex> {
+pub fn regex(
+    re: &RegexMatcher,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<regex::Regex> {
     match full_match_regex(&re.regex) {
         Ok(re) => Some(re),
         Err(err) => {
@@ -178,7 +182,7 @@ pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Diagnostics) -> Optio
                 .trim_start_matches("error: ")
                 .to_owned();
             problems.error(
-                format!("{path}.regex"),
+                path.field("regex"),
                 format!("{:?} is not a valid regex: {why}", re.regex),
             );
             None
@@ -189,7 +193,7 @@ pub fn regex(re: &RegexMatcher, path: &str, problems: &mut Diagnostics) -> Optio
 /// A `StringMatcher`.
 pub fn string_matcher(
     m: &EnvoyStringMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<StringMatcher> {
     let pattern = match &m.match_pattern {
@@ -198,11 +202,11 @@ pub fn string_matcher(
         Some(MatchPattern::Suffix(s)) => StringPattern::Suffix(s.clone()),
         Some(MatchPattern::Contains(s)) => StringPattern::Contains(s.clone()),
         Some(MatchPattern::SafeRegex(re)) => {
-            StringPattern::Regex(regex(re, &format!("{path}.safe_regex"), problems)?)
+            StringPattern::Regex(regex(re, &path.field("safe_regex"), problems)?)
         }
         Some(MatchPattern::Custom(_)) => {
             problems.error(
-                format!("{path}.custom"),
+                path.field("custom"),
                 "custom string matchers are not implemented yet",
             );
             return None;
@@ -223,7 +227,7 @@ pub fn string_matcher(
 #[allow(deprecated)]
 pub fn header_matcher(
     h: &EnvoyHeaderMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<HeaderMatcher> {
     let exact = |p: StringPattern| {
@@ -241,22 +245,22 @@ pub fn header_matcher(
         Some(HeaderMatchSpecifier::SuffixMatch(s)) => exact(StringPattern::Suffix(s.clone())),
         Some(HeaderMatchSpecifier::ContainsMatch(s)) => exact(StringPattern::Contains(s.clone())),
         Some(HeaderMatchSpecifier::SafeRegexMatch(re)) => {
-            regex(re, &format!("{path}.safe_regex_match"), problems)
+            regex(re, &path.field("safe_regex_match"), problems)
                 .and_then(|re| exact(StringPattern::Regex(re)))
         }
         Some(HeaderMatchSpecifier::StringMatch(m)) => {
-            string_matcher(m, &format!("{path}.string_match"), problems).map(HeaderMatch::String)
+            string_matcher(m, &path.field("string_match"), problems).map(HeaderMatch::String)
         }
         Some(HeaderMatchSpecifier::RangeMatch(_)) => {
             problems.error(
-                format!("{path}.range_match"),
+                path.field("range_match"),
                 "range matching is not implemented yet",
             );
             None
         }
     };
     if h.name.is_empty() {
-        problems.error(format!("{path}.name"), "is required");
+        problems.error(path.field("name"), "is required");
         return None;
     }
     Some(HeaderMatcher {

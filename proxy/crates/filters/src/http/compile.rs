@@ -22,8 +22,8 @@ use super::config::{
 use super::filter::chain::{ConfiguredFilter, FilterChain};
 use super::filter::registry;
 use super::route::{Action, ClusterChoice, RouteConfig};
-use shunt_config::Diagnostics;
 use shunt_config::convert::{decode, type_name};
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stats::Store;
 
 /// The router's config type: the last HTTP filter, which the connection manager runs.
@@ -34,7 +34,7 @@ pub fn compile(
     hcm: &EnvoyHcm,
     clusters: &shunt_upstream::Clusters,
     stats: &Store,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<HttpConnectionManager> {
     let env = Env::default();
@@ -56,12 +56,12 @@ pub fn compile_in(
     clusters: &shunt_upstream::Clusters,
     stats: &Store,
     env: &Env,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<HttpConnectionManager> {
     let errors_before = problems.errors.len();
     if hcm.stat_prefix.is_empty() {
-        problems.error(format!("{path}.stat_prefix"), "is required");
+        problems.error(path.field("stat_prefix"), "is required");
     }
     let codec = match CodecType::try_from(hcm.codec_type) {
         Ok(CodecType::Auto) => Codec::Auto,
@@ -69,7 +69,7 @@ pub fn compile_in(
         Ok(CodecType::Http2) => Codec::Http2,
         _ => {
             problems.error(
-                format!("{path}.codec_type"),
+                path.field("codec_type"),
                 "only AUTO, HTTP1 and HTTP2 are implemented",
             );
             Codec::Auto
@@ -77,7 +77,7 @@ pub fn compile_in(
     };
     let routes = match &hcm.route_specifier {
         Some(RouteSpecifier::RouteConfig(config)) => {
-            let r_path = format!("{path}.route_config");
+            let r_path = path.field("route_config");
             let compiled = super::route_config::compile(config, &r_path, problems);
             if let Some(compiled) = &compiled
                 && config.validate_clusters.is_none_or(|b| b.value)
@@ -88,7 +88,7 @@ pub fn compile_in(
         }
         Some(RouteSpecifier::Rds(rds)) => {
             if rds.route_config_name.is_empty() {
-                problems.error(format!("{path}.rds.route_config_name"), "is required");
+                problems.error(path.field("rds").field("route_config_name"), "is required");
                 None
             } else {
                 Some(RouteSource::Rds(rds.route_config_name.clone()))
@@ -96,7 +96,7 @@ pub fn compile_in(
         }
         Some(RouteSpecifier::ScopedRoutes(_)) => {
             problems.error(
-                format!("{path}.scoped_routes"),
+                path.field("scoped_routes"),
                 "scoped routes are not implemented yet",
             );
             None
@@ -111,7 +111,7 @@ pub fn compile_in(
         HeaderValue::from_static("envoy")
     } else {
         HeaderValue::from_str(&hcm.server_name).unwrap_or_else(|_| {
-            problems.error(format!("{path}.server_name"), "is not a valid header value");
+            problems.error(path.field("server_name"), "is not a valid header value");
             HeaderValue::from_static("envoy")
         })
     };
@@ -125,7 +125,7 @@ pub fn compile_in(
     for (i, upgrade) in hcm.upgrade_configs.iter().enumerate() {
         if !upgrade.filters.is_empty() {
             problems.error(
-                format!("{path}.upgrade_configs[{i}].filters"),
+                path.field("upgrade_configs").index(i).field("filters"),
                 "HTTP filters for upgrades are not implemented yet",
             );
         }
@@ -134,10 +134,7 @@ pub fn compile_in(
         }
     }
     if hcm.tracing.is_some() {
-        problems.warning(
-            format!("{path}.tracing"),
-            "tracing is not implemented; ignored",
-        );
+        problems.warning(path.field("tracing"), "tracing is not implemented; ignored");
     }
     let path_normalization = {
         use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::PathWithEscapedSlashesAction as Action;
@@ -158,12 +155,12 @@ pub fn compile_in(
         ("xff_num_trusted_hops", hcm.xff_num_trusted_hops > 0),
     ] {
         if set {
-            problems.warning(format!("{path}.{field}"), "not implemented; ignored");
+            problems.warning(path.field(field), "not implemented; ignored");
         }
     }
     let limits = limits(hcm, path, problems);
     let access_log =
-        shunt_core::access_log::compile(&hcm.access_log, &format!("{path}.access_log"), problems);
+        shunt_core::access_log::compile(&hcm.access_log, &path.field("access_log"), problems);
     if problems.errors.len() > errors_before {
         return None;
     }
@@ -191,14 +188,14 @@ pub fn compile_in(
 }
 
 /// The limits on what a downstream may send, Envoy's defaults where unset.
-fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
+fn limits(hcm: &EnvoyHcm, path: &JsonPath, problems: &mut Diagnostics) -> Limits {
     use envoy_types::pb::envoy::config::core::v3::http_protocol_options::HeadersWithUnderscoresAction;
     let mut limits = Limits::default();
     if let Some(kb) = hcm.max_request_headers_kb {
         // Envoy's validation: 0 < kb <= 8192.
         if kb.value == 0 || kb.value > 8192 {
             problems.error(
-                format!("{path}.max_request_headers_kb"),
+                path.field("max_request_headers_kb"),
                 format!("must be between 1 and 8192, not {}", kb.value),
             );
         } else {
@@ -208,7 +205,7 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
     if let Some(timeout) = &hcm.request_headers_timeout {
         limits.request_headers_timeout = shunt_config::convert::duration(
             timeout,
-            &format!("{path}.request_headers_timeout"),
+            &path.field("request_headers_timeout"),
             problems,
         )
         .filter(|d| !d.is_zero());
@@ -217,7 +214,7 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
                     field: &str,
                     problems: &mut Diagnostics| {
         value.as_ref().and_then(|d| {
-            shunt_config::convert::duration(d, &format!("{path}.{field}"), problems)
+            shunt_config::convert::duration(d, &path.field(field), problems)
                 .filter(|d| !d.is_zero())
         })
     };
@@ -235,10 +232,10 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
     let Some(common) = &hcm.common_http_protocol_options else {
         return limits;
     };
-    let c_path = format!("{path}.common_http_protocol_options");
+    let c_path = path.field("common_http_protocol_options");
     if let Some(count) = common.max_headers_count {
         if count.value == 0 {
-            problems.error(format!("{c_path}.max_headers_count"), "must be at least 1");
+            problems.error(c_path.field("max_headers_count"), "must be at least 1");
         } else {
             limits.max_headers_count = count.value as usize;
         }
@@ -264,7 +261,7 @@ fn limits(hcm: &EnvoyHcm, path: &str, problems: &mut Diagnostics) -> Limits {
         problems,
     );
     if common.idle_timeout.is_some() {
-        problems.warning(format!("{c_path}.idle_timeout"), "not implemented; ignored");
+        problems.warning(c_path.field("idle_timeout"), "not implemented; ignored");
     }
     limits
 }
@@ -276,25 +273,25 @@ fn http_filters(
     clusters: &shunt_upstream::Clusters,
     stats: &Store,
     env: &Env,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> (FilterChain, bool) {
     let mut suppress_envoy_headers = false;
     let mut chain = FilterChain::default();
     let mut router_at = None;
     for (i, filter) in hcm.http_filters.iter().enumerate() {
-        let f_path = format!("{path}.http_filters[{i}]");
+        let f_path = path.field("http_filters").index(i);
         let any = match &filter.config_type {
             Some(ConfigType::TypedConfig(any)) => any,
             Some(ConfigType::ConfigDiscovery(_)) => {
                 if filter.is_optional {
                     problems.warning(
-                        format!("{f_path}.config_discovery"),
+                        f_path.field("config_discovery"),
                         "HTTP filters over ECDS are not implemented; this optional filter is skipped",
                     );
                 } else {
                     problems.error(
-                        format!("{f_path}.config_discovery"),
+                        f_path.field("config_discovery"),
                         "HTTP filters over ECDS are not implemented yet",
                     );
                 }
@@ -308,7 +305,7 @@ fn http_filters(
                 continue;
             }
         };
-        let typed_path = format!("{f_path}.typed_config");
+        let typed_path = f_path.field("typed_config");
         let Some(any) = shunt_config::typed_struct::unwrap(any, &typed_path, problems) else {
             continue;
         };
@@ -372,7 +369,7 @@ fn http_filters(
     }
     if router_at.is_none() {
         problems.error(
-            format!("{path}.http_filters"),
+            path.field("http_filters"),
             format!("the last HTTP filter must be the router ({ROUTER})"),
         );
     }
@@ -384,7 +381,7 @@ fn http_filters(
 fn validate_clusters(
     config: &RouteConfig,
     clusters: &shunt_upstream::Clusters,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) {
     // The compiled config keeps every virtual host and route, in config order.
@@ -393,15 +390,24 @@ fn validate_clusters(
             let Action::Route(action) = &route.action else {
                 continue;
             };
-            let r_path = format!("{path}.virtual_hosts[{i}].routes[{k}].route");
-            let names: Vec<(String, &str)> = match &action.cluster {
-                ClusterChoice::Cluster(name) => vec![(format!("{r_path}.cluster"), name)],
+            let r_path = path
+                .field("virtual_hosts")
+                .index(i)
+                .field("routes")
+                .index(k)
+                .field("route");
+            let names: Vec<(JsonPath, &str)> = match &action.cluster {
+                ClusterChoice::Cluster(name) => vec![(r_path.field("cluster"), name)],
                 ClusterChoice::Weighted(weighted) => weighted
                     .iter()
                     .enumerate()
                     .map(|(j, c)| {
                         (
-                            format!("{r_path}.weighted_clusters.clusters[{j}].name"),
+                            r_path
+                                .field("weighted_clusters")
+                                .field("clusters")
+                                .index(j)
+                                .field("name"),
                             &*c.name,
                         )
                     })

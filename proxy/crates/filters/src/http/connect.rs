@@ -125,7 +125,7 @@ mod tests {
     use super::super::route::Action;
     use super::super::route_config::compile;
     use crate::common::matcher::RequestView;
-    use shunt_config::Diagnostics;
+    use shunt_config::{Diagnostics, JsonPath};
 
     fn routes(routes: serde_json::Value) -> (Option<super::super::RouteConfig>, Diagnostics) {
         let config: RouteConfiguration = shunt_config::message_from_json(json!({
@@ -134,7 +134,10 @@ mod tests {
         }))
         .unwrap();
         let mut problems = Diagnostics::default();
-        (compile(&config, "rc", &mut problems), problems)
+        (
+            compile(&config, &JsonPath::new("rc"), &mut problems),
+            problems,
+        )
     }
 
     fn routed<'a>(config: &'a super::super::RouteConfig, method: &str) -> Option<&'a str> {

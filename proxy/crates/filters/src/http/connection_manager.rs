@@ -11,7 +11,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
+use hyper::http::request::Parts;
 use hyper::service::service_fn;
+use hyper::upgrade::OnUpgrade;
 use hyper::{Request, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
 use hyper_util::server::conn::auto;
@@ -24,10 +26,13 @@ use super::filter::chain::ActiveChain;
 use super::filter::{RequestHeaders, Routed, StreamCtx};
 use super::headers::REQUEST_ID;
 use super::path_normalization::Normalized;
-use super::route::{Action, PathRedirect, Redirect, RouteConfig};
+use super::route::{
+    Action, PathRedirect, Redirect, Route, RouteAction, RouteConfig, WeightedCluster,
+};
 use super::router::{self, Head, LocalReply, Upstream};
 use crate::common::matcher::RequestView;
 use shunt_core::access_log::{Direction, Entry, HttpFields, ResponseFlag};
+use shunt_upstream::Cluster;
 use shunt_upstream::http_pool::RequestBody;
 
 /// The downstream connection a request arrived on.
@@ -44,6 +49,13 @@ pub struct Downstream {
     pub own_ports: Arc<[u16]>,
     /// What HTTP filters read about the connection (TLS peer, SNI, filter state).
     pub connection: Arc<shunt_core::stream_info::Connection>,
+}
+
+impl Downstream {
+    /// The request's `:scheme`: `https` on a connection shunt terminated TLS on.
+    fn scheme(&self) -> &'static str {
+        if self.secure { "https" } else { "http" }
+    }
 }
 
 struct Shared {
@@ -254,27 +266,198 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
     response.map(|body| body.watched(timeouts, hcm.clone(), log))
 }
 
+/// One request through Envoy's `ActiveStream` stages: admitted (the codec's limits,
+/// CONNECT, Host), its path normalised, routed in the route config current now (RDS
+/// updates apply to the next request), through the HTTP filters' decoders, forwarded by
+/// the router (or answered from the route), and finished. A stage that answers the
+/// request itself breaks out of `'reply` with its local reply: every response leaves
+/// through the one `finish` at the end.
 async fn handle(
     request: Request<Incoming>,
     shared: &Shared,
     log: Arc<LogSlot>,
 ) -> Response<ResponseBody> {
     let hcm = &shared.hcm;
-    let downstream = &shared.downstream;
     let _active = hcm.stats.request(request.version());
     let (mut parts, body) = request.into_parts();
+    // Admit: the codec's limits, CONNECT, Host.
+    let (mut pending, admitted) = admit(shared, &mut parts, &log);
+    let entry = pending.entry();
+    let (response, from_upstream) = 'reply: {
+        let target = match admitted {
+            Ok(target) => target,
+            Err(reply) => break 'reply (reply, false),
+        };
+        // Normalise the path, which filters and routing read.
+        let path = match normalize_path(hcm, target.path) {
+            Ok(path) => path,
+            Err(reply) => break 'reply (reply, false),
+        };
+        // Route, in the route config current now.
+        let snapshot = shared.config.request_config();
+        let config = route_config(hcm, &*snapshot);
+        let mut request = RequestHeaders {
+            method: parts.method.clone(),
+            authority: target.authority,
+            path,
+            scheme: shared.downstream.scheme(),
+            version: parts.version,
+            headers: std::mem::take(&mut parts.headers),
+        };
+        let mut routed = config
+            .as_ref()
+            .and_then(|c| Routed::find(c, &request.view()));
+        let mut body = RequestBody::new(body, log.clone());
+        // The HTTP filters' decoders, which may route the request again.
+        if !hcm.filters.is_empty()
+            && let Err(reply) = decode_filters(
+                shared,
+                config.as_ref(),
+                &mut request,
+                &mut body,
+                &mut routed,
+                entry,
+                &log,
+            )
+            .await
+        {
+            break 'reply (reply, false);
+        }
+        let (authority, path, scheme) = (request.authority, request.path, request.scheme);
+        (parts.method, parts.headers) = (request.method, request.headers);
+        let Some(routed) = routed else {
+            break 'reply (no_route(hcm, &authority, &path, entry), false);
+        };
+        // Forward it upstream, or answer from the route.
+        let (config, vhost, route) = (&*routed.config, routed.virtual_host(), routed.route());
+        tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
+        let (mut response, from_upstream) = match &route.action {
+            Action::DirectResponse { status, body } => (direct_response(hcm, *status, body), false),
+            Action::Redirect(redirect) => {
+                let response = redirect_response(hcm, redirect, route, scheme, &authority, &path);
+                (response, false)
+            }
+            Action::Route(action) => {
+                if let Some(max) = action
+                    .stream_duration
+                    .and_then(|d| d.for_request(&parts.headers))
+                {
+                    log.set_max_duration(max);
+                }
+                let view = RequestView {
+                    method: parts.method.as_str(),
+                    authority: &authority,
+                    path: &path,
+                    scheme,
+                    headers: &parts.headers,
+                };
+                let (cluster, weighted) =
+                    match pick_cluster(hcm, &*snapshot, &routed, action, &view, entry) {
+                        Ok(picked) => picked,
+                        Err(reply) => break 'reply (reply, false),
+                    };
+                let upstream = upstream_of(shared, &*snapshot, cluster);
+                if parts.method == hyper::Method::CONNECT {
+                    let on_upgrade = parts.extensions.remove::<OnUpgrade>();
+                    // Rare paths are boxed: the request's future is as large as its
+                    // largest state.
+                    let tunnel = terminate_connect(
+                        shared, &upstream, action, &authority, on_upgrade, &log, entry,
+                    );
+                    break 'reply (Box::pin(tunnel).await, true);
+                }
+                let upstream = Upstream {
+                    retry_policy: action
+                        .retry_policy
+                        .as_deref()
+                        .or(vhost.retry_policy.as_deref()),
+                    hash: super::route::request_hash(
+                        &action.hash_policy,
+                        &view,
+                        shared.downstream.remote.ip(),
+                    ),
+                    alpn: log.upstream_alpn(cluster, parts.version),
+                    ..upstream
+                };
+                let (head, upgrade) = upstream_head(
+                    shared, &mut parts, &routed, action, weighted, authority, path,
+                );
+                let forwarded = match upgrade {
+                    Some(kind) => match accept_upgrade(hcm, &kind, &mut parts) {
+                        Ok(on_upgrade) => {
+                            let upgrade = super::upgrade::forward(
+                                &upstream,
+                                head,
+                                body,
+                                on_upgrade,
+                                log.clone(),
+                                &hcm.stats,
+                                entry,
+                            );
+                            Box::pin(upgrade).await
+                        }
+                        Err(reply) => Err(reply),
+                    },
+                    None => router::forward(&upstream, action, head, body, entry)
+                        .await
+                        .map(|forwarded| upstream_response(hcm, forwarded, weighted, cluster)),
+                };
+                match forwarded {
+                    Ok(response) => (response, true),
+                    Err(reply) => break 'reply (upstream_failure(reply, &log, entry), false),
+                }
+            }
+        };
+        for rules in config.header_rules(vhost, route, true) {
+            rules.apply(response.headers_mut());
+        }
+        (response, from_upstream)
+    };
+    // Finish: the encoders, Server header, stats, the access log line.
+    finish(shared, response, pending.take(), &log, from_upstream).await
+}
+
+/// The request's `:authority` and `:path` as it arrived (the path not yet normalised).
+struct Target {
+    authority: String,
+    path: String,
+}
+
+/// Envoy's codec and the stream's start: the request's head measured as it arrived,
+/// `Upgrade: h2c` ignored, the codec's limits checked, `x-request-id` generated and the
+/// access-log entry begun. Then what answers the request before routing: a codec limit,
+/// a CONNECT no route serves, an HTTP/1 Host missing or doubled.
+fn admit(
+    shared: &Shared,
+    parts: &mut Parts,
+    log: &Arc<LogSlot>,
+) -> (Pending, Result<Target, Response<ResponseBody>>) {
+    let hcm = &shared.hcm;
     // Measured before anything changes the request: its head as it arrived.
     let request_head_bytes = if hcm.measures_wire_sizes() {
-        super::wire::request_head(&parts)
+        super::wire::request_head(parts)
     } else {
         0
     };
-    log.set_closes(super::wire::closes(&parts));
+    log.set_closes(super::wire::closes(parts));
     if parts.version != Version::HTTP_2 {
         super::upgrade::ignore_h2c(&mut parts.headers);
     }
     let hosts = parts.headers.get_all(header::HOST).iter().count();
     let refused = super::limits::check_request(hcm, parts.version, &mut parts.headers);
+    let target = request_target(hcm, &shared.downstream, parts);
+    generate_request_id(hcm, &mut parts.headers);
+    let mut pending = begin_entry(shared, parts, &target, log, request_head_bytes);
+    let admitted = match refusal(shared, parts, hosts, refused, pending.entry()) {
+        Some(reply) => Err(reply),
+        None => Ok(target),
+    };
+    (pending, admitted)
+}
+
+/// The `:authority` (the URI's, else Host, without its port as `strip_*_host_port`
+/// say) and the `:path` (with its query).
+fn request_target(hcm: &HttpConnectionManager, downstream: &Downstream, parts: &Parts) -> Target {
     let authority = parts
         .uri
         .authority()
@@ -292,9 +475,14 @@ async fn handle(
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
+    Target { authority, path }
+}
+
+/// `x-request-id`, when the connection manager generates one and the request has none.
+fn generate_request_id(hcm: &HttpConnectionManager, headers: &mut hyper::HeaderMap) {
     // One lookup (the entry) where a check and an insert hashed the name twice.
     if hcm.generate_request_id
-        && let header::Entry::Vacant(vacant) = parts.headers.entry(REQUEST_ID)
+        && let header::Entry::Vacant(vacant) = headers.entry(REQUEST_ID)
         && let Ok(mut id) = HeaderValue::from_bytes(&uuid4_bytes())
     {
         // Not indexed by an HTTP/2 upstream's HPACK encoder (h2 sends a sensitive value
@@ -304,6 +492,17 @@ async fn handle(
         id.set_sensitive(true);
         vacant.insert(id);
     }
+}
+
+/// The request's access-log entry, begun; [`Pending`] logs it however the request ends.
+fn begin_entry(
+    shared: &Shared,
+    parts: &Parts,
+    target: &Target,
+    log: &Arc<LogSlot>,
+    request_head_bytes: u64,
+) -> Pending {
+    let (hcm, downstream) = (&shared.hcm, &shared.downstream);
     let mut entry = Entry::started_at(
         downstream.direction,
         downstream.remote,
@@ -316,32 +515,40 @@ async fn handle(
     if !hcm.access_log.is_empty() {
         entry.http = Some(Box::new(HttpFields {
             method: parts.method.to_string(),
-            path: path.clone(),
+            path: target.path.clone(),
             protocol: protocol(parts.version),
             response_code: 0,
-            authority: (!authority.is_empty()).then(|| authority.clone()),
+            authority: (!target.authority.is_empty()).then(|| target.authority.clone()),
             request_id: header_string(&parts.headers, REQUEST_ID),
             user_agent: header_string(&parts.headers, header::USER_AGENT),
         }));
     }
-    let mut pending = Pending {
+    Pending {
         entry: Some(Box::new(entry)),
         hcm: hcm.clone(),
         log: log.clone(),
-    };
-    let entry = pending.entry.as_mut().expect("just set");
-    // Envoy's codec limits come first: a request over them is refused as it arrives.
+    }
+}
+
+/// What refuses a request before it is routed, if anything: a codec limit (Envoy's
+/// codec refuses a request over them as it arrives), a CONNECT no route serves, an
+/// HTTP/1 request without exactly one Host.
+fn refusal(
+    shared: &Shared,
+    parts: &Parts,
+    hosts: usize,
+    refused: Option<LocalReply>,
+    entry: &mut Entry,
+) -> Option<Response<ResponseBody>> {
     if let Some(reply) = refused {
-        let reply = reply.response().map(ResponseBody::full);
-        return finish(shared, reply, pending.take(), &log, false).await;
+        return Some(local_reply(reply));
     }
     // A CONNECT goes on to routing only to a route with a connect_matcher.
     if parts.method == hyper::Method::CONNECT
         && (parts.version != Version::HTTP_2 && parts.uri.authority().is_none()
             || !routes_connect(shared))
     {
-        // Rare paths are boxed: the request's future is as large as its largest state.
-        return Box::pin(refuse_connect(shared, &parts, pending.take(), &log)).await;
+        return Some(refuse_connect(shared, parts, entry));
     }
     // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
     // or any HTTP/1 request with more than one Host line, is answered 400.
@@ -352,30 +559,24 @@ async fn handle(
         tracing::debug!(hosts, "HTTP/1 request without exactly one Host: 400");
         let mut response = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
         close_connection(&mut response);
-        return finish(
-            shared,
-            response.map(ResponseBody::full),
-            pending.take(),
-            &log,
-            false,
-        )
-        .await;
+        return Some(response.map(ResponseBody::full));
     }
-    // Envoy's path normalization, before filters and routing read the path.
-    let path = match hcm.path_normalization.apply(&path) {
-        Normalized::Path(std::borrow::Cow::Borrowed(_)) => path,
-        Normalized::Path(std::borrow::Cow::Owned(normalized)) => normalized,
+    None
+}
+
+/// Envoy's path normalization, before filters and routing read the path: the path to
+/// go on with, or the local reply (400, or a redirect to the normalised path).
+fn normalize_path(
+    hcm: &HttpConnectionManager,
+    path: String,
+) -> Result<String, Response<ResponseBody>> {
+    match hcm.path_normalization.apply(&path) {
+        Normalized::Path(std::borrow::Cow::Borrowed(_)) => Ok(path),
+        Normalized::Path(std::borrow::Cow::Owned(normalized)) => Ok(normalized),
         Normalized::Reject => {
             hcm.stats.downstream_rq_failed_path_normalization.inc();
-            let reply = LocalReply::new(StatusCode::BAD_REQUEST, "", None).response();
-            return finish(
-                shared,
-                reply.map(ResponseBody::full),
-                pending.take(),
-                &log,
-                false,
-            )
-            .await;
+            let reply = LocalReply::new(StatusCode::BAD_REQUEST, "", None);
+            Err(local_reply(reply))
         }
         Normalized::Redirect(location) => {
             hcm.stats
@@ -385,374 +586,386 @@ async fn handle(
             if let Ok(location) = HeaderValue::from_str(&location) {
                 reply.headers_mut().insert(header::LOCATION, location);
             }
-            return finish(
-                shared,
-                reply.map(ResponseBody::full),
-                pending.take(),
-                &log,
-                false,
-            )
-            .await;
+            Err(reply.map(ResponseBody::full))
         }
-    };
-    let snapshot = shared.config.request_config();
-    let config: Option<Arc<RouteConfig>> = match &hcm.routes {
+    }
+}
+
+/// The route configuration requests are routed with: the connection manager's own, or
+/// the RDS one of that name in `snapshot` (none until it arrives).
+fn route_config(
+    hcm: &HttpConnectionManager,
+    snapshot: &dyn super::RequestConfig,
+) -> Option<Arc<RouteConfig>> {
+    match &hcm.routes {
         RouteSource::Static(config) => Some(config.clone()),
         RouteSource::Rds(name) => snapshot.route_config(name).cloned(),
-    };
-    let scheme = if downstream.secure { "https" } else { "http" };
-    let mut request = RequestHeaders {
-        method: parts.method.clone(),
+    }
+}
+
+/// The HTTP filters' decoders, in front of the router. A filter may change the request,
+/// clear the route cache (the request is then routed again) or answer the request (its
+/// local reply is the error). The chain then waits in the log slot for the encoders.
+async fn decode_filters(
+    shared: &Shared,
+    config: Option<&Arc<RouteConfig>>,
+    request: &mut RequestHeaders,
+    body: &mut RequestBody,
+    routed: &mut Option<Routed>,
+    entry: &mut Entry,
+    log: &Arc<LogSlot>,
+) -> Result<(), Response<ResponseBody>> {
+    let mut info = shunt_core::stream_info::StreamInfo::new(shared.downstream.connection.clone());
+    info.route_name = routed
+        .as_ref()
+        .map(|r| r.route().name.as_str())
+        .filter(|n| !n.is_empty())
+        .map(Arc::from);
+    let mut chain = ActiveChain::new(&shared.hcm.filters, StreamCtx::new(info, routed.clone()));
+    let end_stream = hyper::body::Body::is_end_stream(&*body);
+    let decoded = chain.decode(request, body, end_stream).await;
+    if chain.take_route_cache_cleared() {
+        *routed = config.and_then(|c| Routed::find(c, &request.view()));
+        chain.ctx.route = routed.clone();
+    }
+    if let Err(reply) = decoded {
+        tracing::debug!(status = %reply.status, details = %reply.details, "HTTP filter local reply");
+        if let Some(flag) = reply.flag {
+            entry.flag(flag);
+        }
+        chain.note_reply(&reply);
+        log.set_chain(chain);
+        return Err(reply.response().map(ResponseBody::full));
+    }
+    log.set_chain(chain);
+    Ok(())
+}
+
+/// No route matched: 404, flag NR.
+fn no_route(
+    hcm: &HttpConnectionManager,
+    authority: &str,
+    path: &str,
+    entry: &mut Entry,
+) -> Response<ResponseBody> {
+    tracing::debug!(stat_prefix = %hcm.stat_prefix, %authority, %path, "no route");
+    hcm.stats.no_route.inc();
+    entry.flag(ResponseFlag::NoRouteFound);
+    local_reply(LocalReply::new(StatusCode::NOT_FOUND, "", None))
+}
+
+/// A route's `direct_response`.
+fn direct_response(
+    hcm: &HttpConnectionManager,
+    status: StatusCode,
+    body: &Bytes,
+) -> Response<ResponseBody> {
+    hcm.stats.rq_direct_response.inc();
+    let mut response = Response::new(ResponseBody::full(body.clone()));
+    *response.status_mut() = status;
+    if !body.is_empty() {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    }
+    response
+}
+
+/// A route's `redirect`.
+fn redirect_response(
+    hcm: &HttpConnectionManager,
+    redirect: &Redirect,
+    route: &Route,
+    scheme: &str,
+    authority: &str,
+    path: &str,
+) -> Response<ResponseBody> {
+    hcm.stats.rq_redirect.inc();
+    let location = redirect_location(
+        redirect,
+        route.matcher.matched_prefix_len(),
+        scheme,
         authority,
         path,
-        scheme,
-        version: parts.version,
-        headers: std::mem::take(&mut parts.headers),
+    );
+    let mut response = Response::new(ResponseBody::full(Bytes::new()));
+    *response.status_mut() = redirect.status;
+    if let Ok(location) = HeaderValue::from_str(&location) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
+}
+
+/// The cluster the request goes to: the weighted cluster picked when it was routed, or
+/// the one the route names (or its `cluster_header` does), as `snapshot` has it. None
+/// of that name, or none picked (a `cluster_header` the request lacks), is answered
+/// with the route's `cluster_not_found` status, flag NC.
+fn pick_cluster<'a>(
+    hcm: &HttpConnectionManager,
+    snapshot: &'a dyn super::RequestConfig,
+    routed: &'a Routed,
+    action: &'a RouteAction,
+    view: &RequestView<'_>,
+    entry: &mut Entry,
+) -> Result<(&'a Arc<Cluster>, Option<&'a WeightedCluster>), Response<ResponseBody>> {
+    let picked = match routed.weighted_cluster() {
+        Some(weighted) => Some((weighted.name.clone(), Some(weighted))),
+        None => action.cluster.pick(view),
     };
-    let mut routed = config
-        .as_ref()
-        .and_then(|c| Routed::find(c, &request.view()));
-    let mut body = RequestBody::new(body, log.clone());
-    // The HTTP filters, in front of the router (which is what follows).
-    if !hcm.filters.is_empty() {
-        let mut info = shunt_core::stream_info::StreamInfo::new(downstream.connection.clone());
-        info.route_name = routed
-            .as_ref()
-            .map(|r| r.route().name.as_str())
-            .filter(|n| !n.is_empty())
-            .map(Arc::from);
-        let mut chain = ActiveChain::new(&hcm.filters, StreamCtx::new(info, routed.clone()));
-        let end_stream = hyper::body::Body::is_end_stream(&body);
-        let decoded = chain.decode(&mut request, &mut body, end_stream).await;
-        if chain.take_route_cache_cleared() {
-            routed = config
-                .as_ref()
-                .and_then(|c| Routed::find(c, &request.view()));
-            chain.ctx.route = routed.clone();
+    if let Some((name, _)) = &picked {
+        entry.upstream_cluster = Some(name.clone());
+    }
+    let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&*name) {
+        Some(cluster) => Some((cluster, weighted)),
+        None => {
+            tracing::debug!(cluster = %name, "route names an unknown cluster");
+            None
         }
-        if let Err(reply) = decoded {
-            tracing::debug!(status = %reply.status, details = %reply.details, "HTTP filter local reply");
+    });
+    match found {
+        Some((cluster, weighted)) => {
+            entry.upstream_cluster_metadata = cluster.metadata.clone();
+            Ok((cluster, weighted))
+        }
+        None => {
+            hcm.stats.no_cluster.inc();
+            entry.flag(ResponseFlag::NoClusterFound);
+            Err(local_reply(LocalReply::new(
+                action.cluster_not_found,
+                "",
+                None,
+            )))
+        }
+    }
+}
+
+/// Where the router sends the request: `cluster`, for the downstream connection's
+/// destination; no retries, hash or ALPN of the route's (the caller adds those).
+fn upstream_of<'a>(
+    shared: &'a Shared,
+    snapshot: &'a dyn super::RequestConfig,
+    cluster: &'a Arc<Cluster>,
+) -> Upstream<'a> {
+    let downstream = &shared.downstream;
+    Upstream {
+        cluster,
+        destination: downstream.original_dst.unwrap_or(downstream.local),
+        downstream_local: downstream.local,
+        own_ports: &downstream.own_ports,
+        retry_policy: None,
+        suppress_envoy_headers: shared.hcm.suppress_envoy_headers,
+        hash: None,
+        secrets: snapshot.secrets(),
+        alpn: None,
+    }
+}
+
+/// A CONNECT to a route that terminates it (`connect_config`): the tunnel to one of the
+/// cluster's hosts. Envoy refuses (403) a CONNECT the route does not upgrade.
+async fn terminate_connect(
+    shared: &Shared,
+    upstream: &Upstream<'_>,
+    action: &RouteAction,
+    authority: &str,
+    on_upgrade: Option<OnUpgrade>,
+    log: &Arc<LogSlot>,
+    entry: &mut Entry,
+) -> Response<ResponseBody> {
+    let result = match (action.connect, on_upgrade) {
+        (Some(connect), Some(on_upgrade)) if connect.terminate => {
+            super::connect::terminate(
+                upstream,
+                authority,
+                shared.downstream.remote,
+                on_upgrade,
+                log.clone(),
+                &shared.hcm.stats,
+                entry,
+            )
+            .await
+        }
+        _ => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
+    };
+    match result {
+        Ok(response) => response,
+        Err(reply) => {
             if let Some(flag) = reply.flag {
                 entry.flag(flag);
             }
-            chain.note_reply(&reply);
-            log.set_chain(chain);
-            let response = reply.response().map(ResponseBody::full);
-            return finish(shared, response, pending.take(), &log, false).await;
+            local_reply(reply)
         }
-        log.set_chain(chain);
     }
-    let RequestHeaders {
-        method,
-        authority,
-        path,
-        headers,
-        ..
-    } = request;
-    parts.method = method;
-    parts.headers = headers;
-    let entry = pending.entry.as_mut().expect("just set");
-    let view = RequestView {
-        method: parts.method.as_str(),
-        authority: &authority,
-        path: &path,
-        scheme,
-        headers: &parts.headers,
-    };
-    let Some(routed) = routed else {
-        tracing::debug!(stat_prefix = %hcm.stat_prefix, %authority, %path, "no route");
-        hcm.stats.no_route.inc();
-        entry.flag(ResponseFlag::NoRouteFound);
-        let reply = LocalReply::new(StatusCode::NOT_FOUND, "", None).response();
-        return finish(
-            shared,
-            reply.map(ResponseBody::full),
-            pending.take(),
-            &log,
-            false,
-        )
-        .await;
-    };
+}
+
+/// The request as the router sends it upstream (Envoy's request header mutations):
+/// hop-by-hop headers stripped (HTTP/1), the header rules of the weighted cluster,
+/// route, virtual host and route configuration, `x-forwarded-proto` and `-for`, the
+/// route's path and host rewrites. With the upgrade the request asks for, if any (its
+/// `Upgrade` header goes on with it).
+fn upstream_head(
+    shared: &Shared,
+    parts: &mut Parts,
+    routed: &Routed,
+    action: &RouteAction,
+    weighted: Option<&WeightedCluster>,
+    authority: String,
+    path: String,
+) -> (Head, Option<String>) {
     let (config, vhost, route) = (&*routed.config, routed.virtual_host(), routed.route());
-    tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
-    let response = match &route.action {
-        Action::DirectResponse { status, body } => {
-            hcm.stats.rq_direct_response.inc();
-            let mut response = Response::new(ResponseBody::full(body.clone()));
-            *response.status_mut() = *status;
-            if !body.is_empty() {
-                response
-                    .headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-            }
-            response
-        }
-        Action::Redirect(redirect) => {
-            hcm.stats.rq_redirect.inc();
-            let location = redirect_location(
-                redirect,
-                route.matcher.matched_prefix_len(),
-                scheme,
-                &authority,
-                &path,
-            );
-            let mut response = Response::new(ResponseBody::full(Bytes::new()));
-            *response.status_mut() = redirect.status;
-            if let Ok(location) = HeaderValue::from_str(&location) {
-                response.headers_mut().insert(header::LOCATION, location);
-            }
-            response
-        }
-        Action::Route(action) => {
-            if let Some(max) = action
-                .stream_duration
-                .and_then(|d| d.for_request(&parts.headers))
-            {
-                log.set_max_duration(max);
-            }
-            let picked = match routed.weighted_cluster() {
-                Some(weighted) => Some((weighted.name.clone(), Some(weighted))),
-                None => action.cluster.pick(&view),
-            };
-            if let Some((name, _)) = &picked {
-                entry.upstream_cluster = Some(name.clone());
-            }
-            let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&*name) {
-                Some(cluster) => Some((cluster, weighted)),
-                None => {
-                    tracing::debug!(cluster = %name, "route names an unknown cluster");
-                    None
-                }
-            });
-            // No cluster picked (a `cluster_header` the request lacks) or none of that name.
-            if let Some((cluster, _)) = &found {
-                entry.upstream_cluster_metadata = cluster.metadata.clone();
-            }
-            let Some((cluster, weighted)) = found else {
-                hcm.stats.no_cluster.inc();
-                entry.flag(ResponseFlag::NoClusterFound);
-                let reply = LocalReply::new(action.cluster_not_found, "", None).response();
-                return finish(
-                    shared,
-                    reply.map(ResponseBody::full),
-                    pending.take(),
-                    &log,
-                    false,
-                )
-                .await;
-            };
-            if parts.method == hyper::Method::CONNECT {
-                let upstream = Upstream {
-                    cluster,
-                    destination: downstream.original_dst.unwrap_or(downstream.local),
-                    downstream_local: downstream.local,
-                    own_ports: &downstream.own_ports,
-                    retry_policy: None,
-                    suppress_envoy_headers: hcm.suppress_envoy_headers,
-                    hash: None,
-                    secrets: snapshot.secrets(),
-                    alpn: None,
-                };
-                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
-                let result = match (action.connect, on_upgrade) {
-                    (Some(connect), Some(on_upgrade)) if connect.terminate => {
-                        Box::pin(super::connect::terminate(
-                            &upstream,
-                            &authority,
-                            downstream.remote,
-                            on_upgrade,
-                            log.clone(),
-                            &hcm.stats,
-                            entry,
-                        ))
-                        .await
-                    }
-                    // Envoy refuses a CONNECT the route does not upgrade.
-                    _ => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
-                };
-                let response = match result {
-                    Ok(response) => response,
-                    Err(reply) => {
-                        if let Some(flag) = reply.flag {
-                            entry.flag(flag);
-                        }
-                        reply.response().map(ResponseBody::full)
-                    }
-                };
-                return finish(shared, response, pending.take(), &log, true).await;
-            }
-            // Request headers: weighted cluster, route, virtual host, route configuration.
-            let hash =
-                super::route::request_hash(&action.hash_policy, &view, downstream.remote.ip());
-            let mut headers = std::mem::take(&mut parts.headers);
-            // HTTP/2's codec refuses a request with any of these (RFC 9113 8.2.2; `te`
-            // only as `trailers`): there is nothing to upgrade or strip.
-            let upgrade = if parts.version == Version::HTTP_2 {
-                None
-            } else {
-                let upgrade =
-                    super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
-                router::strip_hop_by_hop(&mut headers);
-                upgrade
-            };
-            if let Some(weighted) = weighted {
-                weighted.request_headers.apply(&mut headers);
-            }
-            for rules in config.header_rules(vhost, route, false) {
-                rules.apply(&mut headers);
-            }
-            headers
-                .entry(super::headers::FORWARDED_PROTO)
-                .or_insert_with(|| {
-                    HeaderValue::from_static(if downstream.secure { "https" } else { "http" })
-                });
-            if hcm.use_remote_address {
-                let xff = super::headers::FORWARDED_FOR;
-                let ip = downstream.remote.ip().to_canonical().to_string();
-                let value = match header_string(&headers, &xff) {
-                    Some(existing) => format!("{existing},{ip}"),
-                    None => ip,
-                };
-                if let Ok(value) = HeaderValue::from_str(&value) {
-                    headers.insert(xff, value);
-                }
-            }
-            // Most routes rewrite nothing: then the request's path goes on as it is.
-            let rewritten = if let (Some(rewrite), Some(len)) =
-                (&action.prefix_rewrite, route.matcher.matched_prefix_len())
-            {
-                let rest = path.get(len..).unwrap_or("");
-                Some(format!("{rewrite}{rest}"))
-            } else if let Some((pattern, substitution)) = &action.regex_rewrite {
-                let (only, query) = match path.split_once('?') {
-                    Some((p, q)) => (p, Some(q)),
-                    None => (path.as_str(), None),
-                };
-                let rewritten = pattern.replace_all(only, substitution.as_str());
-                Some(match query {
-                    Some(q) => format!("{rewritten}?{q}"),
-                    None => rewritten.into_owned(),
-                })
-            } else {
-                None
-            };
-            let upstream_path = match rewritten {
-                Some(rewritten) => {
-                    if rewritten != path
-                        && let Ok(original) = HeaderValue::from_str(&path)
-                    {
-                        headers.insert(super::headers::ENVOY_ORIGINAL_PATH, original);
-                    }
-                    rewritten
-                }
-                None => path,
-            };
-            let upstream_authority = weighted
-                .and_then(|w| w.host_rewrite.clone())
-                .or_else(|| action.host_rewrite.clone())
-                .unwrap_or(authority);
-            let head = Head {
-                method: parts.method.clone(),
-                authority: upstream_authority,
-                path: upstream_path,
-                received_path: parts.uri.path_and_query().cloned(),
-                headers,
-                downstream_version: parts.version,
-            };
-            let upstream = Upstream {
-                cluster,
-                destination: downstream.original_dst.unwrap_or(downstream.local),
-                downstream_local: downstream.local,
-                own_ports: &downstream.own_ports,
-                retry_policy: action
-                    .retry_policy
-                    .as_deref()
-                    .or(vhost.retry_policy.as_deref()),
-                suppress_envoy_headers: hcm.suppress_envoy_headers,
-                hash,
-                secrets: snapshot.secrets(),
-                alpn: log.upstream_alpn(cluster, parts.version),
-            };
-            let result = if let Some((kind, value)) = upgrade {
-                let mut head = head;
-                head.headers.insert(header::UPGRADE, value);
-                let allowed = parts.version == Version::HTTP_11 && hcm.upgrades.contains(&kind);
-                let on_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
-                match on_upgrade.filter(|_| allowed) {
-                    Some(on_upgrade) => {
-                        Box::pin(super::upgrade::forward(
-                            &upstream,
-                            head,
-                            body,
-                            on_upgrade,
-                            log.clone(),
-                            &hcm.stats,
-                            entry,
-                        ))
-                        .await
-                    }
-                    // Envoy refuses upgrades its config does not name.
-                    None => Err(LocalReply::new(StatusCode::FORBIDDEN, "", None)),
-                }
-            } else {
-                router::forward(&upstream, action, head, body, entry)
-                    .await
-                    .map(|forwarded| {
-                        let (mut response_parts, incoming) = forwarded.response.into_parts();
-                        router::strip_hop_by_hop(&mut response_parts.headers);
-                        if !hcm.suppress_envoy_headers {
-                            response_parts.headers.insert(
-                                super::headers::ENVOY_UPSTREAM_SERVICE_TIME,
-                                router::millis_header(forwarded.service_time.as_millis() as u64),
-                            );
-                        }
-                        if let Some(weighted) = weighted {
-                            weighted.response_headers.apply(&mut response_parts.headers);
-                        }
-                        Response::from_parts(
-                            response_parts,
-                            ResponseBody::upstream(
-                                incoming,
-                                forwarded
-                                    .deadline
-                                    .map(|d| (d, cluster.stats.upstream_rq_timeout.clone())),
-                            ),
-                        )
-                    })
-            };
-            match result {
-                Ok(mut response) => {
-                    for rules in config.header_rules(vhost, route, true) {
-                        rules.apply(response.headers_mut());
-                    }
-                    return finish(shared, response, pending.take(), &log, true).await;
-                }
-                Err(reply) => {
-                    // The upstream request failed because the downstream's body broke
-                    // the protocol: Envoy's codec answers 400 and closes the connection.
-                    let downstream_fault = log.downstream_protocol_error();
-                    let reply = if downstream_fault {
-                        LocalReply::downstream_protocol_error()
-                    } else {
-                        reply
-                    };
-                    if let Some(flag) = reply.flag {
-                        entry.flag(flag);
-                    }
-                    let mut response = reply.response();
-                    if downstream_fault {
-                        close_connection(&mut response);
-                    }
-                    response.map(ResponseBody::full)
-                }
-            }
-        }
+    let mut headers = std::mem::take(&mut parts.headers);
+    // HTTP/2's codec refuses a request with any of these (RFC 9113 8.2.2; `te` only as
+    // `trailers`): there is nothing to upgrade or strip.
+    let upgrade = if parts.version == Version::HTTP_2 {
+        None
+    } else {
+        let upgrade =
+            super::upgrade::requested(&headers).zip(headers.get(header::UPGRADE).cloned());
+        router::strip_hop_by_hop(&mut headers);
+        upgrade
     };
-    let mut response = response;
-    for rules in config.header_rules(vhost, route, true) {
-        rules.apply(response.headers_mut());
+    if let Some(weighted) = weighted {
+        weighted.request_headers.apply(&mut headers);
     }
-    finish(shared, response, pending.take(), &log, false).await
+    for rules in config.header_rules(vhost, route, false) {
+        rules.apply(&mut headers);
+    }
+    forwarded_headers(shared, &mut headers);
+    let upstream_path = match rewrite_path(action, route, &path) {
+        Some(rewritten) => {
+            if rewritten != path
+                && let Ok(original) = HeaderValue::from_str(&path)
+            {
+                headers.insert(super::headers::ENVOY_ORIGINAL_PATH, original);
+            }
+            rewritten
+        }
+        None => path,
+    };
+    let upstream_authority = weighted
+        .and_then(|w| w.host_rewrite.clone())
+        .or_else(|| action.host_rewrite.clone())
+        .unwrap_or(authority);
+    let upgrade = upgrade.map(|(kind, value)| {
+        headers.insert(header::UPGRADE, value);
+        kind
+    });
+    let head = Head {
+        method: parts.method.clone(),
+        authority: upstream_authority,
+        path: upstream_path,
+        received_path: parts.uri.path_and_query().cloned(),
+        headers,
+        downstream_version: parts.version,
+    };
+    (head, upgrade)
+}
+
+/// `x-forwarded-proto` (unless the request has one) and, with `use_remote_address`,
+/// the downstream's address appended to `x-forwarded-for`.
+fn forwarded_headers(shared: &Shared, headers: &mut hyper::HeaderMap) {
+    let downstream = &shared.downstream;
+    headers
+        .entry(super::headers::FORWARDED_PROTO)
+        .or_insert_with(|| HeaderValue::from_static(downstream.scheme()));
+    if shared.hcm.use_remote_address {
+        let xff = super::headers::FORWARDED_FOR;
+        let ip = downstream.remote.ip().to_canonical().to_string();
+        let value = match header_string(headers, &xff) {
+            Some(existing) => format!("{existing},{ip}"),
+            None => ip,
+        };
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(xff, value);
+        }
+    }
+}
+
+/// The path after the route's `prefix_rewrite` or `regex_rewrite`; None when the route
+/// rewrites nothing (most do not: the request's path then goes on as it is).
+fn rewrite_path(action: &RouteAction, route: &Route, path: &str) -> Option<String> {
+    if let (Some(rewrite), Some(len)) = (&action.prefix_rewrite, route.matcher.matched_prefix_len())
+    {
+        let rest = path.get(len..).unwrap_or("");
+        Some(format!("{rewrite}{rest}"))
+    } else if let Some((pattern, substitution)) = &action.regex_rewrite {
+        let (only, query) = match path.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (path, None),
+        };
+        let rewritten = pattern.replace_all(only, substitution.as_str());
+        Some(match query {
+            Some(q) => format!("{rewritten}?{q}"),
+            None => rewritten.into_owned(),
+        })
+    } else {
+        None
+    }
+}
+
+/// The upstream's response as the downstream gets it: hop-by-hop headers stripped,
+/// `x-envoy-upstream-service-time`, the weighted cluster's response header rules, and
+/// its body bounded by the route's timeout.
+fn upstream_response(
+    hcm: &HttpConnectionManager,
+    forwarded: router::Forwarded,
+    weighted: Option<&WeightedCluster>,
+    cluster: &Cluster,
+) -> Response<ResponseBody> {
+    let (mut parts, incoming) = forwarded.response.into_parts();
+    router::strip_hop_by_hop(&mut parts.headers);
+    if !hcm.suppress_envoy_headers {
+        parts.headers.insert(
+            super::headers::ENVOY_UPSTREAM_SERVICE_TIME,
+            router::millis_header(forwarded.service_time.as_millis() as u64),
+        );
+    }
+    if let Some(weighted) = weighted {
+        weighted.response_headers.apply(&mut parts.headers);
+    }
+    let deadline = forwarded
+        .deadline
+        .map(|d| (d, cluster.stats.upstream_rq_timeout.clone()));
+    Response::from_parts(parts, ResponseBody::upstream(incoming, deadline))
+}
+
+/// The local reply for a request the router could not forward. When the downstream's
+/// body broke the protocol, that is the fault: Envoy's codec answers 400 and closes the
+/// connection.
+fn upstream_failure(reply: LocalReply, log: &LogSlot, entry: &mut Entry) -> Response<ResponseBody> {
+    let downstream_fault = log.downstream_protocol_error();
+    let reply = if downstream_fault {
+        LocalReply::downstream_protocol_error()
+    } else {
+        reply
+    };
+    if let Some(flag) = reply.flag {
+        entry.flag(flag);
+    }
+    let mut response = reply.response();
+    if downstream_fault {
+        close_connection(&mut response);
+    }
+    response.map(ResponseBody::full)
+}
+
+/// The downstream's side of an upgrade the connection manager allows (its
+/// `upgrade_configs`, over HTTP/1.1); Envoy refuses others (403).
+fn accept_upgrade(
+    hcm: &HttpConnectionManager,
+    kind: &str,
+    parts: &mut Parts,
+) -> Result<OnUpgrade, LocalReply> {
+    let allowed = parts.version == Version::HTTP_11 && hcm.upgrades.iter().any(|u| u == kind);
+    parts
+        .extensions
+        .remove::<OnUpgrade>()
+        .filter(|_| allowed)
+        .ok_or_else(|| LocalReply::new(StatusCode::FORBIDDEN, "", None))
+}
+
+/// A local reply as a response (its flag, if any, is the caller's to log).
+fn local_reply(reply: LocalReply) -> Response<ResponseBody> {
+    reply.response().map(ResponseBody::full)
 }
 
 /// Envoy's `strip_any_host_port` / `strip_matching_host_port` (the latter when the port
@@ -791,12 +1004,7 @@ fn routes_connect(shared: &Shared) -> bool {
 /// a CONNECT is answered as Envoy answers one no route matches: 404 NR, and the HTTP/1
 /// connection closed. A CONNECT whose target is not `host:port` is a malformed request
 /// to Envoy's HTTP/1 codec: 400 DPE.
-async fn refuse_connect(
-    shared: &Shared,
-    parts: &hyper::http::request::Parts,
-    mut entry: Box<Entry>,
-    log: &Arc<LogSlot>,
-) -> Response<ResponseBody> {
+fn refuse_connect(shared: &Shared, parts: &Parts, entry: &mut Entry) -> Response<ResponseBody> {
     let http1 = parts.version != Version::HTTP_2;
     let reply = if http1 && parts.uri.authority().is_none() {
         LocalReply::downstream_protocol_error()
@@ -812,7 +1020,7 @@ async fn refuse_connect(
     if http1 {
         close_connection(&mut response);
     }
-    finish(shared, response.map(ResponseBody::full), entry, log, false).await
+    response.map(ResponseBody::full)
 }
 
 /// Asks hyper to close the downstream connection once this response is sent (and says
@@ -835,6 +1043,10 @@ struct Pending {
 }
 
 impl Pending {
+    fn entry(&mut self) -> &mut Entry {
+        self.entry.as_mut().expect("not yet finished")
+    }
+
     fn take(&mut self) -> Box<Entry> {
         self.entry.take().expect("a request is finished once")
     }

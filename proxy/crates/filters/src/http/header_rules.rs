@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 use hyper::HeaderMap;
 use hyper::header::{HeaderName, HeaderValue};
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// Envoy's `HeaderValueOption.append_action`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,13 +67,13 @@ impl HeaderRules {
 pub fn compile(
     add: &[HeaderValueOption],
     remove: &[String],
-    path: &str,
+    path: &JsonPath,
     kind: &str,
     problems: &mut Diagnostics,
 ) -> HeaderRules {
     let mut rules = HeaderRules::default();
     for (i, name) in remove.iter().enumerate() {
-        let r_path = format!("{path}.{kind}_headers_to_remove[{i}]");
+        let r_path = path.field(&format!("{kind}_headers_to_remove")).index(i);
         let lower = name.to_ascii_lowercase();
         if lower.starts_with(':') || lower == "host" {
             problems.error(r_path, format!("{name:?} cannot be removed"));
@@ -81,26 +81,28 @@ pub fn compile(
         }
         match HeaderName::from_bytes(lower.as_bytes()) {
             Ok(name) => rules.remove.push(name),
-            Err(_) => problems.error(r_path, format!("{name:?} is not a header name")),
+            Err(_) => {
+                problems.error(r_path, format!("{name:?} is not a header name"));
+            }
         }
     }
     for (i, option) in add.iter().enumerate() {
-        let a_path = format!("{path}.{kind}_headers_to_add[{i}]");
+        let a_path = path.field(&format!("{kind}_headers_to_add")).index(i);
         let Some(header) = &option.header else {
-            problems.error(format!("{a_path}.header"), "is required");
+            problems.error(a_path.field("header"), "is required");
             continue;
         };
         let lower = header.key.to_ascii_lowercase();
         if lower.starts_with(':') || lower == "host" {
             problems.error(
-                format!("{a_path}.header.key"),
+                a_path.field("header").field("key"),
                 format!("{:?} cannot be set by a header rule", header.key),
             );
             continue;
         }
         let Ok(name) = HeaderName::from_bytes(lower.as_bytes()) else {
             problems.error(
-                format!("{a_path}.header.key"),
+                a_path.field("header").field("key"),
                 format!("{:?} is not a header name", header.key),
             );
             continue;
@@ -112,13 +114,13 @@ pub fn compile(
         };
         if raw.contains(&b'%') {
             problems.warning(
-                format!("{a_path}.header.value"),
+                a_path.field("header").field("value"),
                 "command operators (%...%) in header values are not implemented; the value is sent as written",
             );
         }
         let Ok(value) = HeaderValue::from_bytes(raw) else {
             problems.error(
-                format!("{a_path}.header.value"),
+                a_path.field("header").field("value"),
                 "is not a valid header value",
             );
             continue;

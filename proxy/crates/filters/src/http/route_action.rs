@@ -17,8 +17,8 @@ use super::route::{
     ClusterChoice, DEFAULT_ROUTE_TIMEOUT, HashKey, HashPolicy, PathRedirect, Redirect, RetryPolicy,
     RouteAction, RouteMatch, StreamDuration, WeightedCluster, retry_on,
 };
-use shunt_config::Diagnostics;
 use shunt_config::convert::duration_or;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`).
 #[allow(
@@ -28,7 +28,7 @@ use shunt_config::convert::duration_or;
 pub fn route_action(
     a: &EnvoyAction,
     matcher: Option<&RouteMatch>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<RouteAction> {
     let errors_before = problems.errors.len();
@@ -41,7 +41,7 @@ pub fn route_action(
                 Ok(name) => Some(ClusterChoice::Header(name)),
                 Err(_) => {
                     problems.error(
-                        format!("{path}.cluster_header"),
+                        path.field("cluster_header"),
                         format!("{header:?} is not a header name"),
                     );
                     None
@@ -49,20 +49,20 @@ pub fn route_action(
             }
         }
         Some(route_action::ClusterSpecifier::WeightedClusters(weighted)) => {
-            let w_path = format!("{path}.weighted_clusters");
+            let w_path = path.field("weighted_clusters");
             let mut clusters = Vec::new();
             for (i, c) in weighted.clusters.iter().enumerate() {
-                let c_path = format!("{w_path}.clusters[{i}]");
+                let c_path = w_path.field("clusters").index(i);
                 if c.name.is_empty() {
                     problems.error(
-                        format!("{c_path}.name"),
+                        c_path.field("name"),
                         "is required (cluster_header in weighted clusters is not implemented yet)",
                     );
                     continue;
                 }
                 if c.metadata_match.is_some() {
                     problems.warning(
-                        format!("{c_path}.metadata_match"),
+                        c_path.field("metadata_match"),
                         "subset load balancing is not implemented; ignored",
                     );
                 }
@@ -90,7 +90,7 @@ pub fn route_action(
                     host_rewrite,
                     per_filter_configs: super::filter::per_route::compile(
                         &c.typed_per_filter_config,
-                        &format!("{c_path}.typed_per_filter_config"),
+                        &c_path.field("typed_per_filter_config"),
                         problems,
                     ),
                 });
@@ -118,12 +118,12 @@ pub fn route_action(
     let prefix_rewrite = (!a.prefix_rewrite.is_empty()).then(|| a.prefix_rewrite.clone());
     if prefix_rewrite.is_some() && matcher.is_some_and(|m| m.matched_prefix_len().is_none()) {
         problems.error(
-            format!("{path}.prefix_rewrite"),
+            path.field("prefix_rewrite"),
             "cannot be used with a safe_regex match; use regex_rewrite",
         );
     }
     let regex_rewrite = a.regex_rewrite.as_ref().and_then(|r| {
-        let r_path = format!("{path}.regex_rewrite");
+        let r_path = path.field("regex_rewrite");
         let pattern = r
             .pattern
             .as_ref()
@@ -131,7 +131,7 @@ pub fn route_action(
                 Ok(re) => Some(re),
                 Err(err) => {
                     problems.error(
-                        format!("{r_path}.pattern.regex"),
+                        r_path.field("pattern").field("regex"),
                         format!("{:?} is not a valid regex: {err}", p.regex),
                     );
                     None
@@ -145,13 +145,13 @@ pub fn route_action(
     });
     if prefix_rewrite.is_some() && regex_rewrite.is_some() {
         problems.error(
-            format!("{path}.regex_rewrite"),
+            path.field("regex_rewrite"),
             "cannot be used together with prefix_rewrite",
         );
     }
     if a.path_rewrite_policy.is_some() {
         problems.error(
-            format!("{path}.path_rewrite_policy"),
+            path.field("path_rewrite_policy"),
             "path rewrite policies are not implemented yet",
         );
     }
@@ -159,7 +159,7 @@ pub fn route_action(
         Some(route_action::HostRewriteSpecifier::HostRewriteLiteral(h)) => Some(h.clone()),
         Some(route_action::HostRewriteSpecifier::AutoHostRewrite(b)) if b.value => {
             problems.warning(
-                format!("{path}.auto_host_rewrite"),
+                path.field("auto_host_rewrite"),
                 "not implemented; the authority is sent as received",
             );
             None
@@ -167,7 +167,7 @@ pub fn route_action(
         Some(route_action::HostRewriteSpecifier::AutoHostRewrite(_)) | None => None,
         Some(_) => {
             problems.error(
-                format!("{path}.host_rewrite_specifier"),
+                path.field("host_rewrite_specifier"),
                 "only host_rewrite_literal is implemented",
             );
             None
@@ -176,16 +176,16 @@ pub fn route_action(
     let timeout = duration_or(
         a.timeout.as_ref(),
         DEFAULT_ROUTE_TIMEOUT,
-        &format!("{path}.timeout"),
+        &path.field("timeout"),
         problems,
     );
     let retry_policy = a
         .retry_policy
         .as_ref()
-        .map(|p| Arc::new(retry_policy(p, &format!("{path}.retry_policy"), problems)));
+        .map(|p| Arc::new(retry_policy(p, &path.field("retry_policy"), problems)));
     if a.retry_policy_typed_config.is_some() {
         problems.warning(
-            format!("{path}.retry_policy_typed_config"),
+            path.field("retry_policy_typed_config"),
             "not implemented; ignored",
         );
     }
@@ -204,12 +204,12 @@ pub fn route_action(
         ),
     ] {
         if set {
-            problems.warning(format!("{path}.{field}"), "not implemented; ignored");
+            problems.warning(path.field(field), "not implemented; ignored");
         }
     }
     let mut connect = None;
     for (i, upgrade) in a.upgrade_configs.iter().enumerate() {
-        let u_path = format!("{path}.upgrade_configs[{i}]");
+        let u_path = path.field("upgrade_configs").index(i);
         if !upgrade.upgrade_type.eq_ignore_ascii_case("CONNECT") {
             problems.warning(&u_path, "per-route upgrades other than CONNECT are not implemented; the connection manager's upgrade_configs apply");
             continue;
@@ -220,19 +220,21 @@ pub fn route_action(
         if let Some(config) = &upgrade.connect_config {
             if config.proxy_protocol_config.is_some() {
                 problems.error(
-                    format!("{u_path}.connect_config.proxy_protocol_config"),
+                    u_path
+                        .field("connect_config")
+                        .field("proxy_protocol_config"),
                     "PROXY protocol on terminated CONNECT is not implemented",
                 );
             }
             if config.allow_post {
                 problems.warning(
-                    format!("{u_path}.connect_config.allow_post"),
+                    u_path.field("connect_config").field("allow_post"),
                     "not implemented; only CONNECT is terminated",
                 );
             }
         } else {
             problems.error(
-                format!("{u_path}.connect_config"),
+                u_path.field("connect_config"),
                 "proxying CONNECT on to the upstream is not implemented; only terminating it (connect_config)",
             );
         }
@@ -243,18 +245,18 @@ pub fn route_action(
     let stream_duration = a
         .max_stream_duration
         .as_ref()
-        .map(|d| stream_duration(d, &format!("{path}.max_stream_duration"), problems));
+        .map(|d| stream_duration(d, &path.field("max_stream_duration"), problems));
     let mut hash_policy = Vec::new();
     for (i, policy) in a.hash_policy.iter().enumerate() {
         use route_action::hash_policy::PolicySpecifier;
-        let h_path = format!("{path}.hash_policy[{i}]");
+        let h_path = path.field("hash_policy").index(i);
         let key = match &policy.policy_specifier {
             Some(PolicySpecifier::Header(h)) => {
                 match HeaderName::from_bytes(h.header_name.as_bytes()) {
                     Ok(name) => Some(HashKey::Header(name)),
                     Err(_) => {
                         problems.error(
-                            format!("{h_path}.header.header_name"),
+                            h_path.field("header").field("header_name"),
                             format!("{:?} is not a header name", h.header_name),
                         );
                         None
@@ -263,7 +265,7 @@ pub fn route_action(
             }
             Some(PolicySpecifier::Cookie(c)) => {
                 if c.ttl.is_some() {
-                    problems.warning(format!("{h_path}.cookie.ttl"), "generating cookies is not implemented; only a cookie the request has is hashed");
+                    problems.warning(h_path.field("cookie").field("ttl"), "generating cookies is not implemented; only a cookie the request has is hashed");
                 }
                 Some(HashKey::Cookie(c.name.clone()))
             }
@@ -287,7 +289,7 @@ pub fn route_action(
     }
     if a.metadata_match.is_some() {
         problems.warning(
-            format!("{path}.metadata_match"),
+            path.field("metadata_match"),
             "subset load balancing is not implemented; ignored",
         );
     }
@@ -323,7 +325,7 @@ pub fn route_action(
 /// A route's `max_stream_duration` block; a value of 0 is kept (it means "off").
 fn stream_duration(
     d: &route_action::MaxStreamDuration,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> StreamDuration {
     let field = |value: &Option<envoy_types::pb::google::protobuf::Duration>,
@@ -331,7 +333,7 @@ fn stream_duration(
                  problems: &mut Diagnostics| {
         value
             .as_ref()
-            .and_then(|v| shunt_config::convert::duration(v, &format!("{path}.{name}"), problems))
+            .and_then(|v| shunt_config::convert::duration(v, &path.field(name), problems))
     };
     StreamDuration {
         max: field(&d.max_stream_duration, "max_stream_duration", problems)
@@ -350,7 +352,11 @@ fn stream_duration(
 }
 
 /// A route's or virtual host's `retry_policy`.
-pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics) -> RetryPolicy {
+pub fn retry_policy(
+    p: &EnvoyRetryPolicy,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> RetryPolicy {
     let mut on = 0;
     for condition in p
         .retry_on
@@ -365,7 +371,7 @@ pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics
             "reset" | "reset-before-request" | "refused-stream" => on |= retry_on::RESET,
             "retriable-status-codes" => on |= retry_on::RETRIABLE_STATUS_CODES,
             other => problems.warning(
-                format!("{path}.retry_on"),
+                path.field("retry_on"),
                 format!("retry condition {other:?} is not implemented; it never retries"),
             ),
         }
@@ -374,7 +380,7 @@ pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics
         // Retries already avoid the hosts tried, which is what Istio's
         // previous_hosts predicate asks for.
         problems.warning(
-            format!("{path}.retry_host_predicate"),
+            path.field("retry_host_predicate"),
             "retries always prefer hosts not tried yet; other predicates are ignored",
         );
     }
@@ -388,7 +394,7 @@ pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics
                 duration_or(
                     Some(t),
                     DEFAULT_ROUTE_TIMEOUT,
-                    &format!("{path}.per_try_timeout"),
+                    &path.field("per_try_timeout"),
                     problems,
                 )
             })
@@ -404,7 +410,7 @@ pub fn retry_policy(p: &EnvoyRetryPolicy, path: &str, problems: &mut Diagnostics
 /// A route's `redirect` action.
 pub fn redirect_action(
     r: &RedirectAction,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Redirect> {
     let scheme = match &r.scheme_rewrite_specifier {
@@ -437,7 +443,7 @@ pub fn redirect_action(
         Ok(port) => Some(port),
         Err(_) => {
             problems.error(
-                format!("{path}.port_redirect"),
+                path.field("port_redirect"),
                 format!("{} is not a port", r.port_redirect),
             );
             return None;

@@ -23,39 +23,39 @@ use super::route::{
 };
 use super::{header_rules, route_action};
 use crate::common::matcher::{self, string_matcher};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 /// Compiles `config`, found at JSON path `path`; `None` if it has errors (in `problems`).
 pub fn compile(
     config: &RouteConfiguration,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<RouteConfig> {
     let errors_before = problems.errors.len();
     if config.vhds.is_some() {
-        problems.error(format!("{path}.vhds"), "VHDS is not implemented yet");
+        problems.error(path.field("vhds"), "VHDS is not implemented yet");
     }
     if !config.cluster_specifier_plugins.is_empty() {
         problems.error(
-            format!("{path}.cluster_specifier_plugins"),
+            path.field("cluster_specifier_plugins"),
             "cluster specifier plugins are not implemented yet",
         );
     }
     if !config.vhost_header.is_empty() {
         problems.error(
-            format!("{path}.vhost_header"),
+            path.field("vhost_header"),
             "choosing virtual hosts by another header is not implemented yet",
         );
     }
     if !config.request_mirror_policies.is_empty() {
         problems.warning(
-            format!("{path}.request_mirror_policies"),
+            path.field("request_mirror_policies"),
             "request mirroring is not implemented; nothing is mirrored",
         );
     }
     if !config.internal_only_headers.is_empty() {
         problems.warning(
-            format!("{path}.internal_only_headers"),
+            path.field("internal_only_headers"),
             "not implemented: these headers are not removed from external requests",
         );
     }
@@ -79,20 +79,20 @@ pub fn compile(
         ignore_port_in_host_matching: config.ignore_port_in_host_matching,
         per_filter_configs: super::filter::per_route::compile(
             &config.typed_per_filter_config,
-            &format!("{path}.typed_per_filter_config"),
+            &path.field("typed_per_filter_config"),
             problems,
         ),
         ..Default::default()
     };
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, vhost) in config.virtual_hosts.iter().enumerate() {
-        let v_path = format!("{path}.virtual_hosts[{i}]");
+        let v_path = path.field("virtual_hosts").index(i);
         let compiled_vhost = virtual_host(vhost, &v_path, problems);
         // A virtual host with errors fails the whole config, so its domains are still
         // checked (for duplicates) but its index does not matter.
         let index = compiled.virtual_hosts.len();
         for (j, domain) in vhost.domains.iter().enumerate() {
-            let d_path = format!("{v_path}.domains[{j}]");
+            let d_path = v_path.field("domains").index(j);
             let domain = domain.to_ascii_lowercase();
             if let Some(other) = seen.insert(domain.clone(), i) {
                 problems.error(
@@ -125,7 +125,7 @@ fn add_domain(
     domains: &mut Domains,
     domain: &str,
     index: usize,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) {
     if domain == "*" {
@@ -163,50 +163,50 @@ fn add_domain(
 )]
 fn virtual_host(
     vhost: &EnvoyVirtualHost,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<VirtualHost> {
     let errors_before = problems.errors.len();
     if vhost.domains.is_empty() {
         problems.error(
-            format!("{path}.domains"),
+            path.field("domains"),
             "a virtual host needs at least one domain",
         );
     }
     if vhost.matcher.is_some() {
         problems.error(
-            format!("{path}.matcher"),
+            path.field("matcher"),
             "the matcher API for routes is not implemented yet; use routes",
         );
     }
     if vhost.require_tls != 0 {
         problems.error(
-            format!("{path}.require_tls"),
+            path.field("require_tls"),
             "require_tls is not implemented yet",
         );
     }
     if vhost.cors.is_some() {
         problems.warning(
-            format!("{path}.cors"),
+            path.field("cors"),
             "CORS policies are not implemented; ignored",
         );
     }
     if !vhost.rate_limits.is_empty() {
         problems.warning(
-            format!("{path}.rate_limits"),
+            path.field("rate_limits"),
             "rate limits are not implemented; ignored",
         );
     }
     if vhost.hedge_policy.is_some() {
         problems.warning(
-            format!("{path}.hedge_policy"),
+            path.field("hedge_policy"),
             "request hedging is not implemented; ignored",
         );
     }
     let retry_policy = vhost.retry_policy.as_ref().map(|p| {
         Arc::new(route_action::retry_policy(
             p,
-            &format!("{path}.retry_policy"),
+            &path.field("retry_policy"),
             problems,
         ))
     });
@@ -214,7 +214,7 @@ fn virtual_host(
         .routes
         .iter()
         .enumerate()
-        .filter_map(|(k, r)| route(r, &format!("{path}.routes[{k}]"), problems))
+        .filter_map(|(k, r)| route(r, &path.field("routes").index(k), problems))
         .collect();
     let compiled = VirtualHost {
         name: vhost.name.clone(),
@@ -236,44 +236,44 @@ fn virtual_host(
         retry_policy,
         per_filter_configs: super::filter::per_route::compile(
             &vhost.typed_per_filter_config,
-            &format!("{path}.typed_per_filter_config"),
+            &path.field("typed_per_filter_config"),
             problems,
         ),
     };
     (problems.errors.len() == errors_before).then_some(compiled)
 }
 
-fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<Route> {
+fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Option<Route> {
     let errors_before = problems.errors.len();
-    let matcher = route_match(route.r#match.as_ref(), &format!("{path}.match"), problems);
+    let matcher = route_match(route.r#match.as_ref(), &path.field("match"), problems);
     let action = match &route.action {
         Some(EnvoyActionKind::Route(action)) => {
-            route_action::route_action(action, matcher.as_ref(), &format!("{path}.route"), problems)
+            route_action::route_action(action, matcher.as_ref(), &path.field("route"), problems)
                 .map(Action::Route)
         }
         Some(EnvoyActionKind::Redirect(redirect)) => {
-            route_action::redirect_action(redirect, &format!("{path}.redirect"), problems)
+            route_action::redirect_action(redirect, &path.field("redirect"), problems)
                 .map(Action::Redirect)
         }
         Some(EnvoyActionKind::DirectResponse(direct)) => {
-            let d_path = format!("{path}.direct_response");
+            let d_path = path.field("direct_response");
             let status = StatusCode::from_u16(direct.status as u16)
                 .ok()
                 .filter(|_| (200..600).contains(&direct.status));
             if status.is_none() {
                 problems.error(
-                    format!("{d_path}.status"),
+                    d_path.field("status"),
                     format!("{} is not an HTTP status from 200 to 599", direct.status),
                 );
             }
             let body = direct
                 .body
                 .as_ref()
-                .map(|b| data_source(b, &format!("{d_path}.body"), problems))
+                .map(|b| data_source(b, &d_path.field("body"), problems))
                 .unwrap_or_default();
             if direct.body_format.is_some() {
                 problems.warning(
-                    format!("{d_path}.body_format"),
+                    d_path.field("body_format"),
                     "body formats are not implemented; the body is sent as written",
                 );
             }
@@ -281,14 +281,14 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<R
         }
         Some(EnvoyActionKind::FilterAction(_)) => {
             problems.error(
-                format!("{path}.filter_action"),
+                path.field("filter_action"),
                 "filter actions are not implemented yet",
             );
             None
         }
         Some(EnvoyActionKind::NonForwardingAction(_)) => {
             problems.error(
-                format!("{path}.non_forwarding_action"),
+                path.field("non_forwarding_action"),
                 "non-forwarding actions are not implemented yet",
             );
             None
@@ -323,7 +323,7 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<R
         response_headers,
         per_filter_configs: super::filter::per_route::compile(
             &route.typed_per_filter_config,
-            &format!("{path}.typed_per_filter_config"),
+            &path.field("typed_per_filter_config"),
             problems,
         ),
     })
@@ -331,7 +331,7 @@ fn route(route: &EnvoyRoute, path: &str, problems: &mut Diagnostics) -> Option<R
 
 fn route_match(
     m: Option<&EnvoyMatch>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<RouteMatch> {
     let Some(m) = m else {
@@ -343,12 +343,12 @@ fn route_match(
         Some(PathSpecifier::Prefix(prefix)) => Some(PathMatch::Prefix(prefix.clone())),
         Some(PathSpecifier::Path(exact)) => Some(PathMatch::Path(exact.clone())),
         Some(PathSpecifier::SafeRegex(re)) => {
-            matcher::regex(re, &format!("{path}.safe_regex"), problems).map(PathMatch::Regex)
+            matcher::regex(re, &path.field("safe_regex"), problems).map(PathMatch::Regex)
         }
         Some(PathSpecifier::PathSeparatedPrefix(prefix)) => {
             if prefix.ends_with('/') || prefix.contains(['?', '#']) {
                 problems.error(
-                    format!("{path}.path_separated_prefix"),
+                    path.field("path_separated_prefix"),
                     format!("{prefix:?} may not end with / nor hold ? or #"),
                 );
             }
@@ -357,7 +357,7 @@ fn route_match(
         Some(PathSpecifier::ConnectMatcher(_)) => Some(PathMatch::Connect),
         Some(PathSpecifier::PathMatchPolicy(_)) => {
             problems.error(
-                format!("{path}.path_match_policy"),
+                path.field("path_match_policy"),
                 "path match policies are not implemented yet",
             );
             None
@@ -372,31 +372,31 @@ fn route_match(
     };
     if m.runtime_fraction.is_some() {
         problems.error(
-            format!("{path}.runtime_fraction"),
+            path.field("runtime_fraction"),
             "runtime fractions are not implemented yet",
         );
     }
     if !m.cookies.is_empty() {
         problems.error(
-            format!("{path}.cookies"),
+            path.field("cookies"),
             "cookie matching is not implemented yet",
         );
     }
     if m.tls_context.is_some() {
         problems.error(
-            format!("{path}.tls_context"),
+            path.field("tls_context"),
             "TLS context matching is not implemented yet",
         );
     }
     if !m.dynamic_metadata.is_empty() {
         problems.error(
-            format!("{path}.dynamic_metadata"),
+            path.field("dynamic_metadata"),
             "dynamic metadata matching is not implemented yet",
         );
     }
     if !m.filter_state.is_empty() {
         problems.error(
-            format!("{path}.filter_state"),
+            path.field("filter_state"),
             "filter state matching is not implemented yet",
         );
     }
@@ -404,13 +404,13 @@ fn route_match(
         .headers
         .iter()
         .enumerate()
-        .filter_map(|(i, h)| matcher::header_matcher(h, &format!("{path}.headers[{i}]"), problems))
+        .filter_map(|(i, h)| matcher::header_matcher(h, &path.field("headers").index(i), problems))
         .collect();
     let query_parameters = m
         .query_parameters
         .iter()
         .enumerate()
-        .filter_map(|(i, q)| query_matcher(q, &format!("{path}.query_parameters[{i}]"), problems))
+        .filter_map(|(i, q)| query_matcher(q, &path.field("query_parameters").index(i), problems))
         .collect();
     if problems.errors.len() > errors_before {
         return None;
@@ -427,15 +427,13 @@ fn route_match(
 /// A `QueryParameterMatcher`: `string_match`, or `present_match: true`.
 pub fn query_matcher(
     q: &EnvoyQueryMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<QueryParameterMatcher> {
     let matcher = match &q.query_parameter_match_specifier {
-        Some(QueryParameterMatchSpecifier::StringMatch(m)) => Some(string_matcher(
-            m,
-            &format!("{path}.string_match"),
-            problems,
-        )?),
+        Some(QueryParameterMatchSpecifier::StringMatch(m)) => {
+            Some(string_matcher(m, &path.field("string_match"), problems)?)
+        }
         Some(QueryParameterMatchSpecifier::PresentMatch(true)) => None,
         _ => {
             problems.error(
@@ -451,7 +449,7 @@ pub fn query_matcher(
     })
 }
 
-fn data_source(source: &DataSource, path: &str, problems: &mut Diagnostics) -> Bytes {
+fn data_source(source: &DataSource, path: &JsonPath, problems: &mut Diagnostics) -> Bytes {
     match &source.specifier {
         Some(data_source::Specifier::InlineString(s)) => Bytes::from(s.clone()),
         Some(data_source::Specifier::InlineBytes(b)) => Bytes::from(b.clone()),
@@ -459,7 +457,7 @@ fn data_source(source: &DataSource, path: &str, problems: &mut Diagnostics) -> B
             Ok(body) => Bytes::from(body),
             Err(err) => {
                 problems.error(
-                    format!("{path}.filename"),
+                    path.field("filename"),
                     format!("cannot read {file:?}: {err}"),
                 );
                 Bytes::new()
@@ -469,7 +467,7 @@ fn data_source(source: &DataSource, path: &str, problems: &mut Diagnostics) -> B
             Ok(body) => Bytes::from(body),
             Err(_) => {
                 problems.error(
-                    format!("{path}.environment_variable"),
+                    path.field("environment_variable"),
                     format!("{var} is not set"),
                 );
                 Bytes::new()

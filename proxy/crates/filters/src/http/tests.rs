@@ -10,12 +10,12 @@ use super::connection_manager::redirect_location;
 use super::route::{Action, ClusterChoice, RouteConfig};
 use super::route_config::compile;
 use crate::common::matcher::RequestView;
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 fn route_config(config: serde_json::Value) -> RouteConfig {
     let config: RouteConfiguration = shunt_config::message_from_json(config).unwrap();
     let mut problems = Diagnostics::default();
-    let compiled = compile(&config, "rc", &mut problems);
+    let compiled = compile(&config, &JsonPath::new("rc"), &mut problems);
     assert!(problems.errors.is_empty(), "{:?}", problems.errors);
     compiled.unwrap()
 }
@@ -23,7 +23,7 @@ fn route_config(config: serde_json::Value) -> RouteConfig {
 fn errors(config: serde_json::Value) -> Vec<String> {
     let config: RouteConfiguration = shunt_config::message_from_json(config).unwrap();
     let mut problems = Diagnostics::default();
-    assert!(compile(&config, "rc", &mut problems).is_none());
+    assert!(compile(&config, &JsonPath::new("rc"), &mut problems).is_none());
     problems.errors.iter().map(ToString::to_string).collect()
 }
 
@@ -325,7 +325,7 @@ mod serving {
     use super::route_config;
     use crate::http::connection_manager::{Downstream, serve};
     use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
-    use shunt_config::Diagnostics;
+    use shunt_config::{Diagnostics, JsonPath};
     use shunt_core::access_log::Direction;
     use shunt_tls::Secrets;
     use shunt_upstream::Clusters;
@@ -393,8 +393,14 @@ mod serving {
         let mut problems = Diagnostics::default();
         let stats = shunt_core::stats::Store::new();
         let hcm = Arc::new(
-            crate::http::compile::compile(&hcm, &Default::default(), &stats, "hcm", &mut problems)
-                .unwrap(),
+            crate::http::compile::compile(
+                &hcm,
+                &Default::default(),
+                &stats,
+                &JsonPath::new("hcm"),
+                &mut problems,
+            )
+            .unwrap(),
         );
         let store = Arc::new(CurrentRoutes::default());
 
@@ -514,7 +520,7 @@ mod limits {
 
     use crate::http::connection_manager::{Downstream, serve};
     use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
-    use shunt_config::Diagnostics;
+    use shunt_config::{Diagnostics, JsonPath};
     use shunt_core::access_log::Direction;
     use shunt_core::stats::Store;
 
@@ -561,7 +567,7 @@ mod limits {
             &config,
             &Default::default(),
             store,
-            "hcm",
+            &JsonPath::new("hcm"),
             &mut problems,
         );
         assert!(problems.errors.is_empty(), "{:?}", problems.errors);
@@ -839,7 +845,7 @@ mod limits {
         let mut problems = Diagnostics::default();
         let compiled = shunt_upstream::compile::compile(
             &cluster,
-            "c",
+            &JsonPath::new("c"),
             0,
             store,
             &mut Vec::new(),
@@ -876,7 +882,7 @@ mod limits {
             &hcm_config,
             &config.clusters,
             store,
-            "hcm",
+            &JsonPath::new("hcm"),
             &mut problems,
         )
         .unwrap();
@@ -1362,7 +1368,7 @@ mod limits {
             &hcm_config,
             &config.clusters,
             store,
-            "hcm",
+            &JsonPath::new("hcm"),
             &mut problems,
         )
         .unwrap();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use envoy_types::pb::google::protobuf::Any;
 
 use super::NetworkFilterConfig;
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::LocalNode;
 use shunt_core::stats::Store;
 use shunt_upstream::Clusters;
@@ -27,7 +27,7 @@ pub struct CompileCtx<'a> {
 }
 
 pub type CompileFn =
-    fn(&Any, &CompileCtx<'_>, &str, &mut Diagnostics) -> Option<Arc<dyn NetworkFilterConfig>>;
+    fn(&Any, &CompileCtx<'_>, &JsonPath, &mut Diagnostics) -> Option<Arc<dyn NetworkFilterConfig>>;
 
 pub struct Factory {
     /// The type name of its `typed_config`.

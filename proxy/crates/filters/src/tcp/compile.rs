@@ -8,8 +8,8 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
 use envoy_types::pb::envoy::r#type::v3::hash_policy::PolicySpecifier;
 
 use super::tcp_proxy::{ClusterSpecifier, DEFAULT_IDLE_TIMEOUT, TcpProxy, TcpProxyStats};
-use shunt_config::Diagnostics;
 use shunt_config::convert::duration_or;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stats::Store;
 use shunt_upstream::Clusters;
 
@@ -17,14 +17,14 @@ pub fn compile(
     proxy: &EnvoyTcpProxy,
     clusters: &Clusters,
     stats: &Store,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<TcpProxy> {
     let errors_before = problems.errors.len();
     if proxy.stat_prefix.is_empty() {
-        problems.error(format!("{path}.stat_prefix"), "is required");
+        problems.error(path.field("stat_prefix"), "is required");
     }
-    let check_cluster = |name: &str, path: String, problems: &mut Diagnostics| {
+    let check_cluster = |name: &str, path: JsonPath, problems: &mut Diagnostics| {
         if !clusters.contains_key(name) {
             problems.warning(
                 path,
@@ -34,21 +34,21 @@ pub fn compile(
     };
     let specifier = match &proxy.cluster_specifier {
         Some(EnvoySpecifier::Cluster(name)) if !name.is_empty() => {
-            check_cluster(name, format!("{path}.cluster"), problems);
+            check_cluster(name, path.field("cluster"), problems);
             Some(ClusterSpecifier::Cluster(name.as_str().into()))
         }
         Some(EnvoySpecifier::WeightedClusters(weighted)) => {
             let mut list = Vec::new();
             for (i, c) in weighted.clusters.iter().enumerate() {
-                let c_path = format!("{path}.weighted_clusters.clusters[{i}]");
+                let c_path = path.field("weighted_clusters").field("clusters").index(i);
                 if c.name.is_empty() {
-                    problems.error(format!("{c_path}.name"), "is required");
+                    problems.error(c_path.field("name"), "is required");
                     continue;
                 }
-                check_cluster(&c.name, format!("{c_path}.name"), problems);
+                check_cluster(&c.name, c_path.field("name"), problems);
                 if c.metadata_match.is_some() {
                     problems.warning(
-                        format!("{c_path}.metadata_match"),
+                        c_path.field("metadata_match"),
                         "subset load balancing is not implemented; ignored",
                     );
                 }
@@ -56,7 +56,7 @@ pub fn compile(
             }
             if list.iter().all(|(_, w)| *w == 0) {
                 problems.error(
-                    format!("{path}.weighted_clusters"),
+                    path.field("weighted_clusters"),
                     "needs at least one cluster with a positive weight",
                 );
                 None
@@ -72,17 +72,17 @@ pub fn compile(
     let idle = duration_or(
         proxy.idle_timeout.as_ref(),
         DEFAULT_IDLE_TIMEOUT,
-        &format!("{path}.idle_timeout"),
+        &path.field("idle_timeout"),
         problems,
     );
     let max_connect_attempts = proxy.max_connect_attempts.map_or(1, |v| v.value);
     if max_connect_attempts == 0 {
-        problems.error(format!("{path}.max_connect_attempts"), "must be at least 1");
+        problems.error(path.field("max_connect_attempts"), "must be at least 1");
     }
     for (i, policy) in proxy.hash_policy.iter().enumerate() {
         if !matches!(policy.policy_specifier, Some(PolicySpecifier::SourceIp(_))) {
             problems.warning(
-                format!("{path}.hash_policy[{i}]"),
+                path.field("hash_policy").index(i),
                 "only source_ip hashing is implemented; the source IP is hashed",
             );
         }
@@ -90,27 +90,27 @@ pub fn compile(
     let tunneling = proxy
         .tunneling_config
         .as_ref()
-        .and_then(|t| super::tunnel::compile(t, &format!("{path}.tunneling_config"), problems));
+        .and_then(|t| super::tunnel::compile(t, &path.field("tunneling_config"), problems));
     if proxy.on_demand.is_some() {
         problems.error(
-            format!("{path}.on_demand"),
+            path.field("on_demand"),
             "on-demand cluster discovery is not implemented yet",
         );
     }
     if proxy.metadata_match.is_some() {
         problems.warning(
-            format!("{path}.metadata_match"),
+            path.field("metadata_match"),
             "subset load balancing is not implemented; ignored",
         );
     }
     if proxy.max_downstream_connection_duration.is_some() {
         problems.warning(
-            format!("{path}.max_downstream_connection_duration"),
+            path.field("max_downstream_connection_duration"),
             "not implemented yet; connections last until closed or idle",
         );
     }
     let access_log =
-        shunt_core::access_log::compile(&proxy.access_log, &format!("{path}.access_log"), problems);
+        shunt_core::access_log::compile(&proxy.access_log, &path.field("access_log"), problems);
     if problems.errors.len() > errors_before {
         return None;
     }

@@ -174,7 +174,7 @@ mod tests {
                 "certificate_chain": {"filename": pki.path("server.pem")},
                 "private_key": {"filename": pki.path("server.key")}}]}}))
             .unwrap(),
-            "d",
+            &shunt_config::JsonPath::new("d"),
             &mut problems,
         )
         .unwrap();
@@ -182,7 +182,7 @@ mod tests {
             &shunt_config::message_from_json(json!({"common_tls_context": {
                 "validation_context": {"trusted_ca": {"filename": pki.path("ca.pem")}}}}))
             .unwrap(),
-            "u",
+            &shunt_config::JsonPath::new("u"),
             &mut problems,
         )
         .unwrap();

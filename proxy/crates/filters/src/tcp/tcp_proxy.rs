@@ -13,7 +13,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::DownstreamIo as _;
 use super::copy;
 use shunt_core::access_log::{Entry, ResponseFlag, Sink};
 use shunt_core::peer::filter_state::{self, Side};
@@ -112,9 +111,21 @@ fn report(entry: &mut Entry, connection: &Option<Arc<Connection>>, flag: Respons
     }
 }
 
+/// An upstream connection made: the stream, what keeps the host's connection (or the
+/// pooled tunnel's stream) counted while it lives, and what the access log and the
+/// upstream's stream info say about the host.
+struct Connected {
+    stream: TransportStream,
+    active: Box<dyn Send>,
+    host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    tls: Option<shunt_core::stream_info::Tls>,
+}
+
 impl TcpProxy {
     /// Proxies one connection whose destination (original or local) is `destination`,
-    /// filling `entry`; the caller writes the access log.
+    /// filling `entry`; the caller writes the access log. Envoy's `TcpProxy::Filter`
+    /// steps: the cluster, a circuit breaker slot, the upstream connection (and its
+    /// metadata exchange and tunnel), then the bytes both ways.
     pub async fn serve(
         &self,
         upstreams: &Upstreams<'_>,
@@ -130,12 +141,6 @@ impl TcpProxy {
             Some(name) => &Arc::from(name),
             None => self.clusters.pick(),
         };
-        // The original destination and source shared with an internal listener upstream.
-        let shared = SharedFilterState {
-            local: shared_address(&connection.filter_state, ORIGINAL_DST_LOCAL),
-            remote: shared_address(&connection.filter_state, ORIGINAL_DST_REMOTE),
-            objects: connection.filter_state.shared_with_upstream(),
-        };
         // Flags set before the downstream closes are told to its network filters too.
         let reported = downstream.io().connection().cloned();
         entry.upstream_cluster = Some(name.clone());
@@ -150,33 +155,112 @@ impl TcpProxy {
             report(entry, &reported, ResponseFlag::UpstreamOverflow);
             return;
         };
-        // Without a hash policy, hash the downstream IP (Envoy's `source_ip` policy), so a
-        // client sticks to one host under RING_HASH and MAGLEV.
-        let hash = Some(hash_key(
-            entry.downstream_remote_address.ip().to_string().as_bytes(),
-        ));
-        let mut tried = Vec::new();
-        let mut connected = None;
-        let mut host_metadata = None;
-        let mut upstream_tls = None;
-        // HTTP/2 tunnels are streams of the cluster's pooled connection to the host.
-        let pooled_tunnel = self
-            .tunneling
-            .as_ref()
-            .filter(|_| cluster.http_protocol == shunt_upstream::cluster::UpstreamProtocol::Http2);
         let tunnel_downstream = super::tunnel::Downstream {
             local: entry.downstream_local_address,
             remote: entry.downstream_remote_address,
             filter_state: connection.filter_state.clone(),
         };
+        let connecting = self.connect(
+            upstreams,
+            cluster,
+            connection,
+            destination,
+            &tunnel_downstream,
+            entry,
+        );
+        let connected = match connecting.await {
+            Ok(connected) => connected,
+            Err(flag) => {
+                report(entry, &reported, flag);
+                // Every attempt failed: the downstream gets a reset, as the passthrough
+                // gives one.
+                if flag == ResponseFlag::UpstreamConnectionFailure {
+                    downstream.abort();
+                }
+                return;
+            }
+        };
+        let _active = connected.active;
+        entry.upstream_local_address = connected.stream.local_addr().ok();
+        let upstream = match self
+            .upstream_info(
+                cluster,
+                connected.host_metadata,
+                connected.tls,
+                connected.stream,
+                reported.clone(),
+            )
+            .await
+        {
+            Ok(upstream) => upstream,
+            Err(err) => {
+                tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "upstream metadata exchange failed");
+                report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
+                downstream.abort();
+                return;
+            }
+        };
+        let upstream = match &self.tunneling {
+            Some(tunneling) if self.pooled_tunnel(cluster).is_none() => {
+                match tunneling.open(upstream, false, &tunnel_downstream).await {
+                    Ok(tunnel) => tunnel,
+                    Err(err) => {
+                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "tunnel not established");
+                        entry.upstream_transport_failure_reason = Some(err.to_string());
+                        report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
+                        downstream.abort();
+                        return;
+                    }
+                }
+            }
+            _ => upstream,
+        };
+        self.copy(downstream, upstream, cluster, entry).await;
+    }
+
+    /// The tunnel settings when the tunnel is a stream of the cluster's pooled HTTP/2
+    /// connection to the host (an HTTP/1.1 tunnel is a connection of its own).
+    fn pooled_tunnel(
+        &self,
+        cluster: &shunt_upstream::Cluster,
+    ) -> Option<&super::tunnel::Tunneling> {
+        self.tunneling
+            .as_ref()
+            .filter(|_| cluster.http_protocol == shunt_upstream::cluster::UpstreamProtocol::Http2)
+    }
+
+    /// Envoy's connect attempts: up to `max_connect_attempts`, each to a host the load
+    /// balancer chooses among those not tried yet. Fails with the flag to raise: no host
+    /// (`UH`, also for a host that is the proxy itself) or every attempt failed (`UF`).
+    async fn connect(
+        &self,
+        upstreams: &Upstreams<'_>,
+        cluster: &Arc<shunt_upstream::Cluster>,
+        connection: &Connection,
+        destination: SocketAddr,
+        tunnel_downstream: &super::tunnel::Downstream,
+        entry: &mut Entry,
+    ) -> Result<Connected, ResponseFlag> {
+        // The original destination and source shared with an internal listener upstream.
+        let shared = SharedFilterState {
+            local: shared_address(&connection.filter_state, ORIGINAL_DST_LOCAL),
+            remote: shared_address(&connection.filter_state, ORIGINAL_DST_REMOTE),
+            objects: connection.filter_state.shared_with_upstream(),
+        };
+        // Without a hash policy, hash the downstream IP (Envoy's `source_ip` policy), so a
+        // client sticks to one host under RING_HASH and MAGLEV.
+        let hash = Some(hash_key(
+            entry.downstream_remote_address.ip().to_string().as_bytes(),
+        ));
+        let pooled_tunnel = self.pooled_tunnel(cluster);
+        let mut tried = Vec::new();
         for _ in 0..self.max_connect_attempts.max(1) {
             let ctx = LbContext {
                 hash,
                 tried: &tried,
             };
             let Some(host) = cluster.choose_host(&ctx, Some(destination)) else {
-                report(entry, &reported, ResponseFlag::NoHealthyUpstream);
-                return;
+                return Err(ResponseFlag::NoHealthyUpstream);
             };
             if super::loops_back(
                 host.address,
@@ -184,22 +268,24 @@ impl TcpProxy {
                 upstreams.own_ports,
             ) {
                 tracing::warn!(downstream = %entry.downstream_remote_address, upstream = %host.address, "refusing a connection whose destination is the proxy itself");
-                report(entry, &reported, ResponseFlag::NoHealthyUpstream);
-                return;
+                return Err(ResponseFlag::NoHealthyUpstream);
             }
             entry.upstream_host = Some(host.address);
             if let Some(tunneling) = pooled_tunnel {
                 let opened = tunneling
-                    .open_pooled(cluster, &host, upstreams.secrets, &tunnel_downstream)
+                    .open_pooled(cluster, &host, upstreams.secrets, tunnel_downstream)
                     .await;
                 match opened {
                     Ok((tunnel, slot)) => {
-                        host_metadata = host.metadata.clone();
-                        connected = Some((tunnel, Box::new(slot) as Box<dyn Send>));
-                        break;
+                        return Ok(Connected {
+                            stream: tunnel,
+                            active: Box::new(slot),
+                            host_metadata: host.metadata.clone(),
+                            tls: None,
+                        });
                     }
                     Err(err) => {
-                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "tunnel not established");
+                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %cluster.name, %err, "tunnel not established");
                         entry.upstream_transport_failure_reason = Some(err.to_string());
                         tried.push(host.address);
                         continue;
@@ -215,14 +301,16 @@ impl TcpProxy {
             .await
             {
                 Ok((stream, guard)) => {
-                    host_metadata = host.metadata.clone();
-                    upstream_tls =
-                        transport_socket::session(cluster, &host, &stream, upstreams.secrets);
-                    connected = Some((stream, Box::new(guard) as Box<dyn Send>));
-                    break;
+                    let tls = transport_socket::session(cluster, &host, &stream, upstreams.secrets);
+                    return Ok(Connected {
+                        stream,
+                        active: Box::new(guard),
+                        host_metadata: host.metadata.clone(),
+                        tls,
+                    });
                 }
                 Err(err) => {
-                    tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %name, %err, "upstream connection failed");
+                    tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, upstream = %host.address, cluster = %cluster.name, %err, "upstream connection failed");
                     if let transport_socket::ConnectError::Tls(err) = &err {
                         entry.upstream_transport_failure_reason = Some(err.to_string());
                     }
@@ -230,48 +318,18 @@ impl TcpProxy {
                 }
             }
         }
-        let Some((upstream, _active)) = connected else {
-            report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
-            match &downstream {
-                super::Downstream::Transport(stream) => stream.abort(),
-                super::Downstream::Filtered(stream) => stream.abort(),
-            }
-            return;
-        };
-        entry.upstream_local_address = upstream.local_addr().ok();
-        let upstream = match self
-            .upstream_info(
-                cluster,
-                host_metadata,
-                upstream_tls,
-                upstream,
-                reported.clone(),
-            )
-            .await
-        {
-            Ok(upstream) => upstream,
-            Err(err) => {
-                tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "upstream metadata exchange failed");
-                report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
-                downstream.abort();
-                return;
-            }
-        };
-        let upstream = match &self.tunneling {
-            Some(tunneling) if pooled_tunnel.is_none() => {
-                match tunneling.open(upstream, false, &tunnel_downstream).await {
-                    Ok(tunnel) => tunnel,
-                    Err(err) => {
-                        tracing::info!(stat_prefix = %self.stat_prefix, downstream = %entry.downstream_remote_address, cluster = %name, %err, "tunnel not established");
-                        entry.upstream_transport_failure_reason = Some(err.to_string());
-                        report(entry, &reported, ResponseFlag::UpstreamConnectionFailure);
-                        downstream.abort();
-                        return;
-                    }
-                }
-            }
-            _ => upstream,
-        };
+        Err(ResponseFlag::UpstreamConnectionFailure)
+    }
+
+    /// The bytes both ways until both sides close or nothing moves for `idle_timeout`;
+    /// their counts and how the connection ended go into `entry` and the cluster's stats.
+    async fn copy(
+        &self,
+        downstream: super::Downstream,
+        upstream: TransportStream,
+        cluster: &shunt_upstream::Cluster,
+        entry: &mut Entry,
+    ) {
         downstream.set_nodelay();
         let outcome = match (downstream, upstream) {
             // Plain TCP both ways keeps the socket fast path.

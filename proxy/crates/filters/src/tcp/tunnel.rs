@@ -17,7 +17,7 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Method, Request, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stream_info::FilterState;
 use shunt_tls::TransportStream;
 use shunt_upstream::http_pool::RequestBody;
@@ -59,7 +59,7 @@ pub struct Downstream {
 
 impl Format {
     /// Compiles `text` at `path`; an unknown command is an error.
-    pub fn compile(text: &str, path: &str, problems: &mut Diagnostics) -> Option<Format> {
+    pub fn compile(text: &str, path: &JsonPath, problems: &mut Diagnostics) -> Option<Format> {
         let mut pieces = Vec::new();
         let mut rest = text;
         while let Some(start) = rest.find('%') {
@@ -150,16 +150,16 @@ pub struct Tunneling {
 /// Compiles `tunneling_config` at `path`.
 pub fn compile(
     config: &EnvoyTunneling,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Tunneling> {
     let errors_before = problems.errors.len();
     if config.hostname.is_empty() {
-        problems.error(format!("{path}.hostname"), "is required");
+        problems.error(path.field("hostname"), "is required");
     }
     if config.use_post {
         problems.error(
-            format!("{path}.use_post"),
+            path.field("use_post"),
             "tunneling with POST is not implemented; only CONNECT",
         );
     }
@@ -169,24 +169,24 @@ pub fn compile(
             "propagate_response_headers/trailers are not implemented; the tunnel's response headers are not kept",
         );
     }
-    let hostname = Format::compile(&config.hostname, &format!("{path}.hostname"), problems);
+    let hostname = Format::compile(&config.hostname, &path.field("hostname"), problems);
     let mut headers = Vec::new();
     for (i, option) in config.headers_to_add.iter().enumerate() {
-        let h_path = format!("{path}.headers_to_add[{i}].header");
+        let h_path = path.field("headers_to_add").index(i).field("header");
         let Some(header) = &option.header else {
             problems.error(&h_path, "is required");
             continue;
         };
         let Ok(name) = HeaderName::from_bytes(header.key.as_bytes()) else {
             problems.error(
-                format!("{h_path}.key"),
+                h_path.field("key"),
                 format!("{:?} is not a header name", header.key),
             );
             continue;
         };
         if name.as_str().starts_with(':') || name == hyper::header::HOST {
             problems.error(
-                format!("{h_path}.key"),
+                h_path.field("key"),
                 "pseudo-headers and host cannot be added",
             );
             continue;
@@ -196,7 +196,7 @@ pub fn compile(
         } else {
             String::from_utf8_lossy(&header.raw_value).into_owned()
         };
-        if let Some(format) = Format::compile(&value, &format!("{h_path}.value"), problems) {
+        if let Some(format) = Format::compile(&value, &h_path.field("value"), problems) {
             headers.push((name, format));
         }
     }
@@ -352,18 +352,27 @@ mod tests {
     #[test]
     fn istio_hostname_renders_the_original_destination() {
         let mut problems = Diagnostics::default();
-        let f = Format::compile("%DOWNSTREAM_LOCAL_ADDRESS%", "h", &mut problems).unwrap();
+        let f = Format::compile(
+            "%DOWNSTREAM_LOCAL_ADDRESS%",
+            &JsonPath::new("h"),
+            &mut problems,
+        )
+        .unwrap();
         assert_eq!(f.render(&downstream()), "10.0.0.5:80");
         let f = Format::compile(
             "%DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT%:15008 from %DOWNSTREAM_REMOTE_PORT% 100%%",
-            "h",
+            &JsonPath::new("h"),
             &mut problems,
         )
         .unwrap();
         assert_eq!(f.render(&downstream()), "10.0.0.5:15008 from 40000 100%");
         // Istio's baggage header: nothing is sent while no filter set the object.
-        let f =
-            Format::compile("%FILTER_STATE(io.istio.baggage:PLAIN)%", "h", &mut problems).unwrap();
+        let f = Format::compile(
+            "%FILTER_STATE(io.istio.baggage:PLAIN)%",
+            &JsonPath::new("h"),
+            &mut problems,
+        )
+        .unwrap();
         assert_eq!(f.render(&downstream()), "");
         let mut d = downstream();
         d.filter_state
@@ -377,7 +386,12 @@ mod tests {
             )
             .unwrap();
         assert_eq!(f.render(&d), "k8s.pod.name=a");
-        let json = Format::compile("%FILTER_STATE(io.istio.baggage)%", "h", &mut problems).unwrap();
+        let json = Format::compile(
+            "%FILTER_STATE(io.istio.baggage)%",
+            &JsonPath::new("h"),
+            &mut problems,
+        )
+        .unwrap();
         assert_eq!(json.render(&d), "\"k8s.pod.name=a\"");
         assert!(problems.errors.is_empty(), "{problems:?}");
     }
@@ -390,7 +404,7 @@ mod tests {
             ..Default::default()
         };
         let mut problems = Diagnostics::default();
-        assert!(compile(&config, "t", &mut problems).is_none());
+        assert!(compile(&config, &JsonPath::new("t"), &mut problems).is_none());
         let paths: Vec<&str> = problems.errors.iter().map(|d| d.path.as_str()).collect();
         assert_eq!(paths, ["t.use_post", "t.hostname"]);
         assert!(problems.errors[1].message.contains("%UPSTREAM_WHATEVER%"));

@@ -88,6 +88,64 @@ pub(super) struct Refusal {
     pub(super) config: Any,
 }
 
+/// One update of a type being applied: what its change touched, and what it refused.
+struct Update<'a> {
+    kind: TypeUrl,
+    version: &'a str,
+    /// The last good version of each resource the change adds, replaces or removes.
+    before: BTreeMap<String, Option<Accepted>>,
+    /// The resources the change adds or replaces.
+    touched: Vec<String>,
+    /// New endpoints (none removed) change only the clusters they are for.
+    endpoints_changed: Option<Vec<String>>,
+    /// The version a refused resource's error state records.
+    failed_version: String,
+    now: SystemTime,
+    /// Each refused resource's errors.
+    refusals: BTreeMap<String, Vec<String>>,
+}
+
+/// Makes `change` to a type's resources: the last good version of each resource it
+/// adds, replaces or removes (by name), the names it adds or replaces, and whether it
+/// removed any.
+fn edit(
+    resources: &mut BTreeMap<String, Accepted>,
+    change: Edit,
+) -> (BTreeMap<String, Option<Accepted>>, Vec<String>, bool) {
+    let mut before: BTreeMap<String, Option<Accepted>> = BTreeMap::new();
+    let mut removed_any = false;
+    let mut touched = Vec::new();
+    match change {
+        Edit::Replace(set) => {
+            let old = std::mem::replace(resources, set);
+            touched = resources.keys().cloned().collect();
+            for name in &touched {
+                before.insert(name.clone(), old.get(name).cloned());
+            }
+            for (name, entry) in old {
+                if !resources.contains_key(&name) {
+                    removed_any = true;
+                    before.insert(name, Some(entry));
+                }
+            }
+        }
+        Edit::Patch { upserts, removals } => {
+            for (name, entry) in upserts {
+                touched.push(name.clone());
+                let old = resources.insert(name.clone(), entry);
+                before.entry(name).or_insert(old);
+            }
+            for name in removals {
+                if let Some(old) = resources.remove(&name) {
+                    removed_any = true;
+                    before.entry(name).or_insert(Some(old));
+                }
+            }
+        }
+    }
+    (before, touched, removed_any)
+}
+
 impl Manager {
     /// Applies `change` to the set of `kind` resource by resource, as Envoy does: the
     /// candidate set is compiled with everything else; each resource of the change the
@@ -111,41 +169,7 @@ impl Manager {
             return self.apply_workloads(change, version, refused);
         }
         let state = self.types.get_mut(&kind).expect("a subscribed type");
-        // The last good version of each resource the change adds, replaces or removes.
-        let mut before: BTreeMap<String, Option<Accepted>> = BTreeMap::new();
-        let mut removed_any = false;
-        let mut touched = Vec::new();
-        match change {
-            Edit::Replace(set) => {
-                let old = std::mem::replace(&mut state.resources, set);
-                touched = state.resources.keys().cloned().collect();
-                for name in &touched {
-                    before.insert(name.clone(), old.get(name).cloned());
-                }
-                for (name, entry) in old {
-                    if !state.resources.contains_key(&name) {
-                        removed_any = true;
-                        before.insert(name, Some(entry));
-                    }
-                }
-            }
-            Edit::Patch { upserts, removals } => {
-                for (name, entry) in upserts {
-                    touched.push(name.clone());
-                    let old = state.resources.insert(name.clone(), entry);
-                    before.entry(name).or_insert(old);
-                }
-                for name in removals {
-                    if let Some(old) = state.resources.remove(&name) {
-                        removed_any = true;
-                        before.entry(name).or_insert(Some(old));
-                    }
-                }
-            }
-        }
-        // New endpoints (none removed) change only the clusters they are for.
-        let endpoints_changed =
-            (kind == TypeUrl::ClusterLoadAssignment && !removed_any).then_some(touched.clone());
+        let (before, touched, removed_any) = edit(&mut state.resources, change);
         // The version `/config_dump` shows is the last one that changed anything, refused
         // in part or not; the one a request carries, the last one accepted whole.
         let old_system_version = state.system_version.clone();
@@ -162,57 +186,91 @@ impl Manager {
                     && (kind == TypeUrl::Listener || before.contains_key(&e.name))
             });
         self.errors = kept;
-        let now = SystemTime::now();
-        // Envoy's listener manager records no version with a listener's error state.
-        let failed_version = if kind == TypeUrl::Listener {
-            String::new()
-        } else {
-            version.to_owned()
+        let mut update = Update {
+            kind,
+            version,
+            endpoints_changed: (kind == TypeUrl::ClusterLoadAssignment && !removed_any)
+                .then(|| touched.clone()),
+            before,
+            touched,
+            // Envoy's listener manager records no version with a listener's error state.
+            failed_version: if kind == TypeUrl::Listener {
+                String::new()
+            } else {
+                version.to_owned()
+            },
+            now: SystemTime::now(),
+            refusals: BTreeMap::new(),
         };
-        let mut refusals: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        self.refuse(&mut update, refused);
+        self.validating = matches!(kind, TypeUrl::Cluster | TypeUrl::Listener);
+        let result = self.compile_reverting_culprits(&mut update);
+        self.validating = false;
+        let state = self.types.get_mut(&kind).expect("a subscribed type");
+        // Envoy's init goes on after a refused update too.
+        state.applied = true;
+        match result {
+            Ok(()) => self.accept(update, changes, old_system_version),
+            Err(errors) => self.undo(update, errors, old_system_version, stale),
+        }
+    }
+
+    /// Records the resources refused before compiling (duplicates) as refused.
+    fn refuse(&mut self, update: &mut Update<'_>, refused: Vec<Refusal>) {
         for refusal in refused {
             self.errors.push(UpdateFailure {
-                type_url: kind.as_str().into(),
+                type_url: update.kind.as_str().into(),
                 name: refusal.name.clone(),
                 failed_configuration: Some(refusal.config),
                 details: refusal.details.clone(),
-                version_info: failed_version.clone(),
-                last_update_attempt: now,
+                version_info: update.failed_version.clone(),
+                last_update_attempt: update.now,
             });
-            refusals
+            update
+                .refusals
                 .entry(refusal.name)
                 .or_default()
                 .push(refusal.details);
         }
+    }
+
+    /// Compiles the candidate set; each resource of the change an error names goes back
+    /// to its last good version (or out), refused with its errors, and the rest is
+    /// compiled again, until it compiles. Fails with the errors when they name nothing
+    /// of the change.
+    fn compile_reverting_culprits(
+        &mut self,
+        update: &mut Update<'_>,
+    ) -> Result<(), Vec<CompileError>> {
+        let kind = update.kind;
         // What went back to its last good version.
         let mut reverted = BTreeSet::new();
-        self.validating = matches!(kind, TypeUrl::Cluster | TypeUrl::Listener);
-        let result = loop {
-            let errors = match self.rebuild(endpoints_changed.as_deref()) {
-                Ok(()) => break Ok(()),
+        loop {
+            let errors = match self.rebuild(update.endpoints_changed.as_deref()) {
+                Ok(()) => return Ok(()),
                 Err(errors) => errors,
             };
             // Each resource of the change an error names: its errors, joined.
             let mut culprits: BTreeMap<String, Vec<String>> = BTreeMap::new();
             for (resource, details) in &errors {
                 if let Some(name) = self.culprit(kind, resource)
-                    && before.contains_key(&name)
+                    && update.before.contains_key(&name)
                     && !reverted.contains(&name)
                 {
                     culprits.entry(name).or_default().push(details.clone());
                 }
             }
             if culprits.is_empty() {
-                break Err(errors);
+                return Err(errors);
             }
             let state = self.types.get_mut(&kind).expect("a subscribed type");
             for (name, details) in culprits {
                 let failed = state.resources.get(&name).map(|e| e.resource.to_any(kind));
-                match before.get(&name).cloned().flatten() {
+                match update.before.get(&name).cloned().flatten() {
                     Some(old) => state.resources.insert(name.clone(), old),
                     None => state.resources.remove(&name),
                 };
-                let all = refusals.entry(name.clone()).or_default();
+                let all = update.refusals.entry(name.clone()).or_default();
                 all.extend(details);
                 self.errors
                     .retain(|e| !(e.type_url == kind.as_str() && e.name == name));
@@ -221,113 +279,127 @@ impl Manager {
                     name: name.clone(),
                     failed_configuration: failed,
                     details: all.join("; "),
-                    version_info: failed_version.clone(),
-                    last_update_attempt: now,
+                    version_info: update.failed_version.clone(),
+                    last_update_attempt: update.now,
                 });
                 reverted.insert(name);
             }
-        };
-        self.validating = false;
-        let state = self.types.get_mut(&kind).expect("a subscribed type");
-        // Envoy's init goes on after a refused update too.
-        state.applied = true;
-        match result {
-            Ok(()) => {
-                if changes && !changes_anything(&before, &state.resources) {
-                    // Everything that would have changed was refused.
-                    state.system_version = old_system_version;
-                    let _ = self.rebuild(endpoints_changed.as_deref());
-                }
-                let state = &self.types[&kind];
-                let resources = state.resources.len();
-                if refusals.is_empty() {
-                    if let Some(state) = self.types.get_mut(&kind) {
-                        state.version_info = version.to_owned();
-                    }
-                    self.count(kind, "update_success");
-                    tracing::info!(
-                        kind = kind.short(),
-                        version,
-                        resources,
-                        changed = touched.len(),
-                        "xDS update applied"
-                    );
-                    self.check_progress();
-                    return Ok(());
-                }
-                self.count(kind, "update_rejected");
-                let errors: Vec<(String, String)> = refusals
-                    .into_iter()
-                    .map(|(name, details)| (name, details.join("; ")))
-                    .collect();
-                tracing::warn!(
-                    kind = kind.short(),
-                    version,
-                    resources,
-                    "xDS update applied in part; refused: {}",
-                    errors
-                        .iter()
-                        .map(|(n, e)| format!("{n}: {e}"))
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                );
-                self.check_progress();
-                Err(errors)
-            }
-            Err(errors) => {
-                // Nothing of the change is to blame: undo all of it.
-                let rejected: HashMap<String, Any> = errors
-                    .iter()
-                    .filter_map(|(resource, _)| {
-                        let name = self.culprit(kind, resource)?;
-                        let entry = self.types[&kind].resources.get(&name)?;
-                        Some((name, entry.resource.to_any(kind)))
-                    })
-                    .collect();
-                let state = self.types.get_mut(&kind).expect("a subscribed type");
-                state.system_version = old_system_version;
-                for (name, old) in before {
-                    match old {
-                        Some(old) => state.resources.insert(name, old),
-                        None => state.resources.remove(&name),
-                    };
-                }
-                self.errors
-                    .retain(|e| !(e.type_url == kind.as_str() && refusals.contains_key(&e.name)));
-                self.errors.extend(stale);
-                let errors: Vec<(String, String)> = errors
-                    .into_iter()
-                    .map(|(resource, details)| (resource.1, details))
-                    .collect();
-                for (name, details) in &errors {
-                    self.errors
-                        .retain(|e| !(e.type_url == kind.as_str() && &e.name == name));
-                    self.errors.push(UpdateFailure {
-                        type_url: kind.as_str().into(),
-                        name: name.clone(),
-                        failed_configuration: rejected.get(name).cloned(),
-                        details: details.clone(),
-                        version_info: failed_version.clone(),
-                        last_update_attempt: now,
-                    });
-                }
-                // Show the error state in /config_dump.
-                let _ = self.rebuild(endpoints_changed.as_deref());
-                self.count(kind, "update_rejected");
-                tracing::warn!(
-                    kind = kind.short(),
-                    version,
-                    "xDS update rejected: {}",
-                    errors
-                        .iter()
-                        .map(|(n, e)| format!("{n}: {e}"))
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                );
-                self.check_progress();
-                Err(errors)
-            }
         }
+    }
+
+    /// What compiled is kept: ACK when nothing of the change was refused, else NACK with
+    /// what was (the rest stays applied).
+    fn accept(
+        &mut self,
+        update: Update<'_>,
+        changes: bool,
+        old_system_version: String,
+    ) -> Result<(), Vec<(String, String)>> {
+        let (kind, version) = (update.kind, update.version);
+        let state = self.types.get_mut(&kind).expect("a subscribed type");
+        if changes && !changes_anything(&update.before, &state.resources) {
+            // Everything that would have changed was refused.
+            state.system_version = old_system_version;
+            let _ = self.rebuild(update.endpoints_changed.as_deref());
+        }
+        let state = &self.types[&kind];
+        let resources = state.resources.len();
+        if update.refusals.is_empty() {
+            if let Some(state) = self.types.get_mut(&kind) {
+                state.version_info = version.to_owned();
+            }
+            self.count(kind, "update_success");
+            tracing::info!(
+                kind = kind.short(),
+                version,
+                resources,
+                changed = update.touched.len(),
+                "xDS update applied"
+            );
+            self.check_progress();
+            return Ok(());
+        }
+        self.count(kind, "update_rejected");
+        let errors: Vec<(String, String)> = update
+            .refusals
+            .into_iter()
+            .map(|(name, details)| (name, details.join("; ")))
+            .collect();
+        tracing::warn!(
+            kind = kind.short(),
+            version,
+            resources,
+            "xDS update applied in part; refused: {}",
+            errors
+                .iter()
+                .map(|(n, e)| format!("{n}: {e}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        self.check_progress();
+        Err(errors)
+    }
+
+    /// Nothing of the change is to blame for `errors`: all of it is undone, NACKed with
+    /// them, and the errors it had replaced (`stale`) come back.
+    fn undo(
+        &mut self,
+        update: Update<'_>,
+        errors: Vec<CompileError>,
+        old_system_version: String,
+        stale: Vec<UpdateFailure>,
+    ) -> Result<(), Vec<(String, String)>> {
+        let (kind, version) = (update.kind, update.version);
+        let rejected: HashMap<String, Any> = errors
+            .iter()
+            .filter_map(|(resource, _)| {
+                let name = self.culprit(kind, resource)?;
+                let entry = self.types[&kind].resources.get(&name)?;
+                Some((name, entry.resource.to_any(kind)))
+            })
+            .collect();
+        let state = self.types.get_mut(&kind).expect("a subscribed type");
+        state.system_version = old_system_version;
+        for (name, old) in update.before {
+            match old {
+                Some(old) => state.resources.insert(name, old),
+                None => state.resources.remove(&name),
+            };
+        }
+        self.errors
+            .retain(|e| !(e.type_url == kind.as_str() && update.refusals.contains_key(&e.name)));
+        self.errors.extend(stale);
+        let errors: Vec<(String, String)> = errors
+            .into_iter()
+            .map(|(resource, details)| (resource.1, details))
+            .collect();
+        for (name, details) in &errors {
+            self.errors
+                .retain(|e| !(e.type_url == kind.as_str() && &e.name == name));
+            self.errors.push(UpdateFailure {
+                type_url: kind.as_str().into(),
+                name: name.clone(),
+                failed_configuration: rejected.get(name).cloned(),
+                details: details.clone(),
+                version_info: update.failed_version.clone(),
+                last_update_attempt: update.now,
+            });
+        }
+        // Show the error state in /config_dump.
+        let _ = self.rebuild(update.endpoints_changed.as_deref());
+        self.count(kind, "update_rejected");
+        tracing::warn!(
+            kind = kind.short(),
+            version,
+            "xDS update rejected: {}",
+            errors
+                .iter()
+                .map(|(n, e)| format!("{n}: {e}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        self.check_progress();
+        Err(errors)
     }
 
     /// The resource of `kind` a compile error about `resource` is to blame on: itself,

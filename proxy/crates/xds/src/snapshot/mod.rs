@@ -18,7 +18,7 @@ use std::time::SystemTime;
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 
 pub use shunt_config::CompileError;
-use shunt_config::{Diagnostic, Diagnostics};
+use shunt_config::{Diagnostic, Diagnostics, JsonPath};
 pub use shunt_listener::compile::ListenerStats;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
@@ -468,12 +468,9 @@ fn internal_listener_extension(
         ) {
             continue;
         }
-        let path = match index {
-            Some(i) => format!("static_resources.listeners[{i}].internal_listener"),
-            None => format!("Listener {:?}.internal_listener", l.name),
-        };
+        let path = JsonPath::resource("listeners", "Listener", *index, &l.name);
         problems.error(
-            path,
+            path.field("internal_listener"),
             "an internal listener needs the bootstrap extension envoy.bootstrap.internal_listener \
              (InternalListener), as in Envoy",
         );
@@ -523,11 +520,17 @@ fn unknown_internal_listeners(
                     server_listener_name: name.as_str().into(),
                     endpoint_id: internal.endpoint_id.clone(),
                 };
-                let path = format!(
-                    "static_resources.clusters[{i}].load_assignment.endpoints[{l}].lb_endpoints[{e}]\
-                     .endpoint.address.envoy_internal_address.server_listener_name"
-                );
-                named.push((address, path));
+                let path = JsonPath::resource("clusters", "Cluster", Some(i), &cluster.name)
+                    .field("load_assignment")
+                    .field("endpoints")
+                    .index(l)
+                    .field("lb_endpoints")
+                    .index(e)
+                    .field("endpoint")
+                    .field("address")
+                    .field("envoy_internal_address")
+                    .field("server_listener_name");
+                named.push((address, String::from(path)));
             }
         }
     }
@@ -574,24 +577,18 @@ fn unknown_static_secrets(
         .filter(|(_, c)| has_tls(c))
         .chain(dynamic_clusters)
         .map(|(index, cluster)| {
-            let path = match index {
-                Some(i) => format!("static_resources.clusters[{i}]"),
-                None => format!("Cluster {:?}", cluster.name),
-            };
+            let path = JsonPath::resource("clusters", "Cluster", index, &cluster.name);
             (path, references::cluster_secrets(cluster))
         });
     let listeners = listeners.map(|(index, listener)| {
-        let path = match index {
-            Some(i) => format!("static_resources.listeners[{i}]"),
-            None => format!("Listener {:?}", listener.name),
-        };
+        let path = JsonPath::resource("listeners", "Listener", *index, &listener.name);
         (path, references::listener_secrets(listener))
     });
     for (path, refs) in clusters.chain(listeners) {
         for secret in refs {
             if secret.source == SecretSource::Static && !known.contains(secret.name.as_str()) {
                 problems.error(
-                    format!("{path}.transport_socket"),
+                    path.field("transport_socket"),
                     format!(
                         "names secret {:?} without an sds_config, and static_resources.secrets has no such secret",
                         secret.name
@@ -628,7 +625,7 @@ fn dynamic_route_configs(
         let route_config = match kept {
             Some(kept) => kept,
             None => {
-                let path = format!("RouteConfiguration {name:?}");
+                let path = JsonPath::resource("", "RouteConfiguration", None, name);
                 match shunt_filters::http::route_config::compile(source, &path, problems) {
                     Some(fresh) => Arc::new(fresh),
                     None => continue,
@@ -654,7 +651,7 @@ fn dynamic_secrets(
     for tracked in &dynamic.secrets {
         let source = &tracked.resource;
         let name = &source.name;
-        let path = format!("Secret {name:?}");
+        let path = JsonPath::resource("", "Secret", None, name);
         if secrets.contains_key(name) {
             problems.warning(
                 &path,
@@ -711,57 +708,14 @@ pub fn compile_with(
         );
     }
     let resources = bootstrap.static_resources.clone().unwrap_or_default();
-    let mut node = bootstrap
-        .node
-        .as_ref()
-        .map(shunt_core::peer::LocalNode::from_node)
-        .unwrap_or_default();
-    // The instance's workload index outlives its snapshots: its xDS manager fills it.
-    if let Some(previous) = previous {
-        node.workloads = previous.node.workloads.clone();
-    }
-    let node = Arc::new(node);
+    let node = local_node(bootstrap, previous);
     let health: HashSet<String> = shunt_config::health_ports::find(bootstrap)
         .into_iter()
         .map(|listener| listener.name)
         .collect();
-    // The xDS client reaches its server through these itself (`crate::source`); the
-    // data plane compiles them too (TLS included), so a listener may route to them.
-    let xds_clusters = xds_clusters(bootstrap);
     let static_clusters = &resources.clusters;
-    // An update patches the previous snapshot's clusters where it can (see
-    // `cluster_changes`): unchanged clusters cost nothing.
-    let patch = previous
-        .filter(|p| p.compiled_from_bootstrap() && p.dynamic_clusters_in_order)
-        .and_then(|p| {
-            let changes = cluster_changes(&p.dynamic.clusters, &dynamic.clusters, static_clusters)?;
-            Some((p, changes))
-        });
-    let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
-    let clusters = match patch {
-        Some((previous, changes)) => {
-            cluster::patch(&previous.clusters, &changes, stats, &mut problems)
-        }
-        None => {
-            let sources: Vec<cluster::Source> = static_clusters
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (Some(i), c, shunt_config::digest(c)))
-                .chain(
-                    dynamic
-                        .clusters
-                        .iter()
-                        .map(|c| (None, &*c.effective, c.digest)),
-                )
-                .collect();
-            cluster::compile_all(
-                &sources,
-                previous.map(|p| &p.clusters),
-                stats,
-                &mut problems,
-            )
-        }
-    };
+    let (clusters, dynamic_clusters_in_order) =
+        compile_clusters(static_clusters, &dynamic, previous, stats, &mut problems);
     let listener_sources: Vec<listener::Source> = resources
         .listeners
         .iter()
@@ -775,22 +729,15 @@ pub fn compile_with(
         previous.filter(|p| p.compiled_from_bootstrap() && same_listeners(&p.dynamic, &dynamic));
     let (listeners, index) = match unchanged_listeners {
         Some(previous) => (previous.listeners.clone(), previous.index.clone()),
-        None => {
-            let (listeners, stats, digests) = listener::compile_all(
-                &listener_sources,
-                &health,
-                &clusters.clusters,
-                &|name, digest| previous.and_then(|p| p.kept_listener(name, digest)),
-                stats,
-                &node,
-                &mut problems,
-            );
-            let mut index = ListenerIndex::new(&listeners);
-            let names = || listeners.iter().map(|l| l.name.clone());
-            index.stats = names().zip(stats).collect();
-            index.digests = names().zip(digests).collect();
-            (listeners, Arc::new(index))
-        }
+        None => compile_listeners(
+            &listener_sources,
+            &health,
+            &clusters.clusters,
+            previous,
+            stats,
+            &node,
+            &mut problems,
+        ),
     };
     let mut secrets = shunt_tls::secret::compile_static(&resources.secrets, &mut problems);
     let secret_sources = dynamic_secrets(&dynamic, previous, &mut secrets, &mut problems);
@@ -806,36 +753,13 @@ pub fn compile_with(
     );
     unknown_internal_listeners(bootstrap, static_clusters, &listeners, &mut problems);
     internal_listener_extension(bootstrap, &listener_sources, &mut problems);
-    // Only pipe endpoints need to know which listeners route where.
-    let routed = if clusters.pipe_endpoints.is_empty() {
-        HashMap::new()
-    } else {
-        listener::routed_clusters(&listener_sources, &health)
-    };
-    for (name, paths) in &clusters.pipe_endpoints {
-        // The xDS client reaches its server through these itself.
-        if xds_clusters.contains(name.as_str()) {
-            continue;
-        }
-        for path in paths {
-            match routed.get(name) {
-                Some(listener) => problems.error(
-                    path,
-                    format!(
-                        "Unix domain socket endpoints are not implemented yet, and listener \
-                         {listener:?} routes to cluster {name:?}"
-                    ),
-                ),
-                None => problems.warning(
-                    path,
-                    format!(
-                        "Unix domain socket endpoints are not implemented yet; no listener \
-                         routes to cluster {name:?}, which is kept without this endpoint"
-                    ),
-                ),
-            }
-        }
-    }
+    pipe_endpoints(
+        bootstrap,
+        &clusters.pipe_endpoints,
+        &listener_sources,
+        &health,
+        &mut problems,
+    );
     if dynamic.validate_warming {
         validate_warming(&dynamic, &health, &clusters.clusters, stats, &mut problems);
     }
@@ -868,6 +792,130 @@ pub fn compile_with(
         warnings: problems.warnings,
         fresh_clusters: clusters.fresh,
     })
+}
+
+/// The bootstrap's node, with the workload index of the instance (which outlives its
+/// snapshots: its xDS manager fills it).
+fn local_node(
+    bootstrap: &Bootstrap,
+    previous: Option<&Snapshot>,
+) -> Arc<shunt_core::peer::LocalNode> {
+    let mut node = bootstrap
+        .node
+        .as_ref()
+        .map(shunt_core::peer::LocalNode::from_node)
+        .unwrap_or_default();
+    if let Some(previous) = previous {
+        node.workloads = previous.node.workloads.clone();
+    }
+    Arc::new(node)
+}
+
+/// The static and dynamic clusters, and whether the dynamic ones are in name order. An
+/// update patches the previous snapshot's clusters where it can (see
+/// `cluster_changes`): unchanged clusters cost nothing.
+fn compile_clusters(
+    static_clusters: &[EnvoyCluster],
+    dynamic: &DynamicResources,
+    previous: Option<&Snapshot>,
+    stats: &StatsStore,
+    problems: &mut Diagnostics,
+) -> (cluster::CompiledClusters, bool) {
+    let patch = previous
+        .filter(|p| p.compiled_from_bootstrap() && p.dynamic_clusters_in_order)
+        .and_then(|p| {
+            let changes = cluster_changes(&p.dynamic.clusters, &dynamic.clusters, static_clusters)?;
+            Some((p, changes))
+        });
+    let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
+    let clusters = match patch {
+        Some((previous, changes)) => cluster::patch(&previous.clusters, &changes, stats, problems),
+        None => {
+            let sources: Vec<cluster::Source> = static_clusters
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (Some(i), c, shunt_config::digest(c)))
+                .chain(
+                    dynamic
+                        .clusters
+                        .iter()
+                        .map(|c| (None, &*c.effective, c.digest)),
+                )
+                .collect();
+            cluster::compile_all(&sources, previous.map(|p| &p.clusters), stats, problems)
+        }
+    };
+    (clusters, dynamic_clusters_in_order)
+}
+
+/// The listeners, and their index (with each one's stats and config digest); one the
+/// previous snapshot compiled from the same config is kept.
+fn compile_listeners(
+    sources: &[listener::Source],
+    health: &HashSet<String>,
+    clusters: &Clusters,
+    previous: Option<&Snapshot>,
+    stats: &StatsStore,
+    node: &Arc<shunt_core::peer::LocalNode>,
+    problems: &mut Diagnostics,
+) -> (Vec<Arc<Listener>>, Arc<ListenerIndex>) {
+    let (listeners, stats, digests) = listener::compile_all(
+        sources,
+        health,
+        clusters,
+        &|name, digest| previous.and_then(|p| p.kept_listener(name, digest)),
+        stats,
+        node,
+        problems,
+    );
+    let mut index = ListenerIndex::new(&listeners);
+    let names = || listeners.iter().map(|l| l.name.clone());
+    index.stats = names().zip(stats).collect();
+    index.digests = names().zip(digests).collect();
+    (listeners, Arc::new(index))
+}
+
+/// Unix domain socket endpoints, which shunt does not implement: an error for a cluster
+/// a listener routes to, a warning for another (it is kept without them). The xDS
+/// client's own clusters reach their server themselves.
+fn pipe_endpoints(
+    bootstrap: &Bootstrap,
+    pipe_endpoints: &[(String, Vec<String>)],
+    listener_sources: &[listener::Source],
+    health: &HashSet<String>,
+    problems: &mut Diagnostics,
+) {
+    // Only pipe endpoints need to know which listeners route where.
+    if pipe_endpoints.is_empty() {
+        return;
+    }
+    let xds_clusters = xds_clusters(bootstrap);
+    let routed = listener::routed_clusters(listener_sources, health);
+    for (name, paths) in pipe_endpoints {
+        if xds_clusters.contains(name.as_str()) {
+            continue;
+        }
+        for path in paths {
+            match routed.get(name) {
+                Some(listener) => {
+                    problems.error(
+                        path,
+                        format!(
+                            "Unix domain socket endpoints are not implemented yet, and listener \
+                             {listener:?} routes to cluster {name:?}"
+                        ),
+                    );
+                }
+                None => problems.warning(
+                    path,
+                    format!(
+                        "Unix domain socket endpoints are not implemented yet; no listener \
+                         routes to cluster {name:?}, which is kept without this endpoint"
+                    ),
+                ),
+            }
+        }
+    }
 }
 
 /// Compiles the warming clusters and listeners of `dynamic` aside, keeping only their

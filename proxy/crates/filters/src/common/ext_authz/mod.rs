@@ -10,7 +10,7 @@ pub mod grpc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::grpc_service::TargetSpecifier;
-use shunt_config::{Diagnostics, convert};
+use shunt_config::{Diagnostics, JsonPath, convert};
 
 /// Envoy's default check timeout (`GrpcService.timeout` / `server_uri.timeout` unset).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(200);
@@ -46,11 +46,11 @@ impl Service {
 
 pub fn grpc_service(
     g: &envoy_types::pb::envoy::config::core::v3::GrpcService,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Service> {
     let timeout = match &g.timeout {
-        Some(t) => convert::duration(t, &format!("{path}.timeout"), problems)?,
+        Some(t) => convert::duration(t, &path.field("timeout"), problems)?,
         None => DEFAULT_TIMEOUT,
     };
     match &g.target_specifier {
@@ -69,7 +69,7 @@ pub fn grpc_service(
         }
         Some(TargetSpecifier::GoogleGrpc(_)) => {
             problems.error(
-                format!("{path}.google_grpc"),
+                path.field("google_grpc"),
                 "google_grpc is not implemented; use envoy_grpc with a cluster",
             );
             None

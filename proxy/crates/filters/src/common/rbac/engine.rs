@@ -21,8 +21,8 @@ use prost::Message;
 use regex::Regex;
 
 use crate::common::matcher::{self, HeaderMatcher, RequestView, StringMatcher};
-use shunt_config::Diagnostics;
 use shunt_config::convert::cidr;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stream_info::{Connection, StreamInfo};
 
 /// What a decision is made about: the connection, and for HTTP the request and its
@@ -154,20 +154,24 @@ enum DoubleMatch {
 
 impl Engine {
     /// Compiles `rbac` at `path`; errors go to `problems`.
-    pub fn compile(rbac: &EnvoyRbac, path: &str, problems: &mut Diagnostics) -> Option<Engine> {
+    pub fn compile(
+        rbac: &EnvoyRbac,
+        path: &JsonPath,
+        problems: &mut Diagnostics,
+    ) -> Option<Engine> {
         let errors_before = problems.errors.len();
         let action = match EnvoyAction::try_from(rbac.action) {
             Ok(EnvoyAction::Allow) => Action::Allow,
             Ok(EnvoyAction::Deny) => Action::Deny,
             Ok(EnvoyAction::Log) => Action::Log,
             Err(_) => {
-                problems.error(format!("{path}.action"), "unknown action");
+                problems.error(path.field("action"), "unknown action");
                 Action::Allow
             }
         };
         if rbac.audit_logging_options.is_some() {
             problems.warning(
-                format!("{path}.audit_logging_options"),
+                path.field("audit_logging_options"),
                 "RBAC audit logging is not implemented; ignored",
             );
         }
@@ -175,7 +179,7 @@ impl Engine {
         names.sort();
         let mut policies = Vec::with_capacity(names.len());
         for name in names {
-            let p_path = format!("{path}.policies[{name:?}]");
+            let p_path = path.field("policies").key(name);
             if let Some(policy) = compile_policy(&rbac.policies[name], &p_path, problems) {
                 policies.push((name.clone(), policy));
             }
@@ -202,34 +206,35 @@ impl Engine {
     }
 }
 
-fn compile_policy(policy: &EnvoyPolicy, path: &str, problems: &mut Diagnostics) -> Option<Policy> {
+fn compile_policy(
+    policy: &EnvoyPolicy,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Policy> {
     if policy.condition.is_some() || policy.checked_condition.is_some() {
         problems.error(
-            format!("{path}.condition"),
+            path.field("condition"),
             "RBAC CEL conditions are not implemented",
         );
         return None;
     }
     if policy.permissions.is_empty() {
-        problems.error(
-            format!("{path}.permissions"),
-            "needs at least one permission",
-        );
+        problems.error(path.field("permissions"), "needs at least one permission");
     }
     if policy.principals.is_empty() {
-        problems.error(format!("{path}.principals"), "needs at least one principal");
+        problems.error(path.field("principals"), "needs at least one principal");
     }
     let permissions = policy
         .permissions
         .iter()
         .enumerate()
-        .map(|(i, p)| permission(p, &format!("{path}.permissions[{i}]"), problems))
+        .map(|(i, p)| permission(p, &path.field("permissions").index(i), problems))
         .collect::<Option<Vec<_>>>();
     let principals = policy
         .principals
         .iter()
         .enumerate()
-        .map(|(i, p)| principal(p, &format!("{path}.principals[{i}]"), problems))
+        .map(|(i, p)| principal(p, &path.field("principals").index(i), problems))
         .collect::<Option<Vec<_>>>();
     Some(Policy {
         permissions: permissions?,
@@ -239,7 +244,7 @@ fn compile_policy(policy: &EnvoyPolicy, path: &str, problems: &mut Diagnostics) 
 
 fn ip_range(
     range: &envoy_types::pb::envoy::config::core::v3::CidrRange,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<IpNet> {
     cidr(range, path, problems)
@@ -249,12 +254,16 @@ fn ip_range(
     deprecated,
     reason = "`metadata` is deprecated for `sourced_metadata`; Istio still writes it"
 )]
-fn permission(p: &EnvoyPermission, path: &str, problems: &mut Diagnostics) -> Option<Permission> {
+fn permission(
+    p: &EnvoyPermission,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Permission> {
     let set = |rules: &[EnvoyPermission], field: &str, problems: &mut Diagnostics| {
         rules
             .iter()
             .enumerate()
-            .map(|(i, r)| permission(r, &format!("{path}.{field}.rules[{i}]"), problems))
+            .map(|(i, r)| permission(r, &path.field(field).field("rules").index(i), problems))
             .collect::<Option<Vec<_>>>()
     };
     Some(match &p.rule {
@@ -262,26 +271,24 @@ fn permission(p: &EnvoyPermission, path: &str, problems: &mut Diagnostics) -> Op
         Some(Rule::OrRules(s)) => Permission::Or(set(&s.rules, "or_rules", problems)?),
         Some(Rule::NotRule(inner)) => Permission::Not(Box::new(permission(
             inner,
-            &format!("{path}.not_rule"),
+            &path.field("not_rule"),
             problems,
         )?)),
         Some(Rule::Any(_)) => Permission::Any,
-        Some(Rule::Header(h)) => Permission::Header(matcher::header_matcher(
-            h,
-            &format!("{path}.header"),
-            problems,
-        )?),
+        Some(Rule::Header(h)) => {
+            Permission::Header(matcher::header_matcher(h, &path.field("header"), problems)?)
+        }
         Some(Rule::UrlPath(m)) => {
-            Permission::UrlPath(path_matcher(m, &format!("{path}.url_path"), problems)?)
+            Permission::UrlPath(path_matcher(m, &path.field("url_path"), problems)?)
         }
         Some(Rule::DestinationIp(r)) => {
-            Permission::DestinationIp(ip_range(r, &format!("{path}.destination_ip"), problems)?)
+            Permission::DestinationIp(ip_range(r, &path.field("destination_ip"), problems)?)
         }
         Some(Rule::DestinationPort(port)) => match u16::try_from(*port) {
             Ok(port) => Permission::DestinationPort(port),
             Err(_) => {
                 problems.error(
-                    format!("{path}.destination_port"),
+                    path.field("destination_port"),
                     format!("{port} is not a port"),
                 );
                 return None;
@@ -291,26 +298,24 @@ fn permission(p: &EnvoyPermission, path: &str, problems: &mut Diagnostics) -> Op
             Permission::DestinationPortRange(i64::from(r.start), i64::from(r.end))
         }
         Some(Rule::RequestedServerName(m)) => Permission::RequestedServerName(
-            matcher::string_matcher(m, &format!("{path}.requested_server_name"), problems)?,
+            matcher::string_matcher(m, &path.field("requested_server_name"), problems)?,
         ),
         Some(Rule::Metadata(m)) => {
-            Permission::Metadata(metadata_matcher(m, &format!("{path}.metadata"), problems)?)
+            Permission::Metadata(metadata_matcher(m, &path.field("metadata"), problems)?)
         }
-        Some(Rule::UriTemplate(config)) => Permission::UriTemplate(uri_template(
-            config,
-            &format!("{path}.uri_template"),
-            problems,
-        )?),
+        Some(Rule::UriTemplate(config)) => {
+            Permission::UriTemplate(uri_template(config, &path.field("uri_template"), problems)?)
+        }
         Some(Rule::Matcher(_)) => {
             problems.error(
-                format!("{path}.matcher"),
+                path.field("matcher"),
                 "extension permission matchers are not implemented",
             );
             return None;
         }
         Some(Rule::SourcedMetadata(_)) => {
             problems.error(
-                format!("{path}.sourced_metadata"),
+                path.field("sourced_metadata"),
                 "sourced_metadata is not implemented",
             );
             return None;
@@ -326,56 +331,52 @@ fn permission(p: &EnvoyPermission, path: &str, problems: &mut Diagnostics) -> Op
     deprecated,
     reason = "source_ip is Envoy's older name of direct_remote_ip"
 )]
-fn principal(p: &EnvoyPrincipal, path: &str, problems: &mut Diagnostics) -> Option<Principal> {
+fn principal(p: &EnvoyPrincipal, path: &JsonPath, problems: &mut Diagnostics) -> Option<Principal> {
     let set = |ids: &[EnvoyPrincipal], field: &str, problems: &mut Diagnostics| {
         ids.iter()
             .enumerate()
-            .map(|(i, id)| principal(id, &format!("{path}.{field}.ids[{i}]"), problems))
+            .map(|(i, id)| principal(id, &path.field(field).field("ids").index(i), problems))
             .collect::<Option<Vec<_>>>()
     };
     Some(match &p.identifier {
         Some(Identifier::AndIds(s)) => Principal::And(set(&s.ids, "and_ids", problems)?),
         Some(Identifier::OrIds(s)) => Principal::Or(set(&s.ids, "or_ids", problems)?),
-        Some(Identifier::NotId(inner)) => Principal::Not(Box::new(principal(
-            inner,
-            &format!("{path}.not_id"),
-            problems,
-        )?)),
+        Some(Identifier::NotId(inner)) => {
+            Principal::Not(Box::new(principal(inner, &path.field("not_id"), problems)?))
+        }
         Some(Identifier::Any(_)) => Principal::Any,
         Some(Identifier::Authenticated(a)) => Principal::Authenticated(match &a.principal_name {
             Some(m) => Some(matcher::string_matcher(
                 m,
-                &format!("{path}.authenticated.principal_name"),
+                &path.field("authenticated").field("principal_name"),
                 problems,
             )?),
             None => None,
         }),
         Some(Identifier::SourceIp(r)) => {
-            Principal::DirectRemoteIp(ip_range(r, &format!("{path}.source_ip"), problems)?)
+            Principal::DirectRemoteIp(ip_range(r, &path.field("source_ip"), problems)?)
         }
         Some(Identifier::DirectRemoteIp(r)) => {
-            Principal::DirectRemoteIp(ip_range(r, &format!("{path}.direct_remote_ip"), problems)?)
+            Principal::DirectRemoteIp(ip_range(r, &path.field("direct_remote_ip"), problems)?)
         }
         Some(Identifier::RemoteIp(r)) => {
-            Principal::RemoteIp(ip_range(r, &format!("{path}.remote_ip"), problems)?)
+            Principal::RemoteIp(ip_range(r, &path.field("remote_ip"), problems)?)
         }
-        Some(Identifier::Header(h)) => Principal::Header(matcher::header_matcher(
-            h,
-            &format!("{path}.header"),
-            problems,
-        )?),
+        Some(Identifier::Header(h)) => {
+            Principal::Header(matcher::header_matcher(h, &path.field("header"), problems)?)
+        }
         Some(Identifier::UrlPath(m)) => {
-            Principal::UrlPath(path_matcher(m, &format!("{path}.url_path"), problems)?)
+            Principal::UrlPath(path_matcher(m, &path.field("url_path"), problems)?)
         }
         Some(Identifier::Metadata(m)) => {
-            Principal::Metadata(metadata_matcher(m, &format!("{path}.metadata"), problems)?)
+            Principal::Metadata(metadata_matcher(m, &path.field("metadata"), problems)?)
         }
         Some(Identifier::FilterState(f)) => {
-            let f_path = format!("{path}.filter_state");
+            let f_path = path.field("filter_state");
             match &f.matcher {
                 Some(filter_state_matcher::Matcher::StringMatch(m)) => Principal::FilterState(
                     f.key.clone(),
-                    matcher::string_matcher(m, &format!("{f_path}.string_match"), problems)?,
+                    matcher::string_matcher(m, &f_path.field("string_match"), problems)?,
                 ),
                 _ => {
                     problems.error(
@@ -388,14 +389,14 @@ fn principal(p: &EnvoyPrincipal, path: &str, problems: &mut Diagnostics) -> Opti
         }
         Some(Identifier::SourcedMetadata(_)) => {
             problems.error(
-                format!("{path}.sourced_metadata"),
+                path.field("sourced_metadata"),
                 "sourced_metadata is not implemented",
             );
             return None;
         }
         Some(Identifier::Custom(_)) => {
             problems.error(
-                format!("{path}.custom"),
+                path.field("custom"),
                 "custom principals are not implemented",
             );
             return None;
@@ -409,12 +410,12 @@ fn principal(p: &EnvoyPrincipal, path: &str, problems: &mut Diagnostics) -> Opti
 
 fn path_matcher(
     m: &envoy_types::pb::envoy::r#type::matcher::v3::PathMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<StringMatcher> {
     use envoy_types::pb::envoy::r#type::matcher::v3::path_matcher::Rule;
     match &m.rule {
-        Some(Rule::Path(s)) => matcher::string_matcher(s, &format!("{path}.path"), problems),
+        Some(Rule::Path(s)) => matcher::string_matcher(s, &path.field("path"), problems),
         None => {
             problems.error(path, "a path matcher needs path");
             None
@@ -426,11 +427,11 @@ fn path_matcher(
 /// and `{name}` match one segment, `**` and `{name=**}` any number; the rest literally.
 fn uri_template(
     config: &envoy_types::pb::envoy::config::core::v3::TypedExtensionConfig,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Regex> {
     use envoy_types::pb::envoy::extensions::path::r#match::uri_template::v3::UriTemplateMatchConfig;
-    let typed_path = format!("{path}.typed_config");
+    let typed_path = path.field("typed_config");
     let any = config.typed_config.as_ref().or_else(|| {
         problems.error(&typed_path, "is required");
         None
@@ -449,7 +450,7 @@ fn uri_template(
             rest = after;
         } else if let Some(after) = rest.strip_prefix('{') {
             let Some((variable, after)) = after.split_once('}') else {
-                problems.error(format!("{typed_path}.path_template"), "an unclosed {");
+                problems.error(typed_path.field("path_template"), "an unclosed {");
                 return None;
             };
             pattern.push_str(if variable.ends_with("=**") {
@@ -468,7 +469,7 @@ fn uri_template(
     match Regex::new(&pattern) {
         Ok(regex) => Some(regex),
         Err(err) => {
-            problems.error(format!("{typed_path}.path_template"), err.to_string());
+            problems.error(typed_path.field("path_template"), err.to_string());
             None
         }
     }
@@ -476,7 +477,7 @@ fn uri_template(
 
 fn metadata_matcher(
     m: &EnvoyMetadataMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<MetadataMatcher> {
     let keys = m
@@ -490,24 +491,24 @@ fn metadata_matcher(
         })
         .collect::<Option<Vec<_>>>();
     let Some(keys) = keys.filter(|k| !k.is_empty()) else {
-        problems.error(format!("{path}.path"), "needs at least one key");
+        problems.error(path.field("path"), "needs at least one key");
         return None;
     };
     let Some(value) = &m.value else {
-        problems.error(format!("{path}.value"), "is required");
+        problems.error(path.field("value"), "is required");
         return None;
     };
     Some(MetadataMatcher {
         filter: m.filter.clone(),
         path: keys,
-        value: value_matcher(value, &format!("{path}.value"), problems)?,
+        value: value_matcher(value, &path.field("value"), problems)?,
         invert: m.invert,
     })
 }
 
 fn value_matcher(
     m: &EnvoyValueMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<ValueMatcher> {
     use value_matcher::MatchPattern;
@@ -517,23 +518,23 @@ fn value_matcher(
             Some(double_matcher::MatchPattern::Exact(x)) => DoubleMatch::Exact(*x),
             Some(double_matcher::MatchPattern::Range(r)) => DoubleMatch::Range(r.start, r.end),
             None => {
-                problems.error(format!("{path}.double_match"), "needs exact or range");
+                problems.error(path.field("double_match"), "needs exact or range");
                 return None;
             }
         }),
         Some(MatchPattern::StringMatch(s)) => ValueMatcher::String(matcher::string_matcher(
             s,
-            &format!("{path}.string_match"),
+            &path.field("string_match"),
             problems,
         )?),
         Some(MatchPattern::BoolMatch(b)) => ValueMatcher::Bool(*b),
         Some(MatchPattern::PresentMatch(p)) => ValueMatcher::Present(*p),
         Some(MatchPattern::ListMatch(l)) => match &l.match_pattern {
             Some(list_matcher::MatchPattern::OneOf(inner)) => ValueMatcher::ListOneOf(Box::new(
-                value_matcher(inner, &format!("{path}.list_match.one_of"), problems)?,
+                value_matcher(inner, &path.field("list_match").field("one_of"), problems)?,
             )),
             None => {
-                problems.error(format!("{path}.list_match"), "needs one_of");
+                problems.error(path.field("list_match"), "needs one_of");
                 return None;
             }
         },
@@ -542,7 +543,11 @@ fn value_matcher(
                 .iter()
                 .enumerate()
                 .map(|(i, v)| {
-                    value_matcher(v, &format!("{path}.or_match.value_matchers[{i}]"), problems)
+                    value_matcher(
+                        v,
+                        &path.field("or_match").field("value_matchers").index(i),
+                        problems,
+                    )
                 })
                 .collect::<Option<Vec<_>>>()?,
         ),
@@ -652,7 +657,7 @@ impl Policy {
 /// Decodes an RBAC message from its bytes (shared by the filters' compilers).
 pub fn decode<M: Message + Default + prost::Name>(
     any: &envoy_types::pb::google::protobuf::Any,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<M> {
     shunt_config::convert::decode::<M>(any, path, problems)
@@ -670,7 +675,7 @@ mod tests {
     fn engine(config: serde_json::Value) -> Engine {
         let rbac: EnvoyRbac = shunt_config::message_from_json(config).unwrap();
         let mut problems = Diagnostics::default();
-        let engine = Engine::compile(&rbac, "rbac", &mut problems);
+        let engine = Engine::compile(&rbac, &JsonPath::new("rbac"), &mut problems);
         assert!(problems.errors.is_empty(), "{:?}", problems.errors);
         engine.unwrap()
     }
@@ -843,7 +848,7 @@ mod tests {
             "principals": [{"filter_state": {"key": "k", "address_match": {}}}]}}}))
         .unwrap();
         let mut problems = Diagnostics::default();
-        assert!(Engine::compile(&rbac, "rbac", &mut problems).is_none());
+        assert!(Engine::compile(&rbac, &JsonPath::new("rbac"), &mut problems).is_none());
         assert_eq!(
             problems.errors[0].path,
             "rbac.policies[\"p\"].principals[0].filter_state"

@@ -7,7 +7,7 @@ pub mod engine;
 use envoy_types::pb::envoy::config::rbac::v3::Rbac as EnvoyRbac;
 
 use self::engine::{Decision, Engine, Subject};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stats::{Counter, Store};
 
 /// Envoy's `statPrefixJoin(prefix, "rbac.")`.
@@ -65,17 +65,17 @@ impl Engines {
     pub fn compile(
         rules: Option<&EnvoyRbac>,
         shadow_rules: Option<&EnvoyRbac>,
-        path: &str,
+        path: &JsonPath,
         problems: &mut Diagnostics,
     ) -> Option<Engines> {
         let enforced = match rules {
-            Some(rules) => Some(Engine::compile(rules, &format!("{path}.rules"), problems)?),
+            Some(rules) => Some(Engine::compile(rules, &path.field("rules"), problems)?),
             None => None,
         };
         let shadow = match shadow_rules {
             Some(rules) => Some(Engine::compile(
                 rules,
-                &format!("{path}.shadow_rules"),
+                &path.field("shadow_rules"),
                 problems,
             )?),
             None => None,

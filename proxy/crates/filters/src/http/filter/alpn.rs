@@ -18,7 +18,7 @@ use hyper::Version;
 
 use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stream_info::{FilterState, FilterStateObject, LifeSpan};
 use shunt_upstream::Cluster;
 use shunt_upstream::cluster::UpstreamProtocol;
@@ -81,7 +81,7 @@ struct AlpnFilter(Arc<Overrides>);
 fn compile(
     any: &Any,
     _ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config = match <Config as prost::Message>::decode(any.value.as_slice()) {
@@ -99,7 +99,9 @@ fn compile(
             2 => Protocol::Http2,
             other => {
                 problems.error(
-                    format!("{path}.alpn_override[{i}].upstream_protocol"),
+                    path.field("alpn_override")
+                        .index(i)
+                        .field("upstream_protocol"),
                     format!("{other} is not HTTP10, HTTP11 or HTTP2"),
                 );
                 return None;

@@ -13,7 +13,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, RouteSpecificConfig, StreamCtx};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::set_filter_state::{AddressObject, ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, store};
 use shunt_core::stream_info::{FilterStateEntry, LifeSpan};
 
@@ -50,7 +50,7 @@ impl RouteSpecificConfig for RouteConfig {
     }
 }
 
-fn decode(any: &Any, path: &str, problems: &mut Diagnostics) -> Option<Config> {
+fn decode(any: &Any, path: &JsonPath, problems: &mut Diagnostics) -> Option<Config> {
     match <Config as prost::Message>::decode(any.value.as_slice()) {
         Ok(config) => Some(config),
         Err(err) => {
@@ -63,7 +63,7 @@ fn decode(any: &Any, path: &str, problems: &mut Diagnostics) -> Option<Config> {
 fn compile(
     any: &Any,
     _ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     decode(any, path, problems)?;
@@ -72,15 +72,12 @@ fn compile(
 
 fn compile_route(
     any: &Any,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn RouteSpecificConfig>> {
     let config = decode(any, path, problems)?;
     let Ok(port) = u16::try_from(config.port) else {
-        problems.error(
-            format!("{path}.port"),
-            format!("{} is not a port", config.port),
-        );
+        problems.error(path.field("port"), format!("{} is not a port", config.port));
         return None;
     };
     Some(Arc::new(RouteConfig {

@@ -10,7 +10,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::Workload;
 use shunt_core::set_filter_state::store;
 use shunt_core::stream_info::{FilterStateEntry, FilterStateObject, LifeSpan, StringAccessor};
@@ -32,7 +32,7 @@ struct ConnectBaggage;
 fn compile(
     _any: &Any,
     _ctx: &CompileCtx<'_>,
-    _path: &str,
+    _path: &JsonPath,
     _problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     // The config has no fields.

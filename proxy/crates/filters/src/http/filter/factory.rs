@@ -8,7 +8,7 @@ use std::sync::Arc;
 use envoy_types::pb::google::protobuf::Any;
 
 use super::{HttpFilterConfig, RouteSpecificConfig};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::LocalNode;
 use shunt_core::stats::Store;
 use shunt_upstream::Clusters;
@@ -31,10 +31,10 @@ pub struct CompileCtx<'a> {
 }
 
 pub type CompileFn =
-    fn(&Any, &CompileCtx<'_>, &str, &mut Diagnostics) -> Option<Arc<dyn HttpFilterConfig>>;
+    fn(&Any, &CompileCtx<'_>, &JsonPath, &mut Diagnostics) -> Option<Arc<dyn HttpFilterConfig>>;
 
 pub type CompilePerRouteFn =
-    fn(&Any, &str, &mut Diagnostics) -> Option<Arc<dyn RouteSpecificConfig>>;
+    fn(&Any, &JsonPath, &mut Diagnostics) -> Option<Arc<dyn RouteSpecificConfig>>;
 
 /// One HTTP filter shunt implements.
 pub struct Factory {

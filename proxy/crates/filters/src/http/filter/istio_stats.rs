@@ -14,7 +14,7 @@ use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::istio_stats::expr::{Attributes, Segment};
 use shunt_core::istio_stats::labels::{self, ClusterService, HttpOutcome, Observation};
 use shunt_core::istio_stats::{Metric, Recorder, Reporter};
@@ -37,7 +37,7 @@ struct IstioStats(Arc<Recorder>);
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let recorder =

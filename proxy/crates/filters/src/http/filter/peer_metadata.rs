@@ -21,7 +21,7 @@ use super::factory::{CompileCtx, Factory};
 use super::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::Workload;
 use shunt_core::peer::filter_state::{self, Side};
 use shunt_core::peer::headers::{
@@ -55,7 +55,11 @@ struct Propagation {
 #[derive(Debug)]
 struct PeerMetadata(Arc<Shared>);
 
-fn discovery(methods: Option<&Value>, path: &str, problems: &mut Diagnostics) -> Vec<Discovery> {
+fn discovery(
+    methods: Option<&Value>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Vec<Discovery> {
     let mut out = Vec::new();
     for (i, method) in methods
         .and_then(Value::as_array)
@@ -71,7 +75,7 @@ fn discovery(methods: Option<&Value>, path: &str, problems: &mut Diagnostics) ->
             out.push(Discovery::Workloads);
         } else {
             problems.warning(
-                format!("{path}[{i}]"),
+                path.index(i),
                 "no discovery method set; this entry finds no peer",
             );
         }
@@ -97,7 +101,7 @@ fn propagation(methods: Option<&Value>) -> Vec<Propagation> {
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let json = match shunt_config::any_to_json(any) {
@@ -122,12 +126,12 @@ fn compile(
     Some(Arc::new(PeerMetadata(Arc::new(Shared {
         downstream_discovery: discovery(
             json.get("downstream_discovery"),
-            &format!("{path}.downstream_discovery"),
+            &path.field("downstream_discovery"),
             problems,
         ),
         upstream_discovery: discovery(
             json.get("upstream_discovery"),
-            &format!("{path}.upstream_discovery"),
+            &path.field("upstream_discovery"),
             problems,
         ),
         downstream_propagation: propagation(json.get("downstream_propagation")),

@@ -10,8 +10,8 @@ use envoy_types::pb::envoy::config::route::v3::FilterConfig;
 use envoy_types::pb::google::protobuf::Any as PbAny;
 
 use crate::http::route::{PerFilterConfig, PerFilterConfigs};
-use shunt_config::Diagnostics;
 use shunt_config::convert::{decode, type_name};
+use shunt_config::{Diagnostics, JsonPath};
 
 const FILTER_CONFIG: &str = "envoy.config.route.v3.FilterConfig";
 
@@ -20,7 +20,7 @@ const FILTER_CONFIG: &str = "envoy.config.route.v3.FilterConfig";
 /// configured); one that does not compile is an error.
 pub fn compile(
     configs: &HashMap<String, PbAny>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> PerFilterConfigs {
     let mut compiled = PerFilterConfigs::new();
@@ -28,7 +28,7 @@ pub fn compile(
     let mut names: Vec<_> = configs.keys().collect();
     names.sort();
     for name in names {
-        let e_path = format!("{path}[{name:?}]");
+        let e_path = path.key(name);
         if let Some(entry) = compile_one(name, &configs[name], &e_path, problems) {
             compiled.insert(name.clone(), entry);
         }
@@ -39,7 +39,7 @@ pub fn compile(
 fn compile_one(
     name: &str,
     any: &PbAny,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<PerFilterConfig> {
     let any = shunt_config::typed_struct::unwrap(any, path, problems)?;
@@ -47,7 +47,7 @@ fn compile_one(
         let wrapper = decode::<FilterConfig>(&any, path, problems)?;
         let inner = match wrapper.config {
             Some(config) => Some(
-                shunt_config::typed_struct::unwrap(&config, &format!("{path}.config"), problems)?
+                shunt_config::typed_struct::unwrap(&config, &path.field("config"), problems)?
                     .into_owned(),
             ),
             None => None,
@@ -56,7 +56,7 @@ fn compile_one(
             wrapper.disabled,
             wrapper.is_optional,
             inner,
-            format!("{path}.config"),
+            path.field("config"),
         )
     } else {
         (false, false, Some(any.into_owned()), path.to_owned())

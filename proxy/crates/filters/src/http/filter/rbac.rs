@@ -22,8 +22,8 @@ use super::{
 };
 use crate::common::rbac::engine::{Decision, Subject};
 use crate::common::rbac::{Engines, RbacStats, denied_details};
-use shunt_config::Diagnostics;
 use shunt_config::convert::decode;
+use shunt_config::{Diagnostics, JsonPath};
 
 pub const TYPE: &str = "envoy.extensions.filters.http.rbac.v3.RBAC";
 pub const PER_ROUTE_TYPE: &str = "envoy.extensions.filters.http.rbac.v3.RBACPerRoute";
@@ -58,16 +58,16 @@ impl RouteSpecificConfig for PerRoute {
     }
 }
 
-fn check_unsupported(rbac: &EnvoyHttpRbac, path: &str, problems: &mut Diagnostics) {
+fn check_unsupported(rbac: &EnvoyHttpRbac, path: &JsonPath, problems: &mut Diagnostics) {
     if rbac.matcher.is_some() || rbac.shadow_matcher.is_some() {
         problems.error(
-            format!("{path}.matcher"),
+            path.field("matcher"),
             "RBAC matcher trees are not implemented; use rules",
         );
     }
     if rbac.track_per_rule_stats {
         problems.warning(
-            format!("{path}.track_per_rule_stats"),
+            path.field("track_per_rule_stats"),
             "per-rule RBAC stats are not implemented; ignored",
         );
     }
@@ -76,7 +76,7 @@ fn check_unsupported(rbac: &EnvoyHttpRbac, path: &str, problems: &mut Diagnostic
 fn compile(
     any: &PbAny,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let rbac = decode::<EnvoyHttpRbac>(any, path, problems)?;
@@ -107,14 +107,14 @@ fn compile(
 
 fn compile_per_route(
     any: &PbAny,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn RouteSpecificConfig>> {
     let per_route = decode::<EnvoyRbacPerRoute>(any, path, problems)?;
     let Some(rbac) = per_route.rbac else {
         return Some(Arc::new(PerRoute(None)));
     };
-    let r_path = format!("{path}.rbac");
+    let r_path = path.field("rbac");
     let errors_before = problems.errors.len();
     check_unsupported(&rbac, &r_path, problems);
     let engines = Engines::compile(

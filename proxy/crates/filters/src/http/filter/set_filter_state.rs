@@ -11,7 +11,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::factory::{CompileCtx, Factory};
 use super::{Flow, HttpFilter, HttpFilterConfig, RequestHeaders, StreamCtx};
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::formatter::{self, Context};
 use shunt_core::set_filter_state::{ValueSetter, compile as compile_values, store};
 use shunt_core::stream_info::LifeSpan;
@@ -34,13 +34,13 @@ struct SetFilterState {
 fn compile(
     any: &Any,
     _ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config: Config = decode(any, path, problems)?;
     let values = compile_values(
         &config.on_request_headers,
-        &format!("{path}.on_request_headers"),
+        &path.field("on_request_headers"),
         problems,
     )?;
     Some(Arc::new(SetFilterState {

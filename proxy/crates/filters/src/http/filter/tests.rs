@@ -16,7 +16,7 @@ use super::chain::ConfiguredFilter;
 use super::*;
 use crate::http::connection_manager::{Downstream, serve};
 use crate::http::{ConfigProvider, HttpConnectionManager, RequestConfig};
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::access_log::Direction;
 use shunt_tls::Secrets;
 use shunt_upstream::Clusters;
@@ -165,9 +165,14 @@ fn hcm(log: &Log, second_disabled: bool) -> Arc<HttpConnectionManager> {
     .unwrap();
     let mut problems = Diagnostics::default();
     let stats = shunt_core::stats::Store::new();
-    let mut hcm =
-        crate::http::compile::compile(&config, &Default::default(), &stats, "hcm", &mut problems)
-            .unwrap();
+    let mut hcm = crate::http::compile::compile(
+        &config,
+        &Default::default(),
+        &stats,
+        &JsonPath::new("hcm"),
+        &mut problems,
+    )
+    .unwrap();
     assert!(problems.warnings.is_empty(), "{:?}", problems.warnings);
     for (name, disabled) in [("a", false), ("b", second_disabled)] {
         hcm.filters.filters.push(ConfiguredFilter {
@@ -346,8 +351,9 @@ fn per_route_configs_are_most_specific_first() {
         }))
         .unwrap();
     let mut problems = Diagnostics::default();
-    let compiled =
-        Arc::new(crate::http::route_config::compile(&config, "rc", &mut problems).unwrap());
+    let compiled = Arc::new(
+        crate::http::route_config::compile(&config, &JsonPath::new("rc"), &mut problems).unwrap(),
+    );
     let headers = HeaderMap::new();
     let view = crate::common::matcher::RequestView {
         method: "GET",

@@ -20,7 +20,7 @@ use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stats::{Counter, Gauge};
 use shunt_core::stream_info::Connection;
@@ -57,35 +57,32 @@ struct Config {
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let config: ExtAuthz = decode(any, path, problems)?;
     if config.filter_enabled_metadata.is_some() {
-        problems.error(
-            format!("{path}.filter_enabled_metadata"),
-            "is not implemented",
-        );
+        problems.error(path.field("filter_enabled_metadata"), "is not implemented");
         return None;
     }
     if config.include_peer_certificate {
         problems.warning(
-            format!("{path}.include_peer_certificate"),
+            path.field("include_peer_certificate"),
             "is not implemented: checks carry the peer's principal, not its certificate",
         );
     }
     let Some(g) = &config.grpc_service else {
-        problems.error(format!("{path}.grpc_service"), "is required");
+        problems.error(path.field("grpc_service"), "is required");
         return None;
     };
     let Service::Grpc {
         cluster,
         authority,
         timeout,
-    } = grpc_service(g, &format!("{path}.grpc_service"), problems)?
+    } = grpc_service(g, &path.field("grpc_service"), problems)?
     else {
         problems.error(
-            format!("{path}.grpc_service"),
+            path.field("grpc_service"),
             "must name a cluster (envoy_grpc)",
         );
         return None;

@@ -12,7 +12,7 @@ use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stream_info::{LifeSpan, StringAccessor};
 
 pub const TYPE: &str = "io.istio.network.authn.Config";
@@ -31,7 +31,7 @@ struct IstioAuthn;
 fn compile(
     _any: &Any,
     _ctx: &CompileCtx<'_>,
-    _path: &str,
+    _path: &JsonPath,
     _problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     // The config has no fields.

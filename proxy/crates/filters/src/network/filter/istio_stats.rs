@@ -13,7 +13,7 @@ use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::istio_stats::expr::NoAttributes;
 use shunt_core::istio_stats::labels::{self, ClusterService, Observation};
 use shunt_core::istio_stats::{Metric, Recorder, Reporter, Tags};
@@ -35,7 +35,7 @@ struct IstioStats {
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let recorder =

@@ -16,7 +16,7 @@ use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{
     NetworkFilter, NetworkFilterConfig, NetworkFlow, NetworkStatus, NewConnection,
 };
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::peer::exchange::{self, Decoded};
 use shunt_core::peer::filter_state::{self, Side};
 use shunt_core::stats::Counter;
@@ -57,7 +57,7 @@ struct Stats {
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let config = match <Config as prost::Message>::decode(any.value.as_slice()) {

@@ -15,8 +15,8 @@ use crate::common::rbac::engine::Subject;
 use crate::common::rbac::{Engines, RbacStats, denied_details};
 use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkStatus};
-use shunt_config::Diagnostics;
 use shunt_config::convert::decode;
+use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::stream_info::Connection;
 
 pub const TYPE: &str = "envoy.extensions.filters.network.rbac.v3.RBAC";
@@ -39,23 +39,23 @@ struct Rbac(Arc<Config>);
 fn compile(
     any: &Any,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let rbac = decode::<EnvoyRbac>(any, path, problems)?;
     let errors_before = problems.errors.len();
     if rbac.stat_prefix.is_empty() {
-        problems.error(format!("{path}.stat_prefix"), "is required");
+        problems.error(path.field("stat_prefix"), "is required");
     }
     if rbac.matcher.is_some() || rbac.shadow_matcher.is_some() {
         problems.error(
-            format!("{path}.matcher"),
+            path.field("matcher"),
             "RBAC matcher trees are not implemented; use rules",
         );
     }
     if rbac.delay_deny.is_some() {
         problems.warning(
-            format!("{path}.delay_deny"),
+            path.field("delay_deny"),
             "not implemented: denied connections are closed at once",
         );
     }

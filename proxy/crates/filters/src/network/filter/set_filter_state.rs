@@ -11,7 +11,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use crate::network::factory::{CompileCtx, Factory};
 use crate::network::{NetworkFilter, NetworkFilterConfig, NetworkFlow, NewConnection};
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::formatter::Context;
 use shunt_core::set_filter_state::{ValueSetter, compile as compile_values, store};
 use shunt_core::stream_info::LifeSpan;
@@ -31,7 +31,7 @@ struct SetFilterState {
 fn compile(
     any: &Any,
     _ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn NetworkFilterConfig>> {
     let config: Config = decode(any, path, problems)?;
@@ -43,13 +43,13 @@ fn compile(
         ("on_downstream_data", &config.on_downstream_data),
     ] {
         if !values.is_empty() {
-            problems.error(format!("{path}.{field}"), "is not implemented");
+            problems.error(path.field(field), "is not implemented");
             return None;
         }
     }
     let on_new_connection = compile_values(
         &config.on_new_connection,
-        &format!("{path}.on_new_connection"),
+        &path.field("on_new_connection"),
         problems,
     )?;
     Some(Arc::new(SetFilterState {

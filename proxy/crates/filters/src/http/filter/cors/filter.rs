@@ -18,7 +18,7 @@ use crate::http::filter::{
     RouteSpecificConfig, Routed, StreamCtx,
 };
 use crate::http::route::Action;
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::stats::Counter;
 
 pub const FACTORY: Factory = Factory {
@@ -46,7 +46,7 @@ struct Config {
 fn compile_filter(
     _any: &PbAny,
     ctx: &CompileCtx<'_>,
-    _path: &str,
+    _path: &JsonPath,
     _problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let stat = |name: &str| {
@@ -61,7 +61,7 @@ fn compile_filter(
 
 fn compile_route(
     any: &PbAny,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn RouteSpecificConfig>> {
     let policy: CorsPolicy = decode(any, path, problems)?;

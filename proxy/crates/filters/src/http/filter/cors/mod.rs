@@ -18,7 +18,7 @@ use hyper::HeaderMap;
 
 use crate::common::matcher::{StringMatcher, string_matcher};
 use crate::common::percent::Percent;
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 pub mod filter;
 #[cfg(test)]
@@ -59,7 +59,7 @@ struct Fields<'a> {
 }
 
 /// A typed `CorsPolicy` (per-filter config). `path`: its JSON path.
-pub fn compile(p: &CorsPolicy, path: &str, problems: &mut Diagnostics) -> Option<Policy> {
+pub fn compile(p: &CorsPolicy, path: &JsonPath, problems: &mut Diagnostics) -> Option<Policy> {
     compile_fields(
         Fields {
             origins: &p.allow_origin_string_match,
@@ -82,7 +82,7 @@ pub fn compile(p: &CorsPolicy, path: &str, problems: &mut Diagnostics) -> Option
 #[allow(deprecated)]
 pub fn compile_route_policy(
     p: &RouteCorsPolicy,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Policy> {
     use envoy_types::pb::envoy::config::route::v3::cors_policy::EnabledSpecifier;
@@ -107,7 +107,7 @@ pub fn compile_route_policy(
     )
 }
 
-fn compile_fields(f: Fields<'_>, path: &str, problems: &mut Diagnostics) -> Option<Policy> {
+fn compile_fields(f: Fields<'_>, path: &JsonPath, problems: &mut Diagnostics) -> Option<Policy> {
     let before = problems.errors.len();
     let allow_origins = f
         .origins
@@ -116,7 +116,7 @@ fn compile_fields(f: Fields<'_>, path: &str, problems: &mut Diagnostics) -> Opti
         .filter_map(|(i, m)| {
             string_matcher(
                 m,
-                &format!("{path}.allow_origin_string_match[{i}]"),
+                &path.field("allow_origin_string_match").index(i),
                 problems,
             )
         })

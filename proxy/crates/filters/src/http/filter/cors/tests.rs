@@ -2,11 +2,12 @@ use hyper::HeaderMap;
 use hyper::header::{HeaderName, HeaderValue};
 
 use super::*;
+use shunt_config::JsonPath;
 
 fn policy(json: serde_json::Value) -> Policy {
     let p: CorsPolicy = shunt_config::message_from_json(json).expect("CorsPolicy JSON");
     let mut problems = Diagnostics::default();
-    let compiled = compile(&p, "cors", &mut problems).expect("compiles");
+    let compiled = compile(&p, &JsonPath::new("cors"), &mut problems).expect("compiles");
     assert!(problems.errors.is_empty());
     compiled
 }

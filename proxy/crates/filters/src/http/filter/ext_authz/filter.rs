@@ -27,7 +27,7 @@ use crate::http::filter::{
     RouteSpecificConfig, StreamCtx,
 };
 use crate::http::route::{Action, ClusterChoice};
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stats::{Counter, Store};
 use shunt_upstream::Cluster;
@@ -70,7 +70,7 @@ struct Config {
 fn compile_filter(
     any: &PbAny,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config: ExtAuthz = decode(any, path, problems)?;
@@ -108,7 +108,7 @@ fn compile_filter(
 
 fn compile_route(
     any: &PbAny,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn RouteSpecificConfig>> {
     let config: ExtAuthzPerRoute = decode(any, path, problems)?;

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::MetadataMatcher;
 
 use crate::common::ext_authz::{DEFAULT_TIMEOUT, Service, grpc_service};
 use crate::common::percent::Percent;
-use shunt_config::{Diagnostics, convert};
+use shunt_config::{Diagnostics, JsonPath, convert};
 
 pub mod filter;
 #[cfg(test)]
@@ -85,21 +85,21 @@ pub struct PerRoute {
 /// Compiles an `ExtAuthz`. `path`: its JSON path.
 pub fn compile(
     config: &ExtAuthz,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<ExtAuthzConfig> {
     let service = match &config.services {
-        Some(Services::GrpcService(g)) => {
-            grpc_service(g, &format!("{path}.grpc_service"), problems)?
-        }
+        Some(Services::GrpcService(g)) => grpc_service(g, &path.field("grpc_service"), problems)?,
         Some(Services::HttpService(h)) => {
-            let h_path = format!("{path}.http_service");
+            let h_path = path.field("http_service");
             let Some(uri) = &h.server_uri else {
-                problems.error(format!("{h_path}.server_uri"), "is required");
+                problems.error(h_path.field("server_uri"), "is required");
                 return None;
             };
             let timeout = match &uri.timeout {
-                Some(t) => convert::duration(t, &format!("{h_path}.server_uri.timeout"), problems)?,
+                Some(t) => {
+                    convert::duration(t, &h_path.field("server_uri").field("timeout"), problems)?
+                }
                 None => DEFAULT_TIMEOUT,
             };
             let cluster = match &uri.http_upstream_type {
@@ -109,7 +109,7 @@ pub fn compile(
                     ),
                 ) => c.clone(),
                 None => {
-                    problems.error(format!("{h_path}.server_uri.cluster"), "is required");
+                    problems.error(h_path.field("server_uri").field("cluster"), "is required");
                     return None;
                 }
             };
@@ -123,7 +123,7 @@ pub fn compile(
                 .to_owned();
             if h.authorization_request.is_some() || h.authorization_response.is_some() {
                 problems.warning(
-                    format!("{h_path}.authorization_request"),
+                    h_path.field("authorization_request"),
                     "the HTTP service's header allow lists are not implemented: every request header goes to the service, none of an allowing answer's headers go upstream, every header of a denying answer goes downstream",
                 );
             }
@@ -144,7 +144,7 @@ pub fn compile(
         Some(code) if (200..600).contains(&code) => code as u16,
         Some(code) => {
             problems.error(
-                format!("{path}.status_on_error.code"),
+                path.field("status_on_error").field("code"),
                 format!("{code} is not an HTTP status"),
             );
             return None;
@@ -153,7 +153,7 @@ pub fn compile(
     let filter_enabled_metadata = match &config.filter_enabled_metadata {
         Some(m) => Some(enabled_metadata(
             m,
-            &format!("{path}.filter_enabled_metadata"),
+            &path.field("filter_enabled_metadata"),
             problems,
         )?),
         None => None,
@@ -181,7 +181,7 @@ pub fn compile(
 
 fn enabled_metadata(
     m: &MetadataMatcher,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<EnabledMetadata> {
     use envoy_types::pb::envoy::r#type::matcher::v3::{
@@ -198,12 +198,12 @@ fn enabled_metadata(
     let value = match m.value.as_ref().and_then(|v| v.match_pattern.as_ref()) {
         Some(MatchPattern::StringMatch(s)) => crate::common::matcher::string_matcher(
             s,
-            &format!("{path}.value.string_match"),
+            &path.field("value").field("string_match"),
             problems,
         )?,
         _ => {
             problems.error(
-                format!("{path}.value"),
+                path.field("value"),
                 "only string_match values are implemented for filter_enabled_metadata",
             );
             return None;
@@ -220,7 +220,7 @@ fn enabled_metadata(
 /// Compiles an `ExtAuthzPerRoute`.
 pub fn compile_per_route(
     config: &ExtAuthzPerRoute,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<PerRoute> {
     match &config.r#override {
@@ -229,13 +229,13 @@ pub fn compile_per_route(
             ..PerRoute::default()
         }),
         Some(Override::Disabled(false)) => {
-            problems.error(format!("{path}.disabled"), "may only be true");
+            problems.error(path.field("disabled"), "may only be true");
             None
         }
         Some(Override::CheckSettings(c)) => {
             if c.service_override.is_some() {
                 problems.error(
-                    format!("{path}.check_settings.service_override"),
+                    path.field("check_settings").field("service_override"),
                     "per-route service overrides are not implemented",
                 );
                 return None;

@@ -16,7 +16,7 @@ use crate::common::ext_authz::grpc;
 fn compiled(json: serde_json::Value) -> Result<ExtAuthzConfig, Diagnostics> {
     let config: ExtAuthz = shunt_config::message_from_json(json).expect("ExtAuthz JSON");
     let mut problems = Diagnostics::default();
-    match compile(&config, "ext_authz", &mut problems) {
+    match compile(&config, &JsonPath::new("ext_authz"), &mut problems) {
         Some(c) if problems.errors.is_empty() => Ok(c),
         _ => Err(problems),
     }
@@ -85,7 +85,7 @@ fn http_service_and_errors() {
 fn per_route_settings() {
     let per_route = |json| {
         let c: ExtAuthzPerRoute = shunt_config::message_from_json(json).unwrap();
-        compile_per_route(&c, "r", &mut Diagnostics::default())
+        compile_per_route(&c, &JsonPath::new("r"), &mut Diagnostics::default())
     };
     assert!(
         per_route(serde_json::json!({"disabled": true}))

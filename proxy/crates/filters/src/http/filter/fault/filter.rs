@@ -18,7 +18,7 @@ use crate::http::filter::{
     RouteSpecificConfig, StreamCtx,
 };
 use crate::http::route::{Action, ClusterChoice};
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stats::{Counter, Gauge, Store};
 
@@ -58,7 +58,7 @@ impl RouteSpecificConfig for RouteFault {
 fn compile_filter(
     any: &PbAny,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config: HttpFault = decode(any, path, problems)?;
@@ -82,7 +82,7 @@ fn compile_filter(
 
 fn compile_route(
     any: &PbAny,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn RouteSpecificConfig>> {
     let config: HttpFault = decode(any, path, problems)?;

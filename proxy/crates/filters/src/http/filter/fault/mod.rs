@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::extensions::filters::http::fault::v3::{
 
 use crate::common::matcher::{HeaderMatcher, RequestView, header_matcher};
 use crate::common::percent::Percent;
-use shunt_config::{Diagnostics, convert};
+use shunt_config::{Diagnostics, JsonPath, convert};
 
 pub mod filter;
 #[cfg(test)]
@@ -98,14 +98,18 @@ pub enum Applies {
 }
 
 /// Compiles an `HTTPFault`. `path` is the JSON path of the config.
-pub fn compile(config: &HttpFault, path: &str, problems: &mut Diagnostics) -> Option<FaultConfig> {
+pub fn compile(
+    config: &HttpFault,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<FaultConfig> {
     let before = problems.errors.len();
     let delay = config.delay.as_ref().and_then(|d| {
-        let d_path = format!("{path}.delay");
+        let d_path = path.field("delay");
         let source =
             match &d.fault_delay_secifier {
                 Some(FaultDelaySecifier::FixedDelay(fixed)) => DelaySource::Fixed(
-                    convert::duration(fixed, &format!("{d_path}.fixed_delay"), problems)?,
+                    convert::duration(fixed, &d_path.field("fixed_delay"), problems)?,
                 ),
                 Some(FaultDelaySecifier::HeaderDelay(_)) => DelaySource::Header,
                 None => {
@@ -119,14 +123,14 @@ pub fn compile(config: &HttpFault, path: &str, problems: &mut Diagnostics) -> Op
         })
     });
     let abort = config.abort.as_ref().and_then(|a| {
-        let a_path = format!("{path}.abort");
+        let a_path = path.field("abort");
         let source = match a.error_type {
             Some(ErrorType::HttpStatus(code)) if (200..600).contains(&code) => {
                 AbortSource::Http(code as u16)
             }
             Some(ErrorType::HttpStatus(code)) => {
                 problems.error(
-                    format!("{a_path}.http_status"),
+                    a_path.field("http_status"),
                     format!("{code} is not an HTTP status in [200, 600)"),
                 );
                 return None;
@@ -155,11 +159,11 @@ pub fn compile(config: &HttpFault, path: &str, problems: &mut Diagnostics) -> Op
         .headers
         .iter()
         .enumerate()
-        .filter_map(|(i, h)| header_matcher(h, &format!("{path}.headers[{i}]"), problems))
+        .filter_map(|(i, h)| header_matcher(h, &path.field("headers").index(i), problems))
         .collect();
     if config.response_rate_limit.is_some() {
         problems.warning(
-            format!("{path}.response_rate_limit"),
+            path.field("response_rate_limit"),
             "response rate limiting is not implemented: responses are not slowed",
         );
     }

@@ -5,12 +5,12 @@ use hyper::HeaderMap;
 use hyper::header::{HeaderName, HeaderValue};
 
 use super::*;
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 fn fault(json: serde_json::Value) -> Result<FaultConfig, Diagnostics> {
     let config: HttpFault = shunt_config::message_from_json(json).expect("HTTPFault JSON");
     let mut problems = Diagnostics::default();
-    match compile(&config, "fault", &mut problems) {
+    match compile(&config, &JsonPath::new("fault"), &mut problems) {
         Some(c) if problems.errors.is_empty() => Ok(c),
         _ => Err(problems),
     }

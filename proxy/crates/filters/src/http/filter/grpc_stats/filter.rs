@@ -16,7 +16,7 @@ use crate::http::filter::factory::{CompileCtx, Factory};
 use crate::http::filter::{
     FilterStatus, Flow, HttpFilter, HttpFilterConfig, RequestHeaders, ResponseHeaders, StreamCtx,
 };
-use shunt_config::{Diagnostics, convert::decode};
+use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::stats::Store;
 use shunt_core::stream_info::{FilterStateObject, LifeSpan};
 
@@ -39,7 +39,7 @@ struct Config {
 fn compile_filter(
     any: &PbAny,
     ctx: &CompileCtx<'_>,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn HttpFilterConfig>> {
     let config: FilterConfig = decode(any, path, problems)?;

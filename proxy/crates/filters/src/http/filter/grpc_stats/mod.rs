@@ -26,7 +26,7 @@ use envoy_types::pb::envoy::extensions::filters::http::grpc_stats::v3::FilterCon
 use envoy_types::pb::envoy::extensions::filters::http::grpc_stats::v3::filter_config::PerMethodStatSpecifier;
 use hyper::HeaderMap;
 
-use shunt_config::Diagnostics;
+use shunt_config::{Diagnostics, JsonPath};
 
 pub const TYPE_NAME: &str = "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig";
 /// The filter state key of the message counts (Envoy's filter name).
@@ -54,7 +54,7 @@ pub struct GrpcStatsConfig {
 
 pub fn compile(
     config: &FilterConfig,
-    path: &str,
+    path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<GrpcStatsConfig> {
     let per_method = match &config.per_method_stat_specifier {
@@ -68,7 +68,10 @@ pub fn compile(
             for (i, service) in list.services.iter().enumerate() {
                 if service.name.is_empty() {
                     problems.error(
-                        format!("{path}.individual_method_stats_allowlist.services[{i}].name"),
+                        path.field("individual_method_stats_allowlist")
+                            .field("services")
+                            .index(i)
+                            .field("name"),
                         "must not be empty",
                     );
                     return None;

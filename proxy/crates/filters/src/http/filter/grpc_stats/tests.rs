@@ -6,6 +6,7 @@ use envoy_types::pb::envoy::extensions::filters::http::grpc_stats::v3::filter_co
 use envoy_types::pb::google::protobuf::BoolValue;
 
 use super::*;
+use shunt_config::JsonPath;
 
 fn frame(message: &[u8]) -> Vec<u8> {
     let mut out = vec![0];
@@ -55,7 +56,7 @@ fn config(per_method: Option<PerMethodStatSpecifier>, replace_dots: bool) -> Grp
         ..FilterConfig::default()
     };
     let mut problems = Diagnostics::default();
-    compile(&proto, "f", &mut problems).expect("compiles")
+    compile(&proto, &JsonPath::new("f"), &mut problems).expect("compiles")
 }
 
 #[test]
