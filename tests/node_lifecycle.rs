@@ -241,7 +241,17 @@ fn an_upgrade_takes_the_node_over_with_no_connection_refused() {
     let scene = Scene::new("upgrade", "10.91.0.0/24");
     let old_ready = scene.ready_file("old");
     let old_ready_arg = old_ready.display().to_string();
-    let mut old = scene.agent("old", &["--take-over", "--ready-file", &old_ready_arg]);
+    // A drain shorter than the long-lived stream below: it survives only if handed over.
+    let mut old = scene.agent(
+        "old",
+        &[
+            "--take-over",
+            "--ready-file",
+            &old_ready_arg,
+            "--drain-time-s",
+            "1",
+        ],
+    );
     old.wait_for_file(&old_ready);
     let a = add_pod(&scene, "ua", &old);
     let b = add_pod(&scene, "ub", &old);
@@ -266,6 +276,24 @@ fn an_upgrade_takes_the_node_over_with_no_connection_refused() {
             "2",
             "--payload",
             "512",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // And one long-lived stream from a to b: round trips on one connection, which
+    // reconnects (and counts an error) if the stream breaks.
+    let streaming = app_command(
+        &scene.node,
+        &a.sandbox.path(),
+        &[
+            "bench-rr",
+            &format!("{}:8080", b.ip()),
+            "--duration-ms",
+            "6000",
+            "--payload",
+            "4096",
         ],
     )
     .stdout(Stdio::piped())
@@ -300,6 +328,29 @@ fn an_upgrade_takes_the_node_over_with_no_connection_refused() {
         new.log()
     );
     assert!(report["connections"].as_u64().unwrap() > 50, "{report}");
+    let out = streaming.wait_with_output().unwrap();
+    let stream: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "bench-rr: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert_eq!(
+        stream["errors"],
+        0,
+        "the long-lived stream broke during the upgrade: {stream}\nold:\n{}\nnew:\n{}",
+        old.log(),
+        new.log()
+    );
+    assert!(stream["round_trips"].as_u64().unwrap() > 100, "{stream}");
+    // Its two copies (a's outbound, b's inbound) moved to the new process.
+    assert!(
+        new.log()
+            .contains("resumed the old process's established flows"),
+        "{}",
+        new.log()
+    );
 
     // The new process has the CNI socket: ADD and DEL reach it.
     assert!(scene.socket().exists());

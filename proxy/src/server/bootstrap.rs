@@ -130,6 +130,7 @@ pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<
         scope: Default::default(),
         drain_time: options.drain_time,
         ready: Default::default(),
+        flows: None,
     };
     // With one worker this thread is the worker (`memory`: it caches its frees).
     shunt_memory::cache_this_thread();

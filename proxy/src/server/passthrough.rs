@@ -66,6 +66,7 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         scope: Default::default(),
         drain_time,
         ready: Default::default(),
+        flows: None,
     };
     // With one worker this thread is the worker (`memory`: it caches its frees).
     shunt_memory::cache_this_thread();

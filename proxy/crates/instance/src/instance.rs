@@ -13,7 +13,10 @@ use crate::connections::Connections;
 pub use crate::listener_manager::BoundEvent;
 use crate::listener_manager::{ListenerManager, OnBound, Socket};
 use shunt_core::access_log::Direction;
-use shunt_filters::tcp;
+use shunt_filters::tcp::{
+    self, copy,
+    handover::{self, Flows, ParkedFlow},
+};
 use shunt_listener::connection_handler::{self, Context, InternalListeners};
 use shunt_upstream::internal::Acceptor;
 use shunt_upstream::same_node::Handoff;
@@ -32,6 +35,9 @@ pub struct ProxyInputs {
     /// Set once the instance serves its first configuration (its listeners accept; with
     /// xDS, the first response of each type is applied).
     pub ready: Arc<AtomicBool>,
+    /// Set where established plain-TCP flows may be handed to another process (node
+    /// mode's upgrade): the instance's copies can then be parked.
+    pub flows: Option<Arc<Flows>>,
 }
 
 /// What an instance serves.
@@ -81,6 +87,7 @@ pub(crate) struct Shared {
     connections: Arc<Connections>,
     scope: ConnectionScope,
     served: Served,
+    flows: Option<Arc<Flows>>,
 }
 
 enum Served {
@@ -97,7 +104,10 @@ impl Shared {
     /// scope's layers each hold the future they wrap, and a connection's future is large
     /// (moved by value through them it overflowed a worker's stack).
     fn spawn(&self, connection: impl Future<Output = ()> + Send + 'static) {
-        let connection: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(connection);
+        let connection: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = match &self.flows {
+            Some(flows) => Box::pin(handover::scope(flows.clone(), connection)),
+            None => Box::pin(connection),
+        };
         self.connections.spawn(self.scope.clone().run(connection));
     }
 
@@ -172,6 +182,7 @@ impl ProxyInstance {
             scope,
             drain_time,
             ready,
+            flows,
         } = inputs;
         let connections = Arc::new(Connections::default());
         match config {
@@ -180,6 +191,7 @@ impl ProxyInstance {
                     connections,
                     scope,
                     served: Served::Passthrough(settings),
+                    flows,
                 });
                 let mut listeners = ListenerManager::new(shared.clone(), None, drain_time);
                 for socket in sockets {
@@ -195,7 +207,17 @@ impl ProxyInstance {
                 })
             }
             InstanceConfig::Configured(configured) => {
-                Self::start_configured(*configured, sockets, scope, drain_time, ready, connections)
+                let shared = |served, internal| {
+                    let mut scope = scope;
+                    scope.internal = Some(internal);
+                    Arc::new(Shared {
+                        connections,
+                        scope,
+                        served,
+                        flows,
+                    })
+                };
+                Self::start_configured(*configured, sockets, shared, drain_time, ready)
             }
         }
     }
@@ -203,10 +225,10 @@ impl ProxyInstance {
     fn start_configured(
         configured: Configured,
         sockets: Vec<Socket>,
-        scope: ConnectionScope,
+        // The instance's shared part, made once its internal listeners exist.
+        shared: impl FnOnce(Served, Arc<dyn Acceptor>) -> Arc<Shared>,
         drain_time: Duration,
         ready: Arc<AtomicBool>,
-        connections: Arc<Connections>,
     ) -> anyhow::Result<Self> {
         let Configured {
             bootstrap,
@@ -227,13 +249,7 @@ impl ProxyInstance {
             shutdown: Default::default(),
         });
         let internal: Arc<dyn Acceptor> = Arc::new(InternalListeners(context.clone()));
-        let mut scope = scope;
-        scope.internal = Some(internal);
-        let shared = Arc::new(Shared {
-            connections,
-            scope,
-            served: Served::Configured { context },
-        });
+        let shared = shared(Served::Configured { context }, internal);
         let listeners = Arc::new(Mutex::new(ListenerManager::new(
             shared.clone(),
             on_bound,
@@ -292,6 +308,23 @@ impl ProxyInstance {
             port,
             context.clone(),
         ));
+    }
+
+    /// The instance's parkable flows, where they may be handed over.
+    pub fn flows(&self) -> Option<&Arc<Flows>> {
+        self.shared.flows.as_ref()
+    }
+
+    /// Copies on a flow another process parked and handed here (its sockets, with
+    /// whatever bytes wait in their queues), in this instance's scope: counted, drained
+    /// and parkable again.
+    pub fn resume(&self, flow: ParkedFlow) {
+        self.shared.spawn(async move {
+            let outcome = copy::copy_bidirectional(flow.downstream, flow.upstream).await;
+            if let copy::End::Failed { side, error } = outcome.end {
+                tracing::debug!(?side, %error, "a resumed flow ended abnormally");
+            }
+        });
     }
 
     /// Stops accepting on every listener, or on the INBOUND ones (Envoy's

@@ -33,7 +33,8 @@ pub enum Start {
 /// Why serving ended.
 enum Ended {
     Signal(&'static str),
-    HandedOver(usize),
+    /// To the successor on this connection, which now waits for the flows.
+    HandedOver(usize, socket2::Socket),
 }
 
 /// Serves the node until a signal stops it or a successor takes it over.
@@ -52,10 +53,15 @@ pub fn run(
                 .take()
                 .context("the old process did not hand its lock over")?;
             let cni = handed.cni.take().map(UnixListener::from);
-            let taken = handed
+            let (taken, flows) = handed
                 .adopt_into(&pods)
                 .context("serving the handed pods")?;
             tracing::info!(pods = taken, "took the node over");
+            let resuming = pods.clone();
+            std::thread::Builder::new()
+                .name("node-flows".into())
+                .spawn(move || flows.resume_into(&resuming))
+                .context("starting the thread that resumes handed flows")?;
             (Owner::adopt(lock)?, cni)
         }
     };
@@ -83,13 +89,17 @@ pub fn run(
             tracing::info!("{name}: stopping; pods stay recorded, captured per their policy");
             drop(enrollers);
         }
-        Ended::HandedOver(n) => {
+        Ended::HandedOver(n, conn) => {
             tracing::info!(pods = n, "handed the node over: draining and exiting");
             enrollers.cni.release();
             drop(enrollers);
-            let drains = pods.release_all();
+            let released = pods.release_all();
+            match handover::hand_over_flows(&conn, released.flows, handover::FLOWS_PARK_LIMIT) {
+                Ok(flows) => tracing::info!(flows, "handed the established flows over"),
+                Err(err) => tracing::warn!("handing the established flows over: {err:#}"),
+            }
             runtime.block_on(async {
-                for drain in drains {
+                for drain in released.drains {
                     let _ = drain.await;
                 }
             });
@@ -130,7 +140,7 @@ async fn serve(
             _ = int.recv() => return Ok(Ended::Signal("SIGINT")),
             Some(conn) = successors.recv() => {
                 match hand_over(pods, owner, enrollers, conn).await {
-                    Ok(n) => return Ok(Ended::HandedOver(n)),
+                    Ok((n, conn)) => return Ok(Ended::HandedOver(n, conn)),
                     Err(err) => {
                         tracing::warn!("a successor's take-over failed; carrying on: {err:#}");
                         enrollers.cni.resume().context("taking CNI requests again")?;
@@ -147,7 +157,7 @@ async fn hand_over(
     owner: &Owner,
     enrollers: &mut Enrollers,
     conn: socket2::Socket,
-) -> anyhow::Result<usize> {
+) -> anyhow::Result<(usize, socket2::Socket)> {
     tracing::info!("a successor asks for the node");
     // Requests queue in the socket's backlog until the successor accepts them.
     enrollers.cni.pause();
@@ -161,7 +171,8 @@ async fn hand_over(
             lock: Some(lock.as_fd()),
             cni: Some(cni.as_fd()),
         };
-        handover::hand_over(&conn, node, &pods)
+        let n = handover::hand_over(&conn, node, &pods)?;
+        Ok((n, conn))
     })
     .await
     .context("the hand-over's thread")?

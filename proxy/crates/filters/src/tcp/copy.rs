@@ -42,6 +42,9 @@ pub enum End {
     Failed { side: Side, error: io::Error },
     /// Nothing moved for the idle timeout; both sides were closed.
     IdleTimeout,
+    /// Parked and given up, both sockets open, to be copied on by another process
+    /// ([`super::handover`]).
+    HandedOver,
 }
 
 /// When bytes last moved, for the idle timeout: milliseconds since the copy started,
@@ -107,6 +110,10 @@ pub async fn copy_with_idle_timeout(
 ) -> Outcome {
     let mut counts = Counts::default();
     let activity = Activity::new();
+    // In an instance whose flows may be handed over, this copy can be parked.
+    let flows = super::handover::current();
+    let _running = flows.as_ref().map(|f| f.started());
+    let park = flows.as_deref();
     let work = async {
         let (mut down_read, mut down_write) = downstream.split();
         let (mut up_read, mut up_write) = upstream.split();
@@ -116,6 +123,7 @@ pub async fn copy_with_idle_timeout(
             &mut counts.received,
             &mut counts.forwarded,
             &activity,
+            park,
         ));
         let mut to_downstream = std::pin::pin!(pump(
             &mut up_read,
@@ -123,6 +131,7 @@ pub async fn copy_with_idle_timeout(
             &mut counts.fetched,
             &mut counts.sent,
             &activity,
+            park,
         ));
         // A failure belongs to the socket it happened on: a direction's source when
         // reading, its sink when writing.
@@ -138,21 +147,34 @@ pub async fn copy_with_idle_timeout(
             done = &mut to_upstream => First::ToUpstream(done),
             done = &mut to_downstream => First::ToDownstream(done),
         };
-        // One direction has ended. If it ended cleanly the other keeps flowing; if it
-        // failed, the other is abandoned here, mid-read or mid-write.
-        let failure = match first {
-            First::ToUpstream(Ok(())) => to_downstream
-                .await
-                .map_err(|(at, error)| (to_downstream_side(at), error)),
-            First::ToDownstream(Ok(())) => to_upstream
-                .await
-                .map_err(|(at, error)| (to_upstream_side(at), error)),
-            First::ToUpstream(Err((at, error))) => Err((to_upstream_side(at), error)),
-            First::ToDownstream(Err((at, error))) => Err((to_downstream_side(at), error)),
+        // One direction has ended or parked. If it ended cleanly the other keeps
+        // flowing (or parks); if it failed, the other is abandoned here, mid-read or
+        // mid-write.
+        let (first_parked, rest) = match first {
+            First::ToUpstream(Ok(pumped)) => (
+                pumped,
+                to_downstream
+                    .await
+                    .map_err(|(at, error)| (to_downstream_side(at), error)),
+            ),
+            First::ToDownstream(Ok(pumped)) => (
+                pumped,
+                to_upstream
+                    .await
+                    .map_err(|(at, error)| (to_upstream_side(at), error)),
+            ),
+            First::ToUpstream(Err((at, error))) => {
+                (Pumped::Ended, Err((to_upstream_side(at), error)))
+            }
+            First::ToDownstream(Err((at, error))) => {
+                (Pumped::Ended, Err((to_downstream_side(at), error)))
+            }
         };
-        match failure {
-            Ok(()) => End::Closed,
-            Err((side, error)) => End::Failed { side, error },
+        match (first_parked, rest) {
+            (_, Err((side, error))) => End::Failed { side, error },
+            (Pumped::Ended, Ok(Pumped::Ended)) => End::Closed,
+            // Each direction quiet (parked, or ended and half-closed): handed on whole.
+            _ => End::HandedOver,
         }
     };
     let end = match idle_timeout {
@@ -169,13 +191,20 @@ pub async fn copy_with_idle_timeout(
         };
         abort(survivor);
     }
-    Outcome {
+    let outcome = Outcome {
         bytes_received: counts.received,
         bytes_sent: counts.sent,
         upstream_bytes_sent: counts.forwarded,
         upstream_bytes_received: counts.fetched,
         end,
+    };
+    if let (End::HandedOver, Some(flows)) = (&outcome.end, &flows) {
+        flows.deliver(super::handover::ParkedFlow {
+            downstream,
+            upstream,
+        });
     }
+    outcome
 }
 
 pub use shunt_tls::stream::abort;
@@ -193,8 +222,16 @@ struct Counts {
 }
 
 enum First {
-    ToUpstream(Result<(), (At, io::Error)>),
-    ToDownstream(Result<(), (At, io::Error)>),
+    ToUpstream(Result<Pumped, (At, io::Error)>),
+    ToDownstream(Result<Pumped, (At, io::Error)>),
+}
+
+/// How a one-way copy stopped without failing.
+enum Pumped {
+    /// EOF read and the sink half-closed.
+    Ended,
+    /// Asked to park: nothing held, the sockets are left as they are.
+    Parked,
 }
 
 /// Which half of a one-way copy failed: reading its source or writing its sink.
@@ -205,18 +242,32 @@ enum At {
 }
 
 /// Copies `from` to `to` until EOF, then half-closes `to`. The counters live outside
-/// the future so they survive its cancellation when the other direction fails.
+/// the future so they survive its cancellation when the other direction fails. With
+/// `park`, it stops at the top of its loop (holding nothing) once parking is asked for.
 async fn pump(
     from: &mut ReadHalf<'_>,
     to: &mut WriteHalf<'_>,
     read: &mut u64,
     written: &mut u64,
     activity: &Activity,
-) -> Result<(), (At, io::Error)> {
+    park: Option<&super::handover::Flows>,
+) -> Result<Pumped, (At, io::Error)> {
     loop {
         // A connection holds a buffer only while bytes are in flight: wait for something
         // to read (data, EOF or an error) with none, take one, hand it back once written.
-        from.readable().await.map_err(|e| (At::Read, e))?;
+        match park {
+            None => from.readable().await.map_err(|e| (At::Read, e))?,
+            Some(flows) => {
+                if flows.parking() {
+                    return Ok(Pumped::Parked);
+                }
+                tokio::select! {
+                    biased;
+                    ready = from.readable() => ready.map_err(|e| (At::Read, e))?,
+                    () = flows.parking_asked() => return Ok(Pumped::Parked),
+                }
+            }
+        }
         let mut buf = buffers::Buffer::take();
         let n = match from.try_read(&mut buf) {
             Ok(n) => n,
@@ -245,7 +296,7 @@ async fn pump(
         // The sink is already fully closed; if that was a reset, the other direction
         // reports it when it reads.
         Err(e) if e.kind() != io::ErrorKind::NotConnected => Err((At::Write, e)),
-        _ => Ok(()),
+        _ => Ok(Pumped::Ended),
     }
 }
 

@@ -97,7 +97,8 @@ pub async fn copy<D: super::DownstreamIo>(
             };
             let _ = tokio::time::timeout(Duration::from_secs(1), close).await;
         }
-        End::Closed => {}
+        // Never parked: only the plain copy is (super::handover).
+        End::Closed | End::HandedOver => {}
     }
     Outcome {
         bytes_received: received,

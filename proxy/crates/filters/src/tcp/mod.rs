@@ -7,6 +7,7 @@
 pub mod compile;
 pub mod copy;
 pub mod copy_io;
+pub mod handover;
 pub mod metadata_exchange;
 pub mod tcp_proxy;
 pub mod tunnel;

@@ -365,6 +365,9 @@ impl TcpProxy {
             copy::End::IdleTimeout => {
                 tracing::debug!(downstream = %entry.downstream_remote_address, "tcp_proxy idle timeout");
             }
+            copy::End::HandedOver => {
+                tracing::debug!(downstream = %entry.downstream_remote_address, "flow handed to the next process");
+            }
             copy::End::Closed => {}
         }
     }

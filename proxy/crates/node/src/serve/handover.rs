@@ -9,7 +9,13 @@
 //! - old → new: per pod a JSON [`Wire`] with the pod's namespace, listeners and DNS
 //!   sockets as fds (namespace first, then the listeners in `Wire::listeners` order,
 //!   then the DNS sockets in `Wire::dns` order), then `end`;
-//! - new → old: `started` once it accepts on all of them; the old one then lets go.
+//! - new → old: `started` once it accepts on all of them; the old one then lets go:
+//!   it stops accepting and parks its established plain-TCP flows;
+//! - old → new: per parked flow a JSON [`FlowWire`] naming its pod, with the downstream
+//!   and upstream sockets as fds, then `flows-end`. The new process copies on from
+//!   where the old one stopped: bytes in flight wait in the sockets' kernel queues, so
+//!   nothing is lost and neither end sees the change. Flows that are not plain TCP
+//!   (TLS, HTTP, tunnels) finish on the old process within its drain time.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::SocketAddr;
@@ -23,9 +29,11 @@ use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::NodePods;
 use super::dns::{DnsSocket, Protocol};
+use super::instance::ParkedFlows;
 use super::listen::{PodListener, Role};
 use crate::PodInfo;
 use shunt_core::access_log::Direction;
+use shunt_filters::tcp::handover::ParkedFlow;
 
 /// One pod as handed over.
 #[derive(Debug, Serialize, Deserialize)]
@@ -35,6 +43,13 @@ struct Wire {
     /// The pod's DNS proxy's sockets (none from a process that did not hand them).
     #[serde(default)]
     dns: Vec<(Protocol, SocketAddr)>,
+}
+
+/// One parked flow as handed over.
+#[derive(Debug, Serialize, Deserialize)]
+struct FlowWire {
+    /// The pod's uid.
+    pod: String,
 }
 
 const MAX_MESSAGE: usize = 64 * 1024;
@@ -154,8 +169,54 @@ pub fn hand_over_once(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
     let conn = offer.accept()?;
     let _ = std::fs::remove_file(path);
     let n = hand_over(&conn, NodeFds::default(), pods)?;
-    drop(pods.release_all());
+    let released = pods.release_all();
+    hand_over_flows(&conn, released.flows, FLOWS_PARK_LIMIT)?;
     Ok(n)
+}
+
+/// How long parking may take before what is still copying stays here to drain: a
+/// copy parks at the top of its loop, so only one blocked writing (its reader not
+/// reading) takes longer.
+pub const FLOWS_PARK_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The old process's side, after `started` and [`NodePods::release_all`]: sends every
+/// flow as it parks, until each pod's copies have all parked or ended (or `limit`
+/// passes), then `flows-end`. Returns the flows handed.
+pub fn hand_over_flows(
+    conn: &Socket,
+    pods: Vec<(String, ParkedFlows)>,
+    limit: std::time::Duration,
+) -> anyhow::Result<usize> {
+    let deadline = std::time::Instant::now() + limit;
+    let mut handed = 0;
+    for (uid, mut parked) in pods {
+        loop {
+            match parked.receiver.try_recv() {
+                Ok(flow) => {
+                    let wire = serde_json::to_vec(&FlowWire { pod: uid.clone() })?;
+                    let fds = [flow.downstream.as_raw_fd(), flow.upstream.as_raw_fd()];
+                    send_with_fds(conn, &wire, &fds)
+                        .with_context(|| format!("handing over a flow of pod {uid}"))?;
+                    // Closing this process's handles leaves the connections open: the
+                    // successor holds them now.
+                    drop(flow);
+                    handed += 1;
+                }
+                Err(_) if parked.flows.running() == 0 => break,
+                Err(_) if std::time::Instant::now() >= deadline => {
+                    tracing::warn!(
+                        pod = %uid,
+                        flows = parked.flows.running(),
+                        "flows not parked in time stay here until the drain ends"
+                    );
+                    break;
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+            }
+        }
+    }
+    send(conn, b"flows-end")?;
+    Ok(handed)
 }
 
 fn send_with_fds(conn: &Socket, text: &[u8], fds: &[RawFd]) -> anyhow::Result<()> {
@@ -226,7 +287,7 @@ pub fn receive(path: &Path) -> anyhow::Result<Handed> {
 impl Handed {
     /// The second half: serves every pod here on the sockets received, then tells the
     /// old process, which lets go. Returns the pods taken.
-    pub fn adopt_into(self, pods: &NodePods) -> anyhow::Result<usize> {
+    pub fn adopt_into(self, pods: &NodePods) -> anyhow::Result<(usize, FlowsToCome)> {
         let mut taken = 0;
         for (wire, mut fds) in self.pods {
             let netns = fds.remove(0);
@@ -261,7 +322,53 @@ impl Handed {
         if let Err(err) = send(&self.conn, b"started") {
             tracing::warn!("the old node process did not hear that the node is served: {err:#}");
         }
-        Ok(taken)
+        Ok((taken, FlowsToCome { conn: self.conn }))
+    }
+}
+
+/// The old process's established flows, still to arrive after `started`.
+pub struct FlowsToCome {
+    conn: Socket,
+}
+
+impl FlowsToCome {
+    /// Receives the flows the old process parks and copies on with each in its pod's
+    /// instance, until `flows-end` (or the old process goes away). Blocking. Returns
+    /// the flows resumed.
+    pub fn resume_into(self, pods: &NodePods) -> usize {
+        let mut resumed = 0;
+        loop {
+            let (text, mut fds) = match receive_message(&self.conn) {
+                Ok(message) => message,
+                Err(err) => {
+                    tracing::warn!("the old process's flows ended early: {err:#}");
+                    break;
+                }
+            };
+            if text == b"flows-end" {
+                break;
+            }
+            let Ok(wire) = serde_json::from_slice::<FlowWire>(&text) else {
+                tracing::warn!("a handed flow without its pod; closing it");
+                continue;
+            };
+            if fds.len() != 2 {
+                tracing::warn!(pod = %wire.pod, fds = fds.len(), "a handed flow needs 2 sockets");
+                continue;
+            }
+            let upstream = std::net::TcpStream::from(fds.remove(1));
+            let downstream = std::net::TcpStream::from(fds.remove(0));
+            if pods.resume(&wire.pod, downstream, upstream) {
+                resumed += 1;
+            } else {
+                tracing::warn!(pod = %wire.pod, "a handed flow of a pod not served here; closing it");
+            }
+        }
+        tracing::info!(
+            flows = resumed,
+            "resumed the old process's established flows"
+        );
+        resumed
     }
 }
 
@@ -270,7 +377,8 @@ impl Handed {
 pub fn take_over(pods: &NodePods, path: &Path) -> anyhow::Result<Taken> {
     let mut handed = receive(path)?;
     let (lock, cni) = (handed.lock.take(), handed.cni.take());
-    let taken = handed.adopt_into(pods)?;
+    let (taken, flows) = handed.adopt_into(pods)?;
+    flows.resume_into(pods);
     Ok(Taken {
         lock,
         cni,
@@ -316,23 +424,63 @@ impl NodePods {
     }
 
     /// Stops accepting (and reading DNS) for every pod without closing the sockets
-    /// (another process holds them now) and drains; the kernel side is left as it is.
-    /// The handles end with each pod's drain.
-    pub fn release_all(&self) -> Vec<tokio::task::JoinHandle<()>> {
+    /// (another process holds them now), parks the plain-TCP flows and drains the rest;
+    /// the kernel side is left as it is.
+    pub fn release_all(&self) -> Released {
         let all: Vec<_> = self.lock().drain().collect();
-        let mut drains = Vec::new();
-        for (_, served) in all {
+        let mut released = Released::default();
+        for (uid, served) in all {
             if let Some(dns) = &served.dns {
                 dns.stop();
             }
-            drains.push(
-                served
-                    .instance
-                    .release(&self.runtime, self.options.drain_time),
-            );
+            let (drain, parked) = served
+                .instance
+                .release(&self.runtime, self.options.drain_time);
+            released.drains.push(drain);
+            released.flows.extend(parked.map(|p| (uid, p)));
         }
-        drains
+        released
     }
+
+    /// Copies on a flow handed from the previous process in pod `uid`'s instance;
+    /// false if the pod is not served here.
+    fn resume(
+        &self,
+        uid: &str,
+        downstream: std::net::TcpStream,
+        upstream: std::net::TcpStream,
+    ) -> bool {
+        let pods = self.lock();
+        let Some(served) = pods.get(uid) else {
+            return false;
+        };
+        let _entered = self.runtime.enter();
+        let flow = (|| {
+            downstream.set_nonblocking(true)?;
+            upstream.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(ParkedFlow {
+                downstream: tokio::net::TcpStream::from_std(downstream)?,
+                upstream: tokio::net::TcpStream::from_std(upstream)?,
+            })
+        })();
+        match flow {
+            Ok(flow) => {
+                served.instance.resume(flow);
+                true
+            }
+            Err(err) => {
+                tracing::warn!(pod = %uid, %err, "a handed flow could not be registered");
+                false
+            }
+        }
+    }
+}
+
+/// What [`NodePods::release_all`] let go: each pod's drain, and its flows as they park.
+#[derive(Default)]
+pub struct Released {
+    pub drains: Vec<tokio::task::JoinHandle<()>>,
+    pub flows: Vec<(String, ParkedFlows)>,
 }
 
 fn send(conn: &Socket, text: &[u8]) -> anyhow::Result<()> {

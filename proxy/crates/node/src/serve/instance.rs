@@ -12,6 +12,7 @@ use std::time::Duration;
 use super::listen::{PodListener, Role};
 use super::proxy::{self, Setup};
 use shunt_filters::tcp;
+use shunt_filters::tcp::handover::{Flows, ParkedFlow};
 use shunt_instance::local_reply::{self, LocalReply};
 use shunt_instance::{ConnectionScope, InstanceConfig, ProxyInputs, ProxyInstance, Serves, Socket};
 
@@ -92,6 +93,8 @@ impl Instance {
             scope,
             drain_time: settings.drain_time,
             ready: ready.clone(),
+            // An upgrade hands the pod's plain-TCP flows to the next process.
+            flows: Some(Arc::default()),
         };
         let proxy = Arc::new(ProxyInstance::start(runtime, inputs)?);
         Ok(Instance {
@@ -119,15 +122,29 @@ impl Instance {
     }
 
     /// Stops accepting here but leaves the sockets listening (a new process accepts on
-    /// them now); open connections run on for `drain_time`, then are cut. The handle
-    /// ends with the drain.
+    /// them now) and parks the plain-TCP flows (they arrive on the returned receiver, to
+    /// be handed on); other connections run on for `drain_time`, then are cut. The
+    /// handle ends with the drain.
     pub fn release(
         self,
         runtime: &tokio::runtime::Handle,
         drain_time: Duration,
-    ) -> tokio::task::JoinHandle<()> {
+    ) -> (tokio::task::JoinHandle<()>, Option<ParkedFlows>) {
         self.proxy.stop(false);
-        Self::drain(self.proxy, runtime, drain_time)
+        let parked = self.proxy.flows().and_then(|flows| {
+            let receiver = flows.parked()?;
+            flows.park_all();
+            Some(ParkedFlows {
+                flows: flows.clone(),
+                receiver,
+            })
+        });
+        (Self::drain(self.proxy, runtime, drain_time), parked)
+    }
+
+    /// Copies on a flow handed from the previous process.
+    pub fn resume(&self, flow: ParkedFlow) {
+        self.proxy.resume(flow);
     }
 
     fn drain(
@@ -137,6 +154,12 @@ impl Instance {
     ) -> tokio::task::JoinHandle<()> {
         runtime.spawn(async move { proxy.drain(drain_time).await })
     }
+}
+
+/// A released instance's flows as they park.
+pub struct ParkedFlows {
+    pub flows: Arc<Flows>,
+    pub receiver: tokio::sync::mpsc::UnboundedReceiver<ParkedFlow>,
 }
 
 /// The health port: `GET /healthz/ready` is 200 while the pod is served (the instance

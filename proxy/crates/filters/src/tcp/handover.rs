@@ -1,0 +1,123 @@
+//! Established L4 flows handed to another process (node mode's upgrade). A proxy
+//! instance whose flows may be handed over runs its connections in the [`scope`] of
+//! its [`Flows`]; every plain-TCP copy ([`super::copy`]) made there can then be parked:
+//! asked to, each direction finishes the bytes it holds, stops at the top of its loop,
+//! and the copy gives its two sockets up instead of closing them. Nothing is held in
+//! user space at that point: bytes in flight wait in the sockets' kernel queues, and
+//! whoever copies next (the new process) picks them up. Copies through TLS, network
+//! filters, tunnels or HTTP are not parkable; they finish or drain as before.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc};
+
+/// The parkable flows of one instance.
+pub struct Flows {
+    parking: AtomicBool,
+    /// Wakes every copy to look at `parking`.
+    park: Notify,
+    /// Copies running now.
+    running: AtomicU64,
+    parked_tx: mpsc::UnboundedSender<ParkedFlow>,
+    parked_rx: Mutex<Option<mpsc::UnboundedReceiver<ParkedFlow>>>,
+}
+
+/// A flow's two sockets, given up by its copy.
+#[derive(Debug)]
+pub struct ParkedFlow {
+    pub downstream: TcpStream,
+    pub upstream: TcpStream,
+}
+
+impl Default for Flows {
+    fn default() -> Self {
+        let (parked_tx, parked_rx) = mpsc::unbounded_channel();
+        Flows {
+            parking: AtomicBool::new(false),
+            park: Notify::new(),
+            running: AtomicU64::new(0),
+            parked_tx,
+            parked_rx: Mutex::new(Some(parked_rx)),
+        }
+    }
+}
+
+impl std::fmt::Debug for Flows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Flows")
+            .field("parking", &self.parking.load(Ordering::Relaxed))
+            .field("running", &self.running.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+tokio::task_local! {
+    static FLOWS: Arc<Flows>;
+}
+
+/// Runs `f` with its plain-TCP copies parkable through `flows`.
+pub async fn scope<F: std::future::Future>(flows: Arc<Flows>, f: F) -> F::Output {
+    FLOWS.scope(flows, f).await
+}
+
+/// The current task's flows, if its copies are parkable.
+pub fn current() -> Option<Arc<Flows>> {
+    FLOWS.try_with(Arc::clone).ok()
+}
+
+impl Flows {
+    /// Asks every copy, running and to come, to park. Their sockets arrive on the
+    /// receiver [`Flows::parked`] gives (once).
+    pub fn park_all(&self) {
+        self.parking.store(true, Ordering::SeqCst);
+        self.park.notify_waiters();
+    }
+
+    /// Where parked flows arrive; `None` after the first call.
+    pub fn parked(&self) -> Option<mpsc::UnboundedReceiver<ParkedFlow>> {
+        self.parked_rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
+    /// Copies running (not yet parked or ended).
+    pub fn running(&self) -> u64 {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    pub(super) fn parking(&self) -> bool {
+        self.parking.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once parking is asked for.
+    pub(super) async fn parking_asked(&self) {
+        loop {
+            let woken = self.park.notified();
+            if self.parking() {
+                return;
+            }
+            woken.await;
+        }
+    }
+
+    pub(super) fn started(self: &Arc<Self>) -> Running {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        Running(self.clone())
+    }
+
+    pub(super) fn deliver(&self, flow: ParkedFlow) {
+        let _ = self.parked_tx.send(flow);
+    }
+}
+
+/// Counts a copy running until dropped.
+pub(super) struct Running(Arc<Flows>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
