@@ -179,6 +179,8 @@ fn conf(socket: &Path, prev: Option<&Value>, unavailable: &str) -> String {
         "type": "shunt-cni",
         "agent_socket": socket,
         "agent_unavailable": unavailable,
+        // These cases are about an agent that is gone, not one restarting.
+        "agent_wait_seconds": 0,
     });
     if let Some(prev) = prev {
         c["prevResult"] = prev.clone();

@@ -232,6 +232,72 @@ fn a_second_node_process_leaves_every_pod_captured_and_served() {
     }
 }
 
+/// A pod created while the node agent is down (between a stop and its restart): its
+/// ADD waits for the agent (`agent_wait_seconds`) instead of failing or passing it
+/// uncaptured, and once the agent is back the pod is enrolled and served.
+#[test]
+fn a_pod_added_while_the_agent_restarts_waits_for_it() {
+    let scene = Scene::new("restart", "10.93.0.0/24");
+    let mut first = scene.agent("first", &[]);
+    first.wait_for_file(&scene.socket());
+    let a = add_pod(&scene, "ra", &first);
+    let _app = serve(&scene.node, &a.sandbox.path(), 8080);
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(
+        unsafe { libc::kill(first.child.id() as i32, libc::SIGTERM) },
+        0
+    );
+    assert!(first.wait_exit(Duration::from_secs(30)).is_some());
+
+    let adding = std::thread::scope(|threads| {
+        let adding = threads.spawn(|| {
+            let sandbox = Sandbox::new("rb");
+            let path = sandbox.path();
+            let invocation = Invocation {
+                container_id: "rb",
+                netns: &path,
+                args: pod_args("rb"),
+            };
+            let lo = json!({"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"});
+            let (ok, out) = scene.runtime.exec("ADD", &invocation, &lo);
+            assert!(ok, "loopback ADD: {out}");
+            let result = scene.runtime.add(&invocation);
+            (sandbox, path, result)
+        });
+        // The ADD is waiting when the agent comes back.
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut second = scene.agent("second", &[]);
+        let (sandbox, path, result) = adding.join().unwrap();
+        let result =
+            result.unwrap_or_else(|e| panic!("ADD during the restart: {e}\n{}", second.log()));
+        second.wait_for_file(&scene.socket());
+        (
+            second,
+            Sandboxed {
+                sandbox,
+                path,
+                name: "rb".into(),
+                result,
+            },
+        )
+    });
+    let (second, b) = adding;
+    assert!(
+        second.log().contains("enrolled pod shop/rb"),
+        "{}",
+        second.log()
+    );
+    assert_eq!(
+        reach(&scene, &b, &a),
+        Reached::ThroughProxies,
+        "{}",
+        second.log()
+    );
+    for pod in [&a, &b] {
+        scene.runtime.del(&pod.invocation(), Some(&pod.result));
+    }
+}
+
 /// An upgrade: a new process started with --take-over while the old one serves takes
 /// the node over. A client looping new connections between two pods through it all
 /// sees none refused or reset; the old process exits by itself, leaving the CNI socket

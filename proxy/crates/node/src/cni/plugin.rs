@@ -11,6 +11,9 @@
 //! - `exclude_namespaces`: pods of these namespaces are passed through untouched
 //!   (default `["kube-system"]`);
 //! - `agent_timeout_seconds`: how long to wait for the agent's answer (default 30).
+//! - `agent_wait_seconds`: how long ADD and CHECK wait for an agent that is not
+//!   listening (being restarted or upgraded) before `agent_unavailable` applies
+//!   (default 15; DEL never waits).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -82,6 +85,7 @@ struct NetConf {
     agent_unavailable: AgentUnavailable,
     exclude_namespaces: Option<Vec<String>>,
     agent_timeout_seconds: Option<u64>,
+    agent_wait_seconds: Option<u64>,
     /// What the runtime passes for the capabilities the conflist declares: `dns` is
     /// the pod's resolv.conf (containerd fills it from the pod's DNS config).
     #[serde(rename = "runtimeConfig", default)]
@@ -208,6 +212,11 @@ fn command(env: &BTreeMap<String, String>, stdin: &[u8]) -> Result<String, CniEr
             .clone()
             .unwrap_or_else(|| DEFAULT_SOCKET.into()),
         timeout: Duration::from_secs(conf.agent_timeout_seconds.unwrap_or(30)),
+        wait: Duration::ZERO,
+    };
+    let waiting = Agent {
+        wait: Duration::from_secs(conf.agent_wait_seconds.unwrap_or(15)),
+        ..agent.clone()
     };
     match cmd {
         "ADD" => {
@@ -246,7 +255,7 @@ fn command(env: &BTreeMap<String, String>, stdin: &[u8]) -> Result<String, CniEr
                 dns: conf.runtime_config.dns.clone(),
                 token_path: None,
             };
-            agent.ask(
+            waiting.ask(
                 &CniRequest::Add { pod },
                 Some(netns),
                 conf.agent_unavailable,
@@ -267,7 +276,7 @@ fn command(env: &BTreeMap<String, String>, stdin: &[u8]) -> Result<String, CniEr
         _ => {
             if !excluded && namespace.is_some() {
                 required("CNI_NETNS")?;
-                agent.ask(
+                waiting.ask(
                     &CniRequest::Check { uid, container_id },
                     None,
                     conf.agent_unavailable,
@@ -319,9 +328,12 @@ fn result_ips(prev: &Value) -> Result<Vec<IpAddr>, CniError> {
         .collect()
 }
 
+#[derive(Clone)]
 struct Agent {
     socket: PathBuf,
     timeout: Duration,
+    /// How long to retry connecting while nothing listens on `socket`.
+    wait: Duration,
 }
 
 impl Agent {
@@ -368,7 +380,7 @@ impl Agent {
         request: &CniRequest,
         netns: Option<OwnedFd>,
     ) -> std::io::Result<CniResponse> {
-        let conn = wire::connect(&self.socket)?;
+        let conn = self.connect()?;
         conn.set_read_timeout(Some(self.timeout))?;
         conn.set_write_timeout(Some(self.timeout))?;
         let json = serde_json::to_vec(request).map_err(std::io::Error::other)?;
@@ -378,6 +390,27 @@ impl Agent {
             return Err(std::io::Error::other("the agent closed without answering"));
         }
         serde_json::from_slice(&packet.bytes).map_err(std::io::Error::other)
+    }
+}
+
+impl Agent {
+    /// Connects, retrying while the socket is missing or refuses (an agent between two
+    /// processes) for at most `wait`: a pod created during an agent's restart waits for
+    /// it rather than failing or passing uncaptured.
+    fn connect(&self) -> std::io::Result<std::os::unix::net::UnixStream> {
+        use std::io::ErrorKind::{ConnectionRefused, NotFound};
+        let deadline = std::time::Instant::now() + self.wait;
+        loop {
+            match wire::connect(&self.socket) {
+                Err(e)
+                    if matches!(e.kind(), NotFound | ConnectionRefused)
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => return other,
+            }
+        }
     }
 }
 
