@@ -1,4 +1,4 @@
-//! Decision events (issue 42): for every row of the README's "How the eBPF capture
+//! Decision events (issue 42): for every row of docs/capture.md's "How the eBPF capture
 //! decides" tables, a connection made in a pod produces exactly one decision event from
 //! the hook that decides it, with the expected reason and istio-iptables rule, and
 //! `shunt inspect --explain` predicts it without making the connection. A flood with

@@ -31,7 +31,7 @@ struct Case<'a> {
     caller: Caller<'a>,
     target: SocketAddr,
     expect: Outcome,
-    /// The eBPF decision counter of pod `a` this connection must add to (README's
+    /// The eBPF decision counter of pod `a` this connection must add to (docs/capture.md's
     /// "How the eBPF capture decides").
     counter: &'static str,
 }

@@ -580,7 +580,7 @@ fn envoy_to_envoy_over_hbone() {
 }
 
 /// Rates through the tunnel, shunt at both ends and Envoy at both ends (numbers for
-/// the README; `--ignored --nocapture` prints them).
+/// docs/proxy.md; `--ignored --nocapture` prints them).
 #[test]
 #[ignore]
 fn hbone_rates() {

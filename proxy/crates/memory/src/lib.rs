@@ -12,7 +12,7 @@
 //! traffic cache ([`cache_this_thread`]), from the end of their start-up, and a cache is
 //! handed back before `malloc_trim` ([`release_this_thread`]): a first version that
 //! cached everywhere kept start-up's frees, scattered over the heap, and 7 MiB more RSS
-//! at rest. mimalloc and jemalloc were measured too (README, Performance): faster on
+//! at rest. mimalloc and jemalloc were measured too (see git history): faster on
 //! HTTP/1.1, at 1.7x-1.9x the RSS.
 
 use std::alloc::{GlobalAlloc, Layout, System};
