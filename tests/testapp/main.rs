@@ -53,6 +53,7 @@ fn main() -> ExitCode {
         "bench-rate" => rate::bench_rate(rest),
         "probe" => probe(rest),
         "many" => report(many(rest)),
+        "hold" => report(hold(rest)),
         "half-close" => report(half_close(rest)),
         "dns-query" => report(dns::query(rest)),
         "help" | "-h" | "--help" => {
@@ -673,6 +674,59 @@ fn many(argv: &[String]) -> Result<serde_json::Value, String> {
         }
     }
     Ok(serde_json::json!({"ok": true, "connections": n, "bytes": len}))
+}
+
+/// `hold ADDR --connections N --duration-ms D --payload P`: opens N connections, then
+/// for D ms makes round trips on them in turn. A connection that fails is broken and
+/// left (never reopened); the longest round trip is the longest stall any of them saw.
+fn hold(argv: &[String]) -> Result<serde_json::Value, String> {
+    harness::raise_open_files_limit();
+    let args = Args::parse(
+        argv,
+        &["connections", "duration-ms", "payload", "timeout-ms"],
+    )?;
+    let target = args.target()?;
+    let n: usize = args.num("connections", 100)?;
+    let duration = args.millis("duration-ms", 5000)?;
+    let payload = pseudo_random(args.num("payload", 64)?, 5);
+    let timeout = args.millis("timeout-ms", 10000)?;
+    let mut streams = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut s = connect(target, None, timeout).map_err(|e| format!("connection {i}: {e}"))?;
+        read_hello(&mut s).map_err(|e| format!("connection {i}: {e}"))?;
+        s.set_read_timeout(Some(timeout))
+            .map_err(|e| e.to_string())?;
+        streams.push(Some(s));
+    }
+    let mut buf = vec![0u8; payload.len()];
+    let (mut round_trips, mut broken, mut longest_us) = (0u64, 0u64, 0u64);
+    let mut first_error = None;
+    let deadline = Instant::now() + duration;
+    while Instant::now() < deadline && broken < n as u64 {
+        for slot in streams.iter_mut() {
+            let Some(stream) = slot else { continue };
+            let t0 = Instant::now();
+            match round_trip(stream, &payload, &mut buf) {
+                Ok(()) => {
+                    round_trips += 1;
+                    longest_us = longest_us.max(t0.elapsed().as_micros() as u64);
+                }
+                Err(e) => {
+                    broken += 1;
+                    first_error.get_or_insert(e);
+                    *slot = None;
+                }
+            }
+        }
+    }
+    // No "ok": a broken connection is a measurement here, not a failure of the tool.
+    Ok(serde_json::json!({
+        "connections": n,
+        "broken": broken,
+        "round_trips": round_trips,
+        "longest_round_trip_us": longest_us,
+        "first_error": first_error,
+    }))
 }
 
 /// `half-close ADDR --bytes B` against `serve --mode half-close`: the server sends

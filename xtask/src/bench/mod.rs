@@ -24,6 +24,7 @@ mod mesh;
 mod mesh_planes;
 mod node;
 mod node_mesh;
+mod node_upgrade;
 mod soak;
 mod sockmap;
 mod xds;

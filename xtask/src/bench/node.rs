@@ -42,6 +42,10 @@ pub struct NodeArgs {
     /// Use the debug build (a quick check of the bench itself; numbers mean little).
     #[arg(long)]
     pub debug: bool,
+    /// Instead: what clients see during an upgrade, by hand-over and by
+    /// stop-then-start, with these numbers of long-lived connections.
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_missing_value = "100,1000")]
+    upgrade: Option<Vec<usize>>,
 }
 
 const PIN_ROOT: &str = "/sys/fs/bpf/shunt-bench-node";
@@ -56,6 +60,9 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
         .with_file_name("nodeserve")
         .canonicalize()
         .context("the nodeserve binary (built with the tests crate's bins)")?;
+    if let Some(connections) = &args.upgrade {
+        return super::node_upgrade::run(bins, &nodeserve, connections);
+    }
     let mut text = String::new();
     let mut scale_rows = Vec::new();
     writeln!(text, "bench node: one node process serving N pods")?;
@@ -589,6 +596,23 @@ impl Agent {
     pub(super) fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Sends one command line (see `tests/nodeserve`).
+    pub(super) fn send(&mut self, line: &str) -> Result<()> {
+        writeln!(self.stdin, "{line}")?;
+        Ok(())
+    }
+
+    /// Waits until a `handover` finished: a successor serves the pods.
+    pub(super) fn wait_handed_over(&mut self) -> Result<()> {
+        self.reply("@handed-over ").map(drop)
+    }
+
+    /// Kills the process, leaving the capture's pins to the process that has (or will
+    /// have) the node.
+    pub(super) fn stop_leaving_pins(mut self) {
+        self.pins = PathBuf::new();
+    }
 }
 
 impl Drop for Agent {
@@ -596,6 +620,8 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir(&self.cgroup);
-        let _ = Command::new("rm").arg("-rf").arg(&self.pins).status();
+        if !self.pins.as_os_str().is_empty() {
+            let _ = Command::new("rm").arg("-rf").arg(&self.pins).status();
+        }
     }
 }
