@@ -124,7 +124,7 @@ fn check_invocation(bin: &Path, args: &[String], what: &str) -> Vec<String> {
 
 fn subcommand_listed(help: &str, word: &str) -> bool {
     help.lines()
-        .any(|l| l.trim_start().split_whitespace().next() == Some(word))
+        .any(|l| l.split_whitespace().next() == Some(word))
 }
 
 fn help_of(bin: &Path, path: &[&str]) -> Option<String> {
