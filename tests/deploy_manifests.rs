@@ -1,7 +1,8 @@
 //! `deploy/`: the manifests validate offline against Kubernetes' OpenAPI schemas
-//! (kubernetes-validate from PyPI, strict: unknown fields are errors), the injection
-//! template renders into a pod that validates too, and the commands the manifests run
-//! are ones the `shunt` binary accepts.
+//! (kubernetes-validate from PyPI, strict: unknown fields are errors); the two
+//! injection shapes are what `cargo xtask injection` renders, each merged into a pod
+//! validates (the native one from 1.28 on, the classic one on 1.27 too), and the
+//! commands the manifests run are ones the `shunt` binary accepts.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,16 +11,30 @@ use std::process::Command;
 use harness::shunt_bin;
 use serde_json::{Value, json};
 
+#[allow(dead_code)]
+#[path = "../xtask/src/injection.rs"]
+mod injection;
+
+use injection::Shape;
+
 /// The Kubernetes version the manifests target.
 const KUBERNETES: &str = "1.33.0";
+/// The first with native sidecars in its API (`restartPolicy` on a container).
+const NATIVE_SIDECARS: &str = "1.28.0";
+/// The last without.
+const BEFORE_NATIVE_SIDECARS: &str = "1.27.0";
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
 }
 
-/// Runs kubernetes-validate (installed by `cargo xtask setup`) on `files`:
-/// (success, output).
+/// Runs kubernetes-validate (installed by `cargo xtask setup`) on `files` for the
+/// targeted Kubernetes: (success, output).
 fn validate(files: &[PathBuf]) -> (bool, String) {
+    validate_for(files, KUBERNETES)
+}
+
+fn validate_for(files: &[PathBuf], kubernetes: &str) -> (bool, String) {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or("/root".into());
@@ -37,7 +52,7 @@ fn validate(files: &[PathBuf]) -> (bool, String) {
             "--strict",
             "--no-warn",
             "-k",
-            KUBERNETES,
+            kubernetes,
         ])
         .args(files)
         .env("PYTHONPATH", &dir)
@@ -227,10 +242,13 @@ fn render(template: &str, vars: &BTreeMap<&str, &str>) -> Result<String, String>
     Ok(out)
 }
 
-#[test]
-fn the_injection_template_renders_into_a_valid_pod_whose_capture_args_shunt_accepts() {
-    let template =
-        std::fs::read_to_string(deploy_dir().join("injection/shunt-sidecar.yaml")).unwrap();
+fn committed(shape: Shape) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(shape.path(&root)).unwrap()
+}
+
+/// The shape's patch with its variables substituted.
+fn patch(shape: Shape) -> Value {
     let vars = BTreeMap::from([
         ("SHUNT_IMAGE", "ghcr.io/shunt/shunt:0.1.0"),
         ("DISCOVERY_ADDRESS", "istiod.istio-system.svc:15012"),
@@ -238,64 +256,212 @@ fn the_injection_template_renders_into_a_valid_pod_whose_capture_args_shunt_acce
         ("TRUST_DOMAIN", "cluster.local"),
     ]);
     // Comments name the variables too: render only the YAML.
-    let body: String = template
+    let body: String = committed(shape)
         .lines()
         .filter(|l| !l.trim_start().starts_with('#'))
         .map(|l| format!("{l}\n"))
         .collect();
-    let rendered = render(&body, &vars).unwrap();
     assert!(
         render(&body, &BTreeMap::new()).is_err(),
         "the template has variables"
     );
-    let patch: Value = serde_yaml_ng::from_str(&rendered).unwrap();
+    serde_yaml_ng::from_str(&render(&body, &vars).unwrap()).unwrap()
+}
 
+/// A Deployment's pod with an init container of its own, injected as the shape's
+/// header says: native, the injected init containers first; classic, the injected
+/// init container last and the agent first among the containers.
+fn injected_pod(shape: Shape) -> Value {
+    let patch = patch(shape);
     let mut pod = json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "reviews-v1-0", "namespace": "bookinfo", "labels": {"app": "reviews"}},
         "spec": {
             "serviceAccountName": "bookinfo-reviews",
+            "initContainers": [{"name": "migrate", "image": "docker.io/library/busybox:1.37",
+                                "command": ["wget", "-qO-", "http://schema-registry:8080/"]}],
             "containers": [{"name": "reviews", "image": "docker.io/istio/examples-bookinfo-reviews-v1:1.20.1",
                             "ports": [{"containerPort": 9080}]}]
         }
     });
+    let spec = pod["spec"].as_object_mut().unwrap();
+    let first = |list: &str| match (shape, list) {
+        (Shape::Native, "initContainers") | (Shape::Classic, "containers") => true,
+        _ => false,
+    };
     for list in ["initContainers", "containers", "volumes"] {
-        let items = patch[list].as_array().unwrap().clone();
-        let target = pod["spec"][list].as_array().cloned().unwrap_or_default();
-        pod["spec"][list] = Value::Array(target.into_iter().chain(items).collect());
+        let injected = patch[list].as_array().cloned().unwrap_or_default();
+        let own = spec
+            .get(list)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let merged: Vec<Value> = if first(list) {
+            injected.into_iter().chain(own).collect()
+        } else {
+            own.into_iter().chain(injected).collect()
+        };
+        spec.insert(list.into(), Value::Array(merged));
     }
-    let scratch = Scratch::new("inject");
-    let file = scratch.0.join("pod.yaml");
-    std::fs::write(&file, serde_json::to_string_pretty(&pod).unwrap()).unwrap();
-    let (ok, out) = validate(&[file]);
-    assert!(ok, "{out}");
-    assert_eq!(pod["spec"]["containers"][1]["name"], "istio-proxy");
-    assert_eq!(
-        pod["spec"]["containers"][1]["args"],
-        json!(["agent", "--xds-address", "istiod.istio-system.svc:15012"])
-    );
+    pod
+}
 
-    // The init container's capture flags, as istio-init's, in a dry run.
-    let args: Vec<&str> = patch["initContainers"][0]["args"]
+fn names(list: &Value) -> Vec<&str> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect()
+}
+
+/// A hook's command with `--help` added: shunt parses the flags it names and stops
+/// there, so a misspelt subcommand or flag fails here.
+fn shunt_accepts(command: &Value) {
+    let argv: Vec<&str> = command
         .as_array()
         .unwrap()
         .iter()
         .map(|a| a.as_str().unwrap())
         .collect();
+    assert_eq!(argv[0], "shunt", "{argv:?}");
     let out = Command::new(shunt_bin())
-        .args(&args)
-        .args(["--backend", "iptables", "--dry-run"])
+        .args(&argv[1..])
+        .arg("--help")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "{}",
+        "{argv:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        stdout.contains("-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001"),
-        "{stdout}"
+}
+
+#[test]
+fn the_committed_injection_shapes_are_what_the_generator_renders() {
+    for shape in injection::SHAPES {
+        assert!(
+            committed(shape) == injection::render(shape),
+            "deploy/injection/{} is not what xtask/src/injection.rs renders: run \
+             `cargo xtask injection`",
+            shape.file_name()
+        );
+    }
+}
+
+#[test]
+fn both_shapes_make_valid_pods_from_native_sidecars_on_and_only_classic_before() {
+    let scratch = Scratch::new("inject");
+    let write = |shape: Shape| {
+        let file = scratch.0.join(shape.file_name());
+        let pod = injected_pod(shape);
+        std::fs::write(&file, serde_json::to_string_pretty(&pod).unwrap()).unwrap();
+        file
+    };
+    let native = write(Shape::Native);
+    let classic = write(Shape::Classic);
+    for kubernetes in [NATIVE_SIDECARS, KUBERNETES] {
+        let (ok, out) = validate_for(&[native.clone(), classic.clone()], kubernetes);
+        assert!(ok, "Kubernetes {kubernetes}: {out}");
+    }
+    // 1.27 has no native sidecars: the classic shape is for it, and the native one is
+    // refused naming the field (a lenient API server would drop it, leaving an init
+    // container that never ends).
+    let (ok, out) = validate_for(&[classic], BEFORE_NATIVE_SIDECARS);
+    assert!(ok, "classic on {BEFORE_NATIVE_SIDECARS}: {out}");
+    let (ok, out) = validate_for(&[native], BEFORE_NATIVE_SIDECARS);
+    assert!(!ok, "native passed on {BEFORE_NATIVE_SIDECARS}: {out}");
+    assert!(out.contains("restartPolicy"), "{out}");
+}
+
+#[test]
+fn the_native_shape_starts_the_agent_before_the_pods_own_init_containers() {
+    let pod = injected_pod(Shape::Native);
+    let spec = &pod["spec"];
+    assert_eq!(
+        names(&spec["initContainers"]),
+        ["istio-init", "istio-proxy", "migrate"]
     );
+    assert_eq!(names(&spec["containers"]), ["reviews"]);
+    let agent = &spec["initContainers"][1];
+    assert_eq!(agent["restartPolicy"], "Always");
+    let startup = &agent["startupProbe"]["httpGet"];
+    assert_eq!(startup["path"], "/healthz/ready");
+    assert_eq!(startup["port"], 15021);
+    let pre_stop = &agent["lifecycle"]["preStop"]["exec"]["command"];
+    assert_eq!(
+        pre_stop,
+        &json!([
+            "shunt",
+            "agent",
+            "request",
+            "--debug-port",
+            "15020",
+            "POST",
+            "drain"
+        ])
+    );
+    shunt_accepts(pre_stop);
+    assert!(agent["lifecycle"]["postStart"].is_null());
+}
+
+#[test]
+fn the_classic_shape_holds_the_app_until_the_agent_is_ready() {
+    let pod = injected_pod(Shape::Classic);
+    let spec = &pod["spec"];
+    // The pod's own init container runs before capture; the agent starts first.
+    assert_eq!(names(&spec["initContainers"]), ["migrate", "istio-init"]);
+    assert_eq!(names(&spec["containers"]), ["istio-proxy", "reviews"]);
+    let agent = &spec["containers"][0];
+    assert!(agent["restartPolicy"].is_null());
+    let post_start = &agent["lifecycle"]["postStart"]["exec"]["command"];
+    assert_eq!(post_start, &json!(["shunt", "agent", "wait"]));
+    shunt_accepts(post_start);
+    let env: Vec<&str> = agent["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(env.contains(&"SHUNT_EXIT_WHEN_APP_EXITS"), "{env:?}");
+}
+
+#[test]
+fn both_shapes_run_the_agent_and_capture_as_shunt_accepts_them() {
+    for shape in injection::SHAPES {
+        let patch = patch(shape);
+        let agent = match shape {
+            Shape::Native => &patch["initContainers"][1],
+            Shape::Classic => &patch["containers"][0],
+        };
+        assert_eq!(agent["name"], "istio-proxy");
+        assert_eq!(
+            agent["args"],
+            json!(["agent", "--xds-address", "istiod.istio-system.svc:15012"])
+        );
+        shunt_accepts(&json!(["shunt", "agent", "--xds-address", "x:15012"]));
+
+        // The init container's capture flags, as istio-init's, in a dry run.
+        let args: Vec<&str> = patch["initContainers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let out = Command::new(shunt_bin())
+            .args(&args)
+            .args(["--backend", "iptables", "--dry-run"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001"),
+            "{stdout}"
+        );
+    }
 }

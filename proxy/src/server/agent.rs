@@ -12,7 +12,15 @@
 //! stop accepting (Envoy: `/drain_listeners?inboundonly&graceful`), connections get
 //! `TERMINATION_DRAIN_DURATION_SECONDS` (or, with `EXIT_ON_ZERO_ACTIVE_CONNECTIONS`,
 //! `MINIMUM_DRAIN_DURATION` and then until none is left), then the proxy stops and the
-//! agent exits 0. `/quitquitquit` stops at once.
+//! agent exits 0. `/quitquitquit` stops at once; after `/drain` (the native sidecar's
+//! preStop hook, when pod termination starts) SIGTERM stops at once, as the kubelet
+//! sends it only once the app's containers are gone.
+//!
+//! Start order: the capture ports are bound before anything else
+//! ([`super::capture_sockets`]), so an app that connects while the proxy loads queues
+//! instead of being refused. With `--exit-when-app-exits` the agent watches the app's
+//! processes through the pod's shared process namespace ([`super::app_watch`]): it
+//! exits once they are gone, and on SIGTERM keeps the app's outbound until then.
 
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -24,6 +32,10 @@ use anyhow::Context as _;
 use tokio::sync::Notify;
 
 use super::ProxyArgs;
+pub use super::agent_client::{RequestArgs, WaitArgs};
+use super::agent_client::{run_request, run_wait};
+use super::app_watch::AppWatch;
+use super::capture_sockets::CaptureSockets;
 use shunt_agent::status::{Call, StatusServer, probes, prometheus};
 use shunt_instance::Connections;
 use shunt_xds::local::LocalServers;
@@ -156,28 +168,40 @@ pub struct AgentArgs {
     /// In-process proxy: keep running as the starting user (see `shunt proxy`).
     #[arg(long)]
     pub keep_user: bool,
+    /// In-process proxy: the capture ports (istio-iptables' -p, then -z) bound before
+    /// anything else, so a connection captured while the proxy loads waits in their
+    /// backlog instead of being refused; the listeners put there take the sockets.
+    /// Given without a value: none.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        num_args = 0..,
+        default_values_t = [15001, 15006],
+        value_name = "PORT,..."
+    )]
+    pub capture_ports: Vec<u16>,
+    /// Exit once the app's containers have exited (a Job's pod then completes), and on
+    /// SIGTERM keep the app's outbound until they have. Needs the pod's process
+    /// namespace shared (`shareProcessNamespace: true`).
+    #[arg(
+        long,
+        env = "SHUNT_EXIT_WHEN_APP_EXITS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        default_value_t = false,
+        default_missing_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub exit_when_app_exits: bool,
 }
 
 #[derive(clap::Subcommand, Debug)]
 pub enum AgentCommand {
     /// Wait until the proxy is ready (what holdApplicationUntilProxyStarts runs).
     Wait(WaitArgs),
-}
-
-#[derive(clap::Args, Debug)]
-pub struct WaitArgs {
-    /// Give up (exit non-zero) after this long.
-    #[arg(long, default_value_t = 60, value_name = "N")]
-    pub timeout_seconds: u64,
-    /// Time allowed for one readiness request.
-    #[arg(long, default_value_t = 500, value_name = "MS")]
-    pub request_timeout_millis: u64,
-    /// Time between two attempts.
-    #[arg(long, default_value_t = 500, value_name = "MS")]
-    pub period_millis: u64,
-    /// The readiness URL (http only).
-    #[arg(long, default_value = "http://localhost:15021/healthz/ready")]
-    pub url: String,
+    /// One HTTP request to a local port of the agent or the proxy, as pilot-agent's
+    /// `request` (the native sidecar's preStop hook: `--debug-port 15020 POST drain`).
+    Request(RequestArgs),
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,12 +211,20 @@ pub enum ProxyKind {
 }
 
 pub fn run(args: AgentArgs) -> anyhow::Result<()> {
-    if let Some(AgentCommand::Wait(wait)) = &args.command {
-        return run_wait(wait);
+    match &args.command {
+        Some(AgentCommand::Wait(wait)) => return run_wait(wait),
+        Some(AgentCommand::Request(request)) => return run_request(request),
+        None => {}
     }
+    // The very first thing: from here on a captured connect queues instead of failing.
+    let (capture, unbound) = match args.proxy {
+        ProxyKind::Shunt => CaptureSockets::bind(&args.capture_ports),
+        // Envoy binds its own listeners: a socket held here would only take its port.
+        ProxyKind::Envoy => CaptureSockets::bind(&[]),
+    };
     super::HousekeepingSignals::ignore_until_installed()?;
     let agent_targets = format!(
-        "shunt::agent={level},shunt::server::agent={level}",
+        "shunt::agent={level},shunt::server::agent={level},shunt::server::app_watch={level}",
         level = super::envoy_flags::log_filter(&args.log_level, None)?
     );
     let proxy_filter = super::envoy_flags::log_filter(
@@ -200,6 +232,16 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         Some(&args.proxy_component_log_level),
     )?;
     super::init_logging(&format!("{proxy_filter},{agent_targets}"))?;
+    for err in unbound {
+        tracing::warn!("{err}: left to the proxy's configuration");
+    }
+    if !capture.addrs().is_empty() {
+        tracing::info!(addrs = ?capture.addrs(), "capture ports bound: early connections queue");
+    }
+    let app = match args.exit_when_app_exits {
+        true => Some(AppWatch::start()?),
+        false => None,
+    };
 
     let destination = args.instance_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     let probers = match &args.kube_app_probers {
@@ -297,9 +339,12 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
     }
     let proxy = match args.proxy {
-        ProxyKind::Shunt => {
-            Proxy::start_in_process(proxy_args, local, server.lifecycle.terminating_flag())?
-        }
+        ProxyKind::Shunt => Proxy::start_in_process(
+            proxy_args,
+            local,
+            server.lifecycle.terminating_flag(),
+            Arc::new(capture),
+        )?,
         ProxyKind::Envoy => {
             let binary = envoy_binary(args.envoy_binary.as_deref())?;
             let _guard = runtime.enter();
@@ -307,7 +352,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             Proxy::Envoy(Supervisor::start(binary, argv, server.clone(), admin))
         }
     };
-    let result = runtime.block_on(lifecycle(proxy, server, signals, drain));
+    let result = runtime.block_on(lifecycle(proxy, server, signals, drain, app));
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
 }
@@ -481,16 +526,18 @@ impl StopSignals {
     }
 }
 
-/// Runs until the proxy ends, SIGTERM/SIGINT (drain, then stop) or /quitquitquit.
+/// Runs until the proxy ends, SIGTERM/SIGINT (drain, then stop), /quitquitquit, or
+/// with `app` the app's containers exiting.
 async fn lifecycle(
     mut proxy: Proxy,
     server: Arc<StatusServer>,
     mut signals: StopSignals,
     drain: Drain,
+    mut app: Option<AppWatch>,
 ) -> anyhow::Result<()> {
     let mut housekeeping = super::HousekeepingSignals::install()?;
     // After `/drain` the drain has happened: termination stops at once (pilot-agent's
-    // DrainNow).
+    // DrainNow, the native sidecar's preStop; its SIGTERM comes once the app is gone).
     let mut drained = false;
     loop {
         tokio::select! {
@@ -498,12 +545,26 @@ async fn lifecycle(
                 server.lifecycle.set_terminating();
                 if drained {
                     tracing::info!("{name}: already drained, stopping the proxy");
-                } else {
-                    tracing::info!("{name}: draining the proxy for termination");
-                    proxy.close_inbound(false).await;
-                    proxy.drain(&drain).await;
-                    tracing::info!("the drain is over: stopping the proxy");
+                    return proxy.stop().await;
                 }
+                tracing::info!("{name}: draining the proxy for termination");
+                proxy.close_inbound(false).await;
+                match app.as_mut().filter(|app| app.seen()) {
+                    Some(app) => {
+                        tracing::info!("serving the app's outbound until it exits");
+                        tokio::select! {
+                            () = app.exited() => tracing::info!("the app has exited"),
+                            result = proxy.ended() => return result,
+                        }
+                    }
+                    None => proxy.drain(&drain).await,
+                }
+                tracing::info!("the drain is over: stopping the proxy");
+                return proxy.stop().await;
+            }
+            () = app_exited(&mut app) => {
+                tracing::info!("the app's containers have exited: stopping the proxy");
+                server.lifecycle.set_terminating();
                 return proxy.stop().await;
             }
             () = server.lifecycle.quit.notified() => {
@@ -521,6 +582,14 @@ async fn lifecycle(
     }
 }
 
+/// Resolves once the watched app has come and gone; never without a watch.
+async fn app_exited(app: &mut Option<AppWatch>) {
+    match app {
+        Some(app) => app.exited().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The proxy the agent runs.
 enum Proxy {
     InProcess {
@@ -535,10 +604,12 @@ impl Proxy {
         mut args: ProxyArgs,
         local: LocalServers,
         terminating: Arc<std::sync::atomic::AtomicBool>,
+        capture: Arc<CaptureSockets>,
     ) -> anyhow::Result<Proxy> {
         let embedded = Arc::new(Embedded {
             local_xds: local,
             terminating,
+            capture: Some(capture),
             ..Embedded::default()
         });
         args.embedded = Some(embedded.clone());
@@ -645,6 +716,8 @@ pub struct Embedded {
     pub(super) local_xds: LocalServers,
     /// The agent's termination: the proxy's 15021 answers 503 once it is set.
     pub(super) terminating: Arc<std::sync::atomic::AtomicBool>,
+    /// The capture ports the agent bound at start, for the listeners put there.
+    pub(super) capture: Option<Arc<CaptureSockets>>,
     connections: OnceLock<Arc<Connections>>,
     close_inbound: Notify,
     exit: Notify,
@@ -834,76 +907,6 @@ async fn stop_child(
             child.wait().await
         }
     }
-}
-
-/// `shunt agent wait`: polls the readiness URL until it answers 200.
-fn run_wait(args: &WaitArgs) -> anyhow::Result<()> {
-    let uri: hyper::Uri = args
-        .url
-        .parse()
-        .with_context(|| format!("--url {:?}", args.url))?;
-    if uri.scheme_str() != Some("http") {
-        anyhow::bail!("--url {:?}: only http:// URLs", args.url);
-    }
-    // An IPv6 literal comes bracketed.
-    let host = uri
-        .host()
-        .context("--url has no host")?
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_owned();
-    let port = uri.port_u16().unwrap_or(80);
-    let path = uri.path_and_query().map_or("/".into(), |p| p.to_string());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_seconds);
-        let mut last = String::from("no attempt yet");
-        eprintln!(
-            "shunt agent wait: waiting for the proxy to be ready (timeout: {} seconds)",
-            args.timeout_seconds
-        );
-        loop {
-            tokio::select! {
-                () = tokio::time::sleep_until(deadline) => anyhow::bail!(
-                    "timeout waiting for the proxy to become ready; last error: {last}"
-                ),
-                () = tokio::time::sleep(Duration::from_millis(args.period_millis)) => {}
-            }
-            let targets: Vec<SocketAddr> =
-                match tokio::net::lookup_host((host.as_str(), port)).await {
-                    Ok(addrs) => addrs.collect(),
-                    Err(err) => {
-                        last = format!("resolving {host}: {err}");
-                        continue;
-                    }
-                };
-            if targets.is_empty() {
-                last = format!("{host} has no address");
-            }
-            // `localhost` is ::1 and 127.0.0.1: the first that answers counts.
-            for target in targets {
-                let mut call = Call::get(
-                    target,
-                    &path,
-                    Duration::from_millis(args.request_timeout_millis),
-                );
-                call.host = uri.authority().map(|a| a.as_str());
-                match call.send().await {
-                    Ok(answer) if answer.status == hyper::StatusCode::OK => {
-                        eprintln!("shunt agent wait: the proxy is ready");
-                        return Ok(());
-                    }
-                    Ok(answer) => {
-                        last = format!("HTTP status code {}", answer.status.as_u16());
-                        break;
-                    }
-                    Err(err) => last = format!("{err:#}"),
-                }
-            }
-        }
-    })
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@
 //! DNS clusters once and start health checks (Envoy's cluster warming, so the first
 //! connections find hosts), become ready (`/ready`, 15021) and accept. The serving is a
 //! [`ProxyInstance`]; this module is the program around it (signals, the admin API's
-//! requests, the drain).
+//! requests, the drain). Under `shunt agent`, a listener at a capture port takes the
+//! socket the agent bound there before anything else ([`super::capture_sockets`]).
 //!
 //! Serving ends on SIGTERM or SIGINT with a drain: the listening sockets close (new
 //! connects are refused), HTTP connections finish their requests in flight and close,
@@ -25,12 +26,14 @@ use socket2::{Domain, Protocol, Socket, Type};
 use tokio::signal::unix::{SignalKind, signal};
 
 use super::ProxyArgs;
+use super::capture_sockets::CaptureSockets;
 use shunt_admin::live::{Live, Requests};
 use shunt_admin::{self as admin, Drain};
 use shunt_instance::{
     BoundEvent, Configured, InstanceConfig, ProxyInputs, ProxyInstance, Serves, XdsInputs,
 };
 use shunt_listener::Listener;
+use shunt_xds::manager::Binder;
 use shunt_xds::snapshot::{self, Current};
 
 pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<()> {
@@ -73,8 +76,12 @@ pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<
     for port in admin.health_listeners() {
         live.set_bound(&port.listener.name, vec![port.local_address]);
     }
+    // Under `shunt agent`: the capture ports it bound at start, for the listeners that
+    // claim them.
+    let capture = args.embedded.as_ref().and_then(|e| e.capture.clone());
+    let binder = binder(capture.clone());
     // Bound while still root; Istio's 15090 and 15021 are the admin API's.
-    let sockets = bind_static_listeners(&store)?;
+    let sockets = bind_static_listeners(&store, &binder)?;
     // The DNS proxy: its sockets are bound after the privilege drop.
     let dns = super::dns::prepare(args, &bootstrap, live.stats_store())?;
     if let Some(dns) = &dns {
@@ -116,9 +123,14 @@ pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<
         store,
         stats: live.stats_store().clone(),
         xds,
-        binder: Arc::new(bind),
+        binder,
         own_ports: Vec::new(),
-        on_ready: Some(Box::new(move || ready_live.set_ready())),
+        on_ready: Some(Box::new(move || {
+            ready_live.set_ready();
+            if let Some(capture) = &capture {
+                close_unclaimed(capture);
+            }
+        })),
         on_bound: Some(Arc::new(move |event: BoundEvent<'_>| match event {
             BoundEvent::Bound(name, addr) => bound_live.set_bound(name, vec![addr]),
             BoundEvent::Unbound(name, addr) => bound_live.remove_bound(name, addr),
@@ -154,12 +166,15 @@ pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<
 
 /// Binds the snapshot's `bind_to_port` listener addresses (compiling left out the
 /// health ports the admin API serves).
-fn bind_static_listeners(store: &Current) -> anyhow::Result<Vec<shunt_instance::Socket>> {
+fn bind_static_listeners(
+    store: &Current,
+    binder: &Binder,
+) -> anyhow::Result<Vec<shunt_instance::Socket>> {
     let snapshot = store.load();
     let mut sockets = Vec::new();
     for listener in snapshot.listeners.iter().filter(|l| l.bind_to_port) {
         for addr in &listener.addresses {
-            let socket = bind(listener, *addr).with_context(|| {
+            let socket = binder(listener, *addr).with_context(|| {
                 format!("listener {:?}: cannot listen on {addr}", listener.name)
             })?;
             let addr = socket.local_addr().context("reading a bound address")?;
@@ -174,6 +189,52 @@ fn bind_static_listeners(store: &Current) -> anyhow::Result<Vec<shunt_instance::
         }
     }
     Ok(sockets)
+}
+
+/// How the instance binds a listener's address: with the agent's capture sockets, the
+/// one bound at start for that address (its backlog with it), else a fresh socket.
+fn binder(capture: Option<Arc<CaptureSockets>>) -> Binder {
+    match capture {
+        Some(capture) => Arc::new(move |listener, addr| claim_or_bind(&capture, listener, addr)),
+        None => Arc::new(bind),
+    }
+}
+
+fn claim_or_bind(
+    capture: &CaptureSockets,
+    listener: &Listener,
+    addr: SocketAddr,
+) -> std::io::Result<StdListener> {
+    let Some(socket) = capture.take(addr) else {
+        return bind(listener, addr);
+    };
+    // TPROXY's inbound listener: IP_TRANSPARENT counts when connections are looked up,
+    // so the socket bound at start can take it now; `freebind` only matters at bind,
+    // which a wildcard address never needs.
+    if listener.transparent {
+        let set = match addr {
+            SocketAddr::V4(_) => socket2::SockRef::from(&socket).set_ip_transparent_v4(true),
+            SocketAddr::V6(_) => socket2::SockRef::from(&socket).set_ip_transparent_v6(true),
+        };
+        if let Err(err) = set {
+            tracing::warn!(listener = %listener.name, %addr, %err,
+                "the socket bound at start cannot be made transparent: binding a new one");
+            drop(socket);
+            return bind(listener, addr);
+        }
+    }
+    tracing::info!(listener = %listener.name, %addr,
+        "listener takes the capture socket bound at start-up");
+    Ok(socket)
+}
+
+/// Once the proxy is ready: the capture sockets its configuration did not claim close
+/// (what queued there is reset, as it would have been refused).
+fn close_unclaimed(capture: &CaptureSockets) {
+    let closed = capture.close_unclaimed();
+    if !closed.is_empty() {
+        tracing::info!(?closed, "no listener claimed these capture sockets: closed");
+    }
 }
 
 /// Binds one listener address as Envoy does: SO_REUSEADDR, IPV6_V6ONLY on IPv6, and

@@ -8,9 +8,12 @@
 //! `--mode validate` only reports on the bootstrap ([`validate`]).
 
 pub mod agent;
+mod agent_client;
 mod agent_jobs;
+mod app_watch;
 mod bind;
 mod bootstrap;
+mod capture_sockets;
 mod dns;
 mod envoy_flags;
 pub mod node;
