@@ -679,8 +679,9 @@ fn classic_sidecar_on_sigterm_serves_the_apps_outbound_until_the_app_exits() {
     let exit = app.wait_timeout(Duration::from_secs(30)).unwrap();
     assert!(
         exit.success(),
-        "the app's call was cut: {}",
-        app.stdout_text()
+        "the app's call was cut: {}\nthe agent: {}",
+        app.stdout_text(),
+        agent.stderr_text()
     );
     assert!(
         app.stdout_text().contains("\"bytes\":7680"),

@@ -549,7 +549,8 @@ async fn lifecycle(
                 }
                 tracing::info!("{name}: draining the proxy for termination");
                 proxy.close_inbound(false).await;
-                match app.as_mut().filter(|app| app.seen()) {
+                // A fresh look: an app started since the last periodic one counts too.
+                match app.as_mut().filter(|app| app.seen_now()) {
                     Some(app) => {
                         tracing::info!("serving the app's outbound until it exits");
                         tokio::select! {

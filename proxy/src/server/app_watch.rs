@@ -148,9 +148,16 @@ impl AppWatch {
         }
     }
 
-    /// The app has been seen (and may still run).
-    pub fn seen(&self) -> bool {
-        self.seen
+    /// Looks at `/proc` now and says whether the app has been seen (it may have
+    /// exited since). SIGTERM asks this, as: the periodic look may be up to [`PERIOD`] old.
+    pub fn seen_now(&self) -> bool {
+        match self.app_processes() {
+            Ok(app) => self.seen || !app.is_empty(),
+            Err(err) => {
+                tracing::warn!("{err}");
+                self.seen
+            }
+        }
     }
 }
 
