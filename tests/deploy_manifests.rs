@@ -286,9 +286,11 @@ fn injected_pod(shape: Shape) -> Value {
         }
     });
     let spec = pod["spec"].as_object_mut().unwrap();
-    let first = |list: &str| match (shape, list) {
-        (Shape::Native, "initContainers") | (Shape::Classic, "containers") => true,
-        _ => false,
+    let first = |list: &str| {
+        matches!(
+            (shape, list),
+            (Shape::Native, "initContainers") | (Shape::Classic, "containers")
+        )
     };
     for list in ["initContainers", "containers", "volumes"] {
         let injected = patch[list].as_array().cloned().unwrap_or_default();
