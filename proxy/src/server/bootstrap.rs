@@ -206,6 +206,12 @@ fn claim_or_bind(
     addr: SocketAddr,
 ) -> std::io::Result<StdListener> {
     let Some(socket) = capture.take(addr) else {
+        // A listener at a specific address of a held port (127.0.0.1:15001) could not
+        // bind beside the wildcard socket held there: that socket gives way.
+        for released in capture.release_same_port(addr) {
+            tracing::info!(listener = %listener.name, %addr, %released,
+                "the capture socket bound at start-up gives way to the listener");
+        }
         return bind(listener, addr);
     };
     // TPROXY's inbound listener: IP_TRANSPARENT counts when connections are looked up,

@@ -63,6 +63,20 @@ impl CaptureSockets {
         self.lock().remove(&addr)
     }
 
+    /// Closes the held sockets of `addr`'s port and family (they are wildcards, which
+    /// a listener at a specific address could not bind beside), returning their
+    /// addresses: what queued there is reset.
+    pub fn release_same_port(&self, addr: SocketAddr) -> Vec<SocketAddr> {
+        let mut waiting = self.lock();
+        let same =
+            |held: &SocketAddr| held.port() == addr.port() && held.is_ipv4() == addr.is_ipv4();
+        let released: Vec<SocketAddr> = waiting.keys().copied().filter(same).collect();
+        for held in &released {
+            waiting.remove(held);
+        }
+        released
+    }
+
     /// Closes the sockets no listener took (their queued connections are reset), and
     /// returns their addresses.
     pub fn close_unclaimed(&self) -> Vec<SocketAddr> {
@@ -122,6 +136,23 @@ mod tests {
         assert!(sockets.addrs().is_empty());
         let refused = TcpStream::connect(("127.0.0.1", port)).unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    }
+
+    /// A listener at 127.0.0.1 of a held port binds once the wildcard gives way.
+    #[test]
+    fn a_specific_address_of_a_held_port_binds_once_the_wildcard_gives_way() {
+        let port = free_port();
+        let (sockets, _) = CaptureSockets::bind(&[port]);
+        let loopback = SocketAddr::from(([127, 0, 0, 1], port));
+        assert!(TcpListener::bind(loopback).is_err(), "the wildcard is held");
+        let released = sockets.release_same_port(loopback);
+        assert_eq!(released, vec![SocketAddr::from(([0, 0, 0, 0], port))]);
+        assert!(TcpListener::bind(loopback).is_ok());
+        assert!(
+            sockets.addrs().iter().all(|a| a.is_ipv6()),
+            "{:?}",
+            sockets.addrs()
+        );
     }
 
     #[test]
