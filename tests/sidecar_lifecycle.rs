@@ -432,8 +432,15 @@ fn job_argv(to: SocketAddr) -> Vec<String> {
     ])
 }
 
+/// Everything the process printed: its exit can be seen before the reader has taken
+/// the pipe's last bytes, so this waits (5 s at most) for stdout to close first.
+fn output(process: &PodProcess) -> String {
+    let _ = process.wait_for_stdout(|_| false, Duration::from_secs(5));
+    process.stdout_text()
+}
+
 fn job_calls(job: &PodProcess) -> usize {
-    job.stdout_text()
+    output(job)
         .lines()
         .filter(|l| l.contains("\"ok\":true"))
         .count()
@@ -521,12 +528,8 @@ fn native_sidecar_is_ready_before_the_app_and_stops_after_it() {
     // The in-flight call completes intact, the agent still serving; only then does the
     // kubelet signal the agent, which exits 0.
     let exit = app.wait_timeout(Duration::from_secs(30)).unwrap();
-    assert!(exit.success(), "the app's call: {}", app.stdout_text());
-    assert!(
-        app.stdout_text().contains("\"bytes\":5120"),
-        "{}",
-        app.stdout_text()
-    );
+    assert!(exit.success(), "the app's call: {}", output(&app));
+    assert!(output(&app).contains("\"bytes\":5120"), "{}", output(&app));
     assert!(agent.try_wait().is_none(), "the agent left before the app");
     agent.signal(libc::SIGTERM).unwrap();
     let exit = agent.wait_timeout(DRAIN).unwrap();
@@ -559,8 +562,8 @@ fn a_job_pod_completes_with_the_native_sidecar() {
         .spawn()
         .unwrap();
     let exit = job.wait_timeout(Duration::from_secs(30)).unwrap();
-    assert!(exit.success(), "the job: {}", job.stdout_text());
-    assert_eq!(job_calls(&job), 3, "{}", job.stdout_text());
+    assert!(exit.success(), "the job: {}", output(&job));
+    assert_eq!(job_calls(&job), 3, "{}", output(&job));
 
     shape.run_pre_stop(&pod);
     agent.signal(libc::SIGTERM).unwrap();
@@ -602,8 +605,8 @@ fn a_job_pod_completes_with_the_classic_sidecar_watching_the_app() {
         .spawn()
         .unwrap();
     let exit = job.wait_timeout(Duration::from_secs(30)).unwrap();
-    assert!(exit.success(), "the job: {}", job.stdout_text());
-    assert_eq!(job_calls(&job), 3, "{}", job.stdout_text());
+    assert!(exit.success(), "the job: {}", output(&job));
+    assert_eq!(job_calls(&job), 3, "{}", output(&job));
 
     let exit = agent.wait_timeout(DRAIN).unwrap();
     assert!(exit.success(), "{}", agent.stderr_text());
@@ -680,14 +683,10 @@ fn classic_sidecar_on_sigterm_serves_the_apps_outbound_until_the_app_exits() {
     assert!(
         exit.success(),
         "the app's call was cut: {}\nthe agent: {}",
-        app.stdout_text(),
+        output(&app),
         agent.stderr_text()
     );
-    assert!(
-        app.stdout_text().contains("\"bytes\":7680"),
-        "{}",
-        app.stdout_text()
-    );
+    assert!(output(&app).contains("\"bytes\":7680"), "{}", output(&app));
     let exit = agent.wait_timeout(DRAIN).unwrap();
     assert!(exit.success(), "{}", agent.stderr_text());
 }
@@ -754,7 +753,7 @@ fn an_early_connect_waits_for_the_config_instead_of_being_refused(backend: &'sta
     assert!(
         exit.success(),
         "{}\nagent: {}",
-        app.stdout_text(),
+        output(&app),
         agent.stderr_text()
     );
     assert_eq!(get(&pod, local(STATUS), "/healthz/ready"), 200);
