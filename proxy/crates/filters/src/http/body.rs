@@ -14,6 +14,7 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 
 use super::config::{HttpConnectionManager, StreamTimeouts};
+use super::filter::BodyTransform;
 use super::filter::chain::ActiveChain;
 use super::timeouts::Timeout;
 use shunt_core::access_log::{Entry, ResponseFlag};
@@ -291,6 +292,66 @@ enum Content {
     Buffered(Option<Bytes>, Option<hyper::HeaderMap>),
     /// With the route's timeout.
     Upstream(UpstreamBody, Option<Deadline>),
+    /// Changed frame by frame by HTTP filters (the compressor).
+    Transformed(Box<Transformed>),
+}
+
+/// A body with the streaming transforms of HTTP filters applied, in the order the
+/// filters encode (the first one's output is the next one's input).
+#[derive(Debug)]
+struct Transformed {
+    inner: ResponseBody,
+    transforms: Vec<Box<dyn BodyTransform>>,
+    /// Held back while the transforms' last bytes go out first.
+    trailers: Option<hyper::HeaderMap>,
+    done: bool,
+}
+
+impl Transformed {
+    fn apply(&mut self, data: &[u8], end_stream: bool) -> Result<Bytes, BoxError> {
+        let mut data = Bytes::copy_from_slice(data);
+        for transform in &mut self.transforms {
+            data = transform.transform(&data, end_stream)?;
+        }
+        Ok(data)
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))));
+        }
+        loop {
+            let frame = match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Err(err))) => return Poll::Ready(Some(Err(err))),
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(None) => {
+                    self.done = true;
+                    return Poll::Ready(match self.apply(&[], true) {
+                        Ok(out) if out.is_empty() => None,
+                        Ok(out) => Some(Ok(Frame::data(out))),
+                        Err(err) => Some(Err(err)),
+                    });
+                }
+            };
+            let (data, end_stream) = match frame.into_data() {
+                Ok(data) => (data, self.inner.is_end_stream()),
+                Err(trailers) => {
+                    self.trailers = trailers.into_trailers().ok();
+                    (Bytes::new(), true)
+                }
+            };
+            self.done = end_stream;
+            match self.apply(&data, end_stream) {
+                Err(err) => return Poll::Ready(Some(Err(err))),
+                Ok(out) if !out.is_empty() => return Poll::Ready(Some(Ok(Frame::data(out)))),
+                Ok(_) if end_stream => {
+                    return Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))));
+                }
+                Ok(_) => {}
+            }
+        }
+    }
 }
 
 /// The route's timeout over a response body. Its timer is made only once the body
@@ -405,6 +466,23 @@ impl ResponseBody {
         }))
     }
 
+    /// The body changed frame by frame by `transforms` (none: unchanged).
+    pub fn transformed(self, transforms: Vec<Box<dyn BodyTransform>>) -> Self {
+        if transforms.is_empty() {
+            return self;
+        }
+        ResponseBody(Box::new(Inner {
+            content: Content::Transformed(Box::new(Transformed {
+                inner: self,
+                transforms,
+                trailers: None,
+                done: false,
+            })),
+            log: None,
+            watch: None,
+        }))
+    }
+
     /// Counts what is sent in `log`, and holds it until sent or dropped.
     pub fn logged(mut self, log: Arc<LogSlot>) -> Self {
         self.0.log = Some(log);
@@ -440,6 +518,7 @@ impl Inner {
             Content::Full(bytes) => bytes.is_none(),
             Content::Buffered(data, trailers) => data.is_none() && trailers.is_none(),
             Content::Upstream(incoming, _) => incoming.is_end_stream(),
+            Content::Transformed(t) => t.done && t.trailers.is_none(),
         }
     }
 }
@@ -479,6 +558,7 @@ impl Body for ResponseBody {
                 }
                 frame
             }
+            Content::Transformed(t) => t.poll_frame(cx),
         };
         if frame.is_pending()
             && let Some(watch) = this.watch.as_mut()
@@ -535,6 +615,7 @@ impl Body for ResponseBody {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
             Content::Upstream(incoming, _) => incoming.size_hint(),
+            Content::Transformed(_) => SizeHint::default(),
         }
     }
 }

@@ -221,6 +221,7 @@ impl ActiveChain {
         let (mut parts, body) = response.into_parts();
         let end_stream = hyper::body::Body::is_end_stream(&body);
         let mut wants_body = false;
+        let mut transforms = Vec::new();
         for i in (0..self.filters.len()).rev() {
             let (filter, ctx) = self.enter(i);
             match filter.encode_headers(&mut parts, end_stream, ctx) {
@@ -228,9 +229,12 @@ impl ActiveChain {
                 FilterStatus::StopIteration => wants_body = true,
                 FilterStatus::Reply(reply) => return self.replace(reply),
             }
+            if !end_stream && let Some(transform) = filter.response_body_transform() {
+                transforms.push(transform);
+            }
         }
         if !wants_body || end_stream {
-            return Response::from_parts(parts, body);
+            return Response::from_parts(parts, body.transformed(transforms));
         }
         let collected = match http_body_util::Limited::new(body, BUFFER_LIMIT)
             .collect()
@@ -264,7 +268,10 @@ impl ActiveChain {
             }
         }
         parts.headers.remove(hyper::header::CONTENT_LENGTH);
-        Response::from_parts(parts, ResponseBody::buffered(data, trailers))
+        // Streaming transforms run after every buffering filter (a buffering filter
+        // nearer the downstream than a compressor would see uncompressed bytes).
+        let body = ResponseBody::buffered(data, trailers).transformed(transforms);
+        Response::from_parts(parts, body)
     }
 
     fn replace(&mut self, reply: LocalReply) -> Response<ResponseBody> {

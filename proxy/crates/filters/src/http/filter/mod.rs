@@ -24,9 +24,11 @@ pub mod registry;
 // The filters, one module each, named as Envoy's (`envoy.filters.http.<name>`) or
 // Istio's (`istio.alpn`: `alpn`).
 pub mod alpn;
+pub mod compressor;
 pub mod connect_authority;
 pub mod connect_baggage;
 pub mod cors;
+pub mod decompressor;
 pub mod ext_authz;
 pub mod fault;
 pub mod grpc_stats;
@@ -52,6 +54,7 @@ use shunt_core::access_log::ResponseFlag;
 use shunt_core::stream_info::StreamInfo;
 
 pub use super::route::{PerFilterConfig, PerFilterConfigs, RouteSpecificConfig};
+pub use crate::common::compression::BodyTransform;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -388,6 +391,13 @@ pub trait HttpFilter: Send {
     /// The stream is over (Envoy's access log time): `info` has the response code,
     /// flags, upstream and bytes. Called for every filter created for the stream.
     fn on_stream_complete(&mut self, _info: &StreamInfo) {}
+
+    /// Asked after `encode_headers`: a change the filter makes to every frame of the
+    /// response body as it streams (the compressor, the decompressor), without holding
+    /// the body whole as `StopIteration` does.
+    fn response_body_transform(&mut self) -> Option<Box<dyn BodyTransform>> {
+        None
+    }
 }
 
 /// A filter as compiled from its config; makes one [`HttpFilter`] per stream.

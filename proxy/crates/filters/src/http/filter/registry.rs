@@ -20,6 +20,8 @@ pub static FACTORIES: &[&Factory] = &[
     &super::connect_authority::FACTORY,
     &super::connect_baggage::FACTORY,
     &super::alpn::FACTORY,
+    &super::compressor::filter::FACTORY,
+    &super::decompressor::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {
