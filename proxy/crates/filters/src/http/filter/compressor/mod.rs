@@ -355,8 +355,11 @@ pub fn choose_encoding(
             choice = (name, q);
         }
     }
+    if choice.1 == 0.0 {
+        // Nothing acceptable with a positive q-value.
+        return not_valid();
+    }
     match choice {
-        (_, q) if q == 0.0 => not_valid(),
         ("identity", _) => Decision {
             encoding: "identity".into(),
             stat: HeaderStat::Identity,
