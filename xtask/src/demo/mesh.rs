@@ -30,8 +30,8 @@ const NDS_TYPE_URL: &str = "type.googleapis.com/istio.networking.nds.v1.NameTabl
 const CALLS: usize = 3;
 
 pub(super) fn run() -> Result<()> {
-    let started = Instant::now();
     let bins = Bins::build(false)?;
+    let started = Instant::now();
 
     heading(1, "A node: its control plane and `shunt node`");
     let node = Node::new()?;
@@ -185,7 +185,7 @@ pub(super) fn run() -> Result<()> {
         println!("  gone: {}", path.display());
     }
     println!(
-        "\nThe demo is over ({} s); nothing is left behind. `cargo xtask demo --passthrough` shows capture alone.",
+        "\nThe demo is over ({} s after the build); nothing is left behind. `cargo xtask demo --passthrough` shows capture alone.",
         started.elapsed().as_secs()
     );
     Ok(())
