@@ -14,6 +14,7 @@ mod layers;
 mod lint;
 mod pgo;
 mod pods;
+mod prereq;
 mod runner;
 mod setup;
 mod ztunnel;
@@ -62,9 +63,13 @@ enum Cmd {
         /// A crate's src/ directory (default: every crate in xtask/src/layers.rs).
         src: Option<std::path::PathBuf>,
     },
-    /// Build, start a small node of pods, capture and proxy their traffic, show it, clean up.
+    /// Build, start a node with a control plane, `shunt node` and pods enrolled by CNI,
+    /// show mTLS, routing, RBAC, DNS, metrics and inspect, clean up.
     Demo {
-        /// How `shunt capture` captures: eBPF, or istio-iptables' own rules.
+        /// Capture alone instead: two sidecar pods, the passthrough proxy, the kernel's state.
+        #[arg(long)]
+        passthrough: bool,
+        /// How `--passthrough`'s `shunt capture` captures: eBPF, or istio-iptables' rules.
         #[arg(long, value_enum, default_value = "ebpf")]
         backend: pods::Backend,
     },
@@ -145,7 +150,10 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
-        Cmd::Demo { backend } => setup::run().and_then(|()| demo::run(backend)),
+        Cmd::Demo {
+            passthrough,
+            backend,
+        } => setup::run().and_then(|()| demo::run(passthrough, backend)),
         Cmd::Fuzz {
             seconds,
             save_corpus,

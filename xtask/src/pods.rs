@@ -30,6 +30,11 @@ impl Bins {
             // the debug build of shunt that xtask already compiled is reused.
             args.extend(["-p", "xtask"]);
         }
+        eprintln!(
+            "xtask: cargo {} ({}; about 10 minutes on a fresh 2-core machine, seconds once built)",
+            args.join(" "),
+            if release { "release, fat LTO" } else { "debug" }
+        );
         crate::run_checked(crate::cargo().args(args))?;
         if release {
             Bins::release()

@@ -147,6 +147,10 @@ pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
     // cargo builds the packages' binaries with their integration tests (the tests
     // start `shunt` and `testapp` inside pods): no separate build, which would resolve
     // features without the dev-dependencies' and compile shunt a second time.
+    println!(
+        "\n=== build: cargo test --workspace --no-run (every test binary, the eBPF programs, \
+         shunt and testapp; 15-25 minutes on a fresh 2-core machine, seconds once built)"
+    );
     let built =
         build_test_binaries().and_then(|binaries| crate::pods::Bins::debug().map(|_| binaries));
     match built {
@@ -161,7 +165,7 @@ pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
         }
         Ok(binaries) => {
             let envoy = crate::setup::installed_envoy();
-            for bin in &binaries {
+            for (i, bin) in binaries.iter().enumerate() {
                 let mut cmd = Command::new(&bin.executable);
                 cmd.args(&opts.args)
                     .current_dir(&bin.manifest_dir)
@@ -170,7 +174,13 @@ pub fn run(opts: &Options, setup: Result<()>) -> Result<()> {
                 if let Some(envoy) = &envoy {
                     cmd.env("SHUNT_ENVOY_BIN", envoy);
                 }
-                println!("\n=== {} ({})", bin.name, bin.executable.display());
+                println!(
+                    "\n=== [{}/{}] {} ({})",
+                    i + 1,
+                    binaries.len(),
+                    bin.name,
+                    bin.executable.display()
+                );
                 rows.push(run_step(&bin.name, cmd, opts.binary_timeout));
             }
             let mut doc = crate::cargo();

@@ -52,6 +52,7 @@ pub fn cache_dir() -> PathBuf {
 }
 
 pub fn run() -> anyhow::Result<()> {
+    crate::prereq::check()?;
     debian_packages()?;
     rust_src()?;
     bpf_linker()?;
@@ -98,7 +99,10 @@ fn debian_packages() -> anyhow::Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    eprintln!("xtask setup: installing {}", missing.join(" "));
+    eprintln!(
+        "xtask setup: apt-get install {} (a minute or two on a fresh machine)",
+        missing.join(" ")
+    );
     apt_install(&missing)
 }
 

@@ -23,7 +23,7 @@ mod measure;
 mod mesh;
 mod mesh_planes;
 mod node;
-mod node_mesh;
+pub(crate) mod node_mesh;
 mod node_upgrade;
 mod soak;
 mod sockmap;

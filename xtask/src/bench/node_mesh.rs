@@ -227,8 +227,28 @@ impl ControlPlane {
         dir: &Path,
         resources: serde_json::Value,
     ) -> Result<ControlPlane> {
+        let cp = ControlPlane::start_unset(node, dir)?;
+        cp.push(dir, "1", resources)?;
+        Ok(cp)
+    }
+
+    /// A control plane with nothing to serve yet: proxies wait for a first
+    /// [`ControlPlane::push`].
+    pub fn start_unset(node: &Node, dir: &Path) -> Result<ControlPlane> {
         let (ca, token, ads, socket) = serve(node, dir)?;
-        let file = dir.join("resources.json");
+        let template = write_template(dir, &socket)?;
+        Ok(ControlPlane {
+            _ads: ads,
+            template,
+            ca,
+            token,
+        })
+    }
+
+    /// Serves `resources` (as [`ControlPlane::start_with`] reads them) as `version`
+    /// to every proxy: a new version replaces what they run.
+    pub fn push(&self, dir: &Path, version: &str, resources: serde_json::Value) -> Result<()> {
+        let file = dir.join(format!("resources-{version}.json"));
         std::fs::write(
             &file,
             serde_json::json!({"static_resources": resources}).to_string(),
@@ -250,27 +270,26 @@ impl ControlPlane {
                 .join("; ")
         );
         let statics = loaded.bootstrap.static_resources.unwrap_or_default();
-        ads.set(
+        self._ads.set(
             type_urls::CLUSTER,
-            "1",
+            version,
             statics.clusters.iter().map(|c| named(&c.name, c)).collect(),
         );
-        ads.set(
+        self._ads.set(
             type_urls::LISTENER,
-            "1",
+            version,
             statics
                 .listeners
                 .iter()
                 .map(|l| named(&l.name, l))
                 .collect(),
         );
-        let template = write_template(dir, &socket)?;
-        Ok(ControlPlane {
-            _ads: ads,
-            template,
-            ca,
-            token,
-        })
+        Ok(())
+    }
+
+    /// The ADS server, for resources of other types (NDS's name table).
+    pub fn ads(&self) -> &AdsServer {
+        &self._ads
     }
 
     /// `nodeserve`'s flags for per-pod proxies from this control plane.

@@ -1,5 +1,5 @@
-//! `cargo xtask demo [--backend ebpf|iptables]`: the story of shunt on a small node,
-//! told to a person. Two pods named after Istio's samples, `sleep` and `httpbin`; capture
+//! `cargo xtask demo --passthrough [--backend ebpf|iptables]`: capture alone, told to a
+//! person. Two pods named after Istio's samples, `sleep` and `httpbin`; capture
 //! and a proxy in each; calls that are captured and calls that are not; what the kernel
 //! holds; and a clean-up that leaves nothing behind. Any surprise fails the demo.
 //!
@@ -22,7 +22,7 @@ use crate::pods::{
 const PIN_ROOT: &str = "/sys/fs/bpf/shunt-demo";
 const PORT: u16 = 8080;
 
-pub fn run(backend: Backend) -> Result<()> {
+pub(super) fn run(backend: Backend) -> Result<()> {
     let bins = Bins::build(false)?;
 
     heading(1, "A node with two pods: sleep and httpbin");
@@ -355,7 +355,7 @@ fn compact(v: &Value) -> String {
 }
 
 /// Runs a command on the host (not in a pod); returns stdout and stderr.
-fn host(cmd: &mut Command) -> Result<String> {
+pub(super) fn host(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     let text = format!(
         "{}{}",
@@ -368,23 +368,23 @@ fn host(cmd: &mut Command) -> Result<String> {
     Ok(text)
 }
 
-fn heading(n: u32, title: &str) {
+pub(super) fn heading(n: u32, title: &str) {
     let line = format!("{n}. {title}");
     println!("\n{line}\n{}", "=".repeat(line.len()));
 }
 
-fn prompt(pod: &Pod, uid: Option<u32>, program: &str, args: &[String]) {
+pub(super) fn prompt(pod: &Pod, uid: Option<u32>, program: &str, args: &[String]) {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     prompt_named(pod.name(), uid, program, &args);
 }
 
 /// `  [pod sleep, uid 1000]$ program args`: what runs where.
-fn prompt_named(pod: &str, uid: Option<u32>, program: &str, args: &[&str]) {
+pub(super) fn prompt_named(pod: &str, uid: Option<u32>, program: &str, args: &[&str]) {
     let who = uid.map_or(String::new(), |u| format!(", uid {u}"));
     println!("  [pod {pod}{who}]$ {program} {}", args.join(" "));
 }
 
-fn print_indented(text: &str) {
+pub(super) fn print_indented(text: &str) {
     for line in text.trim_end().lines() {
         println!("    {line}");
     }
