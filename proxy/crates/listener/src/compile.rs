@@ -241,6 +241,8 @@ pub fn routed_clusters(
     routed
 }
 
+/// Compiles one listener. The stages follow the `Listener` message: addresses, listener
+/// filters, filter chains (with their matcher), direction and access logs.
 fn compile(
     listener: &EnvoyListener,
     name: String,
@@ -270,6 +272,56 @@ fn compile(
         &listener.listener_specifier,
         Some(ListenerSpecifier::InternalListener(_))
     );
+    let addresses = addresses(listener, internal, path, problems);
+    let listener_prefix = ListenerStats::prefix(listener, addresses.first().copied());
+    let filters = listener_filters(listener, internal, path, problems);
+    let chain_env = (stats, listener_prefix.as_deref(), &env);
+    let filter_chains = filter_chains(listener, internal, clusters, chain_env, path, problems);
+    let uses_tls_facts = listener.filter_chains.iter().any(|c| {
+        c.filter_chain_match
+            .as_ref()
+            .is_some_and(|m| !m.server_names.is_empty() || m.transport_protocol == "tls")
+    });
+    if uses_tls_facts && !filters.tls_inspector {
+        problems.warning(
+            path.field("listener_filters"),
+            "chains match on server_names or transport_protocol tls, but there is no tls_inspector: they never match",
+        );
+    }
+
+    let direction = match TrafficDirection::try_from(listener.traffic_direction) {
+        Ok(TrafficDirection::Inbound) => Direction::Inbound,
+        Ok(TrafficDirection::Outbound) => Direction::Outbound,
+        _ => Direction::Unspecified,
+    };
+    let access_log =
+        shunt_core::access_log::compile(&listener.access_log, &path.field("access_log"), problems);
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(Listener {
+        name: name.into(),
+        addresses,
+        bind_to_port: !internal && listener.bind_to_port.is_none_or(|b| b.value),
+        internal,
+        use_original_dst: listener.use_original_dst.is_some_and(|b| b.value),
+        transparent: listener.transparent.is_some_and(|b| b.value),
+        freebind: listener.freebind.is_some_and(|b| b.value),
+        direction,
+        listener_filters: filters,
+        filter_chains,
+        access_log,
+        draining: Default::default(),
+    })
+}
+
+/// `address` (none for an internal listener) and `additional_addresses`.
+fn addresses(
+    listener: &EnvoyListener,
+    internal: bool,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Vec<SocketAddr> {
     let mut addresses = Vec::new();
     if internal {
         check_internal(listener, path, problems);
@@ -285,8 +337,17 @@ fn compile(
             addresses.push(addr);
         }
     }
-    let listener_prefix = ListenerStats::prefix(listener, addresses.first().copied());
+    addresses
+}
 
+/// `listener_filters` and `listener_filters_timeout`; `use_original_dst` adds the
+/// original_dst filter.
+fn listener_filters(
+    listener: &EnvoyListener,
+    internal: bool,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> ListenerFilters {
     let mut filters = ListenerFilters {
         timeout: Some(DEFAULT_LISTENER_FILTERS_TIMEOUT),
         continue_on_timeout: listener.continue_on_listener_filters_timeout,
@@ -350,7 +411,27 @@ fn compile(
     if listener.use_original_dst.is_some_and(|b| b.value) {
         filters.original_dst = true;
     }
+    filters
+}
 
+/// What compiling a filter chain needs besides the chain: the stats store, the
+/// listener's stat prefix and the HTTP compile environment.
+type ChainEnv<'a> = (
+    &'a Store,
+    Option<&'a str>,
+    &'a shunt_filters::http::compile::Env,
+);
+
+/// `filter_chains`, `default_filter_chain` and `filter_chain_matcher`: the chains that
+/// compiled, with their matches, checked for overlaps.
+fn filter_chains(
+    listener: &EnvoyListener,
+    internal: bool,
+    clusters: &Clusters,
+    env: ChainEnv<'_>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> FilterChains<Arc<FilterChain>> {
     let mut chains = Vec::new();
     // The config index of each compiled chain: a chain that failed to compile is absent.
     let mut config_index = Vec::new();
@@ -364,14 +445,8 @@ fn compile(
         );
         // A match with a bad criterion would match more than it says: leave it out.
         let match_ok = problems.errors.len() == errors_before;
-        let compiled = compile_chain(
-            chain,
-            &format!("filter_chains[{j}]"),
-            clusters,
-            (stats, listener_prefix.as_deref(), &env),
-            &c_path,
-            problems,
-        );
+        let name = format!("filter_chains[{j}]");
+        let compiled = compile_chain(chain, &name, clusters, env, &c_path, problems);
         if internal && chain.transport_socket.is_some() {
             problems.error(
                 c_path.field("transport_socket"),
@@ -391,7 +466,7 @@ fn compile(
             chain,
             "default_filter_chain",
             clusters,
-            (stats, listener_prefix.as_deref(), &env),
+            env,
             &c_path,
             problems,
         )
@@ -436,42 +511,7 @@ fn compile(
             "a listener needs a filter chain or a default_filter_chain",
         );
     }
-    let uses_tls_facts = listener.filter_chains.iter().any(|c| {
-        c.filter_chain_match
-            .as_ref()
-            .is_some_and(|m| !m.server_names.is_empty() || m.transport_protocol == "tls")
-    });
-    if uses_tls_facts && !filters.tls_inspector {
-        problems.warning(
-            path.field("listener_filters"),
-            "chains match on server_names or transport_protocol tls, but there is no tls_inspector: they never match",
-        );
-    }
-
-    let direction = match TrafficDirection::try_from(listener.traffic_direction) {
-        Ok(TrafficDirection::Inbound) => Direction::Inbound,
-        Ok(TrafficDirection::Outbound) => Direction::Outbound,
-        _ => Direction::Unspecified,
-    };
-    let access_log =
-        shunt_core::access_log::compile(&listener.access_log, &path.field("access_log"), problems);
-    if problems.errors.len() > errors_before {
-        return None;
-    }
-    Some(Listener {
-        name: name.into(),
-        addresses,
-        bind_to_port: !internal && listener.bind_to_port.is_none_or(|b| b.value),
-        internal,
-        use_original_dst: listener.use_original_dst.is_some_and(|b| b.value),
-        transparent: listener.transparent.is_some_and(|b| b.value),
-        freebind: listener.freebind.is_some_and(|b| b.value),
-        direction,
-        listener_filters: filters,
-        filter_chains,
-        access_log,
-        draining: Default::default(),
-    })
+    filter_chains
 }
 
 /// The head of `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct` (both put
@@ -601,7 +641,7 @@ fn compile_chain(
     chain: &EnvoyFilterChain,
     default_name: &str,
     clusters: &Clusters,
-    (stats, listener_prefix, env): (&Store, Option<&str>, &shunt_filters::http::compile::Env),
+    (stats, listener_prefix, env): ChainEnv<'_>,
     path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<FilterChain> {

@@ -15,13 +15,14 @@ use super::internal::Rewound;
 use shunt_tls::internal_upstream::PassedMetadata;
 use shunt_upstream::internal::{InternalConnection, SharedFilterState};
 
-use super::config::{Listener, ListenerFilters, NetworkFilter};
+use super::config::{FilterChain, Listener, ListenerFilters, NetworkFilter};
 use super::filter_chain::ConnectionInfo;
 use super::inspector::{self, HttpVerdict, TlsVerdict};
 use super::original_dst;
 use super::{ConnectionConfig, ListenerProvider, ListenerStats};
 use shunt_core::access_log::{Entry, ResponseFlag};
-use shunt_filters::tcp::tcp_proxy::Upstreams;
+use shunt_filters::http::HttpConnectionManager;
+use shunt_filters::tcp::tcp_proxy::{TcpProxy, Upstreams};
 use shunt_tls::HandshakeError;
 use shunt_tls::TransportStream;
 
@@ -199,6 +200,10 @@ impl shunt_upstream::internal::Acceptor for InternalListeners {
     }
 }
 
+/// Serves one accepted connection to its end, in Envoy's order: listener filters and
+/// hand-off, filter chain match, transport socket, network filters, the terminal filter.
+/// The stages are async functions awaited in place: their states live inside this
+/// connection's one task, with no allocation or suspension point of their own.
 async fn serve(
     mut accepted: Accepted,
     remote: SocketAddr,
@@ -213,33 +218,10 @@ async fn serve(
         return;
     };
     let mut facts = Facts::new(local);
-    if !run_listener_filters(
-        &accepting.listener_filters,
-        &mut accepted,
-        bound_port,
-        &mut facts,
-    )
-    .await
-    {
+    let Some(listener) =
+        listener_filters(&*snapshot, accepting, &mut accepted, bound_port, &mut facts).await
+    else {
         return;
-    }
-    let listener = match hand_off_target(&*snapshot, &accepting, &facts) {
-        Some(target) => {
-            tracing::debug!(from = %accepting.name, to = %target.name, destination = %facts.destination, "hand-off");
-            let target = target.clone();
-            if !run_listener_filters(
-                &target.listener_filters,
-                &mut accepted,
-                bound_port,
-                &mut facts,
-            )
-            .await
-            {
-                return;
-            }
-            target
-        }
-        None => accepting,
     };
     let remote = facts.restored_remote.unwrap_or(remote);
     // What the upstream side shared with an internal connection starts its filter state.
@@ -280,8 +262,105 @@ async fn serve(
     let _active = stats.connection();
     tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, destination = %facts.destination, "filter chain selected");
     let secure = chain.transport_socket.is_some();
-    let mut handed_session = None;
-    let stream = match (&chain.transport_socket, accepted) {
+    let Some((stream, handed_session)) =
+        transport_socket(chain, &listener, accepted, remote, &ctx, &stats).await
+    else {
+        return;
+    };
+    let session = handed_session.or_else(|| stream.session_info());
+    let mut connection = stream_info(&facts, (remote, local), chain, session, &ctx);
+    connection.filter_state = inherited;
+    // HTTP's many small writes leave together at the end of the worker's run (behind
+    // network filters too); tcp_proxy's stream stays raw for splice and sockmap.
+    let stream = match &chain.network {
+        NetworkFilter::Http(_) => stream.defer_writes(),
+        _ => stream,
+    };
+    let Some((stream, connection)) =
+        network_filters(chain, &listener, stream, connection, &mut entry).await
+    else {
+        return;
+    };
+    match &chain.network {
+        NetworkFilter::TcpProxy(proxy) => {
+            let destination = facts.upstream_override.unwrap_or(facts.destination);
+            let served = Served::into_tcp(stream);
+            let peers = (&*snapshot, &*ctx, &*listener);
+            let addresses = (remote, destination);
+            serve_tcp_proxy(proxy, peers, served, &connection, addresses, &mut entry).await;
+        }
+        NetworkFilter::Http(hcm) => {
+            let addresses = (remote, local, secure);
+            serve_http(hcm, &ctx, &listener, stream, connection, addresses, &facts).await;
+        }
+    }
+}
+
+/// What filters read about the connection: its addresses, the server name the
+/// tls_inspector saw and its TLS session (with our own SANs when network filters
+/// need them).
+fn stream_info(
+    facts: &Facts,
+    (remote, local): (SocketAddr, SocketAddr),
+    chain: &FilterChain,
+    session: Option<shunt_tls::stream::SessionInfo>,
+    ctx: &Context,
+) -> shunt_core::stream_info::Connection {
+    let mut connection = shunt_core::stream_info::Connection::new(facts.destination, remote);
+    connection.socket_local = local;
+    // As in Envoy, only the tls_inspector tells the requested server name: the TLS
+    // session's own SNI is not copied here (RBAC's `requested_server_name` sees "" on a
+    // listener without the inspector).
+    connection.requested_server_name = facts.server_name.clone();
+    if let Some(session) = session {
+        connection.alpn = session.alpn;
+        let mut tls = session.tls;
+        if let Some(context) = &chain.transport_socket
+            && !chain.filters.is_empty()
+        {
+            tls.local_uri_sans = context.local_uri_sans(ctx.config.request_config().secrets());
+        }
+        connection.tls = Some(Arc::new(tls));
+    }
+    connection
+}
+
+/// Runs the accepting listener's filters, then hands the connection off to the
+/// listener for its restored destination (which runs its own): the listener that
+/// serves it, or `None` to close it.
+async fn listener_filters(
+    snapshot: &dyn ConnectionConfig,
+    accepting: Arc<Listener>,
+    accepted: &mut Accepted,
+    bound_port: u16,
+    facts: &mut Facts,
+) -> Option<Arc<Listener>> {
+    if !run_listener_filters(&accepting.listener_filters, accepted, bound_port, facts).await {
+        return None;
+    }
+    let Some(target) = hand_off_target(snapshot, &accepting, facts) else {
+        return Some(accepting);
+    };
+    tracing::debug!(from = %accepting.name, to = %target.name, destination = %facts.destination, "hand-off");
+    let target = target.clone();
+    if !run_listener_filters(&target.listener_filters, accepted, bound_port, facts).await {
+        return None;
+    }
+    Some(target)
+}
+
+/// The chain's transport socket over the accepted stream: TLS terminated (or, for a
+/// same-node connection handed over, verified in process), or the stream as it is.
+/// With the session a hand-over made; `None` closes the connection.
+async fn transport_socket(
+    chain: &FilterChain,
+    listener: &Listener,
+    accepted: Accepted,
+    remote: SocketAddr,
+    ctx: &Context,
+    stats: &ListenerStats,
+) -> Option<(TransportStream, Option<shunt_tls::stream::SessionInfo>)> {
+    match (&chain.transport_socket, accepted) {
         (None, Accepted::Handed { answer, .. }) => {
             // What a TLS client meets on a plaintext chain: no handshake.
             if let Some(answer) = answer {
@@ -290,7 +369,7 @@ async fn serve(
                     chain.name, listener.name
                 )));
             }
-            return;
+            None
         }
         (
             Some(tls),
@@ -312,26 +391,28 @@ async fn serve(
                     if let Some(answer) = answer {
                         let _ = answer.send(Err(err.to_string()));
                     }
-                    return;
+                    return None;
                 }
             };
             if let Some(answer) = answer
                 && answer.send(Ok(ours)).is_err()
             {
-                return;
+                return None;
             }
-            handed_session = Some(handed_session_info(&hello, alpn));
-            TransportStream::in_process(stream)
+            let session = handed_session_info(&hello, alpn);
+            Some((TransportStream::in_process(stream), Some(session)))
         }
-        (None, Accepted::Tcp(stream)) => TransportStream::Raw(stream),
-        (None, Accepted::Internal { stream, .. }) => TransportStream::in_process(stream),
+        (None, Accepted::Tcp(stream)) => Some((TransportStream::Raw(stream), None)),
+        (None, Accepted::Internal { stream, .. }) => {
+            Some((TransportStream::in_process(stream), None))
+        }
         (Some(_), Accepted::Internal { .. }) => {
             // Compiling refuses such chains; a pipe has no TLS to terminate.
             tracing::debug!(listener = %listener.name, "TLS on an internal connection; closing");
-            return;
+            None
         }
         (Some(tls), Accepted::Tcp(stream)) => {
-            let handshake = terminate_tls(tls, stream, &ctx, &stats);
+            let handshake = terminate_tls(tls, stream, ctx, stats);
             let timeout = async {
                 match chain.transport_socket_connect_timeout {
                     Some(timeout) => tokio::time::sleep(timeout).await,
@@ -348,133 +429,138 @@ async fn serve(
             };
             let Some(stream) = stream else {
                 tracing::debug!(listener = %listener.name, chain = %chain.name, %remote, "no TLS session; closing");
-                return;
+                return None;
             };
-            stream
+            Some((stream, None))
         }
-    };
-    // What filters read about the connection.
-    let mut connection = shunt_core::stream_info::Connection::new(facts.destination, remote);
-    connection.filter_state = inherited;
-    connection.socket_local = local;
-    // As in Envoy, only the tls_inspector tells the requested server name: the TLS
-    // session's own SNI is not copied here (RBAC's `requested_server_name` sees "" on a
-    // listener without the inspector).
-    connection.requested_server_name = facts.server_name.clone();
-    if let Some(session) = handed_session.or_else(|| stream.session_info()) {
-        connection.alpn = session.alpn;
-        let mut tls = session.tls;
-        if let Some(context) = &chain.transport_socket
-            && !chain.filters.is_empty()
-        {
-            tls.local_uri_sans = context.local_uri_sans(ctx.config.request_config().secrets());
-        }
-        connection.tls = Some(Arc::new(tls));
     }
-    // HTTP's many small writes leave together at the end of the worker's run (behind
-    // network filters too); tcp_proxy's stream stays raw for splice and sockmap.
-    let stream = match &chain.network {
-        NetworkFilter::Http(_) => stream.defer_writes(),
-        _ => stream,
+}
+
+/// Starts the chain's network filters before the terminal one, if it has any: the
+/// stream they wrap, and the connection they share with it. `None` closes the
+/// connection (a filter refused it: a tcp_proxy chain logs it).
+async fn network_filters(
+    chain: &FilterChain,
+    listener: &Listener,
+    stream: TransportStream,
+    mut connection: shunt_core::stream_info::Connection,
+    entry: &mut Entry,
+) -> Option<(Served, Arc<shunt_core::stream_info::Connection>)> {
+    if chain.filters.is_empty() {
+        return Some((Served::Plain(stream), Arc::new(connection)));
+    }
+    let mut stream = stream;
+    let mut buffer = bytes::BytesMut::new();
+    let started = tokio::select! {
+        started = chain.filters.start(&mut connection, &mut stream, &mut buffer) => started,
+        () = listener.draining.closed() => None,
     };
-    // The network filters before the terminal one.
-    let (stream, connection) = if chain.filters.is_empty() {
-        (Served::Plain(stream), Arc::new(connection))
-    } else {
-        let mut stream = stream;
-        let mut buffer = bytes::BytesMut::new();
-        let started = tokio::select! {
-            started = chain.filters.start(&mut connection, &mut stream, &mut buffer) => started,
-            () = listener.draining.closed() => None,
-        };
-        let Some(active) = started else {
-            if let NetworkFilter::TcpProxy(proxy) = &chain.network {
-                for flag in &connection.response_flags {
-                    entry.flag(*flag);
-                }
-                entry.emit_to(&proxy.access_log);
-            }
-            return;
-        };
-        let connection = Arc::new(connection);
-        let filtered =
-            shunt_filters::network::Filtered::new(stream, buffer, active, connection.clone());
-        (Served::Filtered(filtered), connection)
-    };
-    match &chain.network {
-        NetworkFilter::TcpProxy(proxy) => {
-            let own_ports = ctx
-                .own_ports
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            // Upstream TLS names secrets as they are now (an SDS rotation applies).
-            let current = ctx.config.request_config();
-            let upstreams = Upstreams {
-                clusters: snapshot.clusters(),
-                own_ports: &own_ports,
-                secrets: current.secrets(),
-            };
-            let destination = facts.upstream_override.unwrap_or(facts.destination);
-            tokio::select! {
-                () = proxy.serve(&upstreams, stream.into_tcp(), &connection, destination, &mut entry) => {}
-                // An xDS update removed or replaced the listener and its drain time passed.
-                () = listener.draining.closed() => {
-                    tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
-                }
+    let Some(active) = started else {
+        if let NetworkFilter::TcpProxy(proxy) = &chain.network {
+            for flag in &connection.response_flags {
+                entry.flag(*flag);
             }
             entry.emit_to(&proxy.access_log);
         }
-        NetworkFilter::Http(hcm) => {
-            let own_ports = ctx
-                .own_ports
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            stream.set_nodelay();
-            let downstream = shunt_filters::http::connection_manager::Downstream {
-                remote,
-                local,
-                original_dst: facts.restored.then_some(facts.destination),
-                direction: listener.direction,
-                secure,
-                own_ports,
-                connection,
-            };
-            let serve = async {
-                match stream {
-                    Served::Plain(stream) => {
-                        shunt_filters::http::connection_manager::serve(
-                            hcm.clone(),
-                            ctx.config.clone(),
-                            stream,
-                            downstream,
-                            ctx.shutdown.closed(),
-                        )
-                        .await;
-                    }
-                    Served::Filtered(stream) => {
-                        shunt_filters::http::connection_manager::serve(
-                            hcm.clone(),
-                            ctx.config.clone(),
-                            stream,
-                            downstream,
-                            ctx.shutdown.closed(),
-                        )
-                        .await;
-                    }
-                }
-            };
-            // Polled only when it woke the task, not at every byte the connection moves.
-            let drained = std::pin::pin!(listener.draining.closed());
-            let drained = shunt_core::event::when_woken(drained);
-            tokio::select! {
-                () = serve => {}
-                // As for tcp_proxy: the listener's drain time is over, close.
-                () = drained => {
-                    tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
-                }
+        return None;
+    };
+    let connection = Arc::new(connection);
+    let filtered =
+        shunt_filters::network::Filtered::new(stream, buffer, active, connection.clone());
+    Some((Served::Filtered(filtered), connection))
+}
+
+/// The terminal `tcp_proxy`, from `remote` to `destination` (an ORIGINAL_DST
+/// cluster's), until either side closes or the listener's drain time is over; then the
+/// access log.
+async fn serve_tcp_proxy(
+    proxy: &TcpProxy,
+    (snapshot, ctx, listener): (&dyn ConnectionConfig, &Context, &Listener),
+    stream: shunt_filters::tcp::Downstream,
+    connection: &Arc<shunt_core::stream_info::Connection>,
+    (remote, destination): (SocketAddr, SocketAddr),
+    entry: &mut Entry,
+) {
+    let own_ports = ctx
+        .own_ports
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    // Upstream TLS names secrets as they are now (an SDS rotation applies).
+    let current = ctx.config.request_config();
+    let upstreams = Upstreams {
+        clusters: snapshot.clusters(),
+        own_ports: &own_ports,
+        secrets: current.secrets(),
+    };
+    tokio::select! {
+        () = proxy.serve(&upstreams, stream, connection, destination, entry) => {}
+        // An xDS update removed or replaced the listener and its drain time passed.
+        () = listener.draining.closed() => {
+            tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
+        }
+    }
+    entry.emit_to(&proxy.access_log);
+}
+
+/// The terminal `http_connection_manager`, until the connection ends, the proxy shuts
+/// down or the listener's drain time is over.
+async fn serve_http(
+    hcm: &Arc<HttpConnectionManager>,
+    ctx: &Context,
+    listener: &Listener,
+    stream: Served,
+    connection: Arc<shunt_core::stream_info::Connection>,
+    (remote, local, secure): (SocketAddr, SocketAddr, bool),
+    facts: &Facts,
+) {
+    let own_ports = ctx
+        .own_ports
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    stream.set_nodelay();
+    let downstream = shunt_filters::http::connection_manager::Downstream {
+        remote,
+        local,
+        original_dst: facts.restored.then_some(facts.destination),
+        direction: listener.direction,
+        secure,
+        own_ports,
+        connection,
+    };
+    let serve = async {
+        match stream {
+            Served::Plain(stream) => {
+                shunt_filters::http::connection_manager::serve(
+                    hcm.clone(),
+                    ctx.config.clone(),
+                    stream,
+                    downstream,
+                    ctx.shutdown.closed(),
+                )
+                .await;
             }
+            Served::Filtered(stream) => {
+                shunt_filters::http::connection_manager::serve(
+                    hcm.clone(),
+                    ctx.config.clone(),
+                    stream,
+                    downstream,
+                    ctx.shutdown.closed(),
+                )
+                .await;
+            }
+        }
+    };
+    // Polled only when it woke the task, not at every byte the connection moves.
+    let drained = std::pin::pin!(listener.draining.closed());
+    let drained = shunt_core::event::when_woken(drained);
+    tokio::select! {
+        () = serve => {}
+        // As for tcp_proxy: the listener's drain time is over, close.
+        () = drained => {
+            tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
         }
     }
 }

@@ -180,7 +180,9 @@ struct Endpoint {
 }
 
 /// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
-/// go to `pipes`.
+/// go to `pipes`. The stages follow the `Cluster` message: discovery type, load
+/// assignment, lb policy, bind config, circuit breakers, health, transport socket,
+/// protocol options.
 pub fn compile(
     cluster: &EnvoyCluster,
     path: &JsonPath,
@@ -199,25 +201,7 @@ pub fn compile(
     };
     config.stats = ClusterStats::new(stats, observability_name);
     config.http_protocol = http_protocol(cluster, path, problems);
-
-    let kind = match &cluster.cluster_discovery_type {
-        None => DiscoveryType::Static,
-        Some(ClusterDiscoveryType::Type(t)) => DiscoveryType::try_from(*t).unwrap_or_else(|_| {
-            problems.error(path.field("type"), format!("unknown cluster type {t}"));
-            DiscoveryType::Static
-        }),
-        Some(ClusterDiscoveryType::ClusterType(custom)) => {
-            problems.error(
-                path.field("cluster_type"),
-                format!(
-                    "custom cluster type {:?} is not implemented yet",
-                    custom.name
-                ),
-            );
-            return None;
-        }
-    };
-
+    let kind = discovery_type(cluster, path, problems)?;
     config.connect_timeout = duration_or(
         cluster.connect_timeout.as_ref(),
         DEFAULT_CONNECT_TIMEOUT,
@@ -226,99 +210,88 @@ pub fn compile(
     );
     config.lb_policy = lb_policy(cluster, kind, path, problems);
     let endpoints = endpoints(cluster, kind, path, pipes, problems);
-
-    let family = match DnsLookupFamily::try_from(cluster.dns_lookup_family) {
-        Ok(DnsLookupFamily::V4Only) => LookupFamily::V4Only,
-        Ok(DnsLookupFamily::V6Only) => LookupFamily::V6Only,
-        Ok(DnsLookupFamily::V4Preferred) => LookupFamily::V4Preferred,
-        Ok(DnsLookupFamily::All) => LookupFamily::All,
-        _ => LookupFamily::Auto,
-    };
-    #[allow(
-        deprecated,
-        reason = "Envoy still reads dns_refresh_rate, and bootstraps use it"
-    )]
-    let refresh_rate = cluster.dns_refresh_rate.as_ref();
-    let refresh = duration_or(
-        refresh_rate,
-        DEFAULT_DNS_REFRESH_RATE,
-        &path.field("dns_refresh_rate"),
+    let (discovery, hosts) = discovery(cluster, kind, &endpoints, path, &mut config, problems)?;
+    config.discovery = discovery;
+    config.source_address = upstream_bind_config(cluster, path, problems);
+    circuit_breakers(cluster, path, &mut config, problems);
+    health(cluster, path, &mut config, problems);
+    common_lb_config(cluster, path, &mut config, problems);
+    transport_socket(cluster, path, &mut config, problems);
+    config.metadata = cluster.metadata.clone().map(Arc::new);
+    config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
+    config.port_override = original_dst_lb_config(cluster, path, problems);
+    config.transport_socket_matches = shunt_tls::transport_socket::matches(
+        &cluster.transport_socket_matches,
+        &path.field("transport_socket_matches"),
         problems,
-    );
-    if refresh.is_zero() {
-        problems.error(path.field("dns_refresh_rate"), "must be greater than 0s");
+    )
+    .into();
+    if cluster.load_balancing_policy.is_some() {
+        problems.error(
+            path.field("load_balancing_policy"),
+            "load_balancing_policy extensions are not implemented yet; use lb_policy",
+        );
     }
+
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    Some(Cluster::new(config, hosts))
+}
+
+/// `type` (STATIC when unset); `None` for a custom `cluster_type`, not implemented.
+fn discovery_type(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<DiscoveryType> {
+    match &cluster.cluster_discovery_type {
+        None => Some(DiscoveryType::Static),
+        Some(ClusterDiscoveryType::Type(t)) => {
+            Some(DiscoveryType::try_from(*t).unwrap_or_else(|_| {
+                problems.error(path.field("type"), format!("unknown cluster type {t}"));
+                DiscoveryType::Static
+            }))
+        }
+        Some(ClusterDiscoveryType::ClusterType(custom)) => {
+            problems.error(
+                path.field("cluster_type"),
+                format!(
+                    "custom cluster type {:?} is not implemented yet",
+                    custom.name
+                ),
+            );
+            None
+        }
+    }
+}
+
+/// How the cluster finds its hosts, and the hosts known now (STATIC and EDS): the
+/// endpoints read as the discovery type wants them. `None` when LOGICAL_DNS has other
+/// than one endpoint.
+fn discovery(
+    cluster: &EnvoyCluster,
+    kind: DiscoveryType,
+    endpoints: &[(Endpoint, JsonPath)],
+    path: &JsonPath,
+    config: &mut ClusterConfig,
+    problems: &mut Diagnostics,
+) -> Option<(Discovery, Vec<Host>)> {
+    let (family, refresh) = dns_resolution(cluster, path, problems);
     let target = |e: &Endpoint| DnsTarget {
         name: e.host.clone(),
         port: e.port,
         weight: e.weight,
         priority: e.priority,
     };
-    let mut hosts = Vec::new();
-    config.discovery = match kind {
-        DiscoveryType::Static | DiscoveryType::Eds => {
-            for (endpoint, endpoint_path) in &endpoints {
-                if let Some(internal) = &endpoint.internal {
-                    hosts.push(
-                        Host::internal(internal.clone())
-                            .with_weight(endpoint.weight)
-                            .with_priority(endpoint.priority)
-                            .with_socket_match(endpoint.socket_match.clone())
-                            .with_metadata(endpoint.metadata.clone()),
-                    );
-                    continue;
-                }
-                match endpoint.host.parse::<std::net::IpAddr>() {
-                    Ok(ip) => hosts.push(
-                        Host::new(std::net::SocketAddr::new(ip, endpoint.port))
-                            .with_weight(endpoint.weight)
-                            .with_priority(endpoint.priority)
-                            .with_socket_match(endpoint.socket_match.clone())
-                            .with_metadata(endpoint.metadata.clone())
-                            .with_health_flags(if endpoint.unhealthy {
-                                FAILED_EDS_HEALTH
-                            } else {
-                                0
-                            }),
-                    ),
-                    Err(_) => {
-                        problems.error(
-                            endpoint_path.field("address"),
-                            format!(
-                                "{:?} is not an IP address; a {} cluster needs IP endpoints \
-                             (use STRICT_DNS or LOGICAL_DNS for names)",
-                                endpoint.host,
-                                kind.as_str_name()
-                            ),
-                        );
-                    }
-                }
-            }
-            if kind == DiscoveryType::Eds {
-                // Envoy's proto validation: a config source needs its specifier.
-                if let Some(eds) = &cluster.eds_cluster_config
-                    && eds
-                        .eds_config
-                        .as_ref()
-                        .is_some_and(|source| source.config_source_specifier.is_none())
-                {
-                    problems.error(
-                        path.field("eds_cluster_config").field("eds_config"),
-                        "a config source needs ads, api_config_source or path_config_source",
-                    );
-                }
-                if cluster.load_assignment.is_none() {
-                    problems.warning(
-                        path.field("eds_cluster_config"),
-                        "a static cluster gets no endpoints over EDS (only CDS clusters \
-                         subscribe to theirs) and this one has no load_assignment: it has \
-                         no endpoints",
-                    );
-                }
-                Discovery::Eds
-            } else {
-                Discovery::Static
-            }
+    let discovery = match kind {
+        DiscoveryType::Static => {
+            return Some((Discovery::Static, hosts(endpoints, kind, problems)));
+        }
+        DiscoveryType::Eds => {
+            let hosts = hosts(endpoints, kind, problems);
+            eds_cluster_config(cluster, path, problems);
+            return Some((Discovery::Eds, hosts));
         }
         DiscoveryType::StrictDns => Discovery::StrictDns {
             targets: endpoints.iter().map(|(e, _)| target(e)).collect(),
@@ -358,44 +331,168 @@ pub fn compile(
             Discovery::OriginalDst
         }
     };
+    Some((discovery, Vec::new()))
+}
 
-    if let Some(bind) = &cluster.upstream_bind_config {
-        let bind_path = path.field("upstream_bind_config").field("source_address");
-        if let Some(source) = &bind.source_address {
-            let address = envoy_types::pb::envoy::config::core::v3::Address {
-                address: Some(
-                    envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(
-                        source.clone(),
-                    ),
-                ),
-            };
-            let mut inner = Diagnostics::default();
-            config.source_address = convert::ip_socket_addr(Some(&address), &bind_path, &mut inner);
-            for p in inner.errors {
-                // Paths from the helper name `.socket_address`, which this field has not.
-                problems.error(p.path.replace(".socket_address", ""), p.message);
-            }
-        }
+/// `dns_lookup_family` and `dns_refresh_rate`, read (and checked) for every cluster as
+/// Envoy does, used by the DNS clusters.
+fn dns_resolution(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> (LookupFamily, Duration) {
+    let family = match DnsLookupFamily::try_from(cluster.dns_lookup_family) {
+        Ok(DnsLookupFamily::V4Only) => LookupFamily::V4Only,
+        Ok(DnsLookupFamily::V6Only) => LookupFamily::V6Only,
+        Ok(DnsLookupFamily::V4Preferred) => LookupFamily::V4Preferred,
+        Ok(DnsLookupFamily::All) => LookupFamily::All,
+        _ => LookupFamily::Auto,
+    };
+    #[allow(
+        deprecated,
+        reason = "Envoy still reads dns_refresh_rate, and bootstraps use it"
+    )]
+    let refresh_rate = cluster.dns_refresh_rate.as_ref();
+    let refresh = duration_or(
+        refresh_rate,
+        DEFAULT_DNS_REFRESH_RATE,
+        &path.field("dns_refresh_rate"),
+        problems,
+    );
+    if refresh.is_zero() {
+        problems.error(path.field("dns_refresh_rate"), "must be greater than 0s");
     }
+    (family, refresh)
+}
 
-    if let Some(breakers) = &cluster.circuit_breakers {
-        for threshold in &breakers.thresholds {
-            // HIGH priority applies to requests routed with that priority; tcp_proxy
-            // connections are always DEFAULT, as in Envoy.
-            if threshold.priority == RoutingPriority::Default as i32
-                && let Some(max) = threshold.max_connections
-            {
-                config.max_connections = u64::from(max.value);
-            }
-        }
-        if !breakers.per_host_thresholds.is_empty() {
-            problems.warning(
-                path.field("circuit_breakers").field("per_host_thresholds"),
-                "per-host circuit breakers are not implemented yet; ignored",
+/// The hosts of a STATIC or EDS cluster's endpoints: internal listeners, or IP
+/// addresses (a name is an error: only the DNS clusters resolve them).
+fn hosts(
+    endpoints: &[(Endpoint, JsonPath)],
+    kind: DiscoveryType,
+    problems: &mut Diagnostics,
+) -> Vec<Host> {
+    let mut hosts = Vec::new();
+    for (endpoint, endpoint_path) in endpoints {
+        if let Some(internal) = &endpoint.internal {
+            hosts.push(
+                Host::internal(internal.clone())
+                    .with_weight(endpoint.weight)
+                    .with_priority(endpoint.priority)
+                    .with_socket_match(endpoint.socket_match.clone())
+                    .with_metadata(endpoint.metadata.clone()),
             );
+            continue;
+        }
+        match endpoint.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => hosts.push(
+                Host::new(std::net::SocketAddr::new(ip, endpoint.port))
+                    .with_weight(endpoint.weight)
+                    .with_priority(endpoint.priority)
+                    .with_socket_match(endpoint.socket_match.clone())
+                    .with_metadata(endpoint.metadata.clone())
+                    .with_health_flags(if endpoint.unhealthy {
+                        FAILED_EDS_HEALTH
+                    } else {
+                        0
+                    }),
+            ),
+            Err(_) => {
+                problems.error(
+                    endpoint_path.field("address"),
+                    format!(
+                        "{:?} is not an IP address; a {} cluster needs IP endpoints \
+                     (use STRICT_DNS or LOGICAL_DNS for names)",
+                        endpoint.host,
+                        kind.as_str_name()
+                    ),
+                );
+            }
         }
     }
+    hosts
+}
 
+/// An EDS cluster's `eds_cluster_config`, checked: a static one gets no endpoints over
+/// EDS.
+fn eds_cluster_config(cluster: &EnvoyCluster, path: &JsonPath, problems: &mut Diagnostics) {
+    // Envoy's proto validation: a config source needs its specifier.
+    if let Some(eds) = &cluster.eds_cluster_config
+        && eds
+            .eds_config
+            .as_ref()
+            .is_some_and(|source| source.config_source_specifier.is_none())
+    {
+        problems.error(
+            path.field("eds_cluster_config").field("eds_config"),
+            "a config source needs ads, api_config_source or path_config_source",
+        );
+    }
+    if cluster.load_assignment.is_none() {
+        problems.warning(
+            path.field("eds_cluster_config"),
+            "a static cluster gets no endpoints over EDS (only CDS clusters \
+             subscribe to theirs) and this one has no load_assignment: it has \
+             no endpoints",
+        );
+    }
+}
+
+/// `upstream_bind_config.source_address`: the address upstream connections bind to.
+fn upstream_bind_config(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<std::net::SocketAddr> {
+    let bind = cluster.upstream_bind_config.as_ref()?;
+    let source = bind.source_address.as_ref()?;
+    let bind_path = path.field("upstream_bind_config").field("source_address");
+    let address = envoy_types::pb::envoy::config::core::v3::Address {
+        address: Some(Address::SocketAddress(source.clone())),
+    };
+    let mut inner = Diagnostics::default();
+    let source_address = convert::ip_socket_addr(Some(&address), &bind_path, &mut inner);
+    for p in inner.errors {
+        // Paths from the helper name `.socket_address`, which this field has not.
+        problems.error(p.path.replace(".socket_address", ""), p.message);
+    }
+    source_address
+}
+
+/// `circuit_breakers`: the DEFAULT priority's `max_connections`.
+fn circuit_breakers(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    config: &mut ClusterConfig,
+    problems: &mut Diagnostics,
+) {
+    let Some(breakers) = &cluster.circuit_breakers else {
+        return;
+    };
+    for threshold in &breakers.thresholds {
+        // HIGH priority applies to requests routed with that priority; tcp_proxy
+        // connections are always DEFAULT, as in Envoy.
+        if threshold.priority == RoutingPriority::Default as i32
+            && let Some(max) = threshold.max_connections
+        {
+            config.max_connections = u64::from(max.value);
+        }
+    }
+    if !breakers.per_host_thresholds.is_empty() {
+        problems.warning(
+            path.field("circuit_breakers").field("per_host_thresholds"),
+            "per-host circuit breakers are not implemented yet; ignored",
+        );
+    }
+}
+
+/// `outlier_detection` and `health_checks`.
+fn health(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    config: &mut ClusterConfig,
+    problems: &mut Diagnostics,
+) {
     if let Some(outlier) = &cluster.outlier_detection {
         config.outlier_detection = Some(outlier_detection(
             outlier,
@@ -408,6 +505,16 @@ pub fn compile(
             config.health_checks.push(check);
         }
     }
+}
+
+/// `common_lb_config.healthy_panic_threshold` and the load assignment's
+/// `policy.overprovisioning_factor`: how priorities and panic mode weigh hosts.
+fn common_lb_config(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    config: &mut ClusterConfig,
+    problems: &mut Diagnostics,
+) {
     if let Some(common) = &cluster.common_lb_config
         && let Some(threshold) = &common.healthy_panic_threshold
     {
@@ -429,6 +536,16 @@ pub fn compile(
         }
         config.overprovisioning_factor = factor.value.max(1);
     }
+}
+
+/// `transport_socket`: TLS to the upstream, or plain text (and whether it is a
+/// passthrough of the downstream's).
+fn transport_socket(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    config: &mut ClusterConfig,
+    problems: &mut Diagnostics,
+) {
     if let Some(socket) = &cluster.transport_socket
         && let Ok(tls) =
             shunt_tls::transport_socket::upstream(socket, &path.field("transport_socket"), problems)
@@ -436,47 +553,39 @@ pub fn compile(
         config.transport_socket = tls;
         config.passthrough = shunt_tls::transport_socket::passthrough(socket);
     }
-    config.metadata = cluster.metadata.clone().map(Arc::new);
-    config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
-    if let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config {
-        let o_path = path.field("original_dst_lb_config");
-        if let Some(port) = original.upstream_port_override {
-            match u16::try_from(port.value) {
-                Ok(port) if port > 0 => config.port_override = Some(port),
-                _ => {
-                    problems.error(
-                        o_path.field("upstream_port_override"),
-                        format!("{} is not a TCP port", port.value),
-                    );
-                }
+}
+
+/// ORIGINAL_DST's `original_dst_lb_config`: the port override, if any.
+fn original_dst_lb_config(
+    cluster: &EnvoyCluster,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<u16> {
+    let Some(LbConfig::OriginalDstLbConfig(original)) = &cluster.lb_config else {
+        return None;
+    };
+    let o_path = path.field("original_dst_lb_config");
+    let mut port_override = None;
+    if let Some(port) = original.upstream_port_override {
+        match u16::try_from(port.value) {
+            Ok(port) if port > 0 => port_override = Some(port),
+            _ => {
+                problems.error(
+                    o_path.field("upstream_port_override"),
+                    format!("{} is not a TCP port", port.value),
+                );
             }
         }
-        if original.use_http_header || original.metadata_key.is_some() {
-            // Istio sets metadata_key to steer to a waypoint named in the endpoint's
-            // metadata; without one the destination stays the original.
-            problems.warning(
-                &o_path,
-                "use_http_header and metadata_key are not implemented; the original destination is used",
-            );
-        }
     }
-    config.transport_socket_matches = shunt_tls::transport_socket::matches(
-        &cluster.transport_socket_matches,
-        &path.field("transport_socket_matches"),
-        problems,
-    )
-    .into();
-    if cluster.load_balancing_policy.is_some() {
-        problems.error(
-            path.field("load_balancing_policy"),
-            "load_balancing_policy extensions are not implemented yet; use lb_policy",
+    if original.use_http_header || original.metadata_key.is_some() {
+        // Istio sets metadata_key to steer to a waypoint named in the endpoint's
+        // metadata; without one the destination stays the original.
+        problems.warning(
+            &o_path,
+            "use_http_header and metadata_key are not implemented; the original destination is used",
         );
     }
-
-    if problems.errors.len() > errors_before {
-        return None;
-    }
-    Some(Cluster::new(config, hosts))
+    port_override
 }
 
 fn lb_policy(

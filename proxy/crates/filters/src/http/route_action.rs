@@ -20,11 +20,9 @@ use super::route::{
 use shunt_config::convert::duration_or;
 use shunt_config::{Diagnostics, JsonPath};
 
-/// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`).
-#[allow(
-    deprecated,
-    reason = "`cors` moved to a filter config; still warned about"
-)]
+/// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`). The
+/// stages follow the `RouteAction` message: cluster specifier, path and host rewrites,
+/// timeout and retries, upgrades, hash policy.
 pub fn route_action(
     a: &EnvoyAction,
     matcher: Option<&RouteMatch>,
@@ -32,7 +30,68 @@ pub fn route_action(
     problems: &mut Diagnostics,
 ) -> Option<RouteAction> {
     let errors_before = problems.errors.len();
-    let cluster = match &a.cluster_specifier {
+    let cluster = cluster_specifier(a, path, problems);
+    let (prefix_rewrite, regex_rewrite) = path_rewrite(a, matcher, path, problems);
+    let host_rewrite = host_rewrite(a, path, problems);
+    let timeout = duration_or(
+        a.timeout.as_ref(),
+        DEFAULT_ROUTE_TIMEOUT,
+        &path.field("timeout"),
+        problems,
+    );
+    let retry_policy = a
+        .retry_policy
+        .as_ref()
+        .map(|p| Arc::new(retry_policy(p, &path.field("retry_policy"), problems)));
+    warn_unimplemented(a, path, problems);
+    let connect = upgrade_configs(a, path, problems);
+    let stream_duration = a
+        .max_stream_duration
+        .as_ref()
+        .map(|d| stream_duration(d, &path.field("max_stream_duration"), problems));
+    let hash_policy = hash_policy(a, path, problems);
+    if a.metadata_match.is_some() {
+        problems.warning(
+            path.field("metadata_match"),
+            "subset load balancing is not implemented; ignored",
+        );
+    }
+    let cluster_not_found =
+        match ClusterNotFoundResponseCode::try_from(a.cluster_not_found_response_code) {
+            Ok(ClusterNotFoundResponseCode::NotFound) => StatusCode::NOT_FOUND,
+            Ok(ClusterNotFoundResponseCode::InternalServerError) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+    if problems.errors.len() > errors_before {
+        return None;
+    }
+    // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
+    // stream with it alone, and its `timeout` no longer applies.
+    let timeout = (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout);
+    Some(RouteAction {
+        cluster: cluster?,
+        prefix_rewrite,
+        regex_rewrite,
+        host_rewrite,
+        timeout,
+        timeout_header: timeout.map(|t| HeaderValue::from(t.as_millis() as u64)),
+        retry_policy,
+        cluster_not_found,
+        hash_policy,
+        stream_duration,
+        connect,
+    })
+}
+
+/// `cluster_specifier`: one cluster, a header naming it, or weighted clusters.
+fn cluster_specifier(
+    a: &EnvoyAction,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<ClusterChoice> {
+    match &a.cluster_specifier {
         Some(route_action::ClusterSpecifier::Cluster(name)) if !name.is_empty() => {
             Some(ClusterChoice::Cluster(name.as_str().into()))
         }
@@ -49,58 +108,7 @@ pub fn route_action(
             }
         }
         Some(route_action::ClusterSpecifier::WeightedClusters(weighted)) => {
-            let w_path = path.field("weighted_clusters");
-            let mut clusters = Vec::new();
-            for (i, c) in weighted.clusters.iter().enumerate() {
-                let c_path = w_path.field("clusters").index(i);
-                if c.name.is_empty() {
-                    problems.error(
-                        c_path.field("name"),
-                        "is required (cluster_header in weighted clusters is not implemented yet)",
-                    );
-                    continue;
-                }
-                if c.metadata_match.is_some() {
-                    problems.warning(
-                        c_path.field("metadata_match"),
-                        "subset load balancing is not implemented; ignored",
-                    );
-                }
-                let host_rewrite = c
-                    .host_rewrite_specifier
-                    .as_ref()
-                    .map(|WeightedHostRewrite::HostRewriteLiteral(h)| h.clone());
-                clusters.push(WeightedCluster {
-                    name: c.name.as_str().into(),
-                    weight: c.weight.map_or(0, |w| w.value),
-                    request_headers: header_rules::compile(
-                        &c.request_headers_to_add,
-                        &c.request_headers_to_remove,
-                        &c_path,
-                        "request",
-                        problems,
-                    ),
-                    response_headers: header_rules::compile(
-                        &c.response_headers_to_add,
-                        &c.response_headers_to_remove,
-                        &c_path,
-                        "response",
-                        problems,
-                    ),
-                    host_rewrite,
-                    per_filter_configs: super::filter::per_route::compile(
-                        &c.typed_per_filter_config,
-                        &c_path.field("typed_per_filter_config"),
-                        problems,
-                    ),
-                });
-            }
-            if clusters.iter().all(|c| c.weight == 0) {
-                problems.error(&w_path, "needs at least one cluster with a positive weight");
-                None
-            } else {
-                Some(ClusterChoice::Weighted(clusters))
-            }
+            weighted_clusters(weighted, &path.field("weighted_clusters"), problems)
         }
         Some(route_action::ClusterSpecifier::ClusterSpecifierPlugin(_))
         | Some(route_action::ClusterSpecifier::InlineClusterSpecifierPlugin(_)) => {
@@ -114,7 +122,80 @@ pub fn route_action(
             );
             None
         }
-    };
+    }
+}
+
+/// `weighted_clusters` at `w_path`: each cluster with its weight, header rules, host
+/// rewrite and per-filter configs; at least one weight must be positive.
+fn weighted_clusters(
+    weighted: &envoy_types::pb::envoy::config::route::v3::WeightedCluster,
+    w_path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<ClusterChoice> {
+    let mut clusters = Vec::new();
+    for (i, c) in weighted.clusters.iter().enumerate() {
+        let c_path = w_path.field("clusters").index(i);
+        if c.name.is_empty() {
+            problems.error(
+                c_path.field("name"),
+                "is required (cluster_header in weighted clusters is not implemented yet)",
+            );
+            continue;
+        }
+        if c.metadata_match.is_some() {
+            problems.warning(
+                c_path.field("metadata_match"),
+                "subset load balancing is not implemented; ignored",
+            );
+        }
+        let host_rewrite = c
+            .host_rewrite_specifier
+            .as_ref()
+            .map(|WeightedHostRewrite::HostRewriteLiteral(h)| h.clone());
+        clusters.push(WeightedCluster {
+            name: c.name.as_str().into(),
+            weight: c.weight.map_or(0, |w| w.value),
+            request_headers: header_rules::compile(
+                &c.request_headers_to_add,
+                &c.request_headers_to_remove,
+                &c_path,
+                "request",
+                problems,
+            ),
+            response_headers: header_rules::compile(
+                &c.response_headers_to_add,
+                &c.response_headers_to_remove,
+                &c_path,
+                "response",
+                problems,
+            ),
+            host_rewrite,
+            per_filter_configs: super::filter::per_route::compile(
+                &c.typed_per_filter_config,
+                &c_path.field("typed_per_filter_config"),
+                problems,
+            ),
+        });
+    }
+    if clusters.iter().all(|c| c.weight == 0) {
+        problems.error(w_path, "needs at least one cluster with a positive weight");
+        None
+    } else {
+        Some(ClusterChoice::Weighted(clusters))
+    }
+}
+
+/// A regex rewrite: the pattern, and the substitution in the regex crate's syntax.
+type RegexRewrite = (regex::Regex, String);
+
+/// `prefix_rewrite` and `regex_rewrite` (one or the other); `path_rewrite_policy` is
+/// not implemented.
+fn path_rewrite(
+    a: &EnvoyAction,
+    matcher: Option<&RouteMatch>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> (Option<String>, Option<RegexRewrite>) {
     let prefix_rewrite = (!a.prefix_rewrite.is_empty()).then(|| a.prefix_rewrite.clone());
     if prefix_rewrite.is_some() && matcher.is_some_and(|m| m.matched_prefix_len().is_none()) {
         problems.error(
@@ -155,7 +236,12 @@ pub fn route_action(
             "path rewrite policies are not implemented yet",
         );
     }
-    let host_rewrite = match &a.host_rewrite_specifier {
+    (prefix_rewrite, regex_rewrite)
+}
+
+/// `host_rewrite_specifier`: only a literal host is implemented.
+fn host_rewrite(a: &EnvoyAction, path: &JsonPath, problems: &mut Diagnostics) -> Option<String> {
+    match &a.host_rewrite_specifier {
         Some(route_action::HostRewriteSpecifier::HostRewriteLiteral(h)) => Some(h.clone()),
         Some(route_action::HostRewriteSpecifier::AutoHostRewrite(b)) if b.value => {
             problems.warning(
@@ -172,17 +258,16 @@ pub fn route_action(
             );
             None
         }
-    };
-    let timeout = duration_or(
-        a.timeout.as_ref(),
-        DEFAULT_ROUTE_TIMEOUT,
-        &path.field("timeout"),
-        problems,
-    );
-    let retry_policy = a
-        .retry_policy
-        .as_ref()
-        .map(|p| Arc::new(retry_policy(p, &path.field("retry_policy"), problems)));
+    }
+}
+
+/// Warns about the set fields that are not implemented and change only how well a
+/// request is served.
+#[allow(
+    deprecated,
+    reason = "`cors` moved to a filter config; still warned about"
+)]
+fn warn_unimplemented(a: &EnvoyAction, path: &JsonPath, problems: &mut Diagnostics) {
     if a.retry_policy_typed_config.is_some() {
         problems.warning(
             path.field("retry_policy_typed_config"),
@@ -207,6 +292,14 @@ pub fn route_action(
             problems.warning(path.field(field), "not implemented; ignored");
         }
     }
+}
+
+/// `upgrade_configs`: only CONNECT, terminated here, is implemented per route.
+fn upgrade_configs(
+    a: &EnvoyAction,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<super::connect::ConnectUpgrade> {
     let mut connect = None;
     for (i, upgrade) in a.upgrade_configs.iter().enumerate() {
         let u_path = path.field("upgrade_configs").index(i);
@@ -242,13 +335,14 @@ pub fn route_action(
             terminate: upgrade.connect_config.is_some(),
         });
     }
-    let stream_duration = a
-        .max_stream_duration
-        .as_ref()
-        .map(|d| stream_duration(d, &path.field("max_stream_duration"), problems));
+    connect
+}
+
+/// `hash_policy`: the keys a hashing load balancer hashes, in order.
+fn hash_policy(a: &EnvoyAction, path: &JsonPath, problems: &mut Diagnostics) -> Vec<HashPolicy> {
+    use route_action::hash_policy::PolicySpecifier;
     let mut hash_policy = Vec::new();
     for (i, policy) in a.hash_policy.iter().enumerate() {
-        use route_action::hash_policy::PolicySpecifier;
         let h_path = path.field("hash_policy").index(i);
         let key = match &policy.policy_specifier {
             Some(PolicySpecifier::Header(h)) => {
@@ -287,39 +381,7 @@ pub fn route_action(
             });
         }
     }
-    if a.metadata_match.is_some() {
-        problems.warning(
-            path.field("metadata_match"),
-            "subset load balancing is not implemented; ignored",
-        );
-    }
-    let cluster_not_found =
-        match ClusterNotFoundResponseCode::try_from(a.cluster_not_found_response_code) {
-            Ok(ClusterNotFoundResponseCode::NotFound) => StatusCode::NOT_FOUND,
-            Ok(ClusterNotFoundResponseCode::InternalServerError) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
-            _ => StatusCode::SERVICE_UNAVAILABLE,
-        };
-    if problems.errors.len() > errors_before {
-        return None;
-    }
-    // Envoy's "new timeouts": a route with a max_stream_duration block bounds the
-    // stream with it alone, and its `timeout` no longer applies.
-    let timeout = (!timeout.is_zero() && stream_duration.is_none()).then_some(timeout);
-    Some(RouteAction {
-        cluster: cluster?,
-        prefix_rewrite,
-        regex_rewrite,
-        host_rewrite,
-        timeout,
-        timeout_header: timeout.map(|t| HeaderValue::from(t.as_millis() as u64)),
-        retry_policy,
-        cluster_not_found,
-        hash_policy,
-        stream_duration,
-        connect,
-    })
+    hash_policy
 }
 
 /// A route's `max_stream_duration` block; a value of 0 is kept (it means "off").
