@@ -92,6 +92,8 @@ fn listener(port: u16, cluster: &str, filters: Vec<Value>) -> Value {
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": format!("l{port}"),
                 "codec_type": "AUTO",
+                // One case asks over HTTP/1.0, which Envoy's codec otherwise refuses.
+                "http_protocol_options": {"accept_http_10": true},
                 "http_filters": http_filters,
                 "route_config": {"name": "r", "virtual_hosts": [{
                     "name": "r", "domains": ["*"],

@@ -357,3 +357,23 @@ pub fn capture_flags(data: &[u8]) {
         assert!(rules.iter().all(|rule| !rule.contains('\n')), "{rules:?}");
     }
 }
+
+/// A YAML document spelled from `data`, one token a byte: the low five bits pick the
+/// token, the high three bits how many times it repeats (1 to 8), so a short input can
+/// nest deep. The tokens are the ones that matter to flow-depth counting: brackets,
+/// tags, anchors, aliases and merge keys, quotes, comments, block indicators, breaks.
+pub fn yaml_from_tokens(data: &[u8]) -> String {
+    const TOKENS: [&str; 32] = [
+        "[", "]", "{", "}", ", ", ": ", "!t ", "!!seq ", "&a ", "*a", "<<: ", "!ignore ",
+        "\"[{\"", "'[{'", "x", "x[", " ", "\n", "\n  ", "# [{\n", "- ", "? ", "|\n  [", ">\n  {",
+        "--- ", "!<tag:yaml.org,2002:map> ", "&b\t", "!t,", "a: ", "[x]", "{k: v}", "\t",
+    ];
+    let mut text = String::new();
+    for &byte in data {
+        let token = TOKENS[usize::from(byte & 31)];
+        for _ in 0..=(byte >> 5) {
+            text.push_str(token);
+        }
+    }
+    text
+}

@@ -21,6 +21,7 @@ use anyhow::{Context, Result, bail};
 /// Every target, in the order they run.
 pub const TARGETS: &[&str] = &[
     "bootstrap",
+    "yaml_loader",
     "xds_resource",
     "route_match",
     "http_request",

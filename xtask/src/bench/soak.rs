@@ -70,6 +70,10 @@ pub struct SoakArgs {
     /// Growth of fds (not counting connections) after warm-up that still passes.
     #[arg(long, default_value_t = 4.0)]
     fd_tolerance: f64,
+    /// Growth of the number of stats in `/stats` after warm-up that still passes (one
+    /// cycle's churned cluster and listener come and go: ~150 stats up and down).
+    #[arg(long, default_value_t = 200.0)]
+    stats_tolerance: f64,
 }
 
 /// `10m`, `90s`, `1h`, `600`.
@@ -443,6 +447,7 @@ fn soak(
         counters,
         rss_tolerance_mib: args.rss_tolerance_mib,
         fd_tolerance: args.fd_tolerance,
+        stats_tolerance: args.stats_tolerance,
     })
 }
 
@@ -673,6 +678,7 @@ fn read_sample(
             threads,
             downstream_cx: sum("listener.", ".downstream_cx_active"),
             upstream_cx: sum("cluster.", ".upstream_cx_active"),
+            stats: stats.len() as u64,
             cpu_pct: (mark.cpu - prev.cpu) as f64 * TICK_US / 1e6 / elapsed * 100.0,
             ok: now
                 .iter()

@@ -218,9 +218,11 @@ fn yaml_to_json(text: &str) -> Result<Value, String> {
 pub const MAX_YAML_FLOW_DEPTH: usize = 128;
 
 /// Where (1-based line and column) flow collections in `text` first nest deeper than
-/// `limit`, in one pass. Brackets count where a flow collection can start (at the start of
-/// a line, or after `[`, `{`, `,`, `- `, `: `, `? `), not inside quoted scalars or
-/// comments: `^[a-z]+$` or `"[["` open nothing.
+/// `limit`, in one pass. It errs on the side of counting: inside a flow collection every
+/// `[` or `{` counts (libyaml ends a plain scalar there and opens a collection); outside,
+/// one counts where a node can start (at the start of a line, after `- `, `: `, `? `, or
+/// after a node property: a tag `!t ` or an anchor `&a `). Quoted scalars and comments
+/// open nothing, nor do brackets inside a block-context plain scalar: `^[a-z]+$`, `"[["`.
 fn flow_nesting_beyond(text: &str, limit: usize) -> Option<(usize, usize)> {
     let mut depth = 0usize;
     // The last significant character, and whether blanks came after it; `None` at the
@@ -248,7 +250,8 @@ fn flow_nesting_beyond(text: &str, limit: usize) -> Option<(usize, usize)> {
             None => true,
             Some('[' | '{' | ',') => true,
             Some(':') => blank || depth > 0,
-            Some('-' | '?') => blank,
+            // `!` stands for any node property (tag or anchor) just read.
+            Some('-' | '?' | '!') => blank,
             Some(_) => false,
         };
         if c == '#' && (blank || prev.is_none()) {
@@ -274,7 +277,18 @@ fn flow_nesting_beyond(text: &str, limit: usize) -> Option<(usize, usize)> {
                     break;
                 }
             }
-        } else if token_start && (c == '[' || c == '{') {
+        } else if token_start && (c == '!' || c == '&') {
+            // A node property, to the next blank: what follows it starts the node.
+            while chars
+                .next_if(|&c| !matches!(c, ' ' | '\t' | '\r' | '\n'))
+                .is_some()
+            {
+                column += 1;
+            }
+            prev = Some('!');
+            blank = false;
+            continue;
+        } else if (token_start || depth > 0) && (c == '[' || c == '{') {
             depth += 1;
             if depth > limit {
                 return Some((line, column));
@@ -284,7 +298,7 @@ fn flow_nesting_beyond(text: &str, limit: usize) -> Option<(usize, usize)> {
         }
         // Only indicators matter to what follows; anything else is inside a scalar.
         prev = Some(match c {
-            '[' | '{' if token_start => c,
+            '[' | '{' if token_start || depth > 0 => c,
             ',' if depth > 0 => c,
             ':' | '-' | '?' => c,
             _ => 'a',
@@ -448,6 +462,19 @@ static_resources:
         ] {
             assert_eq!(flow_nesting_beyond(&text, 128), None, "{text}");
         }
+        // A node property (tag, anchor, or both) before a collection does not hide it,
+        // nor does a plain scalar before a bracket inside a flow collection.
+        for prefix in ["!t ", "&a ", "!t &a ", "!!seq ", "&a\t", "!<tag:x> "] {
+            let text = format!("a: {}1", format!("{prefix}[").repeat(129));
+            assert!(flow_nesting_beyond(&text, 128).is_some(), "{prefix}");
+            let text = format!("- {}1", format!("{prefix}{{k: ").repeat(129));
+            assert!(flow_nesting_beyond(&text, 128).is_some(), "{prefix}");
+        }
+        assert!(flow_nesting_beyond(&format!("a: [{}", "x[".repeat(129)), 128).is_some());
+        assert_eq!(
+            flow_nesting_beyond(&format!("a: !t ['{brackets}', !t \"{brackets}\"]"), 128),
+            None
+        );
         // A regex in a route with brackets still loads.
         parse_yaml("node: {id: \"a[b\", cluster: '[[['}\n").unwrap();
     }

@@ -12,8 +12,15 @@
 //! their tags, as Envoy's `counterFromStatNameWithTags` does for Istio's metrics, and keep
 //! them (no extraction), under a name in a custom namespace (`istiocustom.`) that
 //! `/stats/prometheus` writes without Envoy's `envoy_` prefix.
+//!
+//! Stats live as long as their resource, as in Envoy's scopes: a cluster, listener or
+//! connection manager holds a [`ScopeGuard`] for its prefix (`cluster.<name>.`); when the
+//! last guard of a prefix goes, the stats under it that nobody holds are freed, and the
+//! rest as soon as their last handle drops (checked at each snapshot). While a guard
+//! lives nothing under its prefix is freed, so a counter Prometheus scraped never goes
+//! back while its resource exists. Unscoped and tagged stats live as long as the store.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -269,6 +276,62 @@ pub struct Store {
     tagged: Arc<RwLock<TaggedMetrics>>,
     /// Names asked for as two different kinds, reported once each.
     conflicts: Arc<Mutex<Vec<String>>>,
+    /// The prefixes resources hold, and those whose resource went.
+    scopes: Arc<Mutex<Scopes>>,
+}
+
+/// The scope prefixes in use (with how many guards each) and those released whose
+/// stats are not all freed yet (some handle still held).
+#[derive(Debug, Default)]
+struct Scopes {
+    live: HashMap<String, usize>,
+    released: BTreeSet<String>,
+}
+
+/// A resource's hold on the stats under its prefix (`cluster.<name>.`): they are freed
+/// once every guard of the prefix is dropped and nobody holds them.
+#[derive(Debug)]
+pub struct ScopeGuard {
+    store: Store,
+    prefix: String,
+}
+
+impl Clone for ScopeGuard {
+    fn clone(&self) -> Self {
+        self.store.scope(&self.prefix)
+    }
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        let released = {
+            let mut scopes = self.store.scopes.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(count) = scopes.live.get_mut(&self.prefix) else {
+                return;
+            };
+            *count -= 1;
+            if *count > 0 {
+                return;
+            }
+            scopes.live.remove(&self.prefix);
+            scopes.released.insert(self.prefix.clone());
+            true
+        };
+        if released {
+            self.store.free_released();
+        }
+    }
+}
+
+impl Metric {
+    /// Whether a handle other than the store's own is held.
+    fn held(&self) -> bool {
+        match self {
+            Metric::Counter(c) => Arc::strong_count(&c.0) > 1,
+            Metric::Gauge(g) => Arc::strong_count(&g.0) > 1,
+            Metric::Histogram(h) => Arc::strong_count(&h.0) > 1,
+        }
+    }
 }
 
 impl Store {
@@ -342,8 +405,67 @@ impl Store {
         }
     }
 
+    /// A hold on the stats under `prefix` (ending in `.`), for as long as the guard and
+    /// its clones live.
+    pub fn scope(&self, prefix: &str) -> ScopeGuard {
+        let mut scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        *scopes.live.entry(prefix.to_owned()).or_default() += 1;
+        scopes.released.remove(prefix);
+        ScopeGuard {
+            store: self.clone(),
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    /// Frees the stats under released prefixes that nobody holds (and not under a
+    /// longer prefix still live: cluster `a.b` inside `cluster.a.`); a prefix is
+    /// forgotten once nothing is left under it.
+    fn free_released(&self) {
+        let mut scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        if scopes.released.is_empty() {
+            return;
+        }
+        let mut metrics = self.metrics.write().unwrap_or_else(|e| e.into_inner());
+        let Scopes { live, released } = &mut *scopes;
+        released.retain(|prefix| {
+            let under: Vec<String> = metrics
+                .range::<str, _>((
+                    std::ops::Bound::Included(prefix.as_str()),
+                    std::ops::Bound::Unbounded,
+                ))
+                .take_while(|(name, _)| name.starts_with(prefix.as_str()))
+                .filter(|(name, _)| {
+                    !live
+                        .keys()
+                        .any(|l| l.len() > prefix.len() && name.starts_with(l.as_str()))
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            let mut left = false;
+            for name in under {
+                if metrics.get(&name).is_some_and(Metric::held) {
+                    left = true;
+                } else {
+                    metrics.remove(&name);
+                }
+            }
+            left
+        });
+    }
+
+    /// Stats in the store now (untagged and tagged).
+    pub fn len(&self) -> usize {
+        self.metrics.read().unwrap_or_else(|e| e.into_inner()).len()
+            + self.tagged.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Every stat, sorted by name.
     pub fn snapshot(&self) -> Vec<Stat> {
+        self.free_released();
         let mut stats: Vec<Stat> = {
             let metrics = self.metrics.read().unwrap_or_else(|e| e.into_inner());
             metrics
@@ -551,5 +673,58 @@ mod tests {
         let v6: SocketAddr = "[::]:15001".parse().unwrap();
         assert_eq!(listener_stat_prefix(&v4), "0.0.0.0_15001");
         assert_eq!(listener_stat_prefix(&v6), "[__]_15001");
+    }
+}
+
+#[cfg(test)]
+mod scope_tests {
+    use super::*;
+
+    fn names(store: &Store) -> Vec<String> {
+        store.snapshot().into_iter().map(|s| s.name).collect()
+    }
+
+    #[test]
+    fn a_scopes_stats_are_freed_when_its_last_guard_and_handle_go() {
+        let store = Store::new();
+        let unscoped = store.counter("server.live");
+        unscoped.inc();
+        let guard = store.scope("cluster.a.");
+        let second = guard.clone();
+        let nested = store.scope("cluster.a.b.");
+        let held = store.counter("cluster.a.upstream_rq_total");
+        held.add(5);
+        // Looked up and let go, as a per-request stat is: kept while the scope lives.
+        store.counter("cluster.a.grpc.s.m.success").add(3);
+        store.counter("cluster.a.b.grpc.s.m.success").add(4);
+        drop(guard);
+        store.counter("cluster.a.grpc.s.m.success").inc();
+        assert_eq!(
+            store.counter("cluster.a.grpc.s.m.success").value(),
+            4,
+            "monotonic while live"
+        );
+        drop(second);
+        // The released scope's unheld stat is gone; the held one stays until dropped;
+        // the nested live scope keeps its own.
+        assert_eq!(
+            names(&store),
+            [
+                "cluster.a.b.grpc.s.m.success",
+                "cluster.a.upstream_rq_total",
+                "server.live"
+            ]
+        );
+        drop(held);
+        assert_eq!(
+            names(&store),
+            ["cluster.a.b.grpc.s.m.success", "server.live"]
+        );
+        drop(nested);
+        assert_eq!(names(&store), ["server.live"]);
+        assert_eq!(store.len(), 1);
+        // Coming back starts afresh.
+        let _again = store.scope("cluster.a.");
+        assert_eq!(store.counter("cluster.a.upstream_rq_total").value(), 0);
     }
 }

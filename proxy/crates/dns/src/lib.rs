@@ -5,7 +5,9 @@
 //! - [`name_table`]: the table istiod sends over xDS and the lookup built from it; the
 //!   mesh's names are answered from it, authoritatively, with a 30 s TTL.
 //! - [`upstream`]: everything else goes to the `resolv.conf` servers, TC answers again
-//!   over TCP; [`cache`] keeps those answers for their TTL.
+//!   over TCP, UDP through one shared socket per server ([`udp_pool`]); [`cache`] keeps
+//!   those answers for their TTL; [`in_flight`] bounds how many are forwarded at once
+//!   (over the bound: SERVFAIL at once, counted).
 //! - [`server`]: the UDP and TCP sockets (bound as root, before privileges drop) and
 //!   their serve loops.
 //!
@@ -17,8 +19,10 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub mod in_flight;
 pub mod name_table;
 pub mod server;
+pub mod udp_pool;
 pub mod upstream;
 
 use std::path::PathBuf;
@@ -33,8 +37,10 @@ use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
 use prost::Message as _;
 
 use cache::{Cache, Key};
+use in_flight::{InFlight, Permit};
 use name_table::{Lookup, LookupTable, NameTable, Scope, TableError};
 use shunt_core::stats::{Counter, Histogram, Store as StatsStore};
+use udp_pool::{AnswerKey, UdpPool};
 use upstream::Upstreams;
 
 /// Istio's DNS proxy port.
@@ -125,6 +131,8 @@ pub struct DnsStats {
     pub cache_hits: Counter,
     pub upstream_tcp_retries: Counter,
     pub upstream_request_duration: Histogram,
+    /// Queries answered SERVFAIL without forwarding: over the in-flight bound.
+    pub upstream_shed: Counter,
 }
 
 impl DnsStats {
@@ -138,6 +146,7 @@ impl DnsStats {
             cache_hits: store.counter("dns.cache_hits_total"),
             upstream_tcp_retries: store.counter("dns.upstream_tcp_retries_total"),
             upstream_request_duration: store.histogram("dns.upstream_request_duration_ms"),
+            upstream_shed: store.counter("dns.upstream_shed_total"),
         }
     }
 }
@@ -169,6 +178,8 @@ pub enum Transport {
 pub struct Resolver {
     pub tables: Arc<Tables>,
     upstreams: Upstreams,
+    udp_pool: UdpPool,
+    in_flight: Arc<InFlight>,
     cache: Cache,
     stats: DnsStats,
 }
@@ -183,9 +194,54 @@ impl Resolver {
         Resolver {
             tables,
             upstreams,
+            udp_pool: UdpPool::default(),
+            in_flight: InFlight::new(
+                in_flight::MAX_IN_FLIGHT,
+                in_flight::MAX_IN_FLIGHT_PER_CLIENT,
+            ),
             cache: Cache::new(cache_capacity),
             stats,
         }
+    }
+
+    /// As [`Resolver::answer`] for a query from `client`, forwarded only within the
+    /// in-flight bound (SERVFAIL over it).
+    pub async fn answer_from(
+        &self,
+        request: &[u8],
+        transport: Transport,
+        client: std::net::IpAddr,
+    ) -> Option<Vec<u8>> {
+        match self.answer_now(request, transport) {
+            Step::Done(reply) => reply,
+            Step::Forward(forward) => match self.admit(client) {
+                Some(_permit) => self.forward(forward).await,
+                None => self.shed(forward),
+            },
+        }
+    }
+
+    /// A place in flight for one forwarded query from `client`, if there is one.
+    pub fn admit(&self, client: std::net::IpAddr) -> Option<Permit> {
+        self.in_flight.admit(client)
+    }
+
+    /// The answer to a query over the in-flight bound: SERVFAIL, counted.
+    pub fn shed(&self, forward: Forward) -> Option<Vec<u8>> {
+        self.stats.upstream_shed.inc();
+        tracing::debug!("DNS query over the in-flight bound: SERVFAIL");
+        let response = error_reply(&forward.query, ResponseCode::ServFail);
+        self.finish(&forward.query, response, forward.transport)
+    }
+
+    /// Queries forwarded and not answered yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.total()
+    }
+
+    /// Upstream UDP sockets open now (one per resolver address used).
+    pub fn upstream_sockets(&self) -> usize {
+        self.udp_pool.len()
     }
 
     /// The answer to one query as it came on the wire, or `None` when there is nothing
@@ -250,7 +306,12 @@ impl Resolver {
         let started = Instant::now();
         let result = self
             .upstreams
-            .exchange(&request, query.metadata.id, transport == Transport::Tcp)
+            .exchange(
+                &self.udp_pool,
+                &request,
+                &AnswerKey::of(&query),
+                transport == Transport::Tcp,
+            )
             .await;
         self.stats
             .upstream_request_duration

@@ -2,8 +2,10 @@
 //! is still root (so a privileged address works) and served once the runtime runs.
 //!
 //! UDP: local and cached answers are sent from the receive loop itself; a query that
-//! goes upstream gets a task of its own, so a slow upstream never holds up the rest. TCP: each connection reads length-prefixed queries one after the
-//! other (RFC 7766) and is closed after [`TCP_IDLE`] without one.
+//! goes upstream gets a task of its own, so a slow upstream never holds up the rest,
+//! within the in-flight bound (over it the loop answers SERVFAIL). TCP: each connection
+//! reads length-prefixed queries one after the other (RFC 7766) and is closed after
+//! [`TCP_IDLE`] without one.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdTcpListener, UdpSocket as StdUdpSocket};
@@ -180,9 +182,16 @@ async fn serve_udp(socket: Arc<UdpSocket>, resolver: Arc<Resolver>) {
             },
             Step::Forward(forward) => forward,
         };
+        let Some(permit) = resolver.admit(peer.ip()) else {
+            if let Some(reply) = resolver.shed(forward) {
+                let _ = socket.try_send_to(&reply, peer);
+            }
+            continue;
+        };
         let socket = socket.clone();
         let resolver = resolver.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             if let Some(reply) = resolver.forward(forward).await {
                 send(&socket, &reply, peer).await;
             }
@@ -202,7 +211,7 @@ async fn serve_tcp(listener: TcpListener, resolver: Arc<Resolver>) {
             Ok((stream, peer)) => {
                 let resolver = resolver.clone();
                 tokio::spawn(async move {
-                    if let Err(error) = serve_connection(stream, &resolver).await {
+                    if let Err(error) = serve_connection(stream, peer, &resolver).await {
                         tracing::debug!(%peer, %error, "DNS TCP connection ended");
                     }
                 });
@@ -215,7 +224,11 @@ async fn serve_tcp(listener: TcpListener, resolver: Arc<Resolver>) {
     }
 }
 
-async fn serve_connection(mut stream: TcpStream, resolver: &Resolver) -> io::Result<()> {
+async fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    resolver: &Resolver,
+) -> io::Result<()> {
     stream.set_nodelay(true)?;
     loop {
         let len = match tokio::time::timeout(TCP_IDLE, stream.read_u16()).await {
@@ -227,7 +240,10 @@ async fn serve_connection(mut stream: TcpStream, resolver: &Resolver) -> io::Res
         tokio::time::timeout(TCP_IDLE, stream.read_exact(&mut request))
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "query cut short"))??;
-        let Some(reply) = resolver.answer(&request, Transport::Tcp).await else {
+        let Some(reply) = resolver
+            .answer_from(&request, Transport::Tcp, peer.ip())
+            .await
+        else {
             return Ok(());
         };
         let mut framed = Vec::with_capacity(reply.len() + 2);

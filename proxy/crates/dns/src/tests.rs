@@ -175,3 +175,93 @@ async fn an_updated_table_applies_to_the_next_query_and_a_bad_one_changes_nothin
     assert!(err.to_string().contains("240.240.0.999"), "{err}");
     assert_eq!(r.tables.current().unwrap().version, "2");
 }
+
+/// A resolver that never answers, and a DNS proxy forwarding to it: a burst of queries
+/// from one client takes one upstream socket, at most the client's bound in flight, and
+/// every query over the bound is answered SERVFAIL at once and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_to_a_silent_resolver_is_bounded_and_shares_one_socket() {
+    use std::collections::HashSet;
+    // The silent resolver: it records where each query came from.
+    let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let upstreams = Upstreams {
+        servers: vec![silent.local_addr().unwrap()],
+        timeout: Duration::from_secs(2),
+        netns: None,
+    };
+    let tables = Arc::new(Tables::new(Scope::new(
+        "default",
+        "default.svc.cluster.local",
+        vec![],
+    )));
+    tables.apply(NameTable::default(), "1").unwrap();
+    let resolver = Arc::new(Resolver::new(
+        tables,
+        upstreams,
+        16,
+        DnsStats::new(&StatsStore::new()),
+    ));
+    let sockets = server::bind(&["127.0.0.1:0".parse().unwrap()], false).unwrap();
+    let listen = sockets.udp[0].local_addr().unwrap();
+    let tasks = server::serve(sockets, resolver.clone()).unwrap();
+    let client = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    client.connect(listen).await.unwrap();
+    const QUERIES: u16 = 600;
+    // Every query is answered: over the bound at once, the rest at the timeout. Read as
+    // they come, so that no answer is lost to a full receive buffer.
+    let receiver = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut answered = HashSet::new();
+            let mut buf = vec![0u8; 4096];
+            while answered.len() < usize::from(QUERIES) {
+                let len = tokio::time::timeout(Duration::from_secs(30), client.recv(&mut buf))
+                    .await
+                    .expect("every query answered")
+                    .unwrap();
+                let reply = Message::from_vec(&buf[..len]).unwrap();
+                assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+                answered.insert(reply.metadata.id);
+            }
+            answered
+        })
+    };
+    // In batches, so that the proxy's own receive buffer takes them all.
+    for batch in (0..QUERIES).collect::<Vec<_>>().chunks(50) {
+        for &id in batch {
+            let mut m = Message::new(id, MessageType::Query, OpCode::Query);
+            m.add_query(Query::query(
+                Name::from_ascii(format!("n{id}.example.")).unwrap(),
+                RecordType::A,
+            ));
+            client.send(&m.to_vec().unwrap()).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(receiver.await.unwrap().len(), usize::from(QUERIES));
+    let shed = resolver.stats().upstream_shed.value();
+    let forwarded = resolver.stats().upstream_requests.value();
+    assert_eq!(
+        forwarded,
+        in_flight::MAX_IN_FLIGHT_PER_CLIENT as u64,
+        "forwarded"
+    );
+    assert_eq!(shed, u64::from(QUERIES) - forwarded, "shed");
+    // What reached the resolver came from one socket.
+    let mut buf = vec![0u8; 4096];
+    let mut ports = HashSet::new();
+    let mut received = 0;
+    while let Ok(Ok((_, from))) =
+        tokio::time::timeout(Duration::from_millis(200), silent.recv_from(&mut buf)).await
+    {
+        ports.insert(from.port());
+        received += 1;
+    }
+    assert_eq!(received, forwarded, "queries the resolver saw");
+    assert_eq!(ports.len(), 1, "source ports of the forwarded queries");
+    assert_eq!(resolver.upstream_sockets(), 1);
+    assert_eq!(resolver.in_flight(), 0, "every place came back");
+    for task in tasks {
+        task.abort();
+    }
+}

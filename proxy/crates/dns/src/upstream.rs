@@ -4,10 +4,12 @@
 //! fail the client gets SERVFAIL. A UDP answer with the TC bit is asked again over TCP
 //! from the same server; a client on TCP is forwarded over TCP.
 //!
-//! Every query gets its own socket, created after the proxy dropped to its own uid, so
-//! the capture lets it leave instead of sending it back here. In node mode the socket is
-//! made inside the pod's network namespace (its routes, its resolvers) and carries the
-//! node proxy's mark, by which the capture lets it leave.
+//! Over UDP the queries share one socket per server ([`crate::udp_pool`]), over TCP each
+//! gets a connection of its own (a TCP client has one query in flight at a time).
+//! Sockets are created after the proxy dropped to its own uid, so the capture lets them
+//! leave instead of sending them back here. In node mode they are made inside the pod's
+//! network namespace (its routes, its resolvers) and carry the node proxy's mark, by
+//! which the capture lets them leave.
 
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
@@ -17,7 +19,9 @@ use std::time::Duration;
 
 use hickory_proto::op::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::net::TcpStream;
+
+use crate::udp_pool::{AnswerKey, UdpPool};
 
 /// What the pod's `resolv.conf` says: where to forward and the search domains.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -94,13 +98,16 @@ pub struct Upstreams {
 
 impl Upstreams {
     /// Asks the servers in turn (shuffled) until one answers. `query` is the client's
-    /// query as it came; `id` its message id, which the answer must carry.
+    /// query as it came; `key` its message id and questions, which the answer must
+    /// carry; UDP goes through `pool`'s shared sockets.
     pub async fn exchange(
         &self,
+        pool: &UdpPool,
         query: &[u8],
-        id: u16,
+        key: &AnswerKey,
         tcp: bool,
     ) -> Result<Answer, Vec<ExchangeError>> {
+        let id = key.id();
         let mut servers = self.servers.clone();
         fastrand::shuffle(&mut servers);
         let mut errors = Vec::new();
@@ -113,7 +120,7 @@ impl Upstreams {
                         retried_over_tcp: false,
                     })
             } else {
-                self.over_udp_then_tcp(server, query, id).await
+                self.over_udp_then_tcp(pool, server, query, key).await
             };
             match result {
                 Ok(answer) => return Ok(answer),
@@ -128,11 +135,13 @@ impl Upstreams {
 
     async fn over_udp_then_tcp(
         &self,
+        pool: &UdpPool,
         server: SocketAddr,
         query: &[u8],
-        id: u16,
+        key: &AnswerKey,
     ) -> Result<Answer, ExchangeError> {
-        let message = self.over_udp(server, query, id).await?;
+        let id = key.id();
+        let message = self.over_udp(pool, server, query, key).await?;
         if !message.metadata.truncation {
             return Ok(Answer {
                 message,
@@ -149,49 +158,28 @@ impl Upstreams {
 
     async fn over_udp(
         &self,
+        pool: &UdpPool,
         server: SocketAddr,
         query: &[u8],
-        id: u16,
+        key: &AnswerKey,
     ) -> Result<Message, ExchangeError> {
         let io = |error| ExchangeError::Io { server, error };
-        let local: SocketAddr = match server {
-            SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
-            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
-        };
-        let socket = shunt_upstream::netns::udp_socket_in(
-            self.netns.as_deref(),
-            socket2::Domain::for_address(server),
-        )
-        .and_then(|s| {
-            s.set_nonblocking(true)?;
-            s.bind(&local.into())?;
-            UdpSocket::from_std(s.into())
-        })
-        .map_err(io)?;
-        socket.connect(server).await.map_err(io)?;
-        socket.send(query).await.map_err(io)?;
-        let mut buf = vec![0u8; 65535];
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        loop {
-            let received = tokio::time::timeout_at(deadline, socket.recv(&mut buf))
-                .await
-                .map_err(|_| ExchangeError::Timeout {
-                    server,
-                    timeout: self.timeout,
-                })?
-                .map_err(io)?;
-            // A stray datagram with another id is not the answer: keep waiting.
-            match Message::from_vec(&buf[..received]) {
-                Ok(message) if message.metadata.id == id => return Ok(message),
-                Ok(_) => continue,
-                Err(error) => {
-                    return Err(ExchangeError::Parse {
-                        server,
-                        error: error.to_string(),
-                    });
-                }
+        let socket = pool.socket(server, self.netns.as_deref()).map_err(io)?;
+        let answer = socket.wait_for(key.clone());
+        let delivered = async {
+            socket.send(query).await.map_err(io)?;
+            match answer.await {
+                Ok(Ok(message)) => Ok(message),
+                Ok(Err(kind)) => Err(io(kind.into())),
+                Err(_) => Err(io(std::io::ErrorKind::BrokenPipe.into())),
             }
-        }
+        };
+        let result = tokio::time::timeout(self.timeout, delivered).await;
+        socket.forget(key);
+        result.map_err(|_| ExchangeError::Timeout {
+            server,
+            timeout: self.timeout,
+        })?
     }
 
     async fn connect_tcp(&self, server: SocketAddr) -> std::io::Result<TcpStream> {

@@ -61,6 +61,8 @@ pub struct ListenerStats {
     pub downstream_cx_length_ms: Histogram,
     /// `ssl.handshake` / `ssl.connection_error` of chains terminating TLS.
     pub ssl: shunt_tls::SslStats,
+    /// Holds `listener.<prefix>.*` in the store while the listener is in use.
+    pub scope: Option<std::sync::Arc<stats::ScopeGuard>>,
 }
 
 impl ListenerStats {
@@ -77,6 +79,9 @@ impl ListenerStats {
             no_filter_chain_match: store.counter(&name("no_filter_chain_match")),
             downstream_cx_length_ms: store.histogram(&name("downstream_cx_length_ms")),
             ssl: shunt_tls::SslStats::new(store, &format!("listener.{prefix}")),
+            scope: Some(std::sync::Arc::new(
+                store.scope(&format!("listener.{prefix}.")),
+            )),
         }
     }
 

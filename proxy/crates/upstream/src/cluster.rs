@@ -23,7 +23,7 @@ use super::host::{self, ActiveConnection, Host};
 use super::load_balancer::{Balancer, LbContext, LbPolicy};
 use super::outlier::OutlierDetection;
 use super::stats::ClusterStats;
-use shunt_core::stats::{Gauge, Histogram};
+use shunt_core::stats::{Counter, Gauge, Histogram};
 
 /// Envoy's default `connect_timeout`.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -362,6 +362,8 @@ impl Cluster {
             _host: host.track_connection(),
             cluster_active: self.stats.upstream_cx_active.clone(),
             connected: None,
+            destroy_remote: self.stats.upstream_cx_destroy_remote.clone(),
+            closed_by_remote: false,
         };
         guard.cluster_active.inc();
         match dial.await {
@@ -527,11 +529,24 @@ pub struct UpstreamConnection {
     cluster_active: Gauge,
     /// Once connected: when, and where its length goes (`upstream_cx_length_ms`).
     connected: Option<(Instant, Histogram)>,
+    /// `upstream_cx_destroy_remote`, counted at the end if the upstream closed it.
+    destroy_remote: Counter,
+    closed_by_remote: bool,
+}
+
+impl UpstreamConnection {
+    /// The upstream closed the connection (counted once, when it is dropped).
+    pub fn closed_by_remote(&mut self) {
+        self.closed_by_remote = true;
+    }
 }
 
 impl Drop for UpstreamConnection {
     fn drop(&mut self) {
         self.cluster_active.dec();
+        if self.closed_by_remote {
+            self.destroy_remote.inc();
+        }
         if let Some((since, length)) = &self.connected {
             length.record(millis(since.elapsed()));
         }

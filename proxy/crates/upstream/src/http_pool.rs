@@ -175,7 +175,14 @@ pub async fn connect_upstream(
     };
     stream.set_nodelay();
     let session = transport_socket::session(cluster, host, &stream, secrets).map(Arc::new);
-    Ok((Box::new(stream.defer_writes()), guard, session))
+    // Bytes counted as they move (`upstream_cx_rx_bytes_total`, `_tx_`).
+    let stats = &cluster.stats;
+    let counted = shunt_core::event::counted::Counted::new(
+        stream.defer_writes(),
+        stats.upstream_cx_rx_bytes_total.clone(),
+        stats.upstream_cx_tx_bytes_total.clone(),
+    );
+    Ok((Box::new(counted), guard, session))
 }
 
 /// What an upstream connection's TLS session told (`None` without TLS), kept with the

@@ -80,6 +80,10 @@ pub struct ClusterStats {
     /// Bytes written to and read from the cluster's hosts, added as each connection ends.
     pub upstream_cx_tx_bytes_total: Counter,
     pub upstream_cx_rx_bytes_total: Counter,
+    /// Connections the upstream closed (Envoy's `upstream_cx_destroy_remote`).
+    pub upstream_cx_destroy_remote: Counter,
+    /// Responses that broke HTTP (a malformed or cut-off head; flag UPE).
+    pub upstream_cx_protocol_error: Counter,
     /// Hosts in the cluster, and those of them that are healthy.
     pub membership_total: Gauge,
     pub membership_healthy: Gauge,
@@ -108,6 +112,8 @@ pub struct ClusterStats {
     pub upstream_rq_retry: Counter,
     /// `ssl.handshake` / `ssl.connection_error` of upstream TLS.
     pub ssl: shunt_tls::SslStats,
+    /// Holds `cluster.<name>.*` in the store while the cluster is in use.
+    pub scope: Option<std::sync::Arc<stats::ScopeGuard>>,
 }
 
 impl ClusterStats {
@@ -130,6 +136,8 @@ impl ClusterStats {
                 .histogram(&stats::cluster_stat(name, "upstream_cx_length_ms")),
             upstream_cx_tx_bytes_total: counter("upstream_cx_tx_bytes_total"),
             upstream_cx_rx_bytes_total: counter("upstream_cx_rx_bytes_total"),
+            upstream_cx_destroy_remote: counter("upstream_cx_destroy_remote"),
+            upstream_cx_protocol_error: counter("upstream_cx_protocol_error"),
             membership_total: gauge("membership_total"),
             membership_healthy: gauge("membership_healthy"),
             upstream_rq_total: counter("upstream_rq_total"),
@@ -144,6 +152,9 @@ impl ClusterStats {
             upstream_rq_timeout: counter("upstream_rq_timeout"),
             upstream_rq_retry: counter("upstream_rq_retry"),
             ssl: shunt_tls::SslStats::new(store, &format!("cluster.{name}")),
+            scope: Some(std::sync::Arc::new(
+                store.scope(&format!("cluster.{name}.")),
+            )),
         }
     }
 

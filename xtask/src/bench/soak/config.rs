@@ -16,6 +16,12 @@
 //!
 //! Every route retries twice on connect failures and resets (Istio's default of 2
 //! retries; other hosts are tried first), as a mesh's traffic would.
+//!
+//! What comes and goes each cycle does so under a fresh name, as Services and
+//! DestinationRule subsets do in a mesh: the cluster `web-c-<n>` (the `web-c`
+//! endpoints), and a listener `churn-<n>` on :20004 whose routes come over RDS as
+//! `churn-<n>`. The proxy's memory and `/stats` must stay flat all the same: the stats
+//! of what went must go with it.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -51,6 +57,8 @@ pub(crate) const TCP_PORT: u16 = 20001;
 pub(crate) const MTLS_OUT_PORT: u16 = 20002;
 pub(crate) const MTLS_IN_PORT: u16 = 20003;
 pub(crate) const LISTEN_PORTS: [u16; 4] = [HTTP_PORT, TCP_PORT, MTLS_OUT_PORT, MTLS_IN_PORT];
+/// The churned listener's port (not in `LISTEN_PORTS`: it comes and goes).
+pub(crate) const CHURN_PORT: u16 = 20004;
 /// The name the mTLS server's certificate carries, and the SNI the cluster sends.
 pub(crate) const SERVER_NAME: &str = "server.test";
 
@@ -94,23 +102,30 @@ const UPSTREAM_CLUSTERS: [&str; 4] = ["web-a", "web-b", "web-c", "echo"];
 pub(crate) enum Step {
     /// RDS: `web-a`/`web-b` weights 80/20 <-> 20/80.
     SwapWeights,
-    /// CDS: `web-c` appears.
+    /// CDS: `web-c-<n>` appears, under the next fresh name.
     AddCluster,
-    /// RDS: the weighted route sends some traffic to `web-c`.
+    /// RDS: the weighted route sends some traffic to `web-c-<n>`; route config
+    /// `churn-<n>` appears.
     RouteToAdded,
+    /// LDS: listener `churn-<n>` appears.
+    AddListener,
     /// EDS: `web-a` gains or loses its third endpoint.
     MoveEndpoints,
-    /// RDS: no traffic to `web-c` any more.
+    /// LDS: listener `churn-<n>` is gone.
+    RemoveListener,
+    /// RDS: no traffic to `web-c-<n>` any more; route config `churn-<n>` is gone.
     RouteAwayFromAdded,
-    /// CDS: `web-c` is gone.
+    /// CDS: `web-c-<n>` is gone.
     RemoveCluster,
 }
 
-pub(crate) const CYCLE: [Step; 6] = [
+pub(crate) const CYCLE: [Step; 8] = [
     Step::SwapWeights,
     Step::AddCluster,
     Step::RouteToAdded,
+    Step::AddListener,
     Step::MoveEndpoints,
+    Step::RemoveListener,
     Step::RouteAwayFromAdded,
     Step::RemoveCluster,
 ];
@@ -122,9 +137,26 @@ pub(crate) struct State {
     web_c: bool,
     route_c: bool,
     a_extra: bool,
+    churn_listener: bool,
+    /// The churned resources' generation: their names end in it.
+    generation: u64,
 }
 
 impl State {
+    /// The xDS name of upstream cluster `cluster`: `web-c` under its generation's name.
+    pub(crate) fn cluster_name(&self, cluster: &str) -> String {
+        if cluster == "web-c" {
+            format!("web-c-{}", self.generation)
+        } else {
+            cluster.to_owned()
+        }
+    }
+
+    /// The churned listener's and route config's name.
+    fn churn_name(&self) -> String {
+        format!("churn-{}", self.generation)
+    }
+
     /// Applies `step`; returns the type it changed.
     pub(crate) fn apply(&mut self, step: Step) -> &'static str {
         match step {
@@ -134,7 +166,16 @@ impl State {
             }
             Step::AddCluster => {
                 self.web_c = true;
+                self.generation += 1;
                 type_urls::CLUSTER
+            }
+            Step::AddListener => {
+                self.churn_listener = true;
+                type_urls::LISTENER
+            }
+            Step::RemoveListener => {
+                self.churn_listener = false;
+                type_urls::LISTENER
             }
             Step::RouteToAdded => {
                 self.route_c = true;
@@ -169,7 +210,7 @@ impl Config<'_> {
         match type_url {
             type_urls::CLUSTER => self.clusters(state),
             type_urls::ENDPOINT => self.endpoints(state),
-            type_urls::LISTENER => self.listeners(),
+            type_urls::LISTENER => self.listeners(state),
             type_urls::ROUTE => routes(state),
             other => unreachable!("the soak serves no {other}"),
         }
@@ -179,7 +220,10 @@ impl Config<'_> {
         let mut clusters: Vec<(String, Any)> = UPSTREAM_CLUSTERS
             .iter()
             .filter(|c| **c != "web-c" || state.web_c)
-            .map(|c| named(c, &eds_cluster(c, ads_source(), 1)))
+            .map(|c| {
+                let name = state.cluster_name(c);
+                named(&name, &eds_cluster(&name, ads_source(), 1))
+            })
             .collect();
         let mut mtls = eds_cluster("mtls-in", ads_source(), 1);
         mtls.transport_socket = Some(tls_socket(AdsServer::any(&UpstreamTlsContext {
@@ -200,7 +244,8 @@ impl Config<'_> {
                     .filter(|e| e.cluster == *c && (e.flaps || state.a_extra))
                     .map(|e| SocketAddr::new(self.server.into(), e.port))
                     .collect();
-                named(c, &load_assignment(c, &addrs))
+                let name = state.cluster_name(c);
+                named(&name, &load_assignment(&name, &addrs))
             })
             .collect();
         let own = SocketAddr::new(self.proxy.into(), MTLS_IN_PORT);
@@ -208,7 +253,7 @@ impl Config<'_> {
         assignments
     }
 
-    fn listeners(&self) -> Vec<(String, Any)> {
+    fn listeners(&self, state: &State) -> Vec<(String, Any)> {
         let at = |port| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
         let mut tcp = tcp_proxy_listener("tcp", at(TCP_PORT), "echo");
         let proxy = TcpProxy {
@@ -230,6 +275,7 @@ impl Config<'_> {
                 require_client_certificate: Some(BoolValue { value: true }),
                 ..Default::default()
             })));
+        let churn = state.churn_name();
         [
             http_listener("http", at(HTTP_PORT), "http"),
             tcp,
@@ -237,6 +283,11 @@ impl Config<'_> {
             mtls_in,
         ]
         .into_iter()
+        .chain(
+            state
+                .churn_listener
+                .then(|| http_listener(&churn, at(CHURN_PORT), &churn)),
+        )
         .map(|l: Listener| {
             let name = l.name.clone();
             named(&name, &l)
@@ -247,10 +298,12 @@ impl Config<'_> {
 
 fn routes(state: &State) -> Vec<(String, Any)> {
     let (a, b) = if state.heavy_b { (20, 80) } else { (80, 20) };
+    let web_c = state.cluster_name("web-c");
     let mut split = vec![("web-a", a), ("web-b", b)];
     if state.route_c {
-        split.push(("web-c", 20));
+        split.push((web_c.as_str(), 20));
     }
+    let churn = state.churn_name();
     let http = vec![
         route("/a", cluster("web-a")),
         route("/b", cluster("web-b")),
@@ -262,6 +315,11 @@ fn routes(state: &State) -> Vec<(String, Any)> {
         route_config("mtls-in", vec![route("/", cluster("web-a"))]),
     ]
     .into_iter()
+    .chain(
+        state
+            .route_c
+            .then(|| route_config(&churn, vec![route("/", cluster(&web_c))])),
+    )
     .map(|r| {
         let name = r.name.clone();
         named(&name, &r)

@@ -22,6 +22,9 @@ pub(crate) struct Sample {
     /// `upstream_cx_active` (admin API).
     pub(crate) downstream_cx: u64,
     pub(crate) upstream_cx: u64,
+    /// Stats in the admin API's `/stats` (counters and gauges): with names churned,
+    /// flat only if the stats of what went go too.
+    pub(crate) stats: u64,
     /// The proxy's CPU since the previous sample, percent of one core.
     pub(crate) cpu_pct: f64,
     /// Successes and failures of each kind since the previous sample, in [`KINDS`] order.
@@ -40,6 +43,10 @@ impl Sample {
     /// and downs (each downstream and upstream connection holds one fd).
     pub(crate) fn fds_net(&self) -> f64 {
         self.fds as f64 - (self.downstream_cx + self.upstream_cx) as f64
+    }
+
+    fn stats_count(&self) -> f64 {
+        self.stats as f64
     }
 
     fn per_s(&self) -> f64 {
@@ -148,9 +155,19 @@ pub(crate) struct Report {
     pub(crate) counters: Vec<(String, u64)>,
     pub(crate) rss_tolerance_mib: f64,
     pub(crate) fd_tolerance: f64,
+    pub(crate) stats_tolerance: f64,
 }
 
 impl Report {
+    fn stats(&self) -> Growth {
+        growth(
+            &self.samples,
+            self.warmup_s,
+            Sample::stats_count,
+            self.stats_tolerance,
+        )
+    }
+
     fn rss(&self) -> Growth {
         growth(
             &self.samples,
@@ -210,6 +227,13 @@ impl Report {
             problems.push(format!(
                 "RSS grew after warm-up: {:+.1} MiB last-minus-first, fit {:+.1} MiB over the second half (tolerance {} MiB)",
                 rss.last_minus_first, rss.fit_over_second_half, rss.tolerance
+            ));
+        }
+        let stats = self.stats();
+        if !stats.within {
+            problems.push(format!(
+                "/stats grew after warm-up: {:+.0} stats last-minus-first, fit {:+.0} over the second half (tolerance {})",
+                stats.last_minus_first, stats.fit_over_second_half, stats.tolerance
             ));
         }
         if !fds.within {
@@ -330,7 +354,7 @@ impl Report {
 
     pub(crate) fn csv(&self) -> String {
         let mut t = String::from(
-            "t_s,rss_kib,rss_anon_kib,fds,fds_net,threads,downstream_cx,upstream_cx,cpu_pct,xds_acked",
+            "t_s,rss_kib,rss_anon_kib,fds,fds_net,threads,downstream_cx,upstream_cx,stats,cpu_pct,xds_acked",
         );
         for k in KINDS {
             let _ = write!(t, ",{0}_ok,{0}_failed", k.name());
@@ -339,7 +363,7 @@ impl Report {
         for s in &self.samples {
             let _ = write!(
                 t,
-                "{:.1},{},{},{},{},{},{},{},{:.1},{}",
+                "{:.1},{},{},{},{},{},{},{},{},{:.1},{}",
                 s.t_s,
                 s.rss_kib,
                 s.rss_anon_kib,
@@ -348,6 +372,7 @@ impl Report {
                 s.threads,
                 s.downstream_cx,
                 s.upstream_cx,
+                s.stats,
                 s.cpu_pct,
                 s.xds_acked
             );
@@ -367,6 +392,7 @@ impl Report {
             "problems": self.problems(),
             "rss_growth_mib": self.rss(),
             "fds_net_growth": self.fds(),
+            "stats_growth": self.stats(),
             "totals": self.totals.iter().zip(self.classified()).map(|((kind, ok, failed), (e, u))| json!({"kind": kind, "ok": ok, "failed": failed, "expected": e, "unexpected": u})).collect::<Vec<_>>(),
             "xds_updates_acked": self.xds_updates,
             "xds_problems": self.xds_problems,
@@ -420,6 +446,7 @@ mod tests {
                     // Connections come and go; fds net of them stay put.
                     downstream_cx: 10 + i % 7,
                     upstream_cx: 20,
+                    stats: 500,
                     cpu_pct: 50.0,
                     ok: vec![0; KINDS.len()],
                     failed: vec![0; KINDS.len()],
@@ -447,6 +474,7 @@ mod tests {
             counters: Vec::new(),
             rss_tolerance_mib: 4.0,
             fd_tolerance: 4.0,
+            stats_tolerance: 200.0,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Event-loop helpers (Envoy's `Event::Dispatcher` is where its timers and wake-ups
 //! live).
 
+pub mod counted;
 pub mod deferred_write;
 pub mod write;
 

@@ -53,6 +53,8 @@ pub struct LogSlot {
     chain: Mutex<Option<ActiveChain>>,
     /// Whether a filter of `chain` watches the body frames (saves the lock otherwise).
     observed: AtomicBool,
+    /// `downstream_rq_rx_reset` and `downstream_rq_tx_reset` of the stream's HCM.
+    resets: std::sync::OnceLock<[Counter; 2]>,
 }
 
 impl LogSlot {
@@ -73,7 +75,27 @@ impl LogSlot {
             line: Mutex::new(None),
             chain: Mutex::new(None),
             observed: AtomicBool::new(false),
+            resets: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Where the stream's resets are counted.
+    pub fn count_resets(&self, rx: Counter, tx: Counter) {
+        let _ = self.resets.set([rx, tx]);
+    }
+
+    /// The downstream reset the stream (or went away) before its response was sent.
+    pub fn rx_reset(&self) {
+        if let Some([rx, _]) = self.resets.get() {
+            rx.inc();
+        }
+    }
+
+    /// shunt reset the stream: its response could not be sent whole.
+    fn tx_reset(&self) {
+        if let Some([_, tx]) = self.resets.get() {
+            tx.inc();
+        }
     }
 
     /// The response is sent chunked: count its framing, the last chunk included.
@@ -421,6 +443,18 @@ struct Inner {
     watch: Option<StreamWatch>,
 }
 
+/// An upstream body dropped before its end while its line is still open: the
+/// downstream reset the stream or closed the connection mid-response.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let (Some(log), Content::Upstream(incoming, _)) = (&self.log, &self.content)
+            && !incoming.is_end_stream()
+        {
+            log.rx_reset();
+        }
+    }
+}
+
 impl std::fmt::Debug for ResponseBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseBody")
@@ -554,6 +588,9 @@ impl Body for ResponseBody {
                     // Dropping the upstream body resets its stream (or closes its
                     // HTTP/1.1 connection).
                     this.content = Content::Full(None);
+                    if let Some(log) = this.log.as_ref() {
+                        log.tx_reset();
+                    }
                     return Poll::Ready(Some(Err(Box::new(UpstreamRequestTimeout))));
                 }
                 frame
@@ -566,6 +603,9 @@ impl Body for ResponseBody {
         {
             this.watch = None;
             this.content = Content::Full(None);
+            if let Some(log) = this.log.as_ref() {
+                log.tx_reset();
+            }
             return Poll::Ready(Some(Err(Box::new(StreamTimeout(why)))));
         }
         match &frame {
@@ -593,6 +633,7 @@ impl Body for ResponseBody {
                 tracing::debug!(%err, "upstream response body failed");
                 if let Some(log) = this.log.as_ref() {
                     log.flag(ResponseFlag::UpstreamConnectionTermination);
+                    log.tx_reset();
                 }
             }
             // Sent: let go of the line, which is written once the request body is done too.

@@ -229,6 +229,13 @@ fn limits(hcm: &EnvoyHcm, path: &JsonPath, problems: &mut Diagnostics) -> Limits
             problems,
         );
     }
+    limits.accept_http_10 = hcm
+        .http_protocol_options
+        .as_ref()
+        .is_some_and(|o| o.accept_http_10);
+    if let Some(h2) = &hcm.http2_protocol_options {
+        limits.http2 = http2_settings(h2, &path.field("http2_protocol_options"), problems);
+    }
     let Some(common) = &hcm.common_http_protocol_options else {
         return limits;
     };
@@ -264,6 +271,45 @@ fn limits(hcm: &EnvoyHcm, path: &JsonPath, problems: &mut Diagnostics) -> Limits
         problems.warning(c_path.field("idle_timeout"), "not implemented; ignored");
     }
     limits
+}
+
+/// The `http2_protocol_options` shunt's HTTP/2 server advertises, in Envoy's ranges.
+fn http2_settings(
+    h2: &envoy_types::pb::envoy::config::core::v3::Http2ProtocolOptions,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> super::config::Http2Settings {
+    let mut settings = super::config::Http2Settings::default();
+    let mut ranged = |value: Option<u32>, field: &str, min: u32| {
+        let value = value?;
+        if (min..=2_147_483_647).contains(&value) {
+            Some(value)
+        } else {
+            problems.error(
+                path.field(field),
+                format!("must be between {min} and 2147483647, not {value}"),
+            );
+            None
+        }
+    };
+    if let Some(max) = ranged(
+        h2.max_concurrent_streams.map(|v| v.value),
+        "max_concurrent_streams",
+        1,
+    ) {
+        settings.max_concurrent_streams = max;
+    }
+    settings.initial_stream_window_size = ranged(
+        h2.initial_stream_window_size.map(|v| v.value),
+        "initial_stream_window_size",
+        65_535,
+    );
+    settings.initial_connection_window_size = ranged(
+        h2.initial_connection_window_size.map(|v| v.value),
+        "initial_connection_window_size",
+        65_535,
+    );
+    settings
 }
 
 /// Compiles the HTTP filter chain, which must end in the router. Returns the filters

@@ -118,6 +118,32 @@ pub struct Limits {
     /// (and discarding) after its last response, so that unread request bytes do not
     /// turn the close into a reset that loses the response. `None` closes at once.
     pub delayed_close_timeout: Option<std::time::Duration>,
+    /// `http_protocol_options.accept_http_10` (false): an HTTP/1.0 request gets a 426.
+    pub accept_http_10: bool,
+    /// `http2_protocol_options`: what shunt's HTTP/2 server advertises.
+    pub http2: Http2Settings,
+}
+
+/// The HCM's `http2_protocol_options` shunt honours, Envoy's defaults where unset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Http2Settings {
+    /// `max_concurrent_streams` (Envoy's default 2147483647: no practical limit).
+    pub max_concurrent_streams: u32,
+    /// `initial_stream_window_size`; unset keeps the codec's 1 MiB (Envoy: 256 MiB),
+    /// which bounds what a stream that stops reading can hold.
+    pub initial_stream_window_size: Option<u32>,
+    /// `initial_connection_window_size`; unset keeps the codec's 1 MiB.
+    pub initial_connection_window_size: Option<u32>,
+}
+
+impl Default for Http2Settings {
+    fn default() -> Self {
+        Http2Settings {
+            max_concurrent_streams: 2_147_483_647,
+            initial_stream_window_size: None,
+            initial_connection_window_size: None,
+        }
+    }
 }
 
 /// A stream's timers, `None` when disabled (Envoy's 0).
@@ -155,6 +181,8 @@ impl Default for Limits {
             stream: StreamTimeouts::default(),
             max_connection_duration: None,
             delayed_close_timeout: Some(std::time::Duration::from_secs(1)),
+            accept_http_10: false,
+            http2: Http2Settings::default(),
         }
     }
 }
@@ -203,8 +231,19 @@ pub struct HttpStats {
     /// 0 for HTTP/1, 1 for HTTP/2.
     pub requests_rejected_with_underscores_in_headers: [Counter; 2],
     pub dropped_headers_with_underscores: [Counter; 2],
+    /// Bytes read from and written to downstream connections, as they move.
+    pub downstream_cx_rx_bytes_total: Counter,
+    pub downstream_cx_tx_bytes_total: Counter,
+    /// Connections that broke HTTP (hyper's parse errors, the codec rules' refusals).
+    pub downstream_cx_protocol_error: Counter,
+    /// Streams the downstream reset (HTTP/2 RST_STREAM, or the connection went) before
+    /// their response was sent, and those shunt reset.
+    pub downstream_rq_rx_reset: Counter,
+    pub downstream_rq_tx_reset: Counter,
     /// `listener.<listener>.http.<stat_prefix>.*` of the listener the filter is in.
     pub listener: ListenerHttpStats,
+    /// Holds `http.<stat_prefix>.*` in the store while a connection manager uses it.
+    pub scope: Option<std::sync::Arc<shunt_core::stats::ScopeGuard>>,
 }
 
 /// One upgraded stream counted in `downstream_cx_upgrades_active`.
@@ -286,7 +325,15 @@ impl HttpStats {
             }),
             dropped_headers_with_underscores: ["http1", "http2"]
                 .map(|codec| store.counter(&format!("{codec}.dropped_headers_with_underscores"))),
+            downstream_cx_rx_bytes_total: counter("downstream_cx_rx_bytes_total"),
+            downstream_cx_tx_bytes_total: counter("downstream_cx_tx_bytes_total"),
+            downstream_cx_protocol_error: counter("downstream_cx_protocol_error"),
+            downstream_rq_rx_reset: counter("downstream_rq_rx_reset"),
+            downstream_rq_tx_reset: counter("downstream_rq_tx_reset"),
             listener: ListenerHttpStats::default(),
+            scope: Some(std::sync::Arc::new(
+                store.scope(&format!("http.{stat_prefix}.")),
+            )),
         }
     }
 }

@@ -132,8 +132,20 @@ pub async fn serve<IO>(
         .max_buf_size(super::limits::http1_buffer(&limits));
     builder
         .http2()
-        .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX));
+        .max_header_list_size(u32::try_from(limits.max_request_headers_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(limits.http2.max_concurrent_streams);
+    if let Some(window) = limits.http2.initial_stream_window_size {
+        builder.http2().initial_stream_window_size(window);
+    }
+    if let Some(window) = limits.http2.initial_connection_window_size {
+        builder.http2().initial_connection_window_size(window);
+    }
     let io = super::delayed_close::DelayedClose::new(io, limits.delayed_close_timeout);
+    let io = shunt_core::event::counted::Counted::new(
+        io,
+        stats.downstream_cx_rx_bytes_total.clone(),
+        stats.downstream_cx_tx_bytes_total.clone(),
+    );
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     // What makes the connection drain: the drain signal, `max_connection_duration`, or
     // (HTTP/2) the last request `max_requests_per_connection` allows. Polled only when
@@ -169,11 +181,12 @@ pub async fn serve<IO>(
         connection.as_mut().graceful_shutdown();
     };
     if let Err(err) = result {
-        if err
-            .downcast_ref::<hyper::Error>()
-            .is_some_and(hyper::Error::is_timeout)
-        {
+        let hyper_error = err.downcast_ref::<hyper::Error>();
+        if hyper_error.is_some_and(hyper::Error::is_timeout) {
             stats.downstream_rq_header_timeout.inc();
+        }
+        if hyper_error.is_some_and(hyper::Error::is_parse) {
+            stats.downstream_cx_protocol_error.inc();
         }
         tracing::debug!(%remote, %err, "downstream HTTP connection ended with an error");
     }
@@ -228,6 +241,10 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
     let timeouts = hcm.limits.stream;
     let http1 = request.version() <= Version::HTTP_11;
     let log = LogSlot::new();
+    log.count_resets(
+        hcm.stats.downstream_rq_rx_reset.clone(),
+        hcm.stats.downstream_rq_tx_reset.clone(),
+    );
     if hyper::body::Body::is_end_stream(request.body()) {
         log.set_request_complete();
     }
@@ -549,6 +566,9 @@ fn refusal(
             || !routes_connect(shared))
     {
         return Some(refuse_connect(shared, parts, entry));
+    }
+    if let Some(reply) = super::limits::check_http1_request(&shared.hcm, parts) {
+        return Some(reply);
     }
     // RFC 9112 3.2: an HTTP/1.1 request without Host (and without an absolute target),
     // or any HTTP/1 request with more than one Host line, is answered 400.
@@ -1065,7 +1085,10 @@ impl Drop for Pending {
                         http.response_code = 408;
                     }
                 }
-                None => entry.flag(ResponseFlag::DownstreamConnectionTermination),
+                None => {
+                    entry.flag(ResponseFlag::DownstreamConnectionTermination);
+                    self.log.rx_reset();
+                }
             }
             self.log.fill(entry, self.hcm.clone());
         }

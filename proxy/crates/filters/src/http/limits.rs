@@ -2,14 +2,17 @@
 //! `max_headers_count` (431 `Request Header Fields Too Large`),
 //! `headers_with_underscores_action` (400, or the header dropped),
 //! `max_requests_per_connection` (the last response closes the connection, or HTTP/2's
-//! GOAWAY). hyper's
-//! codecs bound the bytes held while headers arrive; the exact checks are here.
+//! GOAWAY); and what Envoy's HTTP/1 codec refuses that hyper's takes (unknown methods,
+//! HTTP/1.0, transfer codings other than chunked). hyper's codecs bound the bytes held
+//! while headers arrive; the exact checks are here.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use hyper::header::HeaderMap;
-use hyper::{StatusCode, Version};
+use hyper::http::request::Parts;
+use hyper::{Response, StatusCode, Version};
 
+use super::body::ResponseBody;
 use super::config::{HttpConnectionManager, Limits, Underscores};
 use super::router::LocalReply;
 
@@ -87,4 +90,78 @@ pub fn check_request(
         headers.remove(name);
     }
     None
+}
+
+/// The methods Envoy's HTTP/1 codec takes (http-parser's, which its Balsa parser keeps
+/// unless `allow_custom_methods`): any other, lowercase ones included, is a 400.
+const HTTP1_METHODS: &[&str] = &[
+    "ACL",
+    "BIND",
+    "CHECKOUT",
+    "CONNECT",
+    "COPY",
+    "DELETE",
+    "GET",
+    "HEAD",
+    "LINK",
+    "LOCK",
+    "M-SEARCH",
+    "MERGE",
+    "MKACTIVITY",
+    "MKCALENDAR",
+    "MKCOL",
+    "MOVE",
+    "NOTIFY",
+    "OPTIONS",
+    "PATCH",
+    "POST",
+    "PROPFIND",
+    "PROPPATCH",
+    "PURGE",
+    "PUT",
+    "REBIND",
+    "REPORT",
+    "SEARCH",
+    "SOURCE",
+    "SUBSCRIBE",
+    "TRACE",
+    "UNBIND",
+    "UNLINK",
+    "UNLOCK",
+    "UNSUBSCRIBE",
+];
+
+/// What Envoy's HTTP/1 codec refuses that hyper's takes, answered as Envoy answers it
+/// (the connection closes): a method outside its list (400), HTTP/1.0 unless
+/// `accept_http_10` (426), a `transfer-encoding` other than `chunked` (501: a coding
+/// shunt would drop).
+pub fn check_http1_request(
+    hcm: &HttpConnectionManager,
+    parts: &Parts,
+) -> Option<Response<ResponseBody>> {
+    let status = if !matches!(parts.version, Version::HTTP_10 | Version::HTTP_11) {
+        return None;
+    } else if !HTTP1_METHODS.contains(&parts.method.as_str()) {
+        StatusCode::BAD_REQUEST
+    } else if parts.version == Version::HTTP_10 && !hcm.limits.accept_http_10 {
+        StatusCode::UPGRADE_REQUIRED
+    } else if parts
+        .headers
+        .get_all(hyper::header::TRANSFER_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"chunked"))
+    {
+        StatusCode::NOT_IMPLEMENTED
+    } else {
+        return None;
+    };
+    hcm.stats.downstream_cx_protocol_error.inc();
+    tracing::debug!(method = %parts.method, version = ?parts.version, %status, "HTTP/1 request refused by the codec's rules");
+    let reason = status.canonical_reason().unwrap_or_default();
+    let mut response = LocalReply::new(status, reason, None).response();
+    response.headers_mut().insert(
+        hyper::header::CONNECTION,
+        hyper::header::HeaderValue::from_static("close"),
+    );
+    Some(response.map(ResponseBody::full))
 }

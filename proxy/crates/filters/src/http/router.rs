@@ -443,6 +443,7 @@ async fn attempt_once(
                 ..
             }) => {
                 cluster.stats.upstream_rq_total.inc();
+                cluster.stats.upstream_cx_protocol_error.inc();
                 tracing::debug!(cluster = %cluster.name, upstream = %host.address, %error, "upstream response malformed");
                 return Attempt::Failed(LocalReply::upstream_protocol_error(), Retriable::Reset);
             }

@@ -522,7 +522,7 @@ mod limits {
     use crate::http::{ConfigProvider, RequestConfig, RouteConfig};
     use shunt_config::{Diagnostics, JsonPath};
     use shunt_core::access_log::Direction;
-    use shunt_core::stats::Store;
+    use shunt_core::stats::{ScopeGuard, Store};
 
     #[derive(Default, Clone)]
     struct Empty {
@@ -893,6 +893,8 @@ mod limits {
     #[tokio::test]
     async fn proxied_requests_count_in_the_cluster_and_connection_manager_stats() {
         let store = Store::new();
+        // The stats outlive the exchange's config, as a live cluster's and HCM's do.
+        let _scopes = (store.scope("cluster.up."), store.scope("http.proxied."));
         let at = upstream().await;
         let config = with_upstream(&store, at, "1s");
         let hcm = proxying_hcm(&config, &store);
@@ -960,8 +962,10 @@ mod limits {
     /// One request through a route with a 0.2 s per-try timeout and one retry on reset,
     /// to [`stalling_upstream`]: the response, the connections the upstream took, the
     /// stats.
-    async fn per_try_timeout_exchange(stalled: usize) -> (String, usize, Store) {
+    async fn per_try_timeout_exchange(stalled: usize) -> (String, usize, Store, ScopeGuard) {
         let store = Store::new();
+        // The cluster's stats outlive the exchange's config, as a live cluster's do.
+        let scope = store.scope("cluster.up.");
         let (at, accepted) = stalling_upstream(stalled).await;
         let config = with_upstream(&store, at, "1s");
         let hcm = proxying_hcm_with(
@@ -973,12 +977,12 @@ mod limits {
         let request = "GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
         let response = exchange_with(hcm, config, request.as_bytes().to_vec()).await;
         let accepted = accepted.load(std::sync::atomic::Ordering::SeqCst);
-        (response, accepted, store)
+        (response, accepted, store, scope)
     }
 
     #[tokio::test]
     async fn a_per_try_timeout_retries_on_a_new_connection_and_the_retry_answers() {
-        let (response, accepted, store) = per_try_timeout_exchange(1).await;
+        let (response, accepted, store, _scope) = per_try_timeout_exchange(1).await;
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
         assert!(response.ends_with("late"), "{response}");
         assert_eq!(accepted, 2);
@@ -988,7 +992,7 @@ mod limits {
 
     #[tokio::test]
     async fn a_per_try_timeout_without_a_retry_left_is_a_504() {
-        let (response, accepted, store) = per_try_timeout_exchange(usize::MAX).await;
+        let (response, accepted, store, _scope) = per_try_timeout_exchange(usize::MAX).await;
         assert!(response.starts_with("HTTP/1.1 504"), "{response}");
         assert!(response.ends_with("upstream request timeout"), "{response}");
         // Two tries, each cut by its own timer: the route's 10 s would have ended the

@@ -46,9 +46,19 @@ pub(super) fn head(
     out.put_u8(b' ');
     out.put_slice(target.as_bytes());
     out.put_slice(b" HTTP/1.1\r\n");
+    let mut cookie_written = false;
     for (name, value) in &parts.headers {
         // The framing is this hop's own.
         if name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        if name == header::COOKIE {
+            // HTTP/2 sends one field per cookie; HTTP/1.1 has one `cookie` line, the
+            // fields joined with "; " (RFC 9113 §8.2.3), as Envoy's codec does.
+            if !cookie_written {
+                cookie_written = true;
+                put_cookies(out, &parts.headers);
+            }
             continue;
         }
         out.put_slice(name.as_str().as_bytes());
@@ -65,6 +75,18 @@ pub(super) fn head(
     }
     out.put_slice(b"\r\n");
     Ok(framing)
+}
+
+/// Every `cookie` field of `headers` as one `cookie` line, joined with "; ".
+fn put_cookies(out: &mut BytesMut, headers: &HeaderMap) {
+    out.put_slice(b"cookie: ");
+    for (i, value) in headers.get_all(header::COOKIE).iter().enumerate() {
+        if i > 0 {
+            out.put_slice(b"; ");
+        }
+        out.put_slice(value.as_bytes());
+    }
+    out.put_slice(b"\r\n");
 }
 
 /// One data frame, framed: the bytes to queue after what is queued already.

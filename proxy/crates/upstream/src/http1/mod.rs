@@ -93,7 +93,7 @@ pub struct Connection {
     write: BytesMut,
     /// The request's bytes still to write, in order: head, data, chunk framing.
     queue: Vec<Bytes>,
-    _held: Held,
+    held: Held,
 }
 
 impl std::fmt::Debug for Connection {
@@ -124,7 +124,7 @@ impl Connection {
             read: BytesMut::new(),
             write: BytesMut::new(),
             queue: Vec::new(),
-            _held: held,
+            held,
         }
     }
 
@@ -139,7 +139,12 @@ impl Connection {
         let mut buf = ReadBuf::new(&mut byte);
         match Pin::new(&mut self.io).poll_read(cx, &mut buf) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(_) => Poll::Ready(()),
+            Poll::Ready(read) => {
+                if matches!(read, Ok(())) && buf.filled().is_empty() {
+                    self.held.1.closed_by_remote();
+                }
+                Poll::Ready(())
+            }
         }
     }
 
@@ -255,7 +260,15 @@ impl Connection {
                 continue;
             }
             let failed = match ready!(self.poll_fill(cx)) {
-                Ok(0) => Error::Closed,
+                // A head cut off mid-way is a protocol error (Envoy's 502), not a reset.
+                Ok(0) => {
+                    self.held.1.closed_by_remote();
+                    if self.read.is_empty() {
+                        Error::Closed
+                    } else {
+                        Error::Malformed("response head cut off")
+                    }
+                }
                 Ok(_) => continue,
                 Err(err) => err.into(),
             };
@@ -523,6 +536,7 @@ impl Body for ResponseBody {
             }
             match ready!(reading.connection.poll_fill(cx)) {
                 Ok(0) => {
+                    reading.connection.held.1.closed_by_remote();
                     let ended = matches!(reading.framing, decode::Framing::Close);
                     *this = ResponseBody::Done;
                     return Poll::Ready((!ended).then_some(Err(Error::Closed)));

@@ -227,6 +227,10 @@ async fn a_malformed_response_or_a_close_before_it_fails_the_request() {
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n")
                 .await;
         }
+        if head.starts_with("GET /cut ") {
+            // The head stops mid-way and the connection closes.
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-le").await;
+        }
         // /closed: nothing comes back.
     })
     .await;
@@ -237,6 +241,12 @@ async fn a_malformed_response_or_a_close_before_it_fails_the_request() {
         .await
         .unwrap_err();
     assert!(failed.malformed, "{}", failed.error);
+    let failed = checkout(&cluster, &host)
+        .await
+        .send(get("/cut"))
+        .await
+        .unwrap_err();
+    assert!(failed.malformed, "a head cut off: {}", failed.error);
     let failed = checkout(&cluster, &host)
         .await
         .send(get("/closed"))
@@ -420,4 +430,40 @@ fn a_head_and_its_body_leave_in_one_write_gathered_or_joined() {
             "vectored: {vectored}"
         );
     }
+}
+
+#[tokio::test]
+async fn cookie_fields_go_as_one_line_joined_with_semicolons() {
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let (address, _) = upstream(move |mut stream| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            let head = read_request(&mut stream, 0).await;
+            let _ = stream.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+            if let Some(tx) = seen_tx.lock().unwrap().take() {
+                let _ = tx.send(head);
+            }
+        }
+    })
+    .await;
+    let (cluster, host) = cluster(address);
+    let mut request = get("/");
+    // As an HTTP/2 client sends them: one field per cookie.
+    for cookie in ["a=1", "b=2", "c=3"] {
+        request
+            .headers_mut()
+            .append("cookie", cookie.parse().unwrap());
+    }
+    request
+        .headers_mut()
+        .insert("x-after", "z".parse().unwrap());
+    checkout(&cluster, &host).await.send(request).await.unwrap();
+    let head = seen_rx.await.unwrap();
+    let cookies: Vec<&str> = head
+        .lines()
+        .filter(|l| l.to_ascii_lowercase().starts_with("cookie:"))
+        .collect();
+    assert_eq!(cookies, ["cookie: a=1; b=2; c=3"], "{head}");
+    assert!(head.contains("x-after: z\r\n"), "{head}");
 }
