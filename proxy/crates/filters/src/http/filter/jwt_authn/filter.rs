@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
-use base64::engine::general_purpose::URL_SAFE;
+use base64::engine::general_purpose::{STANDARD, URL_SAFE};
 use envoy_types::pb::envoy::extensions::filters::http::jwt_authn::v3::{
     JwtAuthentication, PerRouteConfig,
 };
@@ -170,6 +170,8 @@ struct Token {
 #[derive(Debug, Default)]
 struct Effects {
     remove: Vec<HeaderName>,
+    /// Query parameters the tokens came in.
+    remove_params: Vec<String>,
     set: Vec<(HeaderName, String)>,
     metadata: Map<String, Value>,
 }
@@ -260,8 +262,8 @@ fn extract(providers: &[Provider], which: &[usize], request: &RequestHeaders) ->
     tokens
 }
 
-/// A claim as a header value: strings as they are, numbers and booleans as text, a
-/// list of them joined with commas; objects are not copied.
+/// A claim as a header value: strings as they are, numbers and booleans as text,
+/// lists and objects as their JSON in (padded) base64, as Envoy does.
 fn claim_text(value: &Value) -> Option<String> {
     match value {
         Value::String(s) => Some(s.clone()),
@@ -270,13 +272,7 @@ fn claim_text(value: &Value) -> Option<String> {
             Some(f) if f.fract() == 0.0 && f.abs() < 1e15 => format!("{}", f as i64),
             _ => n.to_string(),
         }),
-        Value::Array(items) => Some(
-            items
-                .iter()
-                .map(claim_text)
-                .collect::<Option<Vec<_>>>()?
-                .join(","),
-        ),
+        Value::Array(_) | Value::Object(_) => Some(STANDARD.encode(value.to_string())),
         _ => None,
     }
 }
@@ -328,20 +324,27 @@ impl<'r> Verification<'r> {
                     self.authenticate(None, Mode::AllowFailed).await
                 }
                 Requirement::Any(list) => {
-                    // Envoy runs every child; any success wins, else the last failure
-                    // that is more than a missing token (or one of another issuer).
-                    let mut statuses = Vec::with_capacity(list.len());
-                    for child in list {
-                        statuses.push(self.requirement(child).await);
+                    // Envoy's any-verifier: an `allow_missing` among the children is a
+                    // flag, not a verifier; any success wins, else the last failure
+                    // that is more than a missing token.
+                    let allow_missing = list.iter().any(|c| matches!(c, Requirement::AllowMissing));
+                    let mut last = Status::JwtMissed;
+                    let mut ok = false;
+                    for child in list
+                        .iter()
+                        .filter(|c| !matches!(c, Requirement::AllowMissing))
+                    {
+                        match self.requirement(child).await {
+                            Status::Ok => ok = true,
+                            Status::JwtMissed => {}
+                            failed => last = failed,
+                        }
                     }
-                    if statuses.contains(&Status::Ok) {
-                        return Status::Ok;
+                    if ok || (allow_missing && last == Status::JwtMissed) {
+                        Status::Ok
+                    } else {
+                        last
                     }
-                    statuses
-                        .into_iter()
-                        .filter(|s| !matches!(s, Status::JwtMissed | Status::JwtUnknownIssuer))
-                        .last()
-                        .unwrap_or(Status::JwtMissed)
                 }
                 Requirement::All(list) => {
                     for child in list {
@@ -439,6 +442,11 @@ impl<'r> Verification<'r> {
             && let Location::Header(name) = &token.location
         {
             effects.remove.push(name.clone());
+        }
+        if !p.forward
+            && let Location::Param(name) = &token.location
+        {
+            effects.remove_params.push(name.clone());
         }
         if let Some(header) = &p.forward_payload_header {
             let mut payload = jwt.payload_base64url.trim_end_matches('=').to_owned();
@@ -589,9 +597,31 @@ fn reply(config: &JwtAuthnConfig, status: Status, request: &RequestHeaders) -> L
     reply
 }
 
+/// `path` without the query parameters named (and without `?` if none is left).
+fn without_params(path: &str, names: &[String]) -> String {
+    let Some((path_only, query)) = path.split_once('?') else {
+        return path.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let name = pair.split_once('=').map_or(*pair, |(n, _)| n);
+            !names.iter().any(|n| n == name)
+        })
+        .collect();
+    if kept.is_empty() {
+        path_only.to_owned()
+    } else {
+        format!("{path_only}?{}", kept.join("&"))
+    }
+}
+
 fn apply(effects: Effects, request: &mut RequestHeaders, ctx: &mut StreamCtx) {
     for name in &effects.remove {
         request.headers.remove(name);
+    }
+    if !effects.remove_params.is_empty() {
+        request.path = without_params(&request.path, &effects.remove_params);
     }
     for (name, value) in effects.set {
         if let Ok(value) = HeaderValue::from_str(&value) {
@@ -613,6 +643,7 @@ impl HttpFilter for JwtAuthnFilter {
         let shared = self.0.clone();
         if shared.config.bypass_cors_preflight && Self::is_cors_preflight(request) {
             shared.stats.cors_preflight_bypassed.inc();
+            shared.stats.allowed.inc();
             return Flow::CONTINUE;
         }
         let requirement = match self.requirement(request, ctx) {
