@@ -86,8 +86,15 @@ impl TokenBucket {
         state.tokens.floor() as u32
     }
 
-    /// Seconds until the next fill (`x-ratelimit-reset`), rounded up.
+    /// Seconds until the next token (`x-ratelimit-reset`, rounded up): 0 while one is
+    /// left, as Envoy's bucket reports.
     pub fn reset_seconds(&self) -> u64 {
-        self.fill_interval.as_secs_f64().ceil() as u64
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.refill(&mut state, Instant::now());
+        if state.tokens >= 1.0 {
+            return 0;
+        }
+        let rate = f64::from(self.tokens_per_fill) / self.fill_interval.as_secs_f64();
+        ((1.0 - state.tokens) / rate).ceil() as u64
     }
 }
