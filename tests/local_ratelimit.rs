@@ -2,8 +2,10 @@
 //! differential against Envoy 1.40: the same bootstrap (but ports) served by `shunt
 //! proxy -c` and by Envoy in pod `proxy`, the same sequence of requests from pod
 //! `client`, and the same 200s and 429s, `x-local-rate-limit` and `x-ratelimit-*`
-//! headers, request headers added when not enforced, and stats. The buckets refill
-//! once a minute, so the sequence's outcome does not depend on timing.
+//! headers, request headers added when not enforced, and stats. Then
+//! `envoy.filters.network.local_ratelimit` in front of a `tcp_proxy`: the same
+//! connections served and closed. The buckets refill once a minute, so the outcome
+//! does not depend on timing.
 //!
 //! Needs root and Envoy (`cargo xtask setup`).
 
@@ -97,12 +99,25 @@ fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr) -> Value {
             route("/", None)
         ]}]}
     }});
+    let tcp = json!([
+        {"name": "envoy.filters.network.local_ratelimit", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "tcp_rl",
+            "token_bucket": {"max_tokens": 2, "fill_interval": "60s"}}},
+        {"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "stat_prefix": "tcp", "cluster": "backend"}}
+    ]);
     json!({
         "node": {"id": "rl-test", "cluster": "rl-test"},
         "admin": {"address": socket_address("127.0.0.1", admin)},
         "static_resources": {
-            "listeners": [{"name": "main", "address": socket_address("0.0.0.0", port),
-                           "filter_chains": [{"filters": [hcm]}]}],
+            "listeners": [
+                {"name": "main", "address": socket_address("0.0.0.0", port),
+                 "filter_chains": [{"filters": [hcm]}]},
+                {"name": "tcp", "address": socket_address("0.0.0.0", port + 1),
+                 "filter_chains": [{"filters": tcp}]}
+            ],
             "clusters": [cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT))]
         }
     })
@@ -167,7 +182,11 @@ fn filter_stats(pod: &Pod, admin: u16) -> BTreeMap<String, u64> {
         .unwrap()
         .iter()
         .filter_map(|s| Some((s["name"].as_str()?.to_owned(), s["value"].as_u64()?)))
-        .filter(|(name, value)| *value > 0 && name.contains(".http_local_rate_limit."))
+        .filter(|(name, value)| {
+            *value > 0
+                && (name.contains(".http_local_rate_limit.")
+                    || name.starts_with("local_rate_limit."))
+        })
         .collect()
 }
 
@@ -251,6 +270,31 @@ fn local_rate_limits_answer_as_envoy_does() {
         if theirs != ours {
             differences.push(format!(
                 "request {i} {path}:\n  envoy {theirs}\n  shunt {ours}"
+            ));
+        }
+    }
+    // Through the TCP listener: two connections a minute, the third closed at once.
+    for i in 0..3 {
+        let served = |port: u16| {
+            let url = format!("http://{}:{}/", proxy.ipv4(), port + 1);
+            let out = client
+                .command("curl")
+                .args(["-s", "--max-time", "10", &url])
+                .output()
+                .expect("run curl");
+            // Refused connections are reset: curl's exit code (7 or 56) depends on
+            // whether its request left before the reset, so only "served" is compared.
+            out.status.success()
+        };
+        let (theirs, ours) = (served(ENVOY_PORT), served(SHUNT_PORT));
+        assert_eq!(
+            theirs,
+            i < 2,
+            "tcp connection {i}: served by Envoy: {theirs}"
+        );
+        if theirs != ours {
+            differences.push(format!(
+                "tcp connection {i}: served by envoy {theirs}, by shunt {ours}"
             ));
         }
     }
