@@ -150,6 +150,9 @@ impl HttpFilterConfig for Config {
 
 struct JwtAuthnFilter(Arc<Shared>);
 
+/// A route's `requirement_name` that `requirement_map` does not have.
+struct UnknownRequirement;
+
 /// Where a token was found: what `forward: false` removes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Location {
@@ -530,18 +533,14 @@ impl JwtAuthnFilter {
         &'a self,
         request: &RequestHeaders,
         ctx: &'a StreamCtx,
-    ) -> Result<Option<&'a Requirement>, LocalReply> {
+    ) -> Result<Option<&'a Requirement>, UnknownRequirement> {
         let config = &self.0.config;
         match ctx.route_config::<RouteSettings>() {
             Some(RouteSettings(PerRoute::Disabled)) => Ok(None),
             Some(RouteSettings(PerRoute::RequirementName(name))) => {
                 match config.requirement_map.get(name) {
                     Some(r) => Ok(Some(r)),
-                    None => Err(LocalReply::new(
-                        StatusCode::FORBIDDEN,
-                        "Failed JWT authentication",
-                        "jwt_authn_access_denied{unknown_requirement_name}",
-                    )),
+                    None => Err(UnknownRequirement),
                 }
             }
             None => {
@@ -652,8 +651,13 @@ impl HttpFilter for JwtAuthnFilter {
                 shared.stats.allowed.inc();
                 return Flow::CONTINUE;
             }
-            Err(reply) => {
+            Err(UnknownRequirement) => {
                 shared.stats.denied.inc();
+                let reply = LocalReply::new(
+                    StatusCode::FORBIDDEN,
+                    "Failed JWT authentication",
+                    "jwt_authn_access_denied{unknown_requirement_name}",
+                );
                 return FilterStatus::Reply(reply).into();
             }
         };
