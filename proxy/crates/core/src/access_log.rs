@@ -77,6 +77,8 @@ pub enum ResponseFlag {
     DelayInjected,
     /// `UAEX`: the external authorization service denied the request.
     UnauthorizedExternalService,
+    /// `RL`: a rate limit filter refused the request.
+    RateLimited,
 }
 
 impl ResponseFlag {
@@ -94,6 +96,7 @@ impl ResponseFlag {
             Self::FaultInjected => "FI",
             Self::DelayInjected => "DI",
             Self::UnauthorizedExternalService => "UAEX",
+            Self::RateLimited => "RL",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
             Self::DownstreamProtocolError => "DPE",

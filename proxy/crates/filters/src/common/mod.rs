@@ -9,3 +9,4 @@ pub mod ext_authz;
 pub mod matcher;
 pub mod percent;
 pub mod rbac;
+pub mod token_bucket;

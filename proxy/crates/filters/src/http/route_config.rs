@@ -329,7 +329,7 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
     })
 }
 
-fn route_match(
+pub(crate) fn route_match(
     m: Option<&EnvoyMatch>,
     path: &JsonPath,
     problems: &mut Diagnostics,
@@ -449,7 +449,11 @@ pub fn query_matcher(
     })
 }
 
-fn data_source(source: &DataSource, path: &JsonPath, problems: &mut Diagnostics) -> Bytes {
+pub(crate) fn data_source(
+    source: &DataSource,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Bytes {
     match &source.specifier {
         Some(data_source::Specifier::InlineString(s)) => Bytes::from(s.clone()),
         Some(data_source::Specifier::InlineBytes(b)) => Bytes::from(b.clone()),

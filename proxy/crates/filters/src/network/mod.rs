@@ -98,6 +98,14 @@ impl<'a> NewConnection<'a> {
         let _ = self.buffer.split_to(n);
     }
 
+    /// Makes the close that follows a reset (RST), as Envoy's close of a connection
+    /// whose bytes it never read.
+    pub fn reset_on_close(&self) {
+        if let Some(tcp) = self.stream.tcp() {
+            shunt_tls::stream::abort(tcp);
+        }
+    }
+
     /// Writes to the downstream before anything the terminal filter writes.
     pub async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
         self.stream.write_all(data).await?;

@@ -33,6 +33,8 @@ pub mod ext_authz;
 pub mod fault;
 pub mod grpc_stats;
 pub mod istio_stats;
+pub mod jwt_authn;
+pub mod local_ratelimit;
 pub mod peer_metadata;
 pub mod rbac;
 pub mod set_filter_state;

@@ -22,6 +22,8 @@ pub static FACTORIES: &[&Factory] = &[
     &super::alpn::FACTORY,
     &super::compressor::filter::FACTORY,
     &super::decompressor::FACTORY,
+    &super::jwt_authn::filter::FACTORY,
+    &super::local_ratelimit::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

@@ -5,6 +5,7 @@
 pub mod ext_authz;
 pub mod istio_authn;
 pub mod istio_stats;
+pub mod local_ratelimit;
 pub mod metadata_exchange;
 pub mod rbac;
 pub mod set_filter_state;
