@@ -12,6 +12,10 @@
 //!     (waits up to 60 s; the wall time and this process's CPU time since the pod's
 //!     `add` started)
 //! stat UID NAME                                -> @stat UID VALUE (the pod's proxy's counter)
+//! interned                                     -> @interned N (xDS resources this process
+//!     holds once for every pod that has them)
+//! clusters UID                                 -> @clusters UID NAME=VERSION:DIGEST,...
+//!     (the pod's config_dump clusters, static and dynamic; DIGEST of the cluster's bytes)
 //! handover PATH                                -> @handed-over N (once a new process took them)
 //! ```
 //!
@@ -227,6 +231,27 @@ fn main() -> anyhow::Result<()> {
                     None => reply(&format!("error {uid} no proxy stats")),
                 }
             }
+            ["interned"] => reply(&format!("interned {}", shunt::xds::interned_resources())),
+            ["clusters", uid] => match pods.proxy_resources(uid) {
+                Some(resources) => {
+                    let clusters: Vec<String> = resources
+                        .clusters
+                        .iter()
+                        .map(|c| {
+                            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                            std::hash::Hash::hash(
+                                &prost::Message::encode_to_vec(&c.resource),
+                                &mut hasher,
+                            );
+                            let version = c.version_info.as_deref().unwrap_or("static");
+                            let digest = std::hash::Hasher::finish(&hasher);
+                            format!("{}={version}:{digest:x}", c.resource.name)
+                        })
+                        .collect();
+                    reply(&format!("clusters {uid} {}", clusters.join(",")));
+                }
+                None => reply(&format!("error {uid} no proxy config")),
+            },
             ["handover", path] => {
                 let (pods, path) = (pods.clone(), PathBuf::from(path));
                 std::thread::spawn(move || {
