@@ -255,7 +255,7 @@ fn sidecar(bins: &Bins, envoy: &Path, proxy: Sidecar, push: &Push) -> Result<Sid
     };
     let started = Instant::now();
     let process = pod.command(&program).args(&args).spawn()?;
-    wait_ready(&pod, &ads, &process)?;
+    wait_ready(&pod, &ads, &process, push)?;
     let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
     let cpu_ms = super::measure::cpu_ns(process.pid())? as f64 / 1e6;
     settle();
@@ -269,15 +269,16 @@ fn sidecar(bins: &Bins, envoy: &Path, proxy: Sidecar, push: &Push) -> Result<Sid
     })
 }
 
-/// Waits until the sidecar ACKed version `1` of every type and its admin says ready.
-fn wait_ready(pod: &Pod, ads: &AdsServer, process: &PodProcess) -> Result<()> {
+/// Waits until the sidecar ACKed version `1` of every type the push has resources of
+/// (with no service there are no endpoints to subscribe to) and its admin says ready.
+fn wait_ready(pod: &Pod, ads: &AdsServer, process: &PodProcess, push: &Push) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
-    let types = [
-        type_urls::CLUSTER,
-        type_urls::ENDPOINT,
-        type_urls::LISTENER,
-        type_urls::ROUTE,
-    ];
+    let types: Vec<&str> = push
+        .types
+        .iter()
+        .filter(|t| !t.resources.is_empty())
+        .map(|t| t.type_url)
+        .collect();
     loop {
         let requests = ads.requests();
         if let Some(nack) = requests.iter().find(|r| r.is_nack()) {

@@ -94,3 +94,50 @@ pub fn count() -> usize {
     sweep(&mut table);
     table.entries.len()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key no other test of this binary uses (the table is process-wide).
+    fn key(n: u64) -> (Kind, usize, u64) {
+        (Kind::Effective, 7, 0x5eed_0000_0000_0000 | n)
+    }
+
+    #[test]
+    fn equal_keys_share_one_copy_until_the_last_holder_drops_it() {
+        let (kind, len, digest) = key(1);
+        let first = intern(kind, len, digest, || Ok::<_, ()>(String::from("one"))).unwrap();
+        let second = intern(kind, len, digest, || -> Result<String, ()> {
+            panic!("made twice")
+        })
+        .unwrap();
+        assert!(Arc::ptr_eq(&first, &second));
+        let (other_kind, other_len, other_digest) = key(2);
+        let other = intern(other_kind, other_len, other_digest, || {
+            Ok::<_, ()>(String::from("one"))
+        })
+        .unwrap();
+        assert!(!Arc::ptr_eq(&first, &other), "another key is another copy");
+        let weak = Arc::downgrade(&first);
+        drop((first, second));
+        assert!(
+            weak.upgrade().is_none(),
+            "the table holds no strong reference"
+        );
+        // Asked again, it is made again.
+        let again = intern(kind, len, digest, || Ok::<_, ()>(String::from("two"))).unwrap();
+        assert_eq!(*again, "two");
+    }
+
+    #[test]
+    fn a_failed_make_interns_nothing() {
+        let (kind, len, digest) = key(3);
+        assert_eq!(
+            intern::<String, _>(kind, len, digest, || Err("bad")),
+            Err("bad")
+        );
+        let made = intern(kind, len, digest, || Ok::<_, ()>(String::from("good"))).unwrap();
+        assert_eq!(*made, "good");
+    }
+}
