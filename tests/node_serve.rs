@@ -174,6 +174,34 @@ impl NodeAgent {
             .unwrap_or_else(|| panic!("stat {name}: {reply}"))
     }
 
+    /// How many xDS resources the process holds once for every pod that has them.
+    fn interned(&mut self) -> usize {
+        self.send("interned");
+        let reply = self.wait_reply("@interned ");
+        reply["@interned ".len()..]
+            .parse()
+            .unwrap_or_else(|_| panic!("interned: {reply}"))
+    }
+
+    /// The pod's config_dump clusters: `NAME=VERSION:DIGEST` each.
+    fn clusters(&mut self, pod: &Pod) -> String {
+        self.send(&format!("clusters {}", pod.name()));
+        let reply = self.wait_reply(&format!("@clusters {} ", pod.name()));
+        reply.rsplit(' ').next().unwrap_or_default().to_owned()
+    }
+
+    /// Waits up to 10 s for `until` to hold of the interned count; returns the last.
+    fn interned_until(&mut self, until: impl Fn(usize) -> bool) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = self.interned();
+            if until(n) || Instant::now() > deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn remove(&mut self, pod: &Pod) {
         self.send(&format!("remove {}", pod.name()));
         self.wait_reply(&format!("@removed {}", pod.name()));
@@ -767,6 +795,53 @@ fn xds_id(pod: &Pod) -> String {
     )
 }
 
+/// A pod's outbound push (a's in [`Mesh`]): 15001 proxies to b's app over mTLS,
+/// requiring b's identity, through the EDS cluster `to-b` (connecting within
+/// `connect_timeout_s`), all at `version`.
+fn outbound_push(
+    ads: &harness::ads::AdsServer,
+    node_id: &str,
+    b: &Pod,
+    version: &str,
+    connect_timeout_s: i64,
+) {
+    use harness::ads::resources::{
+        ads_source, eds_cluster, grpc_source, load_assignment, named, tcp_proxy_listener,
+        with_upstream_mtls,
+    };
+    use harness::ads::type_urls;
+    let to_b = with_upstream_mtls(
+        eds_cluster("to-b", ads_source(), connect_timeout_s),
+        grpc_source("sds-grpc"),
+        "default",
+        "ROOTCA",
+        &spiffe("sb"),
+    );
+    ads.set_for_node(
+        node_id,
+        type_urls::CLUSTER,
+        version,
+        vec![named("to-b", &to_b)],
+    );
+    ads.set_for_node(
+        node_id,
+        type_urls::ENDPOINT,
+        version,
+        vec![named("to-b", &load_assignment("to-b", &[v4(b, 8080)]))],
+    );
+    let listener = tcp_proxy_listener(
+        "virtualOutbound",
+        SocketAddr::from(([0, 0, 0, 0], 15001)),
+        "to-b",
+    );
+    ads.set_for_node(
+        node_id,
+        type_urls::LISTENER,
+        version,
+        vec![named("virtualOutbound", &listener)],
+    );
+}
+
 /// A node of two pods served by one node process with per-pod proxies from a test
 /// control plane and certificates from a test CA: a (service account `sa`) calls b
 /// (`sb`) over mTLS; a's outbound requires b's SPIFFE id, b's inbound requires
@@ -787,7 +862,7 @@ struct Mesh {
 
 impl Mesh {
     fn start(tag: &str, b_requires: &str, flags: &[&str]) -> Mesh {
-        use harness::ads::resources::{grpc_source, named, tcp_proxy_listener, with_upstream_mtls};
+        use harness::ads::resources::named;
         use harness::ads::type_urls;
         let mut node = Node::new().expect("node");
         let a = node.add_pod("a").expect("pod a");
@@ -807,41 +882,7 @@ impl Mesh {
         let template = pod_template(&tmp.0, &socket);
 
         // a: 15001 proxies to b's app over mTLS, requiring b's identity.
-        let to_b = with_upstream_mtls(
-            harness::ads::resources::eds_cluster("to-b", harness::ads::resources::ads_source(), 2),
-            grpc_source("sds-grpc"),
-            "default",
-            "ROOTCA",
-            &spiffe("sb"),
-        );
-        ads.set_for_node(
-            &xds_id(&a),
-            type_urls::CLUSTER,
-            "a1",
-            vec![named("to-b", &to_b)],
-        );
-        ads.set_for_node(
-            &xds_id(&a),
-            type_urls::ENDPOINT,
-            "a1",
-            vec![named(
-                "to-b",
-                &harness::ads::resources::load_assignment("to-b", &[v4(&b, 8080)]),
-            )],
-        );
-        ads.set_for_node(
-            &xds_id(&a),
-            type_urls::LISTENER,
-            "a1",
-            vec![named(
-                "virtualOutbound",
-                &tcp_proxy_listener(
-                    "virtualOutbound",
-                    SocketAddr::from(([0, 0, 0, 0], 15001)),
-                    "to-b",
-                ),
-            )],
-        );
+        outbound_push(&ads, &xds_id(&a), &b, "a1", 2);
         // b: 15006 terminates mTLS, requiring `b_requires`, to its app on loopback.
         ads.set_for_node(
             &xds_id(&b),
@@ -1557,4 +1598,81 @@ fn each_pod_finds_peers_in_the_workloads_its_own_stream_gave() {
     };
     assert_eq!(source_of(&a), ["client-as-a-knows-it"]);
     assert_eq!(source_of(&b), ["client-as-b-knows-it"]);
+}
+
+/// Pods of one process that get the same push share it: a third pod given a's push
+/// (its own xDS stream, its own node id) adds no interned resource; a push changing
+/// its copy of a's cluster adds that cluster (and its endpoints' copy) for it alone,
+/// while a's config_dump and traffic stay as they were; each pod counts its own
+/// connections; and once every pod is gone nothing is interned any more.
+#[test]
+fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
+    let mut mesh = Mesh::start("node-intern", "sa", &["--no-fast-path"]);
+    mesh.call()
+        .unwrap_or_else(|e| panic!("a -> b: {e:#}\n{}", mesh.agent.stderr()));
+    let Mesh {
+        agent,
+        ads,
+        a,
+        b,
+        node,
+        ..
+    } = &mut mesh;
+    let (a, b) = (&*a, &*b);
+    let two_pods = agent.interned();
+    assert!(two_pods > 0, "a's and b's pushes are interned");
+    let a_clusters = agent.clusters(a);
+    assert!(a_clusters.contains("to-b=a1:"), "{a_clusters}");
+
+    // c: another pod of a's service account with a's push.
+    let c = node.add_pod("c").expect("pod c");
+    outbound_push(ads, &xds_id(&c), b, "a1", 2);
+    agent.add_as(&c, "sa");
+    agent.wait_ready(&c);
+    let caller = |pod: &Pod| {
+        Caller {
+            bytes: 1 << 12,
+            ..Caller::app(pod)
+        }
+        .call(v4(b, 8080))
+    };
+    let call = caller(&c).unwrap_or_else(|e| panic!("c -> b: {e:#}\n{}", agent.stderr()));
+    assert_eq!(call.bytes, 1 << 12);
+    assert_eq!(agent.clusters(&c), a_clusters, "c has a's config");
+    assert_eq!(agent.interned(), two_pods, "c shares a's push");
+
+    // c's copy of `to-b` changes (another connect timeout): a new cluster, and its
+    // copy with endpoints, for c alone.
+    outbound_push(ads, &xds_id(&c), b, "c2", 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agent.clusters(&c).contains("to-b=c2:") {
+        assert!(
+            Instant::now() < deadline,
+            "c never got c2\n{}",
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_ne!(agent.clusters(&c), a_clusters);
+    assert_eq!(agent.interned_until(|n| n == two_pods + 2), two_pods + 2);
+    assert_eq!(
+        agent.clusters(a),
+        a_clusters,
+        "c's update left a's config as it was"
+    );
+    let call = caller(a).unwrap_or_else(|e| panic!("a -> b after c's update: {e:#}"));
+    assert_eq!(call.bytes, 1 << 12);
+    let call = caller(&c).unwrap_or_else(|e| panic!("c -> b after its update: {e:#}"));
+    assert_eq!(call.bytes, 1 << 12);
+    // Each pod counts its own: a made two outbound connections, c two.
+    assert_eq!(agent.stat(a, "tcp.virtualOutbound.downstream_cx_total"), 2);
+    assert_eq!(agent.stat(&c, "tcp.virtualOutbound.downstream_cx_total"), 2);
+    assert_eq!(agent.stat(b, "tcp.virtualOutbound.downstream_cx_total"), 0);
+
+    // c gone: its own copies go with it, a's stay; every pod gone: nothing interned.
+    agent.remove(&c);
+    assert_eq!(agent.interned_until(|n| n == two_pods), two_pods);
+    agent.remove(a);
+    agent.remove(b);
+    assert_eq!(agent.interned_until(|n| n == 0), 0, "{}", agent.stderr());
 }

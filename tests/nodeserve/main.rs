@@ -8,7 +8,14 @@
 //! served                                       -> @served UID,UID,...
 //! rss                                          -> @rss KIB
 //! ready UID                                    -> @ready UID true|false
+//! await-ready UID                              -> @ready UID true|false WALL_US CPU_US
+//!     (waits up to 60 s; the wall time and this process's CPU time since the pod's
+//!     `add` started)
 //! stat UID NAME                                -> @stat UID VALUE (the pod's proxy's counter)
+//! interned                                     -> @interned N (xDS resources this process
+//!     holds once for every pod that has them)
+//! clusters UID                                 -> @clusters UID NAME=VERSION:DIGEST,...
+//!     (the pod's config_dump clusters, static and dynamic; DIGEST of the cluster's bytes)
 //! handover PATH                                -> @handed-over N (once a new process took them)
 //! ```
 //!
@@ -133,12 +140,15 @@ fn main() -> anyhow::Result<()> {
         reply(&format!("took {n}"));
     }
     reply("ready");
+    // When each pod's `add` started: wall clock and this process's CPU clock.
+    let mut added: std::collections::HashMap<String, (Instant, Duration)> = Default::default();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["add", uid, name, namespace, netns, ips @ ..] => {
                 let started = Instant::now();
+                added.insert(uid.to_string(), (started, process_cpu()));
                 let result = std::fs::File::open(netns)
                     .map_err(|e| format!("opening {netns}: {e}"))
                     .and_then(|f| {
@@ -191,6 +201,27 @@ fn main() -> anyhow::Result<()> {
                     .any(|s| s.info.uid == *uid && s.ready);
                 reply(&format!("ready {uid} {ready}"));
             }
+            ["await-ready", uid] => {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                let is_ready = || {
+                    pods.summaries()
+                        .iter()
+                        .any(|s| s.info.uid == *uid && s.ready)
+                };
+                while !is_ready() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                let (wall, cpu) = match added.get(*uid) {
+                    Some((at, cpu)) => (at.elapsed(), process_cpu().saturating_sub(*cpu)),
+                    None => (Duration::ZERO, Duration::ZERO),
+                };
+                reply(&format!(
+                    "ready {uid} {} {} {}",
+                    is_ready(),
+                    wall.as_micros(),
+                    cpu.as_micros()
+                ));
+            }
             ["stat", uid, name] => {
                 let value = pods
                     .proxy_stats(uid)
@@ -200,6 +231,27 @@ fn main() -> anyhow::Result<()> {
                     None => reply(&format!("error {uid} no proxy stats")),
                 }
             }
+            ["interned"] => reply(&format!("interned {}", shunt::xds::interned_resources())),
+            ["clusters", uid] => match pods.proxy_resources(uid) {
+                Some(resources) => {
+                    let clusters: Vec<String> = resources
+                        .clusters
+                        .iter()
+                        .map(|c| {
+                            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                            std::hash::Hash::hash(
+                                &prost::Message::encode_to_vec(&c.resource),
+                                &mut hasher,
+                            );
+                            let version = c.version_info.as_deref().unwrap_or("static");
+                            let digest = std::hash::Hasher::finish(&hasher);
+                            format!("{}={version}:{digest:x}", c.resource.name)
+                        })
+                        .collect();
+                    reply(&format!("clusters {uid} {}", clusters.join(",")));
+                }
+                None => reply(&format!("error {uid} no proxy config")),
+            },
             ["handover", path] => {
                 let (pods, path) = (pods.clone(), PathBuf::from(path));
                 std::thread::spawn(move || {
@@ -219,6 +271,20 @@ fn reply(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "@{text}");
     let _ = out.flush();
+}
+
+/// The CPU time of this process so far, every thread's.
+fn process_cpu() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec for the call to write.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) } == 0;
+    if !ok {
+        return Duration::ZERO;
+    }
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 fn rss_kib() -> u64 {

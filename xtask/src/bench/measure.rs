@@ -188,6 +188,25 @@ pub(crate) fn rss(pid: u32) -> Result<(u64, u64)> {
     Ok((field("VmRSS:")?, field("RssAnon:")?))
 }
 
+/// The CPU time of a process's live threads, in nanoseconds (the scheduler's own
+/// count, `/proc/PID/task/*/schedstat`: finer than the ticks of `/proc/PID/stat`).
+pub(crate) fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        // A thread may have exited since the listing.
+        let Ok(stat) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("malformed {}: {stat}", path.display()))?;
+    }
+    Ok(total)
+}
+
 /// utime + stime of a process (all its threads), in ticks.
 pub(crate) fn proxy_cpu_ticks(pid: u32) -> Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;

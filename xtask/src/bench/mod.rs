@@ -7,8 +7,8 @@
 //! (shunt and Envoy taking a large config over ADS), `soak.rs` (mixed traffic for
 //! minutes through config changes and crashing upstreams), `dns.rs` (the DNS proxy's
 //! local answers and forwards against dnsmasq, with dnsperf), `agent.rs` (`shunt agent`
-//! against Envoy plus an agent: time to ready and RSS), `node.rs` (node mode: per-pod
-//! memory and enrollment, app-to-app against sidecars), `mesh.rs` (Istio's method:
+//! against Envoy plus an agent: time to ready and RSS), `node.rs` (node mode: Istio's push
+//! to P pods, `node_scale.rs` and `node_push.rs`; passthrough pods; app-to-app against sidecars), `mesh.rs` (Istio's method:
 //! latency added at a fixed rate and CPU per 1000 requests/s, shunt's sidecars and node
 //! mode against Envoy sidecars and ztunnel; `mesh_planes.rs` its data planes); what they share (medians,
 //! goals, the testapp runner, CPU and memory readings) is in `measure.rs`.
@@ -24,6 +24,8 @@ mod mesh;
 mod mesh_planes;
 mod node;
 pub(crate) mod node_mesh;
+mod node_push;
+mod node_scale;
 mod node_upgrade;
 mod soak;
 mod sockmap;
@@ -59,8 +61,10 @@ pub enum Which {
     /// shunt vs Envoy, haproxy and nginx as HTTP reverse proxies (one worker each, six
     /// virtual hosts): req/s, p50/p99, CPU per request, RSS; wrk (h1) and h2load (h2).
     Http(http::HttpArgs),
-    /// Node mode (one process, every pod): per-pod RSS and enrollment time at 10/50/100
-    /// pods; same-node round trips through it against two eBPF sidecars and direct.
+    /// Node mode (one process, every pod): Istio's push of S services to P pods (memory
+    /// per pod and per service, time and CPU to ready) beside a shunt and an Envoy
+    /// sidecar; passthrough pods' RSS and enrollment; same-node round trips through it
+    /// against two eBPF sidecars and direct.
     Node(node::NodeArgs),
     /// Istio's method: two pods on one node, HTTP/1.1 and TCP echo of 1 KB at 1000/s and
     /// at 80% of each plane's maximum, through direct, Envoy sidecars, shunt sidecars,

@@ -1,14 +1,19 @@
 //! `cargo xtask bench node`: node mode (one process serving every pod, the `nodeserve`
-//! test binary around `NodePods` with eBPF capture). Per-pod memory and enrollment time
-//! at 10, 50 and 100 pods (passthrough pods), and at 10 and 50 config-driven pods
-//! (each its own xDS stream from a control plane and its own certificate: a service
-//! account per pod); then same-node app-to-app 64-byte round trips (p50/p99,
-//! round trips/s), no sockmap anywhere: plain TCP through node mode's passthrough
-//! against two eBPF-captured `shunt proxy` sidecars and direct; and with mTLS (workload
-//! certificates from a test CA) through node mode with per-pod proxies from a control
-//! plane, the same-node fast path on and off, against two shunt sidecars and two Envoy
-//! sidecars ([`super::node_mesh`]). Ratios against direct. Results in
-//! `target/bench/node.{txt,json}`.
+//! test binary around `NodePods`). Three parts, each skipped when its list is empty:
+//! - the scale matrix ([`super::node_scale`], `--services S --pods P`): Istio's push of
+//!   S services to P pods of one namespace, node memory per pod and per service, time
+//!   and CPU to ready per pod, beside one `shunt proxy` and one Envoy sidecar taking
+//!   the same push;
+//! - passthrough pods (`--passthrough-pods`): per-pod memory and enrollment time of
+//!   pods without a control plane, with eBPF capture;
+//! - same-node app-to-app 64-byte round trips (`--rounds`; p50/p99, round trips/s), no
+//!   sockmap anywhere: plain TCP through node mode's passthrough against two
+//!   eBPF-captured `shunt proxy` sidecars and direct; and with mTLS (workload
+//!   certificates from a test CA) through node mode with per-pod proxies from a control
+//!   plane, the same-node fast path on and off, against two shunt sidecars and two Envoy
+//!   sidecars ([`super::node_mesh`]). Ratios against direct.
+//!
+//! Results in `target/bench/node.{txt,json}`.
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
@@ -23,19 +28,25 @@ use harness::{Node, Pod};
 use serde_json::json;
 
 use super::measure::{app_testapp, median};
-use crate::pods::{APP_UID, Backend, Bins, Capture, call, start_app, start_proxy, target_dir};
+use crate::pods::{APP_UID, Backend, Bins, Capture, call, start_app, start_proxy};
 
 #[derive(clap::Args)]
 pub struct NodeArgs {
-    /// Pod counts to enroll, each on a fresh node.
-    #[arg(long, value_delimiter = ',', default_value = "10,50,100")]
+    /// Services in Istio's push to every pod (the scale matrix: each with each --pods;
+    /// the full matrix is `--services 100,500,1000 --pods 1,10,50`; with no value, no
+    /// matrix).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "100,500")]
+    services: Vec<usize>,
+    /// Pods of one namespace taking the push, each count on a fresh node process.
+    #[arg(long, value_delimiter = ',', default_value = "1,10")]
     pods: Vec<usize>,
+    /// Passthrough pod counts to enroll (no control plane), each on a fresh node; with
+    /// no value, none.
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "10,50,100")]
+    passthrough_pods: Vec<usize>,
     /// Length of each round-trip run.
     #[arg(long, default_value_t = 3000)]
     duration_ms: u64,
-    /// Config-driven pod counts (per-pod proxies, xDS and certificates).
-    #[arg(long, value_delimiter = ',', default_value = "10,50")]
-    configured_pods: Vec<usize>,
     /// Rounds of app-to-app round trips (0: memory and enrollment only).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -64,14 +75,26 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
         return super::node_upgrade::run(bins, &nodeserve, connections);
     }
     let mut text = String::new();
+    let mut report = serde_json::Map::new();
+    if !args.services.is_empty() && !args.pods.is_empty() {
+        let (table, json) =
+            super::node_scale::run(bins, &nodeserve, &envoy, &args.services, &args.pods)?;
+        text.push_str(&table);
+        report.insert("scale_mesh".into(), json);
+    }
     let mut scale_rows = Vec::new();
-    writeln!(text, "bench node: one node process serving N pods")?;
-    writeln!(
-        text,
-        "{:>6}{:>14}{:>14}{:>16}{:>16}{:>16}",
-        "pods", "RSS 0 (KiB)", "RSS N (KiB)", "KiB per pod", "enroll p50 ms", "enroll p99 ms"
-    )?;
-    for &n in &args.pods {
+    if !args.passthrough_pods.is_empty() {
+        writeln!(
+            text,
+            "\nbench node: one node process serving N passthrough pods"
+        )?;
+        writeln!(
+            text,
+            "{:>6}{:>14}{:>14}{:>16}{:>16}{:>16}",
+            "pods", "RSS 0 (KiB)", "RSS N (KiB)", "KiB per pod", "enroll p50 ms", "enroll p99 ms"
+        )?;
+    }
+    for &n in &args.passthrough_pods {
         let s = scale(&nodeserve, n).with_context(|| format!("{n} pods"))?;
         writeln!(
             text,
@@ -92,43 +115,10 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
             s.enroll_p50_ms
         );
     }
-
-    writeln!(
-        text,
-        "\nconfig-driven pods (own xDS stream, own certificate, same config for all)"
-    )?;
-    writeln!(
-        text,
-        "{:>6}{:>14}{:>14}{:>16}{:>16}{:>16}",
-        "pods", "RSS 0 (KiB)", "RSS N (KiB)", "KiB per pod", "enroll p50 ms", "enroll p99 ms"
-    )?;
-    let mut configured_rows = Vec::new();
-    for &n in &args.configured_pods {
-        let s = scale_configured(&nodeserve, n).with_context(|| format!("{n} configured pods"))?;
-        let per_pod = (s.rss_full.saturating_sub(s.rss_empty)) as f64 / n as f64;
-        writeln!(
-            text,
-            "{n:>6}{:>14}{:>14}{per_pod:>16.1}{:>16.2}{:>16.2}",
-            s.rss_empty, s.rss_full, s.enroll_p50_ms, s.enroll_p99_ms
-        )?;
-        configured_rows.push(
-            json!({"pods": n, "rss_empty_kib": s.rss_empty, "rss_kib": s.rss_full,
-            "enroll_p50_ms": s.enroll_p50_ms, "enroll_p99_ms": s.enroll_p99_ms}),
-        );
-        eprintln!("  {n} configured pods: {per_pod:.1} KiB per pod");
-    }
+    report.insert("scale".into(), json!(scale_rows));
     if args.rounds == 0 {
         print!("{text}");
-        let dir = target_dir().join("bench");
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("node.txt"), &text)?;
-        std::fs::write(
-            dir.join("node.json"),
-            serde_json::to_string_pretty(
-                &json!({"scale": scale_rows, "scale_configured": configured_rows}),
-            )?,
-        )?;
-        return Ok(());
+        return super::measure::save("node", &text, &serde_json::Value::Object(report));
     }
 
     let mut samples: Vec<(Scenario, Rr)> = Vec::new();
@@ -224,17 +214,9 @@ pub fn run(bins: &Bins, args: &NodeArgs) -> Result<()> {
             m(x, |r| r.p99) / m(y, |r| r.p99)
         )?;
     }
+    report.insert("app_to_app".into(), json!(rr_rows));
     print!("{text}");
-    let dir = target_dir().join("bench");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("node.txt"), &text)?;
-    std::fs::write(
-        dir.join("node.json"),
-        serde_json::to_string_pretty(&json!({"scale": scale_rows,
-            "scale_configured": configured_rows, "app_to_app": rr_rows}))?,
-    )?;
-    println!("saved {}", dir.join("node.txt").display());
-    Ok(())
+    super::measure::save("node", &text, &serde_json::Value::Object(report))
 }
 
 struct Scale {
@@ -254,46 +236,6 @@ fn scale(nodeserve: &Path, n: usize) -> Result<Scale> {
     let mut enroll = Vec::new();
     for p in &pods {
         enroll.push(agent.add(p)?.as_secs_f64() * 1000.0);
-    }
-    let rss_full = agent.rss()?;
-    enroll.sort_by(f64::total_cmp);
-    Ok(Scale {
-        rss_empty,
-        rss_full,
-        enroll_p50_ms: enroll[n / 2],
-        enroll_p99_ms: enroll[(n * 99 / 100).min(n - 1)],
-    })
-}
-
-/// As [`scale`], each pod with a proxy of its own from a control plane: its own xDS
-/// stream (sharing the node's one connection) and its own certificate (a service
-/// account per pod, so a CA client each). Measured once every pod is configured and
-/// certified.
-fn scale_configured(nodeserve: &Path, n: usize) -> Result<Scale> {
-    let mut node = Node::new()?;
-    let pods: Vec<Pod> = (0..n)
-        .map(|i| node.add_pod(&format!("c{i}")))
-        .collect::<Result<_>>()?;
-    let scratch = node_mesh::Scratch::new("scale-configured")?;
-    let cp = node_mesh::ControlPlane::start(&node, &scratch.0, pods[0].ipv4().into())?;
-    let mut agent = Agent::start_with(&node, nodeserve, "scale-cfg", &cp.node_flags())?;
-    let rss_empty = agent.rss()?;
-    let mut enroll = Vec::new();
-    for (i, p) in pods.iter().enumerate() {
-        enroll.push(agent.add_with(p, &format!("sa=sa{i}"))?.as_secs_f64() * 1000.0);
-    }
-    for p in &pods {
-        agent.wait_ready(p)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while cp.ca.calls().iter().filter(|c| c.refused.is_none()).count() < n {
-        if Instant::now() > deadline {
-            bail!(
-                "not every pod got its certificate: {:?}",
-                cp.ca.calls().len()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
     let rss_full = agent.rss()?;
     enroll.sort_by(f64::total_cmp);
@@ -481,8 +423,12 @@ impl Agent {
     ) -> Result<Agent> {
         let cgroup = node.cgroup_path().join("agent");
         let pins = PathBuf::from(format!("{PIN_ROOT}-{tag}"));
+        // `SHUNT_BENCH_NODE_WRAPPER="heaptrack -o FILE"` runs the node process under a
+        // profiler (its words go before the program).
+        let wrapper = std::env::var("SHUNT_BENCH_NODE_WRAPPER").unwrap_or_default();
         let mut child = Command::new("nsenter")
             .arg(format!("--net={}", node.bridge_netns_path().display()))
+            .args(wrapper.split_whitespace())
             .arg(nodeserve)
             .arg("--join-cgroup")
             .arg(&cgroup)
@@ -552,14 +498,15 @@ impl Agent {
     }
 
     pub(super) fn add(&mut self, pod: &Pod) -> Result<Duration> {
-        self.add_with(pod, "")
+        self.add_in(pod, "default", "")
     }
 
-    /// Enrolls `pod` with `extra` words on its `add` line (`sa=ACCOUNT`).
-    fn add_with(&mut self, pod: &Pod, extra: &str) -> Result<Duration> {
+    /// Enrolls `pod` in `namespace` with `extra` words on its `add` line
+    /// (`sa=ACCOUNT`).
+    pub(super) fn add_in(&mut self, pod: &Pod, namespace: &str, extra: &str) -> Result<Duration> {
         writeln!(
             self.stdin,
-            "add {0} {0} default {1} {2} {3} {extra}",
+            "add {0} {0} {namespace} {1} {2} {3} {extra}",
             pod.name(),
             pod.netns_path().display(),
             pod.ipv4(),
@@ -568,6 +515,20 @@ impl Agent {
         let line = self.reply(&format!("@added {} ", pod.name()))?;
         let micros: u64 = line.rsplit(' ').next().unwrap_or("").parse()?;
         Ok(Duration::from_micros(micros))
+    }
+
+    /// Waits until the pod's proxy has its first config from the control plane: the
+    /// wall time and the node process's CPU time from its `add` to then, in ms.
+    pub(super) fn await_ready(&mut self, pod: &Pod) -> Result<(f64, f64)> {
+        writeln!(self.stdin, "await-ready {}", pod.name())?;
+        let line = self.reply(&format!("@ready {} ", pod.name()))?;
+        let words: Vec<&str> = line.split(' ').collect();
+        match words.as_slice() {
+            [_, _, "true", wall, cpu] => {
+                Ok((wall.parse::<f64>()? / 1e3, cpu.parse::<f64>()? / 1e3))
+            }
+            _ => bail!("{} never got its config: {line}", pod.name()),
+        }
     }
 
     /// Waits until the pod's proxy has its first config from the control plane.

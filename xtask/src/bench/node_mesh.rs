@@ -218,6 +218,24 @@ impl ControlPlane {
         })
     }
 
+    /// As [`ControlPlane::start`], serving Istio's push of [`super::node_push`] to
+    /// every pod (version `1` of each type).
+    pub fn start_push(
+        node: &Node,
+        dir: &Path,
+        push: &super::node_push::Push,
+    ) -> Result<ControlPlane> {
+        let (ca, token, ads, socket) = serve(node, dir)?;
+        push.serve(&ads, "1");
+        let template = write_template(dir, &socket)?;
+        Ok(ControlPlane {
+            _ads: ads,
+            template,
+            ca,
+            token,
+        })
+    }
+
     /// As [`ControlPlane::start`], with the listeners and clusters of `resources`
     /// (`{"listeners": [...], "clusters": [...]}` in Envoy's JSON, TLS from SDS as an
     /// Istio control plane sends them), read with shunt's own config loader and served

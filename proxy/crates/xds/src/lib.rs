@@ -24,5 +24,5 @@ pub mod source;
 pub mod stream;
 pub mod type_url;
 
-pub use manager::Manager;
+pub use manager::{Manager, interned_resources};
 pub use type_url::TypeUrl;

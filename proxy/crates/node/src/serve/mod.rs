@@ -165,6 +165,14 @@ impl NodePods {
         Some(self.lock().get(uid)?.stats.clone())
     }
 
+    /// A pod's config as its `/config_dump` shows it (static and xDS resources), by uid;
+    /// `None` for a pod without a proxy from the control plane.
+    pub fn proxy_resources(&self, uid: &str) -> Option<shunt_config::Resources> {
+        let pods = self.lock();
+        let config = pods.get(uid)?.instance.proxy.config()?;
+        Some(config.load().resources())
+    }
+
     /// How many CA clients run: one per service account of the pods served.
     pub fn certificate_accounts(&self) -> usize {
         self.certificates.accounts()

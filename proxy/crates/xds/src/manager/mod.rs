@@ -20,6 +20,7 @@
 //! NACKed; the serve loop gets the sockets to accept on ([`ListenerChange`]).
 
 mod apply;
+mod interned;
 mod protocol;
 mod resources;
 mod warming;
@@ -45,6 +46,7 @@ use shunt_core::stats::Store as StatsStore;
 use warming::{ServedClusters, ServedListeners, sleep_until};
 
 pub use apply::{Binder, BoundSocket, ListenerChange};
+pub use interned::count as interned_resources;
 
 /// gRPC INTERNAL, the code Envoy NACKs with.
 const INTERNAL: i32 = 13;

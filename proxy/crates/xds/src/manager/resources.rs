@@ -15,6 +15,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
+use super::interned::{self, Kind};
 use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
 use shunt_core::peer::workload_discovery::WorkloadResource;
@@ -34,8 +35,19 @@ pub(super) enum Resource {
     Workload(Arc<WorkloadResource>),
 }
 
+/// The interned copy of the message `bytes` decode to (`key`: see [`interned`]).
+fn shared<T>(key: (Kind, usize, u64), bytes: &[u8]) -> Result<Arc<T>, prost::DecodeError>
+where
+    T: Message + Default + Send + Sync + 'static,
+{
+    let (kind, len, digest) = key;
+    interned::intern(kind, len, digest, || T::decode(bytes))
+}
+
 impl Resource {
-    pub(super) fn decode(kind: TypeUrl, any: &Any) -> Result<Resource, String> {
+    /// Decodes `any` (whose bytes have `digest`), or shares the copy another manager of
+    /// this process decoded from the same bytes ([`super::interned`]).
+    pub(super) fn decode(kind: TypeUrl, any: &Any, digest: u64) -> Result<Resource, String> {
         if any.type_url != kind.as_str() {
             return Err(format!(
                 "a {} response carries a resource of type {}",
@@ -44,24 +56,15 @@ impl Resource {
             ));
         }
         let bytes = any.value.as_slice();
+        let key = (Kind::Decoded(kind), bytes.len(), digest);
         let decoded = match kind {
-            TypeUrl::Listener => {
-                EnvoyListener::decode(bytes).map(|r| Resource::Listener(Arc::new(r)))
-            }
-            TypeUrl::Cluster => EnvoyCluster::decode(bytes).map(|r| Resource::Cluster(Arc::new(r))),
-            TypeUrl::ClusterLoadAssignment => {
-                ClusterLoadAssignment::decode(bytes).map(|r| Resource::Endpoints(Arc::new(r)))
-            }
-            TypeUrl::RouteConfiguration => {
-                RouteConfiguration::decode(bytes).map(|r| Resource::Route(Arc::new(r)))
-            }
-            TypeUrl::Secret => Secret::decode(bytes).map(|r| Resource::Secret(Arc::new(r))),
-            TypeUrl::NameTable => {
-                NameTable::decode(bytes).map(|r| Resource::NameTable(Arc::new(r)))
-            }
-            TypeUrl::Workload => {
-                WorkloadResource::decode(bytes).map(|r| Resource::Workload(Arc::new(r)))
-            }
+            TypeUrl::Listener => shared(key, bytes).map(Resource::Listener),
+            TypeUrl::Cluster => shared(key, bytes).map(Resource::Cluster),
+            TypeUrl::ClusterLoadAssignment => shared(key, bytes).map(Resource::Endpoints),
+            TypeUrl::RouteConfiguration => shared(key, bytes).map(Resource::Route),
+            TypeUrl::Secret => shared(key, bytes).map(Resource::Secret),
+            TypeUrl::NameTable => shared(key, bytes).map(Resource::NameTable),
+            TypeUrl::Workload => shared(key, bytes).map(Resource::Workload),
         };
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
@@ -107,9 +110,10 @@ pub(super) struct Accepted {
 
 impl Accepted {
     pub(super) fn new(kind: TypeUrl, any: &Any, version: Arc<str>) -> Result<Accepted, String> {
+        let digest = xxhash_rust::xxh64::xxh64(&any.value, 0);
         Ok(Accepted {
-            resource: Resource::decode(kind, any)?,
-            digest: xxhash_rust::xxh64::xxh64(&any.value, 0),
+            resource: Resource::decode(kind, any, digest)?,
+            digest,
             version,
             last_updated: SystemTime::now(),
         })
@@ -175,12 +179,19 @@ pub(super) fn with_endpoints_of(
     {
         return (effective.clone(), *digest);
     }
-    let mut with_endpoints = cluster.clone();
-    if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
-        with_endpoints.load_assignment = Some((**cla).clone());
-    }
     let digest = xxhash_rust::xxh64::xxh64(&[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(), 0);
-    let effective = Arc::new(with_endpoints);
+    // Every pod with this cluster and these endpoints shares one copy.
+    let made_once = interned::intern(Kind::Effective, 0, digest, || {
+        let mut with_endpoints = cluster.clone();
+        if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
+            with_endpoints.load_assignment = Some((**cla).clone());
+        }
+        Ok::<_, std::convert::Infallible>(with_endpoints)
+    });
+    let effective = match made_once {
+        Ok(effective) => effective,
+        Err(never) => match never {},
+    };
     made.insert(cluster.name.clone(), (key, effective.clone(), digest));
     (effective, digest)
 }
