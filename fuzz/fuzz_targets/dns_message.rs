@@ -24,7 +24,10 @@ fn scope() -> Scope {
     Scope::new(
         "default",
         "default.svc.cluster.local",
-        vec!["default.svc.cluster.local".into(), "svc.cluster.local".into()],
+        vec![
+            "default.svc.cluster.local".into(),
+            "svc.cluster.local".into(),
+        ],
     )
 }
 
@@ -73,7 +76,11 @@ fuzz_target!(|data: &[u8]| {
     };
     match pick % 3 {
         0 | 1 => {
-            let transport = if pick % 3 == 0 { Transport::Udp } else { Transport::Tcp };
+            let transport = if pick % 3 == 0 {
+                Transport::Udp
+            } else {
+                Transport::Tcp
+            };
             let (runtime, resolver) = fixture();
             let Some(bytes) = runtime.block_on(resolver.answer(input, transport)) else {
                 return;
@@ -82,7 +89,11 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(reply.metadata.id.to_be_bytes(), input[..2]);
             if let (Transport::Udp, Ok(query)) = (transport, Message::from_vec(input)) {
                 let limit = usize::from(query.max_payload());
-                assert!(bytes.len() <= limit, "{} bytes over UDP, {limit} allowed", bytes.len());
+                assert!(
+                    bytes.len() <= limit,
+                    "{} bytes over UDP, {limit} allowed",
+                    bytes.len()
+                );
             }
         }
         _ => {

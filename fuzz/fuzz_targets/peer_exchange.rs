@@ -18,7 +18,11 @@ fuzz_target!(|data: &[u8]| {
                 ..LocalNode::default()
             };
             let again = exchange::encode(&node);
-            let Ok(Decoded::Done { peer: back, consumed }) = exchange::decode(&again) else {
+            let Ok(Decoded::Done {
+                peer: back,
+                consumed,
+            }) = exchange::decode(&again)
+            else {
                 panic!("our own header does not decode");
             };
             assert_eq!(consumed, again.len());

@@ -13,7 +13,12 @@ use shunt::config::load::{Format, parse};
 fuzz_target!(|data: &[u8]| {
     let document = shunt_fuzz::yaml_from_tokens(data);
     let mut findings = Vec::new();
-    if let Err(err) = parse(document.as_bytes(), Format::Yaml, "fuzz.yaml", &mut findings) {
+    if let Err(err) = parse(
+        document.as_bytes(),
+        Format::Yaml,
+        "fuzz.yaml",
+        &mut findings,
+    ) {
         assert!(err.to_string().starts_with("fuzz.yaml: "), "{err}");
     }
 });

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use prost::Message;
 use serde_json::json;
-use shunt::config::{Diagnostics, Tracked};
+use shunt::config::{Diagnostics, JsonPath, Tracked};
 use shunt::filters::common::matcher::RequestView;
 use shunt::http::route::Action;
 use shunt::http::{ConfigProvider, RequestConfig, RouteConfig};
@@ -87,7 +87,8 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
             };
             // RDS compiles each route configuration by itself too.
             let mut problems = Diagnostics::default();
-            let _ = shunt::http::route_config::compile(&routes, "fuzz", &mut problems);
+            let _ =
+                shunt::http::route_config::compile(&routes, &JsonPath::new("fuzz"), &mut problems);
             dynamic.route_configs.push(tracked(routes));
         }
         3 => {
@@ -182,7 +183,8 @@ fn route_config() -> &'static Arc<RouteConfig> {
         let config: RouteConfiguration =
             shunt::config::message_from_json(fixed_routes()).expect("the fixed routes parse");
         let mut problems = Diagnostics::default();
-        let compiled = shunt::http::route_config::compile(&config, "r", &mut problems);
+        let compiled =
+            shunt::http::route_config::compile(&config, &JsonPath::new("r"), &mut problems);
         assert!(problems.errors.is_empty(), "{:?}", problems.errors);
         Arc::new(compiled.expect("the fixed routes compile"))
     })
@@ -265,9 +267,14 @@ fn connection_manager() -> &'static (Arc<shunt::http::HttpConnectionManager>, Ar
         .expect("the fixed connection manager parses");
         let mut problems = Diagnostics::default();
         let stats = shunt::stats::Store::new();
-        let hcm =
-            shunt::http::compile::compile(&hcm, &Clusters::default(), &stats, "hcm", &mut problems)
-                .expect("the fixed connection manager compiles");
+        let hcm = shunt::http::compile::compile(
+            &hcm,
+            &Clusters::default(),
+            &stats,
+            &JsonPath::new("hcm"),
+            &mut problems,
+        )
+        .expect("the fixed connection manager compiles");
         let routes = Routes {
             route_configs: HashMap::from([("r".to_owned(), route_config().clone())]),
             clusters: Clusters::default(),
@@ -364,9 +371,38 @@ pub fn capture_flags(data: &[u8]) {
 /// tags, anchors, aliases and merge keys, quotes, comments, block indicators, breaks.
 pub fn yaml_from_tokens(data: &[u8]) -> String {
     const TOKENS: [&str; 32] = [
-        "[", "]", "{", "}", ", ", ": ", "!t ", "!!seq ", "&a ", "*a", "<<: ", "!ignore ",
-        "\"[{\"", "'[{'", "x", "x[", " ", "\n", "\n  ", "# [{\n", "- ", "? ", "|\n  [", ">\n  {",
-        "--- ", "!<tag:yaml.org,2002:map> ", "&b\t", "!t,", "a: ", "[x]", "{k: v}", "\t",
+        "[",
+        "]",
+        "{",
+        "}",
+        ", ",
+        ": ",
+        "!t ",
+        "!!seq ",
+        "&a ",
+        "*a",
+        "<<: ",
+        "!ignore ",
+        "\"[{\"",
+        "'[{'",
+        "x",
+        "x[",
+        " ",
+        "\n",
+        "\n  ",
+        "# [{\n",
+        "- ",
+        "? ",
+        "|\n  [",
+        ">\n  {",
+        "--- ",
+        "!<tag:yaml.org,2002:map> ",
+        "&b\t",
+        "!t,",
+        "a: ",
+        "[x]",
+        "{k: v}",
+        "\t",
     ];
     let mut text = String::new();
     for &byte in data {

@@ -16,7 +16,7 @@ use std::sync::{Arc, LazyLock, Mutex, Weak};
 /// endpoints filled in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Kind {
-    Decoded(crate::TypeUrl),
+    Decoded(crate::type_url::TypeUrl),
     Effective,
 }
 
