@@ -23,7 +23,7 @@ use shunt_common::{
     flags, pins,
 };
 
-use crate::ebpf::{Maps, words_addr};
+use crate::bpffs::{Maps, words_addr};
 
 /// Whether every decision on the node reports.
 pub fn node_wide(root: &Path) -> anyhow::Result<bool> {

@@ -16,7 +16,7 @@ use shunt_common::{
     cidr_kind, dns, flags, inbound, outbound, pins, port_kind,
 };
 
-use crate::ebpf::{Maps, addr_words};
+use crate::bpffs::{Maps, addr_words};
 
 /// The connection asked about.
 #[derive(Debug, Clone)]

@@ -16,10 +16,9 @@ use anyhow::bail;
 use shunt_common::pins;
 
 use crate::{
-    ebpf,
     events::{self, Filter, Reader, Renderer, Switched},
     explain::{self, Question},
-    pod_names,
+    pod_names, state,
 };
 
 #[derive(clap::Args, Debug)]
@@ -242,7 +241,7 @@ impl Drops {
 }
 
 fn show(args: InspectArgs) -> anyhow::Result<()> {
-    let Some(state) = ebpf::state(&args.bpffs)? else {
+    let Some(state) = state::state(&args.bpffs)? else {
         if args.json {
             println!("null");
         } else {

@@ -44,7 +44,7 @@ impl KernelLog {
     /// pod (found through a link pinned in its folder under `root`), if any.
     pub fn for_this_pod(root: &Path) -> anyhow::Result<Option<KernelLog>> {
         let pod = crate::netns::netns_inode().context("reading /proc/self/ns/net")?;
-        let dir = crate::ebpf::pod_dir(root, pod);
+        let dir = crate::bpffs::pod_dir(root, pod);
         if !dir.join(pins::AYA_LOGS).exists() {
             return Ok(None);
         }

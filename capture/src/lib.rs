@@ -9,6 +9,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod bpffs;
 pub mod config;
 pub mod ebpf;
 pub mod events;
@@ -20,6 +21,7 @@ pub mod link;
 pub mod netns;
 pub mod node;
 pub mod pod_names;
+pub mod state;
 
 use std::path::PathBuf;
 
@@ -521,7 +523,7 @@ fn install_ebpf(
         cfg.inbound_capture_port,
         if cfg.sockmap { "on" } else { "off" },
         cgroup.display(),
-        ebpf::pod_dir(&args.bpffs, pod.id).display()
+        bpffs::pod_dir(&args.bpffs, pod.id).display()
     );
     Ok(())
 }
@@ -569,4 +571,56 @@ fn cleanup(args: &CaptureArgs, cfg: &CaptureConfig) -> anyhow::Result<()> {
         println!("shunt capture: removed {} capture", removed.join(" and "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shunt_common::flags;
+
+    /// The configuration `shunt capture FLAGS` makes.
+    fn config(flags: &[&str]) -> CaptureConfig {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: super::CaptureArgs,
+        }
+        let argv = std::iter::once("capture").chain(flags.iter().copied());
+        <Cli as clap::Parser>::parse_from(argv)
+            .args
+            .config()
+            .unwrap()
+    }
+
+    #[test]
+    fn dns_capture_sets_its_flags_and_attaches_its_programs_only_when_asked() {
+        let pod = ebpf::PodIdentity {
+            id: 7,
+            netns_cookie: 1,
+            addresses: vec![],
+        };
+        let dns_programs = |cfg: &CaptureConfig| {
+            ebpf::cgroup_programs(cfg)
+                .iter()
+                .filter(|(name, _)| name.contains("dns"))
+                .count()
+        };
+        let off = config(&["--capture-all-dns"]);
+        assert_eq!(
+            ebpf::pod_config(&off, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            0
+        );
+        assert_eq!(dns_programs(&off), 0);
+        let on = config(&["--redirect-dns"]);
+        assert_eq!(
+            ebpf::pod_config(&on, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT
+        );
+        assert_eq!(dns_programs(&on), 4);
+        let all = config(&["--redirect-dns", "--capture-all-dns"]);
+        assert_eq!(
+            ebpf::pod_config(&all, &pod, 0).flags & (flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL),
+            flags::DNS_REDIRECT | flags::DNS_CAPTURE_ALL
+        );
+    }
 }

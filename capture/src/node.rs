@@ -23,6 +23,7 @@ use anyhow::{Context, bail};
 use shunt_common::{events::PodLabel, flags};
 
 use crate::{
+    bpffs::{node_dir, pod_dir},
     config::CaptureConfig,
     ebpf::{self, PodIdentity},
     link, netns,
@@ -46,11 +47,6 @@ pub struct NodeCapture {
     /// The `sk_lookup` program, loaded once and linked into each pod's namespace.
     steer_inbound: OwnedFd,
     _kernel_log: crate::kernel_log::KernelLog,
-}
-
-/// The subdirectory of the bpffs root holding the node's cgroup links.
-pub fn node_dir(root: &Path) -> PathBuf {
-    root.join("node")
 }
 
 impl NodeCapture {
@@ -107,7 +103,7 @@ impl NodeCapture {
             FailurePolicy::FailClosed => 0,
             FailurePolicy::FailOpen => flags::FAIL_OPEN,
         };
-        let dir = ebpf::pod_dir(&self.root, pod.id);
+        let dir = pod_dir(&self.root, pod.id);
         let link_pin = dir.join(ebpf::NETNS_PROGRAM);
         let result = (|| {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;

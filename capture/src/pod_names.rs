@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, MapData};
 use shunt_common::{PodConfig, events::PodLabel, pins};
 
-use crate::ebpf::Maps;
+use crate::bpffs::Maps;
 
 /// The label `POD_NAMESPACE`/`POD_NAME` give, if both are set.
 pub fn from_environment() -> Option<PodLabel> {

@@ -58,6 +58,14 @@ pub const CRATES: &[(&str, Layers)] = &[
             &["lib"],
         ],
     ),
+    (
+        "capture/src",
+        &[
+            &["config", "netns", "link", "bpffs", "iptables", "pod_names"],
+            &["ebpf", "kernel_log", "node", "events", "explain", "state"],
+            &["inspect", "lib"],
+        ],
+    ),
     ("proxy/src", &[&["server"], &["main", "lib"]]),
 ];
 
