@@ -3,6 +3,9 @@
 //! come back; passes only with 0 unexpected errors and no fd or memory growth after
 //! warm-up.
 //!
+//! `--with-envoy` runs the same soak again through Envoy 1.40 and sets the two side by
+//! side (RSS and `/stats` after warm-up); the verdict stays shunt's.
+//!
 //! Two pods: `proxy` (shunt, configured over ADS by the in-process server `bench xds`
 //! uses, through the same bootstrap; the clients run here too, on 127.0.0.1) and
 //! `server` (`testapp serve` endpoints). What is served and how it changes is in
@@ -36,7 +39,7 @@ use serde_json::json;
 use self::config::{CYCLE, Config, ENDPOINTS, Endpoint, LISTEN_PORTS, MTLS_OUT_PORT, State, Tls};
 use self::report::{Report, Sample, Window};
 use self::traffic::{KINDS, Kind, Traffic};
-use super::l4::shunt_args;
+use super::l4::{envoy_args, shunt_args};
 use super::measure::{TICK_US, cpus, kernel, proxy_cpu_ticks, rss, save};
 use super::xds::{ADMIN_PORT, Api, admin_status, bootstrap, open_to_the_proxy, tail, type_name};
 use crate::pods::{Bins, start_app_mode, target_dir};
@@ -74,6 +77,38 @@ pub struct SoakArgs {
     /// cycle's churned cluster and listener come and go: ~150 stats up and down).
     #[arg(long, default_value_t = 200.0)]
     stats_tolerance: f64,
+    /// Then the same soak through Envoy 1.40 (same bootstrap, pushes, traffic and
+    /// crashes), for its RSS and `/stats` beside shunt's: its errors are reported, the
+    /// verdict is shunt's.
+    #[arg(long)]
+    with_envoy: bool,
+}
+
+/// The proxy a soak runs through.
+#[derive(Clone)]
+enum Proxy {
+    Shunt,
+    Envoy(std::path::PathBuf),
+}
+
+impl Proxy {
+    fn name(&self) -> &'static str {
+        match self {
+            Proxy::Shunt => "shunt",
+            Proxy::Envoy(_) => "envoy",
+        }
+    }
+
+    fn command(
+        &self,
+        bins: &Bins,
+        bootstrap: &std::path::Path,
+    ) -> (std::path::PathBuf, Vec<String>) {
+        match self {
+            Proxy::Shunt => (bins.shunt.clone(), shunt_args(bootstrap)),
+            Proxy::Envoy(envoy) => (envoy.clone(), envoy_args(bootstrap)),
+        }
+    }
 }
 
 /// `10m`, `90s`, `1h`, `600`.
@@ -154,21 +189,28 @@ pub fn run(bins: Bins, args: &SoakArgs) -> Result<()> {
     let warmup_s = (args.warmup_s as f64).min(args.duration.as_secs_f64() / 2.0);
     catch_interrupts();
     harness::raise_open_files_limit();
+    let mut proxies = vec![Proxy::Shunt];
+    if args.with_envoy {
+        proxies.push(Proxy::Envoy(crate::setup::envoy()?));
+    }
 
-    let mut node = Node::new()?;
-    let proxy_pod = node.add_pod("proxy")?;
-    let server = node.add_pod("server")?;
-    sweep_scratch();
-    let scratch = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
-    let result = soak(&bins, args, warmup_s, &proxy_pod, &server, &scratch);
-    drop(node);
-    let _ = std::fs::remove_dir_all(&scratch);
-    let report = result?;
+    let mut reports = Vec::new();
+    for proxy in &proxies {
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            break;
+        }
+        let report = soak_in_new_node(&bins, args, warmup_s, proxy)?;
+        print!("\n{}", report.table());
+        reports.push((proxy.name(), report));
+    }
 
-    let text = report.table();
-    print!("\n{text}");
+    let mut text: String = reports.iter().map(|(_, r)| r.table() + "\n").collect();
+    if reports.len() > 1 {
+        text += &report::side_by_side(&reports);
+        print!("\n{}", report::side_by_side(&reports));
+    }
     let dir = target_dir().join("bench");
-    std::fs::write(dir.join("soak.csv"), report.csv())?;
+    std::fs::write(dir.join("soak.csv"), reports[0].1.csv())?;
     println!("saved {}", dir.join("soak.csv").display());
     let config = json!({
         "duration_s": args.duration.as_secs(),
@@ -181,12 +223,34 @@ pub fn run(bins: Bins, args: &SoakArgs) -> Result<()> {
         "kernel": kernel(),
         "cpus": cpus(),
     });
-    save("soak", &text, &report.json(config))?;
-    let problems = report.problems();
+    let json: serde_json::Map<String, serde_json::Value> = reports
+        .iter()
+        .map(|(name, r)| ((*name).to_owned(), r.json(config.clone())))
+        .collect();
+    save("soak", &text, &json.into())?;
+    let problems = reports[0].1.problems();
     if !problems.is_empty() {
         bail!("soak failed: {}", problems.join("; "));
     }
+    for (name, report) in &reports[1..] {
+        for problem in report.problems() {
+            println!("bench soak: {name} (not judged): {problem}");
+        }
+    }
     Ok(())
+}
+
+/// One soak through `proxy` in pods of its own, removed afterwards.
+fn soak_in_new_node(bins: &Bins, args: &SoakArgs, warmup_s: f64, proxy: &Proxy) -> Result<Report> {
+    let mut node = Node::new()?;
+    let proxy_pod = node.add_pod("proxy")?;
+    let server = node.add_pod("server")?;
+    sweep_scratch();
+    let scratch = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
+    let result = soak(bins, args, warmup_s, proxy, &proxy_pod, &server, &scratch);
+    drop(node);
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
 }
 
 /// The scratch folder of a run (certificates, the ADS socket, h2load's log) is
@@ -215,6 +279,7 @@ fn soak(
     bins: &Bins,
     args: &SoakArgs,
     warmup_s: f64,
+    which: &Proxy,
     proxy_pod: &Pod,
     server: &Pod,
     scratch: &std::path::Path,
@@ -259,22 +324,22 @@ fn soak(
         ads.set(t, "1", config.resources(&state, t));
     }
 
-    let mut proxy = proxy_pod
-        .command(&bins.shunt)
-        .args(shunt_args(&bootstrap_file))
-        .spawn()?;
+    let (program, proxy_args) = which.command(bins, &bootstrap_file);
+    let mut proxy = proxy_pod.command(&program).args(&proxy_args).spawn()?;
     let pid = proxy.pid();
-    wait_ready(proxy_pod, &proxy, &ads)?;
+    wait_ready(proxy_pod, &proxy, &ads, which)?;
     proxy_pod.run_in_netns(traffic::check)?.map_err(|e| {
         anyhow::anyhow!(
-            "before the soak: {e}\nclusters: {}\nshunt said:\n{}",
+            "before the soak: {e}\nclusters: {}\n{} said:\n{}",
             admin_get(proxy_pod, "/clusters").unwrap_or_else(|e| format!("{e:#}")),
+            which.name(),
             tail(&proxy.stderr_text())
         )
     })?;
     println!(
-        "bench soak: shunt (pid {pid}, {}) in pod {} over ADS (Unix socket {}); {} upstream endpoints in pod {}; {:?} of traffic at --rate {}, an xDS update every {} ms, one endpoint of each cluster SIGKILLed every {} s for {} s; a sample every {} s, warm-up {warmup_s:.0} s; kernel {}, {} CPUs",
-        shunt_args(&bootstrap_file).join(" "),
+        "bench soak: {} (pid {pid}, {}) in pod {} over ADS (Unix socket {}); {} upstream endpoints in pod {}; {:?} of traffic at --rate {}, an xDS update every {} ms, one endpoint of each cluster SIGKILLed every {} s for {} s; a sample every {} s, warm-up {warmup_s:.0} s; kernel {}, {} CPUs",
+        which.name(),
+        proxy_args.join(" "),
         proxy_pod.name(),
         socket.display(),
         ENDPOINTS.len(),
@@ -424,7 +489,8 @@ fn soak(
 
     Ok(Report {
         description: format!(
-            "bench soak: shunt over ADS, {:.0} s of HTTP/1.1 (kept alive and new connections), h2c (h2load), TCP echo and bulk, mTLS (proxy to proxy and curl) at --rate {}; an xDS update every {} ms; one endpoint of each cluster down {} s every {} s; kernel {}, {} CPUs",
+            "bench soak: {} over ADS, {:.0} s of HTTP/1.1 (kept alive and new connections), h2c (h2load), TCP echo and bulk, mTLS (proxy to proxy and curl) at --rate {}; an xDS update every {} ms; one endpoint of each cluster down {} s every {} s; kernel {}, {} CPUs",
+            which.name(),
             traffic.start.elapsed().as_secs_f64(),
             args.rate,
             args.xds_interval_ms,
@@ -466,12 +532,13 @@ fn in_netns<'scope>(
 
 /// The proxy took the whole configuration (no NACK), answers `/ready` and listens on
 /// every port.
-fn wait_ready(pod: &Pod, proxy: &PodProcess, ads: &AdsServer) -> Result<()> {
+fn wait_ready(pod: &Pod, proxy: &PodProcess, ads: &AdsServer, which: &Proxy) -> Result<()> {
     let deadline = Instant::now() + XDS_TIMEOUT * 3;
     loop {
         if let Some(nack) = ads.requests().iter().find(|r| r.is_nack()) {
             bail!(
-                "shunt NACKed the soak's {}: {:?}",
+                "{} NACKed the soak's {}: {:?}",
+                which.name(),
                 type_name(&nack.type_url),
                 nack.error_detail
             );
@@ -485,7 +552,8 @@ fn wait_ready(pod: &Pod, proxy: &PodProcess, ads: &AdsServer) -> Result<()> {
         }
         ensure!(
             proxy.try_wait().is_none() && Instant::now() < deadline,
-            "shunt not ready with {listening} of {} listeners within {:?} (exited: {:?}):\n{}",
+            "{} not ready with {listening} of {} listeners within {:?} (exited: {:?}):\n{}",
+            which.name(),
             LISTEN_PORTS.len(),
             XDS_TIMEOUT * 3,
             proxy.try_wait(),

@@ -404,6 +404,66 @@ impl Report {
     }
 }
 
+/// The proxies' growth after warm-up side by side (`--with-envoy`): RSS and the number
+/// of stats at the first and last samples after warm-up (medians of 3), and the ratio
+/// of the first proxy's to each other's.
+pub(crate) fn side_by_side(reports: &[(&str, Report)]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{:<6} {:>13} {:>12} {:>10} {:>10} {:>10} {:>9} {:>10} {:>10}",
+        "proxy",
+        "RSS MiB first",
+        "RSS MiB last",
+        "RSS fit",
+        "stats first",
+        "stats last",
+        "stats fit",
+        "requests",
+        "unexpected"
+    );
+    let mut rows = Vec::new();
+    for (name, r) in reports {
+        let (rss, stats) = (r.rss(), r.stats());
+        let after: Vec<&Sample> = r.samples.iter().filter(|s| s.t_s >= r.warmup_s).collect();
+        let k = after.len().min(3);
+        let ends = |v: &[&Sample], f: fn(&Sample) -> f64| median(v.iter().map(|s| f(s)).collect());
+        let first = |f| ends(&after[..k], f);
+        let last = |f| ends(&after[after.len() - k..], f);
+        let ok: u64 = r.totals.iter().map(|t| t.1).sum();
+        let row = (
+            first(Sample::rss_mib),
+            last(Sample::rss_mib),
+            first(Sample::stats_count),
+            last(Sample::stats_count),
+        );
+        let _ = writeln!(
+            t,
+            "{:<6} {:>13.1} {:>12.1} {:>+10.1} {:>10.0} {:>10.0} {:>+9.0} {:>10} {:>10}",
+            name,
+            row.0,
+            row.1,
+            rss.fit_over_second_half,
+            row.2,
+            row.3,
+            stats.fit_over_second_half,
+            ok,
+            r.unexpected()
+        );
+        rows.push((name, row));
+    }
+    let (first_name, base) = rows[0];
+    for (name, row) in &rows[1..] {
+        let _ = writeln!(
+            t,
+            "{first_name}/{name}: RSS at the end {:.2}x, stats at the end {:.2}x",
+            base.1 / row.1,
+            base.3 / row.3
+        );
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
