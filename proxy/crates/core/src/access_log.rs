@@ -79,6 +79,8 @@ pub enum ResponseFlag {
     UnauthorizedExternalService,
     /// `RL`: a rate limit filter refused the request.
     RateLimited,
+    /// `RLSE`: the rate limit service failed and the filter denies when it does.
+    RateLimitServiceError,
 }
 
 impl ResponseFlag {
@@ -97,6 +99,7 @@ impl ResponseFlag {
             Self::DelayInjected => "DI",
             Self::UnauthorizedExternalService => "UAEX",
             Self::RateLimited => "RL",
+            Self::RateLimitServiceError => "RLSE",
             Self::UpstreamConnectionTermination => "UC",
             Self::DownstreamConnectionTermination => "DC",
             Self::DownstreamProtocolError => "DPE",

@@ -288,6 +288,8 @@ impl Workload {
 pub struct LocalNode {
     /// `node.id`: `sidecar~10.0.0.1~pod.ns~ns.svc.cluster.local`.
     pub id: String,
+    /// `node.cluster`: the local service cluster (rate limits' `source_cluster`).
+    pub cluster: String,
     pub metadata: NodeMetadata,
     /// `SERVICE_ACCOUNT`, not exchanged but part of the node's identity.
     pub service_account: String,
@@ -309,6 +311,7 @@ impl LocalNode {
         };
         LocalNode {
             id: node.id.clone(),
+            cluster: node.cluster.clone(),
             metadata: NodeMetadata::from_struct(&metadata),
             service_account,
             workloads: Arc::default(),

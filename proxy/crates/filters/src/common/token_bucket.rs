@@ -67,6 +67,15 @@ impl TokenBucket {
         state.refilled = now;
     }
 
+    /// Tokens a second: the descriptors that refill slowest are consumed first.
+    pub fn fill_rate(&self) -> f64 {
+        f64::from(self.tokens_per_fill) / self.fill_interval.as_secs_f64()
+    }
+
+    pub fn fill_interval(&self) -> Duration {
+        self.fill_interval
+    }
+
     /// Takes a token if there is one.
     pub fn consume(&self) -> bool {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());

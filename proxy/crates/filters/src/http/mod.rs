@@ -19,6 +19,7 @@ pub mod header_rules;
 pub mod headers;
 pub mod limits;
 pub mod path_normalization;
+pub mod rate_limit_policy;
 pub mod route;
 pub mod route_action;
 pub mod route_config;

@@ -15,6 +15,7 @@ use hyper::header::{HeaderName, HeaderValue};
 use regex::Regex;
 
 use super::header_rules::HeaderRules;
+use super::rate_limit_policy::RateLimitPolicy;
 use crate::common::matcher::{HeaderMatcher, RequestView, StringMatcher};
 
 /// Envoy's default route `timeout`.
@@ -158,6 +159,8 @@ pub struct VirtualHost {
     /// Used by routes without a retry policy of their own.
     pub retry_policy: Option<Arc<RetryPolicy>>,
     pub per_filter_configs: PerFilterConfigs,
+    /// What the rate limit filters read for the routes (see `include_vh_rate_limits`).
+    pub rate_limits: RateLimitPolicy,
 }
 
 #[derive(Debug)]
@@ -291,6 +294,10 @@ pub struct RouteAction {
     pub stream_duration: Option<StreamDuration>,
     /// `upgrade_configs` `CONNECT`: the route terminates CONNECT requests.
     pub connect: Option<ConnectUpgrade>,
+    /// What the rate limit filters read: the route's descriptors, and the virtual
+    /// host's as well when `include_vh_rate_limits` (else only when the route has none).
+    pub rate_limits: RateLimitPolicy,
+    pub include_vh_rate_limits: bool,
 }
 
 /// A route's `max_stream_duration` block.

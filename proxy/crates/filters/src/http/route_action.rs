@@ -23,6 +23,10 @@ use shunt_config::{Diagnostics, JsonPath};
 /// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`). The
 /// stages follow the `RouteAction` message: cluster specifier, path and host rewrites,
 /// timeout and retries, upgrades, hash policy.
+#[allow(
+    deprecated,
+    reason = "`include_vh_rate_limits` is deprecated but still served by Envoy"
+)]
 pub fn route_action(
     a: &EnvoyAction,
     matcher: Option<&RouteMatch>,
@@ -50,6 +54,8 @@ pub fn route_action(
         .as_ref()
         .map(|d| stream_duration(d, &path.field("max_stream_duration"), problems));
     let hash_policy = hash_policy(a, path, problems);
+    let rate_limits =
+        super::rate_limit_policy::compile(&a.rate_limits, &path.field("rate_limits"), problems);
     if a.metadata_match.is_some() {
         problems.warning(
             path.field("metadata_match"),
@@ -82,6 +88,8 @@ pub fn route_action(
         hash_policy,
         stream_duration,
         connect,
+        rate_limits,
+        include_vh_rate_limits: a.include_vh_rate_limits.is_some_and(|b| b.value),
     })
 }
 
@@ -279,7 +287,6 @@ fn warn_unimplemented(a: &EnvoyAction, path: &JsonPath, problems: &mut Diagnosti
             "request_mirror_policies",
             !a.request_mirror_policies.is_empty(),
         ),
-        ("rate_limits", !a.rate_limits.is_empty()),
         ("hedge_policy", a.hedge_policy.is_some()),
         ("cors", a.cors.is_some()),
         ("idle_timeout", a.idle_timeout.is_some()),

@@ -191,12 +191,6 @@ fn virtual_host(
             "CORS policies are not implemented; ignored",
         );
     }
-    if !vhost.rate_limits.is_empty() {
-        problems.warning(
-            path.field("rate_limits"),
-            "rate limits are not implemented; ignored",
-        );
-    }
     if vhost.hedge_policy.is_some() {
         problems.warning(
             path.field("hedge_policy"),
@@ -237,6 +231,11 @@ fn virtual_host(
         per_filter_configs: super::filter::per_route::compile(
             &vhost.typed_per_filter_config,
             &path.field("typed_per_filter_config"),
+            problems,
+        ),
+        rate_limits: super::rate_limit_policy::compile(
+            &vhost.rate_limits,
+            &path.field("rate_limits"),
             problems,
         ),
     };

@@ -17,6 +17,7 @@ pub static FACTORIES: &[&Factory] = &[
     &super::filter::set_filter_state::FACTORY,
     &super::filter::ext_authz::FACTORY,
     &super::filter::local_ratelimit::FACTORY,
+    &super::filter::ratelimit::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

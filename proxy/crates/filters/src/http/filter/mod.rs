@@ -36,6 +36,7 @@ pub mod istio_stats;
 pub mod jwt_authn;
 pub mod local_ratelimit;
 pub mod peer_metadata;
+pub mod ratelimit;
 pub mod rbac;
 pub mod set_filter_state;
 

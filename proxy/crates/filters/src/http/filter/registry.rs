@@ -24,6 +24,7 @@ pub static FACTORIES: &[&Factory] = &[
     &super::decompressor::FACTORY,
     &super::jwt_authn::filter::FACTORY,
     &super::local_ratelimit::FACTORY,
+    &super::ratelimit::filter::FACTORY,
 ];
 
 pub fn find(type_name: &str) -> Option<&'static Factory> {

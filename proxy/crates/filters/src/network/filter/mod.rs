@@ -7,5 +7,6 @@ pub mod istio_authn;
 pub mod istio_stats;
 pub mod local_ratelimit;
 pub mod metadata_exchange;
+pub mod ratelimit;
 pub mod rbac;
 pub mod set_filter_state;

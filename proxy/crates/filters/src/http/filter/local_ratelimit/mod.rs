@@ -4,7 +4,12 @@
 //! `filter_enabled` / `filter_enforced` fractions (absent: 0 %), the 429 (or
 //! `status`) answer `local_rate_limited` with `response_headers_to_add`, the request
 //! headers added when a limited request is let through unenforced, and the
-//! `x-ratelimit-*` headers (DRAFT_VERSION_03). Stats, as Envoy names them:
+//! `x-ratelimit-*` headers (DRAFT_VERSION_03). With `descriptors`, the route's (and
+//! virtual host's) `rate_limits` actions make the request's descriptors; each one equal
+//! to a configured descriptor takes a token from that descriptor's bucket (the
+//! slowest to refill first), and the filter's own bucket is taken from too when none
+//! matched or `always_consume_default_token_bucket` (default true) ([`request_allowed`]).
+//! Stats, as Envoy names them:
 //! `<stat_prefix>.http_local_rate_limit.{enabled,enforced,rate_limited,ok}`.
 
 use std::any::Any;
@@ -22,8 +27,11 @@ use super::{
     RouteSpecificConfig, StreamCtx,
 };
 use crate::common::percent::Percent;
+use crate::common::ratelimit::{Descriptor, Entry};
 use crate::common::token_bucket::TokenBucket;
 use crate::http::header_rules::{self, HeaderRules};
+use crate::http::rate_limit_policy::{self, Filter, Inputs, MAX_STAGE, VhRateLimits};
+use crate::http::route::Action;
 use shunt_config::{Diagnostics, JsonPath, convert::decode};
 use shunt_core::access_log::ResponseFlag;
 use shunt_core::stats::Store;
@@ -52,6 +60,117 @@ pub struct Limit {
     pub request_headers_when_not_enforced: HeaderRules,
     pub response_headers: HeaderRules,
     pub x_ratelimit_headers: bool,
+    /// Each with its own bucket, matched against the route's descriptors.
+    pub descriptors: Vec<LocalDescriptor>,
+    pub stage: u32,
+    pub vh_rate_limits: VhRateLimits,
+    pub always_consume_default_bucket: bool,
+}
+
+#[derive(Debug)]
+pub struct LocalDescriptor {
+    pub descriptor: Descriptor,
+    pub bucket: TokenBucket,
+}
+
+/// The bucket that decided a request: the filter's own or a descriptor's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decider {
+    Default,
+    Descriptor(usize),
+}
+
+impl Limit {
+    fn bucket_of(&self, decider: Decider) -> Option<&TokenBucket> {
+        match decider {
+            Decider::Default => self.bucket.as_ref(),
+            Decider::Descriptor(i) => self.descriptors.get(i).map(|d| &d.bucket),
+        }
+    }
+}
+
+/// Envoy's `LocalRateLimiterImpl::requestAllowed`: the configured descriptors equal to
+/// one of the request's, slowest to refill first, each take a token (the first that
+/// has none refuses); then the filter's own bucket when none matched or
+/// `always_consume_default_bucket`. Returns whether the request may pass and the
+/// bucket its `x-ratelimit-*` headers describe.
+pub fn request_allowed(limit: &Limit, request: &[Descriptor]) -> (bool, Decider) {
+    let mut matched: Vec<usize> = limit
+        .descriptors
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| request.contains(&d.descriptor))
+        .map(|(i, _)| i)
+        .collect();
+    matched.sort_by(|a, b| {
+        let rate = |i: &usize| limit.descriptors[*i].bucket.fill_rate();
+        rate(a).total_cmp(&rate(b))
+    });
+    for &i in &matched {
+        if !limit.descriptors[i].bucket.consume() {
+            return (false, Decider::Descriptor(i));
+        }
+    }
+    let decider = matched
+        .first()
+        .map_or(Decider::Default, |i| Decider::Descriptor(*i));
+    if matched.is_empty() || limit.always_consume_default_bucket {
+        if !limit.bucket.as_ref().is_none_or(TokenBucket::consume) {
+            return (false, Decider::Default);
+        }
+    }
+    (true, decider)
+}
+
+fn local_descriptors(
+    config: &LocalRateLimit,
+    default_interval: Option<std::time::Duration>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Vec<LocalDescriptor> {
+    let mut out: Vec<LocalDescriptor> = Vec::new();
+    for (i, d) in config.descriptors.iter().enumerate() {
+        let d_path = path.field("descriptors").index(i);
+        let mut entries = Vec::new();
+        for (k, e) in d.entries.iter().enumerate() {
+            if e.value.is_empty() {
+                problems.error(
+                    d_path.field("entries").index(k).field("value"),
+                    "dynamic descriptors (an empty value) are not implemented",
+                );
+            }
+            entries.push(Entry::new(&e.key, &e.value));
+        }
+        if entries.is_empty() {
+            problems.error(d_path.field("entries"), "needs at least one entry");
+            continue;
+        }
+        if d.shadow_mode {
+            problems.error(d_path.field("shadow_mode"), "is not implemented");
+        }
+        let Some(b) = &d.token_bucket else {
+            problems.error(d_path.field("token_bucket"), "is required");
+            continue;
+        };
+        let Some(bucket) = TokenBucket::compile(b, &d_path.field("token_bucket"), problems) else {
+            continue;
+        };
+        if let Some(default) = default_interval
+            && bucket.fill_interval().as_millis() % default.as_millis().max(1) != 0
+        {
+            problems.error(
+                d_path.field("token_bucket").field("fill_interval"),
+                "must be a multiple of the filter's token_bucket.fill_interval",
+            );
+        }
+        let descriptor = Descriptor { entries };
+        if out.iter().any(|o| o.descriptor == descriptor) {
+            problems.error(&d_path, "a duplicate of an earlier descriptor");
+            continue;
+        }
+        out.push(LocalDescriptor { descriptor, bucket });
+    }
+    out
 }
 
 #[derive(Debug)]
@@ -74,8 +193,15 @@ pub fn compile(
 ) -> Option<Limit> {
     let errors_before = problems.errors.len();
     for (set, field) in [
-        (!config.descriptors.is_empty(), "descriptors"),
         (!config.rate_limits.is_empty(), "rate_limits"),
+        (
+            config.max_dynamic_descriptors.is_some(),
+            "max_dynamic_descriptors",
+        ),
+        (
+            config.rate_limited_as_resource_exhausted,
+            "rate_limited_as_resource_exhausted",
+        ),
         (
             config.local_cluster_rate_limit.is_some(),
             "local_cluster_rate_limit",
@@ -119,6 +245,22 @@ pub fn compile(
         )?),
         None => None,
     };
+    if config.stage > MAX_STAGE {
+        problems.error(
+            path.field("stage"),
+            format!("{} is above {MAX_STAGE}", config.stage),
+        );
+    }
+    let vh_rate_limits = VhRateLimits::from_i32(config.vh_rate_limits).unwrap_or_else(|| {
+        problems.error(path.field("vh_rate_limits"), "is not a known option");
+        VhRateLimits::Override
+    });
+    let descriptors = local_descriptors(
+        config,
+        bucket.as_ref().map(TokenBucket::fill_interval),
+        path,
+        problems,
+    );
     let request_headers_when_not_enforced = header_rules::compile(
         &config.request_headers_to_add_when_not_enforced,
         &[],
@@ -142,6 +284,12 @@ pub fn compile(
         request_headers_when_not_enforced,
         response_headers,
         x_ratelimit_headers: config.enable_x_ratelimit_headers == 1,
+        descriptors,
+        stage: config.stage,
+        vh_rate_limits,
+        always_consume_default_bucket: config
+            .always_consume_default_token_bucket
+            .is_none_or(|b| b.value),
     })
 }
 
@@ -149,6 +297,8 @@ pub fn compile(
 struct Config {
     limit: Arc<Limit>,
     stats: Store,
+    /// The node's `cluster` (`source_cluster` actions).
+    local_cluster: Arc<str>,
 }
 
 fn compile_filter(
@@ -165,6 +315,7 @@ fn compile_filter(
     Some(Arc::new(Config {
         limit: Arc::new(compile(&config, path, problems)?),
         stats: ctx.stats.clone(),
+        local_cluster: Arc::from(ctx.node.cluster.as_str()),
     }))
 }
 
@@ -184,6 +335,7 @@ impl HttpFilterConfig for Config {
         Box::new(LocalRateLimitFilter {
             limit: self.limit.clone(),
             stats: self.stats.clone(),
+            local_cluster: self.local_cluster.clone(),
             applied: None,
         })
     }
@@ -192,8 +344,10 @@ impl HttpFilterConfig for Config {
 struct LocalRateLimitFilter {
     limit: Arc<Limit>,
     stats: Store,
-    /// The limit the request went through, for the response's `x-ratelimit-*`.
-    applied: Option<Arc<Limit>>,
+    local_cluster: Arc<str>,
+    /// The limit the request went through and the bucket that decided, for the
+    /// response's `x-ratelimit-*`.
+    applied: Option<(Arc<Limit>, Decider)>,
 }
 
 impl LocalRateLimitFilter {
@@ -204,6 +358,43 @@ impl LocalRateLimitFilter {
                 limit.stat_prefix
             ))
             .inc();
+    }
+
+    /// The request's descriptors from its route's `rate_limits` (none when the limit
+    /// has no descriptors to match them against).
+    fn descriptors(
+        &self,
+        limit: &Limit,
+        request: &RequestHeaders,
+        ctx: &StreamCtx,
+    ) -> Vec<Descriptor> {
+        if limit.descriptors.is_empty() {
+            return Vec::new();
+        }
+        let Some(routed) = ctx.route.as_ref() else {
+            return Vec::new();
+        };
+        let Action::Route(action) = &routed.route().action else {
+            return Vec::new();
+        };
+        let route_cluster = routed.cluster_name(&request.headers).unwrap_or_default();
+        let inputs = Inputs {
+            local_cluster: &self.local_cluster,
+            route_cluster: &route_cluster,
+            request: request.view(),
+            info: &ctx.info,
+        };
+        let filter = Filter {
+            stage: limit.stage,
+            local: true,
+        };
+        rate_limit_policy::route_descriptors(
+            action,
+            &routed.virtual_host().rate_limits,
+            limit.vh_rate_limits,
+            filter,
+            &inputs,
+        )
     }
 }
 
@@ -222,8 +413,10 @@ impl HttpFilter for LocalRateLimitFilter {
             return Flow::CONTINUE;
         }
         self.count(&limit, "enabled");
-        self.applied = Some(limit.clone());
-        if limit.bucket.as_ref().is_none_or(TokenBucket::consume) {
+        let descriptors = self.descriptors(&limit, request, ctx);
+        let (allowed, decider) = request_allowed(&limit, &descriptors);
+        self.applied = Some((limit.clone(), decider));
+        if allowed {
             self.count(&limit, "ok");
             return Flow::CONTINUE;
         }
@@ -247,10 +440,13 @@ impl HttpFilter for LocalRateLimitFilter {
         _end_stream: bool,
         _ctx: &mut StreamCtx,
     ) -> FilterStatus {
-        let Some(limit) = &self.applied else {
+        let Some((limit, decider)) = &self.applied else {
             return FilterStatus::Continue;
         };
-        let Some(bucket) = limit.bucket.as_ref().filter(|_| limit.x_ratelimit_headers) else {
+        let Some(bucket) = limit
+            .bucket_of(*decider)
+            .filter(|_| limit.x_ratelimit_headers)
+        else {
             return FilterStatus::Continue;
         };
         for (name, value) in [

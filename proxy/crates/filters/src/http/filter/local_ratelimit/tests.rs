@@ -4,7 +4,8 @@ use envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3::Loca
 use hyper::StatusCode;
 use serde_json::json;
 
-use super::compile;
+use super::{Decider, compile, request_allowed};
+use crate::common::ratelimit::{Descriptor, Entry};
 use shunt_config::{Diagnostics, JsonPath};
 
 fn compiled(config: serde_json::Value) -> (Option<super::Limit>, Diagnostics) {
@@ -29,13 +30,79 @@ fn defaults_and_bucket() {
 }
 
 #[test]
-fn descriptors_are_refused_by_path() {
+fn matched_descriptors_take_from_their_buckets_slowest_first() {
     let (limit, problems) = compiled(json!({"stat_prefix": "rl",
-        "descriptors": [{"entries": [{"key": "k", "value": "v"}],
-            "token_bucket": {"max_tokens": 1, "fill_interval": "1s"}}]}));
-    assert!(limit.is_none());
-    assert!(
-        format!("{problems:?}").contains("descriptors"),
-        "{problems:?}"
+        "token_bucket": {"max_tokens": 10, "fill_interval": "60s"},
+        "descriptors": [
+            {"entries": [{"key": "k", "value": "fast"}],
+             "token_bucket": {"max_tokens": 5, "tokens_per_fill": 5, "fill_interval": "60s"}},
+            {"entries": [{"key": "k", "value": "slow"}],
+             "token_bucket": {"max_tokens": 1, "fill_interval": "120s"}}]}));
+    let limit = limit.unwrap_or_else(|| panic!("{problems:?}"));
+    let request = |values: &[&str]| -> Vec<Descriptor> {
+        values
+            .iter()
+            .map(|v| Descriptor {
+                entries: vec![Entry::new("k", *v)],
+            })
+            .collect()
+    };
+    // Both match: the slow bucket decides (and its headers are shown).
+    assert_eq!(
+        request_allowed(&limit, &request(&["fast", "slow"])),
+        (true, Decider::Descriptor(1))
     );
+    assert_eq!(
+        request_allowed(&limit, &request(&["fast", "slow"])),
+        (false, Decider::Descriptor(1))
+    );
+    // Nothing matched: the filter's own bucket.
+    assert_eq!(
+        request_allowed(&limit, &request(&["other"])),
+        (true, Decider::Default)
+    );
+    assert_eq!(
+        limit.descriptors[0].bucket.remaining(),
+        5,
+        "the fast bucket was not reached"
+    );
+    // The default bucket was taken from by every allowed request (always_consume).
+    assert_eq!(limit.bucket.as_ref().unwrap().remaining(), 8);
+}
+
+#[test]
+fn descriptor_errors_name_their_path() {
+    for (descriptors, path) in [
+        (
+            json!([{"entries": [{"key": "k", "value": ""}],
+            "token_bucket": {"max_tokens": 1, "fill_interval": "60s"}}]),
+            "local_ratelimit.descriptors[0].entries[0].value",
+        ),
+        (
+            json!([{"entries": [{"key": "k", "value": "v"}],
+            "token_bucket": {"max_tokens": 1, "fill_interval": "90s"}}]),
+            "local_ratelimit.descriptors[0].token_bucket.fill_interval",
+        ),
+        (
+            json!([{"entries": [{"key": "k", "value": "v"}]}]),
+            "local_ratelimit.descriptors[0].token_bucket",
+        ),
+        (
+            json!([{"entries": [{"key": "k", "value": "v"}],
+            "token_bucket": {"max_tokens": 1, "fill_interval": "60s"}},
+            {"entries": [{"key": "k", "value": "v"}],
+            "token_bucket": {"max_tokens": 1, "fill_interval": "60s"}}]),
+            "local_ratelimit.descriptors[1]",
+        ),
+    ] {
+        let (limit, problems) = compiled(json!({"stat_prefix": "rl",
+            "token_bucket": {"max_tokens": 1, "fill_interval": "60s"},
+            "descriptors": descriptors}));
+        assert!(limit.is_none(), "{descriptors}");
+        assert!(
+            problems.errors.iter().any(|e| e.path == path),
+            "{path}: {:?}",
+            problems.errors
+        );
+    }
 }
