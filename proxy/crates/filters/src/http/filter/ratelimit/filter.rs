@@ -252,12 +252,16 @@ impl RateLimitFilter {
         }
     }
 
-    /// Envoy charges the route's cluster with the 429 it answers in its place.
+    /// Envoy charges the route's cluster with the 429 it answers in its place, as an
+    /// internal request's.
     fn charge_429(&self, cluster: &str) {
         for name in [
             "upstream_rq_429",
             "upstream_rq_4xx",
             "upstream_rq_completed",
+            "internal.upstream_rq_429",
+            "internal.upstream_rq_4xx",
+            "internal.upstream_rq_completed",
         ] {
             self.stats
                 .counter(&format!("cluster.{cluster}.{name}"))
