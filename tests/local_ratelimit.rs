@@ -2,7 +2,9 @@
 //! differential against Envoy 1.40: the same bootstrap (but ports) served by `shunt
 //! proxy -c` and by Envoy in pod `proxy`, the same sequence of requests from pod
 //! `client`, and the same 200s and 429s, `x-local-rate-limit` and `x-ratelimit-*`
-//! headers, request headers added when not enforced, and stats. Then
+//! headers, request headers added when not enforced, and stats; a route's
+//! `rate_limits` actions make descriptors that a `LocalRateLimit`'s `descriptors`
+//! limit with buckets of their own. Then
 //! `envoy.filters.network.local_ratelimit` in front of a `tcp_proxy`: the same
 //! connections served and closed. The buckets refill once a minute, so the outcome
 //! does not depend on timing.
@@ -77,6 +79,18 @@ fn local_ratelimit(max: u32, enforced: u32) -> Value {
     }})
 }
 
+/// A route's limit by descriptor: `user=alice` one a minute, the rest from the
+/// filter's own bucket (ten).
+fn local_ratelimit_descriptors() -> Value {
+    let mut config = local_ratelimit(10, 100);
+    config["value"]["stat_prefix"] = json!("rl_descriptors");
+    config["value"]["descriptors"] = json!([
+        {"entries": [{"key": "user", "value": "alice"}],
+         "token_bucket": {"max_tokens": 1, "tokens_per_fill": 1, "fill_interval": "60s"}}
+    ]);
+    config
+}
+
 fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr) -> Value {
     let route = |prefix: &str, per_route: Option<Value>| {
         let mut r = json!({"match": {"prefix": prefix}, "route": {"cluster": "backend"}});
@@ -85,6 +99,9 @@ fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr) -> Value {
         }
         r
     };
+    let mut descriptors = route("/descriptors", Some(local_ratelimit_descriptors()));
+    descriptors["route"]["rate_limits"] = json!([{"actions": [
+        {"request_headers": {"header_name": "x-user", "descriptor_key": "user"}}]}]);
     let hcm = json!({"name": "envoy.filters.network.http_connection_manager", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "rl",
@@ -96,6 +113,7 @@ fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr) -> Value {
         "route_config": {"name": "rl", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
             route("/route", Some(local_ratelimit(2, 100))),
             route("/shadow", Some(local_ratelimit(1, 0))),
+            descriptors,
             route("/", None)
         ]}]}
     }});
@@ -190,14 +208,15 @@ fn filter_stats(pod: &Pod, admin: u16) -> BTreeMap<String, u64> {
         .collect()
 }
 
-fn curl(client: &Pod, proxy: &Pod, port: u16, path: &str) -> Response {
+fn curl(client: &Pod, proxy: &Pod, port: u16, path: &str, headers: &[&str]) -> Response {
     let url = format!("http://{}:{port}{path}", proxy.ipv4());
-    let out = client
+    let mut command = client
         .command("curl")
-        .args(["-s", "-S", "-i", "--max-time", "10"])
-        .arg(&url)
-        .output()
-        .expect("run curl");
+        .args(["-s", "-S", "-i", "--max-time", "10"]);
+    for h in headers {
+        command = command.args(["-H", h]);
+    }
+    let out = command.arg(&url).output().expect("run curl");
     assert!(
         out.status.success(),
         "curl {url}: {}",
@@ -243,25 +262,30 @@ fn local_rate_limits_answer_as_envoy_does() {
         &envoy_config,
         [SHUNT_PORT, ENVOY_PORT],
     );
-    // (path, what Envoy answers): the listener's bucket (3), a route's (2), a route's
-    // unenforced one (1).
-    let sequence = [
-        ("/", 200),
-        ("/", 200),
-        ("/", 200),
-        ("/", 429),
-        ("/", 429),
-        ("/route", 200),
-        ("/route", 200),
-        ("/route", 429),
-        ("/shadow", 200),
-        ("/shadow", 200),
-        ("/shadow", 200),
+    // (path, headers, what Envoy answers): the listener's bucket (3), a route's (2), a
+    // route's unenforced one (1), a route's descriptor's (1, alice's) and the rest
+    // from its own (10).
+    let sequence: &[(&str, &[&str], u16)] = &[
+        ("/", &[], 200),
+        ("/", &[], 200),
+        ("/", &[], 200),
+        ("/", &[], 429),
+        ("/", &[], 429),
+        ("/route", &[], 200),
+        ("/route", &[], 200),
+        ("/route", &[], 429),
+        ("/shadow", &[], 200),
+        ("/shadow", &[], 200),
+        ("/shadow", &[], 200),
+        ("/descriptors", &["x-user: alice"], 200),
+        ("/descriptors", &["x-user: alice"], 429),
+        ("/descriptors", &["x-user: bob"], 200),
+        ("/descriptors", &[], 200),
     ];
     let mut differences = Vec::new();
-    for (i, (path, status)) in sequence.iter().enumerate() {
-        let theirs = curl(&client, &proxy, ENVOY_PORT, path);
-        let ours = curl(&client, &proxy, SHUNT_PORT, path);
+    for (i, (path, headers, status)) in sequence.iter().enumerate() {
+        let theirs = curl(&client, &proxy, ENVOY_PORT, path, headers);
+        let ours = curl(&client, &proxy, SHUNT_PORT, path, headers);
         assert_eq!(
             theirs.status, *status,
             "request {i} {path}: Envoy answered {theirs:?}"
