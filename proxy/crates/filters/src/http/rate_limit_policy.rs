@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::config::route::v3::rate_limit::action::{
 };
 use envoy_types::pb::envoy::r#type::metadata::v3::metadata_key::path_segment::Segment;
 
-use super::route::RouteAction;
+use super::route::RouteRateLimits;
 use crate::common::matcher::{HeaderMatcher, RequestView, header_matcher};
 use crate::common::ratelimit::{Descriptor, Entry};
 use shunt_config::{Diagnostics, JsonPath};
@@ -136,14 +136,14 @@ impl VhRateLimits {
 /// Envoy's `populateRateLimitDescriptors` for a request: the route's descriptors,
 /// then the virtual host's as `vh` says (`include_vh_rate_limits` on the route wins).
 pub fn route_descriptors(
-    route: &RouteAction,
+    route: &RouteRateLimits,
     vhost: &RateLimitPolicy,
     vh: VhRateLimits,
     filter: Filter,
     inputs: &Inputs<'_>,
 ) -> Vec<Descriptor> {
     let mut out = Vec::new();
-    route.rate_limits.populate(filter, inputs, &mut out);
+    route.policy.populate(filter, inputs, &mut out);
     let vh = if route.include_vh_rate_limits {
         VhRateLimits::Include
     } else {
@@ -151,7 +151,7 @@ pub fn route_descriptors(
     };
     match vh {
         VhRateLimits::Include => vhost.populate(filter, inputs, &mut out),
-        VhRateLimits::Override if route.rate_limits.is_empty() => {
+        VhRateLimits::Override if route.policy.is_empty() => {
             vhost.populate(filter, inputs, &mut out);
         }
         VhRateLimits::Override | VhRateLimits::Ignore => {}

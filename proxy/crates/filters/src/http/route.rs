@@ -171,6 +171,8 @@ pub struct Route {
     pub request_headers: HeaderRules,
     pub response_headers: HeaderRules,
     pub per_filter_configs: PerFilterConfigs,
+    /// The route action's `rate_limits` (Envoy's route entry's rate limit policy).
+    pub rate_limits: RouteRateLimits,
 }
 
 #[derive(Debug)]
@@ -294,9 +296,13 @@ pub struct RouteAction {
     pub stream_duration: Option<StreamDuration>,
     /// `upgrade_configs` `CONNECT`: the route terminates CONNECT requests.
     pub connect: Option<ConnectUpgrade>,
-    /// What the rate limit filters read: the route's descriptors, and the virtual
-    /// host's as well when `include_vh_rate_limits` (else only when the route has none).
-    pub rate_limits: RateLimitPolicy,
+}
+
+/// A route's `rate_limits`, and whether its requests carry the virtual host's
+/// descriptors too (`include_vh_rate_limits`; else only when the route has none).
+#[derive(Debug, Default)]
+pub struct RouteRateLimits {
+    pub policy: RateLimitPolicy,
     pub include_vh_rate_limits: bool,
 }
 

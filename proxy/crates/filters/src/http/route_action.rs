@@ -23,10 +23,6 @@ use shunt_config::{Diagnostics, JsonPath};
 /// A route's `route` action; `matcher` is its route's match (for `prefix_rewrite`). The
 /// stages follow the `RouteAction` message: cluster specifier, path and host rewrites,
 /// timeout and retries, upgrades, hash policy.
-#[allow(
-    deprecated,
-    reason = "`include_vh_rate_limits` is deprecated but still served by Envoy"
-)]
 pub fn route_action(
     a: &EnvoyAction,
     matcher: Option<&RouteMatch>,
@@ -54,8 +50,6 @@ pub fn route_action(
         .as_ref()
         .map(|d| stream_duration(d, &path.field("max_stream_duration"), problems));
     let hash_policy = hash_policy(a, path, problems);
-    let rate_limits =
-        super::rate_limit_policy::compile(&a.rate_limits, &path.field("rate_limits"), problems);
     if a.metadata_match.is_some() {
         problems.warning(
             path.field("metadata_match"),
@@ -88,8 +82,6 @@ pub fn route_action(
         hash_policy,
         stream_duration,
         connect,
-        rate_limits,
-        include_vh_rate_limits: a.include_vh_rate_limits.is_some_and(|b| b.value),
     })
 }
 
@@ -298,6 +290,26 @@ fn warn_unimplemented(a: &EnvoyAction, path: &JsonPath, problems: &mut Diagnosti
         if set {
             problems.warning(path.field(field), "not implemented; ignored");
         }
+    }
+}
+
+/// The action's `rate_limits` and `include_vh_rate_limits`.
+#[allow(
+    deprecated,
+    reason = "`include_vh_rate_limits` is deprecated but still served by Envoy"
+)]
+pub fn rate_limits(
+    a: &EnvoyAction,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> super::route::RouteRateLimits {
+    super::route::RouteRateLimits {
+        policy: super::rate_limit_policy::compile(
+            &a.rate_limits,
+            &path.field("rate_limits"),
+            problems,
+        ),
+        include_vh_rate_limits: a.include_vh_rate_limits.is_some_and(|b| b.value),
     }
 }
 

@@ -19,7 +19,8 @@ use envoy_types::pb::envoy::config::route::v3::{
 use hyper::StatusCode;
 
 use super::route::{
-    Action, Domains, PathMatch, QueryParameterMatcher, Route, RouteConfig, RouteMatch, VirtualHost,
+    Action, Domains, PathMatch, QueryParameterMatcher, Route, RouteConfig, RouteMatch,
+    RouteRateLimits, VirtualHost,
 };
 use super::{header_rules, route_action};
 use crate::common::matcher::{self, string_matcher};
@@ -314,10 +315,17 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
     if problems.errors.len() > errors_before {
         return None;
     }
+    let rate_limits = match &route.action {
+        Some(EnvoyActionKind::Route(a)) => {
+            route_action::rate_limits(a, &path.field("route"), problems)
+        }
+        _ => RouteRateLimits::default(),
+    };
     Some(Route {
         name: route.name.clone(),
         matcher: matcher?,
         action: action?,
+        rate_limits,
         request_headers,
         response_headers,
         per_filter_configs: super::filter::per_route::compile(

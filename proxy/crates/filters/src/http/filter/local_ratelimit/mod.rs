@@ -114,10 +114,10 @@ pub fn request_allowed(limit: &Limit, request: &[Descriptor]) -> (bool, Decider)
     let decider = matched
         .first()
         .map_or(Decider::Default, |i| Decider::Descriptor(*i));
-    if matched.is_empty() || limit.always_consume_default_bucket {
-        if !limit.bucket.as_ref().is_none_or(TokenBucket::consume) {
-            return (false, Decider::Default);
-        }
+    if (matched.is_empty() || limit.always_consume_default_bucket)
+        && !limit.bucket.as_ref().is_none_or(TokenBucket::consume)
+    {
+        return (false, Decider::Default);
     }
     (true, decider)
 }
@@ -374,9 +374,10 @@ impl LocalRateLimitFilter {
         let Some(routed) = ctx.route.as_ref() else {
             return Vec::new();
         };
-        let Action::Route(action) = &routed.route().action else {
+        let route = routed.route();
+        if !matches!(route.action, Action::Route(_)) {
             return Vec::new();
-        };
+        }
         let route_cluster = routed.cluster_name(&request.headers).unwrap_or_default();
         let inputs = Inputs {
             local_cluster: &self.local_cluster,
@@ -389,7 +390,7 @@ impl LocalRateLimitFilter {
             local: true,
         };
         rate_limit_policy::route_descriptors(
-            action,
+            &route.rate_limits,
             &routed.virtual_host().rate_limits,
             limit.vh_rate_limits,
             filter,

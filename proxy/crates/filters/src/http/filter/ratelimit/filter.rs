@@ -144,9 +144,11 @@ impl RateLimitFilter {
             _ => {}
         }
         let routed = ctx.route.as_ref()?;
-        let Action::Route(action) = &routed.route().action else {
+        // Envoy calls only for a route entry (not a redirect or a direct response).
+        let route = routed.route();
+        if !matches!(route.action, Action::Route(_)) {
             return None;
-        };
+        }
         let route_cluster = routed.cluster_name(&request.headers)?;
         let inputs = Inputs {
             local_cluster: &self.local_cluster,
@@ -162,7 +164,7 @@ impl RateLimitFilter {
             local: false,
         };
         let descriptors = route_descriptors(
-            action,
+            &route.rate_limits,
             &routed.virtual_host().rate_limits,
             vh,
             filter,
