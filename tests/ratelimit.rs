@@ -8,7 +8,7 @@
 //! service's headers (downstream, and upstream as the echo server saw them), bodies,
 //! the descriptors each service received, the connections served, and the stats. The
 //! service's failure modes (UNAVAILABLE, an answer after the timeout) go through a
-//! listener with `failure_mode_deny` false and one with it true.
+//! listener with `failure_mode_deny` false and one with it true, HTTP and TCP.
 //!
 //! Needs root and Envoy (`cargo xtask setup`).
 
@@ -142,32 +142,49 @@ fn hcm(stat_prefix: &str, failure_mode_deny: bool) -> Value {
     }})
 }
 
-/// Listeners: `port` (failure_mode_deny false), `port + 1` (TCP, two connections
-/// allowed), `port + 2` (failure_mode_deny true).
-fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr, rls_port: u16) -> Value {
-    let tcp = json!([
+/// The network filter in front of a `tcp_proxy`, with one static descriptor.
+fn tcp_chain(stat_prefix: &str, entries: Value, failure_mode_deny: bool) -> Value {
+    json!([
         {"name": "envoy.filters.network.ratelimit", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.ratelimit.v3.RateLimit",
-            "stat_prefix": "tcp_rl",
+            "stat_prefix": stat_prefix,
             "domain": "shunt-tcp",
-            "descriptors": [{"entries": [{"key": "limit", "value": "2"}, {"key": "listener", "value": "tcp"}]}],
+            "descriptors": [{"entries": entries}],
             "timeout": "0.5s",
+            "failure_mode_deny": failure_mode_deny,
             "rate_limit_service": rate_limit_service()}},
         {"name": "envoy.filters.network.tcp_proxy", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
             "stat_prefix": "tcp", "cluster": "backend"}}
-    ]);
+    ])
+}
+
+/// Listeners: `port` (failure_mode_deny false), `port + 1` (TCP, two connections
+/// allowed), `port + 2` (failure_mode_deny true), `port + 3` and `port + 4` (TCP, the
+/// service fails; failure_mode_deny false, then true).
+fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr, rls_port: u16) -> Value {
+    let tcp = tcp_chain(
+        "tcp_rl",
+        json!([{"key": "limit", "value": "2"}, {"key": "listener", "value": "tcp"}]),
+        false,
+    );
+    let failing = json!([{"key": "mode", "value": "fail"}]);
+    let tcp_allow = tcp_chain("tcp_fail_allow", failing.clone(), false);
+    let tcp_deny = tcp_chain("tcp_fail_deny", failing, true);
+    let listener = |name: &str, port: u16, filters: Value| {
+        json!({"name": name, "address": socket_address("0.0.0.0", port),
+            "filter_chains": [{"filters": filters}]})
+    };
     json!({
         "node": {"id": "rl-test", "cluster": "rl-test-cluster"},
         "admin": {"address": socket_address("127.0.0.1", admin)},
         "static_resources": {
             "listeners": [
-                {"name": "allow", "address": socket_address("0.0.0.0", port),
-                 "filter_chains": [{"filters": [hcm("allow", false)]}]},
-                {"name": "tcp", "address": socket_address("0.0.0.0", port + 1),
-                 "filter_chains": [{"filters": tcp}]},
-                {"name": "deny", "address": socket_address("0.0.0.0", port + 2),
-                 "filter_chains": [{"filters": [hcm("deny", true)]}]}
+                listener("allow", port, json!([hcm("allow", false)])),
+                listener("tcp", port + 1, tcp),
+                listener("deny", port + 2, json!([hcm("deny", true)])),
+                listener("tcp_fail_allow", port + 3, tcp_allow),
+                listener("tcp_fail_deny", port + 4, tcp_deny)
             ],
             "clusters": [
                 cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT), false),
@@ -371,10 +388,14 @@ fn global_rate_limits_answer_as_envoy_does() {
             ));
         }
     }
-    // Through the TCP listener: two connections a minute, the third closed at once.
-    for i in 0..3 {
+    // Through the TCP listeners: two connections a minute, the third closed at once;
+    // then with the service failing, let through, then closed.
+    for (i, (offset, expected)) in [(1, true), (1, true), (1, false), (3, true), (4, false)]
+        .into_iter()
+        .enumerate()
+    {
         let served = |port: u16| {
-            let url = format!("http://{}:{}/", proxy.ipv4(), port + 1);
+            let url = format!("http://{}:{}/", proxy.ipv4(), port + offset);
             let out = client
                 .command("curl")
                 .args(["-s", "--max-time", "10", &url])
@@ -386,8 +407,7 @@ fn global_rate_limits_answer_as_envoy_does() {
         };
         let (theirs, ours) = (served(ENVOY_PORT), served(SHUNT_PORT));
         assert_eq!(
-            theirs,
-            i < 2,
+            theirs, expected,
             "tcp connection {i}: served by Envoy: {theirs}"
         );
         if theirs != ours {
