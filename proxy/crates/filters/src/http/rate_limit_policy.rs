@@ -487,7 +487,164 @@ fn metadata(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use envoy_types::pb::envoy::config::route::v3::RateLimit as EnvoyRateLimit;
+    use hyper::HeaderMap;
+    use serde_json::json;
+    use shunt_core::stream_info::Connection;
+
     use super::*;
+
+    fn policy(list: serde_json::Value) -> (RateLimitPolicy, Diagnostics) {
+        let list: Vec<EnvoyRateLimit> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| shunt_config::message_from_json(r.clone()).expect("RateLimit JSON"))
+            .collect();
+        let mut problems = Diagnostics::default();
+        let compiled = compile(&list, &JsonPath::new("rate_limits"), &mut problems);
+        (compiled, problems)
+    }
+
+    fn info() -> StreamInfo {
+        let mut info = StreamInfo::new(Arc::new(Connection::new(
+            "10.0.0.1:80".parse().unwrap(),
+            "192.168.7.9:5555".parse().unwrap(),
+        )));
+        let fields = json!({"tenant": {"id": "acme"}});
+        info.metadata.set(
+            "envoy.filters.http.jwt_authn",
+            fields.as_object().unwrap().clone(),
+        );
+        info
+    }
+
+    /// Each descriptor as `key=value` entries joined by `,`.
+    fn descriptors(policy: &RateLimitPolicy, headers: &[(&str, &str)], stage: u32) -> Vec<String> {
+        let mut map = HeaderMap::new();
+        for (k, v) in headers {
+            map.append(
+                hyper::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        let info = info();
+        let inputs = Inputs {
+            local_cluster: "local",
+            route_cluster: "backend",
+            request: RequestView {
+                method: "GET",
+                authority: "example.com",
+                path: "/a?b=c",
+                scheme: "http",
+                headers: &map,
+            },
+            info: &info,
+        };
+        let mut out = Vec::new();
+        let filter = Filter {
+            stage,
+            local: false,
+        };
+        policy.populate(filter, &inputs, &mut out);
+        out.iter()
+            .map(|d| {
+                d.entries
+                    .iter()
+                    .map(|e| format!("{}={}", e.key, e.value))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn actions_make_envoys_entries() {
+        let (policy, problems) = policy(json!([
+            {"actions": [{"source_cluster": {}}, {"destination_cluster": {}}]},
+            {"actions": [{"remote_address": {}}, {"masked_remote_address": {"v4_prefix_mask_len": 24}}]},
+            {"actions": [{"generic_key": {"descriptor_value": "v"}},
+                {"generic_key": {"descriptor_key": "k", "descriptor_value": "w"}}]},
+            {"actions": [{"request_headers": {"header_name": ":path", "descriptor_key": "path"}},
+                {"request_headers": {"header_name": "X-User", "descriptor_key": "user"}}]},
+            {"actions": [{"header_value_match": {"descriptor_value": "get",
+                "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}}]},
+            {"actions": [{"metadata": {"descriptor_key": "tenant",
+                "metadata_key": {"key": "envoy.filters.http.jwt_authn", "path": [{"key": "tenant"}, {"key": "id"}]}}}]},
+            {"stage": 1, "actions": [{"generic_key": {"descriptor_value": "stage1"}}]}
+        ]));
+        assert!(problems.errors.is_empty(), "{problems:?}");
+        assert_eq!(
+            descriptors(&policy, &[("x-user", "alice")], 0),
+            [
+                "source_cluster=local,destination_cluster=backend",
+                "remote_address=192.168.7.9,masked_remote_address=192.168.7.0/24",
+                "generic_key=v,k=w",
+                "path=/a?b=c,user=alice",
+                "header_match=get",
+                "tenant=acme",
+            ]
+        );
+        assert_eq!(descriptors(&policy, &[], 1), ["generic_key=stage1"]);
+    }
+
+    #[test]
+    fn a_missing_input_drops_the_descriptor_unless_skipped() {
+        let (policy, _) = policy(json!([
+            {"actions": [{"generic_key": {"descriptor_value": "a"}},
+                {"request_headers": {"header_name": "x-user", "descriptor_key": "user"}}]},
+            {"actions": [{"generic_key": {"descriptor_value": "b"}},
+                {"request_headers": {"header_name": "x-user", "descriptor_key": "user", "skip_if_absent": true}}]},
+            {"actions": [{"header_value_match": {"descriptor_value": "post", "expect_match": true,
+                "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}}]},
+            {"actions": [{"header_value_match": {"descriptor_value": "not-post", "expect_match": false,
+                "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}}]},
+            {"actions": [{"metadata": {"descriptor_key": "absent", "default_value": "none",
+                "metadata_key": {"key": "nothing", "path": [{"key": "here"}]}}}]},
+            {"actions": [{"metadata": {"descriptor_key": "absent",
+                "metadata_key": {"key": "nothing", "path": [{"key": "here"}]}}}]}
+        ]));
+        assert_eq!(
+            descriptors(&policy, &[], 0),
+            ["generic_key=b", "header_match=not-post", "absent=none"]
+        );
+    }
+
+    #[test]
+    fn errors_name_their_path() {
+        for (list, path) in [
+            (
+                json!([{"stage": 11, "actions": [{"remote_address": {}}]}]),
+                "rate_limits[0].stage",
+            ),
+            (json!([{"actions": []}]), "rate_limits[0].actions"),
+            (
+                json!([{"actions": [{"remote_address": {}}, {"query_parameters": {
+                "query_parameter_name": "q", "descriptor_key": "q"}}]}]),
+                "rate_limits[0].actions[1].query_parameters",
+            ),
+            (
+                json!([{"actions": [{"metadata": {"descriptor_key": "k", "source": "ROUTE_ENTRY",
+                "metadata_key": {"key": "f", "path": [{"key": "p"}]}}}]}]),
+                "rate_limits[0].actions[0].metadata.source",
+            ),
+            (
+                json!([{"actions": [{"remote_address": {}}], "limit": {"dynamic_metadata": {
+                "metadata_key": {"key": "f", "path": [{"key": "p"}]}}}}]),
+                "rate_limits[0].limit",
+            ),
+        ] {
+            let (compiled, problems) = policy(list.clone());
+            assert!(compiled.is_empty(), "{list}");
+            assert!(
+                problems.errors.iter().any(|e| e.path == path),
+                "{path}: {:?}",
+                problems.errors
+            );
+        }
+    }
 
     #[test]
     fn masked_addresses_keep_their_prefix() {
