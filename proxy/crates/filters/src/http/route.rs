@@ -168,6 +168,15 @@ pub struct Route {
     pub request_headers: HeaderRules,
     pub response_headers: HeaderRules,
     pub per_filter_configs: PerFilterConfigs,
+    /// `decorator`: the operation name of the request's span (Istio sets
+    /// `<host>:<port>/*`), and whether it goes on in `x-envoy-decorator-operation`.
+    pub decorator: Option<Decorator>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decorator {
+    pub operation: String,
+    pub propagate: bool,
 }
 
 #[derive(Debug)]

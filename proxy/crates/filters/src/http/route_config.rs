@@ -326,6 +326,16 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
             &path.field("typed_per_filter_config"),
             problems,
         ),
+        decorator: route.decorator.as_ref().and_then(|d| {
+            if d.operation.is_empty() {
+                problems.error(path.field("decorator").field("operation"), "is required");
+                return None;
+            }
+            Some(super::route::Decorator {
+                operation: d.operation.clone(),
+                propagate: d.propagate.is_none_or(|b| b.value),
+            })
+        }),
     })
 }
 
