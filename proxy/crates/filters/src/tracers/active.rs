@@ -121,13 +121,12 @@ impl ActiveSpan {
             {
                 headers.insert(DECORATOR_OPERATION, value);
             }
-        } else if let Some(value) = headers.remove(DECORATOR_OPERATION) {
-            if let Ok(operation) = value.to_str()
-                && !operation.is_empty()
-            {
-                self.span.name = operation.to_owned();
-                self.decorated = None;
-            }
+        } else if let Some(value) = headers.remove(DECORATOR_OPERATION)
+            && let Ok(operation) = value.to_str()
+            && !operation.is_empty()
+        {
+            self.span.name = operation.to_owned();
+            self.decorated = None;
         }
     }
 

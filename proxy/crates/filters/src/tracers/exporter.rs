@@ -126,3 +126,41 @@ async fn flush_loop<T: Flush>(tracer: Weak<T>, wake: Arc<tokio::sync::Notify>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tracers::span::{Kind, SpanContext};
+
+    fn span() -> Span {
+        Span {
+            context: SpanContext {
+                trace_id: 1,
+                span_id: 1,
+                parent_id: None,
+                sampled: true,
+            },
+            kind: Kind::Server,
+            name: "ingress".into(),
+            start: std::time::SystemTime::now(),
+            duration: Duration::ZERO,
+            tags: Vec::new(),
+            trace_state: String::new(),
+            local_ip: None,
+        }
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts_what_does_not_fit() {
+        let exporter = Exporter::new(Counter::default(), Counter::default());
+        for _ in 0..MAX_QUEUED_SPANS + 3 {
+            exporter.push(span());
+        }
+        assert_eq!(exporter.dropped.value(), 3);
+        assert_eq!(exporter.take().len(), MAX_QUEUED_SPANS);
+        // Taken for a flush: room again.
+        exporter.push(span());
+        assert_eq!(exporter.dropped.value(), 3);
+        assert_eq!(exporter.take().len(), 1);
+    }
+}

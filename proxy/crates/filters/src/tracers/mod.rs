@@ -304,3 +304,64 @@ fn remember(key: DriverKey, driver: &Driver) {
     };
     drivers.insert(key, weak);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::google::protobuf::Any;
+
+    fn hcm(provider: &str, type_url: &str, value: Vec<u8>) -> EnvoyHcm {
+        EnvoyHcm {
+            stat_prefix: "t".into(),
+            tracing: Some(EnvoyTracing {
+                provider: Some(TracerProvider {
+                    name: provider.into(),
+                    config_type: Some(ConfigType::TypedConfig(Any {
+                        type_url: type_url.into(),
+                        value,
+                    })),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_unknown_tracer_is_an_error_naming_it_at_its_path() {
+        let mut problems = Diagnostics::default();
+        let hcm = hcm(
+            "envoy.tracers.datadog",
+            "type.googleapis.com/envoy.config.trace.v3.DatadogConfig",
+            Vec::new(),
+        );
+        let compiled = compile(
+            &hcm,
+            true,
+            &LocalNode::default(),
+            &Store::new(),
+            &JsonPath::new("hcm"),
+            &mut problems,
+        );
+        assert!(compiled.is_none());
+        assert_eq!(problems.errors.len(), 1, "{problems:?}");
+        assert_eq!(problems.errors[0].path, "hcm.tracing.provider.typed_config");
+        assert!(problems.errors[0].message.contains("envoy.tracers.datadog"));
+    }
+
+    #[test]
+    fn sampling_percentages_convert_as_envoys() {
+        use envoy_types::pb::envoy::r#type::v3::Percent as EnvoyPercent;
+        let tracing = EnvoyTracing {
+            random_sampling: Some(EnvoyPercent { value: 1.0 }),
+            client_sampling: Some(EnvoyPercent { value: 50.0 }),
+            ..Default::default()
+        };
+        let s = sampling(&tracing);
+        assert_eq!((s.random.numerator, s.random.denominator), (100, 10_000));
+        assert_eq!((s.client.numerator, s.client.denominator), (50, 100));
+        // Unset: everything.
+        assert_eq!(s.overall.numerator, 100);
+        assert_eq!(sampling(&EnvoyTracing::default()).random.numerator, 10_000);
+    }
+}
