@@ -100,8 +100,8 @@ pub struct HttpArgs {
     mtls: bool,
     /// Also run shunt and Envoy tracing every request's span to an OTLP/gRPC sink (the
     /// upstream nginx, answering every export with grpc-status 0), at 1 % and 100 %
-    /// random sampling: scenarios `shunt-trace1`, `envoy-trace1`, `shunt-trace100`,
-    /// `envoy-trace100`, and their ratios to the untraced `shunt` / `envoy`.
+    /// random sampling: scenarios `shunt-tr1`, `envoy-tr1`, `shunt-tr100`,
+    /// `envoy-tr100`, and their ratios to the untraced `shunt` / `envoy`.
     #[arg(long)]
     tracing: bool,
     /// Measure shunt as a profile-guided build (`pgo.rs`): an instrumented build runs
@@ -198,10 +198,10 @@ impl Scenario {
             Scenario::EnvoyRbac => "envoy-rbac",
             Scenario::ShuntMtls => "shunt-mtls",
             Scenario::EnvoyMtls => "envoy-mtls",
-            Scenario::ShuntTrace1 => "shunt-trace1",
-            Scenario::EnvoyTrace1 => "envoy-trace1",
-            Scenario::ShuntTrace100 => "shunt-trace100",
-            Scenario::EnvoyTrace100 => "envoy-trace100",
+            Scenario::ShuntTrace1 => "shunt-tr1",
+            Scenario::EnvoyTrace1 => "envoy-tr1",
+            Scenario::ShuntTrace100 => "shunt-tr100",
+            Scenario::EnvoyTrace100 => "envoy-tr100",
         }
     }
 

@@ -85,9 +85,12 @@ impl ActiveSpan {
             trace_state,
             local_ip: Some(request.local),
         };
-        span.set_tag("node_id", &tracing.node_id);
-        span.set_tag("zone", &tracing.zone);
-        request_tags(&mut span, tracing, headers, request);
+        // An unsampled span only carries context on: its tags would never be read.
+        if span.context.sampled {
+            span.set_tag("node_id", &tracing.node_id);
+            span.set_tag("zone", &tracing.zone);
+            request_tags(&mut span, tracing, headers, request);
+        }
         Some(ActiveSpan {
             tracing: tracing.clone(),
             span,
