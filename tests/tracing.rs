@@ -501,14 +501,13 @@ fn start_collector(pod: &Pod, ports: (u16, u16)) -> PodProcess {
         .spawn()
         .expect("start the trace collector");
     // The Zipkin port opens after the OTLP one (grpcio's shows as `[::]`).
-    for port in [ports.1] {
-        wait_for_port(
-            pod,
-            SocketAddr::from(([127, 0, 0, 1], port)),
-            Duration::from_secs(20),
-        )
-        .unwrap_or_else(|e| panic!("collector port {port}: {e}\n{}", collector.stderr_text()));
-    }
+    let port = ports.1;
+    wait_for_port(
+        pod,
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("collector port {port}: {e}\n{}", collector.stderr_text()));
     collector
 }
 

@@ -298,6 +298,12 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
             None
         }
     };
+    if route.tracing.is_some() {
+        problems.warning(
+            path.field("tracing"),
+            "per-route tracing is not implemented; the connection manager's sampling applies",
+        );
+    }
     let request_headers = header_rules::compile(
         &route.request_headers_to_add,
         &route.request_headers_to_remove,

@@ -73,7 +73,7 @@ impl ActiveSpan {
         };
         let mut span = Span {
             context,
-            kind: if tracing.egress && !tracing.spawn_upstream_span {
+            kind: if tracing.egress {
                 Kind::Client
             } else {
                 Kind::Server

@@ -65,7 +65,6 @@ pub struct HttpTracing {
     pub request_id: UuidRequestId,
     pub custom_tags: Vec<CustomTag>,
     pub max_path_tag_length: usize,
-    pub spawn_upstream_span: bool,
     /// `no_context_propagation`: spans are reported, no context goes upstream.
     pub no_context_propagation: bool,
     pub driver: Driver,
@@ -137,6 +136,12 @@ pub fn compile(
             "operation and upstream_operation are not implemented; ignored",
         );
     }
+    if tracing.spawn_upstream_span.is_some_and(|b| b.value) {
+        problems.warning(
+            t_path.field("spawn_upstream_span"),
+            "not implemented; the request's one span stands for the upstream call",
+        );
+    }
     if tracing.verbose {
         problems.warning(t_path.field("verbose"), "not implemented; ignored");
     }
@@ -150,7 +155,6 @@ pub fn compile(
         max_path_tag_length: tracing
             .max_path_tag_length
             .map_or(DEFAULT_MAX_PATH_TAG_LENGTH, |v| v.value as usize),
-        spawn_upstream_span: tracing.spawn_upstream_span.is_some_and(|b| b.value),
         no_context_propagation: tracing.no_context_propagation,
         driver,
         node_id: node.id.clone(),
