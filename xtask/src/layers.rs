@@ -48,7 +48,12 @@ pub const CRATES: &[(&str, Layers)] = &[
     ),
     (
         "proxy/crates/filters/src",
-        &[&["common"], &["tcp", "network", "http"], &["lib"]],
+        &[
+            &["common"],
+            &["tracers"],
+            &["tcp", "network", "http"],
+            &["lib"],
+        ],
     ),
     (
         "proxy/crates/xds/src",

@@ -21,6 +21,10 @@
 //! (this route table) -> mTLS, h2 -> server sidecar -> nginx, the same two bootstraps
 //! for both; a pair's CPU and RSS are the two sidecars' summed.
 //!
+//! `--tracing` adds shunt and Envoy tracing every request's span (OpenTelemetry, OTLP
+//! over gRPC, as istiod writes a Telemetry provider) at 1 % and 100 % random sampling,
+//! exported to a sink the upstream nginx serves (every export answered grpc-status 0).
+//!
 //! `--flamegraph` records shunt under each load (`perf record --call-graph dwarf`) and
 //! writes `target/bench/http-shunt-h1.svg` and `-h2.svg` (folded with `inferno`).
 //!
@@ -94,11 +98,21 @@ pub struct HttpArgs {
     /// `shunt-mtls`, `envoy-mtls`; CPU and RSS are summed over the two sidecars.
     #[arg(long)]
     mtls: bool,
+    /// Also run shunt and Envoy tracing every request's span to an OTLP/gRPC sink (the
+    /// upstream nginx, answering every export with grpc-status 0), at 1 % and 100 %
+    /// random sampling: scenarios `shunt-tr1`, `envoy-tr1`, `shunt-tr100`,
+    /// `envoy-tr100`, and their ratios to the untraced `shunt` / `envoy`.
+    #[arg(long)]
+    tracing: bool,
     /// Measure shunt as a profile-guided build (`pgo.rs`): an instrumented build runs
     /// a short training load first (h1 and h2 through the plain, RBAC and mTLS
     /// bootstraps). The plain release build runs beside it as `shunt-plain`.
     #[arg(long)]
     pgo: bool,
+    /// Measure the debug build (a quick check that the bench runs; its figures are not
+    /// shunt's).
+    #[arg(long)]
+    pub debug: bool,
     /// `cargo xtask pgo`: stop after the profile-guided build, measuring nothing.
     #[arg(skip)]
     pgo_only: bool,
@@ -128,6 +142,8 @@ const H2_PORT: u16 = 10001;
 const ADMIN_PORT: u16 = 15000;
 const UPSTREAM_PORT: u16 = 8080;
 const UPSTREAM_H2_PORT: u16 = 8081;
+/// The upstream nginx's OTLP/gRPC sink (`--tracing`): every export answered OK.
+const OTLP_SINK_PORT: u16 = 4317;
 const VIRTUAL_HOSTS: usize = 6;
 /// The host every request names: the last virtual host.
 const HOST: &str = "svc5.bench.local";
@@ -153,6 +169,11 @@ enum Scenario {
     /// The sidecar pair over mTLS (`--mtls`).
     ShuntMtls,
     EnvoyMtls,
+    /// shunt and Envoy reporting spans at 1 % and 100 % random sampling (`--tracing`).
+    ShuntTrace1,
+    EnvoyTrace1,
+    ShuntTrace100,
+    EnvoyTrace100,
 }
 
 const SCENARIOS: [Scenario; 5] = [
@@ -177,6 +198,10 @@ impl Scenario {
             Scenario::EnvoyRbac => "envoy-rbac",
             Scenario::ShuntMtls => "shunt-mtls",
             Scenario::EnvoyMtls => "envoy-mtls",
+            Scenario::ShuntTrace1 => "shunt-tr1",
+            Scenario::EnvoyTrace1 => "envoy-tr1",
+            Scenario::ShuntTrace100 => "shunt-tr100",
+            Scenario::EnvoyTrace100 => "envoy-tr100",
         }
     }
 
@@ -219,6 +244,9 @@ struct Setup {
     bootstrap: PathBuf,
     /// The same with [`RBAC_POLICIES`] RBAC policies (`--rbac`).
     bootstrap_rbac: PathBuf,
+    /// The same tracing at 1 % and 100 % (`--tracing`).
+    bootstrap_trace1: PathBuf,
+    bootstrap_trace100: PathBuf,
     /// The mTLS pair's client and server sidecars (`--mtls`).
     bootstrap_mtls_client: PathBuf,
     bootstrap_mtls_server: PathBuf,
@@ -250,7 +278,11 @@ impl Setup {
                 | Scenario::ShuntRbac
                 | Scenario::EnvoyRbac
                 | Scenario::ShuntMtls
-                | Scenario::EnvoyMtls,
+                | Scenario::EnvoyMtls
+                | Scenario::ShuntTrace1
+                | Scenario::EnvoyTrace1
+                | Scenario::ShuntTrace100
+                | Scenario::EnvoyTrace100,
                 _,
             )
             | (_, Load::H1) => local(H1_PORT),
@@ -318,6 +350,22 @@ impl Setup {
             }
             Scenario::Envoy => vec![front(self.envoy.clone(), envoy(&self.bootstrap))],
             Scenario::EnvoyRbac => vec![front(self.envoy.clone(), envoy(&self.bootstrap_rbac))],
+            Scenario::ShuntTrace1 => {
+                vec![front(
+                    self.bins.shunt.clone(),
+                    shunt(&self.bootstrap_trace1),
+                )]
+            }
+            Scenario::EnvoyTrace1 => vec![front(self.envoy.clone(), envoy(&self.bootstrap_trace1))],
+            Scenario::ShuntTrace100 => {
+                vec![front(
+                    self.bins.shunt.clone(),
+                    shunt(&self.bootstrap_trace100),
+                )]
+            }
+            Scenario::EnvoyTrace100 => {
+                vec![front(self.envoy.clone(), envoy(&self.bootstrap_trace100))]
+            }
             Scenario::ShuntMtls | Scenario::EnvoyMtls => {
                 let (program, server_args, client_args) = if scenario == Scenario::ShuntMtls {
                     (
@@ -479,6 +527,14 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
     if args.mtls {
         scenarios.extend([Scenario::ShuntMtls, Scenario::EnvoyMtls]);
     }
+    if args.tracing {
+        scenarios.extend([
+            Scenario::ShuntTrace1,
+            Scenario::EnvoyTrace1,
+            Scenario::ShuntTrace100,
+            Scenario::EnvoyTrace100,
+        ]);
+    }
     if args.pgo {
         let at = scenarios.iter().position(|s| *s == Scenario::Shunt);
         scenarios.insert(at.map_or(0, |i| i + 1), Scenario::ShuntPlain);
@@ -511,6 +567,8 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
         nginx_version,
         bootstrap: dir.join("bootstrap.yaml"),
         bootstrap_rbac: dir.join("bootstrap-rbac.yaml"),
+        bootstrap_trace1: dir.join("bootstrap-trace1.yaml"),
+        bootstrap_trace100: dir.join("bootstrap-trace100.yaml"),
         bootstrap_mtls_client: dir.join("bootstrap-mtls-client.yaml"),
         bootstrap_mtls_server: dir.join("bootstrap-mtls-server.yaml"),
         haproxy_config: dir.join("haproxy.cfg"),
@@ -526,6 +584,16 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
     if args.rbac || args.pgo {
         std::fs::write(&setup.bootstrap_rbac, bootstrap_rbac(upstream))?;
         validate(&setup.bins.shunt, &setup.envoy, &setup.bootstrap_rbac)?;
+    }
+    if args.tracing {
+        let sink = setup.upstream(OTLP_SINK_PORT);
+        for (file, percent) in [
+            (&setup.bootstrap_trace1, 1.0),
+            (&setup.bootstrap_trace100, 100.0),
+        ] {
+            std::fs::write(file, bootstrap_tracing(upstream, sink, percent))?;
+            validate(&setup.bins.shunt, &setup.envoy, file)?;
+        }
     }
     let pki = if args.mtls || args.pgo {
         let pki = http_mtls::pki(&dir.join("pki")).context("the mTLS pair's certificates")?;
@@ -560,7 +628,7 @@ pub fn run(bins: Bins, args: &HttpArgs) -> Result<Option<PathBuf>> {
         .arg("-c")
         .arg(upstream_dir.join("nginx.conf"))
         .spawn()?;
-    for port in [UPSTREAM_PORT, UPSTREAM_H2_PORT] {
+    for port in [UPSTREAM_PORT, UPSTREAM_H2_PORT, OTLP_SINK_PORT] {
         wait_for_port(&setup.server, setup.upstream(port), secs(10))
             .with_context(|| format!("upstream nginx:\n{}", app.stderr_text()))?;
     }
@@ -755,6 +823,57 @@ static_resources:
     )
 }
 
+/// [`bootstrap`] with the HCM tracing every request to the OTLP sink at `sink`, as
+/// istiod writes a Telemetry resource's OpenTelemetry provider (Istio's custom tags,
+/// the UUID request id extension), at `percent` random sampling.
+fn bootstrap_tracing(upstream: SocketAddr, sink: SocketAddr, percent: f64) -> String {
+    let tracing = format!(
+        r#"          codec_type: AUTO
+          request_id_extension:
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig
+              use_request_id_for_trace_sampling: true
+          tracing:
+            client_sampling: {{ value: 100 }}
+            random_sampling: {{ value: {percent} }}
+            overall_sampling: {{ value: 100 }}
+            custom_tags:
+            - {{ tag: istio.canonical_revision, literal: {{ value: latest }} }}
+            - {{ tag: istio.canonical_service, literal: {{ value: bench }} }}
+            - {{ tag: istio.mesh_id, literal: {{ value: cluster.local }} }}
+            - {{ tag: istio.namespace, literal: {{ value: default }} }}
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                service_name: bench.default
+                grpc_service:
+                  envoy_grpc: {{ cluster_name: otlp }}
+"#
+    );
+    let (ip, port) = (sink.ip(), sink.port());
+    let sink_cluster = format!(
+        r#"  - name: otlp
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: otlp
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: {ip}, port_value: {port} }}
+"#
+    );
+    bootstrap(upstream)
+        .replace("          codec_type: AUTO\n", &tracing)
+        .replace("  clusters:\n", &format!("  clusters:\n{sink_cluster}"))
+}
+
 /// [`bootstrap`] with an HTTP RBAC filter before the router: [`RBAC_POLICIES`] ALLOW
 /// policies, each a header and a path prefix the load never sends but the last,
 /// which allows every path; policies are tried in name order, so each request
@@ -846,7 +965,8 @@ fn nginx_proxy_config(dir: &Path, upstream: SocketAddr) -> String {
 fn nginx_upstream_config(dir: &Path) -> String {
     format!(
         "{}http {{\n{}\
-         server {{ listen {UPSTREAM_PORT} reuseport backlog=4096; listen {UPSTREAM_H2_PORT} http2; location / {{ default_type text/plain; return 200 \"{}\"; }} }}\n}}\n",
+         server {{ listen {UPSTREAM_PORT} reuseport backlog=4096; listen {UPSTREAM_H2_PORT} http2; location / {{ default_type text/plain; return 200 \"{}\"; }} }}\n\
+         server {{ listen {OTLP_SINK_PORT} http2; location / {{ default_type application/grpc; add_header grpc-status 0 always; return 200; }} }}\n}}\n",
         nginx_common(dir, "upstream"),
         nginx_http_common(dir),
         BODY.escape_default(),
@@ -1396,7 +1516,7 @@ struct Report<'a> {
 }
 
 /// Ratio columns (those whose scenarios both ran).
-const RATIOS: [(Scenario, Scenario); 9] = [
+const RATIOS: [(Scenario, Scenario); 15] = [
     (Scenario::Shunt, Scenario::Haproxy),
     (Scenario::Shunt, Scenario::Envoy),
     (Scenario::Shunt, Scenario::Nginx),
@@ -1406,6 +1526,12 @@ const RATIOS: [(Scenario, Scenario); 9] = [
     (Scenario::EnvoyRbac, Scenario::Envoy),
     (Scenario::ShuntRbac, Scenario::EnvoyRbac),
     (Scenario::ShuntMtls, Scenario::EnvoyMtls),
+    (Scenario::ShuntTrace1, Scenario::Shunt),
+    (Scenario::ShuntTrace100, Scenario::Shunt),
+    (Scenario::EnvoyTrace1, Scenario::Envoy),
+    (Scenario::EnvoyTrace100, Scenario::Envoy),
+    (Scenario::ShuntTrace1, Scenario::EnvoyTrace1),
+    (Scenario::ShuntTrace100, Scenario::EnvoyTrace100),
 ];
 
 /// What the RBAC filter adds to a request: (with, without).

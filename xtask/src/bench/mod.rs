@@ -90,6 +90,11 @@ pub fn run(which: Which) -> Result<()> {
         };
         return mesh::run(bins, args);
     }
+    if let Which::Http(args) = &which
+        && args.debug
+    {
+        return http::run(Bins::build(false)?, args).map(drop);
+    }
     let bins = Bins::build(true)?;
     match which {
         Which::Capture(args) => capture::run(&bins, &args),

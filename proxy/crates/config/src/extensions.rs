@@ -72,6 +72,10 @@ pub struct Implemented {
     /// Extensions a filter's own config names (the compressor's and decompressor's
     /// compression libraries).
     pub filter_extensions: Vec<&'static str>,
+    /// The tracers an HTTP connection manager's `tracing.provider` may name (the
+    /// bootstrap's own `tracing` is not served), and its request id extensions.
+    pub tracers: Vec<&'static str>,
+    pub request_id_extensions: Vec<&'static str>,
 }
 
 impl Implemented {
@@ -86,7 +90,8 @@ impl Implemented {
             Role::AccessLogger => &self.access_loggers,
             Role::ProtocolOptions => &self.protocol_options,
             Role::BootstrapExtension => &self.bootstrap_extensions,
-            Role::StatsSink | Role::Tracer => &[],
+            Role::Tracer => &self.tracers,
+            Role::StatsSink => &[],
             // Reached through other fields: a cluster's upstream network `filters`.
             Role::Other => &self.upstream_network_filters,
         }
@@ -110,6 +115,7 @@ impl Implemented {
                 &self.protocol_options,
                 &self.filter_chain_matching,
                 &self.filter_extensions,
+                &self.request_id_extensions,
             ]
             .iter()
             .any(|list| list.contains(&type_name))
@@ -296,7 +302,9 @@ impl Walker<'_> {
             type_name = type_name_of_url(&string_field(&typed_struct, "type_url")).to_owned();
             wrapped = true;
         }
-        if !self.implemented.implements(role, &type_name) {
+        // The bootstrap's own `tracing.http` is never used: only an HCM's provider is.
+        let bootstrap_tracer = role == Role::Tracer && path.to_string().starts_with("tracing.");
+        if bootstrap_tracer || !self.implemented.implements(role, &type_name) {
             self.report(role, parent, &type_name, wrapped, path);
             return;
         }

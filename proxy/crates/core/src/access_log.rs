@@ -368,7 +368,7 @@ pub fn reopen_files() -> usize {
 }
 
 /// Envoy joins several flags with commas and writes `-` for none.
-fn flags_string(flags: &[ResponseFlag]) -> String {
+pub fn flags_string(flags: &[ResponseFlag]) -> String {
     if flags.is_empty() {
         return "-".to_owned();
     }

@@ -288,8 +288,9 @@ impl Workload {
 pub struct LocalNode {
     /// `node.id`: `sidecar~10.0.0.1~pod.ns~ns.svc.cluster.local`.
     pub id: String,
-    /// `node.cluster`: the local service cluster (rate limits' `source_cluster`).
+    /// `node.cluster` and `node.locality.zone` (tracers name spans' service and zone).
     pub cluster: String,
+    pub zone: String,
     pub metadata: NodeMetadata,
     /// `SERVICE_ACCOUNT`, not exchanged but part of the node's identity.
     pub service_account: String,
@@ -312,6 +313,11 @@ impl LocalNode {
         LocalNode {
             id: node.id.clone(),
             cluster: node.cluster.clone(),
+            zone: node
+                .locality
+                .as_ref()
+                .map(|l| l.zone.clone())
+                .unwrap_or_default(),
             metadata: NodeMetadata::from_struct(&metadata),
             service_account,
             workloads: Arc::default(),

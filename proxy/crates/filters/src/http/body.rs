@@ -17,6 +17,7 @@ use super::config::{HttpConnectionManager, StreamTimeouts};
 use super::filter::BodyTransform;
 use super::filter::chain::ActiveChain;
 use super::timeouts::Timeout;
+use crate::tracers::active::ActiveSpan;
 use shunt_core::access_log::{Entry, ResponseFlag};
 use shunt_core::stats::Counter;
 use shunt_upstream::http_pool::UpstreamBody;
@@ -55,6 +56,8 @@ pub struct LogSlot {
     observed: AtomicBool,
     /// `downstream_rq_rx_reset` and `downstream_rq_tx_reset` of the stream's HCM.
     resets: std::sync::OnceLock<[Counter; 2]>,
+    /// The request's span, ended with the line.
+    span: Mutex<Option<Box<ActiveSpan>>>,
 }
 
 impl LogSlot {
@@ -76,7 +79,20 @@ impl LogSlot {
             chain: Mutex::new(None),
             observed: AtomicBool::new(false),
             resets: std::sync::OnceLock::new(),
+            span: Mutex::new(None),
         })
+    }
+
+    /// Keeps the request's span until the stream ends.
+    pub fn set_span(&self, span: ActiveSpan) {
+        *self.span.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(span));
+    }
+
+    /// Runs `call` on the request's span, if it has one.
+    pub fn with_span(&self, call: impl FnOnce(&mut ActiveSpan)) {
+        if let Some(span) = self.span.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            call(span);
+        }
     }
 
     /// Where the stream's resets are counted.
@@ -278,6 +294,14 @@ impl Drop for LogSlot {
             entry.bytes_sent = *self.sent.get_mut();
             entry.response_head_bytes += *self.framing.get_mut();
             entry.emit_to(&hcm.access_log);
+            if let Some(span) = self
+                .span
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                span.finish(&entry, chain.as_ref().map(|c| &c.ctx.info.metadata));
+            }
             if let Some(chain) = chain {
                 chain.complete(&entry);
             }

@@ -133,9 +133,15 @@ pub fn compile_in(
             upgrades.push(upgrade.upgrade_type.to_ascii_lowercase());
         }
     }
-    if hcm.tracing.is_some() {
-        problems.warning(path.field("tracing"), "tracing is not implemented; ignored");
-    }
+    let tracing = crate::tracers::compile(
+        hcm,
+        env.inbound == Some(false),
+        &env.node,
+        stats,
+        path,
+        problems,
+    )
+    .map(Arc::new);
     let path_normalization = {
         use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::PathWithEscapedSlashesAction as Action;
         use super::path_normalization::{EscapedSlashes, PathNormalization};
@@ -182,6 +188,7 @@ pub fn compile_in(
         path_normalization,
         filters,
         access_log,
+        tracing,
         limits,
         stats: HttpStats::new(stats, &hcm.stat_prefix),
     })

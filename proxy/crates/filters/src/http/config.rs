@@ -71,6 +71,8 @@ pub struct HttpConnectionManager {
     /// The HTTP filters before the router.
     pub filters: super::filter::chain::FilterChain,
     pub access_log: Vec<Sink>,
+    /// `tracing`: the request's span and trace context, when configured.
+    pub tracing: Option<Arc<crate::tracers::HttpTracing>>,
     pub limits: Limits,
     pub stats: HttpStats,
 }

@@ -276,6 +276,9 @@ async fn handle_timed(request: Request<Incoming>, shared: &Shared) -> Response<R
             response
                 .headers_mut()
                 .insert(header::SERVER, hcm.server_name.clone());
+            if hcm.tracing.is_some() {
+                log.with_span(|span| span.on_response(code.as_u16(), response.headers_mut()));
+            }
             hcm.stats.response(code.as_u16());
             return response.map(|body| ResponseBody::full(body).logged(log));
         }
@@ -324,6 +327,17 @@ async fn handle(
         let mut routed = config
             .as_ref()
             .and_then(|c| Routed::find(c, &request.view()));
+        // Trace it: decided, its span begun and named by the route.
+        if let Some(tracing) = &hcm.tracing {
+            start_span(
+                shared,
+                tracing,
+                &snapshot,
+                &mut request,
+                routed.as_ref(),
+                &log,
+            );
+        }
         let mut body = RequestBody::new(body, log.clone());
         // The HTTP filters' decoders, which may route the request again.
         if !hcm.filters.is_empty()
@@ -396,6 +410,9 @@ async fn handle(
                     alpn: log.upstream_alpn(cluster, parts.version),
                     ..upstream
                 };
+                if hcm.tracing.is_some() {
+                    log.with_span(|span| span.inject(&mut parts.headers));
+                }
                 let (head, upgrade) = upstream_head(
                     shared, &mut parts, &routed, action, weighted, authority, path,
                 );
@@ -470,6 +487,45 @@ fn admit(
         None => Ok(target),
     };
     (pending, admitted)
+}
+
+/// Envoy's `traceRequest`: the trace decided (and packed into `x-request-id`), the span
+/// begun and named by the route's decorator, then kept in the log slot until the stream
+/// ends. A sampled span's tracer learns the config its collector cluster is in.
+fn start_span(
+    shared: &Shared,
+    tracing: &Arc<crate::tracers::HttpTracing>,
+    snapshot: &Arc<dyn super::RequestConfig>,
+    request: &mut RequestHeaders,
+    routed: Option<&Routed>,
+    log: &LogSlot,
+) {
+    use crate::tracers::active::{ActiveSpan, RequestFacts};
+    let downstream = &shared.downstream;
+    let facts = RequestFacts {
+        method: request.method.as_str(),
+        authority: &request.authority,
+        path: &request.path,
+        scheme: request.scheme,
+        protocol: protocol(request.version),
+        peer: downstream.remote.ip(),
+        local: downstream.local.ip(),
+    };
+    let Some(mut span) = ActiveSpan::start(tracing, &mut request.headers, &facts) else {
+        return;
+    };
+    let decorator = routed
+        .and_then(|r| r.route().decorator.as_ref())
+        .map(|d| (d.operation.as_str(), d.propagate));
+    span.decorate(decorator, &mut request.headers);
+    if span.sampled() {
+        let key = Arc::as_ptr(snapshot) as *const () as usize;
+        tracing
+            .driver
+            .exporter()
+            .observe(key, || Arc::new(super::Collectors(snapshot.clone())));
+    }
+    log.set_span(span);
 }
 
 /// The `:authority` (the URI's, else Host, without its port as `strip_*_host_port`
@@ -1136,6 +1192,9 @@ async fn finish(
         }
     }
     let status = response.status().as_u16();
+    if hcm.tracing.is_some() {
+        log.with_span(|span| span.on_response(status, response.headers_mut()));
+    }
     hcm.stats.response(status);
     if let Some(http) = entry.http.as_mut() {
         http.response_code = status;

@@ -48,6 +48,19 @@ pub trait RequestConfig: Send + Sync {
     fn secrets(&self) -> &Secrets;
 }
 
+/// A tracer's collector cluster, looked up in the config a traced request saw.
+pub struct Collectors(pub Arc<dyn RequestConfig>);
+
+impl crate::tracers::CollectorSource for Collectors {
+    fn cluster(&self, name: &str) -> Option<Arc<shunt_upstream::Cluster>> {
+        self.0.clusters().get(name).cloned()
+    }
+
+    fn secrets(&self) -> &Secrets {
+        self.0.secrets()
+    }
+}
+
 /// Where the connection manager finds the config current at each request (the
 /// snapshot store, which xDS swaps).
 pub trait ConfigProvider: Send + Sync {

@@ -173,6 +173,15 @@ pub struct Route {
     pub per_filter_configs: PerFilterConfigs,
     /// The route action's `rate_limits` (Envoy's route entry's rate limit policy).
     pub rate_limits: RouteRateLimits,
+    /// `decorator`: the operation name of the request's span (Istio sets
+    /// `<host>:<port>/*`), and whether it goes on in `x-envoy-decorator-operation`.
+    pub decorator: Option<Decorator>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decorator {
+    pub operation: String,
+    pub propagate: bool,
 }
 
 #[derive(Debug)]

@@ -298,6 +298,12 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
             None
         }
     };
+    if route.tracing.is_some() {
+        problems.warning(
+            path.field("tracing"),
+            "per-route tracing is not implemented; the connection manager's sampling applies",
+        );
+    }
     let request_headers = header_rules::compile(
         &route.request_headers_to_add,
         &route.request_headers_to_remove,
@@ -333,6 +339,16 @@ fn route(route: &EnvoyRoute, path: &JsonPath, problems: &mut Diagnostics) -> Opt
             &path.field("typed_per_filter_config"),
             problems,
         ),
+        decorator: route.decorator.as_ref().and_then(|d| {
+            if d.operation.is_empty() {
+                problems.error(path.field("decorator").field("operation"), "is required");
+                return None;
+            }
+            Some(super::route::Decorator {
+                operation: d.operation.clone(),
+                propagate: d.propagate.is_none_or(|b| b.value),
+            })
+        }),
     })
 }
 

@@ -5,7 +5,8 @@
 //! terminal network filters and filter-chain matching from the listener's compiler;
 //! transport sockets from `shunt_tls`; cluster types, protocol options and upstream
 //! network filters from the cluster compiler; access loggers from `shunt_core`; the
-//! compression libraries from `shunt_filters::common::compression`; the
+//! compression libraries from `shunt_filters::common::compression`; tracers and request
+//! id extensions from `shunt_filters::tracers`; the
 //! bootstrap extensions from this module's snapshot compile and Istio's workload
 //! discovery. This crate is the lowest that sees all of them.
 
@@ -45,6 +46,8 @@ pub static IMPLEMENTED: LazyLock<Implemented> = LazyLock::new(|| Implemented {
         .chain(compression::DECOMPRESSOR_TYPES.iter())
         .copied()
         .collect(),
+    tracers: shunt_filters::tracers::TRACERS.to_vec(),
+    request_id_extensions: shunt_filters::tracers::REQUEST_ID_EXTENSIONS.to_vec(),
 });
 
 #[cfg(test)]
