@@ -497,13 +497,13 @@ impl Store {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(prefix)
-            .filter(|b| std::ptr::eq(b.spec, spec))
+            .filter(|b| b.spec == spec)
         {
             return block.clone();
         }
         let mut metrics = self.metrics.write().unwrap_or_else(|e| e.into_inner());
         let mut blocks = self.blocks.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(block) = blocks.get(prefix).filter(|b| std::ptr::eq(b.spec, spec)) {
+        if let Some(block) = blocks.get(prefix).filter(|b| b.spec == spec) {
             return block.clone();
         }
         let made: Arc<[Metric]> = spec

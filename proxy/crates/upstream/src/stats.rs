@@ -289,4 +289,20 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn a_recompiled_cluster_keeps_counting_where_it_was() {
+        let store = Store::new();
+        let first = ClusterStats::new(&store, "c");
+        first.upstream_cx_total.inc();
+        // An update compiles the cluster again while the old one still serves.
+        let second = ClusterStats::new(&store, "c");
+        second.upstream_cx_total.inc();
+        drop(first);
+        assert!(
+            store
+                .snapshot()
+                .contains(&Stat::counter("cluster.c.upstream_cx_total", 2))
+        );
+    }
 }
