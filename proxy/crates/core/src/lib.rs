@@ -9,6 +9,7 @@
 pub mod access_log;
 pub mod event;
 pub mod formatter;
+pub mod interned;
 pub mod istio_stats;
 pub mod peer;
 pub mod set_filter_state;

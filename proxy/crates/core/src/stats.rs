@@ -13,6 +13,11 @@
 //! them (no extraction), under a name in a custom namespace (`istiocustom.`) that
 //! `/stats/prometheus` writes without Envoy's `envoy_` prefix.
 //!
+//! A resource with a fixed set of stats (a cluster's thirty) keeps them as one block
+//! under its prefix ([`Store::block`]): one entry and no name per stat (the names are
+//! made when read), so an idle cluster costs its counters and little else; a name
+//! under a block's prefix looked up one at a time is the block's stat.
+//!
 //! Stats live as long as their resource, as in Envoy's scopes: a cluster, listener or
 //! connection manager holds a [`ScopeGuard`] for its prefix (`cluster.<name>.`); when the
 //! last guard of a prefix goes, the stats under it that nobody holds are freed, and the
@@ -268,10 +273,79 @@ enum Metric {
 /// Tagged stats by full name, with their tags.
 type TaggedMetrics = BTreeMap<String, (Metric, Arc<TagSet>)>;
 
+/// What a stat is: which kind of [`Metric`] a block's name is made as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    fn make(self) -> Metric {
+        match self {
+            Kind::Counter => Metric::Counter(Counter::default()),
+            Kind::Gauge => Metric::Gauge(Gauge::default()),
+            Kind::Histogram => Metric::Histogram(Histogram::default()),
+        }
+    }
+}
+
+/// A block's stats: the names after its prefix with their kinds, in a fixed order.
+pub type BlockSpec = &'static [(&'static str, Kind)];
+
+/// The stats of a block ([`Store::block`]), as handles.
+#[derive(Debug, Clone)]
+pub struct Block {
+    spec: BlockSpec,
+    metrics: Arc<[Metric]>,
+}
+
+impl Block {
+    fn metric(&self, name: &str) -> Option<&Metric> {
+        let i = self.spec.iter().position(|(n, _)| *n == name)?;
+        self.metrics.get(i)
+    }
+
+    /// The counter `name` of the block; a handle to nowhere (with a debug assertion)
+    /// if the spec has no counter of that name.
+    pub fn counter(&self, name: &str) -> Counter {
+        match self.metric(name) {
+            Some(Metric::Counter(c)) => c.clone(),
+            _ => {
+                debug_assert!(false, "no counter {name} in the block");
+                Counter::default()
+            }
+        }
+    }
+
+    pub fn gauge(&self, name: &str) -> Gauge {
+        match self.metric(name) {
+            Some(Metric::Gauge(g)) => g.clone(),
+            _ => {
+                debug_assert!(false, "no gauge {name} in the block");
+                Gauge::default()
+            }
+        }
+    }
+
+    pub fn histogram(&self, name: &str) -> Histogram {
+        match self.metric(name) {
+            Some(Metric::Histogram(h)) => h.clone(),
+            _ => {
+                debug_assert!(false, "no histogram {name} in the block");
+                Histogram::default()
+            }
+        }
+    }
+}
+
 /// Every stat of the process by name. Cloning shares the store.
 #[derive(Debug, Clone, Default)]
 pub struct Store {
     metrics: Arc<RwLock<BTreeMap<String, Metric>>>,
+    /// Blocks by prefix (`cluster.<name>.`): each name after the prefix is one stat.
+    blocks: Arc<RwLock<BTreeMap<String, Block>>>,
     /// Tagged stats by full name ([`tagged_name`]), with their tags.
     tagged: Arc<RwLock<TaggedMetrics>>,
     /// Names asked for as two different kinds, reported once each.
@@ -324,6 +398,14 @@ impl Drop for ScopeGuard {
 }
 
 impl Metric {
+    fn kind(&self) -> Kind {
+        match self {
+            Metric::Counter(_) => Kind::Counter,
+            Metric::Gauge(_) => Kind::Gauge,
+            Metric::Histogram(_) => Kind::Histogram,
+        }
+    }
+
     /// Whether a handle other than the store's own is held.
     fn held(&self) -> bool {
         match self {
@@ -405,6 +487,71 @@ impl Store {
         }
     }
 
+    /// The stats `spec` names under `prefix` (ending in `.`), kept as one block: the
+    /// block already there with this prefix and spec, or a new one (taking over any of
+    /// its names made one at a time before). Hold a [`ScopeGuard`] for the prefix: the
+    /// block goes as its plain stats do.
+    pub fn block(&self, prefix: &str, spec: BlockSpec) -> Block {
+        if let Some(block) = self
+            .blocks
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(prefix)
+            .filter(|b| b.spec == spec)
+        {
+            return block.clone();
+        }
+        let mut metrics = self.metrics.write().unwrap_or_else(|e| e.into_inner());
+        let mut blocks = self.blocks.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(block) = blocks.get(prefix).filter(|b| b.spec == spec) {
+            return block.clone();
+        }
+        let made: Arc<[Metric]> = spec
+            .iter()
+            .map(|(name, kind)| {
+                let full = format!("{prefix}{name}");
+                match metrics.remove(&full) {
+                    Some(existing) if existing.kind() == *kind => existing,
+                    Some(other) => {
+                        // Keep the first kind, as a plain name does; the block's gets
+                        // a handle to nowhere.
+                        metrics.insert(full, other);
+                        kind.make()
+                    }
+                    None => kind.make(),
+                }
+            })
+            .collect();
+        let block = Block {
+            spec,
+            metrics: made,
+        };
+        // Another spec under the same prefix (not made by shunt): its stats go back to
+        // being plain names.
+        if let Some(old) = blocks.insert(prefix.to_owned(), block.clone()) {
+            for ((name, _), metric) in old.spec.iter().zip(old.metrics.iter()) {
+                if block.metric(name).is_none() {
+                    metrics.insert(format!("{prefix}{name}"), metric.clone());
+                }
+            }
+        }
+        block
+    }
+
+    /// The stat of a block that `name` is, if any.
+    fn in_block(&self, name: &str) -> Option<Metric> {
+        let blocks = self.blocks.read().unwrap_or_else(|e| e.into_inner());
+        if blocks.is_empty() {
+            return None;
+        }
+        name.match_indices('.').find_map(|(i, _)| {
+            blocks
+                .get(&name[..=i])
+                .and_then(|b| b.metric(&name[i + 1..]))
+                .cloned()
+        })
+    }
+
     /// A hold on the stats under `prefix` (ending in `.`), for as long as the guard and
     /// its clones live.
     pub fn scope(&self, prefix: &str) -> ScopeGuard {
@@ -426,8 +573,29 @@ impl Store {
             return;
         }
         let mut metrics = self.metrics.write().unwrap_or_else(|e| e.into_inner());
+        let mut blocks = self.blocks.write().unwrap_or_else(|e| e.into_inner());
         let Scopes { live, released } = &mut *scopes;
         released.retain(|prefix| {
+            let blocks_under: Vec<String> = blocks
+                .range::<str, _>((
+                    std::ops::Bound::Included(prefix.as_str()),
+                    std::ops::Bound::Unbounded,
+                ))
+                .take_while(|(name, _)| name.starts_with(prefix.as_str()))
+                .filter(|(name, _)| !live.contains_key(name.as_str()))
+                .map(|(name, _)| name.clone())
+                .collect();
+            let mut blocks_left = false;
+            for name in blocks_under {
+                if blocks
+                    .get(&name)
+                    .is_some_and(|b| b.metrics.iter().any(Metric::held))
+                {
+                    blocks_left = true;
+                } else {
+                    blocks.remove(&name);
+                }
+            }
             let under: Vec<String> = metrics
                 .range::<str, _>((
                     std::ops::Bound::Included(prefix.as_str()),
@@ -441,7 +609,7 @@ impl Store {
                 })
                 .map(|(name, _)| name.clone())
                 .collect();
-            let mut left = false;
+            let mut left = blocks_left;
             for name in under {
                 if metrics.get(&name).is_some_and(Metric::held) {
                     left = true;
@@ -456,6 +624,13 @@ impl Store {
     /// Stats in the store now (untagged and tagged).
     pub fn len(&self) -> usize {
         self.metrics.read().unwrap_or_else(|e| e.into_inner()).len()
+            + self
+                .blocks
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .map(|b| b.metrics.len())
+                .sum::<usize>()
             + self.tagged.read().unwrap_or_else(|e| e.into_inner()).len()
     }
 
@@ -473,7 +648,16 @@ impl Store {
                 .map(|(name, metric)| read(name, metric, None))
                 .collect()
         };
+        let blocks = self.blocks.read().unwrap_or_else(|e| e.into_inner());
+        for (prefix, block) in blocks.iter() {
+            for ((name, _), metric) in block.spec.iter().zip(block.metrics.iter()) {
+                stats.push(read(&format!("{prefix}{name}"), metric, None));
+            }
+        }
         let tagged = self.tagged.read().unwrap_or_else(|e| e.into_inner());
+        if !blocks.is_empty() && tagged.is_empty() {
+            stats.sort_by(|a, b| a.name.cmp(&b.name));
+        }
         if !tagged.is_empty() {
             stats.extend(
                 tagged
@@ -525,12 +709,16 @@ impl Store {
         {
             return metric.clone();
         }
-        self.metrics
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(name.to_owned())
-            .or_insert_with(new)
-            .clone()
+        if let Some(metric) = self.in_block(name) {
+            return metric;
+        }
+        let mut metrics = self.metrics.write().unwrap_or_else(|e| e.into_inner());
+        // Again under the write lock, so that a block made meanwhile is found (blocks are
+        // made holding it too).
+        if let Some(metric) = self.in_block(name) {
+            return metric;
+        }
+        metrics.entry(name.to_owned()).or_insert_with(new).clone()
     }
 
     fn conflict(&self, name: &str, wanted: &str) {
@@ -726,5 +914,44 @@ mod scope_tests {
         // Coming back starts afresh.
         let _again = store.scope("cluster.a.");
         assert_eq!(store.counter("cluster.a.upstream_rq_total").value(), 0);
+    }
+
+    const SPEC: BlockSpec = &[("rq", Kind::Counter), ("active", Kind::Gauge)];
+
+    #[test]
+    fn a_blocks_stats_are_stats_like_any_other() {
+        let store = Store::new();
+        // Made by name before the block: the block takes it over.
+        store.counter("cluster.a.rq").add(2);
+        let guard = store.scope("cluster.a.");
+        let block = store.block("cluster.a.", SPEC);
+        block.counter("rq").inc();
+        block.gauge("active").set(4);
+        store.counter("cluster.a.other").inc();
+        store.counter("z").inc();
+        // By name, the block's own stat; the same block again for the same prefix.
+        store.counter("cluster.a.rq").inc();
+        store.block("cluster.a.", SPEC).counter("rq").inc();
+        assert_eq!(
+            store.snapshot(),
+            [
+                Stat::gauge("cluster.a.active", 4),
+                Stat::counter("cluster.a.other", 1),
+                Stat::counter("cluster.a.rq", 5),
+                Stat::counter("z", 1),
+            ]
+        );
+        assert_eq!(store.len(), 4);
+        // A name asked for as another kind keeps the block's.
+        store.gauge("cluster.a.rq").set(9);
+        assert_eq!(store.counter("cluster.a.rq").value(), 5);
+        // Released with its scope once its handles go.
+        let held = block.counter("rq");
+        drop((guard, block));
+        assert_eq!(names(&store), ["cluster.a.active", "cluster.a.rq", "z"]);
+        drop(held);
+        assert_eq!(names(&store), ["z"]);
+        let _again = store.scope("cluster.a.");
+        assert_eq!(store.block("cluster.a.", SPEC).counter("rq").value(), 0);
     }
 }

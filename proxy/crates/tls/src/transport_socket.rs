@@ -138,11 +138,16 @@ fn encoded(
 }
 
 /// The `envoy.transport_socket_match` part of an endpoint's metadata; `None` without.
+/// Shared by every endpoint with the same (Istio's `tlsMode: istio`, mostly).
 pub fn endpoint_match_metadata(
     metadata: Option<&envoy_types::pb::envoy::config::core::v3::Metadata>,
 ) -> Option<Arc<MatchMetadata>> {
+    use std::hash::{Hash, Hasher};
     let fields = &metadata?.filter_metadata.get(MATCH_NAMESPACE)?.fields;
-    Some(Arc::new(encoded(fields)))
+    let encoded = encoded(fields);
+    let mut hasher = std::hash::DefaultHasher::new();
+    encoded.hash(&mut hasher);
+    Some(shunt_core::interned::intern(hasher.finish(), &encoded))
 }
 
 /// One of a cluster's `transport_socket_matches`: endpoints whose metadata has every

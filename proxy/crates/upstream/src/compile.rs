@@ -17,7 +17,9 @@ use envoy_types::pb::envoy::config::core::v3::{
     HealthCheck as EnvoyHealthCheck, HealthStatus, RoutingPriority,
     health_check::{HealthChecker, Payload, payload},
 };
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+use prost::Message as _;
 
 use super::cluster::UpstreamProtocol;
 use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
@@ -53,9 +55,32 @@ pub struct CompiledClusters {
     pub pipe_endpoints: Vec<(String, Vec<String>)>,
 }
 
-/// A cluster to compile: its index in `static_resources.clusters` (`None`: from CDS),
-/// its config and the config's digest.
-pub type Source<'a> = (Option<usize>, &'a EnvoyCluster, u64);
+/// A cluster to compile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Source<'a> {
+    /// Its index in `static_resources.clusters` (`None`: from CDS).
+    pub index: Option<usize>,
+    pub cluster: &'a EnvoyCluster,
+    /// An EDS cluster's endpoints as EDS sent them (a `ClusterLoadAssignment`'s wire
+    /// bytes), in place of its `load_assignment`: decoded while the cluster compiles,
+    /// kept only as bytes (a tenth of the decoded size) and never copied into a clone
+    /// of the cluster.
+    pub endpoints: Option<&'a [u8]>,
+    /// The digest of the config and endpoints: the same digest, the same cluster.
+    pub digest: u64,
+}
+
+impl<'a> Source<'a> {
+    /// A cluster compiled as written (its own `load_assignment`).
+    pub fn new(index: Option<usize>, cluster: &'a EnvoyCluster, digest: u64) -> Self {
+        Source {
+            index,
+            cluster,
+            endpoints: None,
+            digest,
+        }
+    }
+}
 
 /// What an update does to one dynamic cluster (see [`patch`]).
 #[derive(Debug, PartialEq)]
@@ -107,7 +132,7 @@ pub fn patch(
     // Every changed name goes first, so that a replaced cluster is not a second one.
     for change in changes {
         let name = match change {
-            ClusterChange::Upserted((_, cluster, _)) => cluster.name.as_str(),
+            ClusterChange::Upserted(source) => source.cluster.name.as_str(),
             ClusterChange::Removed(name) => name,
         };
         compiled.clusters.remove(name);
@@ -125,11 +150,17 @@ impl CompiledClusters {
     /// compiled (and `fresh`).
     fn add(
         &mut self,
-        (index, cluster, digest): Source<'_>,
+        source: Source<'_>,
         previous: Option<&Clusters>,
         stats: &Store,
         problems: &mut Diagnostics,
     ) {
+        let Source {
+            index,
+            cluster,
+            digest,
+            ..
+        } = source;
         if cluster.name.is_empty() {
             let path = path_of(index, cluster);
             problems.error(path.field("name"), "a cluster needs a name");
@@ -152,7 +183,7 @@ impl CompiledClusters {
             Some(kept) => Some(kept),
             None => {
                 let path = path_of(index, cluster);
-                let made = compile(cluster, &path, digest, stats, &mut pipes, problems);
+                let made = compile(source, &path, stats, &mut pipes, problems);
                 self.fresh.extend(made.clone());
                 made
             }
@@ -184,16 +215,32 @@ struct Endpoint {
 /// assignment, lb policy, bind config, circuit breakers, health, transport socket,
 /// protocol options.
 pub fn compile(
-    cluster: &EnvoyCluster,
+    source: Source<'_>,
     path: &JsonPath,
-    digest: u64,
     stats: &Store,
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
     let errors_before = problems.errors.len();
+    let cluster = source.cluster;
+    // The endpoints compiled: EDS's, else the cluster's `load_assignment`.
+    let from_eds = match source
+        .endpoints
+        .map(ClusterLoadAssignment::decode)
+        .transpose()
+    {
+        Ok(from_eds) => from_eds,
+        Err(err) => {
+            problems.error(
+                path.field("load_assignment"),
+                format!("its EDS endpoints do not decode: {err}"),
+            );
+            return None;
+        }
+    };
+    let assignment = from_eds.as_ref().or(cluster.load_assignment.as_ref());
     let mut config = ClusterConfig::new(cluster.name.clone());
-    config.config_digest = digest;
+    config.config_digest = source.digest;
     let observability_name = if cluster.alt_stat_name.is_empty() {
         &cluster.name
     } else {
@@ -209,15 +256,26 @@ pub fn compile(
         problems,
     );
     config.lb_policy = lb_policy(cluster, kind, path, problems);
-    let endpoints = endpoints(cluster, kind, path, pipes, problems);
-    let (discovery, hosts) = discovery(cluster, kind, &endpoints, path, &mut config, problems)?;
+    let endpoints = endpoints(assignment, kind, path, pipes, problems);
+    let (discovery, hosts) = discovery(
+        cluster,
+        assignment.is_some(),
+        kind,
+        &endpoints,
+        path,
+        &mut config,
+        problems,
+    )?;
     config.discovery = discovery;
     config.source_address = upstream_bind_config(cluster, path, problems);
     circuit_breakers(cluster, path, &mut config, problems);
     health(cluster, path, &mut config, problems);
-    common_lb_config(cluster, path, &mut config, problems);
+    common_lb_config(cluster, assignment, path, &mut config, problems);
     transport_socket(cluster, path, &mut config, problems);
-    config.metadata = cluster.metadata.clone().map(Arc::new);
+    config.metadata = cluster
+        .metadata
+        .as_ref()
+        .map(shunt_core::interned::metadata);
     config.metadata_exchange = upstream_metadata_exchange(cluster, path, problems);
     config.port_override = original_dst_lb_config(cluster, path, problems);
     config.transport_socket_matches = shunt_tls::transport_socket::matches(
@@ -271,6 +329,7 @@ fn discovery_type(
 /// than one endpoint.
 fn discovery(
     cluster: &EnvoyCluster,
+    has_assignment: bool,
     kind: DiscoveryType,
     endpoints: &[(Endpoint, JsonPath)],
     path: &JsonPath,
@@ -290,7 +349,7 @@ fn discovery(
         }
         DiscoveryType::Eds => {
             let hosts = hosts(endpoints, kind, problems);
-            eds_cluster_config(cluster, path, problems);
+            eds_cluster_config(cluster, has_assignment, path, problems);
             return Some((Discovery::Eds, hosts));
         }
         DiscoveryType::StrictDns => Discovery::StrictDns {
@@ -415,7 +474,12 @@ fn hosts(
 
 /// An EDS cluster's `eds_cluster_config`, checked: a static one gets no endpoints over
 /// EDS.
-fn eds_cluster_config(cluster: &EnvoyCluster, path: &JsonPath, problems: &mut Diagnostics) {
+fn eds_cluster_config(
+    cluster: &EnvoyCluster,
+    has_assignment: bool,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) {
     // Envoy's proto validation: a config source needs its specifier.
     if let Some(eds) = &cluster.eds_cluster_config
         && eds
@@ -428,7 +492,7 @@ fn eds_cluster_config(cluster: &EnvoyCluster, path: &JsonPath, problems: &mut Di
             "a config source needs ads, api_config_source or path_config_source",
         );
     }
-    if cluster.load_assignment.is_none() {
+    if !has_assignment {
         problems.warning(
             path.field("eds_cluster_config"),
             "a static cluster gets no endpoints over EDS (only CDS clusters \
@@ -511,6 +575,7 @@ fn health(
 /// `policy.overprovisioning_factor`: how priorities and panic mode weigh hosts.
 fn common_lb_config(
     cluster: &EnvoyCluster,
+    assignment: Option<&ClusterLoadAssignment>,
     path: &JsonPath,
     config: &mut ClusterConfig,
     problems: &mut Diagnostics,
@@ -520,9 +585,7 @@ fn common_lb_config(
     {
         config.panic_threshold = threshold.value.clamp(0.0, 100.0);
     }
-    if let Some(factor) = cluster
-        .load_assignment
-        .as_ref()
+    if let Some(factor) = assignment
         .and_then(|a| a.policy.as_ref())
         .and_then(|p| p.overprovisioning_factor)
     {
@@ -700,14 +763,14 @@ fn is_prime(n: u64) -> bool {
 /// The endpoints of `load_assignment` with the path of each; Unix domain socket
 /// endpoints are left out, their paths pushed to `pipes`.
 fn endpoints(
-    cluster: &EnvoyCluster,
+    assignment: Option<&ClusterLoadAssignment>,
     kind: DiscoveryType,
     path: &JsonPath,
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Vec<(Endpoint, JsonPath)> {
     let mut out = Vec::new();
-    let Some(assignment) = &cluster.load_assignment else {
+    let Some(assignment) = assignment else {
         return out;
     };
     for (l, locality) in assignment.endpoints.iter().enumerate() {
@@ -742,7 +805,11 @@ fn endpoints(
                 .map_or(1, |w| w.value.max(1));
             let socket_match =
                 shunt_tls::transport_socket::endpoint_match_metadata(lb_endpoint.metadata.as_ref());
-            let metadata = lb_endpoint.metadata.clone().map(Arc::new);
+            // The endpoints of one workload have the same metadata: one copy.
+            let metadata = lb_endpoint
+                .metadata
+                .as_ref()
+                .map(shunt_core::interned::metadata);
             match endpoint.address.as_ref().and_then(|a| a.address.as_ref()) {
                 Some(Address::Pipe(_)) => {
                     pipes.push(address_path.field("pipe").into());

@@ -7,26 +7,34 @@
 
 use std::sync::{Arc, OnceLock};
 
-use shunt_core::stats::{self, Counter, Gauge, Histogram, Store};
+use shunt_core::stats::{self, Counter, Gauge, Histogram, Kind, Store};
 
 /// `upstream_rq_<code>` (`upstream_rq_200`, ...) and `upstream_rq_<class>`
 /// (`upstream_rq_2xx`, ...), each made in the store the first time a response has that
 /// code or class, then kept: Envoy's code stats exist once charged, never at zero.
+///
+/// The slots of a class's 100 codes are allocated when the class is first charged:
+/// most clusters never see a response, and 500 empty slots per cluster were 8 KiB of
+/// every service's memory.
 #[derive(Debug, Default)]
 pub struct CodeCounters {
     /// The store and the cluster's observability name; `None`: counts go nowhere.
-    store: Option<(Store, String)>,
-    /// Codes 100 to 599.
-    by_code: Vec<OnceLock<Counter>>,
-    /// Classes 1xx to 5xx.
-    by_class: [OnceLock<Counter>; 5],
+    store: Option<(Store, Arc<str>)>,
+    /// Classes 1xx to 5xx: the class's counter, and its codes' (`x00` to `x99`).
+    by_class: [OnceLock<ClassCounters>; 5],
+}
+
+/// One class's counter and the slots of its codes.
+#[derive(Debug)]
+struct ClassCounters {
+    class: Counter,
+    codes: Box<[OnceLock<Counter>; 100]>,
 }
 
 impl CodeCounters {
-    fn new(store: &Store, name: &str) -> Self {
+    fn new(store: &Store, name: Arc<str>) -> Self {
         CodeCounters {
-            store: Some((store.clone(), name.to_owned())),
-            by_code: (100..600).map(|_| OnceLock::new()).collect(),
+            store: Some((store.clone(), name)),
             by_class: Default::default(),
         }
     }
@@ -36,25 +44,57 @@ impl CodeCounters {
         let Some((store, name)) = &self.store else {
             return;
         };
-        let Some(slot) = self.by_code.get(usize::from(code).wrapping_sub(100)) else {
+        if !(100..600).contains(&code) {
             return;
-        };
-        slot.get_or_init(|| {
-            store.counter(&stats::cluster_stat(name, &format!("upstream_rq_{code}")))
-        })
-        .inc();
+        }
         let class = code / 100;
-        if let Some(slot) = self.by_class.get(usize::from(class).wrapping_sub(1)) {
-            slot.get_or_init(|| {
-                store.counter(&stats::cluster_stat(
-                    name,
-                    &format!("upstream_rq_{class}xx"),
-                ))
+        let counters = self.by_class[usize::from(class - 1)].get_or_init(|| ClassCounters {
+            class: store.counter(&stats::cluster_stat(
+                name,
+                &format!("upstream_rq_{class}xx"),
+            )),
+            codes: Box::new(std::array::from_fn(|_| OnceLock::new())),
+        });
+        counters.codes[usize::from(code % 100)]
+            .get_or_init(|| {
+                store.counter(&stats::cluster_stat(name, &format!("upstream_rq_{code}")))
             })
             .inc();
-        }
+        counters.class.inc();
     }
 }
+
+/// Every stat a cluster has from the start, under `cluster.<name>.`, as one block of
+/// the store (see `shunt_core::stats`): thirty names a cluster would otherwise keep
+/// one entry each of.
+pub const STATS: stats::BlockSpec = &[
+    ("membership_healthy", Kind::Gauge),
+    ("membership_total", Kind::Gauge),
+    ("ssl.connection_error", Kind::Counter),
+    ("ssl.handshake", Kind::Counter),
+    ("upstream_cx_active", Kind::Gauge),
+    ("upstream_cx_connect_fail", Kind::Counter),
+    ("upstream_cx_connect_ms", Kind::Histogram),
+    ("upstream_cx_connect_timeout", Kind::Counter),
+    ("upstream_cx_destroy_remote", Kind::Counter),
+    ("upstream_cx_http1_total", Kind::Counter),
+    ("upstream_cx_http2_total", Kind::Counter),
+    ("upstream_cx_length_ms", Kind::Histogram),
+    ("upstream_cx_none_healthy", Kind::Counter),
+    ("upstream_cx_overflow", Kind::Counter),
+    ("upstream_cx_protocol_error", Kind::Counter),
+    ("upstream_cx_rx_bytes_total", Kind::Counter),
+    ("upstream_cx_total", Kind::Counter),
+    ("upstream_cx_tx_bytes_total", Kind::Counter),
+    ("upstream_rq_active", Kind::Gauge),
+    ("upstream_rq_completed", Kind::Counter),
+    ("upstream_rq_pending_failure_eject", Kind::Counter),
+    ("upstream_rq_pending_total", Kind::Counter),
+    ("upstream_rq_retry", Kind::Counter),
+    ("upstream_rq_time", Kind::Histogram),
+    ("upstream_rq_timeout", Kind::Counter),
+    ("upstream_rq_total", Kind::Counter),
+];
 
 #[derive(Debug, Clone, Default)]
 pub struct ClusterStats {
@@ -118,22 +158,25 @@ pub struct ClusterStats {
 
 impl ClusterStats {
     /// The stats of the cluster whose observability name (`alt_stat_name`, else its
-    /// name) is `name`, in `store`.
+    /// name) is `name`, in `store`: one block of [`STATS`] under `cluster.<name>.`.
     pub fn new(store: &Store, name: &str) -> Self {
-        let counter = |stat: &str| store.counter(&stats::cluster_stat(name, stat));
-        let gauge = |stat: &str| store.gauge(&stats::cluster_stat(name, stat));
+        let observability_name: Arc<str> = name.into();
+        let prefix = format!("cluster.{name}.");
+        // The guard first: the block goes with the last one.
+        let scope = Arc::new(store.scope(&prefix));
+        let block = store.block(&prefix, STATS);
+        let counter = |stat: &str| block.counter(stat);
+        let gauge = |stat: &str| block.gauge(stat);
         ClusterStats {
-            observability_name: name.into(),
+            observability_name: observability_name.clone(),
             upstream_cx_total: counter("upstream_cx_total"),
             upstream_cx_active: gauge("upstream_cx_active"),
             upstream_cx_connect_fail: counter("upstream_cx_connect_fail"),
             upstream_cx_connect_timeout: counter("upstream_cx_connect_timeout"),
             upstream_cx_overflow: counter("upstream_cx_overflow"),
             upstream_cx_none_healthy: counter("upstream_cx_none_healthy"),
-            upstream_cx_connect_ms: store
-                .histogram(&stats::cluster_stat(name, "upstream_cx_connect_ms")),
-            upstream_cx_length_ms: store
-                .histogram(&stats::cluster_stat(name, "upstream_cx_length_ms")),
+            upstream_cx_connect_ms: block.histogram("upstream_cx_connect_ms"),
+            upstream_cx_length_ms: block.histogram("upstream_cx_length_ms"),
             upstream_cx_tx_bytes_total: counter("upstream_cx_tx_bytes_total"),
             upstream_cx_rx_bytes_total: counter("upstream_cx_rx_bytes_total"),
             upstream_cx_destroy_remote: counter("upstream_cx_destroy_remote"),
@@ -144,17 +187,18 @@ impl ClusterStats {
             upstream_rq_active: gauge("upstream_rq_active"),
             upstream_rq_pending_total: counter("upstream_rq_pending_total"),
             upstream_rq_pending_failure_eject: counter("upstream_rq_pending_failure_eject"),
-            upstream_rq_code: Arc::new(CodeCounters::new(store, name)),
+            upstream_rq_code: Arc::new(CodeCounters::new(store, observability_name)),
             upstream_rq_completed: counter("upstream_rq_completed"),
-            upstream_rq_time: store.histogram(&stats::cluster_stat(name, "upstream_rq_time")),
+            upstream_rq_time: block.histogram("upstream_rq_time"),
             upstream_cx_http1_total: counter("upstream_cx_http1_total"),
             upstream_cx_http2_total: counter("upstream_cx_http2_total"),
             upstream_rq_timeout: counter("upstream_rq_timeout"),
             upstream_rq_retry: counter("upstream_rq_retry"),
-            ssl: shunt_tls::SslStats::new(store, &format!("cluster.{name}")),
-            scope: Some(std::sync::Arc::new(
-                store.scope(&format!("cluster.{name}.")),
-            )),
+            ssl: shunt_tls::SslStats {
+                handshake: counter("ssl.handshake"),
+                connection_error: counter("ssl.connection_error"),
+            },
+            scope: Some(scope),
         }
     }
 
@@ -204,5 +248,61 @@ mod tests {
             "cluster.outbound|8080||b.upstream_cx_active",
             1
         )));
+    }
+
+    #[test]
+    fn code_stats_exist_once_charged() {
+        let store = Store::new();
+        let stats = ClusterStats::new(&store, "c");
+        stats.charge(200);
+        stats.charge(200);
+        stats.charge(503);
+        stats.charge(99);
+        stats.charge(600);
+        let snapshot = store.snapshot();
+        for (name, value) in [
+            ("cluster.c.upstream_rq_200", 2),
+            ("cluster.c.upstream_rq_2xx", 2),
+            ("cluster.c.upstream_rq_503", 1),
+            ("cluster.c.upstream_rq_5xx", 1),
+            ("cluster.c.upstream_rq_completed", 5),
+        ] {
+            assert!(
+                snapshot.contains(&Stat::counter(name, value)),
+                "{name} = {value}"
+            );
+        }
+        let codes: Vec<&str> = snapshot
+            .iter()
+            .map(|s| s.name.as_str())
+            .filter(|n| {
+                n.starts_with("cluster.c.upstream_rq_") && n.as_bytes()[22].is_ascii_digit()
+            })
+            .collect();
+        assert_eq!(
+            codes,
+            [
+                "cluster.c.upstream_rq_200",
+                "cluster.c.upstream_rq_2xx",
+                "cluster.c.upstream_rq_503",
+                "cluster.c.upstream_rq_5xx"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_recompiled_cluster_keeps_counting_where_it_was() {
+        let store = Store::new();
+        let first = ClusterStats::new(&store, "c");
+        first.upstream_cx_total.inc();
+        // An update compiles the cluster again while the old one still serves.
+        let second = ClusterStats::new(&store, "c");
+        second.upstream_cx_total.inc();
+        drop(first);
+        assert!(
+            store
+                .snapshot()
+                .contains(&Stat::counter("cluster.c.upstream_cx_total", 2))
+        );
     }
 }

@@ -844,9 +844,8 @@ mod limits {
             shunt_config::message_from_json(cluster).unwrap();
         let mut problems = Diagnostics::default();
         let compiled = shunt_upstream::compile::compile(
-            &cluster,
+            shunt_upstream::compile::Source::new(None, &cluster, 0),
             &JsonPath::new("c"),
-            0,
             store,
             &mut Vec::new(),
             &mut problems,

@@ -1,7 +1,7 @@
 //! Resources interned process-wide: every manager of this process (in node mode, one
 //! per pod) that accepts the same resource (same type, same wire bytes) holds the one
-//! decoded copy, and every EDS cluster made from the same cluster and endpoints is one
-//! copy too. A copy lives while any manager or snapshot holds it; the table keeps only
+//! decoded copy (an EDS cluster is compiled from its cluster and endpoints where they
+//! are: no third copy). A copy lives while any manager or snapshot holds it; the table keeps only
 //! weak references, so dropping the last pod that had a resource frees it.
 //!
 //! The key is the type with the length and xxh64 digest of the resource's bytes (the
@@ -12,18 +12,18 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 
-/// What an interned value is: a decoded resource of a type, or an EDS cluster with its
-/// endpoints filled in.
+/// What an interned value is: a decoded resource of a type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Kind {
     Decoded(crate::type_url::TypeUrl),
-    Effective,
 }
 
 type Key = (Kind, usize, u64);
 
 struct Table {
-    entries: HashMap<Key, Weak<dyn Any + Send + Sync>>,
+    /// The live copies under each key: one while sharing works. More than one (each a
+    /// copy of the same bytes) would be a failure to share, which [`count`] shows.
+    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>>,
     /// Entries when dead ones were last dropped: the next sweep waits until the table
     /// has doubled since.
     swept_at: usize,
@@ -55,16 +55,13 @@ where
     let made = Arc::new(make()?);
     let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     // Another manager may have made it meanwhile: keep the first, so both share it.
-    if let Some(live) = table
-        .entries
-        .get(&key)
-        .and_then(Weak::upgrade)
-        .and_then(|v| v.downcast::<T>().ok())
-    {
+    if let Some(live) = live_in::<T>(&table, &key) {
         return Ok(live);
     }
     let erased: Arc<dyn Any + Send + Sync> = made.clone();
-    table.entries.insert(key, Arc::downgrade(&erased));
+    let copies = table.entries.entry(key).or_default();
+    copies.retain(|weak| weak.strong_count() > 0);
+    copies.push(Arc::downgrade(&erased));
     if table.entries.len() >= 2 * table.swept_at.max(64) {
         sweep(&mut table);
     }
@@ -73,26 +70,35 @@ where
 
 fn lookup<T: Send + Sync + 'static>(key: &Key) -> Option<Arc<T>> {
     let table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
-    table
-        .entries
-        .get(key)
-        .and_then(Weak::upgrade)
-        .and_then(|v| v.downcast::<T>().ok())
+    live_in(&table, key)
 }
 
-/// Drops the entries whose value no one holds any more.
+/// The first live copy under `key`.
+fn live_in<T: Send + Sync + 'static>(table: &Table, key: &Key) -> Option<Arc<T>> {
+    table
+        .entries
+        .get(key)?
+        .iter()
+        .find_map(|weak| weak.upgrade()?.downcast::<T>().ok())
+}
+
+/// Drops the copies no one holds any more, and the keys left with none.
 fn sweep(table: &mut Table) {
-    table.entries.retain(|_, weak| weak.strong_count() > 0);
+    table.entries.retain(|_, copies| {
+        copies.retain(|weak| weak.strong_count() > 0);
+        !copies.is_empty()
+    });
     table.swept_at = table.entries.len();
 }
 
-/// How many interned resources are alive in this process (held by some pod): decoded
-/// resources and EDS clusters with their endpoints. A debug counter: two pods sharing
-/// a push count once, and the count returns to zero once no pod holds any.
+/// How many decoded copies of resources are alive in this process (held by some pod).
+/// A debug counter of copies, not of keys: two pods sharing a push count each resource
+/// once (twice if they failed to share), and the count returns to zero once no pod
+/// holds any.
 pub fn count() -> usize {
     let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     sweep(&mut table);
-    table.entries.len()
+    table.entries.values().map(Vec::len).sum()
 }
 
 #[cfg(test)]
@@ -101,7 +107,11 @@ mod tests {
 
     /// A key no other test of this binary uses (the table is process-wide).
     fn key(n: u64) -> (Kind, usize, u64) {
-        (Kind::Effective, 7, 0x5eed_0000_0000_0000 | n)
+        (
+            Kind::Decoded(crate::type_url::TypeUrl::Secret),
+            7,
+            0x5eed_0000_0000_0000 | n,
+        )
     }
 
     #[test]

@@ -40,7 +40,7 @@ use super::stream::{self, Event};
 use crate::snapshot::Current;
 use crate::type_url::TypeUrl;
 use protocol::StreamState;
-use resources::{Accepted, Effective};
+use resources::Accepted;
 use shunt_config::{Tracked, UpdateFailure};
 use shunt_core::stats::Store as StatsStore;
 use warming::{ServedClusters, ServedListeners, sleep_until};
@@ -87,9 +87,6 @@ pub struct Manager {
     warming: HashMap<String, Option<Instant>>,
     /// How many clusters the current snapshot leaves warming.
     warming_count: usize,
-    /// Each active EDS cluster with its endpoints filled in, by name, with the digests
-    /// of the cluster and endpoints it was made from and its own digest.
-    effective: HashMap<String, Effective>,
     /// The clusters the last rebuild served: an update of endpoints patches them.
     served: Option<ServedClusters>,
     /// The listeners the last rebuild served, active and warming: an update of
@@ -196,7 +193,6 @@ impl Manager {
             streams,
             warming: HashMap::new(),
             timed_out: Default::default(),
-            effective: HashMap::new(),
             served: None,
             served_listeners: None,
             warming_count: 0,

@@ -2,13 +2,12 @@
 //! version and update time), how a response edits a type's set and how that edit is
 //! undone when the update is refused, and EDS endpoints merged into their clusters.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
-use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
@@ -16,6 +15,7 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use super::interned::{self, Kind};
+use crate::snapshot::EncodedEndpoints;
 use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
 use shunt_core::peer::workload_discovery::WorkloadResource;
@@ -26,7 +26,8 @@ use shunt_dns::name_table::NameTable;
 pub(super) enum Resource {
     Listener(Arc<EnvoyListener>),
     Cluster(Arc<EnvoyCluster>),
-    Endpoints(Arc<ClusterLoadAssignment>),
+    /// Kept as bytes (see [`EncodedEndpoints`]).
+    Endpoints(Arc<EncodedEndpoints>),
     Route(Arc<RouteConfiguration>),
     Secret(Arc<Secret>),
     /// Istio's one unnamed name table.
@@ -60,7 +61,10 @@ impl Resource {
         let decoded = match kind {
             TypeUrl::Listener => shared(key, bytes).map(Resource::Listener),
             TypeUrl::Cluster => shared(key, bytes).map(Resource::Cluster),
-            TypeUrl::ClusterLoadAssignment => shared(key, bytes).map(Resource::Endpoints),
+            TypeUrl::ClusterLoadAssignment => {
+                interned::intern(key.0, key.1, key.2, || EncodedEndpoints::new(bytes))
+                    .map(Resource::Endpoints)
+            }
             TypeUrl::RouteConfiguration => shared(key, bytes).map(Resource::Route),
             TypeUrl::Secret => shared(key, bytes).map(Resource::Secret),
             TypeUrl::NameTable => shared(key, bytes).map(Resource::NameTable),
@@ -85,7 +89,7 @@ impl Resource {
         let value = match self {
             Resource::Listener(r) => r.encode_to_vec(),
             Resource::Cluster(r) => r.encode_to_vec(),
-            Resource::Endpoints(r) => r.encode_to_vec(),
+            Resource::Endpoints(r) => r.bytes.to_vec(),
             Resource::Route(r) => r.encode_to_vec(),
             Resource::Secret(r) => r.encode_to_vec(),
             Resource::NameTable(r) => r.encode_to_vec(),
@@ -139,10 +143,6 @@ pub(super) enum Edit {
     },
 }
 
-/// An EDS cluster with its endpoints filled in: the digests of the cluster and the
-/// endpoints it was made from, the result, and the result's digest.
-pub(super) type Effective = ((u64, u64), Arc<EnvoyCluster>, u64);
-
 /// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
 pub(super) fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
     let is_eds = matches!(
@@ -163,35 +163,22 @@ pub(super) fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
     })
 }
 
-/// An EDS cluster (`cluster`, whose CDS config has `cluster_digest`) with its endpoints
-/// (`eds`, if they came) in its `load_assignment`, and the result's digest: made again
-/// only when the cluster or its endpoints changed since the last time (`made`, by
-/// cluster name), else shared.
+/// An EDS cluster's endpoints (`eds`, if they came: the accepted resource itself, shared
+/// with the cache and every pod that has it) and the digest of the cluster (whose CDS
+/// config has `cluster_digest`) with them: compiled from both where they are, with no
+/// copy of the cluster holding the endpoints.
 pub(super) fn with_endpoints_of(
-    made: &mut HashMap<String, Effective>,
     cluster_digest: u64,
-    cluster: &EnvoyCluster,
     eds: Option<&Accepted>,
-) -> (Arc<EnvoyCluster>, u64) {
-    let key = (cluster_digest, eds.map_or(0, |e| e.digest));
-    if let Some((k, effective, digest)) = made.get(cluster.name.as_str())
-        && *k == key
-    {
-        return (effective.clone(), *digest);
-    }
-    let digest = xxhash_rust::xxh64::xxh64(&[key.0.to_le_bytes(), key.1.to_le_bytes()].concat(), 0);
-    // Every pod with this cluster and these endpoints shares one copy.
-    let made_once = interned::intern(Kind::Effective, 0, digest, || {
-        let mut with_endpoints = cluster.clone();
-        if let Some(Resource::Endpoints(cla)) = eds.map(|e| &e.resource) {
-            with_endpoints.load_assignment = Some((**cla).clone());
-        }
-        Ok::<_, std::convert::Infallible>(with_endpoints)
-    });
-    let effective = match made_once {
-        Ok(effective) => effective,
-        Err(never) => match never {},
+) -> (Option<Arc<EncodedEndpoints>>, u64) {
+    let endpoints = match eds.map(|e| &e.resource) {
+        Some(Resource::Endpoints(cla)) => Some(cla.clone()),
+        _ => None,
     };
-    made.insert(cluster.name.clone(), (key, effective.clone(), digest));
-    (effective, digest)
+    let eds_digest = eds.map_or(0, |e| e.digest);
+    let digest = xxhash_rust::xxh64::xxh64(
+        &[cluster_digest.to_le_bytes(), eds_digest.to_le_bytes()].concat(),
+        0,
+    );
+    (endpoints, digest)
 }

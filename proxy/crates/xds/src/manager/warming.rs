@@ -105,13 +105,12 @@ impl Manager {
                 let Some(service) = service else {
                     served.active.push(Arc::new(DynamicCluster {
                         tracked,
-                        effective: cluster.clone(),
+                        endpoints: None,
                         digest: entry.digest,
                     }));
                     continue;
                 };
-                let (effective, digest) =
-                    with_endpoints_of(&mut self.effective, entry.digest, cluster, eds);
+                let (endpoints, digest) = with_endpoints_of(entry.digest, eds);
                 served
                     .by_service
                     .entry(service.to_owned())
@@ -119,20 +118,9 @@ impl Manager {
                     .push((served.active.len(), entry.digest));
                 served.active.push(Arc::new(DynamicCluster {
                     tracked,
-                    effective,
+                    endpoints,
                     digest,
                 }));
-            }
-            // Forget the clusters made for EDS clusters no longer served with endpoints
-            // (removed, warming, or no longer EDS), if there are any.
-            let with_endpoints: usize = served.by_service.values().map(Vec::len).sum();
-            if self.effective.len() != with_endpoints {
-                self.effective.retain(|name, _| {
-                    !still_warming.contains_key(name)
-                        && clusters.resources.get(name).is_some_and(|e| {
-                            matches!(&e.resource, Resource::Cluster(c) if eds_service_name(c).is_some())
-                        })
-                });
             }
         }
         self.warming = still_warming;
@@ -173,16 +161,11 @@ impl Manager {
             let eds = endpoints.get(service);
             for &(i, cluster_digest) in users {
                 let old = &served.active[i];
-                let (effective, digest) = with_endpoints_of(
-                    &mut self.effective,
-                    cluster_digest,
-                    &old.tracked.resource,
-                    eds,
-                );
-                if !Arc::ptr_eq(&effective, &old.effective) {
+                let (endpoints, digest) = with_endpoints_of(cluster_digest, eds);
+                if digest != old.digest {
                     served.active[i] = Arc::new(DynamicCluster {
                         tracked: old.tracked.clone(),
-                        effective,
+                        endpoints,
                         digest,
                     });
                 }

@@ -26,6 +26,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+use prost::Message as _;
 
 use shunt_config::{Resources, Tracked, UpdateFailure};
 use shunt_core::stats::Store as StatsStore;
@@ -253,7 +254,7 @@ pub struct DynamicResources {
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
     pub warming_clusters: Vec<Tracked<Arc<EnvoyCluster>>>,
     /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
-    pub endpoints: Vec<Tracked<Arc<ClusterLoadAssignment>>>,
+    pub endpoints: Vec<Tracked<Arc<EncodedEndpoints>>>,
     pub route_configs: Vec<Tracked<Arc<RouteConfiguration>>>,
     pub secrets: Vec<Tracked<Arc<Secret>>>,
     /// The last versions accepted over LDS and CDS.
@@ -290,7 +291,11 @@ impl DynamicResources {
         statics.secrets.extend(dynamic.secrets.iter().map(owned));
         statics
             .endpoints
-            .extend(dynamic.endpoints.iter().map(owned));
+            .extend(dynamic.endpoints.iter().map(|e| Tracked {
+                resource: e.resource.decode(),
+                version_info: e.version_info.clone(),
+                last_updated: e.last_updated,
+            }));
         statics.warming_clusters = dynamic.warming_clusters.iter().map(owned).collect();
         statics.warming_listeners = dynamic.warming_listeners.iter().map(owned).collect();
         statics.errors = dynamic.errors.clone();
@@ -300,15 +305,58 @@ impl DynamicResources {
     }
 }
 
+/// An EDS resource (a `ClusterLoadAssignment`) as it came on the wire, checked to
+/// decode: what is kept of it between compiles. Decoded, three endpoints with Istio's
+/// metadata take ten times their wire size, and nothing reads them but the compile of
+/// their cluster and `/config_dump`.
+#[derive(Debug, PartialEq)]
+pub struct EncodedEndpoints {
+    pub cluster_name: String,
+    pub bytes: Box<[u8]>,
+}
+
+impl EncodedEndpoints {
+    /// `bytes` if they decode to a `ClusterLoadAssignment`.
+    pub fn new(bytes: &[u8]) -> Result<Self, prost::DecodeError> {
+        let decoded = ClusterLoadAssignment::decode(bytes)?;
+        Ok(EncodedEndpoints {
+            cluster_name: decoded.cluster_name,
+            bytes: bytes.into(),
+        })
+    }
+
+    pub fn decode(&self) -> ClusterLoadAssignment {
+        // They decoded when accepted.
+        ClusterLoadAssignment::decode(&*self.bytes).unwrap_or_default()
+    }
+}
+
 /// An active CDS cluster.
 #[derive(Debug, Clone)]
 pub struct DynamicCluster {
     /// As CDS sent it: what `/config_dump` shows.
     pub tracked: Tracked<Arc<EnvoyCluster>>,
-    /// What is compiled: an EDS cluster with its endpoints in `load_assignment`.
-    pub effective: Arc<EnvoyCluster>,
-    /// `effective`'s config digest.
+    /// An EDS cluster's endpoints (the accepted EDS resource, shared, not copied into
+    /// the cluster): compiled in place of its `load_assignment`.
+    pub endpoints: Option<Arc<EncodedEndpoints>>,
+    /// The digest of the cluster's config with its endpoints.
     pub digest: u64,
+}
+
+impl DynamicCluster {
+    pub fn name(&self) -> &str {
+        &self.tracked.resource.name
+    }
+
+    /// What is compiled: the cluster with its endpoints.
+    pub fn source(&self) -> cluster::Source<'_> {
+        cluster::Source {
+            index: None,
+            cluster: &self.tracked.resource,
+            endpoints: self.endpoints.as_ref().map(|e| &*e.bytes),
+            digest: self.digest,
+        }
+    }
 }
 
 /// The static clusters the bootstrap's xDS sources reach their servers through.
@@ -350,9 +398,7 @@ fn same_listeners(previous: &DynamicResources, next: &DynamicResources) -> bool 
 
 /// Whether `clusters` are in strict name order (sorted, no name twice).
 fn in_name_order(clusters: &[Arc<DynamicCluster>]) -> bool {
-    clusters
-        .windows(2)
-        .all(|w| w[0].effective.name < w[1].effective.name)
+    clusters.windows(2).all(|w| w[0].name() < w[1].name())
 }
 
 /// What `next` changes in the dynamic clusters of `previous` (in name order): the
@@ -371,9 +417,8 @@ fn cluster_changes<'a>(
     next: &'a [Arc<DynamicCluster>],
     static_clusters: &[EnvoyCluster],
 ) -> Option<Vec<cluster::ClusterChange<'a>>> {
-    let name = |c: &'a DynamicCluster| c.effective.name.as_str();
-    let upserted =
-        |c: &'a DynamicCluster| cluster::ClusterChange::Upserted((None, &c.effective, c.digest));
+    let name = |c: &'a DynamicCluster| c.name();
+    let upserted = |c: &'a DynamicCluster| cluster::ClusterChange::Upserted(c.source());
     let mut changes = Vec::new();
     // The places in `next` of the clusters it does not share with `previous`.
     let mut unshared = Vec::new();
@@ -412,7 +457,8 @@ fn cluster_changes<'a>(
                 .is_none_or(|after| name(&next[j]) < name(after))
     });
     let needs_full_checks = changes.iter().any(|change| match change {
-        cluster::ClusterChange::Upserted((_, c, _)) => {
+        cluster::ClusterChange::Upserted(source) => {
+            let c = source.cluster;
             c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
         }
         cluster::ClusterChange::Removed(_) => false,
@@ -561,14 +607,14 @@ fn unknown_static_secrets(
         |c: &EnvoyCluster| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty();
     let checked = |c: &DynamicCluster| {
         previous
-            .and_then(|p| p.clusters.get(c.effective.name.as_str()))
+            .and_then(|p| p.clusters.get(c.name()))
             .is_some_and(|kept| kept.config_digest == c.digest)
     };
     let dynamic_clusters = dynamic
         .clusters
         .iter()
-        .filter(|c| has_tls(&c.effective) && !checked(c))
-        .map(|c| (None, &*c.effective));
+        .filter(|c| has_tls(&c.tracked.resource) && !checked(c))
+        .map(|c| (None, &*c.tracked.resource));
     let listeners = listeners.iter().filter(|_| listeners_changed);
     let clusters = static_clusters
         .iter()
@@ -834,13 +880,8 @@ fn compile_clusters(
             let sources: Vec<cluster::Source> = static_clusters
                 .iter()
                 .enumerate()
-                .map(|(i, c)| (Some(i), c, shunt_config::digest(c)))
-                .chain(
-                    dynamic
-                        .clusters
-                        .iter()
-                        .map(|c| (None, &*c.effective, c.digest)),
-                )
+                .map(|(i, c)| cluster::Source::new(Some(i), c, shunt_config::digest(c)))
+                .chain(dynamic.clusters.iter().map(|c| c.source()))
                 .collect();
             cluster::compile_all(&sources, previous.map(|p| &p.clusters), stats, problems)
         }
@@ -931,7 +972,7 @@ fn validate_warming(
     let sources: Vec<cluster::Source> = dynamic
         .warming_clusters
         .iter()
-        .map(|t| (None, &*t.resource, shunt_config::digest(&*t.resource)))
+        .map(|t| cluster::Source::new(None, &t.resource, shunt_config::digest(&*t.resource)))
         .collect();
     cluster::compile_all(&sources, None, stats, &mut aside);
     let sources: Vec<listener::Source> = dynamic

@@ -395,7 +395,7 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> Arc<super::DynamicCl
     let cluster = Arc::new(cluster);
     Arc::new(super::DynamicCluster {
         digest: shunt_config::digest(&*cluster),
-        effective: cluster.clone(),
+        endpoints: None,
         tracked: shunt_config::Tracked {
             resource: cluster,
             version_info: Some("1".into()),
@@ -681,7 +681,7 @@ fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
     let changed: Vec<String> = changes
         .iter()
         .map(|change| match change {
-            cluster::ClusterChange::Upserted((_, c, _)) => format!("+{}", c.name),
+            cluster::ClusterChange::Upserted(c) => format!("+{}", c.cluster.name),
             cluster::ClusterChange::Removed(name) => format!("-{name}"),
         })
         .collect();
