@@ -37,7 +37,7 @@ pub static IMPLEMENTED: LazyLock<Implemented> = LazyLock::new(|| Implemented {
     ],
     cluster_types: cluster::CLUSTER_TYPES.to_vec(),
     custom_cluster_types: cluster::CUSTOM_CLUSTER_TYPES.to_vec(),
-    access_loggers: shunt_core::access_log::ACCESS_LOGGERS.to_vec(),
+    access_loggers: shunt_filters::common::access_log::ACCESS_LOGGERS.to_vec(),
     protocol_options: cluster::PROTOCOL_OPTIONS.to_vec(),
     filter_chain_matching: chain_matcher::FILTER_CHAIN_MATCHING.to_vec(),
     filter_extensions: compression::COMPRESSOR_TYPES
