@@ -306,7 +306,15 @@ fn counters(pod: &Pod, admin: u16) -> BTreeMap<String, u64> {
 fn curl(client: &Pod, proxy: &Pod, port: u16, path: &str, headers: &[&str]) -> u16 {
     let url = format!("http://{}:{port}{path}", proxy.ipv4());
     let mut command = client.command("curl");
-    command = command.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10"]);
+    command = command.args([
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "10",
+    ]);
     command = command.args(["-H", "host: svc.test", "-A", "als-test/1"]);
     for header in headers {
         command = command.args(["-H", header]);
@@ -330,7 +338,10 @@ fn access_log_services_receive_what_envoy_sends() {
     let (python, pythonpath) = support::python_grpc();
     let receiver = backends
         .command(&python)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/support/log_receiver.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/support/log_receiver.py"
+        ))
         .args([ENVOY_ALS.to_string(), SHUNT_ALS.to_string()])
         .env("PYTHONPATH", &pythonpath)
         .spawn()
@@ -392,9 +403,10 @@ fn access_log_services_receive_what_envoy_sends() {
         }
     }
 
-    // 3 HTTP ALS entries, 2 OpenTelemetry ones and 1 TCP one from each.
+    // 4 HTTP ALS entries (not the plain 404), 2 OpenTelemetry ones (/otel) and 1 TCP
+    // one from each.
     let expected_kinds = |entries: &BTreeMap<String, Vec<Value>>| {
-        ["http", "otel", "tcp"].map(|k| entries.get(k).map_or(0, Vec::len)) == [3, 2, 1]
+        ["http", "otel", "tcp"].map(|k| entries.get(k).map_or(0, Vec::len)) == [4, 2, 1]
     };
     let deadline = Instant::now() + Duration::from_secs(15);
     while !(expected_kinds(&received(&receiver, ENVOY_ALS))
@@ -408,13 +420,19 @@ fn access_log_services_receive_what_envoy_sends() {
     let mut differences = Vec::new();
     assert!(
         expected_kinds(&theirs),
-        "Envoy's entries: {theirs:#?}\n{}",
-        envoy.stderr_text()
+        "Envoy's entries: {theirs:#?}\n{}\nreceiver: {}\nEnvoy's counters: {:?}",
+        envoy.stderr_text(),
+        receiver.stderr_text(),
+        counters(&proxy, ENVOY_ADMIN)
     );
     for kind in ["http", "otel", "tcp"] {
         let (a, b) = (&theirs[kind], ours.get(kind).cloned().unwrap_or_default());
         if a.len() != b.len() {
-            differences.push(format!("{kind}: envoy sent {} entries, shunt {}", a.len(), b.len()));
+            differences.push(format!(
+                "{kind}: envoy sent {} entries, shunt {}",
+                a.len(),
+                b.len()
+            ));
             continue;
         }
         for (envoy_entry, shunt_entry) in a.iter().zip(&b) {
@@ -468,7 +486,8 @@ fn istiod_telemetry_access_log_listener_validates() {
         &std::fs::read(fixtures.join("istio38_telemetry_access_log.json")).unwrap(),
     )
     .unwrap();
-    let mut listener = dump["configs"][0]["dynamic_listeners"][0]["active_state"]["listener"].clone();
+    let mut listener =
+        dump["configs"][0]["dynamic_listeners"][0]["active_state"]["listener"].clone();
     listener.as_object_mut().unwrap().remove("@type");
     let mut bootstrap: Value = serde_json::from_slice(
         &std::fs::read(fixtures.join("istio/bootstrap/default_golden.json")).unwrap(),
@@ -484,7 +503,11 @@ fn istiod_telemetry_access_log_listener_validates() {
         .output()
         .expect("run shunt proxy --mode validate");
     let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let about_logs: Vec<&str> = report
         .lines()
         .filter(|l| l.contains("access_log") && !l.contains("no cluster named \"outbound|4317||"))

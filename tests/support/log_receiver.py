@@ -10,6 +10,7 @@ Usage: log_receiver.py PORT [PORT...]
 """
 
 import json
+import logging
 import sys
 import threading
 from concurrent import futures
@@ -52,8 +53,16 @@ def handlers(port):
     def export(request, context):
         for resource_logs in request.resource_logs:
             resource = as_dict(resource_logs.resource)
-            for scope_logs in resource_logs.scope_logs:
-                for record in scope_logs.log_records:
+            # xds-protos carries OTLP's older logs.proto, where field 2 (same wire form as
+            # scope_logs) is instrumentation_library_logs.
+            scopes = getattr(resource_logs, "scope_logs", None)
+            if scopes is None:
+                scopes = resource_logs.instrumentation_library_logs
+            for scope_logs in scopes:
+                records = getattr(scope_logs, "log_records", None)
+                if records is None:
+                    records = scope_logs.logs
+                for record in records:
                     emit({"port": port, "kind": "otel", "log_name": None, "node_id": None,
                           "resource": resource, "entry": as_dict(record)})
         return logs_service_pb2.ExportLogsServiceResponse()
@@ -75,6 +84,8 @@ def handlers(port):
 
 
 def main():
+    # A handler's exception goes to stderr (grpcio logs it), not only to the caller.
+    logging.basicConfig(level=logging.ERROR)
     ports = [int(p) for p in sys.argv[1:]]
     servers = []
     for port in ports:

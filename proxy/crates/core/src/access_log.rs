@@ -18,8 +18,8 @@ use serde::Serialize;
 use shunt_config::convert::{self, decode};
 use shunt_config::{Diagnostics, JsonPath};
 
-pub use crate::stream_info::ResponseFlag;
 use crate::stream_info::Connection;
+pub use crate::stream_info::ResponseFlag;
 
 /// Which listener accepted the connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -281,9 +281,7 @@ fn parse_operator(spec: &str) -> Result<Piece, String> {
         "UPSTREAM_REMOTE_PORT" => no_arg(Operator::UpstreamRemotePort)?,
         "UPSTREAM_CLUSTER" | "UPSTREAM_CLUSTER_RAW" => no_arg(Operator::UpstreamCluster)?,
         "UPSTREAM_LOCAL_ADDRESS" => no_arg(Operator::UpstreamLocalAddress)?,
-        "UPSTREAM_LOCAL_ADDRESS_WITHOUT_PORT" => {
-            no_arg(Operator::UpstreamLocalAddressWithoutPort)?
-        }
+        "UPSTREAM_LOCAL_ADDRESS_WITHOUT_PORT" => no_arg(Operator::UpstreamLocalAddressWithoutPort)?,
         "UPSTREAM_LOCAL_PORT" => no_arg(Operator::UpstreamLocalPort)?,
         "UPSTREAM_TRANSPORT_FAILURE_REASON" => no_arg(Operator::UpstreamTransportFailureReason)?,
         "UPSTREAM_PEER_URI_SAN" => no_arg(Operator::UpstreamPeerUriSan)?,
@@ -416,9 +414,7 @@ impl Operator {
             Operator::UpstreamRemotePort => text(&entry.upstream_host?.port()),
             Operator::UpstreamCluster => entry.upstream_cluster.as_deref().map(str::to_owned),
             Operator::UpstreamLocalAddress => text(&entry.upstream_local_address?),
-            Operator::UpstreamLocalAddressWithoutPort => {
-                text(&entry.upstream_local_address?.ip())
-            }
+            Operator::UpstreamLocalAddressWithoutPort => text(&entry.upstream_local_address?.ip()),
             Operator::UpstreamLocalPort => text(&entry.upstream_local_address?.port()),
             Operator::UpstreamTransportFailureReason => {
                 entry.upstream_transport_failure_reason.clone()
@@ -521,7 +517,11 @@ impl TimeFormat {
                     if chars.next() != Some('S') {
                         return Err(format!("{text:?}: %E must be %E<n>S"));
                     }
-                    let n = if n == "*" { 9 } else { n.parse().unwrap_or(0).min(9) };
+                    let n = if n == "*" {
+                        9
+                    } else {
+                        n.parse().unwrap_or(0).min(9)
+                    };
                     TimePiece::SecondsWithFraction(n)
                 }
                 ('f', n) => TimePiece::Fraction(if n.is_empty() {
@@ -656,7 +656,11 @@ impl Civil {
             'u' => write!(out, "{}", if self.weekday == 0 { 7 } else { self.weekday }),
             'w' => write!(out, "{}", self.weekday),
             'F' => write!(out, "{}-{:02}-{:02}", self.year, self.month, self.day),
-            'T' => write!(out, "{:02}:{:02}:{:02}", self.hour, self.minute, self.second),
+            'T' => write!(
+                out,
+                "{:02}:{:02}:{:02}",
+                self.hour, self.minute, self.second
+            ),
             'R' => write!(out, "{:02}:{:02}", self.hour, self.minute),
             'D' => write!(
                 out,
@@ -763,6 +767,100 @@ mod tests {
         assert_eq!(omit.render(&ctx), "ab");
         let no_request = Context::connection(&connection);
         assert_eq!(format("%REQ(x-b)%").render(&no_request), "-");
+    }
+
+    #[test]
+    fn renders_a_finished_request_from_its_entry() {
+        use crate::access_log::{Direction, HttpFields, ResponseFlag};
+        use crate::stream_info::Tls;
+        let mut connection = Connection::new(
+            "10.0.0.1:8080".parse().unwrap(),
+            "10.0.0.2:5000".parse().unwrap(),
+        );
+        connection.tls = Some(Arc::new(Tls {
+            peer_certificate_presented: true,
+            peer_uri_sans: vec!["spiffe://td/ns/a/sa/client".into()],
+            local_uri_sans: vec!["spiffe://td/ns/b/sa/server".into()],
+            peer_subject: Some("CN=client".into()),
+            version: Some("TLSv1.3"),
+            ..Default::default()
+        }));
+        let mut entry = Entry::start(Direction::Inbound, connection.remote, connection.local);
+        entry.upstream_host = Some("10.0.0.9:80".parse().unwrap());
+        entry.upstream_cluster = Some("inbound|80||".into());
+        entry.bytes_received = 12;
+        entry.bytes_sent = 345;
+        entry.flag(ResponseFlag::UpstreamRequestTimeout);
+        entry.upstream_peer_uri_sans = vec!["spiffe://td/ns/c/sa/up".into()];
+        let mut response_headers = HeaderMap::new();
+        response_headers.insert("content-type", "text/plain".parse().unwrap());
+        entry.http = Some(Box::new(HttpFields {
+            response_code: 504,
+            route_name: Some("default".into()),
+            response_code_details: Some("upstream_response_timeout".into()),
+            response_headers: Some(response_headers),
+            ..Default::default()
+        }));
+        let ctx = Context {
+            connection: &connection,
+            stream_filter_state: None,
+            request: None,
+            entry: Some(&entry),
+        };
+        let render = |text: &str| format(text).render(&ctx);
+        assert_eq!(
+            render("%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% %ROUTE_NAME%"),
+            "504 UT upstream_response_timeout default"
+        );
+        assert_eq!(
+            render("%BYTES_RECEIVED% %BYTES_SENT% %UPSTREAM_HOST% %UPSTREAM_CLUSTER_RAW%"),
+            "12 345 10.0.0.9:80 inbound|80||"
+        );
+        assert_eq!(
+            render(
+                "%UPSTREAM_REMOTE_ADDRESS_WITHOUT_PORT% %UPSTREAM_LOCAL_ADDRESS% %CONNECTION_TERMINATION_DETAILS%"
+            ),
+            "10.0.0.9 - -"
+        );
+        assert_eq!(
+            render(
+                "%DOWNSTREAM_PEER_URI_SAN% %DOWNSTREAM_LOCAL_URI_SAN% %DOWNSTREAM_PEER_SUBJECT% %DOWNSTREAM_TLS_VERSION%"
+            ),
+            "spiffe://td/ns/a/sa/client spiffe://td/ns/b/sa/server CN=client TLSv1.3"
+        );
+        assert_eq!(
+            render("%UPSTREAM_PEER_URI_SAN% %RESP(content-type)% %RESP(x-none)%"),
+            "spiffe://td/ns/c/sa/up text/plain -"
+        );
+        assert!(render("%DURATION%").parse::<u64>().is_ok());
+        let id = render("%UNIQUE_ID%");
+        assert_eq!((id.len(), id.as_bytes()[14]), (36, b'4'), "{id}");
+        // Without a finished entry (set_filter_state) they have no value.
+        assert_eq!(
+            format("%RESPONSE_CODE%").render(&Context::connection(&connection)),
+            "-"
+        );
+    }
+
+    #[test]
+    fn start_time_formats_are_envoys() {
+        // 2000-02-29T01:02:03.123456789Z, a Tuesday.
+        let time = UNIX_EPOCH + std::time::Duration::new(951_786_123, 123_456_789);
+        let render = |f: &str| TimeFormat::parse(f).unwrap().render(time);
+        assert_eq!(TimeFormat::default_text(time), "2000-02-29T01:02:03.123Z");
+        assert_eq!(render("%Y/%m/%dT%H:%M:%S%z"), "2000/02/29T01:02:03+0000");
+        assert_eq!(
+            render("%s.%3f %E6S %j %a %b %F %T %%"),
+            "951786123.123 03.123456 060 Tue Feb 2000-02-29 01:02:03 %"
+        );
+        assert!(
+            TimeFormat::parse("%Q")
+                .unwrap_err()
+                .contains("%Q is not implemented")
+        );
+        let mut problems = Diagnostics::default();
+        assert!(Format::compile("%START_TIME(%Q)%", &JsonPath::new("f"), &mut problems).is_none());
+        assert!(Format::compile("%ENVIRONMENT()%", &JsonPath::new("f"), &mut problems).is_none());
     }
 
     #[test]

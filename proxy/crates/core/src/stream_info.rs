@@ -13,7 +13,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-
 /// Envoy's response flags that a TCP passthrough can raise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ResponseFlag {

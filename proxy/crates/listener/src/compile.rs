@@ -703,8 +703,14 @@ fn compile_chain(
         match convert::type_name(&any) {
             TCP_PROXY => {
                 let config = decode::<EnvoyTcpProxy>(&any, &typed_path, problems)?;
-                let mut proxy =
-                    tcp_proxy::compile(&config, clusters, stats, &env.node_proto(), &typed_path, problems)?;
+                let mut proxy = tcp_proxy::compile(
+                    &config,
+                    clusters,
+                    stats,
+                    &env.node_proto(),
+                    &typed_path,
+                    problems,
+                )?;
                 proxy.node = env.node.clone();
                 network = Some(NetworkFilter::TcpProxy(proxy));
             }

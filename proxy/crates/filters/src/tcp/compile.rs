@@ -110,17 +110,16 @@ pub fn compile(
             "not implemented yet; connections last until closed or idle",
         );
     }
-    let access_log =
-        crate::common::access_log::compile(
-            &proxy.access_log,
-            crate::common::access_log::Env {
-                clusters,
-                stats,
-                node,
-            },
-            &path.field("access_log"),
-            problems,
-        );
+    let access_log = crate::common::access_log::compile(
+        &proxy.access_log,
+        crate::common::access_log::Env {
+            clusters,
+            stats,
+            node,
+        },
+        &path.field("access_log"),
+        problems,
+    );
     if problems.errors.len() > errors_before {
         return None;
     }

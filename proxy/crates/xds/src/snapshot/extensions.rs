@@ -4,8 +4,9 @@
 //! list: the network and HTTP filters from their registries; listener filters, the
 //! terminal network filters and filter-chain matching from the listener's compiler;
 //! transport sockets from `shunt_tls`; cluster types, protocol options and upstream
-//! network filters from the cluster compiler; access loggers from `shunt_core`; the
-//! compression libraries from `shunt_filters::common::compression`; the
+//! network filters from the cluster compiler; access loggers and their extension filters
+//! from `shunt_filters::common::access_log`; the compression libraries from
+//! `shunt_filters::common::compression`; the
 //! bootstrap extensions from this module's snapshot compile and Istio's workload
 //! discovery. This crate is the lowest that sees all of them.
 
@@ -43,6 +44,7 @@ pub static IMPLEMENTED: LazyLock<Implemented> = LazyLock::new(|| Implemented {
     filter_extensions: compression::COMPRESSOR_TYPES
         .iter()
         .chain(compression::DECOMPRESSOR_TYPES.iter())
+        .chain(shunt_filters::common::access_log::filter::EXTENSION_FILTERS.iter())
         .copied()
         .collect(),
 });

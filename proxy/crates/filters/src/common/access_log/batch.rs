@@ -17,14 +17,20 @@ use shunt_core::stats::Counter;
 /// Sends one batch; the error says why it did not arrive.
 pub trait Exporter: std::fmt::Debug + Send + Sync + 'static {
     type Message: Send + 'static;
-    fn export(&self, batch: &[Self::Message]) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+    fn export(
+        &self,
+        batch: &[Self::Message],
+    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 }
 
-/// Envoy's `logs_written` and `logs_dropped` for one logger.
+/// Envoy's `logs_written` and `logs_dropped` for one logger, and the entries of the
+/// batches that arrived (`grpc_entries_flushed`) or did not (`grpc_entries_flush_failed`).
 #[derive(Debug, Clone, Default)]
 pub struct LogStats {
     pub written: Counter,
     pub dropped: Counter,
+    pub flushed: Counter,
+    pub flush_failed: Counter,
 }
 
 #[derive(Debug)]
@@ -45,7 +51,12 @@ struct Pending<M> {
 }
 
 impl<E: Exporter> Batcher<E> {
-    pub fn new(exporter: E, flush_interval: Duration, buffer_size: usize, stats: LogStats) -> Arc<Self> {
+    pub fn new(
+        exporter: E,
+        flush_interval: Duration,
+        buffer_size: usize,
+        stats: LogStats,
+    ) -> Arc<Self> {
         Arc::new(Batcher {
             exporter,
             state: Mutex::new(Pending {
@@ -134,9 +145,14 @@ async fn flush_loop<E: Exporter>(logger: Weak<Batcher<E>>) {
         if messages.is_empty() {
             continue;
         }
-        if let Err(why) = logger.exporter.export(&messages).await {
-            tracing::debug!(exporter = ?logger.exporter, %why, "access log batch not sent");
-            logger.put_back(messages.into_iter().zip(sizes).collect());
+        let count = messages.len() as u64;
+        match logger.exporter.export(&messages).await {
+            Ok(()) => logger.stats.flushed.add(count),
+            Err(why) => {
+                logger.stats.flush_failed.add(count);
+                tracing::debug!(exporter = ?logger.exporter, %why, "access log batch not sent");
+                logger.put_back(messages.into_iter().zip(sizes).collect());
+            }
         }
     }
 }

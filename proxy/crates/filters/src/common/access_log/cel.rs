@@ -255,8 +255,8 @@ impl fmt::Display for Token {
 }
 
 const PUNCTS: &[&str] = &[
-    "&&", "||", "==", "!=", "<=", ">=", "<", ">", "!", "+", "-", "*", "/", "%", "(", ")", "[",
-    "]", ".", ",", "?", ":", "{", "}",
+    "&&", "||", "==", "!=", "<=", ">=", "<", ">", "!", "+", "-", "*", "/", "%", "(", ")", "[", "]",
+    ".", ",", "?", ":", "{", "}",
 ];
 
 fn lex(text: &str) -> Result<Vec<Token>, String> {
@@ -543,7 +543,9 @@ impl Parser {
                         let [arg] = <[Expr; 1]>::try_from(args)
                             .map_err(|_| "has() takes one field selection".to_owned())?;
                         if !matches!(arg, Expr::Attribute(..) | Expr::Index(..)) {
-                            return Err("has() takes a field selection like has(request.host)".into());
+                            return Err(
+                                "has() takes a field selection like has(request.host)".into()
+                            );
                         }
                         Expr::Has(Box::new(arg))
                     } else {
@@ -631,7 +633,9 @@ fn eval(expr: &Expr, attributes: &dyn Attributes) -> Eval {
         Expr::Attribute(root, field) => attributes
             .get(root, field)
             .map_or_else(|| err(format!("no such attribute: {root}.{field}")), Ok),
-        Expr::FilterState => Ok(attributes.get("filter_state", "").unwrap_or(Value::Map(vec![]))),
+        Expr::FilterState => Ok(attributes
+            .get("filter_state", "")
+            .unwrap_or(Value::Map(vec![]))),
         Expr::Index(target, index) => {
             let target = eval(target, attributes)?;
             let index = eval(index, attributes)?;
@@ -648,7 +652,10 @@ fn eval(expr: &Expr, attributes: &dyn Attributes) -> Eval {
             other => err(format!("no such overload: !{}", other.type_name())),
         },
         Expr::Unary(UnaryOp::Negate, inner) => match eval(inner, attributes)? {
-            Value::Int(i) => i.checked_neg().map(Value::Int).ok_or(EvalError("overflow".into())),
+            Value::Int(i) => i
+                .checked_neg()
+                .map(Value::Int)
+                .ok_or(EvalError("overflow".into())),
             Value::Double(d) => Ok(Value::Double(-d)),
             other => err(format!("no such overload: -{}", other.type_name())),
         },
@@ -683,7 +690,10 @@ fn eval(expr: &Expr, attributes: &dyn Attributes) -> Eval {
 fn logical(left: &Expr, right: &Expr, decides: bool, attributes: &dyn Attributes) -> Eval {
     let as_bool = |value: Eval| match value {
         Ok(Value::Bool(b)) => Ok(b),
-        Ok(other) => err(format!("no such overload: {} in a logical operator", other.type_name())),
+        Ok(other) => err(format!(
+            "no such overload: {} in a logical operator",
+            other.type_name()
+        )),
         Err(e) => Err(e),
     };
     let left = as_bool(eval(left, attributes));
@@ -853,7 +863,10 @@ fn apply(function: Function, args: &[Value]) -> Eval {
         }
         (function, args) => err(format!(
             "no such overload: {function:?}({})",
-            args.iter().map(Value::type_name).collect::<Vec<_>>().join(", ")
+            args.iter()
+                .map(Value::type_name)
+                .collect::<Vec<_>>()
+                .join(", ")
         )),
     }
 }
@@ -870,10 +883,9 @@ mod tests {
                 ("response", "code") => Value::Int(503),
                 ("request", "path") => Value::String("/api/v1/items?x=1".into()),
                 ("request", "method") => Value::String("GET".into()),
-                ("request", "headers") => Value::Map(vec![(
-                    "x-user".into(),
-                    Value::String("alice".into()),
-                )]),
+                ("request", "headers") => {
+                    Value::Map(vec![("x-user".into(), Value::String("alice".into()))])
+                }
                 ("connection", "mtls") => Value::Bool(true),
                 _ => return None,
             })
@@ -899,7 +911,10 @@ mod tests {
             ("request.path.contains('v1')", true),
             ("request.method in ['GET', 'HEAD']", true),
             ("'x-user' in request.headers", true),
-            ("size(request.method) == 3 && request.method.size() == 3", true),
+            (
+                "size(request.method) == 3 && request.method.size() == 3",
+                true,
+            ),
             ("has(request.headers.x_user)", false),
             ("has(request.headers['x-user'])", true),
             ("response.code / 100 == 5", true),
@@ -912,9 +927,11 @@ mod tests {
         }
         // A missing key is an error, which a filter treats as "do not log".
         assert!(eval_text("request.headers['x-missing'] == 'a'").is_err());
-        assert!(!Program::parse("request.headers['x-missing'] == 'a'")
-            .unwrap()
-            .matches(&Fixed));
+        assert!(
+            !Program::parse("request.headers['x-missing'] == 'a'")
+                .unwrap()
+                .matches(&Fixed)
+        );
     }
 
     #[test]
@@ -922,7 +939,10 @@ mod tests {
         for (text, says) in [
             ("request.nope == 1", "request.nope is not supported"),
             ("foo.bar", "\"foo\" is not an attribute"),
-            ("request.path.lowerAscii() == 'a'", "lowerAscii() is not supported"),
+            (
+                "request.path.lowerAscii() == 'a'",
+                "lowerAscii() is not supported",
+            ),
             ("{'a': 1}", "map literals"),
             ("response.code >", "ends too early"),
             ("response.code == 'a", "not closed"),

@@ -5,8 +5,8 @@
 //! entry here.
 
 use envoy_types::pb::envoy::config::accesslog::v3::{
-    AccessLogFilter, ComparisonFilter, access_log_filter::FilterSpecifier,
-    comparison_filter::Op, extension_filter::ConfigType as ExtensionConfig,
+    AccessLogFilter, ComparisonFilter, access_log_filter::FilterSpecifier, comparison_filter::Op,
+    extension_filter::ConfigType as ExtensionConfig,
 };
 use envoy_types::pb::envoy::extensions::access_loggers::filters::cel::v3::ExpressionFilter;
 
@@ -16,6 +16,9 @@ use shunt_config::{Diagnostics, JsonPath};
 use shunt_core::access_log::{Entry, ResponseFlag};
 
 const CEL: &str = "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter";
+
+/// The access-log `extension_filter`s shunt compiles: config validation's list.
+pub const EXTENSION_FILTERS: &[&str] = &[CEL];
 
 /// A compiled access-log filter.
 #[derive(Debug, Clone)]
@@ -61,12 +64,16 @@ pub fn compile(
         return None;
     };
     Some(match specifier {
-        FilterSpecifier::StatusCodeFilter(f) => {
-            Filter::StatusCode(comparison(f.comparison.as_ref(), &path.field("status_code_filter"), problems)?)
-        }
-        FilterSpecifier::DurationFilter(f) => {
-            Filter::Duration(comparison(f.comparison.as_ref(), &path.field("duration_filter"), problems)?)
-        }
+        FilterSpecifier::StatusCodeFilter(f) => Filter::StatusCode(comparison(
+            f.comparison.as_ref(),
+            &path.field("status_code_filter"),
+            problems,
+        )?),
+        FilterSpecifier::DurationFilter(f) => Filter::Duration(comparison(
+            f.comparison.as_ref(),
+            &path.field("duration_filter"),
+            problems,
+        )?),
         FilterSpecifier::NotHealthCheckFilter(_) => Filter::NotHealthCheck,
         FilterSpecifier::ResponseFlagFilter(f) => {
             let mut flags = Vec::new();
@@ -87,8 +94,12 @@ pub fn compile(
             }
             Filter::ResponseFlags(flags)
         }
-        FilterSpecifier::AndFilter(f) => Filter::And(list(&f.filters, &path.field("and_filter"), problems)?),
-        FilterSpecifier::OrFilter(f) => Filter::Or(list(&f.filters, &path.field("or_filter"), problems)?),
+        FilterSpecifier::AndFilter(f) => {
+            Filter::And(list(&f.filters, &path.field("and_filter"), problems)?)
+        }
+        FilterSpecifier::OrFilter(f) => {
+            Filter::Or(list(&f.filters, &path.field("or_filter"), problems)?)
+        }
         FilterSpecifier::ExtensionFilter(extension) => {
             let ext_path = path.field("extension_filter");
             let Some(ExtensionConfig::TypedConfig(any)) = &extension.config_type else {
@@ -99,7 +110,10 @@ pub fn compile(
             if type_name(any) != CEL {
                 problems.error(
                     &typed_path,
-                    format!("the access log filter {} is not implemented by shunt", type_name(any)),
+                    format!(
+                        "the access log filter {} is not implemented by shunt",
+                        type_name(any)
+                    ),
                 );
                 return None;
             }
@@ -132,13 +146,20 @@ pub fn compile(
                 FilterSpecifier::LogTypeFilter(_) => "log_type_filter",
                 _ => "this filter",
             };
-            problems.error(path.field(name), format!("{name} is not implemented by shunt"));
+            problems.error(
+                path.field(name),
+                format!("{name} is not implemented by shunt"),
+            );
             return None;
         }
     })
 }
 
-fn list(filters: &[AccessLogFilter], path: &JsonPath, problems: &mut Diagnostics) -> Option<Vec<Filter>> {
+fn list(
+    filters: &[AccessLogFilter],
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Vec<Filter>> {
     let mut out = Vec::new();
     for (i, filter) in filters.iter().enumerate() {
         out.push(compile(filter, &path.field("filters").index(i), problems)?);
@@ -166,9 +187,34 @@ fn comparison(
 fn is_envoy_flag(flag: &str) -> bool {
     matches!(
         flag,
-        "LH" | "UH" | "UT" | "LR" | "UR" | "UF" | "UC" | "UO" | "NR" | "DI" | "FI" | "RL"
-            | "UAEX" | "RLSE" | "DC" | "URX" | "SI" | "IH" | "DPE" | "UMSDR" | "RFCF" | "NFCF"
-            | "DT" | "UPE" | "NC" | "OM" | "DF" | "DO" | "DR"
+        "LH" | "UH"
+            | "UT"
+            | "LR"
+            | "UR"
+            | "UF"
+            | "UC"
+            | "UO"
+            | "NR"
+            | "DI"
+            | "FI"
+            | "RL"
+            | "UAEX"
+            | "RLSE"
+            | "DC"
+            | "URX"
+            | "SI"
+            | "IH"
+            | "DPE"
+            | "UMSDR"
+            | "RFCF"
+            | "NFCF"
+            | "DT"
+            | "UPE"
+            | "NC"
+            | "OM"
+            | "DF"
+            | "DO"
+            | "DR"
     )
 }
 
@@ -181,10 +227,20 @@ impl Filter {
     /// Whether `entry` is logged.
     pub fn passes(&self, entry: &Entry) -> bool {
         match self {
-            Filter::StatusCode(c) => c.holds(entry.http.as_ref().map_or(0, |h| u64::from(h.response_code))),
-            Filter::Duration(c) => c.holds(u64::try_from(entry.duration().as_millis()).unwrap_or(u64::MAX)),
+            Filter::StatusCode(c) => c.holds(
+                entry
+                    .http
+                    .as_ref()
+                    .map_or(0, |h| u64::from(h.response_code)),
+            ),
+            Filter::Duration(c) => {
+                c.holds(u64::try_from(entry.duration().as_millis()).unwrap_or(u64::MAX))
+            }
             Filter::ResponseFlags(flags) if flags.is_empty() => !entry.response_flags.is_empty(),
-            Filter::ResponseFlags(flags) => entry.response_flags.iter().any(|f| flags.contains(&f.code())),
+            Filter::ResponseFlags(flags) => entry
+                .response_flags
+                .iter()
+                .any(|f| flags.contains(&f.code())),
             Filter::NotHealthCheck => true,
             Filter::And(all) => all.iter().all(|f| f.passes(entry)),
             Filter::Or(any) => any.iter().any(|f| f.passes(entry)),
@@ -227,7 +283,9 @@ impl cel::Attributes for EntryAttributes<'_> {
             ("request", "headers") => headers(http?.request_headers.as_ref()?),
             ("request", "duration") => None,
             ("request", "size") => Some(Value::Int(entry.bytes_received as i64)),
-            ("request", "total_size") => Some(Value::Int((entry.bytes_received + entry.request_head_bytes) as i64)),
+            ("request", "total_size") => Some(Value::Int(
+                (entry.bytes_received + entry.request_head_bytes) as i64,
+            )),
             ("response", "code") => Some(Value::Int(i64::from(http?.response_code))),
             ("response", "code_details") => string(http?.response_code_details.as_deref()?),
             ("response", "headers") => headers(http?.response_headers.as_ref()?),
@@ -239,14 +297,24 @@ impl cel::Attributes for EntryAttributes<'_> {
                 }
             }
             ("response", "size") => Some(Value::Int(entry.bytes_sent as i64)),
-            ("response", "total_size") => Some(Value::Int((entry.bytes_sent + entry.response_head_bytes) as i64)),
+            ("response", "total_size") => Some(Value::Int(
+                (entry.bytes_sent + entry.response_head_bytes) as i64,
+            )),
             ("response", "flags") => None,
             ("source", "address") => string(&entry.downstream_remote_address.ip().to_string()),
-            ("source", "port") => Some(Value::Int(i64::from(entry.downstream_remote_address.port()))),
+            ("source", "port") => Some(Value::Int(i64::from(
+                entry.downstream_remote_address.port(),
+            ))),
             ("destination", "address") => string(&entry.downstream_local_address.ip().to_string()),
-            ("destination", "port") => Some(Value::Int(i64::from(entry.downstream_local_address.port()))),
-            ("connection", "mtls") => Some(Value::Bool(tls.is_some_and(|t| t.peer_certificate_presented))),
-            ("connection", "requested_server_name") => string(connection?.requested_server_name.as_deref().unwrap_or("")),
+            ("destination", "port") => {
+                Some(Value::Int(i64::from(entry.downstream_local_address.port())))
+            }
+            ("connection", "mtls") => Some(Value::Bool(
+                tls.is_some_and(|t| t.peer_certificate_presented),
+            )),
+            ("connection", "requested_server_name") => {
+                string(connection?.requested_server_name.as_deref().unwrap_or(""))
+            }
             ("connection", "tls_version") => string(tls?.version?),
             ("connection", "subject_peer_certificate") => string(tls?.peer_subject.as_deref()?),
             ("connection", "uri_san_peer_certificate") => sans(&tls?.peer_uri_sans),
@@ -257,13 +325,20 @@ impl cel::Attributes for EntryAttributes<'_> {
             ("upstream", "port") => Some(Value::Int(i64::from(entry.upstream_host?.port()))),
             ("upstream", "uri_san_peer_certificate") => sans(&entry.upstream_peer_uri_sans),
             ("upstream", "uri_san_local_certificate") => sans(&entry.upstream_local_uri_sans),
-            ("upstream", "transport_failure_reason") => string(entry.upstream_transport_failure_reason.as_deref()?),
+            ("upstream", "transport_failure_reason") => {
+                string(entry.upstream_transport_failure_reason.as_deref()?)
+            }
             ("xds", "cluster_name") => string(entry.upstream_cluster.as_deref()?),
             ("filter_state", _) => Some(Value::Map(
                 connection?
                     .filter_state
                     .iter()
-                    .filter_map(|(key, e)| Some((key.to_string(), Value::String(e.value.serialize_as_string()?))))
+                    .filter_map(|(key, e)| {
+                        Some((
+                            key.to_string(),
+                            Value::String(e.value.serialize_as_string()?),
+                        ))
+                    })
                     .collect(),
             )),
             _ => None,
@@ -273,7 +348,9 @@ impl cel::Attributes for EntryAttributes<'_> {
 
 fn header(headers: &hyper::HeaderMap, name: &str) -> Option<Value> {
     let value = headers.get(name)?;
-    Some(Value::String(String::from_utf8_lossy(value.as_bytes()).into_owned()))
+    Some(Value::String(
+        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+    ))
 }
 
 /// A header map as CEL sees it: one value per name (several joined by commas).

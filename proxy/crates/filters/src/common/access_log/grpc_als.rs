@@ -16,14 +16,16 @@ use envoy_types::pb::envoy::config::core::v3::{
 };
 use envoy_types::pb::envoy::data::accesslog::v3::{
     AccessLogCommon, AccessLogType, ConnectionProperties, HttpAccessLogEntry,
-    HttpRequestProperties, HttpResponseProperties, ResponseFlags, TcpAccessLogEntry,
-    TlsProperties, http_access_log_entry::HttpVersion,
+    HttpRequestProperties, HttpResponseProperties, ResponseFlags, TcpAccessLogEntry, TlsProperties,
+    http_access_log_entry::HttpVersion,
     tls_properties::{CertificateProperties, TlsVersion, certificate_properties},
 };
 use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::CommonGrpcAccessLogConfig;
 use envoy_types::pb::envoy::service::accesslog::v3::{
     StreamAccessLogsMessage,
-    stream_access_logs_message::{HttpAccessLogEntries, Identifier, LogEntries, TcpAccessLogEntries},
+    stream_access_logs_message::{
+        HttpAccessLogEntries, Identifier, LogEntries, TcpAccessLogEntries,
+    },
 };
 use envoy_types::pb::google::protobuf::{Any, Timestamp, UInt32Value};
 use prost::Message;
@@ -150,8 +152,16 @@ pub fn common(entry: &Entry, settings: &Settings, kind: AccessLogType) -> Access
         },
         upstream_remote_address: entry.upstream_host.map(address),
         upstream_local_address: entry.upstream_local_address.map(address),
-        upstream_cluster: entry.upstream_cluster.as_deref().unwrap_or_default().to_owned(),
-        response_flags: Some(response_flags(&entry.response_flags)),
+        upstream_cluster: entry
+            .upstream_cluster
+            .as_deref()
+            .unwrap_or_default()
+            .to_owned(),
+        // Envoy leaves the flags out when none is raised.
+        response_flags: (!entry.response_flags.is_empty())
+            .then(|| response_flags(&entry.response_flags)),
+        // One attempt when an upstream was chosen (shunt's retries are not counted).
+        upstream_request_attempt_count: u32::from(entry.upstream_host.is_some()),
         upstream_transport_failure_reason: entry
             .upstream_transport_failure_reason
             .clone()
@@ -187,13 +197,15 @@ fn http_entry(entry: &Entry, settings: &Settings) -> HttpAccessLogEntry {
             .iter()
             .filter_map(|name| {
                 let value = headers?.get(name.as_str())?;
-                Some((name.clone(), String::from_utf8_lossy(value.as_bytes()).into_owned()))
+                Some((
+                    name.clone(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                ))
             })
             .collect()
     };
     let mut common = common(entry, settings, AccessLogType::DownstreamEnd);
     common.route_name = http.route_name.as_deref().unwrap_or_default().to_owned();
-    common.upstream_request_attempt_count = u32::from(entry.upstream_host.is_some());
     HttpAccessLogEntry {
         common_properties: Some(common),
         protocol_version: match http.protocol {
@@ -252,7 +264,9 @@ pub fn address(at: SocketAddr) -> Address {
 }
 
 pub fn timestamp(time: SystemTime) -> Timestamp {
-    let since = time.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let since = time
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
     Timestamp {
         seconds: since.as_secs() as i64,
         nanos: since.subsec_nanos() as i32,
@@ -324,7 +338,9 @@ fn tls_properties(connection: &shunt_core::stream_info::Connection) -> Option<Tl
     let uris = |sans: &[String]| {
         sans.iter()
             .map(|uri| certificate_properties::SubjectAltName {
-                san: Some(certificate_properties::subject_alt_name::San::Uri(uri.clone())),
+                san: Some(certificate_properties::subject_alt_name::San::Uri(
+                    uri.clone(),
+                )),
             })
             .collect::<Vec<_>>()
     };
@@ -341,10 +357,12 @@ fn tls_properties(connection: &shunt_core::stream_info::Connection) -> Option<Tl
             subject_alt_name: uris(&tls.local_uri_sans),
             ..Default::default()
         }),
-        peer_certificate_properties: tls.peer_certificate_presented.then(|| CertificateProperties {
-            subject_alt_name: uris(&tls.peer_uri_sans),
-            subject: tls.peer_subject.clone().unwrap_or_default(),
-            ..Default::default()
+        peer_certificate_properties: tls.peer_certificate_presented.then(|| {
+            CertificateProperties {
+                subject_alt_name: uris(&tls.peer_uri_sans),
+                subject: tls.peer_subject.clone().unwrap_or_default(),
+                ..Default::default()
+            }
         }),
         ..Default::default()
     })

@@ -141,12 +141,17 @@ fn formatted_file(
         },
         _ => return Ok(None),
     };
-    let text_path = format_path.field("text_format_source").field("inline_string");
+    let text_path = format_path
+        .field("text_format_source")
+        .field("inline_string");
     let format = Format::compile(&text, &text_path, problems).ok_or(())?;
     let sink = match core_log::Sink::open(std::path::Path::new(&file.path)) {
         Ok(sink) => sink,
         Err(err) => {
-            problems.error(path.field("path"), format!("cannot open {:?}: {err}", file.path));
+            problems.error(
+                path.field("path"),
+                format!("cannot open {:?}: {err}", file.path),
+            );
             return Err(());
         }
     };
@@ -189,14 +194,17 @@ pub fn render(format: &Format, entry: &Entry) -> String {
             &fallback
         }
     };
-    let request = entry.http.as_deref().map(|http| shunt_core::formatter::Request {
-        method: &http.method,
-        authority: http.authority.as_deref().unwrap_or_default(),
-        path: &http.path,
-        scheme: http.scheme,
-        protocol: http.protocol,
-        headers: http.request_headers.as_ref().unwrap_or(&NO_HEADERS),
-    });
+    let request = entry
+        .http
+        .as_deref()
+        .map(|http| shunt_core::formatter::Request {
+            method: &http.method,
+            authority: http.authority.as_deref().unwrap_or_default(),
+            path: &http.path,
+            scheme: http.scheme,
+            protocol: http.protocol,
+            headers: http.request_headers.as_ref().unwrap_or(&NO_HEADERS),
+        });
     format.render(&shunt_core::formatter::Context {
         connection,
         stream_filter_state: None,
@@ -234,10 +242,15 @@ fn service(
         HTTP_GRPC => {
             let config = decode::<HttpGrpcAccessLogConfig>(any, path, problems)?;
             let common_path = path.field("common_config");
-            let (endpoint, limits, filter_state) = common(config.common_config.as_ref(), env, &common_path, problems)?;
+            let (endpoint, limits, filter_state) =
+                common(config.common_config.as_ref(), env, &common_path, problems)?;
             let settings = grpc_als::Settings {
                 kind: grpc_als::Kind::Http,
-                log_name: config.common_config.as_ref().map(|c| c.log_name.clone()).unwrap_or_default(),
+                log_name: config
+                    .common_config
+                    .as_ref()
+                    .map(|c| c.log_name.clone())
+                    .unwrap_or_default(),
                 node: env.node.clone(),
                 filter_state_objects_to_log: filter_state,
                 request_headers: lowercase(&config.additional_request_headers_to_log),
@@ -254,10 +267,15 @@ fn service(
         TCP_GRPC => {
             let config = decode::<TcpGrpcAccessLogConfig>(any, path, problems)?;
             let common_path = path.field("common_config");
-            let (endpoint, limits, filter_state) = common(config.common_config.as_ref(), env, &common_path, problems)?;
+            let (endpoint, limits, filter_state) =
+                common(config.common_config.as_ref(), env, &common_path, problems)?;
             let settings = grpc_als::Settings {
                 kind: grpc_als::Kind::Tcp,
-                log_name: config.common_config.as_ref().map(|c| c.log_name.clone()).unwrap_or_default(),
+                log_name: config
+                    .common_config
+                    .as_ref()
+                    .map(|c| c.log_name.clone())
+                    .unwrap_or_default(),
                 node: env.node.clone(),
                 filter_state_objects_to_log: filter_state,
                 request_headers: Vec::new(),
@@ -270,7 +288,10 @@ fn service(
             open_telemetry(&config, env, path, problems)?
         }
         other => {
-            problems.warning(path, format!("access logger {other} is not implemented; ignored"));
+            problems.warning(
+                path,
+                format!("access logger {other} is not implemented; ignored"),
+            );
             return None;
         }
     };
@@ -298,7 +319,12 @@ fn common(
         problems.error(path.field("log_name"), "is required");
         return None;
     }
-    let endpoint = Endpoint::compile(common.grpc_service.as_ref(), env.clusters, &path.field("grpc_service"), problems)?;
+    let endpoint = Endpoint::compile(
+        common.grpc_service.as_ref(),
+        env.clusters,
+        &path.field("grpc_service"),
+        problems,
+    )?;
     let limits = limits(
         common.buffer_flush_interval.as_ref(),
         common.buffer_size_bytes.as_ref().map(|b| b.value),
@@ -319,24 +345,48 @@ fn limits(
         None => DEFAULT_FLUSH_INTERVAL,
     };
     Some(Limits {
-        flush_interval: if flush_interval.is_zero() { DEFAULT_FLUSH_INTERVAL } else { flush_interval },
+        flush_interval: if flush_interval.is_zero() {
+            DEFAULT_FLUSH_INTERVAL
+        } else {
+            flush_interval
+        },
         buffer_size: size.map_or(DEFAULT_BUFFER_SIZE, |s| s as usize),
     })
 }
 
 fn log_stats(env: Env<'_>, prefix: &str) -> batch::LogStats {
     batch::LogStats {
-        written: env.stats.counter(&format!("access_logs.{prefix}.logs_written")),
-        dropped: env.stats.counter(&format!("access_logs.{prefix}.logs_dropped")),
+        written: env
+            .stats
+            .counter(&format!("access_logs.{prefix}.logs_written")),
+        dropped: env
+            .stats
+            .counter(&format!("access_logs.{prefix}.logs_dropped")),
+        flushed: env
+            .stats
+            .counter(&format!("access_logs.{prefix}.grpc_entries_flushed")),
+        flush_failed: env
+            .stats
+            .counter(&format!("access_logs.{prefix}.grpc_entries_flush_failed")),
     }
 }
 
-fn als(settings: grpc_als::Settings, endpoint: Endpoint, limits: Limits, env: Env<'_>) -> Arc<dyn ServiceSink> {
+fn als(
+    settings: grpc_als::Settings,
+    endpoint: Endpoint,
+    limits: Limits,
+    env: Env<'_>,
+) -> Arc<dyn ServiceSink> {
     let exporter = grpc_als::AlsExporter {
         settings,
         endpoint: Arc::new(endpoint),
     };
-    let batcher = batch::Batcher::new(exporter, limits.flush_interval, limits.buffer_size, log_stats(env, "grpc_access_log"));
+    let batcher = batch::Batcher::new(
+        exporter,
+        limits.flush_interval,
+        limits.buffer_size,
+        log_stats(env, "grpc_access_log"),
+    );
     Arc::new(grpc_als::AlsLogger(batcher))
 }
 
@@ -349,18 +399,31 @@ fn open_telemetry(
     problems: &mut Diagnostics,
 ) -> Option<Arc<dyn ServiceSink>> {
     if config.http_service.is_some() {
-        problems.error(path.field("http_service"), "OTLP over HTTP is not implemented by shunt; use grpc_service");
+        problems.error(
+            path.field("http_service"),
+            "OTLP over HTTP is not implemented by shunt; use grpc_service",
+        );
         return None;
     }
     // The service, name and buffer come from `common_config` (what istiod writes) or
     // from the logger's own fields (Envoy's newer form).
     let (endpoint, limits, log_name) = match &config.common_config {
         Some(common_config) => {
-            let (endpoint, limits, _) = common(Some(common_config), env, &path.field("common_config"), problems)?;
+            let (endpoint, limits, _) = common(
+                Some(common_config),
+                env,
+                &path.field("common_config"),
+                problems,
+            )?;
             (endpoint, limits, common_config.log_name.clone())
         }
         None => {
-            let endpoint = Endpoint::compile(config.grpc_service.as_ref(), env.clusters, &path.field("grpc_service"), problems)?;
+            let endpoint = Endpoint::compile(
+                config.grpc_service.as_ref(),
+                env.clusters,
+                &path.field("grpc_service"),
+                problems,
+            )?;
             let limits = limits(
                 config.buffer_flush_interval.as_ref(),
                 config.buffer_size_bytes.as_ref().map(|b| b.value),
@@ -378,28 +441,57 @@ fn open_telemetry(
     for (i, kv) in config.attributes.iter().flat_map(|l| &l.values).enumerate() {
         let kv_path = path.field("attributes").field("values").index(i);
         let Some(value) = &kv.value else { continue };
-        attributes.push((kv.key.clone(), format_of(value, &kv_path.field("value"), problems)?));
+        attributes.push((
+            kv.key.clone(),
+            format_of(value, &kv_path.field("value"), problems)?,
+        ));
     }
     let mut resource = Vec::new();
     if !config.disable_builtin_labels {
         resource.push(otel::string_attribute("log_name", log_name));
-        resource.push(otel::string_attribute("zone_name", env.node.locality.as_ref().map(|l| l.zone.clone()).unwrap_or_default()));
-        resource.push(otel::string_attribute("cluster_name", env.node.cluster.clone()));
+        resource.push(otel::string_attribute(
+            "zone_name",
+            env.node
+                .locality
+                .as_ref()
+                .map(|l| l.zone.clone())
+                .unwrap_or_default(),
+        ));
+        resource.push(otel::string_attribute(
+            "cluster_name",
+            env.node.cluster.clone(),
+        ));
         resource.push(otel::string_attribute("node_name", env.node.id.clone()));
     }
-    resource.extend(config.resource_attributes.iter().flat_map(|l| l.values.iter().cloned()));
+    resource.extend(
+        config
+            .resource_attributes
+            .iter()
+            .flat_map(|l| l.values.iter().cloned()),
+    );
     let exporter = otel::OtelExporter {
-        settings: otel::Settings { body, attributes, resource },
+        settings: otel::Settings {
+            body,
+            attributes,
+            resource,
+        },
         endpoint: Arc::new(endpoint),
     };
-    let batcher = batch::Batcher::new(exporter, limits.flush_interval, limits.buffer_size, log_stats(env, "open_telemetry_access_log"));
+    let batcher = batch::Batcher::new(
+        exporter,
+        limits.flush_interval,
+        limits.buffer_size,
+        log_stats(env, "open_telemetry_access_log"),
+    );
     Some(Arc::new(otel::OtelLogger(batcher)))
 }
 
 /// An OTLP `AnyValue` as a format: only `string_value` is (what istiod writes).
 fn format_of(value: &AnyValue, path: &JsonPath, problems: &mut Diagnostics) -> Option<Format> {
     match &value.value {
-        Some(any_value::Value::StringValue(text)) => Format::compile(text, &path.field("string_value"), problems),
+        Some(any_value::Value::StringValue(text)) => {
+            Format::compile(text, &path.field("string_value"), problems)
+        }
         _ => {
             problems.error(path, "only string_value formats are implemented by shunt");
             None

@@ -115,7 +115,10 @@ impl ServiceSink for OtelLogger {
 impl Exporter for OtelExporter {
     type Message = LogRecord;
 
-    fn export(&self, batch: &[LogRecord]) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> {
+    fn export(
+        &self,
+        batch: &[LogRecord],
+    ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> {
         let request = ExportLogsServiceRequest {
             resource_logs: vec![ResourceLogs {
                 resource: Some(Resource {

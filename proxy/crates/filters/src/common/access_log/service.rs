@@ -86,7 +86,8 @@ impl Endpoint {
             request.headers_mut().insert(hyper::header::HOST, host);
         }
         let secrets = shunt_tls::Secrets::default();
-        let (head, _, trailers) = grpc::call(cluster, &secrets, request, true, self.timeout).await?;
+        let (head, _, trailers) =
+            grpc::call(cluster, &secrets, request, true, self.timeout).await?;
         if head.status() != hyper::StatusCode::OK {
             return Err(format!("HTTP status {}", head.status()));
         }
