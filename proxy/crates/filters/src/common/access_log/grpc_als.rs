@@ -20,7 +20,6 @@ use envoy_types::pb::envoy::data::accesslog::v3::{
     http_access_log_entry::HttpVersion,
     tls_properties::{CertificateProperties, TlsVersion, certificate_properties},
 };
-use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::CommonGrpcAccessLogConfig;
 use envoy_types::pb::envoy::service::accesslog::v3::{
     StreamAccessLogsMessage,
     stream_access_logs_message::{
@@ -366,9 +365,4 @@ fn tls_properties(connection: &shunt_core::stream_info::Connection) -> Option<Tl
         }),
         ..Default::default()
     })
-}
-
-/// The `common_config` fields every gRPC logger reads.
-pub fn log_name(common: &CommonGrpcAccessLogConfig) -> String {
-    common.log_name.clone()
 }
