@@ -669,8 +669,14 @@ impl Civil {
                 self.day,
                 self.year % 100
             ),
-            'n' => write!(out, "\n"),
-            't' => write!(out, "\t"),
+            'n' => {
+                out.push('\n');
+                Ok(())
+            }
+            't' => {
+                out.push('\t');
+                Ok(())
+            }
             _ => Ok(()),
         };
     }

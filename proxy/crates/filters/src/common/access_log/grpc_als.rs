@@ -70,12 +70,12 @@ impl ServiceSink for AlsLogger {
             Kind::Http if entry.http.is_some() => {
                 let e = http_entry(entry, settings);
                 let size = e.encoded_len();
-                (Logged::Http(e), size)
+                (Logged::Http(Box::new(e)), size)
             }
             Kind::Tcp if entry.http.is_none() => {
                 let e = tcp_entry(entry, settings);
                 let size = e.encoded_len();
-                (Logged::Tcp(e), size)
+                (Logged::Tcp(Box::new(e)), size)
             }
             // An HTTP logger on a tcp_proxy (or the reverse) writes nothing, as Envoy's.
             _ => return,
@@ -91,8 +91,8 @@ impl ServiceSink for AlsLogger {
 
 #[derive(Debug)]
 pub enum Logged {
-    Http(HttpAccessLogEntry),
-    Tcp(TcpAccessLogEntry),
+    Http(Box<HttpAccessLogEntry>),
+    Tcp(Box<TcpAccessLogEntry>),
 }
 
 impl Exporter for AlsExporter {
@@ -108,7 +108,7 @@ impl Exporter for AlsExporter {
                 log_entry: batch
                     .iter()
                     .filter_map(|m| match m {
-                        Logged::Http(e) => Some(e.clone()),
+                        Logged::Http(e) => Some((**e).clone()),
                         Logged::Tcp(_) => None,
                     })
                     .collect(),
@@ -117,7 +117,7 @@ impl Exporter for AlsExporter {
                 log_entry: batch
                     .iter()
                     .filter_map(|m| match m {
-                        Logged::Tcp(e) => Some(e.clone()),
+                        Logged::Tcp(e) => Some((**e).clone()),
                         Logged::Http(_) => None,
                     })
                     .collect(),
