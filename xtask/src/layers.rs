@@ -36,8 +36,8 @@ pub const CRATES: &[(&str, Layers)] = &[
             &[
                 "stats",
                 "event",
-                "access_log",
                 "stream_info",
+                "access_log",
                 "formatter",
                 "set_filter_state",
                 "peer",

@@ -18,6 +18,9 @@ use serde::Serialize;
 use shunt_config::convert::{self, decode};
 use shunt_config::{Diagnostics, JsonPath};
 
+use crate::stream_info::Connection;
+pub use crate::stream_info::ResponseFlag;
+
 /// Which listener accepted the connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -37,74 +40,6 @@ impl std::fmt::Display for Direction {
             Self::Inbound => "inbound",
             Self::Unspecified => "unspecified",
         })
-    }
-}
-
-/// Envoy's response flags that a TCP passthrough can raise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ResponseFlag {
-    /// `UF`: upstream connection failure (refused, unreachable or timed out).
-    UpstreamConnectionFailure,
-    /// `UH`: no healthy upstream; we raise it where Istio's BlackHoleCluster would, for
-    /// a destination that would loop back into the proxy.
-    NoHealthyUpstream,
-    /// `NR`: no route; the connection had no original destination to pass through to.
-    NoRouteFound,
-    /// `UR`: the upstream reset the connection (or failed while bytes were flowing).
-    UpstreamRemoteReset,
-    /// `DR`: the downstream reset the connection (or failed while bytes were flowing).
-    DownstreamRemoteReset,
-    /// `UO`: upstream overflow; the cluster's circuit breaker refused the connection.
-    UpstreamOverflow,
-    /// `NC`: the cluster the filter names does not exist.
-    NoClusterFound,
-    /// `UT`: the upstream did not answer an HTTP request within the route's timeout.
-    UpstreamRequestTimeout,
-    /// `UC`: the upstream closed the connection before its HTTP response was complete.
-    UpstreamConnectionTermination,
-    /// `DC`: the downstream went away before its HTTP response was sent.
-    DownstreamConnectionTermination,
-    /// `DPE`: the downstream's HTTP request broke the protocol (a bad chunk, a malformed
-    /// request target).
-    DownstreamProtocolError,
-    /// `UPE`: the upstream's HTTP response broke the protocol (it could not be parsed).
-    UpstreamProtocolError,
-    /// `SI`: the stream was idle for `stream_idle_timeout`.
-    StreamIdleTimeout,
-    /// `FI`: the fault filter aborted the request.
-    FaultInjected,
-    /// `DI`: the fault filter delayed the request.
-    DelayInjected,
-    /// `UAEX`: the external authorization service denied the request.
-    UnauthorizedExternalService,
-    /// `RL`: a rate limit filter refused the request.
-    RateLimited,
-    /// `RLSE`: the rate limit service failed and the filter denies when it does.
-    RateLimitServiceError,
-}
-
-impl ResponseFlag {
-    pub fn code(self) -> &'static str {
-        match self {
-            Self::UpstreamConnectionFailure => "UF",
-            Self::NoHealthyUpstream => "UH",
-            Self::NoRouteFound => "NR",
-            Self::UpstreamRemoteReset => "UR",
-            Self::DownstreamRemoteReset => "DR",
-            Self::UpstreamOverflow => "UO",
-            Self::NoClusterFound => "NC",
-            Self::UpstreamRequestTimeout => "UT",
-            Self::StreamIdleTimeout => "SI",
-            Self::FaultInjected => "FI",
-            Self::DelayInjected => "DI",
-            Self::UnauthorizedExternalService => "UAEX",
-            Self::RateLimited => "RL",
-            Self::RateLimitServiceError => "RLSE",
-            Self::UpstreamConnectionTermination => "UC",
-            Self::DownstreamConnectionTermination => "DC",
-            Self::DownstreamProtocolError => "DPE",
-            Self::UpstreamProtocolError => "UPE",
-        }
     }
 }
 
@@ -143,6 +78,10 @@ pub struct Entry {
     /// Set for the line of one HTTP request (the HTTP connection manager writes one per
     /// request); TCP lines leave it out.
     pub http: Option<Box<HttpFields>>,
+    /// The downstream connection (TLS peer, SNI, filter state), for the loggers that
+    /// read more than the JSON line (gRPC and OpenTelemetry services, filters). Not
+    /// logged.
+    pub connection: Option<Arc<Connection>>,
 }
 
 /// What an HTTP request adds to its line, named as Istio's JSON access log names
@@ -160,6 +99,22 @@ pub struct HttpFields {
     pub authority: Option<String>,
     pub request_id: Option<String>,
     pub user_agent: Option<String>,
+    /// Envoy's `%RESPONSE_CODE_DETAILS%` (`via_upstream` for an upstream's response),
+    /// when known. Not logged.
+    #[serde(skip)]
+    pub response_code_details: Option<String>,
+    /// The name of the route that served the request (`%ROUTE_NAME%`). Not logged.
+    #[serde(skip)]
+    pub route_name: Option<Arc<str>>,
+    /// `http` or `https`. Not logged.
+    #[serde(skip)]
+    pub scheme: &'static str,
+    /// The request's and the response's headers, copied only when a configured logger
+    /// reads them ([`Sink::wants_headers`]). Not logged.
+    #[serde(skip)]
+    pub request_headers: Option<hyper::HeaderMap>,
+    #[serde(skip)]
+    pub response_headers: Option<hyper::HeaderMap>,
 }
 
 /// The line as serialized: field order here is the order on the wire.
@@ -216,6 +171,7 @@ impl Entry {
             request_head_bytes: 0,
             response_head_bytes: 0,
             http: None,
+            connection: None,
         }
     }
 
@@ -223,6 +179,23 @@ impl Entry {
         if !self.response_flags.contains(&flag) {
             self.response_flags.push(flag);
         }
+    }
+
+    /// How long the connection or request has lasted, now.
+    pub fn duration(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// The wall-clock time the connection or request began (Envoy's `start_time`).
+    pub fn start_time(&self) -> SystemTime {
+        SystemTime::now()
+            .checked_sub(self.duration())
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+    }
+
+    /// Envoy's `%RESPONSE_FLAGS%`: `-` for none, else the codes joined by commas.
+    pub fn response_flags_string(&self) -> String {
+        flags_string(&self.response_flags)
     }
 
     /// Renders the entry as one JSON line (with its newline), taking the duration now.
@@ -259,16 +232,27 @@ impl Entry {
         Sink::Stdout.write(&self.to_line());
     }
 
-    /// Writes the line to each of a filter's configured access logs (none: no line).
+    /// Writes the entry to each of a filter's configured access logs (none: no line).
+    /// The JSON line is rendered once, for the first sink that writes it.
     pub fn emit_to(&self, sinks: &[Sink]) {
-        if sinks.is_empty() {
-            return;
-        }
-        let line = self.to_line();
+        let mut line = None;
         for sink in sinks {
-            sink.write(&line);
+            match sink {
+                Sink::Service(service) => service.log(self),
+                _ => sink.write(line.get_or_insert_with(|| self.to_line())),
+            }
         }
     }
+}
+
+/// An access logger other than a stream or file: a gRPC or OpenTelemetry log service,
+/// or any sink behind an access-log `filter`. Implemented above this crate (the
+/// services need clusters); `log` must not block the request path.
+pub trait ServiceSink: std::fmt::Debug + Send + Sync {
+    fn log(&self, entry: &Entry);
+    /// Whether the logger reads the request's and response's headers (they are copied
+    /// into the entry for it).
+    fn wants_headers(&self) -> bool;
 }
 
 /// Where a configured access log goes: Envoy's `StdoutAccessLog` / `StderrAccessLog`, or
@@ -279,6 +263,7 @@ pub enum Sink {
     Stdout,
     Stderr,
     File(Arc<FileSink>),
+    Service(Arc<dyn ServiceSink>),
 }
 
 #[derive(Debug)]
@@ -307,8 +292,27 @@ impl Sink {
         Ok(Sink::File(sink))
     }
 
+    /// Whether this sink reads the entry's headers.
+    pub fn wants_headers(&self) -> bool {
+        matches!(self, Sink::Service(service) if service.wants_headers())
+    }
+
+    /// Writes one already rendered line (a formatted entry) to a stream or file.
+    pub fn write_line(&self, line: &[u8]) {
+        self.write(line);
+    }
+
+    /// Logs one entry (a stream or file gets the JSON line).
+    pub fn log(&self, entry: &Entry) {
+        match self {
+            Sink::Service(service) => service.log(entry),
+            _ => self.write(&entry.to_line()),
+        }
+    }
+
     fn write(&self, line: &[u8]) {
         let result = match self {
+            Sink::Service(_) => Ok(()),
             Sink::Stdout => {
                 let mut out = std::io::stdout().lock();
                 out.write_all(line).and_then(|()| out.flush())
@@ -393,49 +397,71 @@ const STDERR: &str = "envoy.extensions.access_loggers.stream.v3.StderrAccessLog"
 /// The access loggers [`compile`] opens: config validation's list of them.
 pub const ACCESS_LOGGERS: &[&str] = &[FILE, STDOUT, STDERR];
 
-/// Opens the access logs shunt can write: files, stdout and stderr. Each writes shunt's
-/// JSON line whatever format it asks for.
+/// What [`builtin`] made of an access logger's `typed_config`.
+pub enum Builtin {
+    Opened(Sink),
+    /// A built-in logger whose config is wrong (the error is in `problems`).
+    Failed,
+    /// Not a stream or file logger: the caller's to compile.
+    Other,
+}
+
+/// Opens a stream or file access logger from its `typed_config` (at `typed_path`).
+/// Each writes shunt's JSON line whatever format it asks for.
+pub fn builtin(
+    any: &envoy_types::pb::google::protobuf::Any,
+    typed_path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Builtin {
+    match convert::type_name(any) {
+        FILE => {
+            let Some(file) = decode::<FileAccessLog>(any, typed_path, problems) else {
+                return Builtin::Failed;
+            };
+            if file.access_log_format.is_some() {
+                problems.warning(
+                    typed_path.field("access_log_format"),
+                    "custom formats are not implemented; shunt writes its JSON line",
+                );
+            }
+            match Sink::open(Path::new(&file.path)) {
+                Ok(sink) => Builtin::Opened(sink),
+                Err(err) => {
+                    problems.error(
+                        typed_path.field("path"),
+                        format!("cannot open {:?}: {err}", file.path),
+                    );
+                    Builtin::Failed
+                }
+            }
+        }
+        STDOUT => Builtin::Opened(Sink::Stdout),
+        STDERR => Builtin::Opened(Sink::Stderr),
+        _ => Builtin::Other,
+    }
+}
+
+/// Opens the access logs shunt can write without a service: files, stdout and stderr
+/// (filters are not read here; `shunt_filters::common::access_log` compiles them and
+/// the log services).
 pub fn compile(logs: &[AccessLog], path: &JsonPath, problems: &mut Diagnostics) -> Vec<Sink> {
     let mut sinks = Vec::new();
     for (i, log) in logs.iter().enumerate() {
         let log_path = path.index(i);
-        if log.filter.is_some() {
-            problems.warning(
-                log_path.field("filter"),
-                "access log filters are not implemented; every connection is logged",
-            );
-        }
         let Some(access_log::ConfigType::TypedConfig(any)) = &log.config_type else {
             problems.warning(&log_path, "an access log without typed_config is ignored");
             continue;
         };
         let typed_path = log_path.field("typed_config");
-        match convert::type_name(any) {
-            FILE => {
-                let Some(file) = decode::<FileAccessLog>(any, &typed_path, problems) else {
-                    continue;
-                };
-                if file.access_log_format.is_some() {
-                    problems.warning(
-                        typed_path.field("access_log_format"),
-                        "custom formats are not implemented; shunt writes its JSON line",
-                    );
-                }
-                match Sink::open(Path::new(&file.path)) {
-                    Ok(sink) => sinks.push(sink),
-                    Err(err) => {
-                        problems.error(
-                            typed_path.field("path"),
-                            format!("cannot open {:?}: {err}", file.path),
-                        );
-                    }
-                }
-            }
-            STDOUT => sinks.push(Sink::Stdout),
-            STDERR => sinks.push(Sink::Stderr),
-            other => problems.warning(
+        match builtin(any, &typed_path, problems) {
+            Builtin::Opened(sink) => sinks.push(sink),
+            Builtin::Failed => {}
+            Builtin::Other => problems.warning(
                 &typed_path,
-                format!("access logger {other} is not implemented; ignored"),
+                format!(
+                    "access logger {} is not implemented; ignored",
+                    convert::type_name(any)
+                ),
             ),
         }
     }

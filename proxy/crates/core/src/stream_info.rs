@@ -13,7 +13,95 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::access_log::ResponseFlag;
+/// Envoy's response flags that a TCP passthrough can raise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseFlag {
+    /// `UF`: upstream connection failure (refused, unreachable or timed out).
+    UpstreamConnectionFailure,
+    /// `UH`: no healthy upstream; we raise it where Istio's BlackHoleCluster would, for
+    /// a destination that would loop back into the proxy.
+    NoHealthyUpstream,
+    /// `NR`: no route; the connection had no original destination to pass through to.
+    NoRouteFound,
+    /// `UR`: the upstream reset the connection (or failed while bytes were flowing).
+    UpstreamRemoteReset,
+    /// `DR`: the downstream reset the connection (or failed while bytes were flowing).
+    DownstreamRemoteReset,
+    /// `UO`: upstream overflow; the cluster's circuit breaker refused the connection.
+    UpstreamOverflow,
+    /// `NC`: the cluster the filter names does not exist.
+    NoClusterFound,
+    /// `UT`: the upstream did not answer an HTTP request within the route's timeout.
+    UpstreamRequestTimeout,
+    /// `UC`: the upstream closed the connection before its HTTP response was complete.
+    UpstreamConnectionTermination,
+    /// `DC`: the downstream went away before its HTTP response was sent.
+    DownstreamConnectionTermination,
+    /// `DPE`: the downstream's HTTP request broke the protocol (a bad chunk, a malformed
+    /// request target).
+    DownstreamProtocolError,
+    /// `UPE`: the upstream's HTTP response broke the protocol (it could not be parsed).
+    UpstreamProtocolError,
+    /// `SI`: the stream was idle for `stream_idle_timeout`.
+    StreamIdleTimeout,
+    /// `FI`: the fault filter aborted the request.
+    FaultInjected,
+    /// `DI`: the fault filter delayed the request.
+    DelayInjected,
+    /// `UAEX`: the external authorization service denied the request.
+    UnauthorizedExternalService,
+    /// `RL`: a rate limit filter refused the request.
+    RateLimited,
+    /// `RLSE`: the rate limit service failed and the filter denies when it does.
+    RateLimitServiceError,
+}
+
+impl ResponseFlag {
+    /// Every flag shunt raises.
+    pub const ALL: &'static [ResponseFlag] = &[
+        Self::UpstreamConnectionFailure,
+        Self::NoHealthyUpstream,
+        Self::NoRouteFound,
+        Self::UpstreamRemoteReset,
+        Self::DownstreamRemoteReset,
+        Self::UpstreamOverflow,
+        Self::NoClusterFound,
+        Self::UpstreamRequestTimeout,
+        Self::UpstreamConnectionTermination,
+        Self::DownstreamConnectionTermination,
+        Self::DownstreamProtocolError,
+        Self::UpstreamProtocolError,
+        Self::StreamIdleTimeout,
+        Self::FaultInjected,
+        Self::DelayInjected,
+        Self::UnauthorizedExternalService,
+        Self::RateLimited,
+        Self::RateLimitServiceError,
+    ];
+
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::UpstreamConnectionFailure => "UF",
+            Self::NoHealthyUpstream => "UH",
+            Self::NoRouteFound => "NR",
+            Self::UpstreamRemoteReset => "UR",
+            Self::DownstreamRemoteReset => "DR",
+            Self::UpstreamOverflow => "UO",
+            Self::NoClusterFound => "NC",
+            Self::UpstreamRequestTimeout => "UT",
+            Self::StreamIdleTimeout => "SI",
+            Self::FaultInjected => "FI",
+            Self::DelayInjected => "DI",
+            Self::UnauthorizedExternalService => "UAEX",
+            Self::RateLimited => "RL",
+            Self::RateLimitServiceError => "RLSE",
+            Self::UpstreamConnectionTermination => "UC",
+            Self::DownstreamConnectionTermination => "DC",
+            Self::DownstreamProtocolError => "DPE",
+            Self::UpstreamProtocolError => "UPE",
+        }
+    }
+}
 
 /// One downstream connection as filters see it.
 #[derive(Debug, Clone)]

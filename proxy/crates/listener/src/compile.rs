@@ -299,8 +299,18 @@ fn compile(
         Ok(TrafficDirection::Outbound) => Direction::Outbound,
         _ => Direction::Unspecified,
     };
-    let access_log =
-        shunt_core::access_log::compile(&listener.access_log, &path.field("access_log"), problems);
+    let node = env.node_proto();
+    let log_env = shunt_filters::common::access_log::Env {
+        clusters,
+        stats,
+        node: &node,
+    };
+    let access_log = shunt_filters::common::access_log::compile(
+        &listener.access_log,
+        log_env,
+        &path.field("access_log"),
+        problems,
+    );
     if problems.errors.len() > errors_before {
         return None;
     }
@@ -693,8 +703,14 @@ fn compile_chain(
         match convert::type_name(&any) {
             TCP_PROXY => {
                 let config = decode::<EnvoyTcpProxy>(&any, &typed_path, problems)?;
-                let mut proxy =
-                    tcp_proxy::compile(&config, clusters, stats, &typed_path, problems)?;
+                let mut proxy = tcp_proxy::compile(
+                    &config,
+                    clusters,
+                    stats,
+                    &env.node_proto(),
+                    &typed_path,
+                    problems,
+                )?;
                 proxy.node = env.node.clone();
                 network = Some(NetworkFilter::TcpProxy(proxy));
             }

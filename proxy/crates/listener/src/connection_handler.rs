@@ -500,6 +500,9 @@ async fn serve_tcp_proxy(
             tracing::debug!(listener = %listener.name, %remote, "listener drained: closing");
         }
     }
+    if !proxy.access_log.is_empty() {
+        entry.connection = Some(connection.clone());
+    }
     entry.emit_to(&proxy.access_log);
 }
 

@@ -5,6 +5,7 @@
 //! the compression libraries and the streaming body transform they make
 //! ([`compression`]). Nothing here imports `http` or `network`.
 
+pub mod access_log;
 pub mod compression;
 pub mod ext_authz;
 pub mod matcher;

@@ -50,6 +50,16 @@ pub struct Env {
     pub inbound: Option<bool>,
 }
 
+impl Env {
+    /// The proxy's `node` as a log service's identifier names it (its id).
+    pub fn node_proto(&self) -> envoy_types::pb::envoy::config::core::v3::Node {
+        envoy_types::pb::envoy::config::core::v3::Node {
+            id: self.node.id.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 /// [`compile`] in a listener of `env`.
 pub fn compile_in(
     hcm: &EnvoyHcm,
@@ -165,8 +175,18 @@ pub fn compile_in(
         }
     }
     let limits = limits(hcm, path, problems);
-    let access_log =
-        shunt_core::access_log::compile(&hcm.access_log, &path.field("access_log"), problems);
+    let node = env.node_proto();
+    let log_env = crate::common::access_log::Env {
+        clusters,
+        stats,
+        node: &node,
+    };
+    let access_log = crate::common::access_log::compile(
+        &hcm.access_log,
+        log_env,
+        &path.field("access_log"),
+        problems,
+    );
     if problems.errors.len() > errors_before {
         return None;
     }

@@ -361,6 +361,11 @@ async fn handle(
         };
         // Forward it upstream, or answer from the route.
         let (config, vhost, route) = (&*routed.config, routed.virtual_host(), routed.route());
+        if let Some(http) = entry.http.as_mut()
+            && !route.name.is_empty()
+        {
+            http.route_name = Some(Arc::from(route.name.as_str()));
+        }
         tracing::debug!(route_config = %config.name, virtual_host = %vhost.name, route = %route.name, %path, "routed");
         let (mut response, from_upstream) = match &route.action {
             Action::DirectResponse { status, body } => (direct_response(hcm, *status, body), false),
@@ -584,8 +589,10 @@ fn begin_entry(
     );
     entry.original_dst = downstream.original_dst;
     entry.request_head_bytes = request_head_bytes;
-    // The line's HTTP fields are copies of the request's: made only when a log is on.
+    // The line's HTTP fields are copies of the request's: made only when a log is on,
+    // its headers only for a logger that reads them.
     if !hcm.access_log.is_empty() {
+        let wants_headers = hcm.access_log.iter().any(|sink| sink.wants_headers());
         entry.http = Some(Box::new(HttpFields {
             method: parts.method.to_string(),
             path: target.path.clone(),
@@ -594,7 +601,13 @@ fn begin_entry(
             authority: (!target.authority.is_empty()).then(|| target.authority.clone()),
             request_id: header_string(&parts.headers, REQUEST_ID),
             user_agent: header_string(&parts.headers, header::USER_AGENT),
+            response_code_details: None,
+            route_name: None,
+            scheme: downstream.scheme(),
+            request_headers: wants_headers.then(|| parts.headers.clone()),
+            response_headers: None,
         }));
+        entry.connection = Some(downstream.connection.clone());
     }
     Pending {
         entry: Some(Box::new(entry)),
@@ -1198,6 +1211,12 @@ async fn finish(
     hcm.stats.response(status);
     if let Some(http) = entry.http.as_mut() {
         http.response_code = status;
+        if from_upstream {
+            http.response_code_details = Some("via_upstream".into());
+        }
+        if http.request_headers.is_some() {
+            http.response_headers = Some(response.headers().clone());
+        }
     }
     let body_len = hyper::body::Body::size_hint(response.body()).exact();
     let (parts, body) = response.into_parts();

@@ -17,6 +17,7 @@ pub fn compile(
     proxy: &EnvoyTcpProxy,
     clusters: &Clusters,
     stats: &Store,
+    node: &envoy_types::pb::envoy::config::core::v3::Node,
     path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<TcpProxy> {
@@ -109,8 +110,16 @@ pub fn compile(
             "not implemented yet; connections last until closed or idle",
         );
     }
-    let access_log =
-        shunt_core::access_log::compile(&proxy.access_log, &path.field("access_log"), problems);
+    let access_log = crate::common::access_log::compile(
+        &proxy.access_log,
+        crate::common::access_log::Env {
+            clusters,
+            stats,
+            node,
+        },
+        &path.field("access_log"),
+        problems,
+    );
     if problems.errors.len() > errors_before {
         return None;
     }

@@ -4,9 +4,10 @@
 //! list: the network and HTTP filters from their registries; listener filters, the
 //! terminal network filters and filter-chain matching from the listener's compiler;
 //! transport sockets from `shunt_tls`; cluster types, protocol options and upstream
-//! network filters from the cluster compiler; access loggers from `shunt_core`; the
-//! compression libraries from `shunt_filters::common::compression`; tracers and request
-//! id extensions from `shunt_filters::tracers`; the
+//! network filters from the cluster compiler; access loggers and their extension filters
+//! from `shunt_filters::common::access_log`; the compression libraries from
+//! `shunt_filters::common::compression`; tracers and request id extensions from
+//! `shunt_filters::tracers`; the
 //! bootstrap extensions from this module's snapshot compile and Istio's workload
 //! discovery. This crate is the lowest that sees all of them.
 
@@ -38,12 +39,13 @@ pub static IMPLEMENTED: LazyLock<Implemented> = LazyLock::new(|| Implemented {
     ],
     cluster_types: cluster::CLUSTER_TYPES.to_vec(),
     custom_cluster_types: cluster::CUSTOM_CLUSTER_TYPES.to_vec(),
-    access_loggers: shunt_core::access_log::ACCESS_LOGGERS.to_vec(),
+    access_loggers: shunt_filters::common::access_log::ACCESS_LOGGERS.to_vec(),
     protocol_options: cluster::PROTOCOL_OPTIONS.to_vec(),
     filter_chain_matching: chain_matcher::FILTER_CHAIN_MATCHING.to_vec(),
     filter_extensions: compression::COMPRESSOR_TYPES
         .iter()
         .chain(compression::DECOMPRESSOR_TYPES.iter())
+        .chain(shunt_filters::common::access_log::filter::EXTENSION_FILTERS.iter())
         .copied()
         .collect(),
     tracers: shunt_filters::tracers::TRACERS.to_vec(),

@@ -68,6 +68,7 @@ pub fn format_context<'a>(request: &'a RequestHeaders, ctx: &'a StreamCtx) -> Co
     Context {
         connection: &ctx.info.connection,
         stream_filter_state: Some(&ctx.info.filter_state),
+        entry: None,
         request: Some(formatter::Request {
             method: request.method.as_str(),
             authority: &request.authority,
