@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime};
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
@@ -19,7 +18,7 @@ use shunt::config::{Diagnostics, JsonPath, Tracked};
 use shunt::filters::common::matcher::RequestView;
 use shunt::http::route::Action;
 use shunt::http::{ConfigProvider, RequestConfig, RouteConfig};
-use shunt::snapshot::{DynamicCluster, DynamicResources};
+use shunt::snapshot::{DynamicCluster, DynamicResources, EncodedEndpoints};
 use shunt::tls::Secrets;
 use shunt::upstream::Clusters;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -77,7 +76,7 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
                     version_info: Some(Arc::from("fuzz")),
                     last_updated: SystemTime::UNIX_EPOCH,
                 },
-                effective: cluster,
+                endpoints: None,
                 digest,
             }));
         }
@@ -92,25 +91,27 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
             dynamic.route_configs.push(tracked(routes));
         }
         3 => {
-            let Ok(endpoints) = ClusterLoadAssignment::decode(bytes) else {
+            // An EDS cluster served with these endpoints, as warming hands it over (the
+            // endpoints stay as their wire bytes, decoded when the cluster compiles).
+            let Ok(endpoints) = EncodedEndpoints::new(bytes) else {
                 return;
             };
-            // An EDS cluster served with these endpoints, as warming hands it over.
             let cds = Cluster {
                 name: endpoints.cluster_name.clone(),
                 ..Default::default()
             };
-            let effective = Cluster {
-                load_assignment: Some(endpoints.clone()),
-                ..cds.clone()
-            };
-            let digest = shunt::config::digest(&effective);
+            let digest = shunt::config::digest(&cds);
+            let endpoints = Arc::new(endpoints);
             dynamic.clusters.push(Arc::new(DynamicCluster {
                 tracked: tracked(cds),
-                effective: Arc::new(effective),
+                endpoints: Some(endpoints.clone()),
                 digest,
             }));
-            dynamic.endpoints.push(tracked(endpoints));
+            dynamic.endpoints.push(Tracked {
+                resource: endpoints,
+                version_info: Some(Arc::from("fuzz")),
+                last_updated: SystemTime::UNIX_EPOCH,
+            });
         }
         _ => {
             let Ok(secret) = Secret::decode(bytes) else {
