@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
 use support::TempDir;
-use support::envoy::socket_address;
+use support::envoy::{socket_address, static_cluster};
 use support::xds::admin_at;
 
 const SHUNT_PORT: u16 = 10000;
@@ -69,24 +69,6 @@ const OTEL_BODY: &str = "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROT
 \"%UPSTREAM_TRANSPORT_FAILURE_REASON%\" %BYTES_RECEIVED% %BYTES_SENT% \"%REQ(X-FORWARDED-FOR)%\" \
 \"%REQ(USER-AGENT)%\" \"%REQ(:AUTHORITY)%\" \"%UPSTREAM_HOST%\" %UPSTREAM_CLUSTER_RAW% \
 %REQUESTED_SERVER_NAME% %ROUTE_NAME%\n";
-
-fn cluster(name: &str, at: SocketAddr, http2: bool) -> Value {
-    let mut c = json!({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": socket_address(at.ip(), at.port())}}
-        ]}]}
-    });
-    if http2 {
-        c["typed_extension_protocol_options"] = json!({
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}
-            }
-        });
-    }
-    c
-}
 
 fn grpc_common(log_name: &str, cluster: &str, extra: Value) -> Value {
     let mut common = json!({
@@ -204,9 +186,9 @@ fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr, als_port: u16) -> Value 
                  "filter_chains": [{"filters": [hcm(json!([down]))]}]}
             ],
             "clusters": [
-                cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT), false),
-                cluster("als", SocketAddr::new(backends.into(), als_port), true),
-                cluster("als_down", SocketAddr::new(backends.into(), DOWN_ALS), true)
+                static_cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT), false),
+                static_cluster("als", SocketAddr::new(backends.into(), als_port), true),
+                static_cluster("als_down", SocketAddr::new(backends.into(), DOWN_ALS), true)
             ]
         }
     })

@@ -17,7 +17,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -28,6 +28,7 @@ use ring::rand::SystemRandom;
 use ring::signature::{self, KeyPair};
 use serde_json::{Value, json};
 use support::TempDir;
+use support::curl::Response;
 use support::envoy::socket_address;
 use support::xds::admin_at;
 
@@ -398,34 +399,6 @@ impl Scene {
             self.shunt.stderr_text()
         );
         Response::parse(&text)
-    }
-}
-
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: String,
-}
-
-impl Response {
-    fn parse(text: &str) -> Response {
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
-        let mut lines = head.lines();
-        let status = lines
-            .next()
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let headers = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-            .collect();
-        Response {
-            status,
-            headers,
-            body: body.to_owned(),
-        }
     }
 }
 

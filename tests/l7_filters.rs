@@ -20,14 +20,15 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
 use support::TempDir;
-use support::envoy::socket_address;
+use support::curl::Response;
+use support::envoy::{socket_address, static_cluster};
 use support::xds::admin_at;
 
 const SHUNT_PORT: u16 = 10000;
@@ -63,24 +64,6 @@ class Echo(BaseHTTPRequestHandler):
         pass
 ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Echo).serve_forever()
 "#;
-
-fn cluster(name: &str, at: SocketAddr, http2: bool) -> Value {
-    let mut c = json!({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": socket_address(at.ip(), at.port())}}
-        ]}]}
-    });
-    if http2 {
-        c["typed_extension_protocol_options"] = json!({
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}
-            }
-        });
-    }
-    c
-}
 
 fn typed(type_name: &str, mut config: Value) -> Value {
     config["@type"] = json!(format!("type.googleapis.com/{type_name}"));
@@ -233,9 +216,9 @@ fn bootstrap(base: u16, admin: u16, backends: Ipv4Addr) -> Value {
                 listener("closed", base + 2, closed)
             ],
             "clusters": [
-                cluster("backend", at(ECHO_PORT), false),
-                cluster("authz", at(AUTHZ_PORT), true),
-                cluster("authz_down", at(AUTHZ_DOWN_PORT), true)
+                static_cluster("backend", at(ECHO_PORT), false),
+                static_cluster("authz", at(AUTHZ_PORT), true),
+                static_cluster("authz_down", at(AUTHZ_DOWN_PORT), true)
             ]
         }
     })
@@ -333,37 +316,6 @@ impl Scene {
             self.shunt.stderr_text()
         );
         Response::parse(&text)
-    }
-}
-
-#[derive(Debug, PartialEq)]
-struct Response {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: String,
-}
-
-impl Response {
-    fn parse(text: &str) -> Response {
-        let start = text.rfind("\r\n\r\nHTTP/").map_or(0, |i| i + 4);
-        let (head, body) = text[start..]
-            .split_once("\r\n\r\n")
-            .unwrap_or((&text[start..], ""));
-        let mut lines = head.lines();
-        let status = lines
-            .next()
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let headers = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-            .collect();
-        Response {
-            status,
-            headers,
-            body: body.to_owned(),
-        }
     }
 }
 

@@ -14,14 +14,15 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
 use support::TempDir;
-use support::envoy::socket_address;
+use support::curl::Response;
+use support::envoy::{socket_address, static_cluster};
 use support::xds::admin_at;
 
 const SHUNT_PORT: u16 = 10000;
@@ -52,24 +53,6 @@ class Echo(BaseHTTPRequestHandler):
         pass
 ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Echo).serve_forever()
 "#;
-
-fn cluster(name: &str, at: SocketAddr, http2: bool) -> Value {
-    let mut c = json!({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": socket_address(at.ip(), at.port())}}
-        ]}]}
-    });
-    if http2 {
-        c["typed_extension_protocol_options"] = json!({
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}
-            }
-        });
-    }
-    c
-}
 
 fn rate_limit_service() -> Value {
     json!({"grpc_service": {"envoy_grpc": {"cluster_name": "rls"}}, "transport_api_version": "V3"})
@@ -187,39 +170,11 @@ fn bootstrap(port: u16, admin: u16, backends: Ipv4Addr, rls_port: u16) -> Value 
                 listener("tcp_fail_deny", port + 4, tcp_deny)
             ],
             "clusters": [
-                cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT), false),
-                cluster("rls", SocketAddr::new(backends.into(), rls_port), true)
+                static_cluster("backend", SocketAddr::new(backends.into(), ECHO_PORT), false),
+                static_cluster("rls", SocketAddr::new(backends.into(), rls_port), true)
             ]
         }
     })
-}
-
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: String,
-}
-
-impl Response {
-    fn parse(text: &str) -> Response {
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
-        let mut lines = head.lines();
-        let status = lines
-            .next()
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let headers = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-            .collect();
-        Response {
-            status,
-            headers,
-            body: body.to_owned(),
-        }
-    }
 }
 
 /// What is compared of a response.

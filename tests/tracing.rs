@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use harness::{Node, Pod, PodProcess, wait_for_port};
 use serde_json::{Value, json};
 use support::TempDir;
-use support::envoy::socket_address;
+use support::envoy::{socket_address, static_cluster};
 use support::xds::admin_at;
 
 /// Each proxy's client sidecar listens from its base port, its server sidecar from
@@ -70,22 +70,6 @@ class Echo(BaseHTTPRequestHandler):
         pass
 ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Echo).serve_forever()
 "#;
-
-fn cluster(name: &str, at: SocketAddr, http2: bool) -> Value {
-    let mut c = json!({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": socket_address(at.ip(), at.port())}}
-        ]}]}
-    });
-    if http2 {
-        c["typed_extension_protocol_options"] = json!({
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}});
-    }
-    c
-}
 
 /// The tracer istiod writes for an extension provider (`opentelemetry`, or `zipkin`
 /// for a pre-1.29 proxy), to collector cluster `cluster`.
@@ -241,13 +225,13 @@ fn bootstrap(
         "static_resources": {
             "listeners": listeners,
             "clusters": [
-                cluster("outbound|9080||otel", peer(OTEL_IN), false),
-                cluster("outbound|9081||zipkin", peer(ZIPKIN_IN), false),
-                cluster(app, at(APP_PORT), false),
-                cluster("otlp", at(collector.0), true),
-                cluster("zipkin", at(collector.1), false),
-                cluster("otlp_dead", at(DEAD_COLLECTOR.0), true),
-                cluster("zipkin_dead", at(DEAD_COLLECTOR.1), false),
+                static_cluster("outbound|9080||otel", peer(OTEL_IN), false),
+                static_cluster("outbound|9081||zipkin", peer(ZIPKIN_IN), false),
+                static_cluster(app, at(APP_PORT), false),
+                static_cluster("otlp", at(collector.0), true),
+                static_cluster("zipkin", at(collector.1), false),
+                static_cluster("otlp_dead", at(DEAD_COLLECTOR.0), true),
+                static_cluster("zipkin_dead", at(DEAD_COLLECTOR.1), false),
             ]
         }
     })
@@ -720,7 +704,7 @@ fn istiods_telemetry_tracing_listener_validates() {
             "static_resources": {
                 "listeners": [listener],
                 "clusters": [
-                    cluster(collector, SocketAddr::from(([10, 0, 0, 9], 4317)), true),
+                    static_cluster(collector, SocketAddr::from(([10, 0, 0, 9], 4317)), true),
                     {"name": "PassthroughCluster", "type": "ORIGINAL_DST", "connect_timeout": "1s", "lb_policy": "CLUSTER_PROVIDED"}
                 ]
             }

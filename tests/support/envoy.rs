@@ -6,6 +6,25 @@ pub fn socket_address(ip: impl ToString, port: u16) -> Value {
     json!({"socket_address": {"address": ip.to_string(), "port_value": port}})
 }
 
+/// A STATIC cluster of one endpoint, speaking HTTP/2 to it when `http2` (a gRPC service).
+pub fn static_cluster(name: &str, at: std::net::SocketAddr, http2: bool) -> Value {
+    let mut c = json!({
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": socket_address(at.ip(), at.port())}}
+        ]}]}
+    });
+    if http2 {
+        c["typed_extension_protocol_options"] = json!({
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}
+            }
+        });
+    }
+    c
+}
+
 /// An `access_log` entry that writes to stdout, where `harness::access_log` reads it.
 pub fn stdout_access_log() -> Value {
     json!({

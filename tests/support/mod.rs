@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cni;
+pub mod curl;
 pub mod envoy;
 pub mod http_client;
 pub mod nds;
