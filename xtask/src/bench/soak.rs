@@ -543,10 +543,15 @@ fn wait_ready(pod: &Pod, proxy: &PodProcess, ads: &AdsServer, which: &Proxy) -> 
                 nack.error_detail
             );
         }
-        let listening = tcp_listeners(pod)?
+        // Distinct ports: Envoy listens once per worker on each.
+        let mut ports: Vec<u16> = tcp_listeners(pod)?
             .iter()
-            .filter(|a| LISTEN_PORTS.contains(&a.port()))
-            .count();
+            .map(|a| a.port())
+            .filter(|p| LISTEN_PORTS.contains(p))
+            .collect();
+        ports.sort_unstable();
+        ports.dedup();
+        let listening = ports.len();
         if admin_status(pod, "/ready") == 200 && listening == LISTEN_PORTS.len() {
             return Ok(());
         }
