@@ -472,3 +472,195 @@ fn sds_from_its_own_server_as_istio_agent_serves_it() {
         xds::describe(&server.requests())
     );
 }
+
+/// One proxy of the churn test: its ADS server, listener port and process.
+struct Churned {
+    server: AdsServer,
+    port: u16,
+    process: PodProcess,
+    delta: bool,
+}
+
+impl Churned {
+    fn push(&self, type_url: &str, version: &str, resources: Vec<(String, Any)>) {
+        self.server.set(type_url, version, resources);
+    }
+
+    fn acked(&self, type_url: &str, version: &str) -> bool {
+        acked(&self.server, type_url, version, self.delta)
+    }
+
+    fn wait_acked(&self, type_url: &str, version: &str) {
+        eventually(version, &self.process, &self.server, || {
+            self.acked(type_url, version)
+        });
+    }
+
+    /// The proxy asked for endpoints `name` (its cluster is in, warming).
+    fn wait_eds_asked(&self, name: &str) {
+        eventually(name, &self.process, &self.server, || {
+            self.server.requests().iter().any(|r| {
+                r.type_url == type_urls::ENDPOINT && r.resource_names.iter().any(|n| n == name)
+            })
+        });
+    }
+
+    fn get(&self, pod: &Pod) -> (u16, String) {
+        HttpClient::connect(pod, self.port).get("/")
+    }
+}
+
+/// An EDS cluster that waits `wait_s` for its endpoints (`initial_fetch_timeout`).
+fn eds_cluster_waiting(name: &str, wait_s: i64) -> (String, Any) {
+    let mut cluster = resources::eds_cluster(name, ads_source(), 1);
+    if let Some(eds) = cluster
+        .eds_cluster_config
+        .as_mut()
+        .and_then(|c| c.eds_config.as_mut())
+    {
+        eds.initial_fetch_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: wait_s,
+            nanos: 0,
+        });
+    }
+    named(name, &cluster)
+}
+
+#[test]
+fn fresh_cluster_names_warm_before_their_ack_as_envoy_sotw() {
+    fresh_cluster_names_warm_before_their_ack_as_envoy(false);
+}
+
+#[test]
+fn fresh_cluster_names_warm_before_their_ack_as_envoy_delta() {
+    fresh_cluster_names_warm_before_their_ack_as_envoy(true);
+}
+
+/// Clusters under fresh names, as a mesh's Services and subsets come and go, pushed as a
+/// control plane does (make before break: the cluster, its CDS ACK, then routes to it).
+/// A cluster added over ADS warms until its endpoints come, and the CDS ACK waits for
+/// it (Envoy pauses CDS while clusters warm), so routes pushed after the ACK never meet
+/// a cluster not yet served; one whose endpoints never come is served empty once its
+/// `initial_fetch_timeout` passes, then ACKed. Checked against Envoy 1.40 fed the same
+/// pushes: the ACKs and every answer.
+fn fresh_cluster_names_warm_before_their_ack_as_envoy(delta: bool) {
+    let mode = if delta { "delta" } else { "sotw" };
+    let dir = TempDir::new(&format!("churn-{mode}"));
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("p").unwrap();
+    http_backend(&pod, BACKEND_A, "a");
+    http_backend(&pod, BACKEND_B, "b");
+    let start = |tag: &str, port: u16, admin: u16| {
+        let (scratch, socket, server) = unix_server(&format!("{tag}-{mode}"));
+        let mut bootstrap = bootstrap(&socket, delta, vec![]);
+        bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin.into();
+        server.set(type_urls::CLUSTER, "c0", vec![eds_cluster("a")]);
+        server.set(type_urls::ENDPOINT, "e0", vec![endpoints("a", BACKEND_A)]);
+        let http = http_listener("http", local(port), "routes");
+        server.set(type_urls::LISTENER, "l0", vec![named("http", &http)]);
+        server.set(type_urls::ROUTE, "r0", vec![routes("routes", "a")]);
+        let path = dir.0.join(format!("{tag}.json"));
+        std::fs::write(&path, serde_json::to_vec(&bootstrap).unwrap()).unwrap();
+        (scratch, path, server)
+    };
+    let (_s1, shunt_config, shunt_server) = start("churn-shunt", LISTEN_PORT, 15000);
+    let (_s2, envoy_config, envoy_server) = start("churn-envoy", LISTEN_PORT + 1, 15001);
+    let (shunt, envoy) = envoy::start_side_by_side(
+        &pod,
+        &shunt_config,
+        &envoy_config,
+        [LISTEN_PORT, LISTEN_PORT + 1],
+    );
+    let proxies = [
+        Churned {
+            server: shunt_server,
+            port: LISTEN_PORT,
+            process: shunt,
+            delta,
+        },
+        Churned {
+            server: envoy_server,
+            port: LISTEN_PORT + 1,
+            process: envoy,
+            delta,
+        },
+    ];
+    let answers = |what: &str| {
+        let [s, e] = [proxies[0].get(&pod), proxies[1].get(&pod)];
+        assert_eq!(s, e, "{what}: shunt answered {s:?}, Envoy {e:?}");
+        s
+    };
+    for n in 1..=3 {
+        let c = format!("c-{n}");
+        let v = |t: &str| format!("{t}{n}");
+        for p in &proxies {
+            p.push(
+                type_urls::CLUSTER,
+                &v("c"),
+                vec![eds_cluster("a"), eds_cluster(&c)],
+            );
+        }
+        for p in &proxies {
+            p.wait_eds_asked(&c);
+        }
+        // Asked for its endpoints, the cluster warms: no ACK yet from either.
+        std::thread::sleep(Duration::from_millis(500));
+        let held: Vec<bool> = proxies
+            .iter()
+            .map(|p| !p.acked(type_urls::CLUSTER, &v("c")))
+            .collect();
+        assert_eq!(
+            held,
+            [true, true],
+            "round {n}: CDS ACK held while {c} warms (shunt, Envoy)"
+        );
+        assert_eq!(answers("while it warms"), (200, "a".into()));
+        for p in &proxies {
+            p.push(
+                type_urls::ENDPOINT,
+                &v("e"),
+                vec![endpoints("a", BACKEND_A), endpoints(&c, BACKEND_B)],
+            );
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::CLUSTER, &v("c"));
+            p.push(type_urls::ROUTE, &v("r"), vec![routes("routes", &c)]);
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::ROUTE, &v("r"));
+        }
+        assert_eq!(answers("routed to it"), (200, "b".into()), "round {n}");
+        for p in &proxies {
+            p.push(type_urls::ROUTE, &v("ra"), vec![routes("routes", "a")]);
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::ROUTE, &v("ra"));
+            p.push(type_urls::CLUSTER, &v("cr"), vec![eds_cluster("a")]);
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::CLUSTER, &v("cr"));
+        }
+        assert_eq!(
+            answers("routed away, removed"),
+            (200, "a".into()),
+            "round {n}"
+        );
+    }
+    // Endpoints that never come: served empty after its wait, then ACKed.
+    for p in &proxies {
+        p.push(
+            type_urls::CLUSTER,
+            "c-empty",
+            vec![eds_cluster("a"), eds_cluster_waiting("empty", 1)],
+        );
+    }
+    for p in &proxies {
+        p.wait_acked(type_urls::CLUSTER, "c-empty");
+        p.push(type_urls::ROUTE, "r-empty", vec![routes("routes", "empty")]);
+    }
+    for p in &proxies {
+        p.wait_acked(type_urls::ROUTE, "r-empty");
+    }
+    let (status, body) = answers("routed to a cluster without endpoints");
+    assert_eq!((status, body.as_str()), (503, "no healthy upstream"));
+}

@@ -594,34 +594,39 @@ fn update(
         // An update that took longer than the interval delays the next, no catching up.
         next = (next + interval).max(Instant::now());
         version += 1;
-        let type_url = state.apply(*step);
         let v = version.to_string();
-        ads.set(type_url, &v, config.resources(state, type_url));
-        let answered = ads
-            .wait_for_sent(XDS_TIMEOUT, |s| {
-                s.type_url == type_url && s.version_info == v
-            })
-            .and_then(|sent| {
-                ads.wait_for(XDS_TIMEOUT, |r| {
-                    r.stream == sent.stream
-                        && r.type_url == sent.type_url
-                        && r.response_nonce == sent.nonce
+        let mut all_acked = true;
+        for &type_url in state.apply(*step) {
+            ads.set(type_url, &v, config.resources(state, type_url));
+            let answered = ads
+                .wait_for_sent(XDS_TIMEOUT, |s| {
+                    s.type_url == type_url && s.version_info == v
                 })
-            });
-        match answered {
-            Ok(r) if r.is_nack() => problems.lock().unwrap().push(format!(
-                "{step:?} ({} version {v}) NACKed: {:?}",
-                type_name(type_url),
-                r.error_detail
-            )),
-            Ok(_) => {
-                acked.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => problems.lock().unwrap().push(format!(
-                "{step:?} ({} version {v}) not sent or not answered within {XDS_TIMEOUT:?}: {}",
-                type_name(type_url),
-                e.to_string().lines().next().unwrap_or_default()
-            )),
+                .and_then(|sent| {
+                    ads.wait_for(XDS_TIMEOUT, |r| {
+                        r.stream == sent.stream
+                            && r.type_url == sent.type_url
+                            && r.response_nonce == sent.nonce
+                    })
+                });
+            let problem = match answered {
+                Ok(r) if r.is_nack() => format!(
+                    "{step:?} ({} version {v}) NACKed: {:?}",
+                    type_name(type_url),
+                    r.error_detail
+                ),
+                Ok(_) => continue,
+                Err(e) => format!(
+                    "{step:?} ({} version {v}) not sent or not answered within {XDS_TIMEOUT:?}: {}",
+                    type_name(type_url),
+                    e.to_string().lines().next().unwrap_or_default()
+                ),
+            };
+            problems.lock().unwrap().push(problem);
+            all_acked = false;
+        }
+        if all_acked {
+            acked.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

@@ -25,7 +25,7 @@ use prost::Message;
 use crate::type_url::TypeUrl;
 
 /// Envoy's default `initial_fetch_timeout`.
-const DEFAULT_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
+pub(crate) const DEFAULT_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How the xDS server is reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,7 +229,8 @@ pub fn secret_stream(source: &ConfigSource, bootstrap: &Bootstrap) -> anyhow::Re
     }
 }
 
-fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
+/// A source's `initial_fetch_timeout`, when it sets one.
+pub(crate) fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
     let t = source.initial_fetch_timeout.as_ref()?;
     Some(Duration::new(
         t.seconds.max(0) as u64,

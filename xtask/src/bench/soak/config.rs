@@ -157,41 +157,43 @@ impl State {
         format!("churn-{}", self.generation)
     }
 
-    /// Applies `step`; returns the type it changed.
-    pub(crate) fn apply(&mut self, step: Step) -> &'static str {
+    /// Applies `step`; returns the types it changes, in the order to push them.
+    pub(crate) fn apply(&mut self, step: Step) -> &'static [&'static str] {
         match step {
             Step::SwapWeights => {
                 self.heavy_b = !self.heavy_b;
-                type_urls::ROUTE
+                &[type_urls::ROUTE]
             }
             Step::AddCluster => {
                 self.web_c = true;
                 self.generation += 1;
-                type_urls::CLUSTER
+                // A control plane has a Service's endpoints before its cluster: the
+                // proxy that asks for them gets them, and its cluster warms.
+                &[type_urls::ENDPOINT, type_urls::CLUSTER]
             }
             Step::AddListener => {
                 self.churn_listener = true;
-                type_urls::LISTENER
+                &[type_urls::LISTENER]
             }
             Step::RemoveListener => {
                 self.churn_listener = false;
-                type_urls::LISTENER
+                &[type_urls::LISTENER]
             }
             Step::RouteToAdded => {
                 self.route_c = true;
-                type_urls::ROUTE
+                &[type_urls::ROUTE]
             }
             Step::MoveEndpoints => {
                 self.a_extra = !self.a_extra;
-                type_urls::ENDPOINT
+                &[type_urls::ENDPOINT]
             }
             Step::RouteAwayFromAdded => {
                 self.route_c = false;
-                type_urls::ROUTE
+                &[type_urls::ROUTE]
             }
             Step::RemoveCluster => {
                 self.web_c = false;
-                type_urls::CLUSTER
+                &[type_urls::CLUSTER]
             }
         }
     }

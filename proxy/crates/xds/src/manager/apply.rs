@@ -614,6 +614,11 @@ impl Manager {
             .set(snapshot.listeners.len() as u64);
         let _ = self.changes.send(change);
         self.warming_count = dynamic.warming_clusters.len();
+        if self.warming_count == 0
+            && let Some(request) = self.paused_cds.take()
+        {
+            self.send(TypeUrl::Cluster, request);
+        }
         Ok(())
     }
 

@@ -36,7 +36,7 @@ use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use tokio::sync::mpsc;
 
 use super::source::Plan;
-use super::stream::{self, Event};
+use super::stream::{self, Event, Outbound};
 use crate::snapshot::Current;
 use crate::type_url::TypeUrl;
 use protocol::StreamState;
@@ -87,6 +87,9 @@ pub struct Manager {
     warming: HashMap<String, Option<Instant>>,
     /// How many clusters the current snapshot leaves warming.
     warming_count: usize,
+    /// The latest CDS request (ACK or NACK) held while clusters warm: see
+    /// [`Manager::send`].
+    paused_cds: Option<Outbound>,
     /// The clusters the last rebuild served: an update of endpoints patches them.
     served: Option<ServedClusters>,
     /// The listeners the last rebuild served, active and warming: an update of
@@ -196,6 +199,7 @@ impl Manager {
             served: None,
             served_listeners: None,
             warming_count: 0,
+            paused_cds: None,
             errors: Vec::new(),
             bound: bound.into_iter().collect(),
             listeners_requested: false,
@@ -246,6 +250,10 @@ impl Manager {
                 let types: Vec<&str> = config.types.iter().map(|t| t.short()).collect();
                 tracing::info!(target = %config.target, types = %types.join(","), "xDS stream connected");
                 self.stats.gauge("control_plane.connected_state").set(1);
+                if config.types.contains(&TypeUrl::Cluster) {
+                    // The new stream subscribes afresh; the old one's ACK is moot.
+                    self.paused_cds = None;
+                }
                 let state = &mut self.streams[stream];
                 state.requests = Some(requests);
                 state.node_sent = false;

@@ -67,10 +67,20 @@ impl Manager {
             .position(|s| s.config.types.contains(&kind))
     }
 
+    /// Sends `request` on the stream carrying `kind`. CDS requests on an ADS stream
+    /// wait while clusters warm, as Envoy's cluster manager pauses CDS on the ADS mux
+    /// until no cluster is warming: the CDS ACK tells the control plane the clusters are
+    /// ready, so the routes it pushes next never name a cluster not yet served.
     pub(super) fn send(&mut self, kind: TypeUrl, request: Outbound) {
         let Some(index) = self.stream_of(kind) else {
             return;
         };
+        let ads = self.streams[index].config.types.len() > 1;
+        if kind == TypeUrl::Cluster && ads && self.warming_count > 0 {
+            // Only the latest matters: it echoes the latest nonce.
+            self.paused_cds = Some(request);
+            return;
+        }
         let state = &mut self.streams[index];
         let Some(requests) = &state.requests else {
             return;

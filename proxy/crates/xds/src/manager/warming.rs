@@ -64,6 +64,17 @@ pub(super) fn warm_until(
         .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
 }
 
+/// How long an EDS cluster waits for its endpoints: its `eds_config`'s
+/// `initial_fetch_timeout`, Envoy's 15 s when unset (Istio sets 0: for ever).
+fn eds_fetch_timeout(cluster: &EnvoyCluster) -> std::time::Duration {
+    cluster
+        .eds_cluster_config
+        .as_ref()
+        .and_then(|c| c.eds_config.as_ref())
+        .and_then(crate::source::fetch_timeout)
+        .unwrap_or(crate::source::DEFAULT_INITIAL_FETCH_TIMEOUT)
+}
+
 pub(super) async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
@@ -81,7 +92,7 @@ impl Manager {
             .get(&TypeUrl::ClusterLoadAssignment)
             .map(|t| &t.resources);
         let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
-        let deadline = |since| warm_until(self.plan.initial_fetch_timeout, since);
+        let deadline = |timeout, since| warm_until(timeout, since);
         let mut still_warming = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             for entry in clusters.resources.values() {
@@ -96,7 +107,12 @@ impl Manager {
                 let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
                 let waiting = secrets_missing || (service.is_some() && eds.is_none());
                 if waiting && !self.timed_out.contains(&cluster.name) {
-                    let deadline = deadline(self.warming.get(&cluster.name));
+                    let timeout = if secrets_missing {
+                        self.plan.initial_fetch_timeout
+                    } else {
+                        eds_fetch_timeout(cluster)
+                    };
+                    let deadline = deadline(timeout, self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);
                     served.awaited.extend(service.map(str::to_owned));
                     served.warming.push(tracked);
