@@ -646,6 +646,27 @@ fn fresh_cluster_names_warm_before_their_ack_as_envoy(delta: bool) {
             "round {n}"
         );
     }
+    // What the removed clusters counted went with them, in both.
+    for (p, admin) in proxies.iter().zip([15000, 15001]) {
+        let left = || {
+            let (_, stats) = xds::admin_at(&pod, &format!("127.0.0.1:{admin}"), "/stats");
+            stats
+                .lines()
+                .filter(|l| {
+                    ["c-1", "c-2", "c-3"]
+                        .iter()
+                        .any(|c| l.contains(&format!("cluster.{c}.")))
+                })
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        eventually(
+            "the removed clusters' stats freed",
+            &p.process,
+            &p.server,
+            || left().is_empty(),
+        );
+    }
     // Endpoints that never come: served empty after its wait, then ACKed.
     for p in &proxies {
         p.push(
