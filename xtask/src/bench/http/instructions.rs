@@ -12,7 +12,7 @@ use harness::wait_for_port;
 use serde_json::{Value, json};
 
 use super::{H2_CLIENTS, H2_STREAMS, HOST, Load, Scenario, Setup, each_load_and_scenario};
-use crate::pods::secs;
+use crate::pods::{secs, target_dir};
 
 /// Requests counted per proxy and load, after [`WARM_UP`] uncounted ones.
 const REQUESTS: u64 = 20_000;
@@ -83,6 +83,13 @@ fn count(setup: &Setup, scenario: Scenario, load: Load) -> Result<f64> {
     let text = std::fs::read_to_string(&dump)
         .with_context(|| format!("callgrind's dump {}", dump.display()))?;
     let total = summary(&text).with_context(|| format!("no summary in {}", dump.display()))?;
+    // Kept for `callgrind_annotate`: where a difference in the count comes from.
+    let kept = target_dir().join("bench").join(format!(
+        "callgrind-{}-{}.out",
+        scenario.name(),
+        load.name()
+    ));
+    std::fs::copy(&dump, &kept).with_context(|| format!("keeping {}", kept.display()))?;
     Ok(total as f64 / REQUESTS as f64)
 }
 
