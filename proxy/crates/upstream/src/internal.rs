@@ -84,8 +84,12 @@ tokio::task_local! {
 }
 
 /// Runs `f` with `acceptor` as the internal listener registry of its connections.
-pub async fn scope<F: std::future::Future>(acceptor: Arc<dyn Acceptor>, f: F) -> F::Output {
-    ACCEPTOR.scope(acceptor, f).await
+pub fn scope<F: std::future::Future>(
+    acceptor: Arc<dyn Acceptor>,
+    f: F,
+) -> impl std::future::Future<Output = F::Output> {
+    // Not an `async fn`: that would hold `f` twice (captured, and inside the scope).
+    ACCEPTOR.scope(acceptor, f)
 }
 
 /// The current task's internal listener registry, if it has one.

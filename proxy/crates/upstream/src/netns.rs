@@ -19,8 +19,12 @@ tokio::task_local! {
 }
 
 /// Runs `f` with its upstream sockets made in `netns`.
-pub async fn scope<F: std::future::Future>(netns: Arc<OwnedFd>, f: F) -> F::Output {
-    UPSTREAM_NETNS.scope(netns, f).await
+pub fn scope<F: std::future::Future>(
+    netns: Arc<OwnedFd>,
+    f: F,
+) -> impl std::future::Future<Output = F::Output> {
+    // Not an `async fn`: that would hold `f` twice (captured, and inside the scope).
+    UPSTREAM_NETNS.scope(netns, f)
 }
 
 /// The namespace the current task's upstream sockets belong to, if not the process's.

@@ -53,8 +53,12 @@ tokio::task_local! {
 
 /// Runs `f` as `client`: its TLS upstream connections to pods of this process are
 /// handed over in process.
-pub async fn scope<F: std::future::Future>(client: Arc<Client>, f: F) -> F::Output {
-    CLIENT.scope(client, f).await
+pub fn scope<F: std::future::Future>(
+    client: Arc<Client>,
+    f: F,
+) -> impl std::future::Future<Output = F::Output> {
+    // Not an `async fn`: that would hold `f` twice (captured, and inside the scope).
+    CLIENT.scope(client, f)
 }
 
 pub fn current() -> Option<Arc<Client>> {

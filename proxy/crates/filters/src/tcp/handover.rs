@@ -58,8 +58,12 @@ tokio::task_local! {
 }
 
 /// Runs `f` with its plain-TCP copies parkable through `flows`.
-pub async fn scope<F: std::future::Future>(flows: Arc<Flows>, f: F) -> F::Output {
-    FLOWS.scope(flows, f).await
+pub fn scope<F: std::future::Future>(
+    flows: Arc<Flows>,
+    f: F,
+) -> impl std::future::Future<Output = F::Output> {
+    // Not an `async fn`: that would hold `f` twice (captured, and inside the scope).
+    FLOWS.scope(flows, f)
 }
 
 /// The current task's flows, if its copies are parkable.
