@@ -565,11 +565,13 @@ fn fresh_cluster_names_warm_before_their_ack_as_envoy(delta: bool) {
     };
     let (_s1, shunt_config, shunt_server) = start("churn-shunt", LISTEN_PORT, 15000);
     let (_s2, envoy_config, envoy_server) = start("churn-envoy", LISTEN_PORT + 1, 15001);
-    let (shunt, envoy) = envoy::start_side_by_side(
+    // Istio's drain time is 45 s; removed listeners drain for 1 s here.
+    let (shunt, envoy) = envoy::start_side_by_side_with(
         &pod,
         &shunt_config,
         &envoy_config,
         [LISTEN_PORT, LISTEN_PORT + 1],
+        &["--drain-time-s", "1"],
     );
     let proxies = [
         Churned {
@@ -630,6 +632,45 @@ fn fresh_cluster_names_warm_before_their_ack_as_envoy(delta: bool) {
             p.wait_acked(type_urls::ROUTE, &v("r"));
         }
         assert_eq!(answers("routed to it"), (200, "b".into()), "round {n}");
+        // A listener and its route config under fresh names come and go too.
+        let churn = format!("churn-{n}");
+        for p in &proxies {
+            let at = local(p.port + 10);
+            p.push(
+                type_urls::ROUTE,
+                &v("rl"),
+                vec![routes("routes", &c), routes(&churn, &c)],
+            );
+            p.push(
+                type_urls::LISTENER,
+                &v("l"),
+                vec![
+                    named("http", &http_listener("http", local(p.port), "routes")),
+                    named(&churn, &http_listener(&churn, at, &churn)),
+                ],
+            );
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::LISTENER, &v("l"));
+            p.wait_acked(type_urls::ROUTE, &v("rl"));
+        }
+        for p in &proxies {
+            let got = HttpClient::connect(&pod, p.port + 10).get("/");
+            assert_eq!(got, (200, "b".into()), "round {n}: through {churn}");
+        }
+        for p in &proxies {
+            p.push(
+                type_urls::LISTENER,
+                &v("lr"),
+                vec![named(
+                    "http",
+                    &http_listener("http", local(p.port), "routes"),
+                )],
+            );
+        }
+        for p in &proxies {
+            p.wait_acked(type_urls::LISTENER, &v("lr"));
+        }
         for p in &proxies {
             p.push(type_urls::ROUTE, &v("ra"), vec![routes("routes", "a")]);
         }
@@ -646,16 +687,18 @@ fn fresh_cluster_names_warm_before_their_ack_as_envoy(delta: bool) {
             "round {n}"
         );
     }
-    // What the removed clusters counted went with them, in both.
+    // What the removed clusters and listeners counted went with them (once drained), in
+    // both.
     for (p, admin) in proxies.iter().zip([15000, 15001]) {
         let left = || {
             let (_, stats) = xds::admin_at(&pod, &format!("127.0.0.1:{admin}"), "/stats");
             stats
                 .lines()
                 .filter(|l| {
-                    ["c-1", "c-2", "c-3"]
-                        .iter()
-                        .any(|c| l.contains(&format!("cluster.{c}.")))
+                    l.contains("churn")
+                        || ["c-1", "c-2", "c-3"]
+                            .iter()
+                            .any(|c| l.contains(&format!("cluster.{c}.")))
                 })
                 .map(str::to_owned)
                 .collect::<Vec<_>>()

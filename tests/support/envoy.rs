@@ -77,9 +77,23 @@ pub fn start_side_by_side(
     envoy_config: &std::path::Path,
     ready: [u16; 2],
 ) -> (harness::PodProcess, harness::PodProcess) {
+    start_side_by_side_with(pod, shunt_config, envoy_config, ready, &[])
+}
+
+/// [`start_side_by_side`] with `args` (options both take, as `--drain-time-s`) given
+/// to each.
+pub fn start_side_by_side_with(
+    pod: &harness::Pod,
+    shunt_config: &std::path::Path,
+    envoy_config: &std::path::Path,
+    ready: [u16; 2],
+    args: &[&str],
+) -> (harness::PodProcess, harness::PodProcess) {
     let shunt = pod
         .command(harness::shunt_bin())
-        .args(["proxy", "--concurrency", "2", "-c"])
+        .args(["proxy", "--concurrency", "2"])
+        .args(args)
+        .arg("-c")
         .arg(shunt_config)
         .spawn()
         .expect("start shunt");
@@ -91,8 +105,9 @@ pub fn start_side_by_side(
             "--use-dynamic-base-id",
             "-l",
             "warning",
-            "-c",
         ])
+        .args(args)
+        .arg("-c")
         .arg(envoy_config)
         .spawn()
         .expect("start envoy");

@@ -104,12 +104,20 @@ impl Proxy {
         bins: &Bins,
         bootstrap: &std::path::Path,
     ) -> (std::path::PathBuf, Vec<String>) {
-        match self {
+        let (program, mut args) = match self {
             Proxy::Shunt => (bins.shunt.clone(), shunt_args(bootstrap)),
             Proxy::Envoy(envoy) => (envoy.clone(), envoy_args(bootstrap)),
-        }
+        };
+        // pilot-agent's drain time: a removed listener (and its stats) stays that long.
+        // Envoy's default, 600 s, would outlast the run.
+        args.extend(["--drain-time-s".into(), DRAIN_TIME_S.into()]);
+        (program, args)
     }
 }
+
+/// Istio's `--drain-time-s` (its `drainDuration`, 45 s): under the 60 s warm-up, so the
+/// churned listeners that drain are gone by the time growth is measured.
+const DRAIN_TIME_S: &str = "45";
 
 /// `10m`, `90s`, `1h`, `600`.
 fn parse_duration(text: &str) -> Result<Duration, String> {
