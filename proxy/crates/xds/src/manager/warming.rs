@@ -92,7 +92,6 @@ impl Manager {
             .get(&TypeUrl::ClusterLoadAssignment)
             .map(|t| &t.resources);
         let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
-        let deadline = |timeout, since| warm_until(timeout, since);
         let mut still_warming = HashMap::new();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             for entry in clusters.resources.values() {
@@ -112,7 +111,7 @@ impl Manager {
                     } else {
                         eds_fetch_timeout(cluster)
                     };
-                    let deadline = deadline(timeout, self.warming.get(&cluster.name));
+                    let deadline = warm_until(timeout, self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);
                     served.awaited.extend(service.map(str::to_owned));
                     served.warming.push(tracked);
