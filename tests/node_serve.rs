@@ -18,6 +18,15 @@ use support::*;
 
 /// A running `nodeserve` in the node's bridge namespace (the node's "host network"),
 /// in a cgroup under the node's, where the capture programs are attached.
+/// What the node process holds once for every pod that has it: decoded xDS
+/// resources, compiled clusters and compiled route configurations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Interned {
+    decoded: usize,
+    clusters: usize,
+    route_configs: usize,
+}
+
 struct NodeAgent {
     child: Child,
     stdin: ChildStdin,
@@ -174,13 +183,22 @@ impl NodeAgent {
             .unwrap_or_else(|| panic!("stat {name}: {reply}"))
     }
 
-    /// How many xDS resources the process holds once for every pod that has them.
-    fn interned(&mut self) -> usize {
+    /// What the process holds once for every pod that has it.
+    fn interned(&mut self) -> Interned {
         self.send("interned");
         let reply = self.wait_reply("@interned ");
-        reply["@interned ".len()..]
-            .parse()
-            .unwrap_or_else(|_| panic!("interned: {reply}"))
+        let counts: Vec<usize> = reply["@interned ".len()..]
+            .split(' ')
+            .map(|n| n.parse().unwrap_or_else(|_| panic!("interned: {reply}")))
+            .collect();
+        let [decoded, clusters, route_configs] = counts[..] else {
+            panic!("interned: {reply}");
+        };
+        Interned {
+            decoded,
+            clusters,
+            route_configs,
+        }
     }
 
     /// The pod's config_dump clusters: `NAME=VERSION:DIGEST` each.
@@ -190,8 +208,8 @@ impl NodeAgent {
         reply.rsplit(' ').next().unwrap_or_default().to_owned()
     }
 
-    /// Waits up to 10 s for `until` to hold of the interned count; returns the last.
-    fn interned_until(&mut self, until: impl Fn(usize) -> bool) -> usize {
+    /// Waits up to 10 s for `until` to hold of the interned counts; returns the last.
+    fn interned_until(&mut self, until: impl Fn(Interned) -> bool) -> Interned {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let n = self.interned();
@@ -1601,9 +1619,9 @@ fn each_pod_finds_peers_in_the_workloads_its_own_stream_gave() {
 }
 
 /// Pods of one process that get the same push share it: a third pod given a's push
-/// (its own xDS stream, its own node id) adds no decoded copy of any resource; a push
-/// changing its copy of a's cluster adds that cluster for it alone,
-/// while a's config_dump and traffic stay as they were; each pod counts its own
+/// (its own xDS stream, its own node id) adds no decoded copy of any resource and no
+/// compiled cluster; a push changing its copy of a's cluster adds that cluster for it
+/// alone, while a's config_dump and traffic stay as they were; each pod counts its own
 /// connections; and once every pod is gone nothing is interned any more.
 #[test]
 fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
@@ -1620,7 +1638,8 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
     } = &mut mesh;
     let (a, b) = (&*a, &*b);
     let two_pods = agent.interned();
-    assert!(two_pods > 0, "a's and b's pushes are interned");
+    assert!(two_pods.decoded > 0, "a's and b's pushes are interned");
+    assert!(two_pods.clusters > 0, "a's and b's clusters are shared");
     let a_clusters = agent.clusters(a);
     assert!(a_clusters.contains("to-b=a1:"), "{a_clusters}");
 
@@ -1639,7 +1658,11 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
     let call = caller(&c).unwrap_or_else(|e| panic!("c -> b: {e:#}\n{}", agent.stderr()));
     assert_eq!(call.bytes, 1 << 12);
     assert_eq!(agent.clusters(&c), a_clusters, "c has a's config");
-    assert_eq!(agent.interned(), two_pods, "c shares a's push");
+    assert_eq!(
+        agent.interned(),
+        two_pods,
+        "c shares a's push and its compiled clusters"
+    );
 
     // c's copy of `to-b` changes (another connect timeout): a new cluster for c alone
     // (compiled with the endpoints a has too: no copy of them).
@@ -1654,7 +1677,12 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_ne!(agent.clusters(&c), a_clusters);
-    assert_eq!(agent.interned_until(|n| n == two_pods + 1), two_pods + 1);
+    let c_own = Interned {
+        decoded: two_pods.decoded + 1,
+        clusters: two_pods.clusters + 1,
+        ..two_pods
+    };
+    assert_eq!(agent.interned_until(|n| n == c_own), c_own);
     assert_eq!(
         agent.clusters(a),
         a_clusters,
@@ -1664,15 +1692,27 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
     assert_eq!(call.bytes, 1 << 12);
     let call = caller(&c).unwrap_or_else(|e| panic!("c -> b after its update: {e:#}"));
     assert_eq!(call.bytes, 1 << 12);
-    // Each pod counts its own: a made two outbound connections, c two.
+    // Each pod counts its own: a made two outbound connections, c two; the cluster a
+    // shared with c until c's update counts a's alone.
     assert_eq!(agent.stat(a, "tcp.virtualOutbound.downstream_cx_total"), 2);
     assert_eq!(agent.stat(&c, "tcp.virtualOutbound.downstream_cx_total"), 2);
     assert_eq!(agent.stat(b, "tcp.virtualOutbound.downstream_cx_total"), 0);
+    assert_eq!(agent.stat(a, "cluster.to-b.upstream_cx_total"), 2);
 
     // c gone: its own copies go with it, a's stay; every pod gone: nothing interned.
     agent.remove(&c);
     assert_eq!(agent.interned_until(|n| n == two_pods), two_pods);
     agent.remove(a);
     agent.remove(b);
-    assert_eq!(agent.interned_until(|n| n == 0), 0, "{}", agent.stderr());
+    let none = Interned {
+        decoded: 0,
+        clusters: 0,
+        route_configs: 0,
+    };
+    assert_eq!(
+        agent.interned_until(|n| n == none),
+        none,
+        "{}",
+        agent.stderr()
+    );
 }

@@ -231,7 +231,12 @@ fn main() -> anyhow::Result<()> {
                     None => reply(&format!("error {uid} no proxy stats")),
                 }
             }
-            ["interned"] => reply(&format!("interned {}", shunt::xds::interned_resources())),
+            ["interned"] => reply(&format!(
+                "interned {} {} {}",
+                shunt::xds::interned_resources(),
+                shunt::upstream::compile::shared_clusters(),
+                shunt::snapshot::shared_route_configs(),
+            )),
             ["clusters", uid] => match pods.proxy_resources(uid) {
                 Some(resources) => {
                     let clusters: Vec<String> = resources

@@ -4,7 +4,8 @@
 //! The table keeps only weak references: a value goes with its last holder.
 //!
 //! A value is found by a digest of its content and then compared, so a digest that
-//! misses (or collides) costs a copy, never a wrong value. [`metadata_digest`] hashes
+//! misses (or collides) costs a copy, never a wrong value. Compiled config, which cannot
+//! be compared, is shared by the digest of its source instead ([`made_once`]). [`metadata_digest`] hashes
 //! Envoy metadata in key order: protobuf maps have no order of their own.
 
 use std::any::{Any, TypeId};
@@ -52,13 +53,68 @@ where
     let erased: Arc<dyn Any + Send + Sync> = made.clone();
     copies.push(Arc::downgrade(&erased));
     if table.entries.len() >= 2 * table.swept_at.max(64) {
-        table.entries.retain(|_, copies| {
-            copies.retain(|weak| weak.strong_count() > 0);
-            !copies.is_empty()
-        });
-        table.swept_at = table.entries.len();
+        sweep(&mut table);
     }
     made
+}
+
+/// Compiled config shared process-wide (in node mode, by every pod whose push has it):
+/// the value under `key`, made by `make` when no live one is. Unlike [`intern`] nothing
+/// is compared: `key` must be a digest of everything `make` reads (the source's bytes),
+/// so that a pod's new version of a resource is a new key and never changes what
+/// another pod holds. A failed `make` shares nothing: each pod that gets the bad
+/// resource refuses it itself.
+pub fn made_once<T, E>(key: u64, make: impl FnOnce() -> Result<T, E>) -> Result<Arc<T>, E>
+where
+    T: Send + Sync + 'static,
+{
+    let key = (TypeId::of::<T>(), key);
+    if let Some(live) = live_made(&COMPILED.lock().unwrap_or_else(|e| e.into_inner()), &key) {
+        return Ok(live);
+    }
+    // Made outside the lock: compiling a large resource must not hold up other pods.
+    let made = Arc::new(make()?);
+    let mut table = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
+    // Another pod may have made it meanwhile: keep the first, so both share it.
+    if let Some(live) = live_made(&table, &key) {
+        return Ok(live);
+    }
+    let erased: Arc<dyn Any + Send + Sync> = made.clone();
+    table.entries.insert(key, vec![Arc::downgrade(&erased)]);
+    if table.entries.len() >= 2 * table.swept_at.max(64) {
+        sweep(&mut table);
+    }
+    Ok(made)
+}
+
+/// How many values of `T` [`made_once`] made are alive (held by some pod): a debug
+/// counter that tells shared compiled config (one per distinct source) from copies.
+pub fn live<T: 'static>() -> usize {
+    let mut table = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
+    sweep(&mut table);
+    let of_t = TypeId::of::<T>();
+    table.entries.keys().filter(|(t, _)| *t == of_t).count()
+}
+
+static COMPILED: LazyLock<Mutex<Table>> = LazyLock::new(|| {
+    Mutex::new(Table {
+        entries: HashMap::new(),
+        swept_at: 0,
+    })
+});
+
+fn live_made<T: Send + Sync + 'static>(table: &Table, key: &Key) -> Option<Arc<T>> {
+    let weak = table.entries.get(key)?.first()?;
+    weak.upgrade()?.downcast::<T>().ok()
+}
+
+/// Drops the values no one holds any more, and the keys left with none.
+fn sweep(table: &mut Table) {
+    table.entries.retain(|_, copies| {
+        copies.retain(|weak| weak.strong_count() > 0);
+        !copies.is_empty()
+    });
+    table.swept_at = table.entries.len();
 }
 
 /// The shared copy of `metadata`.
@@ -143,6 +199,24 @@ mod tests {
             weak.upgrade().is_none(),
             "the table holds no strong reference"
         );
+    }
+
+    #[test]
+    fn made_once_shares_by_key_until_the_last_holder_drops_it() {
+        struct Compiled(&'static str);
+        let first = made_once(0xc0de_0001, || Ok::<_, ()>(Compiled("one"))).unwrap();
+        let second = made_once(0xc0de_0001, || -> Result<Compiled, ()> {
+            panic!("made twice")
+        })
+        .unwrap();
+        assert!(Arc::ptr_eq(&first, &second));
+        assert_eq!(live::<Compiled>(), 1);
+        assert!(made_once(0xc0de_0002, || Err::<Compiled, _>("bad")).is_err());
+        assert_eq!(live::<Compiled>(), 1, "a failed make shares nothing");
+        drop((first, second));
+        assert_eq!(live::<Compiled>(), 0);
+        let again = made_once(0xc0de_0001, || Ok::<_, ()>(Compiled("two"))).unwrap();
+        assert_eq!(again.0, "two");
     }
 
     #[test]

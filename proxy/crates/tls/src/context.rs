@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::tls_parameters::TlsProtocol;
@@ -353,15 +353,19 @@ fn versions(
     Some(versions)
 }
 
-/// A built rustls config with the SDS secrets it was built from.
-type Built<C> = (Vec<Arc<Secret>>, Arc<C>);
+/// A built rustls config with the SDS secrets it was built from (weak: an entry whose
+/// secrets were rotated away is dropped).
+type Built<C> = (Vec<Weak<Secret>>, Arc<C>);
 
-/// The last config a context built: most handshakes reuse it.
-struct Cache<C>(Mutex<Option<Built<C>>>);
+/// The configs a context built, one for each set of secrets in use: most handshakes
+/// reuse one. In node mode a compiled cluster is shared by every pod that has it
+/// (`shunt_upstream::compile::Prototype`), and each pod presents its own certificate,
+/// so one context has an entry per identity; a context used by one proxy has one.
+struct Cache<C>(Mutex<Vec<Built<C>>>);
 
 impl<C> Default for Cache<C> {
     fn default() -> Self {
-        Cache(Mutex::new(None))
+        Cache(Mutex::new(Vec::new()))
     }
 }
 
@@ -371,16 +375,24 @@ impl<C> Cache<C> {
         used: &[Arc<Secret>],
         build: impl FnOnce() -> Result<C, String>,
     ) -> Result<Arc<C>, HandshakeError> {
-        let same = |cached: &[Arc<Secret>]| {
-            cached.len() == used.len() && cached.iter().zip(used).all(|(a, b)| Arc::ptr_eq(a, b))
+        let same = |cached: &[Weak<Secret>]| {
+            cached.len() == used.len()
+                && cached
+                    .iter()
+                    .zip(used)
+                    .all(|(a, b)| std::ptr::eq(a.as_ptr(), Arc::as_ptr(b)))
         };
-        if let Some((cached, config)) = &*self.0.lock().unwrap_or_else(|e| e.into_inner())
-            && same(cached)
         {
-            return Ok(config.clone());
+            let built = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            // The secrets are alive (`used` holds them), so an equal pointer is them.
+            if let Some((_, config)) = built.iter().find(|(cached, _)| same(cached)) {
+                return Ok(config.clone());
+            }
         }
         let config = Arc::new(build().map_err(HandshakeError::Config)?);
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((used.to_vec(), config.clone()));
+        let mut built = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        built.retain(|(cached, _)| cached.iter().all(|s| s.strong_count() > 0));
+        built.push((used.iter().map(Arc::downgrade).collect(), config.clone()));
         Ok(config)
     }
 }

@@ -118,6 +118,10 @@ pub struct ClusterConfig {
     /// `istio-peer-exchange`): on a connection that negotiated it, the proxy sends its
     /// node metadata first and reads the peer's.
     pub metadata_exchange: Option<Arc<str>>,
+    /// The shared compile this config is a pod's copy of (see
+    /// [`super::compile::Prototype`]): held while the pod's cluster is, so that other
+    /// pods with the same cluster find it.
+    pub prototype: Option<Arc<super::compile::Prototype>>,
 }
 
 impl ClusterConfig {
@@ -144,6 +148,7 @@ impl ClusterConfig {
             metadata: None,
             port_override: None,
             metadata_exchange: None,
+            prototype: None,
         }
     }
 }
@@ -182,6 +187,8 @@ pub struct Cluster {
     /// that `/clusters` lists them with their stats, as Envoy's.
     original_dst_hosts: Mutex<HashMap<SocketAddr, (Arc<Host>, Instant)>>,
     cleanup_interval: Duration,
+    /// See [`ClusterConfig::prototype`].
+    _prototype: Option<Arc<super::compile::Prototype>>,
 }
 
 /// Envoy's default ORIGINAL_DST `cleanup_interval`.
@@ -233,6 +240,7 @@ impl Cluster {
             })),
             original_dst_hosts: Mutex::new(HashMap::new()),
             cleanup_interval: config.cleanup_interval,
+            _prototype: config.prototype,
         };
         cluster.set_hosts(hosts);
         Arc::new(cluster)

@@ -210,10 +210,10 @@ struct Endpoint {
     metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
 }
 
-/// Compiles one cluster; the paths of endpoints left out for being Unix domain sockets
-/// go to `pipes`. The stages follow the `Cluster` message: discovery type, load
-/// assignment, lb policy, bind config, circuit breakers, health, transport socket,
-/// protocol options.
+/// Compiles one cluster for a pod whose stats are in `stats`; the paths of endpoints
+/// left out for being Unix domain sockets go to `pipes`. What does not depend on the
+/// pod ([`Prototype`]) is compiled once per process for each version of the cluster
+/// and shared; the pod gets its own stats, hosts and run-time state.
 pub fn compile(
     source: Source<'_>,
     path: &JsonPath,
@@ -221,7 +221,84 @@ pub fn compile(
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
-    let errors_before = problems.errors.len();
+    // The path is part of the key: diagnostics name it (`clusters[3]` of a bootstrap).
+    let key = xxhash_rust::xxh64::xxh64(path.as_str().as_bytes(), source.digest);
+    let prototype = if source.digest == 0 {
+        // No digest of its config (unit tests): nothing to share it by.
+        prototype(source, path).map(Arc::new)
+    } else {
+        shunt_core::interned::made_once(key, || prototype(source, path))
+    };
+    let prototype = match prototype {
+        Ok(prototype) => prototype,
+        Err(failed) => {
+            problems.errors.extend(failed.errors);
+            problems.warnings.extend(failed.warnings);
+            return None;
+        }
+    };
+    problems.warnings.extend(prototype.warnings.iter().cloned());
+    pipes.extend(prototype.pipes.iter().cloned());
+    Some(prototype.instantiate(stats))
+}
+
+/// What compiling a cluster makes that is the same in every pod that has it: its config
+/// (without stats) and its hosts as compiled, with what the compile reported (warnings,
+/// Unix domain socket endpoints left out). In node mode every pod with the same version
+/// of a cluster holds one; each pod's [`Cluster`] is made from it
+/// ([`Prototype::instantiate`]) with its own stats, hosts and run-time state.
+#[derive(Debug)]
+pub struct Prototype {
+    config: ClusterConfig,
+    hosts: Vec<Host>,
+    observability_name: String,
+    pipes: Vec<String>,
+    warnings: Vec<shunt_config::Diagnostic>,
+}
+
+impl Prototype {
+    /// A pod's cluster: its stats in the pod's `stats`, hosts of its own.
+    fn instantiate(self: &Arc<Self>, stats: &Store) -> Arc<Cluster> {
+        let mut config = self.config.clone();
+        config.stats = ClusterStats::new(stats, &self.observability_name);
+        config.prototype = Some(self.clone());
+        Cluster::new(config, self.hosts.iter().map(Host::fresh).collect())
+    }
+}
+
+/// How many compiled clusters are shared in this process now (one per distinct cluster
+/// version, whatever the number of pods that hold it): a debug counter.
+pub fn shared_clusters() -> usize {
+    shunt_core::interned::live::<Prototype>()
+}
+
+/// Compiles what of one cluster no pod owns (see [`Prototype`]); the diagnostics if it
+/// does not compile. The stages follow the `Cluster` message: discovery type, load
+/// assignment, lb policy, bind config, circuit breakers, health, transport socket,
+/// protocol options.
+fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnostics> {
+    let mut problems = Diagnostics::default();
+    let mut pipes = Vec::new();
+    let made = compile_config(source, path, &mut pipes, &mut problems);
+    match made {
+        Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
+            config,
+            hosts,
+            observability_name,
+            pipes,
+            warnings: problems.warnings,
+        }),
+        _ => Err(problems),
+    }
+}
+
+/// The config and hosts of one cluster, and the name its stats go under.
+fn compile_config(
+    source: Source<'_>,
+    path: &JsonPath,
+    pipes: &mut Vec<String>,
+    problems: &mut Diagnostics,
+) -> Option<(ClusterConfig, Vec<Host>, String)> {
     let cluster = source.cluster;
     // The endpoints compiled: EDS's, else the cluster's `load_assignment`.
     let from_eds = match source
@@ -246,7 +323,6 @@ pub fn compile(
     } else {
         &cluster.alt_stat_name
     };
-    config.stats = ClusterStats::new(stats, observability_name);
     config.http_protocol = http_protocol(cluster, path, problems);
     let kind = discovery_type(cluster, path, problems)?;
     config.connect_timeout = duration_or(
@@ -290,11 +366,7 @@ pub fn compile(
             "load_balancing_policy extensions are not implemented yet; use lb_policy",
         );
     }
-
-    if problems.errors.len() > errors_before {
-        return None;
-    }
-    Some(Cluster::new(config, hosts))
+    Some((config, hosts, observability_name.clone()))
 }
 
 /// `type` (STATIC when unset); `None` for a custom `cluster_type`, not implemented.

@@ -66,6 +66,23 @@ impl Host {
         }
     }
 
+    /// The same endpoint with none of this one's run-time state but its health flags:
+    /// a pod's own host, made from the hosts a shared compile made (see
+    /// `compile::Prototype`).
+    pub fn fresh(&self) -> Self {
+        Host {
+            address: self.address,
+            hostname: self.hostname.clone(),
+            weight: self.weight,
+            priority: self.priority,
+            socket_match: self.socket_match.clone(),
+            internal: self.internal.clone(),
+            metadata: self.metadata.clone(),
+            ..Host::new(self.address)
+        }
+        .with_health_flags(self.health_flags())
+    }
+
     pub fn with_weight(mut self, weight: u32) -> Self {
         self.weight = weight.max(1);
         self

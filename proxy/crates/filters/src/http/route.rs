@@ -36,6 +36,28 @@ pub struct RouteConfig {
     pub per_filter_configs: PerFilterConfigs,
 }
 
+impl RouteConfig {
+    /// Whether any `typed_per_filter_config` in it keeps run-time state (see
+    /// [`RouteSpecificConfig::holds_state`]).
+    pub fn holds_state(&self) -> bool {
+        let stateful = |configs: &PerFilterConfigs| {
+            configs
+                .values()
+                .any(|c| c.config.as_ref().is_some_and(|c| c.holds_state()))
+        };
+        stateful(&self.per_filter_configs)
+            || self.virtual_hosts.iter().any(|vhost| {
+                stateful(&vhost.per_filter_configs)
+                    || vhost.routes.iter().any(|route| {
+                        stateful(&route.per_filter_configs)
+                            || matches!(&route.action, Action::Route(action)
+                                if matches!(&action.cluster, ClusterChoice::Weighted(weighted)
+                                    if weighted.iter().any(|w| stateful(&w.per_filter_configs))))
+                    })
+            })
+    }
+}
+
 /// Virtual host indexes by domain, in Envoy's search order.
 #[derive(Debug, Default)]
 pub struct Domains {
@@ -540,6 +562,12 @@ pub struct ConnectUpgrade {
 /// `RouteSpecificFilterConfig`).
 pub trait RouteSpecificConfig: fmt::Debug + Send + Sync {
     fn as_any(&self) -> &dyn Any;
+
+    /// Whether it keeps run-time state (a local rate limit's token bucket): then the
+    /// route configuration holding it is each proxy's own, never shared across pods.
+    fn holds_state(&self) -> bool {
+        false
+    }
 }
 
 /// One `typed_per_filter_config` entry.

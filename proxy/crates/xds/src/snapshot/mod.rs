@@ -670,18 +670,50 @@ fn dynamic_route_configs(
             .and_then(|p| p.route_configs.get(name).cloned());
         let route_config = match kept {
             Some(kept) => kept,
-            None => {
-                let path = JsonPath::resource("", "RouteConfiguration", None, name);
-                match shunt_filters::http::route_config::compile(source, &path, problems) {
-                    Some(fresh) => Arc::new(fresh),
-                    None => continue,
-                }
-            }
+            None => match shared_route_config(source, problems) {
+                Some(fresh) => fresh,
+                None => continue,
+            },
         };
         compiled.insert(name.clone(), route_config);
         sources.insert(name.clone(), source.clone());
     }
     (compiled, sources)
+}
+
+/// How many compiled route configurations are shared in this process now: a debug
+/// counter (one per distinct version, whatever the number of pods holding it).
+pub fn shared_route_configs() -> usize {
+    shunt_core::interned::live::<RouteConfig>()
+}
+
+/// `source` compiled (errors at `RouteConfiguration "name"`), or the copy another pod
+/// of this process compiled from the same bytes (see `shunt_core::interned`): in node
+/// mode every pod whose push has the same version holds one, and its warnings were
+/// reported by the pod that compiled it. One that keeps run-time state (per-route token
+/// buckets) is each pod's own.
+fn shared_route_config(
+    source: &RouteConfiguration,
+    problems: &mut Diagnostics,
+) -> Option<Arc<RouteConfig>> {
+    let path = JsonPath::resource("", "RouteConfiguration", None, &source.name);
+    let compile = |problems: &mut Diagnostics| {
+        let errors_before = problems.errors.len();
+        shunt_filters::http::route_config::compile(source, &path, problems)
+            .filter(|_| problems.errors.len() == errors_before)
+    };
+    let mut own = Diagnostics::default();
+    let shared = shunt_core::interned::made_once(shunt_config::digest(source), || {
+        compile(&mut own).ok_or(())
+    });
+    problems.errors.extend(own.errors);
+    problems.warnings.extend(own.warnings);
+    let shared = shared.ok()?;
+    if shared.holds_state() {
+        // Its buckets are this pod's.
+        return compile(&mut Diagnostics::default()).map(Arc::new);
+    }
+    Some(shared)
 }
 
 /// Compiles the SDS secrets (errors at `Secret "name"`) into `secrets`, next to the

@@ -449,6 +449,75 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
     );
 }
 
+fn dynamic_route_config(
+    name: &str,
+    local_rate_limit: bool,
+) -> shunt_config::Tracked<Arc<RouteConfiguration>> {
+    let mut json = serde_json::json!({"name": name, "virtual_hosts": [{
+        "name": "v", "domains": ["*"],
+        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "shared-a"}}]}]});
+    if local_rate_limit {
+        json["virtual_hosts"][0]["typed_per_filter_config"] = serde_json::json!({
+            "envoy.filters.http.local_ratelimit": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                "stat_prefix": "rl",
+                "token_bucket": {"max_tokens": 1, "fill_interval": "1s"}}});
+    }
+    shunt_config::Tracked {
+        resource: Arc::new(shunt_config::message_from_json(json).unwrap()),
+        version_info: Some("1".into()),
+        last_updated: std::time::SystemTime::now(),
+    }
+}
+
+/// Node mode's pods are proxies of one process: given the same resources they share
+/// what compiling them made (one compiled route configuration, one compile of a
+/// cluster), and each keeps its own state (its cluster's hosts and stats, a route
+/// configuration with token buckets).
+#[test]
+fn proxies_of_one_process_share_what_the_same_resources_compile_to() {
+    let bootstrap = bootstrap("static_resources: {clusters: [{name: s}]}");
+    let dynamic = Arc::new(super::DynamicResources {
+        clusters: vec![dynamic_cluster("shared-a", 1, "1s")],
+        route_configs: vec![
+            dynamic_route_config("shared-r", false),
+            dynamic_route_config("limited-r", true),
+        ],
+        ..Default::default()
+    });
+    let (one, two) = (StatsStore::default(), StatsStore::default());
+    let first = super::compile_with(&bootstrap, dynamic.clone(), None, &one)
+        .unwrap()
+        .snapshot;
+    let second = super::compile_with(&bootstrap, dynamic, None, &two)
+        .unwrap()
+        .snapshot;
+    let (a1, a2) = (&first.clusters["shared-a"], &second.clusters["shared-a"]);
+    assert!(!Arc::ptr_eq(a1, a2), "each proxy has its own cluster");
+    assert!(
+        Arc::ptr_eq(&a1.transport_socket_matches, &a2.transport_socket_matches),
+        "compiled once"
+    );
+    assert!(
+        !Arc::ptr_eq(&a1.hosts()[0], &a2.hosts()[0]),
+        "hosts of its own"
+    );
+    a1.stats.upstream_cx_total.inc();
+    assert_eq!(one.counter("cluster.shared-a.upstream_cx_total").value(), 1);
+    assert_eq!(two.counter("cluster.shared-a.upstream_cx_total").value(), 0);
+    assert!(Arc::ptr_eq(
+        &first.route_configs["shared-r"],
+        &second.route_configs["shared-r"]
+    ));
+    assert!(
+        !Arc::ptr_eq(
+            &first.route_configs["limited-r"],
+            &second.route_configs["limited-r"]
+        ),
+        "token buckets are each proxy's own"
+    );
+}
+
 #[test]
 fn an_unknown_cluster_is_a_warning_as_it_may_come_later() {
     let yaml = format!(

@@ -180,6 +180,11 @@ impl RouteSpecificConfig for RouteLimit {
     fn as_any(&self) -> &dyn Any {
         self
     }
+
+    /// Its token buckets.
+    fn holds_state(&self) -> bool {
+        true
+    }
 }
 
 fn fraction(f: Option<&RuntimeFractionalPercent>) -> Percent {
