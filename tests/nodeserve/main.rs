@@ -12,8 +12,9 @@
 //!     (waits up to 60 s; the wall time and this process's CPU time since the pod's
 //!     `add` started)
 //! stat UID NAME                                -> @stat UID VALUE (the pod's proxy's counter)
-//! interned                                     -> @interned N (xDS resources this process
-//!     holds once for every pod that has them)
+//! interned                                     -> @interned DECODED CLUSTERS ROUTES (what
+//!     this process holds once for every pod that has it: decoded xDS resources,
+//!     compiled clusters, compiled route configurations)
 //! clusters UID                                 -> @clusters UID NAME=VERSION:DIGEST,...
 //!     (the pod's config_dump clusters, static and dynamic; DIGEST of the cluster's bytes)
 //! handover PATH                                -> @handed-over N (once a new process took them)
@@ -203,13 +204,10 @@ fn main() -> anyhow::Result<()> {
             }
             ["await-ready", uid] => {
                 let deadline = Instant::now() + Duration::from_secs(60);
-                let is_ready = || {
-                    pods.summaries()
-                        .iter()
-                        .any(|s| s.info.uid == *uid && s.ready)
-                };
+                // A cheap check every millisecond: this process's CPU is what is measured.
+                let is_ready = || pods.ready(uid);
                 while !is_ready() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_micros(200));
+                    std::thread::sleep(Duration::from_millis(1));
                 }
                 let (wall, cpu) = match added.get(*uid) {
                     Some((at, cpu)) => (at.elapsed(), process_cpu().saturating_sub(*cpu)),

@@ -80,7 +80,12 @@ pub fn pgo() -> Result<std::path::PathBuf> {
 
 pub fn run(which: Which) -> Result<()> {
     if let Which::Node(args) = &which {
-        return node::run(&Bins::build(!args.debug)?, args);
+        let bins = if args.no_build {
+            Bins::release()?
+        } else {
+            Bins::build(!args.debug)?
+        };
+        return node::run(&bins, args);
     }
     if let Which::Mesh(args) = &which {
         let bins = if args.no_build {

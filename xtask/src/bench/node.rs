@@ -53,6 +53,9 @@ pub struct NodeArgs {
     /// Use the debug build (a quick check of the bench itself; numbers mean little).
     #[arg(long)]
     pub debug: bool,
+    /// Run the release binaries already in target/release (no `cargo build` first).
+    #[arg(long)]
+    pub no_build: bool,
     /// Instead: what clients see during an upgrade, by hand-over and by
     /// stop-then-start, with these numbers of long-lived connections.
     #[arg(long, value_delimiter = ',', num_args = 0.., default_missing_value = "100,1000")]

@@ -200,9 +200,10 @@ fn node(nodeserve: &Path, push: &Push, pods: usize) -> Result<NodeRun> {
 }
 
 /// Lets what a step left to do (freed memory returned, tasks finishing) happen before
-/// memory is read.
+/// memory is read: past the 5 s after which node mode and `shunt proxy` hand free heap
+/// back to the kernel.
 fn settle() {
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(Duration::from_secs(6));
 }
 
 /// One sidecar in a pod of its own taking `push` from an ADS server, its certificate

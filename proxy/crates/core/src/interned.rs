@@ -87,6 +87,14 @@ where
     Ok(made)
 }
 
+/// The live value of `T` [`made_once`] made under `key`, if any: nothing is made.
+pub fn find<T: Send + Sync + 'static>(key: u64) -> Option<Arc<T>> {
+    live_made(
+        &COMPILED.lock().unwrap_or_else(|e| e.into_inner()),
+        &(TypeId::of::<T>(), key),
+    )
+}
+
 /// How many values of `T` [`made_once`] made are alive (held by some pod): a debug
 /// counter that tells shared compiled config (one per distinct source) from copies.
 pub fn live<T: 'static>() -> usize {
@@ -211,6 +219,8 @@ mod tests {
         .unwrap();
         assert!(Arc::ptr_eq(&first, &second));
         assert_eq!(live::<Compiled>(), 1);
+        assert!(find::<Compiled>(0xc0de_0001).is_some_and(|found| Arc::ptr_eq(&found, &first)));
+        assert!(find::<Compiled>(0xc0de_0003).is_none());
         assert!(made_once(0xc0de_0002, || Err::<Compiled, _>("bad")).is_err());
         assert_eq!(live::<Compiled>(), 1, "a failed make shares nothing");
         drop((first, second));

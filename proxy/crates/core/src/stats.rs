@@ -212,8 +212,9 @@ pub struct Histogram(Arc<HistogramCell>);
 #[derive(Debug)]
 struct HistogramCell {
     /// Disjoint counts: `[i]` holds samples in `(bound[i-1], bound[i]]`; one more for the
-    /// overflow.
-    counts: Vec<AtomicU64>,
+    /// overflow. Allocated with the first sample: most of a node's clusters never
+    /// record one, and each has three histograms in every pod.
+    counts: std::sync::OnceLock<Box<[AtomicU64]>>,
     count: AtomicU64,
     /// The sum as f64 bits, updated by compare-and-swap: recording is rare next to the
     /// counters (once per connection or request), so the retry loop costs nothing.
@@ -223,9 +224,7 @@ struct HistogramCell {
 impl Default for Histogram {
     fn default() -> Self {
         Histogram(Arc::new(HistogramCell {
-            counts: (0..=DEFAULT_BUCKETS.len())
-                .map(|_| AtomicU64::new(0))
-                .collect(),
+            counts: std::sync::OnceLock::new(),
             count: AtomicU64::new(0),
             sum_bits: AtomicU64::new(0f64.to_bits()),
         }))
@@ -235,7 +234,12 @@ impl Default for Histogram {
 impl Histogram {
     pub fn record(&self, value: f64) {
         let index = DEFAULT_BUCKETS.partition_point(|&bound| bound < value);
-        self.0.counts[index].fetch_add(1, Ordering::Relaxed);
+        let counts = self.0.counts.get_or_init(|| {
+            (0..=DEFAULT_BUCKETS.len())
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        });
+        counts[index].fetch_add(1, Ordering::Relaxed);
         self.0.count.fetch_add(1, Ordering::Relaxed);
         let _ = self
             .0
@@ -247,11 +251,12 @@ impl Histogram {
 
     pub fn summary(&self) -> HistogramSummary {
         let mut cumulative = 0;
+        let counts = self.0.counts.get().map(|counts| &counts[..]);
         let buckets = DEFAULT_BUCKETS
             .iter()
-            .zip(&self.0.counts)
-            .map(|(&bound, count)| {
-                cumulative += count.load(Ordering::Relaxed);
+            .enumerate()
+            .map(|(i, &bound)| {
+                cumulative += counts.map_or(0, |counts| counts[i].load(Ordering::Relaxed));
                 (bound, cumulative)
             })
             .collect();
@@ -506,16 +511,21 @@ impl Store {
         if let Some(block) = blocks.get(prefix).filter(|b| b.spec == spec) {
             return block.clone();
         }
+        // One buffer for the names looked up: a node-mode pod makes a block for each
+        // of its clusters, and most names are in no map.
+        let mut full = String::with_capacity(prefix.len() + 40);
         let made: Arc<[Metric]> = spec
             .iter()
             .map(|(name, kind)| {
-                let full = format!("{prefix}{name}");
-                match metrics.remove(&full) {
+                full.clear();
+                full.push_str(prefix);
+                full.push_str(name);
+                match metrics.remove(full.as_str()) {
                     Some(existing) if existing.kind() == *kind => existing,
                     Some(other) => {
                         // Keep the first kind, as a plain name does; the block's gets
                         // a handle to nowhere.
-                        metrics.insert(full, other);
+                        metrics.insert(full.clone(), other);
                         kind.make()
                     }
                     None => kind.make(),

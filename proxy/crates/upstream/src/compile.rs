@@ -221,25 +221,53 @@ pub fn compile(
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
-    // The path is part of the key: diagnostics name it (`clusters[3]` of a bootstrap).
-    let key = xxhash_rust::xxh64::xxh64(path.as_str().as_bytes(), source.digest);
-    let prototype = if source.digest == 0 {
+    let prototype = validate(source, path, problems)?;
+    pipes.extend(prototype.pipes.iter().cloned());
+    Some(prototype.instantiate(stats))
+}
+
+/// Checks that one cluster compiles, its errors and warnings in `problems`, without
+/// making a pod's cluster of it (a warming cluster, before its endpoints come). The
+/// compile is shared as [`compile`]'s: the caller holds it while the cluster warms, so
+/// that other pods checking the same cluster find it (and so does the compile of the
+/// cluster with its endpoints: see `Prototype::_warming`).
+pub fn validate(
+    source: Source<'_>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+) -> Option<Arc<Prototype>> {
+    let made = if source.digest == 0 {
         // No digest of its config (unit tests): nothing to share it by.
         prototype(source, path).map(Arc::new)
     } else {
-        shunt_core::interned::made_once(key, || prototype(source, path))
+        shunt_core::interned::made_once(key(path, source.digest), || prototype(source, path))
     };
-    let prototype = match prototype {
-        Ok(prototype) => prototype,
+    match made {
+        Ok(prototype) => {
+            problems.warnings.extend(prototype.warnings.iter().cloned());
+            Some(prototype)
+        }
         Err(failed) => {
             problems.errors.extend(failed.errors);
             problems.warnings.extend(failed.warnings);
-            return None;
+            None
         }
-    };
-    problems.warnings.extend(prototype.warnings.iter().cloned());
-    pipes.extend(prototype.pipes.iter().cloned());
-    Some(prototype.instantiate(stats))
+    }
+}
+
+/// [`validate`]s each cluster of `sources` (at its path, as [`compile_all`] puts it);
+/// the compiles checked, to hold while the clusters warm.
+pub fn validate_all(sources: &[Source<'_>], problems: &mut Diagnostics) -> Vec<Arc<Prototype>> {
+    sources
+        .iter()
+        .filter_map(|source| validate(*source, &path_of(source.index, source.cluster), problems))
+        .collect()
+}
+
+/// The key a cluster's compile is shared by: the digest of what it is compiled from,
+/// and its path (diagnostics name it: `clusters[3]` of a bootstrap).
+fn key(path: &JsonPath, digest: u64) -> u64 {
+    xxhash_rust::xxh64::xxh64(path.as_str().as_bytes(), digest)
 }
 
 /// What compiling a cluster makes that is the same in every pod that has it: its config
@@ -254,6 +282,10 @@ pub struct Prototype {
     observability_name: String,
     pipes: Vec<String>,
     warnings: Vec<shunt_config::Diagnostic>,
+    /// An EDS cluster's check while it warmed ([`validate`]: the same cluster without
+    /// its endpoints), held so that a pod that gets the cluster later finds it checked
+    /// already.
+    _warming: Option<Arc<Prototype>>,
 }
 
 impl Prototype {
@@ -280,6 +312,10 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
     let mut problems = Diagnostics::default();
     let mut pipes = Vec::new();
     let made = compile_config(source, path, &mut pipes, &mut problems);
+    let warming = source.endpoints.and_then(|_| {
+        let checked = key(path, shunt_config::digest(source.cluster));
+        shunt_core::interned::find::<Prototype>(checked)
+    });
     match made {
         Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
             config,
@@ -287,6 +323,7 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
             observability_name,
             pipes,
             warnings: problems.warnings,
+            _warming: warming,
         }),
         _ => Err(problems),
     }

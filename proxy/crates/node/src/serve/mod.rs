@@ -97,6 +97,38 @@ pub struct NodePods {
     scrape: Arc<shunt_admin::StatsScrape>,
     /// The pods' xDS streams share their connections to the control plane.
     channels: Option<Arc<shunt_xds::stream::ChannelPool>>,
+    /// Returns free heap to the kernel (see [`HeapTrim`]); with per-pod proxies only.
+    _heap_trim: Option<HeapTrim>,
+}
+
+/// Every [`HEAP_TRIM_EVERY`], hands glibc's free heap back to the kernel once it holds
+/// [`HEAP_TRIM_FREE`]: each pod's first push (its response, decoded on a worker thread,
+/// and the compile's temporaries) is freed into that thread's arena, which keeps the
+/// pages (as `shunt proxy` does for its own updates). Stops when dropped.
+struct HeapTrim(tokio::task::AbortHandle);
+
+const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+const HEAP_TRIM_FREE: usize = 8 << 20;
+
+impl HeapTrim {
+    fn start(runtime: &tokio::runtime::Handle) -> HeapTrim {
+        let task = runtime.spawn(async {
+            let mut every = tokio::time::interval(HEAP_TRIM_EVERY);
+            loop {
+                every.tick().await;
+                if let Some(free) = shunt_config::trim_free_heap(HEAP_TRIM_FREE) {
+                    tracing::debug!(free, "free heap returned to the kernel");
+                }
+            }
+        });
+        HeapTrim(task.abort_handle())
+    }
+}
+
+impl Drop for HeapTrim {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 struct Served {
@@ -146,6 +178,7 @@ impl NodePods {
             registry: Arc::default(),
             scrape: Arc::new(shunt_admin::StatsScrape::new(&Default::default())),
             channels: None,
+            _heap_trim: None,
         }
     }
 
@@ -154,6 +187,7 @@ impl NodePods {
     pub fn with_config(mut self, template: proxy::Template) -> NodePods {
         // One connection to the control plane, a stream per pod on it.
         self.channels = Some(Arc::default());
+        self._heap_trim = Some(HeapTrim::start(&self.runtime));
         self.scrape = Arc::new(shunt_admin::StatsScrape::new(&template.bootstrap));
         self.config = Some(template);
         self
@@ -269,6 +303,14 @@ impl NodePods {
             .collect();
         out.sort_by(|a, b| a.info.uid.cmp(&b.info.uid));
         out
+    }
+
+    /// Whether the pod `uid` is served and its proxy has its first configuration: what
+    /// [`NodePods::summaries`] says of it, without a summary of every pod.
+    pub fn ready(&self, uid: &str) -> bool {
+        self.lock()
+            .get(uid)
+            .is_some_and(|s| s.instance.ready.load(ORDER))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Served>> {

@@ -69,6 +69,10 @@ pub struct Snapshot {
     loaded_at: Option<SystemTime>,
     /// The proxy instance's node, with its workload index (handed to the next snapshot).
     pub node: Arc<shunt_core::peer::LocalNode>,
+    /// The checked compiles of the clusters warming (no pod's cluster is made of them):
+    /// held while they warm, so that the other pods of a node process checking the same
+    /// clusters, and their compile once the endpoints come, find them.
+    warming: Vec<Arc<cluster::Prototype>>,
 }
 
 /// A snapshot's lookups of its listeners (each an index into `listeners`), and what an
@@ -838,9 +842,13 @@ pub fn compile_with(
         &health,
         &mut problems,
     );
-    if dynamic.validate_warming {
-        validate_warming(&dynamic, &health, &clusters.clusters, stats, &mut problems);
-    }
+    let warming = if dynamic.validate_warming {
+        validate_warming(&dynamic, &health, &clusters.clusters, stats, &mut problems)
+    } else if dynamic.warming_clusters.is_empty() {
+        Vec::new()
+    } else {
+        previous.map(|p| p.warming.clone()).unwrap_or_default()
+    };
     problems.finish()?;
     let mut snapshot = Snapshot {
         listeners,
@@ -851,6 +859,7 @@ pub fn compile_with(
         secret_sources,
         index,
         dynamic_clusters_in_order,
+        warming,
         node: node.clone(),
         ..Default::default()
     };
@@ -992,21 +1001,23 @@ fn pipe_endpoints(
 }
 
 /// Compiles the warming clusters and listeners of `dynamic` aside, keeping only their
-/// errors (at their `Cluster "name"` / `Listener "name"` paths).
+/// errors (at their `Cluster "name"` / `Listener "name"` paths). Returns the clusters'
+/// checked compiles, which the snapshot holds while they warm (see
+/// [`Snapshot::warming`]).
 fn validate_warming(
     dynamic: &DynamicResources,
     health: &HashSet<String>,
     clusters: &Clusters,
     stats: &StatsStore,
     problems: &mut Diagnostics,
-) {
+) -> Vec<Arc<cluster::Prototype>> {
     let mut aside = Diagnostics::default();
     let sources: Vec<cluster::Source> = dynamic
         .warming_clusters
         .iter()
         .map(|t| cluster::Source::new(None, &t.resource, shunt_config::digest(&*t.resource)))
         .collect();
-    cluster::compile_all(&sources, None, stats, &mut aside);
+    let checked = cluster::validate_all(&sources, &mut aside);
     let sources: Vec<listener::Source> = dynamic
         .warming_listeners
         .iter()
@@ -1023,6 +1034,7 @@ fn validate_warming(
         &mut aside,
     );
     problems.errors.extend(aside.errors);
+    checked
 }
 
 #[cfg(test)]
