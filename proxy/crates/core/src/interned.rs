@@ -58,16 +58,33 @@ where
     made
 }
 
+/// Whether [`made_once`] shares: on in a process of many proxies (node mode's pods),
+/// off in one of a single proxy, which would only pay for the shared copies.
+static SHARE_COMPILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns the sharing of compiled config ([`made_once`]) on for this process.
+pub fn share_compiled() {
+    SHARE_COMPILED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether compiled config is shared in this process (see [`share_compiled`]).
+pub fn sharing_compiled() -> bool {
+    SHARE_COMPILED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Compiled config shared process-wide (in node mode, by every pod whose push has it):
 /// the value under `key`, made by `make` when no live one is. Unlike [`intern`] nothing
 /// is compared: `key` must be a digest of everything `make` reads (the source's bytes),
 /// so that a pod's new version of a resource is a new key and never changes what
 /// another pod holds. A failed `make` shares nothing: each pod that gets the bad
-/// resource refuses it itself.
+/// resource refuses it itself. Without [`share_compiled`], every call makes its own.
 pub fn made_once<T, E>(key: u64, make: impl FnOnce() -> Result<T, E>) -> Result<Arc<T>, E>
 where
     T: Send + Sync + 'static,
 {
+    if !sharing_compiled() {
+        return make().map(Arc::new);
+    }
     let key = (TypeId::of::<T>(), key);
     if let Some(live) = live_made(&COMPILED.lock().unwrap_or_else(|e| e.into_inner()), &key) {
         return Ok(live);
@@ -211,6 +228,7 @@ mod tests {
 
     #[test]
     fn made_once_shares_by_key_until_the_last_holder_drops_it() {
+        share_compiled();
         struct Compiled(&'static str);
         let first = made_once(0xc0de_0001, || Ok::<_, ()>(Compiled("one"))).unwrap();
         let second = made_once(0xc0de_0001, || -> Result<Compiled, ()> {

@@ -221,31 +221,56 @@ pub fn compile(
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
-    let prototype = validate(source, path, problems)?;
+    let prototype = shared(source, path, problems, || prototype(source, path))?;
     pipes.extend(prototype.pipes.iter().cloned());
     Some(prototype.instantiate(stats))
 }
 
 /// Checks that one cluster compiles, its errors and warnings in `problems`, without
-/// making a pod's cluster of it (a warming cluster, before its endpoints come). The
-/// compile is shared as [`compile`]'s: the caller holds it while the cluster warms, so
-/// that other pods checking the same cluster find it (and so does the compile of the
-/// cluster with its endpoints: see `Prototype::_warming`).
+/// making a pod's cluster of it (a warming cluster, before its endpoints come). In
+/// node mode the check is shared: the caller holds it while the cluster warms, so that
+/// other pods checking the same cluster find it, and so does the compile of the
+/// cluster with its endpoints, which keeps it (see `Prototype::_checked`).
 pub fn validate(
     source: Source<'_>,
     path: &JsonPath,
     problems: &mut Diagnostics,
-) -> Option<Arc<Prototype>> {
+) -> Option<Arc<Checked>> {
+    shared(source, path, problems, || {
+        prototype(source, path).map(|made| Checked {
+            warnings: made.warnings,
+        })
+    })
+}
+
+/// A cluster checked while it warmed ([`validate`]): only what the check reported.
+#[derive(Debug)]
+pub struct Checked {
+    warnings: Vec<shunt_config::Diagnostic>,
+}
+
+/// What `make` makes of `source`, shared by every pod of this process with the same
+/// source (see `shunt_core::interned::made_once`), its warnings (or errors) in
+/// `problems`.
+fn shared<T>(
+    source: Source<'_>,
+    path: &JsonPath,
+    problems: &mut Diagnostics,
+    make: impl FnOnce() -> Result<T, Diagnostics>,
+) -> Option<Arc<T>>
+where
+    T: Reported + Send + Sync + 'static,
+{
     let made = if source.digest == 0 {
         // No digest of its config (unit tests): nothing to share it by.
-        prototype(source, path).map(Arc::new)
+        make().map(Arc::new)
     } else {
-        shunt_core::interned::made_once(key(path, source.digest), || prototype(source, path))
+        shunt_core::interned::made_once(key(path, source.digest), make)
     };
     match made {
-        Ok(prototype) => {
-            problems.warnings.extend(prototype.warnings.iter().cloned());
-            Some(prototype)
+        Ok(made) => {
+            problems.warnings.extend(made.warnings().iter().cloned());
+            Some(made)
         }
         Err(failed) => {
             problems.errors.extend(failed.errors);
@@ -255,9 +280,26 @@ pub fn validate(
     }
 }
 
+/// What a shared compile reported, given to each pod's diagnostics.
+trait Reported {
+    fn warnings(&self) -> &[shunt_config::Diagnostic];
+}
+
+impl Reported for Prototype {
+    fn warnings(&self) -> &[shunt_config::Diagnostic] {
+        &self.warnings
+    }
+}
+
+impl Reported for Checked {
+    fn warnings(&self) -> &[shunt_config::Diagnostic] {
+        &self.warnings
+    }
+}
+
 /// [`validate`]s each cluster of `sources` (at its path, as [`compile_all`] puts it);
-/// the compiles checked, to hold while the clusters warm.
-pub fn validate_all(sources: &[Source<'_>], problems: &mut Diagnostics) -> Vec<Arc<Prototype>> {
+/// the checks, to hold while the clusters warm.
+pub fn validate_all(sources: &[Source<'_>], problems: &mut Diagnostics) -> Vec<Arc<Checked>> {
     sources
         .iter()
         .filter_map(|source| validate(*source, &path_of(source.index, source.cluster), problems))
@@ -285,7 +327,7 @@ pub struct Prototype {
     /// An EDS cluster's check while it warmed ([`validate`]: the same cluster without
     /// its endpoints), held so that a pod that gets the cluster later finds it checked
     /// already.
-    _warming: Option<Arc<Prototype>>,
+    _checked: Option<Arc<Checked>>,
 }
 
 impl Prototype {
@@ -293,7 +335,8 @@ impl Prototype {
     fn instantiate(self: &Arc<Self>, stats: &Store) -> Arc<Cluster> {
         let mut config = self.config.clone();
         config.stats = ClusterStats::new(stats, &self.observability_name);
-        config.prototype = Some(self.clone());
+        // Held while the pod's cluster is, so that other pods find it: node mode only.
+        config.prototype = shunt_core::interned::sharing_compiled().then(|| self.clone());
         Cluster::new(config, self.hosts.iter().map(Host::fresh).collect())
     }
 }
@@ -312,9 +355,9 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
     let mut problems = Diagnostics::default();
     let mut pipes = Vec::new();
     let made = compile_config(source, path, &mut pipes, &mut problems);
-    let warming = source.endpoints.and_then(|_| {
-        let checked = key(path, shunt_config::digest(source.cluster));
-        shunt_core::interned::find::<Prototype>(checked)
+    let checked = source.endpoints.and_then(|_| {
+        let key = key(path, shunt_config::digest(source.cluster));
+        shunt_core::interned::find::<Checked>(key)
     });
     match made {
         Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
@@ -323,7 +366,7 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
             observability_name,
             pipes,
             warnings: problems.warnings,
-            _warming: warming,
+            _checked: checked,
         }),
         _ => Err(problems),
     }

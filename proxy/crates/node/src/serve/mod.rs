@@ -188,6 +188,8 @@ impl NodePods {
         // One connection to the control plane, a stream per pod on it.
         self.channels = Some(Arc::default());
         self._heap_trim = Some(HeapTrim::start(&self.runtime));
+        // Pods with the same push share what it compiles to.
+        shunt_core::interned::share_compiled();
         self.scrape = Arc::new(shunt_admin::StatsScrape::new(&template.bootstrap));
         self.config = Some(template);
         self

@@ -69,10 +69,10 @@ pub struct Snapshot {
     loaded_at: Option<SystemTime>,
     /// The proxy instance's node, with its workload index (handed to the next snapshot).
     pub node: Arc<shunt_core::peer::LocalNode>,
-    /// The checked compiles of the clusters warming (no pod's cluster is made of them):
-    /// held while they warm, so that the other pods of a node process checking the same
-    /// clusters, and their compile once the endpoints come, find them.
-    warming: Vec<Arc<cluster::Prototype>>,
+    /// The checks of the clusters warming: held while they warm, so that the other
+    /// pods of a node process checking the same clusters, and their compile once the
+    /// endpoints come, find them.
+    warming: Vec<Arc<cluster::Checked>>,
 }
 
 /// A snapshot's lookups of its listeners (each an index into `listeners`), and what an
@@ -1002,15 +1002,14 @@ fn pipe_endpoints(
 
 /// Compiles the warming clusters and listeners of `dynamic` aside, keeping only their
 /// errors (at their `Cluster "name"` / `Listener "name"` paths). Returns the clusters'
-/// checked compiles, which the snapshot holds while they warm (see
-/// [`Snapshot::warming`]).
+/// checks, which the snapshot holds while they warm (see [`Snapshot::warming`]).
 fn validate_warming(
     dynamic: &DynamicResources,
     health: &HashSet<String>,
     clusters: &Clusters,
     stats: &StatsStore,
     problems: &mut Diagnostics,
-) -> Vec<Arc<cluster::Prototype>> {
+) -> Vec<Arc<cluster::Checked>> {
     let mut aside = Diagnostics::default();
     let sources: Vec<cluster::Source> = dynamic
         .warming_clusters

@@ -476,6 +476,8 @@ fn dynamic_route_config(
 /// configuration with token buckets).
 #[test]
 fn proxies_of_one_process_share_what_the_same_resources_compile_to() {
+    // As node mode does; the other tests of this binary compile the same either way.
+    shunt_core::interned::share_compiled();
     let bootstrap = bootstrap("static_resources: {clusters: [{name: s}]}");
     let dynamic = Arc::new(super::DynamicResources {
         clusters: vec![dynamic_cluster("shared-a", 1, "1s")],
