@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime};
 use envoy_types::pb::google::protobuf::Any;
 
 use super::Manager;
-use super::resources::{Accepted, Edit, Resource, eds_service_name};
+use super::resources::{Accepted, Edit, Resource};
 use crate::snapshot::{DynamicResources, Snapshot};
 use crate::type_url::TypeUrl;
 use shunt_config::UpdateFailure;
@@ -409,7 +409,7 @@ impl Manager {
             TypeUrl::Cluster if kind == TypeUrl::ClusterLoadAssignment => {
                 let entry = self.types.get(&TypeUrl::Cluster)?.resources.get(name)?;
                 match &entry.resource {
-                    Resource::Cluster(c) => eds_service_name(c).map(str::to_owned),
+                    Resource::Cluster(c) => c.eds_service_name().map(str::to_owned),
                     _ => None,
                 }
             }

@@ -12,7 +12,7 @@ use envoy_types::pb::google::rpc::Status;
 use tokio::sync::mpsc;
 
 use super::apply::Refusal;
-use super::resources::{Accepted, Edit, Resource, eds_service_name};
+use super::resources::{Accepted, Edit, Resource};
 use super::{INTERNAL, Manager};
 use crate::source::Stream;
 use crate::stream::{self, Outbound};
@@ -309,7 +309,7 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Cluster(c) => eds_service_name(c).map(str::to_owned),
+                        Resource::Cluster(c) => c.eds_service_name().map(str::to_owned),
                         _ => None,
                     })
                     .collect(),
@@ -391,7 +391,7 @@ impl Manager {
             for entry in state.resources.values() {
                 let refs = match &entry.resource {
                     Resource::Listener(l) => references::listener_secrets(l),
-                    Resource::Cluster(c) => references::cluster_secrets(c),
+                    Resource::Cluster(c) => (*c.facts.secrets).clone(),
                     _ => continue,
                 };
                 for secret in refs {

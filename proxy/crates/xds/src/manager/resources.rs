@@ -1,5 +1,5 @@
-//! The resource cache: what each accepted xDS resource is (decoded, with its digest,
-//! version and update time), how a response edits a type's set and how that edit is
+//! The resource cache: what each accepted xDS resource is (its wire bytes, or decoded,
+//! with its digest, version and update time), how a response edits a type's set and how that edit is
 //! undone when the update is refused, and EDS endpoints merged into their clusters.
 
 use std::collections::BTreeMap;
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
-use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
@@ -15,21 +15,21 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use super::interned::{self, Kind};
-use crate::snapshot::EncodedEndpoints;
+use crate::snapshot::{Encoded, Kept};
 use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
 use shunt_core::peer::workload_discovery::WorkloadResource;
 use shunt_dns::name_table::NameTable;
 
-/// A decoded resource, shared with the snapshots built from it.
+/// An accepted resource, shared with the snapshots built from it: kept as its wire
+/// bytes (see [`Encoded`]) but for the listeners and Istio's own types.
 #[derive(Debug, Clone)]
 pub(super) enum Resource {
     Listener(Arc<EnvoyListener>),
-    Cluster(Arc<EnvoyCluster>),
-    /// Kept as bytes (see [`EncodedEndpoints`]).
-    Endpoints(Arc<EncodedEndpoints>),
-    Route(Arc<RouteConfiguration>),
-    Secret(Arc<Secret>),
+    Cluster(Arc<Encoded<EnvoyCluster>>),
+    Endpoints(Arc<Encoded<ClusterLoadAssignment>>),
+    Route(Arc<Encoded<RouteConfiguration>>),
+    Secret(Arc<Encoded<Secret>>),
     /// Istio's one unnamed name table.
     NameTable(Arc<NameTable>),
     /// An Istio workload, named by its uid.
@@ -43,6 +43,15 @@ where
 {
     let (kind, len, digest) = key;
     interned::intern(kind, len, digest, || T::decode(bytes))
+}
+
+/// The interned copy of `bytes` kept as they are (checked to decode).
+fn encoded<T: Kept + 'static>(
+    key: (Kind, usize, u64),
+    bytes: &[u8],
+) -> Result<Arc<Encoded<T>>, prost::DecodeError> {
+    let (kind, len, digest) = key;
+    interned::intern(kind, len, digest, || Encoded::new(bytes))
 }
 
 impl Resource {
@@ -60,13 +69,10 @@ impl Resource {
         let key = (Kind::Decoded(kind), bytes.len(), digest);
         let decoded = match kind {
             TypeUrl::Listener => shared(key, bytes).map(Resource::Listener),
-            TypeUrl::Cluster => shared(key, bytes).map(Resource::Cluster),
-            TypeUrl::ClusterLoadAssignment => {
-                interned::intern(key.0, key.1, key.2, || EncodedEndpoints::new(bytes))
-                    .map(Resource::Endpoints)
-            }
-            TypeUrl::RouteConfiguration => shared(key, bytes).map(Resource::Route),
-            TypeUrl::Secret => shared(key, bytes).map(Resource::Secret),
+            TypeUrl::Cluster => encoded(key, bytes).map(Resource::Cluster),
+            TypeUrl::ClusterLoadAssignment => encoded(key, bytes).map(Resource::Endpoints),
+            TypeUrl::RouteConfiguration => encoded(key, bytes).map(Resource::Route),
+            TypeUrl::Secret => encoded(key, bytes).map(Resource::Secret),
             TypeUrl::NameTable => shared(key, bytes).map(Resource::NameTable),
             TypeUrl::Workload => shared(key, bytes).map(Resource::Workload),
         };
@@ -77,7 +83,7 @@ impl Resource {
         match self {
             Resource::Listener(r) => &r.name,
             Resource::Cluster(r) => &r.name,
-            Resource::Endpoints(r) => &r.cluster_name,
+            Resource::Endpoints(r) => &r.name,
             Resource::Route(r) => &r.name,
             Resource::Secret(r) => &r.name,
             Resource::NameTable(_) => "",
@@ -85,13 +91,14 @@ impl Resource {
         }
     }
 
+    /// The resource as a NACK's `failed_configuration` shows it: as it came.
     pub(super) fn to_any(&self, kind: TypeUrl) -> Any {
         let value = match self {
             Resource::Listener(r) => r.encode_to_vec(),
-            Resource::Cluster(r) => r.encode_to_vec(),
+            Resource::Cluster(r) => r.bytes.to_vec(),
             Resource::Endpoints(r) => r.bytes.to_vec(),
-            Resource::Route(r) => r.encode_to_vec(),
-            Resource::Secret(r) => r.encode_to_vec(),
+            Resource::Route(r) => r.bytes.to_vec(),
+            Resource::Secret(r) => r.bytes.to_vec(),
             Resource::NameTable(r) => r.encode_to_vec(),
             Resource::Workload(r) => r.encode_to_vec(),
         };
@@ -143,26 +150,6 @@ pub(super) enum Edit {
     },
 }
 
-/// The EDS service an EDS cluster's endpoints come under: `service_name`, else its name.
-pub(super) fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
-    let is_eds = matches!(
-        cluster.cluster_discovery_type,
-        Some(ClusterDiscoveryType::Type(t)) if t == DiscoveryType::Eds as i32
-    );
-    if !is_eds {
-        return None;
-    }
-    let service = cluster
-        .eds_cluster_config
-        .as_ref()
-        .map_or("", |eds| eds.service_name.as_str());
-    Some(if service.is_empty() {
-        &cluster.name
-    } else {
-        service
-    })
-}
-
 /// An EDS cluster's endpoints (`eds`, if they came: the accepted resource itself, shared
 /// with the cache and every pod that has it) and the digest of the cluster (whose CDS
 /// config has `cluster_digest`) with them: compiled from both where they are, with no
@@ -170,7 +157,7 @@ pub(super) fn eds_service_name(cluster: &EnvoyCluster) -> Option<&str> {
 pub(super) fn with_endpoints_of(
     cluster_digest: u64,
     eds: Option<&Accepted>,
-) -> (Option<Arc<EncodedEndpoints>>, u64) {
+) -> (Option<Arc<Encoded<ClusterLoadAssignment>>>, u64) {
     let endpoints = match eds.map(|e| &e.resource) {
         Some(Resource::Endpoints(cla)) => Some(cla.clone()),
         _ => None,

@@ -8,9 +8,9 @@ use std::time::Instant;
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 
-use super::resources::{Resource, eds_service_name, with_endpoints_of};
+use super::resources::{Resource, with_endpoints_of};
 use super::{Manager, TypeState};
-use crate::snapshot::DynamicCluster;
+use crate::snapshot::{DynamicCluster, Encoded};
 use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
 use shunt_config::references::{self, SecretSource};
@@ -22,7 +22,7 @@ pub(super) struct ServedClusters {
     /// Active, in name order (as [`DynamicResources::clusters`]).
     pub(super) active: Vec<Arc<DynamicCluster>>,
     /// Waiting for their endpoints or secrets.
-    pub(super) warming: Vec<Tracked<Arc<EnvoyCluster>>>,
+    pub(super) warming: Vec<Tracked<Arc<Encoded<EnvoyCluster>>>>,
     /// The active EDS clusters by the service their endpoints come under: each one's
     /// place in `active` and the digest of its CDS config.
     pub(super) by_service: HashMap<String, Vec<(usize, u64)>>,
@@ -64,17 +64,6 @@ pub(super) fn warm_until(
         .unwrap_or_else(|| (!timeout.is_zero()).then(|| Instant::now() + timeout))
 }
 
-/// How long an EDS cluster waits for its endpoints: its `eds_config`'s
-/// `initial_fetch_timeout`, Envoy's 15 s when unset (Istio sets 0: for ever).
-fn eds_fetch_timeout(cluster: &EnvoyCluster) -> std::time::Duration {
-    cluster
-        .eds_cluster_config
-        .as_ref()
-        .and_then(|c| c.eds_config.as_ref())
-        .and_then(crate::source::fetch_timeout)
-        .unwrap_or(crate::source::DEFAULT_INITIAL_FETCH_TIMEOUT)
-}
-
 pub(super) async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
@@ -99,17 +88,15 @@ impl Manager {
                     continue;
                 };
                 let tracked = entry.tracked(cluster);
-                let service = eds_service_name(cluster);
-                let secrets_missing = references::cluster_secrets(cluster)
-                    .iter()
+                let service = cluster.eds_service_name();
+                let secrets_missing = (cluster.facts.secrets.iter())
                     .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
                 let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
                 let waiting = secrets_missing || (service.is_some() && eds.is_none());
                 if waiting && !self.timed_out.contains(&cluster.name) {
-                    let timeout = if secrets_missing {
-                        self.plan.initial_fetch_timeout
-                    } else {
-                        eds_fetch_timeout(cluster)
+                    let timeout = match &cluster.facts.eds {
+                        Some(eds) if !secrets_missing => eds.fetch_timeout,
+                        _ => self.plan.initial_fetch_timeout,
                     };
                     let deadline = warm_until(timeout, self.warming.get(&cluster.name));
                     still_warming.insert(cluster.name.clone(), deadline);

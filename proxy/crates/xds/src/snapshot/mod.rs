@@ -8,7 +8,10 @@
 //! state (health, DNS answers, counters) inside their `Arc`, so a later snapshot that
 //! keeps a cluster can share it.
 
+mod encoded;
 pub mod extensions;
+
+pub use encoded::{ClusterFacts, Eds, Encoded, Kept};
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -26,7 +29,6 @@ use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
-use prost::Message as _;
 
 use shunt_config::{Resources, Tracked, UpdateFailure};
 use shunt_core::stats::Store as StatsStore;
@@ -51,8 +53,8 @@ pub struct Snapshot {
     pub secrets: HashMap<String, Arc<shunt_tls::Secret>>,
     /// The RDS and SDS resources `route_configs` and `secrets` were compiled from: an
     /// update compiles again only those that changed (a new `Arc`).
-    route_sources: HashMap<String, Arc<RouteConfiguration>>,
-    secret_sources: HashMap<String, Arc<Secret>>,
+    route_sources: HashMap<String, Arc<Encoded<RouteConfiguration>>>,
+    secret_sources: HashMap<String, Arc<Encoded<Secret>>>,
     /// How listeners are looked up, with their stats and config digests: shared with the
     /// previous snapshot when an update changes no listener.
     index: Arc<ListenerIndex>,
@@ -244,7 +246,9 @@ pub struct Compiled {
 
 /// What a proxy serves besides the bootstrap's `static_resources`: the resources accepted
 /// over xDS so far ([`crate`]). Empty without a control plane. Resources are shared
-/// (`Arc`) with the xDS client's state, so building this for an update copies no config.
+/// (`Arc`) with the xDS client's state, so building this for an update copies no config;
+/// all but listeners are kept as their wire bytes ([`Encoded`]), decoded when they
+/// compile and for `/config_dump`.
 #[derive(Debug, Clone, Default)]
 pub struct DynamicResources {
     /// Active listeners.
@@ -256,11 +260,11 @@ pub struct DynamicResources {
     /// endpoints copies pointers, not configs.
     pub clusters: Vec<Arc<DynamicCluster>>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
-    pub warming_clusters: Vec<Tracked<Arc<EnvoyCluster>>>,
+    pub warming_clusters: Vec<Tracked<Arc<Encoded<EnvoyCluster>>>>,
     /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
-    pub endpoints: Vec<Tracked<Arc<EncodedEndpoints>>>,
-    pub route_configs: Vec<Tracked<Arc<RouteConfiguration>>>,
-    pub secrets: Vec<Tracked<Arc<Secret>>>,
+    pub endpoints: Vec<Tracked<Arc<Encoded<ClusterLoadAssignment>>>>,
+    pub route_configs: Vec<Tracked<Arc<Encoded<RouteConfiguration>>>>,
+    pub secrets: Vec<Tracked<Arc<Encoded<Secret>>>>,
     /// The last versions accepted over LDS and CDS.
     pub listeners_version: String,
     pub clusters_version: String,
@@ -282,25 +286,28 @@ impl DynamicResources {
                 last_updated: tracked.last_updated,
             }
         }
+        fn decoded<T: Kept>(tracked: &Tracked<std::sync::Arc<Encoded<T>>>) -> Tracked<T> {
+            Tracked {
+                resource: tracked.resource.decode(),
+                version_info: tracked.version_info.clone(),
+                last_updated: tracked.last_updated,
+            }
+        }
         statics
             .listeners
             .extend(dynamic.listeners.iter().map(owned));
         // The configs as CDS sent them: EDS endpoints are shown as endpoints.
         statics
             .clusters
-            .extend(dynamic.clusters.iter().map(|c| owned(&c.tracked)));
+            .extend(dynamic.clusters.iter().map(|c| decoded(&c.tracked)));
         statics
             .route_configs
-            .extend(dynamic.route_configs.iter().map(owned));
-        statics.secrets.extend(dynamic.secrets.iter().map(owned));
+            .extend(dynamic.route_configs.iter().map(decoded));
+        statics.secrets.extend(dynamic.secrets.iter().map(decoded));
         statics
             .endpoints
-            .extend(dynamic.endpoints.iter().map(|e| Tracked {
-                resource: e.resource.decode(),
-                version_info: e.version_info.clone(),
-                last_updated: e.last_updated,
-            }));
-        statics.warming_clusters = dynamic.warming_clusters.iter().map(owned).collect();
+            .extend(dynamic.endpoints.iter().map(decoded));
+        statics.warming_clusters = dynamic.warming_clusters.iter().map(decoded).collect();
         statics.warming_listeners = dynamic.warming_listeners.iter().map(owned).collect();
         statics.errors = dynamic.errors.clone();
         statics.listeners_version = dynamic.listeners_version.clone();
@@ -309,40 +316,14 @@ impl DynamicResources {
     }
 }
 
-/// An EDS resource (a `ClusterLoadAssignment`) as it came on the wire, checked to
-/// decode: what is kept of it between compiles. Decoded, three endpoints with Istio's
-/// metadata take ten times their wire size, and nothing reads them but the compile of
-/// their cluster and `/config_dump`.
-#[derive(Debug, PartialEq)]
-pub struct EncodedEndpoints {
-    pub cluster_name: String,
-    pub bytes: Box<[u8]>,
-}
-
-impl EncodedEndpoints {
-    /// `bytes` if they decode to a `ClusterLoadAssignment`.
-    pub fn new(bytes: &[u8]) -> Result<Self, prost::DecodeError> {
-        let decoded = ClusterLoadAssignment::decode(bytes)?;
-        Ok(EncodedEndpoints {
-            cluster_name: decoded.cluster_name,
-            bytes: bytes.into(),
-        })
-    }
-
-    pub fn decode(&self) -> ClusterLoadAssignment {
-        // They decoded when accepted.
-        ClusterLoadAssignment::decode(&*self.bytes).unwrap_or_default()
-    }
-}
-
 /// An active CDS cluster.
 #[derive(Debug, Clone)]
 pub struct DynamicCluster {
     /// As CDS sent it: what `/config_dump` shows.
-    pub tracked: Tracked<Arc<EnvoyCluster>>,
+    pub tracked: Tracked<Arc<Encoded<EnvoyCluster>>>,
     /// An EDS cluster's endpoints (the accepted EDS resource, shared, not copied into
     /// the cluster): compiled in place of its `load_assignment`.
-    pub endpoints: Option<Arc<EncodedEndpoints>>,
+    pub endpoints: Option<Arc<Encoded<ClusterLoadAssignment>>>,
     /// The digest of the cluster's config with its endpoints.
     pub digest: u64,
 }
@@ -352,11 +333,11 @@ impl DynamicCluster {
         &self.tracked.resource.name
     }
 
-    /// What is compiled: the cluster with its endpoints.
-    pub fn source(&self) -> cluster::Source<'_> {
+    /// What is compiled: the cluster (this one's config, `decoded`) with its endpoints.
+    pub fn source<'a>(&'a self, decoded: &'a EnvoyCluster) -> cluster::Source<'a> {
         cluster::Source {
             index: None,
-            cluster: &self.tracked.resource,
+            cluster: decoded,
             endpoints: self.endpoints.as_ref().map(|e| &*e.bytes),
             digest: self.digest,
         }
@@ -420,9 +401,9 @@ fn cluster_changes<'a>(
     previous: &'a [Arc<DynamicCluster>],
     next: &'a [Arc<DynamicCluster>],
     static_clusters: &[EnvoyCluster],
-) -> Option<Vec<cluster::ClusterChange<'a>>> {
+) -> Option<Vec<ClusterChange<'a>>> {
     let name = |c: &'a DynamicCluster| c.name();
-    let upserted = |c: &'a DynamicCluster| cluster::ClusterChange::Upserted(c.source());
+    let upserted = |c: &'a Arc<DynamicCluster>| ClusterChange::Upserted(c);
     let mut changes = Vec::new();
     // The places in `next` of the clusters it does not share with `previous`.
     let mut unshared = Vec::new();
@@ -443,7 +424,7 @@ fn cluster_changes<'a>(
                 j += 1;
             }
             (Some(o), n) if n.is_none_or(|n| name(o) < name(n)) => {
-                changes.push(cluster::ClusterChange::Removed(name(o)));
+                changes.push(ClusterChange::Removed(name(o)));
                 i += 1;
             }
             (_, Some(n)) => {
@@ -461,13 +442,20 @@ fn cluster_changes<'a>(
                 .is_none_or(|after| name(&next[j]) < name(after))
     });
     let needs_full_checks = changes.iter().any(|change| match change {
-        cluster::ClusterChange::Upserted(source) => {
-            let c = source.cluster;
-            c.name.is_empty() || static_clusters.iter().any(|s| s.name == c.name)
+        ClusterChange::Upserted(c) => {
+            c.name().is_empty() || static_clusters.iter().any(|s| s.name == c.name())
         }
-        cluster::ClusterChange::Removed(_) => false,
+        ClusterChange::Removed(_) => false,
     });
     (in_order && !needs_full_checks).then_some(changes)
+}
+
+/// What an update does to one dynamic cluster (see [`cluster_changes`]).
+#[derive(Debug)]
+enum ClusterChange<'a> {
+    /// Added, or its config (endpoints included) changed: the new version.
+    Upserted(&'a DynamicCluster),
+    Removed(&'a str),
 }
 
 /// A transport socket naming a secret without `sds_config` names a static one: Envoy
@@ -614,22 +602,25 @@ fn unknown_static_secrets(
             .and_then(|p| p.clusters.get(c.name()))
             .is_some_and(|kept| kept.config_digest == c.digest)
     };
+    // Dynamic clusters name their secrets in their facts: none is decoded.
     let dynamic_clusters = dynamic
         .clusters
         .iter()
-        .filter(|c| has_tls(&c.tracked.resource) && !checked(c))
-        .map(|c| (None, &*c.tracked.resource));
+        .filter(|c| c.tracked.resource.facts.has_tls && !checked(c))
+        .map(|c| {
+            let path = JsonPath::resource("clusters", "Cluster", None, c.name());
+            (path, (*c.tracked.resource.facts.secrets).clone())
+        });
     let listeners = listeners.iter().filter(|_| listeners_changed);
     let clusters = static_clusters
         .iter()
         .enumerate()
-        .map(|(i, c)| (Some(i), c))
         .filter(|(_, c)| has_tls(c))
-        .chain(dynamic_clusters)
         .map(|(index, cluster)| {
-            let path = JsonPath::resource("clusters", "Cluster", index, &cluster.name);
+            let path = JsonPath::resource("clusters", "Cluster", Some(index), &cluster.name);
             (path, references::cluster_secrets(cluster))
-        });
+        })
+        .chain(dynamic_clusters);
     let listeners = listeners.map(|(index, listener)| {
         let path = JsonPath::resource("listeners", "Listener", *index, &listener.name);
         (path, references::listener_secrets(listener))
@@ -658,7 +649,7 @@ fn dynamic_route_configs(
     problems: &mut Diagnostics,
 ) -> (
     HashMap<String, Arc<shunt_filters::http::RouteConfig>>,
-    HashMap<String, Arc<RouteConfiguration>>,
+    HashMap<String, Arc<Encoded<RouteConfiguration>>>,
 ) {
     let mut compiled = HashMap::new();
     let mut sources = HashMap::new();
@@ -694,22 +685,21 @@ pub fn shared_route_configs() -> usize {
 /// `source` compiled (errors at `RouteConfiguration "name"`), or the copy another pod
 /// of this process compiled from the same bytes (see `shunt_core::interned`): in node
 /// mode every pod whose push has the same version holds one, and its warnings were
-/// reported by the pod that compiled it. One that keeps run-time state (per-route token
-/// buckets) is each pod's own.
+/// reported by the pod that compiled it (only that pod decodes it). One that keeps
+/// run-time state (per-route token buckets) is each pod's own.
 fn shared_route_config(
-    source: &RouteConfiguration,
+    source: &Encoded<RouteConfiguration>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<RouteConfig>> {
     let path = JsonPath::resource("", "RouteConfiguration", None, &source.name);
     let compile = |problems: &mut Diagnostics| {
         let errors_before = problems.errors.len();
-        shunt_filters::http::route_config::compile(source, &path, problems)
+        shunt_filters::http::route_config::compile(&source.decode(), &path, problems)
             .filter(|_| problems.errors.len() == errors_before)
     };
     let mut own = Diagnostics::default();
-    let shared = shunt_core::interned::made_once(shunt_config::digest(source), || {
-        compile(&mut own).ok_or(())
-    });
+    let shared =
+        shunt_core::interned::made_once(source.digest(), || compile(&mut own).ok_or(()));
     problems.errors.extend(own.errors);
     problems.warnings.extend(own.warnings);
     let shared = shared.ok()?;
@@ -728,7 +718,7 @@ fn dynamic_secrets(
     previous: Option<&Snapshot>,
     secrets: &mut HashMap<String, Arc<shunt_tls::Secret>>,
     problems: &mut Diagnostics,
-) -> HashMap<String, Arc<Secret>> {
+) -> HashMap<String, Arc<Encoded<Secret>>> {
     let mut sources = HashMap::new();
     for tracked in &dynamic.secrets {
         let source = &tracked.resource;
@@ -750,7 +740,7 @@ fn dynamic_secrets(
             .and_then(|p| p.secrets.get(name).cloned());
         let secret = match kept {
             Some(kept) => kept,
-            None => match shunt_tls::secret::compile(source, &path, problems) {
+            None => match shunt_tls::secret::compile(&source.decode(), &path, problems) {
                 Some(fresh) => Arc::new(fresh),
                 None => continue,
             },
@@ -916,13 +906,40 @@ fn compile_clusters(
         });
     let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
-        Some((previous, changes)) => cluster::patch(&previous.clusters, &changes, stats, problems),
+        Some((previous, changes)) => {
+            // Only the changed clusters are decoded, for the time they compile.
+            let upserted: Vec<(&DynamicCluster, EnvoyCluster)> = changes
+                .iter()
+                .filter_map(|change| match change {
+                    ClusterChange::Upserted(c) => Some((*c, c.tracked.resource.decode())),
+                    ClusterChange::Removed(_) => None,
+                })
+                .collect();
+            let changes: Vec<cluster::ClusterChange> = changes
+                .iter()
+                .filter_map(|change| match change {
+                    ClusterChange::Removed(name) => Some(cluster::ClusterChange::Removed(name)),
+                    ClusterChange::Upserted(_) => None,
+                })
+                .chain(
+                    upserted
+                        .iter()
+                        .map(|(c, decoded)| cluster::ClusterChange::Upserted(c.source(decoded))),
+                )
+                .collect();
+            cluster::patch(&previous.clusters, &changes, stats, problems)
+        }
         None => {
+            let decoded: Vec<EnvoyCluster> = dynamic
+                .clusters
+                .iter()
+                .map(|c| c.tracked.resource.decode())
+                .collect();
             let sources: Vec<cluster::Source> = static_clusters
                 .iter()
                 .enumerate()
                 .map(|(i, c)| cluster::Source::new(Some(i), c, shunt_config::digest(c)))
-                .chain(dynamic.clusters.iter().map(|c| c.source()))
+                .chain(dynamic.clusters.iter().zip(&decoded).map(|(c, d)| c.source(d)))
                 .collect();
             cluster::compile_all(&sources, previous.map(|p| &p.clusters), stats, problems)
         }
@@ -1011,10 +1028,16 @@ fn validate_warming(
     problems: &mut Diagnostics,
 ) -> Vec<Arc<cluster::Checked>> {
     let mut aside = Diagnostics::default();
+    let decoded: Vec<EnvoyCluster> = dynamic
+        .warming_clusters
+        .iter()
+        .map(|t| t.resource.decode())
+        .collect();
     let sources: Vec<cluster::Source> = dynamic
         .warming_clusters
         .iter()
-        .map(|t| cluster::Source::new(None, &t.resource, shunt_config::digest(&*t.resource)))
+        .zip(&decoded)
+        .map(|(t, d)| cluster::Source::new(None, d, t.resource.digest()))
         .collect();
     let checked = cluster::validate_all(&sources, &mut aside);
     let sources: Vec<listener::Source> = dynamic

@@ -392,9 +392,9 @@ fn dynamic_cluster(name: &str, port: u32, timeout: &str) -> Arc<super::DynamicCl
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}
     }))
     .unwrap();
-    let cluster = Arc::new(cluster);
+    let cluster = Arc::new(super::Encoded::of(&cluster));
     Arc::new(super::DynamicCluster {
-        digest: shunt_config::digest(&*cluster),
+        digest: cluster.digest(),
         endpoints: None,
         tracked: shunt_config::Tracked {
             resource: cluster,
@@ -452,7 +452,7 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
 fn dynamic_route_config(
     name: &str,
     local_rate_limit: bool,
-) -> shunt_config::Tracked<Arc<RouteConfiguration>> {
+) -> shunt_config::Tracked<Arc<super::Encoded<RouteConfiguration>>> {
     let mut json = serde_json::json!({"name": name, "virtual_hosts": [{
         "name": "v", "domains": ["*"],
         "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "shared-a"}}]}]});
@@ -464,7 +464,9 @@ fn dynamic_route_config(
                 "token_bucket": {"max_tokens": 1, "fill_interval": "1s"}}});
     }
     shunt_config::Tracked {
-        resource: Arc::new(shunt_config::message_from_json(json).unwrap()),
+        resource: Arc::new(super::Encoded::of(
+            &shunt_config::message_from_json::<RouteConfiguration>(json).unwrap(),
+        )),
         version_info: Some("1".into()),
         last_updated: std::time::SystemTime::now(),
     }
@@ -752,8 +754,8 @@ fn an_update_patches_the_previous_snapshot_as_compiling_from_scratch_would() {
     let changed: Vec<String> = changes
         .iter()
         .map(|change| match change {
-            cluster::ClusterChange::Upserted(c) => format!("+{}", c.cluster.name),
-            cluster::ClusterChange::Removed(name) => format!("-{name}"),
+            super::ClusterChange::Upserted(c) => format!("+{}", c.name()),
+            super::ClusterChange::Removed(name) => format!("-{name}"),
         })
         .collect();
     assert_eq!(changed, ["+b", "-c", "+d"]);
