@@ -103,7 +103,7 @@ pub struct Manager {
     listeners_timed_out: HashSet<String>,
     /// The version of each listener last served: it keeps serving while a newer
     /// version warms, as in Envoy.
-    active_listeners: HashMap<String, Tracked<Arc<EnvoyListener>>>,
+    active_listeners: HashMap<String, Tracked<Arc<crate::snapshot::Encoded<EnvoyListener>>>>,
     /// The bootstrap's `static_resources.secrets`, which need no subscription.
     static_secrets: HashSet<String>,
     /// The SDS source of secrets not over ADS (Istio's `sds-grpc`), once one is named.

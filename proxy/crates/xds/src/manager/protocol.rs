@@ -17,7 +17,7 @@ use super::{INTERNAL, Manager};
 use crate::source::Stream;
 use crate::stream::{self, Outbound};
 use crate::type_url::TypeUrl;
-use shunt_config::references::{self, SecretSource};
+use shunt_config::references::SecretSource;
 
 #[derive(Debug)]
 pub(super) struct StreamState {
@@ -326,7 +326,7 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Listener(l) => Some(references::rds_names(l)),
+                        Resource::Listener(l) => Some(l.facts.rds_names.iter().cloned()),
                         _ => None,
                     })
                     .flatten()
@@ -390,7 +390,7 @@ impl Manager {
             };
             for entry in state.resources.values() {
                 let refs = match &entry.resource {
-                    Resource::Listener(l) => references::listener_secrets(l),
+                    Resource::Listener(l) => (*l.facts.secrets).clone(),
                     Resource::Cluster(c) => (*c.facts.secrets).clone(),
                     _ => continue,
                 };

@@ -22,10 +22,10 @@ use shunt_core::peer::workload_discovery::WorkloadResource;
 use shunt_dns::name_table::NameTable;
 
 /// An accepted resource, shared with the snapshots built from it: kept as its wire
-/// bytes (see [`Encoded`]) but for the listeners and Istio's own types.
+/// bytes (see [`Encoded`]) but for Istio's own types.
 #[derive(Debug, Clone)]
 pub(super) enum Resource {
-    Listener(Arc<EnvoyListener>),
+    Listener(Arc<Encoded<EnvoyListener>>),
     Cluster(Arc<Encoded<EnvoyCluster>>),
     Endpoints(Arc<Encoded<ClusterLoadAssignment>>),
     Route(Arc<Encoded<RouteConfiguration>>),
@@ -68,7 +68,7 @@ impl Resource {
         let bytes = any.value.as_slice();
         let key = (Kind::Decoded(kind), bytes.len(), digest);
         let decoded = match kind {
-            TypeUrl::Listener => shared(key, bytes).map(Resource::Listener),
+            TypeUrl::Listener => encoded(key, bytes).map(Resource::Listener),
             TypeUrl::Cluster => encoded(key, bytes).map(Resource::Cluster),
             TypeUrl::ClusterLoadAssignment => encoded(key, bytes).map(Resource::Endpoints),
             TypeUrl::RouteConfiguration => encoded(key, bytes).map(Resource::Route),
@@ -94,7 +94,7 @@ impl Resource {
     /// The resource as a NACK's `failed_configuration` shows it: as it came.
     pub(super) fn to_any(&self, kind: TypeUrl) -> Any {
         let value = match self {
-            Resource::Listener(r) => r.encode_to_vec(),
+            Resource::Listener(r) => r.bytes.to_vec(),
             Resource::Cluster(r) => r.bytes.to_vec(),
             Resource::Endpoints(r) => r.bytes.to_vec(),
             Resource::Route(r) => r.bytes.to_vec(),

@@ -13,7 +13,7 @@ use super::{Manager, TypeState};
 use crate::snapshot::{DynamicCluster, Encoded};
 use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
-use shunt_config::references::{self, SecretSource};
+use shunt_config::references::SecretSource;
 
 /// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
 /// only the clusters those endpoints are for.
@@ -35,9 +35,9 @@ pub(super) struct ServedClusters {
 #[derive(Debug, Default)]
 pub(super) struct ServedListeners {
     /// Served: the accepted version, or the last one served while a newer one warms.
-    pub(super) active: Vec<Tracked<Arc<EnvoyListener>>>,
+    pub(super) active: Vec<Tracked<Arc<Encoded<EnvoyListener>>>>,
     /// Waiting for their routes or secrets.
-    pub(super) warming: Vec<Tracked<Arc<EnvoyListener>>>,
+    pub(super) warming: Vec<Tracked<Arc<Encoded<EnvoyListener>>>>,
     pub(super) version: String,
 }
 
@@ -195,11 +195,9 @@ impl Manager {
                 let Resource::Listener(l) = &entry.resource else {
                     continue;
                 };
-                let waiting = references::rds_names(l)
-                    .iter()
+                let waiting = (l.facts.rds_names.iter())
                     .any(|name| !routes.is_some_and(|r| r.contains_key(name)))
-                    || references::listener_secrets(l)
-                        .iter()
+                    || (l.facts.secrets.iter())
                         .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
                 let tracked = entry.tracked(l);
                 if waiting && !self.listeners_timed_out.contains(&l.name) {

@@ -1,9 +1,10 @@
 //! xDS resources kept as they came on the wire: what the xDS manager and the snapshots
-//! hold of each accepted cluster, route configuration, secret and EDS assignment between
-//! compiles. Decoded, an Istio cluster or virtual host takes several times its wire
-//! size, and only the compile of a changed resource and `/config_dump` read it whole;
-//! the few facts the manager needs every time (the name; a cluster's EDS service,
-//! secrets and fetch timeout) are taken out once, when the resource is accepted.
+//! hold of each accepted listener, cluster, route configuration, secret and EDS
+//! assignment between compiles. Decoded, an Istio cluster or virtual host takes several
+//! times its wire size, and only the compile of a changed resource and `/config_dump`
+//! read it whole; the few facts the manager needs every time (the name; a cluster's EDS
+//! service, secrets and fetch timeout; a listener's routes and secrets) are taken out
+//! once, when the resource is accepted.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -13,6 +14,8 @@ use std::time::Duration;
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
+use envoy_types::pb::envoy::config::listener::v3::listener::ListenerSpecifier;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use prost::Message;
@@ -101,6 +104,35 @@ impl Kept for Secret {
     fn facts(&self) {}
 }
 
+/// What the xDS manager and the snapshot compiler read of a listener without decoding
+/// it: what it waits for, and whether it is internal.
+#[derive(Debug)]
+pub struct ListenerFacts {
+    /// The RDS route configurations its HTTP connection managers name.
+    pub rds_names: Vec<String>,
+    /// The secrets its filter chains terminate TLS with (shared, as a cluster's).
+    pub secrets: Arc<Vec<SecretRef>>,
+    /// Whether it is an internal listener (which needs a bootstrap extension).
+    pub internal: bool,
+}
+
+impl Kept for EnvoyListener {
+    type Facts = ListenerFacts;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn facts(&self) -> ListenerFacts {
+        ListenerFacts {
+            rds_names: references::rds_names(self),
+            secrets: shared_secrets(references::listener_secrets(self)),
+            internal: matches!(
+                self.listener_specifier,
+                Some(ListenerSpecifier::InternalListener(_))
+            ),
+        }
+    }
+}
+
 /// What the xDS manager reads of a cluster: which endpoints it waits for, and which
 /// secrets.
 #[derive(Debug)]
@@ -183,4 +215,81 @@ fn shared_secrets(secrets: Vec<SecretRef>) -> Arc<Vec<SecretRef>> {
         }
     }
     shunt_core::interned::intern(xxhash_rust::xxh64::xxh64(&digest, 0), &secrets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(json: serde_json::Value) -> Encoded<EnvoyCluster> {
+        let cluster: EnvoyCluster = shunt_config::message_from_json(json).unwrap();
+        let encoded = Encoded::new(&cluster.encode_to_vec()).unwrap();
+        assert_eq!(encoded.decode(), cluster, "decodes to what it was");
+        encoded
+    }
+
+    #[test]
+    fn a_clusters_facts_are_what_the_manager_read_of_it_decoded() {
+        let plain = cluster(serde_json::json!({"name": "s", "type": "STATIC"}));
+        assert_eq!(plain.name, "s");
+        assert_eq!(plain.eds_service_name(), None);
+        assert!(plain.facts.secrets.is_empty() && !plain.facts.has_tls);
+
+        // Istio's: service_name is the cluster's name, and it waits for ever.
+        let istio = cluster(serde_json::json!({
+            "name": "outbound|80||a.ns.svc.cluster.local", "type": "EDS",
+            "eds_cluster_config": {
+                "service_name": "outbound|80||a.ns.svc.cluster.local",
+                "eds_config": {"ads": {}, "initial_fetch_timeout": "0s"}},
+            "transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"tls_certificate_sds_secret_configs": [
+                    {"name": "default", "sds_config": {"ads": {}}}]}}}
+        }));
+        assert_eq!(
+            istio.eds_service_name(),
+            Some("outbound|80||a.ns.svc.cluster.local")
+        );
+        let eds = istio.facts.eds.as_ref().unwrap();
+        assert!(eds.service_name.is_none(), "the name is not kept twice");
+        assert_eq!(eds.fetch_timeout, Duration::ZERO);
+        assert!(istio.facts.has_tls);
+        let names: Vec<&str> = istio.facts.secrets.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["default"]);
+
+        let other = cluster(serde_json::json!({
+            "name": "c", "type": "EDS", "eds_cluster_config": {"service_name": "svc"}}));
+        assert_eq!(other.eds_service_name(), Some("svc"));
+        let timeout = other.facts.eds.as_ref().unwrap().fetch_timeout;
+        assert_eq!(timeout, crate::source::DEFAULT_INITIAL_FETCH_TIMEOUT);
+        let unnamed = cluster(serde_json::json!({"name": "d", "type": "EDS"}));
+        assert_eq!(unnamed.eds_service_name(), Some("d"));
+    }
+
+    #[test]
+    fn equal_secret_lists_are_one_copy() {
+        let tls = |name: &str| {
+            serde_json::json!({"name": name, "transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"tls_certificate_sds_secret_configs": [
+                    {"name": "shared-secret", "sds_config": {"ads": {}}}]}}}})
+        };
+        let (a, b) = (cluster(tls("a")), cluster(tls("b")));
+        assert!(Arc::ptr_eq(&a.facts.secrets, &b.facts.secrets));
+    }
+
+    #[test]
+    fn a_listeners_facts_name_its_routes_and_whether_it_is_internal() {
+        let listener: EnvoyListener = shunt_config::message_from_json(serde_json::json!({
+            "name": "l", "internal_listener": {},
+            "filter_chains": [{"filters": [{"name": "hcm", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "l", "rds": {"route_config_name": "80", "config_source": {"ads": {}}}}}]}]
+        }))
+        .unwrap();
+        let encoded = Encoded::<EnvoyListener>::of(&listener);
+        assert_eq!(encoded.facts.rds_names, ["80"]);
+        assert!(encoded.facts.internal);
+        assert_eq!(encoded.decode(), listener);
+    }
 }

@@ -11,7 +11,7 @@
 mod encoded;
 pub mod extensions;
 
-pub use encoded::{ClusterFacts, Eds, Encoded, Kept};
+pub use encoded::{ClusterFacts, Eds, Encoded, Kept, ListenerFacts};
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -247,15 +247,15 @@ pub struct Compiled {
 /// What a proxy serves besides the bootstrap's `static_resources`: the resources accepted
 /// over xDS so far ([`crate`]). Empty without a control plane. Resources are shared
 /// (`Arc`) with the xDS client's state, so building this for an update copies no config;
-/// all but listeners are kept as their wire bytes ([`Encoded`]), decoded when they
-/// compile and for `/config_dump`.
+/// they are kept as their wire bytes ([`Encoded`]), decoded when they compile and for
+/// `/config_dump`.
 #[derive(Debug, Clone, Default)]
 pub struct DynamicResources {
     /// Active listeners.
-    pub listeners: Vec<Tracked<Arc<EnvoyListener>>>,
+    pub listeners: Vec<Tracked<Arc<Encoded<EnvoyListener>>>>,
     /// Listeners waiting for their routes or secrets (Envoy's listener warming): not
     /// served yet.
-    pub warming_listeners: Vec<Tracked<Arc<EnvoyListener>>>,
+    pub warming_listeners: Vec<Tracked<Arc<Encoded<EnvoyListener>>>>,
     /// Active clusters, by name. Each is shared, so that an update of one cluster's
     /// endpoints copies pointers, not configs.
     pub clusters: Vec<Arc<DynamicCluster>>,
@@ -279,13 +279,6 @@ impl DynamicResources {
     /// `statics` (the bootstrap's resources) with these, accepted over xDS, added after them.
     pub fn added_to(&self, mut statics: Resources) -> Resources {
         let dynamic = self;
-        fn owned<T: Clone>(tracked: &Tracked<std::sync::Arc<T>>) -> Tracked<T> {
-            Tracked {
-                resource: (*tracked.resource).clone(),
-                version_info: tracked.version_info.clone(),
-                last_updated: tracked.last_updated,
-            }
-        }
         fn decoded<T: Kept>(tracked: &Tracked<std::sync::Arc<Encoded<T>>>) -> Tracked<T> {
             Tracked {
                 resource: tracked.resource.decode(),
@@ -295,7 +288,7 @@ impl DynamicResources {
         }
         statics
             .listeners
-            .extend(dynamic.listeners.iter().map(owned));
+            .extend(dynamic.listeners.iter().map(decoded));
         // The configs as CDS sent them: EDS endpoints are shown as endpoints.
         statics
             .clusters
@@ -308,7 +301,7 @@ impl DynamicResources {
             .endpoints
             .extend(dynamic.endpoints.iter().map(decoded));
         statics.warming_clusters = dynamic.warming_clusters.iter().map(decoded).collect();
-        statics.warming_listeners = dynamic.warming_listeners.iter().map(owned).collect();
+        statics.warming_listeners = dynamic.warming_listeners.iter().map(decoded).collect();
         statics.errors = dynamic.errors.clone();
         statics.listeners_version = dynamic.listeners_version.clone();
         statics.clusters_version = dynamic.clusters_version.clone();
@@ -788,17 +781,26 @@ pub fn compile_with(
     let static_clusters = &resources.clusters;
     let (clusters, dynamic_clusters_in_order) =
         compile_clusters(static_clusters, &dynamic, previous, stats, &mut problems);
+    // Listeners compile from their own configs only (a missing cluster is a warning
+    // their compiling gave already), so the same configs give the same listeners.
+    let unchanged_listeners =
+        previous.filter(|p| p.compiled_from_bootstrap() && same_listeners(&p.dynamic, &dynamic));
+    // The dynamic listeners are decoded only when something below reads them: they
+    // compile, or a check across resources needs them (pipe endpoints, an internal one).
+    let read_listeners = unchanged_listeners.is_none()
+        || !clusters.pipe_endpoints.is_empty()
+        || dynamic.listeners.iter().any(|l| l.resource.facts.internal);
+    let decoded_listeners: Vec<EnvoyListener> = match read_listeners {
+        true => dynamic.listeners.iter().map(|t| t.resource.decode()).collect(),
+        false => Vec::new(),
+    };
     let listener_sources: Vec<listener::Source> = resources
         .listeners
         .iter()
         .enumerate()
         .map(|(i, l)| (Some(i), l))
-        .chain(dynamic.listeners.iter().map(|t| (None, &*t.resource)))
+        .chain(decoded_listeners.iter().map(|l| (None, l)))
         .collect();
-    // Listeners compile from their own configs only (a missing cluster is a warning
-    // their compiling gave already), so the same configs give the same listeners.
-    let unchanged_listeners =
-        previous.filter(|p| p.compiled_from_bootstrap() && same_listeners(&p.dynamic, &dynamic));
     let (listeners, index) = match unchanged_listeners {
         Some(previous) => (previous.listeners.clone(), previous.index.clone()),
         None => compile_listeners(
@@ -1040,11 +1042,12 @@ fn validate_warming(
         .map(|(t, d)| cluster::Source::new(None, d, t.resource.digest()))
         .collect();
     let checked = cluster::validate_all(&sources, &mut aside);
-    let sources: Vec<listener::Source> = dynamic
+    let decoded: Vec<EnvoyListener> = dynamic
         .warming_listeners
         .iter()
-        .map(|t| (None, &*t.resource))
+        .map(|t| t.resource.decode())
         .collect();
+    let sources: Vec<listener::Source> = decoded.iter().map(|l| (None, l)).collect();
     let node = Arc::default();
     listener::compile_all(
         &sources,

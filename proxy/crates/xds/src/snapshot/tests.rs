@@ -691,7 +691,7 @@ fn dynamic_listener(
     name: &str,
     port: u32,
     cluster: &str,
-) -> shunt_config::Tracked<Arc<EnvoyListener>> {
+) -> shunt_config::Tracked<Arc<super::Encoded<EnvoyListener>>> {
     let listener: EnvoyListener = shunt_config::message_from_json(serde_json::json!({
         "name": name,
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
@@ -701,7 +701,7 @@ fn dynamic_listener(
     }))
     .unwrap();
     shunt_config::Tracked {
-        resource: Arc::new(listener),
+        resource: Arc::new(super::Encoded::of(&listener)),
         version_info: Some("1".into()),
         last_updated: std::time::SystemTime::now(),
     }
