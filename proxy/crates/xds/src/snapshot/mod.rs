@@ -908,29 +908,7 @@ fn compile_clusters(
         });
     let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
-        Some((previous, changes)) => {
-            // Only the changed clusters are decoded, for the time they compile.
-            let upserted: Vec<(&DynamicCluster, EnvoyCluster)> = changes
-                .iter()
-                .filter_map(|change| match change {
-                    ClusterChange::Upserted(c) => Some((*c, c.tracked.resource.decode())),
-                    ClusterChange::Removed(_) => None,
-                })
-                .collect();
-            let changes: Vec<cluster::ClusterChange> = changes
-                .iter()
-                .filter_map(|change| match change {
-                    ClusterChange::Removed(name) => Some(cluster::ClusterChange::Removed(name)),
-                    ClusterChange::Upserted(_) => None,
-                })
-                .chain(
-                    upserted
-                        .iter()
-                        .map(|(c, decoded)| cluster::ClusterChange::Upserted(c.source(decoded))),
-                )
-                .collect();
-            cluster::patch(&previous.clusters, &changes, stats, problems)
-        }
+        Some((previous, changes)) => patch_clusters(&previous.clusters, &changes, stats, problems),
         None => {
             let decoded: Vec<EnvoyCluster> = dynamic
                 .clusters
@@ -947,6 +925,50 @@ fn compile_clusters(
         }
     };
     (clusters, dynamic_clusters_in_order)
+}
+
+/// How many changed clusters are decoded at a time: each is decoded only for its
+/// compile, and a push of every cluster (a pod's first) reuses the few decoded ones'
+/// memory rather than leaving the heap holed by all of them.
+const DECODED_AT_ONCE: usize = 32;
+
+/// `previous` with `changes` applied (see [`cluster::patch`]), the changed clusters
+/// decoded [`DECODED_AT_ONCE`] at a time: each batch is a patch of the clusters the
+/// previous one made, which keeps and compiles what one patch of all would.
+fn patch_clusters(
+    previous: &Clusters,
+    changes: &[ClusterChange<'_>],
+    stats: &StatsStore,
+    problems: &mut Diagnostics,
+) -> cluster::CompiledClusters {
+    let removed: Vec<cluster::ClusterChange> = changes
+        .iter()
+        .filter_map(|change| match change {
+            ClusterChange::Removed(name) => Some(cluster::ClusterChange::Removed(name)),
+            ClusterChange::Upserted(_) => None,
+        })
+        .collect();
+    let upserted: Vec<&DynamicCluster> = changes
+        .iter()
+        .filter_map(|change| match change {
+            ClusterChange::Upserted(c) => Some(*c),
+            ClusterChange::Removed(_) => None,
+        })
+        .collect();
+    let mut compiled = cluster::patch(previous, &removed, stats, problems);
+    for batch in upserted.chunks(DECODED_AT_ONCE) {
+        let decoded: Vec<EnvoyCluster> = batch.iter().map(|c| c.tracked.resource.decode()).collect();
+        let changes: Vec<cluster::ClusterChange> = batch
+            .iter()
+            .zip(&decoded)
+            .map(|(c, d)| cluster::ClusterChange::Upserted(c.source(d)))
+            .collect();
+        let next = cluster::patch(&compiled.clusters, &changes, stats, problems);
+        compiled.clusters = next.clusters;
+        compiled.fresh.extend(next.fresh);
+        compiled.pipe_endpoints.extend(next.pipe_endpoints);
+    }
+    compiled
 }
 
 /// The listeners, and their index (with each one's stats and config digest); one the
@@ -1030,18 +1052,17 @@ fn validate_warming(
     problems: &mut Diagnostics,
 ) -> Vec<Arc<cluster::Checked>> {
     let mut aside = Diagnostics::default();
-    let decoded: Vec<EnvoyCluster> = dynamic
-        .warming_clusters
-        .iter()
-        .map(|t| t.resource.decode())
-        .collect();
-    let sources: Vec<cluster::Source> = dynamic
-        .warming_clusters
-        .iter()
-        .zip(&decoded)
-        .map(|(t, d)| cluster::Source::new(None, d, t.resource.digest()))
-        .collect();
-    let checked = cluster::validate_all(&sources, &mut aside);
+    // A few decoded at a time (see `patch_clusters`); the checks are kept.
+    let mut checked = Vec::with_capacity(dynamic.warming_clusters.len());
+    for batch in dynamic.warming_clusters.chunks(DECODED_AT_ONCE) {
+        let decoded: Vec<EnvoyCluster> = batch.iter().map(|t| t.resource.decode()).collect();
+        // By the digest `upstream::compile` finds a warming cluster's check by.
+        let sources: Vec<cluster::Source> = decoded
+            .iter()
+            .map(|d| cluster::Source::new(None, d, shunt_config::digest(d)))
+            .collect();
+        checked.extend(cluster::validate_all(&sources, &mut aside));
+    }
     let decoded: Vec<EnvoyListener> = dynamic
         .warming_listeners
         .iter()
