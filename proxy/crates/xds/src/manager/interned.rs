@@ -1,18 +1,19 @@
 //! Resources interned process-wide: every manager of this process (in node mode, one
 //! per pod) that accepts the same resource (same type, same wire bytes) holds the one
-//! decoded copy (an EDS cluster is compiled from its cluster and endpoints where they
-//! are: no third copy). A copy lives while any manager or snapshot holds it; the table keeps only
+//! copy (its bytes, `snapshot::Encoded`, or for Istio's own types the decoded message;
+//! an EDS cluster is compiled from its cluster and endpoints where they are: no third
+//! copy). A copy lives while any manager or snapshot holds it; the table keeps only
 //! weak references, so dropping the last pod that had a resource frees it.
 //!
 //! The key is the type with the length and xxh64 digest of the resource's bytes (the
-//! name is part of the bytes): resources are immutable once decoded, so a pod's update
+//! name is part of the bytes): resources are immutable once accepted, so a pod's update
 //! of its copy is a new key and never changes what another pod holds.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 
-/// What an interned value is: a decoded resource of a type.
+/// What an interned value is: an accepted resource of a type (kept as bytes or decoded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Kind {
     Decoded(crate::type_url::TypeUrl),

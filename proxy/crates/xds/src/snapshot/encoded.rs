@@ -254,7 +254,12 @@ mod tests {
         assert!(eds.service_name.is_none(), "the name is not kept twice");
         assert_eq!(eds.fetch_timeout, Duration::ZERO);
         assert!(istio.facts.has_tls);
-        let names: Vec<&str> = istio.facts.secrets.iter().map(|s| s.name.as_str()).collect();
+        let names: Vec<&str> = istio
+            .facts
+            .secrets
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
         assert_eq!(names, ["default"]);
 
         let other = cluster(serde_json::json!({

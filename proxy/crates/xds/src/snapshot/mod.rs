@@ -691,8 +691,7 @@ fn shared_route_config(
             .filter(|_| problems.errors.len() == errors_before)
     };
     let mut own = Diagnostics::default();
-    let shared =
-        shunt_core::interned::made_once(source.digest(), || compile(&mut own).ok_or(()));
+    let shared = shunt_core::interned::made_once(source.digest(), || compile(&mut own).ok_or(()));
     problems.errors.extend(own.errors);
     problems.warnings.extend(own.warnings);
     let shared = shared.ok()?;
@@ -791,7 +790,11 @@ pub fn compile_with(
         || !clusters.pipe_endpoints.is_empty()
         || dynamic.listeners.iter().any(|l| l.resource.facts.internal);
     let decoded_listeners: Vec<EnvoyListener> = match read_listeners {
-        true => dynamic.listeners.iter().map(|t| t.resource.decode()).collect(),
+        true => dynamic
+            .listeners
+            .iter()
+            .map(|t| t.resource.decode())
+            .collect(),
         false => Vec::new(),
     };
     let listener_sources: Vec<listener::Source> = resources
@@ -919,7 +922,13 @@ fn compile_clusters(
                 .iter()
                 .enumerate()
                 .map(|(i, c)| cluster::Source::new(Some(i), c, shunt_config::digest(c)))
-                .chain(dynamic.clusters.iter().zip(&decoded).map(|(c, d)| c.source(d)))
+                .chain(
+                    dynamic
+                        .clusters
+                        .iter()
+                        .zip(&decoded)
+                        .map(|(c, d)| c.source(d)),
+                )
                 .collect();
             cluster::compile_all(&sources, previous.map(|p| &p.clusters), stats, problems)
         }
@@ -957,7 +966,8 @@ fn patch_clusters(
         .collect();
     let mut compiled = cluster::patch(previous, &removed, stats, problems);
     for batch in upserted.chunks(DECODED_AT_ONCE) {
-        let decoded: Vec<EnvoyCluster> = batch.iter().map(|c| c.tracked.resource.decode()).collect();
+        let decoded: Vec<EnvoyCluster> =
+            batch.iter().map(|c| c.tracked.resource.decode()).collect();
         let changes: Vec<cluster::ClusterChange> = batch
             .iter()
             .zip(&decoded)
