@@ -14,6 +14,10 @@ use super::Manager;
 use super::resources::{Accepted, Edit, Resource};
 use crate::snapshot::{DynamicResources, Snapshot};
 use crate::type_url::TypeUrl;
+
+/// Free heap glibc may keep after a rebuild before it is handed back to the kernel:
+/// small updates (an endpoint) free little and skip the trim's cost.
+const FREE_AFTER_REBUILD: usize = 1 << 20;
 use shunt_config::UpdateFailure;
 use shunt_core::access_log::Direction;
 use shunt_listener::Listener;
@@ -619,6 +623,10 @@ impl Manager {
         {
             self.send(TypeUrl::Cluster, request);
         }
+        // A compile frees what it decoded and the replaced snapshot's config: glibc
+        // would keep those pages resident until the next periodic trim.
+        drop(previous);
+        let _ = shunt_config::trim_free_heap(FREE_AFTER_REBUILD);
         Ok(())
     }
 
