@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
 use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager as EnvoyHcm;
@@ -18,7 +19,7 @@ use shunt::config::{Diagnostics, JsonPath, Tracked};
 use shunt::filters::common::matcher::RequestView;
 use shunt::http::route::Action;
 use shunt::http::{ConfigProvider, RequestConfig, RouteConfig};
-use shunt::snapshot::{DynamicCluster, DynamicResources, EncodedEndpoints};
+use shunt::snapshot::{DynamicCluster, DynamicResources, Encoded};
 use shunt::tls::Secrets;
 use shunt::upstream::Clusters;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -57,25 +58,21 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
         clusters_version: "fuzz".into(),
         ..Default::default()
     };
+    // As the xDS client keeps them: the bytes as they came, checked to decode.
     match selector % 5 {
         0 => {
-            let Ok(listener) = Listener::decode(bytes) else {
+            let Ok(listener) = Encoded::<Listener>::new(bytes) else {
                 return;
             };
             dynamic.listeners.push(tracked(listener));
         }
         1 => {
-            let Ok(cluster) = Cluster::decode(bytes) else {
+            let Ok(cluster) = Encoded::<Cluster>::new(bytes) else {
                 return;
             };
-            let digest = shunt::config::digest(&cluster);
-            let cluster = Arc::new(cluster);
+            let digest = shunt::config::digest(&cluster.decode());
             dynamic.clusters.push(Arc::new(DynamicCluster {
-                tracked: Tracked {
-                    resource: cluster.clone(),
-                    version_info: Some(Arc::from("fuzz")),
-                    last_updated: SystemTime::UNIX_EPOCH,
-                },
+                tracked: tracked(cluster),
                 endpoints: None,
                 digest,
             }));
@@ -88,22 +85,22 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
             let mut problems = Diagnostics::default();
             let _ =
                 shunt::http::route_config::compile(&routes, &JsonPath::new("fuzz"), &mut problems);
-            dynamic.route_configs.push(tracked(routes));
+            dynamic.route_configs.push(tracked(Encoded::of(&routes)));
         }
         3 => {
             // An EDS cluster served with these endpoints, as warming hands it over (the
             // endpoints stay as their wire bytes, decoded when the cluster compiles).
-            let Ok(endpoints) = EncodedEndpoints::new(bytes) else {
+            let Ok(endpoints) = Encoded::<ClusterLoadAssignment>::new(bytes) else {
                 return;
             };
             let cds = Cluster {
-                name: endpoints.cluster_name.clone(),
+                name: endpoints.name.clone(),
                 ..Default::default()
             };
             let digest = shunt::config::digest(&cds);
             let endpoints = Arc::new(endpoints);
             dynamic.clusters.push(Arc::new(DynamicCluster {
-                tracked: tracked(cds),
+                tracked: tracked(Encoded::of(&cds)),
                 endpoints: Some(endpoints.clone()),
                 digest,
             }));
@@ -114,7 +111,7 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
             });
         }
         _ => {
-            let Ok(secret) = Secret::decode(bytes) else {
+            let Ok(secret) = Encoded::<Secret>::new(bytes) else {
                 return;
             };
             dynamic.secrets.push(tracked(secret));
