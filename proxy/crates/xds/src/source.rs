@@ -22,10 +22,8 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsC
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType;
 use prost::Message;
 
+pub(crate) use crate::snapshot::{DEFAULT_INITIAL_FETCH_TIMEOUT, fetch_timeout};
 use crate::type_url::TypeUrl;
-
-/// Envoy's default `initial_fetch_timeout`.
-pub(crate) const DEFAULT_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How the xDS server is reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,15 +225,6 @@ pub fn secret_stream(source: &ConfigSource, bootstrap: &Bootstrap) -> anyhow::Re
         }
         _ => anyhow::bail!("sds_config: only ads and api_config_source (gRPC) are implemented"),
     }
-}
-
-/// A source's `initial_fetch_timeout`, when it sets one.
-pub(crate) fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
-    let t = source.initial_fetch_timeout.as_ref()?;
-    Some(Duration::new(
-        t.seconds.max(0) as u64,
-        t.nanos.clamp(0, 999_999_999) as u32,
-    ))
 }
 
 fn stream(

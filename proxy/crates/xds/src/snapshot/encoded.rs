@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster as EnvoyCluster;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{ClusterDiscoveryType, DiscoveryType};
+use envoy_types::pb::envoy::config::core::v3::ConfigSource;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as EnvoyListener;
 use envoy_types::pb::envoy::config::listener::v3::listener::ListenerSpecifier;
@@ -191,8 +192,8 @@ fn eds_facts(cluster: &EnvoyCluster) -> Option<Eds> {
     let service = eds.map_or("", |eds| eds.service_name.as_str());
     let fetch_timeout = eds
         .and_then(|c| c.eds_config.as_ref())
-        .and_then(crate::source::fetch_timeout)
-        .unwrap_or(crate::source::DEFAULT_INITIAL_FETCH_TIMEOUT);
+        .and_then(fetch_timeout)
+        .unwrap_or(DEFAULT_INITIAL_FETCH_TIMEOUT);
     Some(Eds {
         service_name: (!service.is_empty() && service != cluster.name).then(|| service.into()),
         fetch_timeout,
@@ -215,6 +216,18 @@ fn shared_secrets(secrets: Vec<SecretRef>) -> Arc<Vec<SecretRef>> {
         }
     }
     shunt_core::interned::intern(xxhash_rust::xxh64::xxh64(&digest, 0), &secrets)
+}
+
+/// Envoy's default `initial_fetch_timeout`.
+pub(crate) const DEFAULT_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A source's `initial_fetch_timeout`, when it sets one.
+pub(crate) fn fetch_timeout(source: &ConfigSource) -> Option<Duration> {
+    let t = source.initial_fetch_timeout.as_ref()?;
+    Some(Duration::new(
+        t.seconds.max(0) as u64,
+        t.nanos.clamp(0, 999_999_999) as u32,
+    ))
 }
 
 #[cfg(test)]
@@ -266,7 +279,7 @@ mod tests {
             "name": "c", "type": "EDS", "eds_cluster_config": {"service_name": "svc"}}));
         assert_eq!(other.eds_service_name(), Some("svc"));
         let timeout = other.facts.eds.as_ref().unwrap().fetch_timeout;
-        assert_eq!(timeout, crate::source::DEFAULT_INITIAL_FETCH_TIMEOUT);
+        assert_eq!(timeout, DEFAULT_INITIAL_FETCH_TIMEOUT);
         let unnamed = cluster(serde_json::json!({"name": "d", "type": "EDS"}));
         assert_eq!(unnamed.eds_service_name(), Some("d"));
     }

@@ -12,6 +12,7 @@ mod encoded;
 pub mod extensions;
 
 pub use encoded::{ClusterFacts, Eds, Encoded, Kept, ListenerFacts};
+pub(crate) use encoded::{DEFAULT_INITIAL_FETCH_TIMEOUT, fetch_timeout};
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
