@@ -347,6 +347,15 @@ pub fn shared_clusters() -> usize {
     shunt_core::interned::live::<Prototype>()
 }
 
+/// The shared compile of the CDS cluster `name` whose config and endpoints have
+/// `digest`, if a pod of this process holds one: the caller that holds it may compile
+/// the cluster from a [`Source`] with only its name (`snapshot::DynamicCluster::for_compile`), since
+/// [`compile`] finds it and reads nothing else.
+pub fn find_shared(name: &str, digest: u64) -> Option<Arc<Prototype>> {
+    let path = JsonPath::resource("clusters", "Cluster", None, name);
+    shunt_core::interned::find::<Prototype>(key(&path, digest))
+}
+
 /// Compiles what of one cluster no pod owns (see [`Prototype`]); the diagnostics if it
 /// does not compile. The stages follow the `Cluster` message: discovery type, load
 /// assignment, lb policy, bind config, circuit breakers, health, transport socket,

@@ -327,6 +327,23 @@ impl DynamicCluster {
         &self.tracked.resource.name
     }
 
+    /// The cluster to compile: decoded, or in node mode, when another pod of the process
+    /// compiled the same cluster with the same endpoints, only its name, with that
+    /// compile (held until this one is done, so that the compile finds it and decodes
+    /// nothing).
+    pub fn for_compile(&self) -> (EnvoyCluster, Option<Arc<cluster::Prototype>>) {
+        match cluster::find_shared(self.name(), self.digest) {
+            Some(held) => {
+                let named = EnvoyCluster {
+                    name: self.name().to_owned(),
+                    ..Default::default()
+                };
+                (named, Some(held))
+            }
+            None => (self.tracked.resource.decode(), None),
+        }
+    }
+
     /// What is compiled: the cluster (this one's config, `decoded`) with its endpoints.
     pub fn source<'a>(&'a self, decoded: &'a EnvoyCluster) -> cluster::Source<'a> {
         cluster::Source {
@@ -914,11 +931,8 @@ fn compile_clusters(
     let clusters = match patch {
         Some((previous, changes)) => patch_clusters(&previous.clusters, &changes, stats, problems),
         None => {
-            let decoded: Vec<EnvoyCluster> = dynamic
-                .clusters
-                .iter()
-                .map(|c| c.tracked.resource.decode())
-                .collect();
+            let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
+                dynamic.clusters.iter().map(|c| c.for_compile()).unzip();
             let sources: Vec<cluster::Source> = static_clusters
                 .iter()
                 .enumerate()
@@ -967,8 +981,8 @@ fn patch_clusters(
         .collect();
     let mut compiled = cluster::patch(previous, &removed, stats, problems);
     for batch in upserted.chunks(DECODED_AT_ONCE) {
-        let decoded: Vec<EnvoyCluster> =
-            batch.iter().map(|c| c.tracked.resource.decode()).collect();
+        let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
+            batch.iter().map(|c| c.for_compile()).unzip();
         let changes: Vec<cluster::ClusterChange> = batch
             .iter()
             .zip(&decoded)
