@@ -756,7 +756,11 @@ fn an_early_connect_waits_for_the_config_instead_of_being_refused(backend: &'sta
         output(&app),
         agent.stderr_text()
     );
-    assert_eq!(get(&pod, local(STATUS), "/healthz/ready"), 200);
+    // Ready once the update that served the app is accepted: that comes just after its
+    // listener starts serving (the snapshot is swapped in first), so it is waited for.
+    wait_for("the agent's readiness after the config", &agent, || {
+        get(&pod, local(STATUS), "/healthz/ready") == 200
+    });
 }
 
 #[test]
