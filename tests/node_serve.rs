@@ -183,6 +183,18 @@ impl NodeAgent {
             .unwrap_or_else(|| panic!("stat {name}: {reply}"))
     }
 
+    /// How many of the pod's stats there are under `prefix` (asking for one by name
+    /// would make it).
+    fn stats_under(&mut self, pod: &Pod, prefix: &str) -> usize {
+        self.send(&format!("stats-under {} {prefix}", pod.name()));
+        let reply = self.wait_reply(&format!("@stats-under {} ", pod.name()));
+        reply
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("stats-under {prefix}: {reply}"))
+    }
+
     /// What the process holds once for every pod that has it.
     fn interned(&mut self) -> Interned {
         self.send("interned");
@@ -1620,7 +1632,7 @@ fn each_pod_finds_peers_in_the_workloads_its_own_stream_gave() {
 
 /// Pods of one process that get the same push share it: a third pod given a's push
 /// (its own xDS stream, its own node id) adds no decoded copy of any resource and no
-/// compiled cluster; a push changing its copy of a's cluster adds that cluster for it
+/// compiled cluster, and makes its own cluster (stats, hosts) only when first used; a push changing its copy of a's cluster adds that cluster for it
 /// alone, while a's config_dump and traffic stay as they were; each pod counts its own
 /// connections; and once every pod is gone nothing is interned any more.
 #[test]
@@ -1648,6 +1660,8 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
     outbound_push(ads, &xds_id(&c), b, "a1", 2);
     agent.add_as(&c, "sa");
     agent.wait_ready(&c);
+    // Ready without a cluster of its own: c's `to-b` is made by its first use.
+    assert_eq!(agent.stats_under(&c, "cluster.to-b."), 0);
     let caller = |pod: &Pod| {
         Caller {
             bytes: 1 << 12,
@@ -1657,6 +1671,7 @@ fn pods_with_the_same_push_share_it_and_keep_their_own_state() {
     };
     let call = caller(&c).unwrap_or_else(|e| panic!("c -> b: {e:#}\n{}", agent.stderr()));
     assert_eq!(call.bytes, 1 << 12);
+    assert!(agent.stats_under(&c, "cluster.to-b.") > 0);
     assert_eq!(agent.clusters(&c), a_clusters, "c has a's config");
     assert_eq!(
         agent.interned(),

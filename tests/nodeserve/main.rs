@@ -229,6 +229,14 @@ fn main() -> anyhow::Result<()> {
                     None => reply(&format!("error {uid} no proxy stats")),
                 }
             }
+            ["stats-under", uid, prefix] => match pods.proxy_stats(uid) {
+                Some(stats) => {
+                    let all = stats.snapshot();
+                    let under = all.iter().filter(|s| s.name.starts_with(prefix));
+                    reply(&format!("stats-under {uid} {}", under.count()));
+                }
+                None => reply(&format!("error {uid} no proxy stats")),
+            },
             ["interned"] => reply(&format!(
                 "interned {} {} {}",
                 shunt::xds::interned_resources(),

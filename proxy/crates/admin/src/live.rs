@@ -149,7 +149,8 @@ impl ProxyState for Live {
         let snapshot = self.store.load();
         let mut statuses = cluster_statuses(&snapshot.resources());
         for status in &mut statuses {
-            let Some(cluster) = snapshot.clusters.get(status.name.as_str()) else {
+            // A cluster not made yet (deferred, unused) has its configured hosts.
+            let Some(cluster) = snapshot.clusters.made(status.name.as_str()) else {
                 continue;
             };
             let configured = std::mem::take(&mut status.host_statuses);

@@ -441,7 +441,8 @@ impl Serve {
 /// connection.
 async fn warm_clusters(store: &Current) {
     let mut warming = JoinSet::new();
-    for cluster in store.load().clusters.values() {
+    // A cluster not made yet is one whose making starts nothing.
+    for cluster in store.load().clusters.made_clusters() {
         let cluster = cluster.clone();
         warming.spawn(async move { cluster.start().await });
     }

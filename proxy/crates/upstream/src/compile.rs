@@ -23,6 +23,7 @@ use prost::Message as _;
 
 use super::cluster::UpstreamProtocol;
 use super::cluster::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_DNS_REFRESH_RATE};
+use super::clusters::Entry;
 use super::dns_cluster::{DnsTarget, LookupFamily};
 use super::health_check::{Checker, HealthCheck};
 use super::host::{FAILED_EDS_HEALTH, Host};
@@ -96,19 +97,30 @@ fn path_of(index: Option<usize>, cluster: &EnvoyCluster) -> JsonPath {
     JsonPath::resource("clusters", "Cluster", index, &cluster.name)
 }
 
+/// When a pod's clusters are made (Envoy's `cluster_manager.enable_deferred_cluster_creation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Creation {
+    /// Each one as it compiles.
+    Eager,
+    /// Each one when first looked up, if making it starts nothing (no DNS, no health
+    /// checks, not ORIGINAL_DST): until then it is its shared compile only.
+    Deferred,
+}
+
 /// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
-/// xDS resource's `Cluster "name"`). A cluster whose Envoy config (endpoints included) is
-/// the same as in `previous` keeps its compiled `Arc`, so its health, DNS answers and
-/// connection counts carry over an update.
+/// xDS resource's `Cluster "name"`), made as `creation` says. A cluster whose Envoy
+/// config (endpoints included) is the same as in `previous` keeps its compiled `Arc`,
+/// so its health, DNS answers and connection counts carry over an update.
 pub fn compile_all(
     clusters: &[Source<'_>],
     previous: Option<&Clusters>,
     stats: &Store,
+    creation: Creation,
     problems: &mut Diagnostics,
 ) -> CompiledClusters {
     let mut compiled = CompiledClusters::default();
     for source in clusters {
-        compiled.add(*source, previous, stats, problems);
+        compiled.add(*source, previous, stats, creation, problems);
     }
     compiled
 }
@@ -122,6 +134,7 @@ pub fn patch(
     previous: &Clusters,
     changes: &[ClusterChange<'_>],
     stats: &Store,
+    creation: Creation,
     problems: &mut Diagnostics,
 ) -> CompiledClusters {
     // Clones only pointers: the names and clusters are shared.
@@ -139,7 +152,7 @@ pub fn patch(
     }
     for change in changes {
         if let ClusterChange::Upserted(source) = change {
-            compiled.add(*source, Some(previous), stats, problems);
+            compiled.add(*source, Some(previous), stats, creation, problems);
         }
     }
     compiled
@@ -147,12 +160,13 @@ pub fn patch(
 
 impl CompiledClusters {
     /// Adds one cluster: kept from `previous` if its config is the same there, else
-    /// compiled (and `fresh`).
+    /// compiled (and `fresh` if made now).
     fn add(
         &mut self,
         source: Source<'_>,
         previous: Option<&Clusters>,
         stats: &Store,
+        creation: Creation,
         problems: &mut Diagnostics,
     ) {
         let Source {
@@ -174,25 +188,29 @@ impl CompiledClusters {
             );
             return;
         }
+        let name: Arc<str> = cluster.name.as_str().into();
         let kept = previous
-            .and_then(|p| p.get(cluster.name.as_str()))
-            .filter(|c| c.config_digest == digest)
-            .cloned();
-        let mut pipes = Vec::new();
-        let built = match kept {
-            Some(kept) => Some(kept),
-            None => {
-                let path = path_of(index, cluster);
-                let made = compile(source, &path, stats, &mut pipes, problems);
-                self.fresh.extend(made.clone());
-                made
-            }
-        };
-        if let Some(c) = built {
-            self.clusters.insert(cluster.name.as_str().into(), c);
+            .and_then(|p| p.entry(&name))
+            .filter(|kept| kept.digest() == digest);
+        if let Some(kept) = kept {
+            self.clusters.insert_entry(name, kept.clone());
+            return;
         }
+        let path = path_of(index, cluster);
+        let mut pipes = Vec::new();
+        let Some(prototype) = shared_prototype(source, &path, &mut pipes, problems) else {
+            return;
+        };
         if !pipes.is_empty() {
             self.pipe_endpoints.push((cluster.name.clone(), pipes));
+        }
+        if creation == Creation::Deferred && prototype.deferrable() {
+            let entry = Entry::deferred(prototype, stats);
+            self.clusters.insert_entry(name, entry);
+        } else {
+            let made = prototype.instantiate(stats);
+            self.fresh.push(made.clone());
+            self.clusters.insert(name, made);
         }
     }
 }
@@ -221,9 +239,21 @@ pub fn compile(
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
+    let prototype = shared_prototype(source, path, pipes, problems)?;
+    Some(prototype.instantiate(stats))
+}
+
+/// What of one cluster no pod owns, compiled once per process (see [`shared`]); the
+/// paths of endpoints left out for being Unix domain sockets go to `pipes`.
+fn shared_prototype(
+    source: Source<'_>,
+    path: &JsonPath,
+    pipes: &mut Vec<String>,
+    problems: &mut Diagnostics,
+) -> Option<Arc<Prototype>> {
     let prototype = shared(source, path, problems, || prototype(source, path))?;
     pipes.extend(prototype.pipes.iter().cloned());
-    Some(prototype.instantiate(stats))
+    Some(prototype)
 }
 
 /// Checks that one cluster compiles, its errors and warnings in `problems`, without
@@ -332,12 +362,29 @@ pub struct Prototype {
 
 impl Prototype {
     /// A pod's cluster: its stats in the pod's `stats`, hosts of its own.
-    fn instantiate(self: &Arc<Self>, stats: &Store) -> Arc<Cluster> {
+    pub(crate) fn instantiate(self: &Arc<Self>, stats: &Store) -> Arc<Cluster> {
         let mut config = self.config.clone();
         config.stats = ClusterStats::new(stats, &self.observability_name);
         // Held while the pod's cluster is, so that other pods find it: node mode only.
         config.prototype = shunt_core::interned::sharing_compiled().then(|| self.clone());
         Cluster::new(config, self.hosts.iter().map(Host::fresh).collect())
+    }
+
+    /// The digest of the config it was compiled from.
+    pub(crate) fn digest(&self) -> u64 {
+        self.config.config_digest
+    }
+
+    /// The name its stats go under, when not its own.
+    pub(crate) fn alt_stat_name(&self) -> Option<&str> {
+        Some(&*self.observability_name).filter(|alt| *alt != self.config.name)
+    }
+
+    /// Whether a pod's cluster may be made when first used: making it starts nothing
+    /// (see `Cluster::start`), so nothing is late for having waited.
+    fn deferrable(&self) -> bool {
+        matches!(self.config.discovery, Discovery::Static | Discovery::Eds)
+            && self.config.health_checks.is_empty()
     }
 }
 

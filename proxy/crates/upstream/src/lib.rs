@@ -1,6 +1,7 @@
 //! Upstreams: clusters, their hosts, and everything that decides which host a connection
 //! goes to and whether it may go at all. Named after Envoy's pieces so an Envoy user
-//! finds them: [`cluster`] (discovery types, host sets), [`load_balancer`] (`lb_policy`),
+//! finds them: [`cluster`] (discovery types, host sets), [`clusters`] (the cluster
+//! manager's clusters by name, made on first use when deferred), [`load_balancer`] (`lb_policy`),
 //! [`circuit_breaker`], [`outlier`] (outlier detection), [`health_check`] (active
 //! health checks), [`dns_cluster`] (STRICT_DNS / LOGICAL_DNS discovery), [`connect`]
 //! (the connect itself, with `upstream_bind_config` and `connect_timeout`), [`internal`]
@@ -12,6 +13,7 @@
 pub mod backoff;
 pub mod circuit_breaker;
 pub mod cluster;
+pub mod clusters;
 pub mod compile;
 pub mod connect;
 pub mod dns_cluster;
@@ -30,14 +32,5 @@ pub mod transport_socket;
 pub mod tunnel_pool;
 
 pub use cluster::{Cluster, ClusterConfig, Discovery};
+pub use clusters::Clusters;
 pub use load_balancer::LbContext;
-
-/// A snapshot's clusters by name. The names are shared (`Arc<str>`) so that an update
-/// copies the map of thousands of clusters without copying a name. Looked up on every
-/// request: foldhash rather than SipHash, a fraction of the instructions per lookup
-/// (only config inserts names, so flooding is no concern).
-pub type Clusters = std::collections::HashMap<
-    std::sync::Arc<str>,
-    std::sync::Arc<Cluster>,
-    foldhash::fast::RandomState,
->;

@@ -804,7 +804,7 @@ fn pick_cluster<'a>(
     if let Some((name, _)) = &picked {
         entry.upstream_cluster = Some(name.clone());
     }
-    let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&*name) {
+    let found = picked.and_then(|(name, weighted)| match snapshot.clusters().get(&name) {
         Some(cluster) => Some((cluster, weighted)),
         None => {
             tracing::debug!(cluster = %name, "route names an unknown cluster");

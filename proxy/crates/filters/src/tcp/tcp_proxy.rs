@@ -144,7 +144,7 @@ impl TcpProxy {
         // Flags set before the downstream closes are told to its network filters too.
         let reported = downstream.io().connection().cloned();
         entry.upstream_cluster = Some(name.clone());
-        let Some(cluster) = upstreams.clusters.get(&**name) else {
+        let Some(cluster) = upstreams.clusters.get(name) else {
             tracing::debug!(cluster = %name, "tcp_proxy names an unknown cluster");
             self.stats.downstream_cx_no_route.inc();
             report(entry, &reported, ResponseFlag::NoClusterFound);

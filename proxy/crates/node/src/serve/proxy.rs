@@ -193,7 +193,10 @@ pub fn service_account(pod: &PodInfo) -> &str {
 /// `template` with the pod's node: Istio's sidecar id, cluster `<pod>.<namespace>`, and
 /// the metadata pilot-agent derives from the pod (over the template's own).
 /// With `dns`, `DNS_CAPTURE` is on (pilot-agent's `ISTIO_META_DNS_CAPTURE`): istiod then
-/// sends the pod's name table.
+/// sends the pod's name table. Its clusters are made on first use
+/// (`cluster_manager.enable_deferred_cluster_creation`): istiod pushes each pod every
+/// service of the mesh, the pods share those clusters' compile, and a pod that made
+/// its own of each would pay per pod what sharing saves.
 pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo, dns: bool) -> Bootstrap {
     let mut bootstrap = template.clone();
     let mut node = bootstrap.node.take().unwrap_or_default();
@@ -225,6 +228,10 @@ pub fn pod_bootstrap(template: &Bootstrap, pod: &PodInfo, dns: bool) -> Bootstra
         );
     }
     bootstrap.node = Some(node);
+    bootstrap
+        .cluster_manager
+        .get_or_insert_with(Default::default)
+        .enable_deferred_cluster_creation = true;
     bootstrap
 }
 

@@ -610,8 +610,8 @@ fn unknown_static_secrets(
         |c: &EnvoyCluster| c.transport_socket.is_some() || !c.transport_socket_matches.is_empty();
     let checked = |c: &DynamicCluster| {
         previous
-            .and_then(|p| p.clusters.get(c.name()))
-            .is_some_and(|kept| kept.config_digest == c.digest)
+            .and_then(|p| p.clusters.digest_of(c.name()))
+            .is_some_and(|kept| kept == c.digest)
     };
     // Dynamic clusters name their secrets in their facts: none is decoded.
     let dynamic_clusters = dynamic
@@ -796,8 +796,17 @@ pub fn compile_with(
         .map(|listener| listener.name)
         .collect();
     let static_clusters = &resources.clusters;
-    let (clusters, dynamic_clusters_in_order) =
-        compile_clusters(static_clusters, &dynamic, previous, stats, &mut problems);
+    let pod_clusters = PodClusters {
+        stats,
+        creation: creation(bootstrap),
+    };
+    let (clusters, dynamic_clusters_in_order) = compile_clusters(
+        static_clusters,
+        &dynamic,
+        previous,
+        &pod_clusters,
+        &mut problems,
+    );
     // Listeners compile from their own configs only (a missing cluster is a warning
     // their compiling gave already), so the same configs give the same listeners.
     let unchanged_listeners =
@@ -918,7 +927,7 @@ fn compile_clusters(
     static_clusters: &[EnvoyCluster],
     dynamic: &DynamicResources,
     previous: Option<&Snapshot>,
-    stats: &StatsStore,
+    pod: &PodClusters<'_>,
     problems: &mut Diagnostics,
 ) -> (cluster::CompiledClusters, bool) {
     let patch = previous
@@ -929,7 +938,7 @@ fn compile_clusters(
         });
     let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
-        Some((previous, changes)) => patch_clusters(&previous.clusters, &changes, stats, problems),
+        Some((previous, changes)) => patch_clusters(&previous.clusters, &changes, pod, problems),
         None => {
             let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
                 dynamic.clusters.iter().map(|c| c.for_compile()).unzip();
@@ -945,10 +954,33 @@ fn compile_clusters(
                         .map(|(c, d)| c.source(d)),
                 )
                 .collect();
-            cluster::compile_all(&sources, previous.map(|p| &p.clusters), stats, problems)
+            let previous = previous.map(|p| &p.clusters);
+            cluster::compile_all(&sources, previous, pod.stats, pod.creation, problems)
         }
     };
     (clusters, dynamic_clusters_in_order)
+}
+
+/// Where a pod's clusters keep their stats, and when they are made.
+#[derive(Clone, Copy)]
+struct PodClusters<'a> {
+    stats: &'a StatsStore,
+    creation: cluster::Creation,
+}
+
+/// When the clusters are made: on first use if the bootstrap asks for it
+/// (`cluster_manager.enable_deferred_cluster_creation`, which Istio's bootstrap sets
+/// when it has a `cluster_manager`, and node mode's pod bootstraps always).
+fn creation(bootstrap: &Bootstrap) -> cluster::Creation {
+    let deferred = bootstrap
+        .cluster_manager
+        .as_ref()
+        .is_some_and(|cm| cm.enable_deferred_cluster_creation);
+    if deferred {
+        cluster::Creation::Deferred
+    } else {
+        cluster::Creation::Eager
+    }
 }
 
 /// How many changed clusters are decoded at a time: each is decoded only for its
@@ -962,9 +994,10 @@ const DECODED_AT_ONCE: usize = 32;
 fn patch_clusters(
     previous: &Clusters,
     changes: &[ClusterChange<'_>],
-    stats: &StatsStore,
+    pod: &PodClusters<'_>,
     problems: &mut Diagnostics,
 ) -> cluster::CompiledClusters {
+    let PodClusters { stats, creation } = *pod;
     let removed: Vec<cluster::ClusterChange> = changes
         .iter()
         .filter_map(|change| match change {
@@ -979,7 +1012,7 @@ fn patch_clusters(
             ClusterChange::Removed(_) => None,
         })
         .collect();
-    let mut compiled = cluster::patch(previous, &removed, stats, problems);
+    let mut compiled = cluster::patch(previous, &removed, stats, creation, problems);
     for batch in upserted.chunks(DECODED_AT_ONCE) {
         let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
             batch.iter().map(|c| c.for_compile()).unzip();
@@ -988,7 +1021,7 @@ fn patch_clusters(
             .zip(&decoded)
             .map(|(c, d)| cluster::ClusterChange::Upserted(c.source(d)))
             .collect();
-        let next = cluster::patch(&compiled.clusters, &changes, stats, problems);
+        let next = cluster::patch(&compiled.clusters, &changes, stats, creation, problems);
         compiled.clusters = next.clusters;
         compiled.fresh.extend(next.fresh);
         compiled.pipe_endpoints.extend(next.pipe_endpoints);

@@ -522,6 +522,74 @@ fn proxies_of_one_process_share_what_the_same_resources_compile_to() {
     );
 }
 
+/// `cluster_manager.enable_deferred_cluster_creation` (node mode's pod bootstraps, and
+/// Istio's when they have a `cluster_manager`): a cluster is made, with its stats and
+/// hosts, when first looked up; one whose making starts something (DNS) at once. A
+/// made cluster is kept by the next snapshot as an eager one is.
+#[test]
+fn deferred_creation_makes_a_cluster_when_first_used() {
+    let dns = "{name: dns, type: STRICT_DNS, load_assignment: {cluster_name: dns, endpoints: \
+               [{lb_endpoints: [{endpoint: {address: {socket_address: \
+               {address: localhost, port_value: 1}}}}]}]}}";
+    let yaml = format!(
+        "cluster_manager: {{enable_deferred_cluster_creation: true}}\n\
+         static_resources: {{clusters: [{{name: s}}, {dns}]}}"
+    );
+    let deferred = bootstrap(&yaml);
+    let stats = StatsStore::default();
+    let stat_names = || -> Vec<String> { stats.snapshot().into_iter().map(|s| s.name).collect() };
+    let mut dynamic = super::DynamicResources {
+        clusters: vec![dynamic_cluster("a", 1, "1s"), dynamic_cluster("b", 2, "1s")],
+        ..Default::default()
+    };
+    let first = super::compile_with(&deferred, Arc::new(dynamic.clone()), None, &stats).unwrap();
+    let fresh: Vec<&str> = first.fresh_clusters.iter().map(|c| &*c.name).collect();
+    assert_eq!(
+        fresh,
+        ["dns"],
+        "DNS resolution cannot wait for the first use"
+    );
+    let first = first.snapshot;
+    assert_eq!((first.clusters.len(), first.clusters.deferred()), (4, 3));
+    assert!(first.clusters.made("a").is_none());
+    assert!(
+        !stat_names().iter().any(|n| n.starts_with("cluster.a.")),
+        "no stats before the first use: {:?}",
+        stat_names()
+    );
+
+    let a = first.clusters.get("a").unwrap().clone();
+    assert_eq!(a.hosts()[0].address.port(), 1);
+    assert!(Arc::ptr_eq(&a, &first.clusters["a"]), "made once");
+    assert!(
+        stat_names()
+            .iter()
+            .any(|n| n == "cluster.a.upstream_cx_total")
+    );
+    assert!(!stat_names().iter().any(|n| n.starts_with("cluster.b.")));
+
+    dynamic.clusters[1] = dynamic_cluster("b", 3, "1s");
+    let second = super::compile_with(&deferred, Arc::new(dynamic), Some(&first), &stats)
+        .unwrap()
+        .snapshot;
+    assert!(
+        Arc::ptr_eq(&a, second.clusters.made("a").unwrap()),
+        "unchanged: the made cluster is kept"
+    );
+    assert_eq!(
+        second.clusters.deferred(),
+        2,
+        "b changed and is made when used"
+    );
+    assert_eq!(second.clusters["b"].hosts()[0].address.port(), 3);
+
+    let eager = bootstrap(&yaml.replace("true", "false"));
+    let snapshot = super::compile_with(&eager, Default::default(), None, &stats)
+        .unwrap()
+        .snapshot;
+    assert_eq!(snapshot.clusters.deferred(), 0);
+}
+
 #[test]
 fn an_unknown_cluster_is_a_warning_as_it_may_come_later() {
     let yaml = format!(
@@ -712,8 +780,9 @@ fn dynamic_listener(
 fn contents(snapshot: &Snapshot) -> (Vec<(String, u64)>, Vec<String>) {
     let mut clusters: Vec<(String, u64)> = snapshot
         .clusters
-        .iter()
-        .map(|(name, c)| {
+        .names()
+        .map(|name| {
+            let c = &snapshot.clusters[name];
             assert_eq!(**name, *c.name, "a cluster under its own name");
             (name.to_string(), c.config_digest)
         })

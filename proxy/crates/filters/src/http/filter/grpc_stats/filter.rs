@@ -45,12 +45,8 @@ fn compile_filter(
     let config: FilterConfig = decode(any, path, problems)?;
     let stat_names = ctx
         .clusters
-        .iter()
-        .filter(|(name, cluster)| {
-            let alt = &cluster.stats.observability_name;
-            !alt.is_empty() && alt != *name
-        })
-        .map(|(name, cluster)| (name.clone(), cluster.stats.observability_name.clone()))
+        .alt_stat_names()
+        .map(|(name, alt)| (name.clone(), alt.clone()))
         .collect();
     Some(Arc::new(Config {
         config: Arc::new(compile(&config, path, problems)?),
