@@ -69,6 +69,9 @@ pub struct Source<'a> {
     pub endpoints: Option<&'a [u8]>,
     /// The digest of the config and endpoints: the same digest, the same cluster.
     pub digest: u64,
+    /// The digest of the config alone (an EDS cluster's, as CDS sent it): what its
+    /// check while it warmed is found by (see [`find_checked`]).
+    pub config_digest: u64,
 }
 
 impl<'a> Source<'a> {
@@ -79,6 +82,7 @@ impl<'a> Source<'a> {
             cluster,
             endpoints: None,
             digest,
+            config_digest: digest,
         }
     }
 }
@@ -403,6 +407,14 @@ pub fn find_shared(name: &str, digest: u64) -> Option<Arc<Prototype>> {
     shunt_core::interned::find::<Prototype>(key(&path, digest))
 }
 
+/// The check of the warming CDS cluster `name` whose config (as CDS sent it) has
+/// `config_digest`, if a pod of this process holds one: a pod whose cluster warms
+/// neither decodes nor checks it again.
+pub fn find_checked(name: &str, config_digest: u64) -> Option<Arc<Checked>> {
+    let path = JsonPath::resource("clusters", "Cluster", None, name);
+    shunt_core::interned::find::<Checked>(key(&path, config_digest))
+}
+
 /// Compiles what of one cluster no pod owns (see [`Prototype`]); the diagnostics if it
 /// does not compile. The stages follow the `Cluster` message: discovery type, load
 /// assignment, lb policy, bind config, circuit breakers, health, transport socket,
@@ -411,10 +423,9 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
     let mut problems = Diagnostics::default();
     let mut pipes = Vec::new();
     let made = compile_config(source, path, &mut pipes, &mut problems);
-    let checked = source.endpoints.and_then(|_| {
-        let key = key(path, shunt_config::digest(source.cluster));
-        shunt_core::interned::find::<Checked>(key)
-    });
+    let checked = source
+        .endpoints
+        .and_then(|_| shunt_core::interned::find::<Checked>(key(path, source.config_digest)));
     match made {
         Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
             config,

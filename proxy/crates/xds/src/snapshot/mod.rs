@@ -351,6 +351,7 @@ impl DynamicCluster {
             cluster: decoded,
             endpoints: self.endpoints.as_ref().map(|e| &*e.bytes),
             digest: self.digest,
+            config_digest: self.tracked.resource.digest(),
         }
     }
 }
@@ -1112,12 +1113,23 @@ fn validate_warming(
     let mut aside = Diagnostics::default();
     // A few decoded at a time (see `patch_clusters`); the checks are kept.
     let mut checked = Vec::with_capacity(dynamic.warming_clusters.len());
-    for batch in dynamic.warming_clusters.chunks(DECODED_AT_ONCE) {
-        let decoded: Vec<EnvoyCluster> = batch.iter().map(|t| t.resource.decode()).collect();
+    // Checked by another pod (node mode): neither decoded nor checked again. A check
+    // is shared only if it passed, and only its errors matter here.
+    let mut unchecked = Vec::new();
+    for warming in &dynamic.warming_clusters {
+        let digest = warming.resource.digest();
+        match cluster::find_checked(&warming.resource.name, digest) {
+            Some(found) => checked.push(found),
+            None => unchecked.push((warming, digest)),
+        }
+    }
+    for batch in unchecked.chunks(DECODED_AT_ONCE) {
+        let decoded: Vec<EnvoyCluster> = batch.iter().map(|(t, _)| t.resource.decode()).collect();
         // By the digest `upstream::compile` finds a warming cluster's check by.
         let sources: Vec<cluster::Source> = decoded
             .iter()
-            .map(|d| cluster::Source::new(None, d, shunt_config::digest(d)))
+            .zip(batch)
+            .map(|(d, (_, digest))| cluster::Source::new(None, d, *digest))
             .collect();
         checked.extend(cluster::validate_all(&sources, &mut aside));
     }

@@ -487,6 +487,8 @@ fn proxies_of_one_process_share_what_the_same_resources_compile_to() {
             dynamic_route_config("shared-r", false),
             dynamic_route_config("limited-r", true),
         ],
+        warming_clusters: vec![dynamic_cluster("warming-w", 9, "1s").tracked.clone()],
+        validate_warming: true,
         ..Default::default()
     });
     let (one, two) = (StatsStore::default(), StatsStore::default());
@@ -519,6 +521,10 @@ fn proxies_of_one_process_share_what_the_same_resources_compile_to() {
             &second.route_configs["limited-r"]
         ),
         "token buckets are each proxy's own"
+    );
+    assert!(
+        Arc::ptr_eq(&first.warming[0], &second.warming[0]),
+        "a warming cluster is checked once"
     );
 }
 
