@@ -305,7 +305,7 @@ async fn serve(
                 if shunt_config::release_idle_pool(POOL_IDLE) {
                     tracing::debug!("descriptor pool released while idle");
                 }
-                if let Some(free) = shunt_config::trim_free_heap(HEAP_TRIM_FREE) {
+                if let Some(free) = shunt_config::periodic_trim(HEAP_TRIM_FREE) {
                     tracing::debug!(free, "free heap returned to the kernel");
                 }
             }

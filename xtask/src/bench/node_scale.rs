@@ -82,14 +82,32 @@ pub struct SidecarRun {
 enum Sidecar {
     Shunt,
     Envoy,
+    /// With `cluster_manager.enable_deferred_cluster_creation` (clusters made when
+    /// first used, as node mode's pods): what a sidecar whose bootstrap asks for it
+    /// pays, beside Envoy with the same.
+    ShuntDeferred,
+    EnvoyDeferred,
 }
 
 impl Sidecar {
+    const ALL: [Sidecar; 4] = [
+        Sidecar::Shunt,
+        Sidecar::Envoy,
+        Sidecar::ShuntDeferred,
+        Sidecar::EnvoyDeferred,
+    ];
+
     fn name(self) -> &'static str {
         match self {
             Sidecar::Shunt => "shunt proxy",
             Sidecar::Envoy => "Envoy",
+            Sidecar::ShuntDeferred => "shunt proxy, deferred",
+            Sidecar::EnvoyDeferred => "Envoy, deferred",
         }
+    }
+
+    fn deferred(self) -> bool {
+        matches!(self, Sidecar::ShuntDeferred | Sidecar::EnvoyDeferred)
     }
 }
 
@@ -106,7 +124,7 @@ pub fn run(
     let mut wire = Vec::new();
     // The sidecars with no service: what a service adds is measured from there.
     let empty = Push::new(0)?;
-    for proxy in [Sidecar::Shunt, Sidecar::Envoy] {
+    for proxy in Sidecar::ALL {
         let run = sidecar(bins, envoy, proxy, &empty)
             .with_context(|| format!("{} with no service", proxy.name()))?;
         eprintln!(
@@ -119,7 +137,7 @@ pub fn run(
     for &s in services {
         let push = Push::new(s)?;
         wire.push((s, push.wire_bytes()));
-        for proxy in [Sidecar::Shunt, Sidecar::Envoy] {
+        for proxy in Sidecar::ALL {
             let run = sidecar(bins, envoy, proxy, &push)
                 .with_context(|| format!("{} with {s} services", proxy.name()))?;
             eprintln!(
@@ -248,11 +266,18 @@ fn sidecar(bins: &Bins, envoy: &Path, proxy: Sidecar, push: &Push) -> Result<Sid
         .as_array_mut()
         .context("clusters")?
         .push(sds_cluster);
+    if proxy.deferred() {
+        bootstrap["cluster_manager"] = json!({"enable_deferred_cluster_creation": true});
+    }
     let file = scratch.0.join("sidecar.json");
     std::fs::write(&file, bootstrap.to_string())?;
     let (program, args) = match proxy {
-        Sidecar::Shunt => (bins.shunt.clone(), super::l4::shunt_args(&file)),
-        Sidecar::Envoy => (envoy.to_path_buf(), super::l4::envoy_args(&file)),
+        Sidecar::Shunt | Sidecar::ShuntDeferred => {
+            (bins.shunt.clone(), super::l4::shunt_args(&file))
+        }
+        Sidecar::Envoy | Sidecar::EnvoyDeferred => {
+            (envoy.to_path_buf(), super::l4::envoy_args(&file))
+        }
     };
     let started = Instant::now();
     let process = pod.command(&program).args(&args).spawn()?;

@@ -99,6 +99,17 @@ pub fn trim_free_heap(min_free: usize) -> Option<usize> {
     shunt_memory::trim_free_heap(min_free)
 }
 
+/// Asks the process's periodic trim to return what a rebuild freed (see
+/// [`shunt_memory::trim_soon`]).
+pub fn trim_soon() {
+    shunt_memory::trim_soon()
+}
+
+/// The process's periodic trim (see [`shunt_memory::periodic_trim`]).
+pub fn periodic_trim(min_free: usize) -> Option<usize> {
+    shunt_memory::periodic_trim(min_free)
+}
+
 /// Loads and validates the bootstrap the options name, its extensions against what the
 /// build `implemented` (`shunt_xds::snapshot::extensions::IMPLEMENTED`).
 pub fn check(

@@ -289,6 +289,32 @@ pub fn trim_free_heap(min_free: usize) -> Option<usize> {
     None
 }
 
+/// Asked for by [`trim_soon`]: the next [`periodic_trim`] trims at
+/// [`FREED_BY_REBUILD`] free.
+static TRIM_WANTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How much free heap a [`periodic_trim`] after [`trim_soon`] returns at least.
+pub const FREED_BY_REBUILD: usize = 1 << 20;
+
+/// Asks the next [`periodic_trim`] to hand back even a little free heap: a config
+/// rebuild freed what it decoded and the replaced config. Trimming in the rebuild
+/// itself costs a walk of every arena (`mallinfo2`, `malloc_trim`) per rebuild: in
+/// node mode, per pod and per push, on a heap of every pod's config.
+pub fn trim_soon() {
+    TRIM_WANTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The one periodic trim of a process: [`trim_free_heap`] at `min_free`, or at
+/// [`FREED_BY_REBUILD`] when [`trim_soon`] asked since the last one.
+pub fn periodic_trim(min_free: usize) -> Option<usize> {
+    let wanted = TRIM_WANTED.swap(false, std::sync::atomic::Ordering::Relaxed);
+    trim_free_heap(if wanted {
+        min_free.min(FREED_BY_REBUILD)
+    } else {
+        min_free
+    })
+}
+
 /// Returns free heap pages to the kernel (glibc keeps them otherwise), this thread's
 /// cached blocks first.
 pub fn trim_heap() {

@@ -200,9 +200,10 @@ impl CompiledClusters {
             self.clusters.insert_entry(name, kept.clone());
             return;
         }
-        let path = path_of(index, cluster);
         let mut pipes = Vec::new();
-        let Some(prototype) = shared_prototype(source, &path, &mut pipes, problems) else {
+        // The path is written only if this process has not compiled the cluster yet.
+        let compile = || prototype(source, &path_of(index, cluster));
+        let Some(prototype) = shared_prototype(source, &mut pipes, problems, compile) else {
             return;
         };
         if !pipes.is_empty() {
@@ -243,19 +244,21 @@ pub fn compile(
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Cluster>> {
-    let prototype = shared_prototype(source, path, pipes, problems)?;
+    let compile = || prototype(source, path);
+    let prototype = shared_prototype(source, pipes, problems, compile)?;
     Some(prototype.instantiate(stats))
 }
 
-/// What of one cluster no pod owns, compiled once per process (see [`shared`]); the
-/// paths of endpoints left out for being Unix domain sockets go to `pipes`.
+/// What of one cluster no pod owns, compiled by `compile` once per process (see
+/// [`shared`]); the paths of endpoints left out for being Unix domain sockets go to
+/// `pipes`.
 fn shared_prototype(
     source: Source<'_>,
-    path: &JsonPath,
     pipes: &mut Vec<String>,
     problems: &mut Diagnostics,
+    compile: impl FnOnce() -> Result<Prototype, Diagnostics>,
 ) -> Option<Arc<Prototype>> {
-    let prototype = shared(source, path, problems, || prototype(source, path))?;
+    let prototype = shared(source, problems, compile)?;
     pipes.extend(prototype.pipes.iter().cloned());
     Some(prototype)
 }
@@ -270,7 +273,7 @@ pub fn validate(
     path: &JsonPath,
     problems: &mut Diagnostics,
 ) -> Option<Arc<Checked>> {
-    shared(source, path, problems, || {
+    shared(source, problems, || {
         prototype(source, path).map(|made| Checked {
             warnings: made.warnings,
         })
@@ -288,7 +291,6 @@ pub struct Checked {
 /// `problems`.
 fn shared<T>(
     source: Source<'_>,
-    path: &JsonPath,
     problems: &mut Diagnostics,
     make: impl FnOnce() -> Result<T, Diagnostics>,
 ) -> Option<Arc<T>>
@@ -299,7 +301,8 @@ where
         // No digest of its config (unit tests): nothing to share it by.
         make().map(Arc::new)
     } else {
-        shunt_core::interned::made_once(key(path, source.digest), make)
+        let key = key(source.index, &source.cluster.name, source.digest);
+        shunt_core::interned::made_once(key, make)
     };
     match made {
         Ok(made) => {
@@ -341,9 +344,11 @@ pub fn validate_all(sources: &[Source<'_>], problems: &mut Diagnostics) -> Vec<A
 }
 
 /// The key a cluster's compile is shared by: the digest of what it is compiled from,
-/// and its path (diagnostics name it: `clusters[3]` of a bootstrap).
-fn key(path: &JsonPath, digest: u64) -> u64 {
-    xxhash_rust::xxh64::xxh64(path.as_str().as_bytes(), digest)
+/// its name, and its place in a bootstrap if static (diagnostics name it:
+/// `clusters[3]`). Nothing is written out: every pod looks up each of its clusters.
+fn key(index: Option<usize>, name: &str, digest: u64) -> u64 {
+    let place = index.map_or(0, |i| (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    xxhash_rust::xxh64::xxh64(name.as_bytes(), digest ^ place)
 }
 
 /// What compiling a cluster makes that is the same in every pod that has it: its config
@@ -403,16 +408,14 @@ pub fn shared_clusters() -> usize {
 /// the cluster from a [`Source`] with only its name (`snapshot::DynamicCluster::for_compile`), since
 /// [`compile`] finds it and reads nothing else.
 pub fn find_shared(name: &str, digest: u64) -> Option<Arc<Prototype>> {
-    let path = JsonPath::resource("clusters", "Cluster", None, name);
-    shunt_core::interned::find::<Prototype>(key(&path, digest))
+    shunt_core::interned::find::<Prototype>(key(None, name, digest))
 }
 
 /// The check of the warming CDS cluster `name` whose config (as CDS sent it) has
 /// `config_digest`, if a pod of this process holds one: a pod whose cluster warms
 /// neither decodes nor checks it again.
 pub fn find_checked(name: &str, config_digest: u64) -> Option<Arc<Checked>> {
-    let path = JsonPath::resource("clusters", "Cluster", None, name);
-    shunt_core::interned::find::<Checked>(key(&path, config_digest))
+    shunt_core::interned::find::<Checked>(key(None, name, config_digest))
 }
 
 /// Compiles what of one cluster no pod owns (see [`Prototype`]); the diagnostics if it
@@ -423,9 +426,10 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
     let mut problems = Diagnostics::default();
     let mut pipes = Vec::new();
     let made = compile_config(source, path, &mut pipes, &mut problems);
-    let checked = source
-        .endpoints
-        .and_then(|_| shunt_core::interned::find::<Checked>(key(path, source.config_digest)));
+    let checked = source.endpoints.and_then(|_| {
+        let key = key(source.index, &source.cluster.name, source.config_digest);
+        shunt_core::interned::find::<Checked>(key)
+    });
     match made {
         Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
             config,

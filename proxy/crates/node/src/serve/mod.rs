@@ -116,7 +116,7 @@ impl HeapTrim {
             let mut every = tokio::time::interval(HEAP_TRIM_EVERY);
             loop {
                 every.tick().await;
-                if let Some(free) = shunt_config::trim_free_heap(HEAP_TRIM_FREE) {
+                if let Some(free) = shunt_config::periodic_trim(HEAP_TRIM_FREE) {
                     tracing::debug!(free, "free heap returned to the kernel");
                 }
             }

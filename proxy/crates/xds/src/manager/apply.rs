@@ -15,9 +15,6 @@ use super::resources::{Accepted, Edit, Resource};
 use crate::snapshot::{DynamicResources, Snapshot};
 use crate::type_url::TypeUrl;
 
-/// Free heap glibc may keep after a rebuild before it is handed back to the kernel:
-/// small updates (an endpoint) free little and skip the trim's cost.
-const FREE_AFTER_REBUILD: usize = 1 << 20;
 use shunt_config::UpdateFailure;
 use shunt_core::access_log::Direction;
 use shunt_listener::Listener;
@@ -623,10 +620,10 @@ impl Manager {
         {
             self.send(TypeUrl::Cluster, request);
         }
-        // A compile frees what it decoded and the replaced snapshot's config: glibc
-        // would keep those pages resident until the next periodic trim.
+        // A compile frees what it decoded and the replaced snapshot's config: the
+        // process's periodic trim returns it, however many proxies rebuilt meanwhile.
         drop(previous);
-        let _ = shunt_config::trim_free_heap(FREE_AFTER_REBUILD);
+        shunt_config::trim_soon();
         Ok(())
     }
 
