@@ -279,8 +279,25 @@ fn sidecar(bins: &Bins, envoy: &Path, proxy: Sidecar, push: &Push) -> Result<Sid
             (envoy.to_path_buf(), super::l4::envoy_args(&file))
         }
     };
+    // `SHUNT_BENCH_SIDECAR_WRAPPER="heaptrack -o FILE"` runs the shunt sidecars under a
+    // profiler (its words go before the program; the numbers are then the wrapper's).
+    let wrapper = match proxy {
+        Sidecar::Shunt | Sidecar::ShuntDeferred => {
+            std::env::var("SHUNT_BENCH_SIDECAR_WRAPPER").unwrap_or_default()
+        }
+        Sidecar::Envoy | Sidecar::EnvoyDeferred => String::new(),
+    };
+    let mut words = wrapper.split_whitespace();
     let started = Instant::now();
-    let process = pod.command(&program).args(&args).spawn()?;
+    let process = match words.next() {
+        Some(first) => pod
+            .command(first)
+            .args(words)
+            .arg(&program)
+            .args(&args)
+            .spawn()?,
+        None => pod.command(&program).args(&args).spawn()?,
+    };
     wait_ready(&pod, &ads, &process, push)?;
     let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
     let cpu_ms = super::measure::cpu_ns(process.pid())? as f64 / 1e6;

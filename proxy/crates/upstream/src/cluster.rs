@@ -99,8 +99,9 @@ pub struct ClusterConfig {
     /// The digest of the Envoy config this was compiled from (0 when not compiled from
     /// one), to keep the cluster when an update leaves it unchanged.
     pub config_digest: u64,
-    /// Where the cluster's `cluster.<name>.*` stats go.
-    pub stats: ClusterStats,
+    /// Where the cluster's `cluster.<name>.*` stats go (`None`: to no store, e.g. a
+    /// shared compile, which a pod's cluster gets its own of: no handles allocated).
+    pub stats: Option<ClusterStats>,
     pub http_protocol: UpstreamProtocol,
     /// `transport_socket`: TLS to originate on each connection; `None` for raw bytes.
     pub transport_socket: Option<Arc<shunt_tls::UpstreamTls>>,
@@ -140,7 +141,7 @@ impl ClusterConfig {
             overprovisioning_factor: DEFAULT_OVERPROVISIONING_FACTOR,
             cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
             config_digest: 0,
-            stats: ClusterStats::default(),
+            stats: None,
             http_protocol: UpstreamProtocol::Http1,
             transport_socket: None,
             transport_socket_matches: Arc::new([]),
@@ -209,6 +210,7 @@ struct Members {
 impl Cluster {
     /// A cluster with `hosts` (for DNS clusters, none until [`Cluster::start`] resolves).
     pub fn new(config: ClusterConfig, hosts: Vec<Host>) -> Arc<Cluster> {
+        let stats = config.stats.unwrap_or_default();
         let cluster = Cluster {
             name: config.name.into(),
             config_digest: config.config_digest,
@@ -218,11 +220,11 @@ impl Cluster {
             source_address: config.source_address,
             circuit_breaker: CircuitBreaker::counting(
                 config.max_connections,
-                config.stats.upstream_cx_overflow.clone(),
+                stats.upstream_cx_overflow.clone(),
             ),
             outlier_detection: config.outlier_detection,
             health_checks: config.health_checks,
-            stats: config.stats,
+            stats,
             http_protocol: config.http_protocol,
             transport_socket: config.transport_socket,
             transport_socket_matches: config.transport_socket_matches,
@@ -845,7 +847,7 @@ mod tests {
             l.local_addr().unwrap()
         };
         let mut config = ClusterConfig::new("c");
-        config.stats = ClusterStats::new(&store, "c");
+        config.stats = Some(ClusterStats::new(&store, "c"));
         let cluster = Cluster::new(config, vec![Host::new(open), Host::new(refused)]);
         let hosts = cluster.hosts();
 

@@ -373,7 +373,7 @@ impl Prototype {
     /// A pod's cluster: its stats in the pod's `stats`, hosts of its own.
     pub(crate) fn instantiate(self: &Arc<Self>, stats: &Store) -> Arc<Cluster> {
         let mut config = self.config.clone();
-        config.stats = ClusterStats::new(stats, &self.observability_name);
+        config.stats = Some(ClusterStats::new(stats, &self.observability_name));
         // Held while the pod's cluster is, so that other pods find it: node mode only.
         config.prototype = shunt_core::interned::sharing_compiled().then(|| self.clone());
         Cluster::new(config, self.hosts.iter().map(Host::fresh).collect())
