@@ -698,7 +698,7 @@ pub fn shared_route_configs() -> usize {
 /// of this process compiled from the same bytes (see `shunt_core::interned`): in node
 /// mode every pod whose push has the same version holds one, and its warnings were
 /// reported by the pod that compiled it (only that pod decodes it). One that keeps
-/// run-time state (per-route token buckets) is each pod's own.
+/// run-time state (per-route token buckets) is each pod's own, compiled once for it.
 fn shared_route_config(
     source: &Encoded<RouteConfiguration>,
     problems: &mut Diagnostics,
@@ -714,8 +714,9 @@ fn shared_route_config(
     problems.errors.extend(own.errors);
     problems.warnings.extend(own.warnings);
     let shared = shared.ok()?;
-    if shared.holds_state() {
-        // Its buckets are this pod's.
+    // Token buckets are one pod's: a copy another pod holds is that pod's, and this
+    // one compiles its own; a copy no other pod holds (this call made it) is this one's.
+    if shared.holds_state() && Arc::strong_count(&shared) > 1 {
         return compile(&mut Diagnostics::default()).map(Arc::new);
     }
     Some(shared)
