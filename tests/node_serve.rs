@@ -174,25 +174,24 @@ impl NodeAgent {
 
     /// A counter of the pod's own proxy.
     fn stat(&mut self, pod: &Pod, name: &str) -> u64 {
-        self.send(&format!("stat {} {name}", pod.name()));
-        let reply = self.wait_reply(&format!("@stat {} ", pod.name()));
-        reply
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("stat {name}: {reply}"))
+        self.pod_number(pod, "stat", name)
     }
 
     /// How many of the pod's stats there are under `prefix` (asking for one by name
     /// would make it).
-    fn stats_under(&mut self, pod: &Pod, prefix: &str) -> usize {
-        self.send(&format!("stats-under {} {prefix}", pod.name()));
-        let reply = self.wait_reply(&format!("@stats-under {} ", pod.name()));
+    fn stats_under(&mut self, pod: &Pod, prefix: &str) -> u64 {
+        self.pod_number(pod, "stats-under", prefix)
+    }
+
+    /// The number `nodeserve` answers to `command <pod> <arg>`.
+    fn pod_number(&mut self, pod: &Pod, command: &str, arg: &str) -> u64 {
+        self.send(&format!("{command} {} {arg}", pod.name()));
+        let reply = self.wait_reply(&format!("@{command} {} ", pod.name()));
         reply
             .rsplit(' ')
             .next()
             .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("stats-under {prefix}: {reply}"))
+            .unwrap_or_else(|| panic!("{command} {arg}: {reply}"))
     }
 
     /// What the process holds once for every pod that has it.
