@@ -19,7 +19,8 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 type Key = (TypeId, u64);
 
 struct Table {
-    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>>,
+    /// foldhash: every pod looks up each of its resources here (digests need no SipHash).
+    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>, foldhash::fast::FixedState>,
     /// Entries when dead ones were last dropped: the next sweep waits until the table
     /// has doubled since.
     swept_at: usize,
@@ -27,7 +28,7 @@ struct Table {
 
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| {
     Mutex::new(Table {
-        entries: HashMap::new(),
+        entries: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
         swept_at: 0,
     })
 });
@@ -123,7 +124,7 @@ pub fn live<T: 'static>() -> usize {
 
 static COMPILED: LazyLock<Mutex<Table>> = LazyLock::new(|| {
     Mutex::new(Table {
-        entries: HashMap::new(),
+        entries: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
         swept_at: 0,
     })
 });

@@ -24,7 +24,8 @@ type Key = (Kind, usize, u64);
 struct Table {
     /// The live copies under each key: one while sharing works. More than one (each a
     /// copy of the same bytes) would be a failure to share, which [`count`] shows.
-    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>>,
+    /// foldhash: every pod looks up each resource of its pushes (digests need no SipHash).
+    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>, foldhash::fast::FixedState>,
     /// Entries when dead ones were last dropped: the next sweep waits until the table
     /// has doubled since.
     swept_at: usize,
@@ -32,7 +33,7 @@ struct Table {
 
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| {
     Mutex::new(Table {
-        entries: HashMap::new(),
+        entries: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
         swept_at: 0,
     })
 });

@@ -84,7 +84,7 @@ pub struct Manager {
     types: BTreeMap<TypeUrl, TypeState>,
     streams: Vec<StreamState>,
     /// EDS clusters waiting for endpoints, with when they stop waiting (`None`: never).
-    warming: HashMap<String, Option<Instant>>,
+    warming: warming::NameMap<Option<Instant>>,
     /// How many clusters the current snapshot leaves warming.
     warming_count: usize,
     /// The latest CDS request (ACK or NACK) held while clusters warm: see
@@ -194,7 +194,7 @@ impl Manager {
             changes,
             types,
             streams,
-            warming: HashMap::new(),
+            warming: Default::default(),
             timed_out: Default::default(),
             served: None,
             served_listeners: None,

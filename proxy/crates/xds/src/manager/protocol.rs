@@ -2,7 +2,7 @@
 //! (subscriptions, ACKs, NACKs), state-of-the-world and Delta responses turned into
 //! edits, and the SDS streams opened for secrets named by transport sockets.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{
@@ -17,7 +17,8 @@ use super::{INTERNAL, Manager};
 use crate::source::Stream;
 use crate::stream::{self, Outbound};
 use crate::type_url::TypeUrl;
-use shunt_config::references::SecretSource;
+use envoy_types::pb::envoy::config::core::v3::ConfigSource;
+use shunt_config::references::{SecretRef, SecretSource};
 
 #[derive(Debug)]
 pub(super) struct StreamState {
@@ -383,35 +384,45 @@ impl Manager {
     /// SDS source other than ADS gets a stream of its own.
     pub(super) fn secret_names(&mut self) -> BTreeSet<String> {
         let mut names = BTreeSet::new();
-        let mut api_source = None;
+        let mut api_source: Option<&ConfigSource> = None;
+        // Equal lists are one list process-wide (see `snapshot::Encoded`'s facts): Istio
+        // names the same two secrets in every cluster, read once rather than per cluster.
+        let mut read: HashSet<*const Vec<SecretRef>, foldhash::fast::FixedState> =
+            HashSet::with_hasher(foldhash::fast::FixedState::with_seed(0));
         for kind in [TypeUrl::Listener, TypeUrl::Cluster] {
             let Some(state) = self.types.get(&kind) else {
                 continue;
             };
             for entry in state.resources.values() {
                 let refs = match &entry.resource {
-                    Resource::Listener(l) => (*l.facts.secrets).clone(),
-                    Resource::Cluster(c) => (*c.facts.secrets).clone(),
+                    Resource::Listener(l) => &l.facts.secrets,
+                    Resource::Cluster(c) => &c.facts.secrets,
                     _ => continue,
                 };
-                for secret in refs {
-                    match secret.source {
+                if !read.insert(Arc::as_ptr(refs)) {
+                    continue;
+                }
+                for secret in refs.iter() {
+                    match &secret.source {
                         SecretSource::Static => continue,
                         SecretSource::Ads => {}
-                        SecretSource::Api(source) => {
-                            if api_source.is_none() {
-                                api_source = Some(source);
-                            } else if api_source.as_ref() != Some(&source) {
+                        SecretSource::Api(source) => match api_source {
+                            None => api_source = Some(source),
+                            Some(first) if first != &**source => {
                                 tracing::warn!(secret = %secret.name, "secrets from a second SDS source are not implemented: asking the first one");
                             }
-                        }
+                            Some(_) => {}
+                        },
                     }
-                    names.insert(secret.name);
+                    if !names.contains(&secret.name) {
+                        names.insert(secret.name.clone());
+                    }
                 }
             }
         }
+        let api_source = api_source.cloned();
         if let Some(source) = api_source {
-            self.open_secret_stream(*source);
+            self.open_secret_stream(source);
         }
         names
     }

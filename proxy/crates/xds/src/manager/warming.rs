@@ -15,6 +15,10 @@ use crate::type_url::TypeUrl;
 use shunt_config::Tracked;
 use shunt_config::references::SecretSource;
 
+/// Maps by resource name rebuilt per update, a key per service: foldhash, not SipHash
+/// (names come from config).
+pub(super) type NameMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 /// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
 /// only the clusters those endpoints are for.
 #[derive(Debug, Default)]
@@ -25,10 +29,10 @@ pub(super) struct ServedClusters {
     pub(super) warming: Vec<Tracked<Arc<Encoded<EnvoyCluster>>>>,
     /// The active EDS clusters by the service their endpoints come under: each one's
     /// place in `active` and the digest of its CDS config.
-    pub(super) by_service: HashMap<String, Vec<(usize, u64)>>,
+    pub(super) by_service: NameMap<Vec<(usize, u64)>>,
     /// The EDS services of warming clusters: their endpoints may end the warming,
     /// which takes a full rebuild.
-    pub(super) awaited: HashSet<String>,
+    pub(super) awaited: HashSet<String, foldhash::fast::RandomState>,
 }
 
 /// The LDS listeners a rebuild served.
@@ -81,7 +85,7 @@ impl Manager {
             .get(&TypeUrl::ClusterLoadAssignment)
             .map(|t| &t.resources);
         let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
-        let mut still_warming = HashMap::new();
+        let mut still_warming = NameMap::default();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             for entry in clusters.resources.values() {
                 let Resource::Cluster(cluster) = &entry.resource else {
