@@ -36,7 +36,8 @@ pub struct Entry {
 
 struct Deferred {
     prototype: Arc<Prototype>,
-    stats: Store,
+    /// The pod's stats store, one `Arc` for all its clusters.
+    stats: Arc<Store>,
 }
 
 impl Entry {
@@ -50,7 +51,7 @@ impl Entry {
         })
     }
 
-    pub(crate) fn deferred(prototype: Arc<Prototype>, stats: &Store) -> Arc<Entry> {
+    pub(crate) fn deferred(prototype: Arc<Prototype>, stats: &Arc<Store>) -> Arc<Entry> {
         Arc::new(Entry {
             digest: prototype.digest(),
             alt_stat_name: prototype.alt_stat_name().map(Arc::from),

@@ -111,20 +111,27 @@ pub enum Creation {
     Deferred,
 }
 
+/// What of a compile is the pod's own: where its clusters keep their stats (one `Arc`
+/// for all of them, which each cluster not made yet holds) and when they are made.
+#[derive(Clone)]
+pub struct PodClusters {
+    pub stats: Arc<Store>,
+    pub creation: Creation,
+}
+
 /// Compiles `clusters`, each with its JSON path (`static_resources.clusters[3]`, or an
-/// xDS resource's `Cluster "name"`), made as `creation` says. A cluster whose Envoy
+/// xDS resource's `Cluster "name"`), made as `pod.creation` says. A cluster whose Envoy
 /// config (endpoints included) is the same as in `previous` keeps its compiled `Arc`,
 /// so its health, DNS answers and connection counts carry over an update.
 pub fn compile_all(
     clusters: &[Source<'_>],
     previous: Option<&Clusters>,
-    stats: &Store,
-    creation: Creation,
+    pod: &PodClusters,
     problems: &mut Diagnostics,
 ) -> CompiledClusters {
     let mut compiled = CompiledClusters::default();
     for source in clusters {
-        compiled.add(*source, previous, stats, creation, problems);
+        compiled.add(*source, previous, pod, problems);
     }
     compiled
 }
@@ -137,8 +144,7 @@ pub fn compile_all(
 pub fn patch(
     previous: &Clusters,
     changes: &[ClusterChange<'_>],
-    stats: &Store,
-    creation: Creation,
+    pod: &PodClusters,
     problems: &mut Diagnostics,
 ) -> CompiledClusters {
     // Clones only pointers: the names and clusters are shared.
@@ -156,7 +162,7 @@ pub fn patch(
     }
     for change in changes {
         if let ClusterChange::Upserted(source) = change {
-            compiled.add(*source, Some(previous), stats, creation, problems);
+            compiled.add(*source, Some(previous), pod, problems);
         }
     }
     compiled
@@ -169,8 +175,7 @@ impl CompiledClusters {
         &mut self,
         source: Source<'_>,
         previous: Option<&Clusters>,
-        stats: &Store,
-        creation: Creation,
+        pod: &PodClusters,
         problems: &mut Diagnostics,
     ) {
         let Source {
@@ -209,11 +214,11 @@ impl CompiledClusters {
         if !pipes.is_empty() {
             self.pipe_endpoints.push((cluster.name.clone(), pipes));
         }
-        if creation == Creation::Deferred && prototype.deferrable() {
-            let entry = Entry::deferred(prototype, stats);
+        if pod.creation == Creation::Deferred && prototype.deferrable() {
+            let entry = Entry::deferred(prototype, &pod.stats);
             self.clusters.insert_entry(name, entry);
         } else {
-            let made = prototype.instantiate(stats);
+            let made = prototype.instantiate(&pod.stats);
             self.fresh.push(made.clone());
             self.clusters.insert(name, made);
         }

@@ -51,7 +51,7 @@ fn encoded<T: Kept + 'static>(
     bytes: &[u8],
 ) -> Result<Arc<Encoded<T>>, prost::DecodeError> {
     let (kind, len, digest) = key;
-    interned::intern(kind, len, digest, || Encoded::new(bytes))
+    interned::intern(kind, len, digest, || Encoded::with_digest(bytes, digest))
 }
 
 impl Resource {

@@ -35,6 +35,8 @@ pub struct Encoded<T: Kept> {
     pub name: String,
     pub facts: T::Facts,
     pub bytes: Box<[u8]>,
+    /// xxh64 of `bytes`, taken once: compiles and warming checks key on it per pod.
+    digest: u64,
     message: PhantomData<fn() -> T>,
 }
 
@@ -51,21 +53,31 @@ impl<T: Kept> fmt::Debug for Encoded<T> {
 impl<T: Kept> Encoded<T> {
     /// `bytes` if they decode to a `T`.
     pub fn new(bytes: &[u8]) -> Result<Self, prost::DecodeError> {
+        Self::with_digest(bytes, xxhash_rust::xxh64::xxh64(bytes, 0))
+    }
+
+    /// [`Encoded::new`] when the caller (the xDS manager, at accept) already took the
+    /// bytes' xxh64.
+    pub fn with_digest(bytes: &[u8], digest: u64) -> Result<Self, prost::DecodeError> {
+        debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(bytes, 0));
         let decoded = T::decode(bytes)?;
         Ok(Encoded {
             name: decoded.name().to_owned(),
             facts: decoded.facts(),
             bytes: bytes.into(),
+            digest,
             message: PhantomData,
         })
     }
 
     /// `message` encoded (tests and resources made in place).
     pub fn of(message: &T) -> Self {
+        let bytes: Box<[u8]> = message.encode_to_vec().into();
         Encoded {
             name: message.name().to_owned(),
             facts: message.facts(),
-            bytes: message.encode_to_vec().into(),
+            digest: xxhash_rust::xxh64::xxh64(&bytes, 0),
+            bytes,
             message: PhantomData,
         }
     }
@@ -77,7 +89,7 @@ impl<T: Kept> Encoded<T> {
 
     /// The digest of the bytes: the same digest, the same resource.
     pub fn digest(&self) -> u64 {
-        xxhash_rust::xxh64::xxh64(&self.bytes, 0)
+        self.digest
     }
 }
 

@@ -798,8 +798,8 @@ pub fn compile_with(
         .map(|listener| listener.name)
         .collect();
     let static_clusters = &resources.clusters;
-    let pod_clusters = PodClusters {
-        stats,
+    let pod_clusters = cluster::PodClusters {
+        stats: Arc::new(stats.clone()),
         creation: creation(bootstrap),
     };
     let (clusters, dynamic_clusters_in_order) = compile_clusters(
@@ -929,7 +929,7 @@ fn compile_clusters(
     static_clusters: &[EnvoyCluster],
     dynamic: &DynamicResources,
     previous: Option<&Snapshot>,
-    pod: &PodClusters<'_>,
+    pod: &cluster::PodClusters,
     problems: &mut Diagnostics,
 ) -> (cluster::CompiledClusters, bool) {
     let patch = previous
@@ -957,17 +957,10 @@ fn compile_clusters(
                 )
                 .collect();
             let previous = previous.map(|p| &p.clusters);
-            cluster::compile_all(&sources, previous, pod.stats, pod.creation, problems)
+            cluster::compile_all(&sources, previous, pod, problems)
         }
     };
     (clusters, dynamic_clusters_in_order)
-}
-
-/// Where a pod's clusters keep their stats, and when they are made.
-#[derive(Clone, Copy)]
-struct PodClusters<'a> {
-    stats: &'a StatsStore,
-    creation: cluster::Creation,
 }
 
 /// When the clusters are made: on first use if the bootstrap asks for it
@@ -996,10 +989,9 @@ const DECODED_AT_ONCE: usize = 32;
 fn patch_clusters(
     previous: &Clusters,
     changes: &[ClusterChange<'_>],
-    pod: &PodClusters<'_>,
+    pod: &cluster::PodClusters,
     problems: &mut Diagnostics,
 ) -> cluster::CompiledClusters {
-    let PodClusters { stats, creation } = *pod;
     let removed: Vec<cluster::ClusterChange> = changes
         .iter()
         .filter_map(|change| match change {
@@ -1014,7 +1006,7 @@ fn patch_clusters(
             ClusterChange::Removed(_) => None,
         })
         .collect();
-    let mut compiled = cluster::patch(previous, &removed, stats, creation, problems);
+    let mut compiled = cluster::patch(previous, &removed, pod, problems);
     for batch in upserted.chunks(DECODED_AT_ONCE) {
         let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
             batch.iter().map(|c| c.for_compile()).unzip();
@@ -1023,7 +1015,7 @@ fn patch_clusters(
             .zip(&decoded)
             .map(|(c, d)| cluster::ClusterChange::Upserted(c.source(d)))
             .collect();
-        let next = cluster::patch(&compiled.clusters, &changes, stats, creation, problems);
+        let next = cluster::patch(&compiled.clusters, &changes, pod, problems);
         compiled.clusters = next.clusters;
         compiled.fresh.extend(next.fresh);
         compiled.pipe_endpoints.extend(next.pipe_endpoints);
