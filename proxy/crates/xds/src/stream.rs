@@ -16,6 +16,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use std::sync::Arc;
 
+use super::grpc;
 use super::local::{LocalServer, LocalServers, MessageStream};
 use super::source::{Stream, Target, Tls};
 use shunt_upstream::backoff::Backoff;
@@ -105,12 +106,11 @@ async fn session(
     events: &mpsc::UnboundedSender<Event>,
     pool: Option<&ChannelPool>,
 ) -> Result<bool, (String, bool)> {
-    let channel = connect(&config.target, config.tls.as_ref(), config.timeout, pool)
+    let mut channel = connect(&config.target, config.tls.as_ref(), config.timeout, pool)
         .await
         .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
-    // No 4 MiB cap on a response: a full push of a large mesh is bigger (Envoy has none).
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
-    grpc.ready()
+    // Connected once the channel can take the call.
+    tower::ServiceExt::<http::Request<tonic::body::Body>>::ready(&mut channel)
         .await
         .map_err(|e| (format!("{}: {e}", config.target), false))?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -133,13 +133,13 @@ async fn session(
             stream: index,
             response,
         };
-        exchange(&mut grpc, delta_rx, config, path, wrap, events).await
+        exchange(channel, delta_rx, config, path, wrap, events).await
     } else {
         let wrap = |response| Event::Sotw {
             stream: index,
             response,
         };
-        exchange(&mut grpc, sotw_rx, config, path, wrap, events).await
+        exchange(channel, sotw_rx, config, path, wrap, events).await
     }
 }
 
@@ -211,9 +211,10 @@ async fn local_session(
 }
 
 /// Streams `requests` to the server and hands every response to the manager, wrapped;
-/// returns whether any arrived.
+/// returns whether any arrived. No cap on a response's size: a full push of a large
+/// mesh is more than gRPC's usual 4 MiB (Envoy has none).
 async fn exchange<Req, Resp>(
-    grpc: &mut tonic::client::Grpc<Channel>,
+    channel: Channel,
     requests: mpsc::UnboundedReceiver<Req>,
     config: &Stream,
     path: tonic::codegen::http::uri::PathAndQuery,
@@ -230,13 +231,11 @@ where
             delivered,
         )
     };
-    let request = with_metadata(UnboundedReceiverStream::new(requests), config)?;
-    let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
-    let mut responses = grpc
-        .streaming(request, path, codec)
+    let metadata = metadata(config)?;
+    let requests = UnboundedReceiverStream::new(requests);
+    let mut responses = grpc::call::<Req, Resp>(channel, path, metadata, requests)
         .await
-        .map_err(|s| fail(s, false))?
-        .into_inner();
+        .map_err(|s| fail(s, false))?;
     let mut delivered = false;
     while let Some(response) = responses.message().await.map_err(|s| fail(s, delivered))? {
         delivered = true;
@@ -263,8 +262,9 @@ async fn split(
     }
 }
 
-fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (String, bool)> {
-    let mut request = tonic::Request::new(body);
+/// The stream's `initial_metadata`, as request headers.
+fn metadata(config: &Stream) -> Result<tonic::metadata::MetadataMap, (String, bool)> {
+    let mut metadata = tonic::metadata::MetadataMap::new();
     for (key, value) in &config.initial_metadata {
         let key = tonic::metadata::MetadataKey::from_bytes(key.as_bytes())
             .map_err(|_| (format!("{}: bad metadata key {key:?}", config.path), false))?;
@@ -274,9 +274,9 @@ fn with_metadata<T>(body: T, config: &Stream) -> Result<tonic::Request<T>, (Stri
                 false,
             )
         })?;
-        request.metadata_mut().insert(key, value);
+        metadata.insert(key, value);
     }
-    Ok(request)
+    Ok(metadata)
 }
 
 /// A gRPC channel to `target` (TLS when given): the manager's streams use it, and so
