@@ -94,7 +94,7 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
                 return;
             };
             let cds = Cluster {
-                name: endpoints.name.clone(),
+                name: endpoints.name.to_string(),
                 ..Default::default()
             };
             let digest = shunt::config::digest(&cds);

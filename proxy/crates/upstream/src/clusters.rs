@@ -146,8 +146,8 @@ impl Clusters {
         self.by_name.remove(name);
     }
 
-    pub(crate) fn entry(&self, name: &str) -> Option<&Arc<Entry>> {
-        self.by_name.get(name)
+    pub(crate) fn entry(&self, name: &str) -> Option<(&Arc<str>, &Arc<Entry>)> {
+        self.by_name.get_key_value(name)
     }
 
     pub(crate) fn insert_entry(&mut self, name: Arc<str>, entry: Arc<Entry>) {

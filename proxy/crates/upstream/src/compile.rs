@@ -197,12 +197,12 @@ impl CompiledClusters {
             );
             return;
         }
-        let name: Arc<str> = cluster.name.as_str().into();
+        // An unchanged cluster keeps its entry and the name it is under.
         let kept = previous
-            .and_then(|p| p.entry(&name))
-            .filter(|kept| kept.digest() == digest);
-        if let Some(kept) = kept {
-            self.clusters.insert_entry(name, kept.clone());
+            .and_then(|p| p.entry(&cluster.name))
+            .filter(|(_, kept)| kept.digest() == digest);
+        if let Some((name, kept)) = kept {
+            self.clusters.insert_entry(name.clone(), kept.clone());
             return;
         }
         let mut pipes = Vec::new();
@@ -214,6 +214,8 @@ impl CompiledClusters {
         if !pipes.is_empty() {
             self.pipe_endpoints.push((cluster.name.clone(), pipes));
         }
+        // Every pod's map holds the prototype's name, not a copy of its own.
+        let name = prototype.name.clone();
         if pod.creation == Creation::Deferred && prototype.deferrable() {
             let entry = Entry::deferred(prototype, &pod.stats);
             self.clusters.insert_entry(name, entry);
@@ -364,6 +366,8 @@ fn key(index: Option<usize>, name: &str, digest: u64) -> u64 {
 #[derive(Debug)]
 pub struct Prototype {
     config: ClusterConfig,
+    /// The cluster's name, the key every pod's map holds it under.
+    name: Arc<str>,
     hosts: Vec<Host>,
     observability_name: String,
     pipes: Vec<String>,
@@ -437,6 +441,7 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
     });
     match made {
         Some((config, hosts, observability_name)) if problems.errors.is_empty() => Ok(Prototype {
+            name: config.name.as_str().into(),
             config,
             hosts,
             observability_name,

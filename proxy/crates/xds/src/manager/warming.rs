@@ -28,12 +28,17 @@ pub(super) struct ServedClusters {
     /// Waiting for their endpoints or secrets.
     pub(super) warming: Vec<Tracked<Arc<Encoded<EnvoyCluster>>>>,
     /// The active EDS clusters by the service their endpoints come under: each one's
-    /// place in `active` and the digest of its CDS config.
-    pub(super) by_service: NameMap<Vec<(usize, u64)>>,
+    /// place in `active` and the digest of its CDS config. Keyed by the accepted
+    /// cluster's own name, and one cluster per service kept inline (Istio's case): a
+    /// pod's map holds no allocation per service.
+    pub(super) by_service: HashMap<Arc<str>, ServiceUsers, foldhash::fast::RandomState>,
     /// The EDS services of warming clusters: their endpoints may end the warming,
     /// which takes a full rebuild.
     pub(super) awaited: HashSet<String, foldhash::fast::RandomState>,
 }
+
+/// The active clusters whose endpoints come under one EDS service.
+pub(super) type ServiceUsers = smallvec::SmallVec<[(usize, u64); 1]>;
 
 /// The LDS listeners a rebuild served.
 #[derive(Debug, Default)]
@@ -92,19 +97,19 @@ impl Manager {
                     continue;
                 };
                 let tracked = entry.tracked(cluster);
-                let service = cluster.eds_service_name();
+                let service = cluster.eds_service();
                 let secrets_missing = (cluster.facts.secrets.iter())
                     .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
-                let eds = service.and_then(|s| endpoints.and_then(|e| e.get(s)));
+                let eds = service.and_then(|s| endpoints.and_then(|e| e.get(&**s)));
                 let waiting = secrets_missing || (service.is_some() && eds.is_none());
-                if waiting && !self.timed_out.contains(&cluster.name) {
+                if waiting && !self.timed_out.contains(&*cluster.name) {
                     let timeout = match &cluster.facts.eds {
                         Some(eds) if !secrets_missing => eds.fetch_timeout,
                         _ => self.plan.initial_fetch_timeout,
                     };
-                    let deadline = warm_until(timeout, self.warming.get(&cluster.name));
-                    still_warming.insert(cluster.name.clone(), deadline);
-                    served.awaited.extend(service.map(str::to_owned));
+                    let deadline = warm_until(timeout, self.warming.get(&*cluster.name));
+                    still_warming.insert(cluster.name.to_string(), deadline);
+                    served.awaited.extend(service.map(|s| s.to_string()));
                     served.warming.push(tracked);
                     continue;
                 }
@@ -119,7 +124,7 @@ impl Manager {
                 let (endpoints, digest) = with_endpoints_of(entry.digest, eds);
                 served
                     .by_service
-                    .entry(service.to_owned())
+                    .entry(service.clone())
                     .or_default()
                     .push((served.active.len(), entry.digest));
                 served.active.push(Arc::new(DynamicCluster {
@@ -161,7 +166,7 @@ impl Manager {
             return false;
         }
         for service in services {
-            let Some(users) = served.by_service.get(service) else {
+            let Some(users) = served.by_service.get(service.as_str()) else {
                 continue;
             };
             let eds = endpoints.get(service);
@@ -204,20 +209,20 @@ impl Manager {
                     || (l.facts.secrets.iter())
                         .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
                 let tracked = entry.tracked(l);
-                if waiting && !self.listeners_timed_out.contains(&l.name) {
+                if waiting && !self.listeners_timed_out.contains(&*l.name) {
                     warming_listeners.insert(
-                        l.name.clone(),
-                        deadline(self.warming_listeners.get(&l.name)),
+                        l.name.to_string(),
+                        deadline(self.warming_listeners.get(&*l.name)),
                     );
                     served.warming.push(tracked);
-                    if let Some(active) = self.active_listeners.get(&l.name) {
+                    if let Some(active) = self.active_listeners.get(&*l.name) {
                         served.active.push(active.clone());
-                        active_listeners.insert(l.name.clone(), active.clone());
+                        active_listeners.insert(l.name.to_string(), active.clone());
                     }
                     continue;
                 }
                 served.active.push(tracked.clone());
-                active_listeners.insert(l.name.clone(), tracked);
+                active_listeners.insert(l.name.to_string(), tracked);
             }
             self.listeners_timed_out
                 .retain(|name| listeners.resources.contains_key(name));

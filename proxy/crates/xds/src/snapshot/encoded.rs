@@ -32,7 +32,8 @@ pub trait Kept: Message + Default {
 
 /// A resource as it came on the wire, checked to decode, with its name and facts.
 pub struct Encoded<T: Kept> {
-    pub name: String,
+    /// Shared: the manager's and the served maps' keys are this very name.
+    pub name: Arc<str>,
     pub facts: T::Facts,
     pub bytes: Box<[u8]>,
     /// xxh64 of `bytes`, taken once: compiles and warming checks key on it per pod.
@@ -62,7 +63,7 @@ impl<T: Kept> Encoded<T> {
         debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(bytes, 0));
         let decoded = T::decode(bytes)?;
         Ok(Encoded {
-            name: decoded.name().to_owned(),
+            name: decoded.name().into(),
             facts: decoded.facts(),
             bytes: bytes.into(),
             digest,
@@ -74,7 +75,7 @@ impl<T: Kept> Encoded<T> {
     pub fn of(message: &T) -> Self {
         let bytes: Box<[u8]> = message.encode_to_vec().into();
         Encoded {
-            name: message.name().to_owned(),
+            name: message.name().into(),
             facts: message.facts(),
             digest: xxhash_rust::xxh64::xxh64(&bytes, 0),
             bytes,
@@ -162,7 +163,7 @@ pub struct ClusterFacts {
 #[derive(Debug)]
 pub struct Eds {
     /// Its `eds_cluster_config.service_name`; `None` when that is the cluster's name.
-    service_name: Option<Box<str>>,
+    service_name: Option<Arc<str>>,
     /// Its `eds_config`'s `initial_fetch_timeout`, Envoy's 15 s when unset (Istio sets
     /// 0: for ever).
     pub fetch_timeout: Duration,
@@ -187,8 +188,13 @@ impl Encoded<EnvoyCluster> {
     /// The EDS service an EDS cluster's endpoints come under: `service_name`, else its
     /// name.
     pub fn eds_service_name(&self) -> Option<&str> {
+        self.eds_service().map(|s| &**s)
+    }
+
+    /// [`Self::eds_service_name`], shared: what maps by service are keyed with.
+    pub fn eds_service(&self) -> Option<&Arc<str>> {
         let eds = self.facts.eds.as_ref()?;
-        Some(eds.service_name.as_deref().unwrap_or(&self.name))
+        Some(eds.service_name.as_ref().unwrap_or(&self.name))
     }
 }
 
@@ -256,7 +262,7 @@ mod tests {
     #[test]
     fn a_clusters_facts_are_what_the_manager_read_of_it_decoded() {
         let plain = cluster(serde_json::json!({"name": "s", "type": "STATIC"}));
-        assert_eq!(plain.name, "s");
+        assert_eq!(&*plain.name, "s");
         assert_eq!(plain.eds_service_name(), None);
         assert!(plain.facts.secrets.is_empty() && !plain.facts.has_tls);
 

@@ -667,7 +667,7 @@ fn dynamic_route_configs(
     let mut sources = HashMap::new();
     for tracked in &dynamic.route_configs {
         let source = &tracked.resource;
-        let name = &source.name;
+        let name: &str = &source.name;
         let kept = previous
             .filter(|p| {
                 p.route_sources
@@ -682,8 +682,8 @@ fn dynamic_route_configs(
                 None => continue,
             },
         };
-        compiled.insert(name.clone(), route_config);
-        sources.insert(name.clone(), source.clone());
+        compiled.insert(name.to_owned(), route_config);
+        sources.insert(name.to_owned(), source.clone());
     }
     (compiled, sources)
 }
@@ -734,7 +734,7 @@ fn dynamic_secrets(
     let mut sources = HashMap::new();
     for tracked in &dynamic.secrets {
         let source = &tracked.resource;
-        let name = &source.name;
+        let name: &str = &source.name;
         let path = JsonPath::resource("", "Secret", None, name);
         if secrets.contains_key(name) {
             problems.warning(
@@ -757,8 +757,8 @@ fn dynamic_secrets(
                 None => continue,
             },
         };
-        secrets.insert(name.clone(), secret);
-        sources.insert(name.clone(), source.clone());
+        secrets.insert(name.to_owned(), secret);
+        sources.insert(name.to_owned(), source.clone());
     }
     sources
 }
