@@ -946,6 +946,62 @@ fn without_a_bootstrap_the_agent_writes_pilot_agents_and_proxies_xds_for_it() {
     server.stop();
 }
 
+/// A push over gRPC's usual 4 MiB limit (a large mesh's full CDS) comes through the
+/// agent's xDS proxy whole, as Envoy takes it from istiod: the upstream stream has no
+/// cap on a response (tonic's default client refused it as "decoded message length
+/// too large", and the proxy never got its config).
+#[test]
+fn a_push_over_4_mib_comes_through_the_xds_proxy() {
+    use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{Struct, Value as ProtoValue, value::Kind};
+    use prost::Message;
+
+    let (_dir, socket, server) = unix_server("agent-big-push");
+    let mut node = Node::new().unwrap();
+    let pod = node.add_pod("bigpush").unwrap();
+    let _echo = support::start_app(&pod, &[ECHO]);
+    let (name, mut any) = eds_cluster("backend", 1);
+    let mut cluster = Cluster::decode(any.value.as_slice()).unwrap();
+    let blob = ProtoValue {
+        kind: Some(Kind::StringValue("x".repeat(5 << 20))),
+    };
+    let bulk = Struct {
+        fields: [("blob".to_owned(), blob)].into(),
+    };
+    cluster.metadata = Some(Metadata {
+        filter_metadata: [("test.bulk".to_owned(), bulk)].into(),
+        ..Default::default()
+    });
+    any.value = cluster.encode_to_vec();
+    assert!(any.value.len() > 5 << 20);
+    xds::serve_backend(&server, (name, any), ECHO, 10000);
+    let work = TempDir::new("agent-big-push-cwd");
+    let upstream = format!("unix:{}", socket.display());
+    let mut agent = pod
+        .command(shunt_bin())
+        .current_dir(&work.0)
+        .args(["agent", "--keep-user", "--xds-address", &upstream])
+        .env("POD_NAME", "bigpush-1")
+        .env("POD_NAMESPACE", "default")
+        .env("INSTANCE_IP", pod.ipv4().to_string())
+        .spawn()
+        .expect("start shunt agent");
+    let readiness = |pod: &Pod| http(pod, local(READINESS), "GET", "/healthz/ready", "localhost").0;
+    wait_for("15021 ready", &agent, || readiness(&pod) == 200);
+    assert!(
+        xds::reaches(&pod, local(10000)).is_some(),
+        "the listener to the cluster of the big push serves"
+    );
+    assert_eq!(
+        http(&pod, local(STATUS), "POST", "/quitquitquit", "localhost").0,
+        200
+    );
+    let exit = agent.wait_timeout(Duration::from_secs(20)).unwrap();
+    assert!(exit.success(), "{}", agent.stderr_text());
+    server.stop();
+}
+
 /// pilot-agent keeps the bootstrap and the xDS proxy's socket in the ProxyConfig's
 /// `configPath`, which the bootstrap's `xds-grpc` pipe names: with a configPath of its
 /// own (from `PROXY_CONFIG`) the three still agree, so the proxy's config arrives.

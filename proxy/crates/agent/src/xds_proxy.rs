@@ -21,6 +21,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
+use shunt_xds::grpc::Responses;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
@@ -402,12 +403,14 @@ fn nack(message: String) -> RpcStatus {
 /// table), whose ACK or NACK it returns to go back up. Ends with either stream; an
 /// upstream error goes down as the stream's status, so the proxy reconnects.
 async fn relay_responses<Req, Resp>(
-    mut responses: Streaming<Resp>,
+    mut responses: Responses<Resp>,
     proxy: &XdsProxy,
     down: mpsc::UnboundedSender<Result<Resp, Status>>,
     up: mpsc::UnboundedSender<Req>,
     keep: impl Fn(&Resp) -> Option<Req>,
-) {
+) where
+    Resp: prost::Message + Default,
+{
     loop {
         // The proxy's stream may end first (Envoy restarts): then the upstream one ends
         // now, not at istiod's next push.
@@ -435,25 +438,27 @@ async fn relay_responses<Req, Resp>(
     }
 }
 
-/// Opens the upstream stream of `path`, fed from `requests`.
+/// Opens the upstream stream of `path`, fed from `requests`. Its responses are framed
+/// by [`shunt_xds::grpc`]: no cap on their size (a full push of a large mesh is more
+/// than tonic's default 4 MiB) and no receive buffer kept between them.
 async fn open<Req, Resp>(
     proxy: &XdsProxy,
     requests: mpsc::UnboundedReceiver<Req>,
     path: &'static str,
-) -> Result<Streaming<Resp>, Status>
+) -> Result<Responses<Resp>, Status>
 where
     Req: prost::Message + Send + 'static,
     Resp: prost::Message + Default + Send + 'static,
 {
-    let channel = proxy.channel().await?;
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready()
+    let mut channel = proxy.channel().await?;
+    tower::ServiceExt::<tonic::codegen::http::Request<tonic::body::Body>>::ready(&mut channel)
         .await
         .map_err(|e| Status::unavailable(format!("istiod not ready: {e}")))?;
-    let request = proxy.upstream_request(UnboundedReceiverStream::new(requests))?;
-    let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+    let (metadata, _, requests) = proxy
+        .upstream_request(UnboundedReceiverStream::new(requests))?
+        .into_parts();
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
-    Ok(grpc.streaming(request, path, codec).await?.into_inner())
+    shunt_xds::grpc::call(channel, path, metadata, requests).await
 }
 
 /// Forwards the proxy's requests upstream; after the first, sends `extra(first)` if any.

@@ -27,7 +27,7 @@ const MAX_PREALLOC: usize = 16 << 20;
 
 /// Opens the call `path` on `channel` with `metadata`, sending `requests` as they come;
 /// the responses are read from what is returned.
-pub(crate) async fn call<Req, Resp>(
+pub async fn call<Req, Resp>(
     channel: Channel,
     path: PathAndQuery,
     metadata: MetadataMap,
@@ -70,7 +70,7 @@ where
         reader: Reader::default(),
         ready: VecDeque::new(),
         ended: false,
-        message: PhantomData,
+        decodes_to: PhantomData,
     })
 }
 
@@ -86,18 +86,18 @@ fn encode(message: &impl prost::Message) -> Bytes {
 }
 
 /// The responses of a call, in order.
-pub(crate) struct Responses<Resp> {
+pub struct Responses<Resp> {
     body: tonic::body::Body,
     reader: Reader,
     ready: VecDeque<Vec<u8>>,
     /// The trailers said OK: no more messages.
     ended: bool,
-    message: PhantomData<fn() -> Resp>,
+    decodes_to: PhantomData<fn() -> Resp>,
 }
 
 impl<Resp: prost::Message + Default> Responses<Resp> {
     /// The next response; `None` once the server ended the call with OK.
-    pub(crate) async fn message(&mut self) -> Result<Option<Resp>, Status> {
+    pub async fn message(&mut self) -> Result<Option<Resp>, Status> {
         loop {
             if let Some(bytes) = self.ready.pop_front() {
                 return Resp::decode(bytes.as_slice())

@@ -17,7 +17,7 @@
 
 #![forbid(unsafe_code)]
 
-mod grpc;
+pub mod grpc;
 pub mod local;
 pub mod manager;
 pub mod snapshot;
