@@ -150,6 +150,10 @@ impl Clusters {
         self.by_name.get_key_value(name)
     }
 
+    pub(crate) fn take_entry(&mut self, name: &str) -> Option<(Arc<str>, Arc<Entry>)> {
+        self.by_name.remove_entry(name)
+    }
+
     pub(crate) fn insert_entry(&mut self, name: Arc<str>, entry: Arc<Entry>) {
         self.by_name.insert(name, entry);
     }

@@ -152,20 +152,35 @@ pub fn patch(
         clusters: previous.clone(),
         ..Default::default()
     };
-    // Every changed name goes first, so that a replaced cluster is not a second one.
+    patch_in_place(&mut compiled, changes, pod, problems);
+    compiled
+}
+
+/// [`patch`] applied to `compiled` itself: an update's changes taken a batch at a time
+/// cost the batch, not a copy of the map per batch.
+pub fn patch_in_place(
+    compiled: &mut CompiledClusters,
+    changes: &[ClusterChange<'_>],
+    pod: &PodClusters,
+    problems: &mut Diagnostics,
+) {
+    // Every changed name goes first, so that a replaced cluster is not a second one;
+    // what it was is kept aside, to be kept if its config is the same.
+    let mut replaced = Clusters::default();
     for change in changes {
         let name = match change {
             ClusterChange::Upserted(source) => source.cluster.name.as_str(),
             ClusterChange::Removed(name) => name,
         };
-        compiled.clusters.remove(name);
+        if let Some((name, entry)) = compiled.clusters.take_entry(name) {
+            replaced.insert_entry(name, entry);
+        }
     }
     for change in changes {
         if let ClusterChange::Upserted(source) = change {
-            compiled.add(*source, Some(previous), pod, problems);
+            compiled.add(*source, Some(&replaced), pod, problems);
         }
     }
-    compiled
 }
 
 impl CompiledClusters {

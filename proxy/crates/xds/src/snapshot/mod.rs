@@ -614,34 +614,12 @@ fn unknown_static_secrets(
             .and_then(|p| p.clusters.digest_of(c.name()))
             .is_some_and(|kept| kept == c.digest)
     };
-    // Dynamic clusters name their secrets in their facts: none is decoded.
-    let dynamic_clusters = dynamic
-        .clusters
-        .iter()
-        .filter(|c| c.tracked.resource.facts.has_tls && !checked(c))
-        .map(|c| {
-            let path = JsonPath::resource("clusters", "Cluster", None, c.name());
-            (path, (*c.tracked.resource.facts.secrets).clone())
-        });
-    let listeners = listeners.iter().filter(|_| listeners_changed);
-    let clusters = static_clusters
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| has_tls(c))
-        .map(|(index, cluster)| {
-            let path = JsonPath::resource("clusters", "Cluster", Some(index), &cluster.name);
-            (path, references::cluster_secrets(cluster))
-        })
-        .chain(dynamic_clusters);
-    let listeners = listeners.map(|(index, listener)| {
-        let path = JsonPath::resource("listeners", "Listener", *index, &listener.name);
-        (path, references::listener_secrets(listener))
-    });
-    for (path, refs) in clusters.chain(listeners) {
+    // The path is written only for a problem: a pod's first push checks every cluster.
+    let mut check = |refs: &[references::SecretRef], path: &dyn Fn() -> JsonPath| {
         for secret in refs {
             if secret.source == SecretSource::Static && !known.contains(secret.name.as_str()) {
                 problems.error(
-                    path.field("transport_socket"),
+                    path().field("transport_socket"),
                     format!(
                         "names secret {:?} without an sds_config, and static_resources.secrets has no such secret",
                         secret.name
@@ -649,6 +627,23 @@ fn unknown_static_secrets(
                 );
             }
         }
+    };
+    for (index, cluster) in static_clusters.iter().enumerate() {
+        if has_tls(cluster) {
+            let path = || JsonPath::resource("clusters", "Cluster", Some(index), &cluster.name);
+            check(&references::cluster_secrets(cluster), &path);
+        }
+    }
+    // Dynamic clusters name their secrets in their facts (shared): none is decoded.
+    for cluster in &dynamic.clusters {
+        if cluster.tracked.resource.facts.has_tls && !checked(cluster) {
+            let path = || JsonPath::resource("clusters", "Cluster", None, cluster.name());
+            check(&cluster.tracked.resource.facts.secrets, &path);
+        }
+    }
+    for (index, listener) in listeners.iter().filter(|_| listeners_changed) {
+        let path = || JsonPath::resource("listeners", "Listener", *index, &listener.name);
+        check(&references::listener_secrets(listener), &path);
     }
 }
 
@@ -1015,10 +1010,7 @@ fn patch_clusters(
             .zip(&decoded)
             .map(|(c, d)| cluster::ClusterChange::Upserted(c.source(d)))
             .collect();
-        let next = cluster::patch(&compiled.clusters, &changes, pod, problems);
-        compiled.clusters = next.clusters;
-        compiled.fresh.extend(next.fresh);
-        compiled.pipe_endpoints.extend(next.pipe_endpoints);
+        cluster::patch_in_place(&mut compiled, &changes, pod, problems);
     }
     compiled
 }
