@@ -59,7 +59,7 @@ pub const CRATES: &[(&str, Layers)] = &[
     (
         "proxy/crates/xds/src",
         &[
-            &["snapshot"],
+            &["snapshot", "grpc"],
             &["type_url", "source", "local", "stream", "manager"],
             &["lib"],
         ],

@@ -163,9 +163,10 @@ pub(super) fn with_endpoints_of(
         _ => None,
     };
     let eds_digest = eds.map_or(0, |e| e.digest);
-    let digest = xxhash_rust::xxh64::xxh64(
-        &[cluster_digest.to_le_bytes(), eds_digest.to_le_bytes()].concat(),
-        0,
-    );
+    // On the stack: this runs for every EDS cluster of every rebuild.
+    let mut both = [0u8; 16];
+    both[..8].copy_from_slice(&cluster_digest.to_le_bytes());
+    both[8..].copy_from_slice(&eds_digest.to_le_bytes());
+    let digest = xxhash_rust::xxh64::xxh64(&both, 0);
     (endpoints, digest)
 }
