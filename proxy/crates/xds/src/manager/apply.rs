@@ -66,10 +66,7 @@ pub(super) fn resource_name(path: &str) -> (Option<TypeUrl>, String) {
 }
 
 /// Whether a type's `resources` differ from what they were (`before`, by name).
-fn changes_anything(
-    before: &BTreeMap<String, Option<Accepted>>,
-    resources: &BTreeMap<String, Accepted>,
-) -> bool {
+fn changes_anything(before: &Before, resources: &BTreeMap<Arc<str>, Accepted>) -> bool {
     before
         .iter()
         .any(|(name, old)| match (old, resources.get(name)) {
@@ -94,11 +91,11 @@ struct Update<'a> {
     kind: TypeUrl,
     version: &'a str,
     /// The last good version of each resource the change adds, replaces or removes.
-    before: BTreeMap<String, Option<Accepted>>,
+    before: Before,
     /// The resources the change adds or replaces.
-    touched: Vec<String>,
+    touched: Vec<Arc<str>>,
     /// New endpoints (none removed) change only the clusters they are for.
-    endpoints_changed: Option<Vec<String>>,
+    endpoints_changed: Option<Vec<Arc<str>>>,
     /// The version a refused resource's error state records.
     failed_version: String,
     now: SystemTime,
@@ -106,14 +103,17 @@ struct Update<'a> {
     refusals: BTreeMap<String, Vec<String>>,
 }
 
+/// Each resource a change touched, as it was before (`None`: it was not there).
+type Before = BTreeMap<Arc<str>, Option<Accepted>>;
+
 /// Makes `change` to a type's resources: the last good version of each resource it
 /// adds, replaces or removes (by name), the names it adds or replaces, and whether it
 /// removed any.
 fn edit(
-    resources: &mut BTreeMap<String, Accepted>,
+    resources: &mut BTreeMap<Arc<str>, Accepted>,
     change: Edit,
-) -> (BTreeMap<String, Option<Accepted>>, Vec<String>, bool) {
-    let mut before: BTreeMap<String, Option<Accepted>> = BTreeMap::new();
+) -> (Before, Vec<Arc<str>>, bool) {
+    let mut before = Before::new();
     let mut removed_any = false;
     let mut touched = Vec::new();
     match change {
@@ -184,7 +184,7 @@ impl Manager {
         let (stale, kept): (Vec<UpdateFailure>, Vec<UpdateFailure>) =
             std::mem::take(&mut self.errors).into_iter().partition(|e| {
                 e.type_url == kind.as_str()
-                    && (kind == TypeUrl::Listener || before.contains_key(&e.name))
+                    && (kind == TypeUrl::Listener || before.contains_key(e.name.as_str()))
             });
         self.errors = kept;
         let mut update = Update {
@@ -255,7 +255,7 @@ impl Manager {
             let mut culprits: BTreeMap<String, Vec<String>> = BTreeMap::new();
             for (resource, details) in &errors {
                 if let Some(name) = self.culprit(kind, resource)
-                    && update.before.contains_key(&name)
+                    && update.before.contains_key(name.as_str())
                     && !reverted.contains(&name)
                 {
                     culprits.entry(name).or_default().push(details.clone());
@@ -266,10 +266,10 @@ impl Manager {
             }
             let state = self.types.get_mut(&kind).expect("a subscribed type");
             for (name, details) in culprits {
-                let failed = state.resources.get(&name).map(|e| e.resource.to_any(kind));
-                match update.before.get(&name).cloned().flatten() {
-                    Some(old) => state.resources.insert(name.clone(), old),
-                    None => state.resources.remove(&name),
+                let failed = (state.resources.get(name.as_str())).map(|e| e.resource.to_any(kind));
+                match update.before.get(name.as_str()).cloned().flatten() {
+                    Some(old) => state.resources.insert(name.as_str().into(), old),
+                    None => state.resources.remove(name.as_str()),
                 };
                 let all = update.refusals.entry(name.clone()).or_default();
                 all.extend(details);
@@ -355,7 +355,7 @@ impl Manager {
             .iter()
             .filter_map(|(resource, _)| {
                 let name = self.culprit(kind, resource)?;
-                let entry = self.types[&kind].resources.get(&name)?;
+                let entry = self.types[&kind].resources.get(name.as_str())?;
                 Some((name, entry.resource.to_any(kind)))
             })
             .collect();
@@ -408,7 +408,7 @@ impl Manager {
     fn culprit(&self, kind: TypeUrl, (of, name): &(Option<TypeUrl>, String)) -> Option<String> {
         match (*of)? {
             TypeUrl::Cluster if kind == TypeUrl::ClusterLoadAssignment => {
-                let entry = self.types.get(&TypeUrl::Cluster)?.resources.get(name)?;
+                let entry = (self.types.get(&TypeUrl::Cluster)?.resources).get(name.as_str())?;
                 match &entry.resource {
                     Resource::Cluster(c) => c.eds_service_name().map(str::to_owned),
                     _ => None,
@@ -440,7 +440,7 @@ impl Manager {
             return Ok(());
         };
         let Resource::NameTable(table) = &entry.resource else {
-            return Err(vec![(name, "not a NameTable".into())]);
+            return Err(vec![(name.to_string(), "not a NameTable".into())]);
         };
         let result = match &self.dns {
             Some(dns) => dns.apply((**table).clone(), version),
@@ -462,7 +462,7 @@ impl Manager {
             Err(err) => {
                 self.count(TypeUrl::NameTable, "update_rejected");
                 tracing::warn!(version, "xDS update rejected: {err}");
-                Err(vec![(name, err.to_string())])
+                Err(vec![(name.to_string(), err.to_string())])
             }
         }
     }
@@ -477,11 +477,11 @@ impl Manager {
         refused: Vec<Refusal>,
     ) -> Result<(), Vec<(String, String)>> {
         use shunt_core::peer::workload_discovery::{Change, WorkloadResource};
-        fn resources(entries: &[(String, Accepted)]) -> Vec<(&str, &WorkloadResource)> {
+        fn resources(entries: &[(Arc<str>, Accepted)]) -> Vec<(&str, &WorkloadResource)> {
             entries
                 .iter()
                 .filter_map(|(name, entry)| match &entry.resource {
-                    Resource::Workload(w) => Some((name.as_str(), &**w)),
+                    Resource::Workload(w) => Some((&**name, &**w)),
                     _ => None,
                 })
                 .collect()
@@ -496,7 +496,7 @@ impl Manager {
         } else {
             wds.apply(Change::Patch {
                 upserts: resources(&entries),
-                removals: removals.iter().map(String::as_str).collect(),
+                removals: removals.iter().map(|r| &**r).collect(),
             })
         };
         let state = self
@@ -512,7 +512,7 @@ impl Manager {
             state.resources.remove(name);
         }
         for (name, entry) in entries {
-            if !bad.iter().any(|(n, _)| *n == name) {
+            if !bad.iter().any(|(n, _)| **n == *name) {
                 state.resources.insert(name, entry);
             }
         }
@@ -578,7 +578,7 @@ impl Manager {
     /// update only upserted these endpoints (`None`: anything may have changed).
     pub(super) fn rebuild(
         &mut self,
-        endpoints_changed: Option<&[String]>,
+        endpoints_changed: Option<&[Arc<str>]>,
     ) -> Result<(), Vec<CompileError>> {
         let dynamic = Arc::new(self.dynamic_resources(endpoints_changed));
         let previous = self.store.load();
@@ -701,7 +701,7 @@ impl Manager {
     /// which new endpoints do not change).
     pub(super) fn dynamic_resources(
         &mut self,
-        endpoints_changed: Option<&[String]>,
+        endpoints_changed: Option<&[Arc<str>]>,
     ) -> DynamicResources {
         let only_endpoints =
             endpoints_changed.is_some_and(|services| self.patch_served_clusters(services));

@@ -56,7 +56,8 @@ const INTERNAL: i32 = 13;
 struct TypeState {
     /// Named subscriptions (not for wildcard types).
     names: BTreeSet<String>,
-    resources: BTreeMap<String, Accepted>,
+    /// Keyed by the resource's own (shared) name.
+    resources: BTreeMap<Arc<str>, Accepted>,
     /// The version of the last response accepted whole (SotW `version_info`, Delta
     /// `system_version_info`): what the next request carries.
     version_info: String,

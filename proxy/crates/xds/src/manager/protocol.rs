@@ -148,7 +148,7 @@ impl Manager {
                     initial_resource_versions: state
                         .resources
                         .iter()
-                        .map(|(name, entry)| (name.clone(), entry.version.to_string()))
+                        .map(|(name, entry)| (name.to_string(), entry.version.to_string()))
                         .collect(),
                     ..Default::default()
                 })
@@ -201,12 +201,13 @@ impl Manager {
             let mut seen = std::collections::HashSet::new();
             let mut unique = Vec::new();
             for entry in entries {
-                let name = entry.resource.name().to_owned();
+                // The resource's own name, shared: no copy per pod.
+                let name = entry.resource.key();
                 if kind.is_wildcard() && !seen.insert(name.clone()) {
                     refused.push(Refusal {
                         details: format!("duplicate {} {name} found", kind.noun()),
                         config: entry.resource.to_any(kind),
-                        name,
+                        name: name.to_string(),
                     });
                     continue;
                 }
@@ -261,10 +262,11 @@ impl Manager {
             };
             match Accepted::new(kind, any, resource.version.as_str().into()) {
                 Ok(entry) => {
-                    let name = if resource.name.is_empty() {
-                        entry.resource.name().to_owned()
+                    let name = if resource.name.is_empty() || resource.name == entry.resource.name()
+                    {
+                        entry.resource.key()
                     } else {
-                        resource.name.clone()
+                        resource.name.as_str().into()
                     };
                     upserts.push((name, entry));
                 }
@@ -273,7 +275,9 @@ impl Manager {
         }
         let change = Edit::Patch {
             upserts,
-            removals: response.removed_resources.clone(),
+            removals: (response.removed_resources.iter())
+                .map(|name| name.as_str().into())
+                .collect(),
         };
         let result = if errors.is_empty() {
             self.apply(kind, change, &version, Vec::new())
@@ -351,7 +355,7 @@ impl Manager {
             state.names = names;
             // Unsubscribed resources are forgotten (Envoy drops them too).
             for name in &removed {
-                state.resources.remove(name);
+                state.resources.remove(name.as_str());
             }
             if !state.subscribed {
                 continue;

@@ -79,6 +79,19 @@ impl Resource {
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
 
+    /// The name, shared with the accepted resource where it has one of its own: the
+    /// key every map of the manager holds it under.
+    pub(super) fn key(&self) -> Arc<str> {
+        match self {
+            Resource::Listener(r) => r.name.clone(),
+            Resource::Cluster(r) => r.name.clone(),
+            Resource::Endpoints(r) => r.name.clone(),
+            Resource::Route(r) => r.name.clone(),
+            Resource::Secret(r) => r.name.clone(),
+            Resource::NameTable(_) | Resource::Workload(_) => self.name().into(),
+        }
+    }
+
     pub(super) fn name(&self) -> &str {
         match self {
             Resource::Listener(r) => &r.name,
@@ -142,11 +155,11 @@ impl Accepted {
 /// How a response changes a type's accepted set.
 pub(super) enum Edit {
     /// State of the world for a wildcard type: this is the whole set.
-    Replace(BTreeMap<String, Accepted>),
+    Replace(BTreeMap<Arc<str>, Accepted>),
     /// These entries added or replaced, these names removed.
     Patch {
-        upserts: Vec<(String, Accepted)>,
-        removals: Vec<String>,
+        upserts: Vec<(Arc<str>, Accepted)>,
+        removals: Vec<Arc<str>>,
     },
 }
 

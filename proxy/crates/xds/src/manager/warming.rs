@@ -139,7 +139,7 @@ impl Manager {
             && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
         {
             self.timed_out
-                .retain(|name| clusters.resources.contains_key(name));
+                .retain(|name| clusters.resources.contains_key(name.as_str()));
         }
         self.served = Some(served);
     }
@@ -148,7 +148,7 @@ impl Manager {
     /// others staying as they are: an update of one cluster's endpoints costs that
     /// cluster. False, with nothing done, when that is not all the update changes: no
     /// clusters were served yet, a warming cluster waits for one of these endpoints.
-    pub(super) fn patch_served_clusters(&mut self, services: &[String]) -> bool {
+    pub(super) fn patch_served_clusters(&mut self, services: &[Arc<str>]) -> bool {
         let Some(served) = &mut self.served else {
             return false;
         };
@@ -161,12 +161,12 @@ impl Manager {
         };
         let patchable = services
             .iter()
-            .all(|s| !served.awaited.contains(s) && endpoints.contains_key(s));
+            .all(|s| !served.awaited.contains(&**s) && endpoints.contains_key(s));
         if !patchable {
             return false;
         }
         for service in services {
-            let Some(users) = served.by_service.get(service.as_str()) else {
+            let Some(users) = served.by_service.get(service) else {
                 continue;
             };
             let eds = endpoints.get(service);
@@ -205,7 +205,7 @@ impl Manager {
                     continue;
                 };
                 let waiting = (l.facts.rds_names.iter())
-                    .any(|name| !routes.is_some_and(|r| r.contains_key(name)))
+                    .any(|name| !routes.is_some_and(|r| r.contains_key(name.as_str())))
                     || (l.facts.secrets.iter())
                         .any(|s| s.source != SecretSource::Static && !has_secret(&s.name));
                 let tracked = entry.tracked(l);
@@ -225,7 +225,7 @@ impl Manager {
                 active_listeners.insert(l.name.to_string(), tracked);
             }
             self.listeners_timed_out
-                .retain(|name| listeners.resources.contains_key(name));
+                .retain(|name| listeners.resources.contains_key(name.as_str()));
         }
         self.warming_listeners = warming_listeners;
         self.active_listeners = active_listeners;
