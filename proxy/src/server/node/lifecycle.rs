@@ -93,16 +93,10 @@ pub fn run(
             tracing::info!(pods = n, "handed the node over: draining and exiting");
             enrollers.cni.release();
             drop(enrollers);
-            let released = pods.release_all();
-            match handover::hand_over_flows(&conn, released.flows, handover::FLOWS_PARK_LIMIT) {
+            match handover::let_go(&pods, &conn) {
                 Ok(flows) => tracing::info!(flows, "handed the established flows over"),
                 Err(err) => tracing::warn!("handing the established flows over: {err:#}"),
             }
-            runtime.block_on(async {
-                for drain in released.drains {
-                    let _ = drain.await;
-                }
-            });
         }
     }
     Ok(())

@@ -111,9 +111,60 @@ pub async fn copy_with_idle_timeout(
     let mut counts = Counts::default();
     let activity = Activity::new();
     // In an instance whose flows may be handed over, this copy can be parked.
-    let flows = super::handover::current();
-    let _running = flows.as_ref().map(|f| f.started());
-    let park = flows.as_deref();
+    let running = super::handover::current().map(|f| f.started());
+    let mut park = running.as_ref().and_then(|r| r.parks_in());
+    loop {
+        let end = copy_until_end(
+            &mut downstream,
+            &mut upstream,
+            &mut counts,
+            &activity,
+            idle_timeout,
+            park,
+        )
+        .await;
+        if let End::Failed { side, .. } = &end {
+            let survivor = match side {
+                Side::Downstream => &upstream,
+                Side::Upstream => &downstream,
+            };
+            abort(survivor);
+        }
+        if let (End::HandedOver, Some(flows)) = (&end, park) {
+            let parked = super::handover::ParkedFlow {
+                downstream,
+                upstream,
+            };
+            match flows.deliver(parked) {
+                Ok(()) => {}
+                // No one takes it any more: copy on here, never parking again. Nothing
+                // was held, so nothing is lost.
+                Err(back) => {
+                    (downstream, upstream, park) = (back.downstream, back.upstream, None);
+                    continue;
+                }
+            }
+        }
+        return Outcome {
+            bytes_received: counts.received,
+            bytes_sent: counts.sent,
+            upstream_bytes_sent: counts.forwarded,
+            upstream_bytes_received: counts.fetched,
+            end,
+        };
+    }
+}
+
+/// Copies both ways until both directions end, one fails, the idle timeout passes, or
+/// (with `park`) each direction is parked or ended.
+async fn copy_until_end(
+    downstream: &mut TcpStream,
+    upstream: &mut TcpStream,
+    counts: &mut Counts,
+    activity: &Activity,
+    idle_timeout: Option<Duration>,
+    park: Option<&super::handover::Flows>,
+) -> End {
     let work = async {
         let (mut down_read, mut down_write) = downstream.split();
         let (mut up_read, mut up_write) = upstream.split();
@@ -122,7 +173,7 @@ pub async fn copy_with_idle_timeout(
             &mut up_write,
             &mut counts.received,
             &mut counts.forwarded,
-            &activity,
+            activity,
             park,
         ));
         let mut to_downstream = std::pin::pin!(pump(
@@ -130,7 +181,7 @@ pub async fn copy_with_idle_timeout(
             &mut down_write,
             &mut counts.fetched,
             &mut counts.sent,
-            &activity,
+            activity,
             park,
         ));
         // A failure belongs to the socket it happened on: a direction's source when
@@ -177,34 +228,13 @@ pub async fn copy_with_idle_timeout(
             _ => End::HandedOver,
         }
     };
-    let end = match idle_timeout {
+    match idle_timeout {
         None => work.await,
         Some(idle) => tokio::select! {
             end = work => end,
             () = activity.idle_for(idle) => End::IdleTimeout,
         },
-    };
-    if let End::Failed { side, .. } = &end {
-        let survivor = match side {
-            Side::Downstream => &upstream,
-            Side::Upstream => &downstream,
-        };
-        abort(survivor);
     }
-    let outcome = Outcome {
-        bytes_received: counts.received,
-        bytes_sent: counts.sent,
-        upstream_bytes_sent: counts.forwarded,
-        upstream_bytes_received: counts.fetched,
-        end,
-    };
-    if let (End::HandedOver, Some(flows)) = (&outcome.end, &flows) {
-        flows.deliver(super::handover::ParkedFlow {
-            downstream,
-            upstream,
-        });
-    }
-    outcome
 }
 
 pub use shunt_tls::stream::abort;
@@ -490,6 +520,11 @@ mod tests {
     }
 
     async fn proxied() -> Proxied {
+        proxied_in(None).await
+    }
+
+    /// As [`proxied`], the copy parkable in `flows` when given.
+    async fn proxied_in(flows: Option<std::sync::Arc<super::super::handover::Flows>>) -> Proxied {
         let backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let backend_addr = backend.local_addr().unwrap();
@@ -500,7 +535,11 @@ mod tests {
         let (downstream, _) = front.accept().await.unwrap();
         let upstream = TcpStream::connect(backend_addr).await.unwrap();
         let (server, _) = backend.accept().await.unwrap();
-        let proxy = tokio::spawn(copy_bidirectional(downstream, upstream));
+        let copy = copy_bidirectional(downstream, upstream);
+        let proxy = match flows {
+            Some(flows) => tokio::spawn(super::super::handover::scope(flows, copy)),
+            None => tokio::spawn(copy),
+        };
         Proxied {
             client,
             server,
@@ -585,6 +624,98 @@ mod tests {
         assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
         assert_eq!(outcome.bytes_received, MIB << 20);
         assert_eq!(outcome.bytes_sent, MIB << 20);
+    }
+
+    /// One request and reply through the copy, then both ends close.
+    async fn exchange_and_close(client: &mut TcpStream, server: &mut TcpStream) {
+        client.write_all(b"request").await.unwrap();
+        let mut got = [0u8; 7];
+        timeout(PATIENCE, server.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got, b"request");
+        server.write_all(b"reply").await.unwrap();
+        server.shutdown().await.unwrap();
+        client.shutdown().await.unwrap();
+        assert_eq!(read_to_eof(client).await, b"reply");
+        assert_eq!(read_to_eof(server).await, b"");
+    }
+
+    #[tokio::test]
+    async fn a_copy_that_starts_after_the_flows_closed_never_parks() {
+        use super::super::handover::Flows;
+        let flows = std::sync::Arc::new(Flows::default());
+        let mut parked = flows.parked().unwrap();
+        flows.park_all();
+        assert_eq!(flows.close(false), Some(0), "no copy running: closes");
+        // Accepted before the hand-over, its copy starting only now (say, after its
+        // upstream connect): nothing takes parked flows any more, so it copies here.
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied_in(Some(flows.clone())).await;
+        exchange_and_close(&mut client, &mut server).await;
+        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
+        assert!(parked.try_recv().is_err(), "nothing parked");
+        assert_eq!(flows.running(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_copy_still_running_when_the_flows_close_copies_on_here() {
+        use super::super::handover::Flows;
+        let flows = std::sync::Arc::new(Flows::default());
+        let mut parked = flows.parked().unwrap();
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied_in(Some(flows.clone())).await;
+        client.write_all(b"early").await.unwrap();
+        let mut got = [0u8; 5];
+        timeout(PATIENCE, server.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(flows.running(), 1);
+        // The taker gave up waiting (its time limit) before this copy parked.
+        assert_eq!(flows.close(true), Some(1));
+        flows.park_all();
+        exchange_and_close(&mut client, &mut server).await;
+        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
+        assert_eq!(outcome.bytes_received, 5 + 7, "counted across the park");
+        assert!(parked.try_recv().is_err(), "nothing parked");
+    }
+
+    #[tokio::test]
+    async fn a_parked_copy_is_delivered_while_the_flows_are_open() {
+        use super::super::handover::Flows;
+        let flows = std::sync::Arc::new(Flows::default());
+        let mut parked = flows.parked().unwrap();
+        let Proxied {
+            mut client,
+            mut server,
+            outcome,
+        } = proxied_in(Some(flows.clone())).await;
+        flows.park_all();
+        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        assert!(matches!(outcome.end, End::HandedOver), "{:?}", outcome.end);
+        assert_eq!(flows.close(false), Some(0));
+        // Bytes written meanwhile wait in the kernel for whoever copies next.
+        client.write_all(b"after").await.unwrap();
+        let flow = parked.try_recv().expect("the flow parked");
+        let resumed = tokio::spawn(copy_bidirectional(flow.downstream, flow.upstream));
+        let mut got = [0u8; 5];
+        timeout(PATIENCE, server.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got, b"after");
+        drop((client, server));
+        let _ = timeout(PATIENCE, resumed).await.unwrap();
     }
 
     /// Everything until the peer's FIN.

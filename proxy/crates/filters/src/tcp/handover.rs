@@ -7,7 +7,7 @@
 //! whoever copies next (the new process) picks them up. Copies through TLS, network
 //! filters, tunnels or HTTP are not parkable; they finish or drain as before.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::TcpStream;
@@ -18,10 +18,17 @@ pub struct Flows {
     parking: AtomicBool,
     /// Wakes every copy to look at `parking`.
     park: Notify,
-    /// Copies running now.
-    running: AtomicU64,
+    /// Copies running, and whether parked flows are still taken: one lock, so a copy
+    /// that starts after the taker counted none running never parks (see [`Flows::close`]).
+    state: Mutex<State>,
     parked_tx: mpsc::UnboundedSender<ParkedFlow>,
     parked_rx: Mutex<Option<mpsc::UnboundedReceiver<ParkedFlow>>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    running: u64,
+    closed: bool,
 }
 
 /// A flow's two sockets, given up by its copy.
@@ -37,7 +44,7 @@ impl Default for Flows {
         Flows {
             parking: AtomicBool::new(false),
             park: Notify::new(),
-            running: AtomicU64::new(0),
+            state: Mutex::default(),
             parked_tx,
             parked_rx: Mutex::new(Some(parked_rx)),
         }
@@ -48,7 +55,7 @@ impl std::fmt::Debug for Flows {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Flows")
             .field("parking", &self.parking.load(Ordering::Relaxed))
-            .field("running", &self.running.load(Ordering::Relaxed))
+            .field("state", &*self.state())
             .finish()
     }
 }
@@ -89,7 +96,25 @@ impl Flows {
 
     /// Copies running (not yet parked or ended).
     pub fn running(&self) -> u64 {
-        self.running.load(Ordering::SeqCst)
+        self.state().running
+    }
+
+    /// Stops taking parked flows once no copy is running, or at once with `force`.
+    /// From then on no copy parks: those that start copy here to the end, and those
+    /// still running (forced) copy on here when they would have parked. Every flow
+    /// parked before is already on the receiver. Returns the copies left running, or
+    /// `None` while some still run (not forced).
+    pub fn close(&self, force: bool) -> Option<u64> {
+        let mut state = self.state();
+        if state.running > 0 && !force {
+            return None;
+        }
+        state.closed = true;
+        Some(state.running)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(super) fn parking(&self) -> bool {
@@ -107,21 +132,44 @@ impl Flows {
         }
     }
 
+    /// A copy starting: counted until the guard drops, parkable unless the flows
+    /// are closed.
     pub(super) fn started(self: &Arc<Self>) -> Running {
-        self.running.fetch_add(1, Ordering::SeqCst);
-        Running(self.clone())
+        let mut state = self.state();
+        state.running += 1;
+        Running {
+            flows: self.clone(),
+            parkable: !state.closed,
+        }
     }
 
-    pub(super) fn deliver(&self, flow: ParkedFlow) {
-        let _ = self.parked_tx.send(flow);
+    /// Hands a parked flow to the taker; gives it back if parked flows are no longer
+    /// taken (closed, or the taker gone), to be copied on here.
+    pub(super) fn deliver(&self, flow: ParkedFlow) -> Result<(), ParkedFlow> {
+        // Under the lock: `close` then sees the flow either counted or on the receiver.
+        let state = self.state();
+        if state.closed {
+            return Err(flow);
+        }
+        self.parked_tx.send(flow).map_err(|e| e.0)
     }
 }
 
 /// Counts a copy running until dropped.
-pub(super) struct Running(Arc<Flows>);
+pub(super) struct Running {
+    flows: Arc<Flows>,
+    parkable: bool,
+}
+
+impl Running {
+    /// The flows to park in, if this copy may park.
+    pub(super) fn parks_in(&self) -> Option<&Flows> {
+        self.parkable.then_some(&*self.flows)
+    }
+}
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::SeqCst);
+        self.flows.state().running -= 1;
     }
 }

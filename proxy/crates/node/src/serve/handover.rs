@@ -136,7 +136,7 @@ impl Offer {
 
 /// The old process's side, on a successor's connection: the node's own descriptors,
 /// then every pod (its namespace, listening sockets, DNS sockets), then waits until the
-/// successor serves them. The caller then lets go ([`NodePods::release_all`]); if this
+/// successor serves them. The caller then lets go ([`let_go`]); if this
 /// fails, nothing was let go and the caller carries on serving.
 pub fn hand_over(conn: &Socket, node: NodeFds<'_>, pods: &NodePods) -> anyhow::Result<usize> {
     expect(conn, "take")?;
@@ -169,9 +169,24 @@ pub fn hand_over_once(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
     let conn = offer.accept()?;
     let _ = std::fs::remove_file(path);
     let n = hand_over(&conn, NodeFds::default(), pods)?;
-    let released = pods.release_all();
-    hand_over_flows(&conn, released.flows, FLOWS_PARK_LIMIT)?;
+    let_go(pods, &conn)?;
     Ok(n)
+}
+
+/// The old process's last step, after `started`: stops serving every pod, hands the
+/// established plain-TCP flows over as they park, then waits for the other connections
+/// to drain (at most the drain time). Only then may the process exit without cutting a
+/// connection it accepted before letting go (one still connecting upstream, say).
+/// Returns the flows handed. Blocks: not for a runtime thread.
+pub fn let_go(pods: &NodePods, conn: &Socket) -> anyhow::Result<usize> {
+    let Released { drains, flows } = pods.release_all();
+    let handed = hand_over_flows(conn, flows, FLOWS_PARK_LIMIT);
+    pods.runtime.block_on(async {
+        for drain in drains {
+            let _ = drain.await;
+        }
+    });
+    handed
 }
 
 /// How long parking may take before what is still copying stays here to drain: a
@@ -179,10 +194,12 @@ pub fn hand_over_once(pods: &NodePods, path: &Path) -> anyhow::Result<usize> {
 /// reading) takes longer.
 pub const FLOWS_PARK_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The old process's side, after `started` and [`NodePods::release_all`]: sends every
+/// The old process's side, after `started` and [`NodePods::release_all`] (see
+/// [`let_go`]): sends every
 /// flow as it parks, until each pod's copies have all parked or ended (or `limit`
-/// passes), then `flows-end`. Returns the flows handed.
-pub fn hand_over_flows(
+/// passes: those still copying stay here to the end), then `flows-end`. Returns the
+/// flows handed.
+fn hand_over_flows(
     conn: &Socket,
     pods: Vec<(String, ParkedFlows)>,
     limit: std::time::Duration,
@@ -190,29 +207,35 @@ pub fn hand_over_flows(
     let deadline = std::time::Instant::now() + limit;
     let mut handed = 0;
     for (uid, mut parked) in pods {
+        let mut send_parked = |receiver: &mut tokio::sync::mpsc::UnboundedReceiver<ParkedFlow>| {
+            while let Ok(flow) = receiver.try_recv() {
+                let wire = serde_json::to_vec(&FlowWire { pod: uid.clone() })?;
+                let fds = [flow.downstream.as_raw_fd(), flow.upstream.as_raw_fd()];
+                send_with_fds(conn, &wire, &fds)
+                    .with_context(|| format!("handing over a flow of pod {uid}"))?;
+                // Closing this process's handles leaves the connections open: the
+                // successor holds them now.
+                drop(flow);
+                handed += 1;
+            }
+            anyhow::Ok(())
+        };
         loop {
-            match parked.receiver.try_recv() {
-                Ok(flow) => {
-                    let wire = serde_json::to_vec(&FlowWire { pod: uid.clone() })?;
-                    let fds = [flow.downstream.as_raw_fd(), flow.upstream.as_raw_fd()];
-                    send_with_fds(conn, &wire, &fds)
-                        .with_context(|| format!("handing over a flow of pod {uid}"))?;
-                    // Closing this process's handles leaves the connections open: the
-                    // successor holds them now.
-                    drop(flow);
-                    handed += 1;
-                }
-                Err(_) if parked.flows.running() == 0 => break,
-                Err(_) if std::time::Instant::now() >= deadline => {
+            send_parked(&mut parked.receiver)?;
+            let late = std::time::Instant::now() >= deadline;
+            if let Some(left) = parked.flows.close(late) {
+                if left > 0 {
                     tracing::warn!(
                         pod = %uid,
-                        flows = parked.flows.running(),
+                        flows = left,
                         "flows not parked in time stay here until the drain ends"
                     );
-                    break;
                 }
-                Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+                // What parked between the last look and the close.
+                send_parked(&mut parked.receiver)?;
+                break;
             }
+            std::thread::sleep(std::time::Duration::from_millis(2));
         }
     }
     send(conn, b"flows-end")?;
@@ -426,7 +449,7 @@ impl NodePods {
     /// Stops accepting (and reading DNS) for every pod without closing the sockets
     /// (another process holds them now), parks the plain-TCP flows and drains the rest;
     /// the kernel side is left as it is.
-    pub fn release_all(&self) -> Released {
+    fn release_all(&self) -> Released {
         let all: Vec<_> = self.lock().drain().collect();
         let mut released = Released::default();
         for (uid, served) in all {
@@ -478,9 +501,9 @@ impl NodePods {
 
 /// What [`NodePods::release_all`] let go: each pod's drain, and its flows as they park.
 #[derive(Default)]
-pub struct Released {
-    pub drains: Vec<tokio::task::JoinHandle<()>>,
-    pub flows: Vec<(String, ParkedFlows)>,
+struct Released {
+    drains: Vec<tokio::task::JoinHandle<()>>,
+    flows: Vec<(String, ParkedFlows)>,
 }
 
 fn send(conn: &Socket, text: &[u8]) -> anyhow::Result<()> {
