@@ -451,7 +451,7 @@ where
     Resp: prost::Message + Default + Send + 'static,
 {
     let mut channel = proxy.channel().await?;
-    tower::ServiceExt::<tonic::codegen::http::Request<tonic::body::Body>>::ready(&mut channel)
+    shunt_xds::grpc::ready(&mut channel)
         .await
         .map_err(|e| Status::unavailable(format!("istiod not ready: {e}")))?;
     let (metadata, _, requests) = proxy

@@ -25,6 +25,14 @@ const PREFIX: usize = 5;
 /// one grows as they do): a length is only the peer's word.
 const MAX_PREALLOC: usize = 16 << 20;
 
+/// Waits until `channel` can take a call (connected, or failed to): a stream is
+/// connected from then on.
+pub async fn ready(channel: &mut Channel) -> Result<(), tonic::transport::Error> {
+    ServiceExt::<http::Request<tonic::body::Body>>::ready(channel)
+        .await
+        .map(|_| ())
+}
+
 /// Opens the call `path` on `channel` with `metadata`, sending `requests` as they come;
 /// the responses are read from what is returned.
 pub async fn call<Req, Resp>(

@@ -110,7 +110,7 @@ async fn session(
         .await
         .map_err(|e| (format!("connecting to {}: {e}", config.target), false))?;
     // Connected once the channel can take the call.
-    tower::ServiceExt::<http::Request<tonic::body::Body>>::ready(&mut channel)
+    grpc::ready(&mut channel)
         .await
         .map_err(|e| (format!("{}: {e}", config.target), false))?;
     let (tx, rx) = mpsc::unbounded_channel();
