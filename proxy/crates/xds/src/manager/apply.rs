@@ -103,6 +103,27 @@ struct Update<'a> {
     refusals: BTreeMap<String, Vec<String>>,
 }
 
+/// What changed since the last rebuild, so that one works out again only what depends
+/// on it: clusters wait on endpoints and secrets, listeners on routes and secrets.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Changed<'a> {
+    /// Anything may have (a warming wait ended).
+    Anything,
+    /// Resources of this type.
+    Type(TypeUrl),
+    /// Only these endpoints, upserted (none removed): only the clusters they are for.
+    Endpoints(&'a [Arc<str>]),
+}
+
+impl Update<'_> {
+    fn changed(&self) -> Changed<'_> {
+        match &self.endpoints_changed {
+            Some(services) => Changed::Endpoints(services),
+            None => Changed::Type(self.kind),
+        }
+    }
+}
+
 /// Each resource a change touched, as it was before (`None`: it was not there).
 type Before = BTreeMap<Arc<str>, Option<Accepted>>;
 
@@ -247,7 +268,7 @@ impl Manager {
         // What went back to its last good version.
         let mut reverted = BTreeSet::new();
         loop {
-            let errors = match self.rebuild(update.endpoints_changed.as_deref()) {
+            let errors = match self.rebuild(update.changed()) {
                 Ok(()) => return Ok(()),
                 Err(errors) => errors,
             };
@@ -301,7 +322,7 @@ impl Manager {
         if changes && !changes_anything(&update.before, &state.resources) {
             // Everything that would have changed was refused.
             state.system_version = old_system_version;
-            let _ = self.rebuild(update.endpoints_changed.as_deref());
+            let _ = self.rebuild(update.changed());
         }
         let state = &self.types[&kind];
         let resources = state.resources.len();
@@ -345,7 +366,7 @@ impl Manager {
     /// them, and the errors it had replaced (`stale`) come back.
     fn undo(
         &mut self,
-        update: Update<'_>,
+        mut update: Update<'_>,
         errors: Vec<CompileError>,
         old_system_version: String,
         stale: Vec<UpdateFailure>,
@@ -361,7 +382,7 @@ impl Manager {
             .collect();
         let state = self.types.get_mut(&kind).expect("a subscribed type");
         state.system_version = old_system_version;
-        for (name, old) in update.before {
+        for (name, old) in std::mem::take(&mut update.before) {
             match old {
                 Some(old) => state.resources.insert(name, old),
                 None => state.resources.remove(&name),
@@ -387,7 +408,7 @@ impl Manager {
             });
         }
         // Show the error state in /config_dump.
-        let _ = self.rebuild(update.endpoints_changed.as_deref());
+        let _ = self.rebuild(update.changed());
         self.count(kind, "update_rejected");
         tracing::warn!(
             kind = kind.short(),
@@ -566,7 +587,7 @@ impl Manager {
                 self.listeners_timed_out.insert(name.clone());
             }
         }
-        if let Err(errors) = self.rebuild(None) {
+        if let Err(errors) = self.rebuild(Changed::Anything) {
             tracing::warn!(?errors, "recompiling after warming timed out failed");
         }
         self.check_progress();
@@ -574,13 +595,9 @@ impl Manager {
     }
 
     /// Compiles the bootstrap with every accepted resource; on success swaps the snapshot
-    /// in, binds new listener sockets and tells the serve loop. `endpoints_changed`: the
-    /// update only upserted these endpoints (`None`: anything may have changed).
-    pub(super) fn rebuild(
-        &mut self,
-        endpoints_changed: Option<&[Arc<str>]>,
-    ) -> Result<(), Vec<CompileError>> {
-        let dynamic = Arc::new(self.dynamic_resources(endpoints_changed));
+    /// in, binds new listener sockets and tells the serve loop.
+    pub(super) fn rebuild(&mut self, changed: Changed<'_>) -> Result<(), Vec<CompileError>> {
+        let dynamic = Arc::new(self.dynamic_resources(changed));
         let previous = self.store.load();
         let compiled = crate::snapshot::compile_with(
             &self.bootstrap,
@@ -696,19 +713,25 @@ impl Manager {
     }
 
     /// Everything accepted, as the snapshot compiler takes it: the clusters as served
-    /// ([`Manager::serve_clusters`], or patched for `endpoints_changed`: see
-    /// [`Manager::rebuild`]), the listeners as served ([`Manager::serve_listeners`],
-    /// which new endpoints do not change).
-    pub(super) fn dynamic_resources(
-        &mut self,
-        endpoints_changed: Option<&[Arc<str>]>,
-    ) -> DynamicResources {
-        let only_endpoints =
-            endpoints_changed.is_some_and(|services| self.patch_served_clusters(services));
-        if !only_endpoints {
+    /// ([`Manager::serve_clusters`], patched for new endpoints, or as they were when
+    /// nothing they wait on changed), the listeners as served
+    /// ([`Manager::serve_listeners`], or as they were).
+    pub(super) fn dynamic_resources(&mut self, changed: Changed<'_>) -> DynamicResources {
+        let clusters_served = match changed {
+            Changed::Endpoints(services) => self.patch_served_clusters(services),
+            Changed::Type(TypeUrl::Listener | TypeUrl::RouteConfiguration) => self.served.is_some(),
+            _ => false,
+        };
+        if !clusters_served {
             self.serve_clusters();
         }
-        if !only_endpoints || self.served_listeners.is_none() {
+        let listeners_served = self.served_listeners.is_some()
+            && matches!(
+                changed,
+                Changed::Endpoints(_)
+                    | Changed::Type(TypeUrl::Cluster | TypeUrl::ClusterLoadAssignment)
+            );
+        if !listeners_served {
             self.serve_listeners();
         }
         let clusters = self.served.as_ref().expect("clusters served");

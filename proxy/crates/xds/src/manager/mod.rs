@@ -55,7 +55,7 @@ const INTERNAL: i32 = 13;
 #[derive(Debug, Default)]
 struct TypeState {
     /// Named subscriptions (not for wildcard types).
-    names: BTreeSet<String>,
+    names: BTreeSet<Arc<str>>,
     /// Keyed by the resource's own (shared) name.
     resources: BTreeMap<Arc<str>, Accepted>,
     /// The version of the last response accepted whole (SotW `version_info`, Delta
@@ -97,7 +97,7 @@ pub struct Manager {
     /// endpoints keeps them.
     served_listeners: Option<ServedListeners>,
     /// Clusters whose wait ended without endpoints or secrets.
-    timed_out: HashSet<String>,
+    timed_out: HashSet<Arc<str>>,
     /// Listeners waiting for their routes or secrets, with when they stop waiting.
     warming_listeners: HashMap<String, Option<Instant>>,
     /// Listeners whose wait ended without them: served as they are.

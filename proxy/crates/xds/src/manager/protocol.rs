@@ -139,7 +139,7 @@ impl Manager {
             let names: Vec<String> = if kind.is_wildcard() {
                 Vec::new()
             } else {
-                state.names.iter().cloned().collect()
+                state.names.iter().map(|n| n.to_string()).collect()
             };
             let request = if self.is_delta(kind) {
                 Outbound::Delta(DeltaDiscoveryRequest {
@@ -234,7 +234,7 @@ impl Manager {
             resource_names: if kind.is_wildcard() {
                 Vec::new()
             } else {
-                state.names.iter().cloned().collect()
+                state.names.iter().map(|n| n.to_string()).collect()
             },
             ..Default::default()
         };
@@ -301,7 +301,7 @@ impl Manager {
     /// `changed`: the type just updated (`None`: any); only clusters and listeners name
     /// what others subscribe to.
     pub(super) fn resubscribe(&mut self, changed: Option<TypeUrl>) {
-        let mut wanted: HashMap<TypeUrl, BTreeSet<String>> = HashMap::new();
+        let mut wanted: HashMap<TypeUrl, BTreeSet<Arc<str>>> = HashMap::new();
         let recompute = |kind: TypeUrl| changed.is_none_or(|c| c == kind);
         if let Some(clusters) = self
             .types
@@ -314,7 +314,7 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Cluster(c) => c.eds_service_name().map(str::to_owned),
+                        Resource::Cluster(c) => c.eds_service().cloned(),
                         _ => None,
                     })
                     .collect(),
@@ -331,7 +331,9 @@ impl Manager {
                     .resources
                     .values()
                     .filter_map(|e| match &e.resource {
-                        Resource::Listener(l) => Some(l.facts.rds_names.iter().cloned()),
+                        Resource::Listener(l) => {
+                            Some(l.facts.rds_names.iter().map(|n| n.as_str().into()))
+                        }
                         _ => None,
                     })
                     .flatten()
@@ -340,7 +342,7 @@ impl Manager {
         }
         if recompute(TypeUrl::Cluster) || recompute(TypeUrl::Listener) {
             let names = self.secret_names();
-            wanted.insert(TypeUrl::Secret, names);
+            wanted.insert(TypeUrl::Secret, names.into_iter().map(Into::into).collect());
         }
         for (kind, names) in wanted {
             let delta = self.is_delta(kind);
@@ -350,8 +352,12 @@ impl Manager {
             if state.names == names {
                 continue;
             }
-            let added: Vec<String> = names.difference(&state.names).cloned().collect();
-            let removed: Vec<String> = state.names.difference(&names).cloned().collect();
+            let added: Vec<String> = (names.difference(&state.names))
+                .map(|n| n.to_string())
+                .collect();
+            let removed: Vec<String> = (state.names.difference(&names))
+                .map(|n| n.to_string())
+                .collect();
             state.names = names;
             // Unsubscribed resources are forgotten (Envoy drops them too).
             for name in &removed {
@@ -375,7 +381,7 @@ impl Manager {
                     version_info: state.version_info.clone(),
                     response_nonce: state.nonce.clone(),
                     type_url: kind.as_str().into(),
-                    resource_names: state.names.iter().cloned().collect(),
+                    resource_names: state.names.iter().map(|n| n.to_string()).collect(),
                     ..Default::default()
                 })
             };

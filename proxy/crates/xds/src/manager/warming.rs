@@ -17,7 +17,7 @@ use shunt_config::references::SecretSource;
 
 /// Maps by resource name rebuilt per update, a key per service: foldhash, not SipHash
 /// (names come from config).
-pub(super) type NameMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
+pub(super) type NameMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 
 /// The CDS clusters a rebuild served, with what an update of endpoints needs to redo
 /// only the clusters those endpoints are for.
@@ -34,7 +34,7 @@ pub(super) struct ServedClusters {
     pub(super) by_service: HashMap<Arc<str>, ServiceUsers, foldhash::fast::RandomState>,
     /// The EDS services of warming clusters: their endpoints may end the warming,
     /// which takes a full rebuild.
-    pub(super) awaited: HashSet<String, foldhash::fast::RandomState>,
+    pub(super) awaited: HashSet<Arc<str>, foldhash::fast::RandomState>,
 }
 
 /// The active clusters whose endpoints come under one EDS service.
@@ -89,7 +89,17 @@ impl Manager {
             .types
             .get(&TypeUrl::ClusterLoadAssignment)
             .map(|t| &t.resources);
-        let has_secret = |name: &str| has_secret(&self.types, &self.static_secrets, name);
+        // Every cluster names the same few secrets (Istio's `default` and `ROOTCA`):
+        // each looked up once.
+        let mut secrets_seen: Vec<(&str, bool)> = Vec::new();
+        let mut has_secret = |name| match secrets_seen.iter().find(|(n, _)| *n == name) {
+            Some(&(_, has)) => has,
+            None => {
+                let has = has_secret(&self.types, &self.static_secrets, name);
+                secrets_seen.push((name, has));
+                has
+            }
+        };
         let mut still_warming = NameMap::default();
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             for entry in clusters.resources.values() {
@@ -108,8 +118,8 @@ impl Manager {
                         _ => self.plan.initial_fetch_timeout,
                     };
                     let deadline = warm_until(timeout, self.warming.get(&*cluster.name));
-                    still_warming.insert(cluster.name.to_string(), deadline);
-                    served.awaited.extend(service.map(|s| s.to_string()));
+                    still_warming.insert(cluster.name.clone(), deadline);
+                    served.awaited.extend(service.cloned());
                     served.warming.push(tracked);
                     continue;
                 }
@@ -139,7 +149,7 @@ impl Manager {
             && let Some(clusters) = self.types.get(&TypeUrl::Cluster)
         {
             self.timed_out
-                .retain(|name| clusters.resources.contains_key(name.as_str()));
+                .retain(|name| clusters.resources.contains_key(&**name));
         }
         self.served = Some(served);
     }
