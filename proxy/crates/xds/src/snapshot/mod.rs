@@ -44,7 +44,9 @@ use shunt_upstream::{Cluster, Clusters};
 pub struct Snapshot {
     /// In bootstrap order.
     pub listeners: Vec<Arc<Listener>>,
-    pub clusters: Clusters,
+    /// Shared with the previous snapshot when an update changes no cluster (one of
+    /// listeners or routes).
+    pub clusters: Arc<Clusters>,
     /// Route configurations by name, for HTTP connection managers with `rds`: each
     /// request looks its route configuration up here, in the snapshot current then.
     /// Filled from RDS resources; empty without them.
@@ -797,13 +799,15 @@ pub fn compile_with(
         stats: Arc::new(stats.clone()),
         creation: creation(bootstrap),
     };
-    let (clusters, dynamic_clusters_in_order) = compile_clusters(
+    let (mut clusters, kept_clusters, dynamic_clusters_in_order) = compile_clusters(
         static_clusters,
         &dynamic,
         previous,
         &pod_clusters,
         &mut problems,
     );
+    let all_clusters =
+        kept_clusters.unwrap_or_else(|| Arc::new(std::mem::take(&mut clusters.clusters)));
     // Listeners compile from their own configs only (a missing cluster is a warning
     // their compiling gave already), so the same configs give the same listeners.
     let unchanged_listeners =
@@ -833,7 +837,7 @@ pub fn compile_with(
         None => compile_listeners(
             &listener_sources,
             &health,
-            &clusters.clusters,
+            &all_clusters,
             previous,
             stats,
             &node,
@@ -862,7 +866,7 @@ pub fn compile_with(
         &mut problems,
     );
     let warming = if dynamic.validate_warming {
-        validate_warming(&dynamic, &health, &clusters.clusters, stats, &mut problems)
+        validate_warming(&dynamic, &health, &all_clusters, stats, &mut problems)
     } else if dynamic.warming_clusters.is_empty() {
         Vec::new()
     } else {
@@ -871,7 +875,7 @@ pub fn compile_with(
     problems.finish()?;
     let mut snapshot = Snapshot {
         listeners,
-        clusters: clusters.clusters,
+        clusters: all_clusters,
         route_configs,
         secrets,
         route_sources,
@@ -926,7 +930,7 @@ fn compile_clusters(
     previous: Option<&Snapshot>,
     pod: &cluster::PodClusters,
     problems: &mut Diagnostics,
-) -> (cluster::CompiledClusters, bool) {
+) -> (cluster::CompiledClusters, Option<Arc<Clusters>>, bool) {
     let patch = previous
         .filter(|p| p.compiled_from_bootstrap() && p.dynamic_clusters_in_order)
         .and_then(|p| {
@@ -935,6 +939,11 @@ fn compile_clusters(
         });
     let dynamic_clusters_in_order = patch.is_some() || in_name_order(&dynamic.clusters);
     let clusters = match patch {
+        // Not one changed (an update of listeners or routes): the very map.
+        Some((previous, changes)) if changes.is_empty() => {
+            let kept = Some(previous.clusters.clone());
+            return (Default::default(), kept, dynamic_clusters_in_order);
+        }
         Some((previous, changes)) => patch_clusters(&previous.clusters, &changes, pod, problems),
         None => {
             let (decoded, _held): (Vec<EnvoyCluster>, Vec<_>) =
@@ -951,11 +960,11 @@ fn compile_clusters(
                         .map(|(c, d)| c.source(d)),
                 )
                 .collect();
-            let previous = previous.map(|p| &p.clusters);
+            let previous = previous.map(|p| &*p.clusters);
             cluster::compile_all(&sources, previous, pod, problems)
         }
     };
-    (clusters, dynamic_clusters_in_order)
+    (clusters, None, dynamic_clusters_in_order)
 }
 
 /// When the clusters are made: on first use if the bootstrap asks for it

@@ -429,6 +429,12 @@ fn dynamic_resources_compile_with_the_static_ones_and_unchanged_clusters_are_kep
         "changed: rebuilt"
     );
     assert!(Arc::ptr_eq(&first.clusters["s"], &second.clusters["s"]));
+    // An update of something else (listeners, routes) keeps the very map.
+    let same = super::compile_with(&bootstrap, Arc::new(dynamic.clone()), Some(&second), &stats)
+        .unwrap()
+        .snapshot;
+    assert!(Arc::ptr_eq(&second.clusters, &same.clusters));
+    assert!(!Arc::ptr_eq(&first.clusters, &second.clusters));
     let dump = second.resources();
     assert_eq!(
         dump.clusters
