@@ -54,7 +54,7 @@ impl Entry {
     pub(crate) fn deferred(prototype: Arc<Prototype>, stats: &Arc<Store>) -> Arc<Entry> {
         Arc::new(Entry {
             digest: prototype.digest(),
-            alt_stat_name: prototype.alt_stat_name().map(Arc::from),
+            alt_stat_name: prototype.alt_stat_name().cloned(),
             made: OnceLock::new(),
             deferred: Mutex::new(Some(Deferred {
                 prototype,

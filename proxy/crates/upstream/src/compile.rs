@@ -384,7 +384,8 @@ pub struct Prototype {
     /// The cluster's name, the key every pod's map holds it under.
     name: Arc<str>,
     hosts: Vec<Host>,
-    observability_name: String,
+    /// Shared by every pod's entry that names it (`alt_stat_name`).
+    observability_name: Arc<str>,
     pipes: Vec<String>,
     warnings: Vec<shunt_config::Diagnostic>,
     /// An EDS cluster's check while it warmed ([`validate`]: the same cluster without
@@ -409,8 +410,8 @@ impl Prototype {
     }
 
     /// The name its stats go under, when not its own.
-    pub(crate) fn alt_stat_name(&self) -> Option<&str> {
-        Some(&*self.observability_name).filter(|alt| *alt != self.config.name)
+    pub(crate) fn alt_stat_name(&self) -> Option<&Arc<str>> {
+        Some(&self.observability_name).filter(|alt| ***alt != *self.config.name)
     }
 
     /// Whether a pod's cluster may be made when first used: making it starts nothing
@@ -459,7 +460,7 @@ fn prototype(source: Source<'_>, path: &JsonPath) -> Result<Prototype, Diagnosti
             name: config.name.as_str().into(),
             config,
             hosts,
-            observability_name,
+            observability_name: observability_name.into(),
             pipes,
             warnings: problems.warnings,
             _checked: checked,

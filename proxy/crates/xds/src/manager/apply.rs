@@ -151,6 +151,15 @@ fn edit(
                 }
             }
         }
+        // A first response of a named type (EDS) into an empty set: built in one go,
+        // its nodes full, where inserts in name order leave them half empty.
+        Edit::Patch { upserts, removals } if resources.is_empty() && removals.is_empty() => {
+            for (name, _) in &upserts {
+                touched.push(name.clone());
+                before.insert(name.clone(), None);
+            }
+            *resources = upserts.into_iter().collect();
+        }
         Edit::Patch { upserts, removals } => {
             for (name, entry) in upserts {
                 touched.push(name.clone());
