@@ -626,15 +626,45 @@ mod tests {
         assert_eq!(outcome.bytes_sent, MIB << 20);
     }
 
-    /// One request and reply through the copy, then both ends close.
-    async fn exchange_and_close(client: &mut TcpStream, server: &mut TcpStream) {
-        client.write_all(b"request").await.unwrap();
-        let mut got = [0u8; 7];
-        timeout(PATIENCE, server.read_exact(&mut got))
+    /// Flows to park copies in, and where the parked ones arrive.
+    fn parkable() -> (
+        std::sync::Arc<super::super::handover::Flows>,
+        tokio::sync::mpsc::UnboundedReceiver<super::super::handover::ParkedFlow>,
+    ) {
+        let flows = std::sync::Arc::new(super::super::handover::Flows::default());
+        let parked = flows.parked().unwrap();
+        (flows, parked)
+    }
+
+    /// A copy running parkable, its flows and where parked ones arrive.
+    async fn proxied_parkable() -> (
+        Proxied,
+        std::sync::Arc<super::super::handover::Flows>,
+        tokio::sync::mpsc::UnboundedReceiver<super::super::handover::ParkedFlow>,
+    ) {
+        let (flows, parked) = parkable();
+        (proxied_in(Some(flows.clone())).await, flows, parked)
+    }
+
+    /// The next `n` bytes from `stream`.
+    async fn next_bytes(stream: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut got = vec![0u8; n];
+        timeout(PATIENCE, stream.read_exact(&mut got))
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(&got, b"request");
+        got
+    }
+
+    /// The copy's outcome, once it ends.
+    async fn ended(outcome: tokio::task::JoinHandle<Outcome>) -> Outcome {
+        timeout(PATIENCE, outcome).await.unwrap().unwrap()
+    }
+
+    /// One request and reply through the copy, then both ends close.
+    async fn exchange_and_close(client: &mut TcpStream, server: &mut TcpStream) {
+        client.write_all(b"request").await.unwrap();
+        assert_eq!(next_bytes(server, 7).await, b"request");
         server.write_all(b"reply").await.unwrap();
         server.shutdown().await.unwrap();
         client.shutdown().await.unwrap();
@@ -644,9 +674,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_copy_that_starts_after_the_flows_closed_never_parks() {
-        use super::super::handover::Flows;
-        let flows = std::sync::Arc::new(Flows::default());
-        let mut parked = flows.parked().unwrap();
+        let (flows, mut parked) = parkable();
         flows.park_all();
         assert_eq!(flows.close(false), Some(0), "no copy running: closes");
         // Accepted before the hand-over, its copy starting only now (say, after its
@@ -657,7 +685,7 @@ mod tests {
             outcome,
         } = proxied_in(Some(flows.clone())).await;
         exchange_and_close(&mut client, &mut server).await;
-        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        let outcome = ended(outcome).await;
         assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
         assert!(parked.try_recv().is_err(), "nothing parked");
         assert_eq!(flows.running(), 0);
@@ -665,26 +693,23 @@ mod tests {
 
     #[tokio::test]
     async fn a_copy_still_running_when_the_flows_close_copies_on_here() {
-        use super::super::handover::Flows;
-        let flows = std::sync::Arc::new(Flows::default());
-        let mut parked = flows.parked().unwrap();
-        let Proxied {
-            mut client,
-            mut server,
-            outcome,
-        } = proxied_in(Some(flows.clone())).await;
+        let (
+            Proxied {
+                mut client,
+                mut server,
+                outcome,
+            },
+            flows,
+            mut parked,
+        ) = proxied_parkable().await;
         client.write_all(b"early").await.unwrap();
-        let mut got = [0u8; 5];
-        timeout(PATIENCE, server.read_exact(&mut got))
-            .await
-            .unwrap()
-            .unwrap();
+        assert_eq!(next_bytes(&mut server, 5).await, b"early");
         assert_eq!(flows.running(), 1);
         // The taker gave up waiting (its time limit) before this copy parked.
         assert_eq!(flows.close(true), Some(1));
         flows.park_all();
         exchange_and_close(&mut client, &mut server).await;
-        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        let outcome = ended(outcome).await;
         assert!(matches!(outcome.end, End::Closed), "{:?}", outcome.end);
         assert_eq!(outcome.bytes_received, 5 + 7, "counted across the park");
         assert!(parked.try_recv().is_err(), "nothing parked");
@@ -692,28 +717,24 @@ mod tests {
 
     #[tokio::test]
     async fn a_parked_copy_is_delivered_while_the_flows_are_open() {
-        use super::super::handover::Flows;
-        let flows = std::sync::Arc::new(Flows::default());
-        let mut parked = flows.parked().unwrap();
-        let Proxied {
-            mut client,
-            mut server,
-            outcome,
-        } = proxied_in(Some(flows.clone())).await;
+        let (
+            Proxied {
+                mut client,
+                mut server,
+                outcome,
+            },
+            flows,
+            mut parked,
+        ) = proxied_parkable().await;
         flows.park_all();
-        let outcome = timeout(PATIENCE, outcome).await.unwrap().unwrap();
+        let outcome = ended(outcome).await;
         assert!(matches!(outcome.end, End::HandedOver), "{:?}", outcome.end);
         assert_eq!(flows.close(false), Some(0));
         // Bytes written meanwhile wait in the kernel for whoever copies next.
         client.write_all(b"after").await.unwrap();
         let flow = parked.try_recv().expect("the flow parked");
         let resumed = tokio::spawn(copy_bidirectional(flow.downstream, flow.upstream));
-        let mut got = [0u8; 5];
-        timeout(PATIENCE, server.read_exact(&mut got))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(&got, b"after");
+        assert_eq!(next_bytes(&mut server, 5).await, b"after");
         drop((client, server));
         let _ = timeout(PATIENCE, resumed).await.unwrap();
     }
