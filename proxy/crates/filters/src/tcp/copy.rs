@@ -135,14 +135,11 @@ pub async fn copy_with_idle_timeout(
                 downstream,
                 upstream,
             };
-            match flows.deliver(parked) {
-                Ok(()) => {}
-                // No one takes it any more: copy on here, never parking again. Nothing
-                // was held, so nothing is lost.
-                Err(back) => {
-                    (downstream, upstream, park) = (back.downstream, back.upstream, None);
-                    continue;
-                }
+            // No one takes it any more: copy on here, never parking again. Nothing was
+            // held, so nothing is lost.
+            if let Err(back) = flows.deliver(parked) {
+                (downstream, upstream, park) = (back.downstream, back.upstream, None);
+                continue;
             }
         }
         return Outcome {

@@ -136,8 +136,8 @@ impl Offer {
 
 /// The old process's side, on a successor's connection: the node's own descriptors,
 /// then every pod (its namespace, listening sockets, DNS sockets), then waits until the
-/// successor serves them. The caller then lets go ([`let_go`]); if this
-/// fails, nothing was let go and the caller carries on serving.
+/// successor serves them. The caller then lets go ([`let_go`]); if this fails, nothing
+/// was let go and the caller carries on serving.
 pub fn hand_over(conn: &Socket, node: NodeFds<'_>, pods: &NodePods) -> anyhow::Result<usize> {
     expect(conn, "take")?;
     let header = Header {
@@ -195,10 +195,9 @@ pub fn let_go(pods: &NodePods, conn: &Socket) -> anyhow::Result<usize> {
 pub const FLOWS_PARK_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The old process's side, after `started` and [`NodePods::release_all`] (see
-/// [`let_go`]): sends every
-/// flow as it parks, until each pod's copies have all parked or ended (or `limit`
-/// passes: those still copying stay here to the end), then `flows-end`. Returns the
-/// flows handed.
+/// [`let_go`]): sends every flow as it parks, until each pod's copies have all parked
+/// or ended (or `limit` passes: those still copying stay here to the end), then
+/// `flows-end`. Returns the flows handed.
 fn hand_over_flows(
     conn: &Socket,
     pods: Vec<(String, ParkedFlows)>,
