@@ -464,11 +464,21 @@ pub struct DownstreamTls {
 }
 
 /// A downstream context's server config, with its ALPN list and without (for clients
-/// that offer none of it).
+/// that offer none of it), and the client verifier both use (which the in-process
+/// hand-off asks too, so both remember the same accepted chains).
 #[derive(Debug)]
 pub struct ServerConfigs {
     pub alpn: Arc<ServerConfig>,
     pub no_alpn: Arc<ServerConfig>,
+    verifier: Option<Arc<DownstreamVerifier>>,
+}
+
+impl ServerConfigs {
+    /// How many client chains its verifier remembers having accepted.
+    #[cfg(test)]
+    pub fn accepted_chains(&self) -> usize {
+        self.verifier.as_ref().map_or(0, |v| v.accepted_chains())
+    }
 }
 
 impl std::fmt::Debug for Cache<ServerConfigs> {
@@ -477,7 +487,7 @@ impl std::fmt::Debug for Cache<ServerConfigs> {
     }
 }
 
-impl std::fmt::Debug for Cache<ClientConfig> {
+impl std::fmt::Debug for Cache<ClientSide> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Cache")
     }
@@ -543,8 +553,9 @@ impl DownstreamTls {
                 }
                 None => None,
             };
-            let builder = match verifier {
-                Some(verifier) => builder.with_client_cert_verifier(Arc::new(verifier)),
+            let verifier = verifier.map(Arc::new);
+            let builder = match &verifier {
+                Some(verifier) => builder.with_client_cert_verifier(verifier.clone()),
                 None => builder.with_no_client_auth(),
             };
             let config =
@@ -554,6 +565,7 @@ impl DownstreamTls {
             Ok(ServerConfigs {
                 alpn: Arc::new(alpn),
                 no_alpn: Arc::new(config),
+                verifier,
             })
         })
     }
@@ -608,7 +620,14 @@ pub struct UpstreamTls {
     common: CommonTls,
     /// `sni`; without it no SNI is sent.
     sni: Option<ServerName<'static>>,
-    cache: Cache<ClientConfig>,
+    cache: Cache<ClientSide>,
+}
+
+/// An upstream context's client config and the server verifier in it (which the
+/// in-process hand-off asks too).
+struct ClientSide {
+    config: Arc<ClientConfig>,
+    verifier: Arc<UpstreamVerifier>,
 }
 
 impl UpstreamTls {
@@ -680,15 +699,27 @@ impl UpstreamTls {
 
     /// The client config for a handshake now, with named secrets from `secrets`.
     pub fn client_config(&self, secrets: &Secrets) -> Result<Arc<ClientConfig>, HandshakeError> {
+        Ok(self.client_side(secrets)?.config.clone())
+    }
+
+    /// How many server chains the verifier for `secrets` remembers having accepted.
+    #[cfg(test)]
+    pub fn accepted_chains(&self, secrets: &Secrets) -> Result<usize, HandshakeError> {
+        Ok(self.client_side(secrets)?.verifier.accepted_chains())
+    }
+
+    fn client_side(&self, secrets: &Secrets) -> Result<Arc<ClientSide>, HandshakeError> {
         let resolved = self.common.resolve(secrets)?;
         self.cache.get_or_build(&resolved.used, || {
-            let verifier =
-                UpstreamVerifier::new(resolved.validation.unwrap_or_default(), secret::provider());
+            let verifier = Arc::new(UpstreamVerifier::new(
+                resolved.validation.unwrap_or_default(),
+                secret::provider(),
+            ));
             let builder = ClientConfig::builder_with_provider(secret::provider())
                 .with_protocol_versions(&self.common.versions)
                 .map_err(|e| e.to_string())?
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(verifier));
+                .with_custom_certificate_verifier(verifier.clone());
             let mut config = if resolved.certificates.is_empty() {
                 builder.with_no_client_auth()
             } else {
@@ -696,7 +727,10 @@ impl UpstreamTls {
                     .with_client_cert_resolver(Arc::new(Certificates::new(resolved.certificates)))
             };
             config.alpn_protocols = self.common.alpn.clone();
-            Ok(config)
+            Ok(ClientSide {
+                config: Arc::new(config),
+                verifier,
+            })
         })
     }
 
@@ -783,14 +817,12 @@ impl UpstreamTls {
         chain: &[rustls::pki_types::CertificateDer<'static>],
     ) -> Result<(), HandshakeError> {
         use rustls::client::danger::ServerCertVerifier;
-        let resolved = self.common.resolve(secrets)?;
+        let side = self.client_side(secrets)?;
         let Some((leaf, intermediates)) = chain.split_first() else {
             return Err(rejected(rustls::Error::NoCertificatesPresented));
         };
-        let verifier =
-            UpstreamVerifier::new(resolved.validation.unwrap_or_default(), secret::provider());
         let name = ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into());
-        verifier
+        side.verifier
             .verify_server_cert(
                 leaf,
                 intermediates,
@@ -821,29 +853,19 @@ impl DownstreamTls {
         hello: &InProcessHello,
     ) -> Result<Option<String>, HandshakeError> {
         use rustls::server::danger::ClientCertVerifier;
-        let resolved = self.common.resolve(secrets)?;
-        if let Some(context) = resolved.validation {
-            let verifier = DownstreamVerifier::new(
-                context,
-                self.require_client_certificate,
-                secret::provider(),
-            )
-            .map_err(HandshakeError::Config)?;
-            match (verifier, hello.chain.split_first()) {
-                (Some(verifier), Some((leaf, intermediates))) => {
-                    verifier
-                        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
-                        .map_err(rejected)?;
-                }
-                (Some(_), None) if self.require_client_certificate => {
-                    return Err(rejected(rustls::Error::NoCertificatesPresented));
-                }
-                _ => {}
+        // The handshake's own configs: a context that cannot verify clients fails here
+        // as its handshake would.
+        let configs = self.server_configs(secrets)?;
+        match (&configs.verifier, hello.chain.split_first()) {
+            (Some(verifier), Some((leaf, intermediates))) => {
+                verifier
+                    .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+                    .map_err(rejected)?;
             }
-        } else if self.require_client_certificate {
-            return Err(HandshakeError::Config(
-                "require_client_certificate needs a validation context with trusted_ca".into(),
-            ));
+            (Some(_), None) if self.require_client_certificate => {
+                return Err(rejected(rustls::Error::NoCertificatesPresented));
+            }
+            _ => {}
         }
         // The server's first protocol the client offered, as rustls picks.
         let chosen = self

@@ -436,6 +436,130 @@ async fn named_secrets_are_resolved_per_handshake_and_configs_cached_per_secret(
     assert!(served.is_err());
 }
 
+fn chain_of(pki: &Pki, name: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    super::pem::certificates(pki.read(&format!("{name}.pem")).as_bytes()).unwrap()
+}
+
+fn validation(pki: &Pki, ca: &str, san: &str) -> secret::ValidationContext {
+    let (secret, problems) = secret(json!({"name": "v", "validation_context": {
+        "trusted_ca": {"filename": pki.path(ca)},
+        "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"exact": san}}]}}));
+    assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+    match secret.unwrap().kind {
+        SecretKind::ValidationContext(context) => (*context).clone(),
+        SecretKind::TlsCertificate(_) => unreachable!(),
+    }
+}
+
+#[test]
+fn a_verifier_remembers_the_chains_it_accepted_until_they_expire() {
+    use rustls::client::danger::ServerCertVerifier;
+    use rustls::pki_types::{ServerName, UnixTime};
+    use rustls::server::danger::ClientCertVerifier;
+    use std::time::{Duration, SystemTime};
+
+    let pki = Pki::new();
+    let server_id = "spiffe://cluster.local/ns/default/sa/server";
+    let upstream = super::verifier::UpstreamVerifier::new(
+        validation(&pki, "ca.pem", server_id),
+        secret::provider(),
+    );
+    let name = ServerName::try_from("server.test").unwrap();
+    let check = |chain: &[rustls::pki_types::CertificateDer<'static>], at: UnixTime| {
+        upstream
+            .verify_server_cert(&chain[0], &chain[1..], &name, &[], at)
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"))
+    };
+    let now = UnixTime::now();
+    let server = chain_of(&pki, "server");
+    assert_eq!(check(&server, now), Ok(()));
+    assert_eq!(check(&server, now), Ok(()));
+    assert_eq!(upstream.accepted_chains(), 1);
+    // The openssl certificates last two days: remembered or not, an expired chain fails.
+    let later = SystemTime::now() + Duration::from_secs(3 * 86_400);
+    let later = UnixTime::since_unix_epoch(later.duration_since(SystemTime::UNIX_EPOCH).unwrap());
+    let err = check(&server, later).unwrap_err();
+    assert!(err.contains("Expired"), "{err}");
+    // Refusals are not remembered: the wrong identity, an untrusted issuer.
+    let err = check(&chain_of(&pki, "client"), now).unwrap_err();
+    assert!(err.contains("no subject alternative name matches"), "{err}");
+    let err = check(&chain_of(&pki, "stranger"), now).unwrap_err();
+    assert!(err.contains("UnknownIssuer"), "{err}");
+    assert_eq!(upstream.accepted_chains(), 1);
+
+    let client_id = "spiffe://cluster.local/ns/default/sa/client";
+    let downstream = super::verifier::DownstreamVerifier::new(
+        validation(&pki, "ca.pem", client_id),
+        true,
+        secret::provider(),
+    )
+    .unwrap()
+    .unwrap();
+    let client = chain_of(&pki, "client");
+    for _ in 0..2 {
+        downstream
+            .verify_client_cert(&client[0], &client[1..], now)
+            .unwrap();
+    }
+    assert_eq!(downstream.accepted_chains(), 1);
+    let err = downstream
+        .verify_client_cert(&client[0], &client[1..], later)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("Expired"), "{err:?}");
+}
+
+#[test]
+fn an_in_process_hand_off_accepted_under_old_roots_is_checked_again_under_new_ones() {
+    let pki = Pki::new();
+    let server = downstream(json!({
+        "require_client_certificate": true,
+        "common_tls_context": {
+        "tls_certificate_sds_secret_configs": [{"name": "default", "sds_config": {"ads": {}}}],
+        "validation_context_sds_secret_config": {"name": "ROOTCA", "sds_config": {"ads": {}}}}}))
+    .unwrap();
+    let client = upstream(json!({"common_tls_context": {
+        "tls_certificates": [certificate(&pki, "client")],
+        "validation_context": {"trusted_ca": {"filename": pki.path("ca.pem")}}}}))
+    .unwrap();
+    let none = Secrets::new();
+    let hello = client.in_process_hello(&none).unwrap();
+    let roots = |ca: &str| {
+        static_secrets(
+            &pki,
+            &[
+                (
+                    "default",
+                    json!({"tls_certificate": certificate(&pki, "server")}),
+                ),
+                (
+                    "ROOTCA",
+                    json!({"validation_context": {"trusted_ca": {"filename": pki.path(ca)}}}),
+                ),
+            ],
+        )
+    };
+    let trusting = roots("ca.pem");
+    for _ in 0..2 {
+        server.verify_in_process_client(&trusting, &hello).unwrap();
+    }
+    // The handshake's verifier remembered the chain once; the hand-off asked the same one.
+    let configs = server.server_configs(&trusting).unwrap();
+    assert_eq!(configs.accepted_chains(), 1);
+    // A ROOTCA rotated to a CA that did not sign the client: refused, remembered or not.
+    let err = server
+        .verify_in_process_client(&roots("other-ca.pem"), &hello)
+        .unwrap_err();
+    assert!(err.to_string().contains("UnknownIssuer"), "{err}");
+
+    // The client side likewise checks the server's chain with its handshake's verifier.
+    let chain = server.in_process_chain(&trusting).unwrap();
+    client.verify_in_process_server(&none, &chain).unwrap();
+    client.verify_in_process_server(&none, &chain).unwrap();
+    assert_eq!(client.accepted_chains(&none).unwrap(), 1);
+}
+
 #[test]
 fn context_errors_name_their_paths() {
     let pki = Pki::new();

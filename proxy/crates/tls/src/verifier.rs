@@ -3,7 +3,7 @@
 //! the server's name against the SNI; identity is what the SAN matchers say (Istio's
 //! SPIFFE URIs), so the upstream verifier leaves the name out on purpose.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
@@ -55,16 +55,100 @@ fn check_sans(context: &ValidationContext, end_entity: &CertificateDer<'_>) -> R
     }
 }
 
+/// The chains a verifier accepted (trust and SAN matchers both), each until it would
+/// expire. A mesh meets the same few peer certificates on every connection, and
+/// checking a chain again (an ECDSA signature per link) was a third of node mode's CPU
+/// per new connection. A verifier belongs to one set of trust anchors and matchers: new
+/// roots from SDS build a new verifier, so nothing accepted under the old ones is kept.
+#[derive(Debug, Default)]
+struct Accepted(Mutex<Vec<AcceptedChain>>);
+
+#[derive(Debug)]
+struct AcceptedChain {
+    /// Leaf first, then the intermediates as presented.
+    chain: Vec<CertificateDer<'static>>,
+    /// The latest `not_before` and the earliest `not_after` in the chain, in seconds.
+    valid: (u64, u64),
+}
+
+/// Enough for the identities one context meets (a node's pods, a service's peers);
+/// past it the oldest is forgotten and checked again when it comes back.
+const ACCEPTED_CHAINS: usize = 64;
+
+impl Accepted {
+    fn holds(
+        &self,
+        leaf: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> bool {
+        let now = now.as_secs();
+        let accepted = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        accepted.iter().any(|a| {
+            (a.valid.0..=a.valid.1).contains(&now)
+                && a.chain.len() == intermediates.len() + 1
+                && a.chain[0] == *leaf
+                && a.chain[1..] == *intermediates
+        })
+    }
+
+    /// Remembers a chain just accepted; one whose validity cannot be read is not kept.
+    fn remember(&self, leaf: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>]) {
+        let chain: Vec<CertificateDer<'static>> = std::iter::once(leaf)
+            .chain(intermediates)
+            .map(|c| c.clone().into_owned())
+            .collect();
+        let Some(valid) = validity(&chain) else {
+            return;
+        };
+        let mut accepted = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if accepted.len() >= ACCEPTED_CHAINS {
+            accepted.remove(0);
+        }
+        accepted.push(AcceptedChain { chain, valid });
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The window in which every certificate of `chain` is valid, as webpki checks it.
+fn validity(chain: &[CertificateDer<'_>]) -> Option<(u64, u64)> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let mut window = (0u64, u64::MAX);
+    for der in chain {
+        let (_, cert) = X509Certificate::from_der(der).ok()?;
+        let validity = cert.validity();
+        let from = u64::try_from(validity.not_before.timestamp()).unwrap_or(0);
+        let until = u64::try_from(validity.not_after.timestamp()).ok()?;
+        window = (window.0.max(from), window.1.min(until));
+    }
+    Some(window)
+}
+
 /// Verifies an upstream server for the client side.
 #[derive(Debug)]
 pub struct UpstreamVerifier {
     context: ValidationContext,
     provider: Arc<CryptoProvider>,
+    accepted: Accepted,
 }
 
 impl UpstreamVerifier {
     pub fn new(context: ValidationContext, provider: Arc<CryptoProvider>) -> Self {
-        UpstreamVerifier { context, provider }
+        UpstreamVerifier {
+            context,
+            provider,
+            accepted: Accepted::default(),
+        }
+    }
+
+    /// How many chains it remembers having accepted.
+    #[cfg(test)]
+    pub fn accepted_chains(&self) -> usize {
+        self.accepted.len()
     }
 }
 
@@ -77,6 +161,9 @@ impl ServerCertVerifier for UpstreamVerifier {
         _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, Error> {
+        if self.accepted.holds(end_entity, intermediates, now) {
+            return Ok(ServerCertVerified::assertion());
+        }
         if let Some(roots) = &self.context.roots {
             let cert = ParsedCertificate::try_from(end_entity)?;
             rustls::client::verify_server_cert_signed_by_trust_anchor(
@@ -88,6 +175,7 @@ impl ServerCertVerifier for UpstreamVerifier {
             )?;
         }
         check_sans(&self.context, end_entity)?;
+        self.accepted.remember(end_entity, intermediates);
         Ok(ServerCertVerified::assertion())
     }
 
@@ -132,6 +220,7 @@ impl ServerCertVerifier for UpstreamVerifier {
 pub struct DownstreamVerifier {
     chain: Arc<dyn ClientCertVerifier>,
     context: ValidationContext,
+    accepted: Accepted,
 }
 
 impl DownstreamVerifier {
@@ -158,7 +247,17 @@ impl DownstreamVerifier {
             builder.allow_unauthenticated()
         };
         let chain = builder.build().map_err(|e| e.to_string())?;
-        Ok(Some(DownstreamVerifier { chain, context }))
+        Ok(Some(DownstreamVerifier {
+            chain,
+            context,
+            accepted: Accepted::default(),
+        }))
+    }
+
+    /// How many chains it remembers having accepted.
+    #[cfg(test)]
+    pub fn accepted_chains(&self) -> usize {
+        self.accepted.len()
     }
 }
 
@@ -181,9 +280,13 @@ impl ClientCertVerifier for DownstreamVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, Error> {
+        if self.accepted.holds(end_entity, intermediates, now) {
+            return Ok(ClientCertVerified::assertion());
+        }
         self.chain
             .verify_client_cert(end_entity, intermediates, now)?;
         check_sans(&self.context, end_entity)?;
+        self.accepted.remember(end_entity, intermediates);
         Ok(ClientCertVerified::assertion())
     }
 
