@@ -71,6 +71,14 @@ struct AcceptedChain {
     valid: (u64, u64),
 }
 
+impl AcceptedChain {
+    fn is(&self, leaf: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>]) -> bool {
+        self.chain.len() == intermediates.len() + 1
+            && self.chain[0] == *leaf
+            && self.chain[1..] == *intermediates
+    }
+}
+
 /// Enough for the identities one context meets (a node's pods, a service's peers);
 /// past it the oldest is forgotten and checked again when it comes back.
 const ACCEPTED_CHAINS: usize = 64;
@@ -84,12 +92,9 @@ impl Accepted {
     ) -> bool {
         let now = now.as_secs();
         let accepted = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        accepted.iter().any(|a| {
-            (a.valid.0..=a.valid.1).contains(&now)
-                && a.chain.len() == intermediates.len() + 1
-                && a.chain[0] == *leaf
-                && a.chain[1..] == *intermediates
-        })
+        accepted
+            .iter()
+            .any(|a| (a.valid.0..=a.valid.1).contains(&now) && a.is(leaf, intermediates))
     }
 
     /// Remembers a chain just accepted; one whose validity cannot be read is not kept.
@@ -102,6 +107,10 @@ impl Accepted {
             return;
         };
         let mut accepted = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Two connections may have checked the same chain at once.
+        if accepted.iter().any(|a| a.is(leaf, intermediates)) {
+            return;
+        }
         if accepted.len() >= ACCEPTED_CHAINS {
             accepted.remove(0);
         }
