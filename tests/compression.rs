@@ -275,8 +275,13 @@ impl Scene {
             .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
             .filter(|(k, _)| COMPARED.contains(&k.as_str()) || k.starts_with("x-seen-"))
             .collect();
+        // `-I` prints the head as the body: its `date` changes with the second.
+        let body: String = String::from_utf8_lossy(&out.stdout)
+            .split_inclusive('\n')
+            .filter(|l| !l.to_ascii_lowercase().starts_with("date:"))
+            .collect();
         json!({"status": status, "headers": headers, "body_len": out.stdout.len(),
-               "body": String::from_utf8_lossy(&out.stdout[..out.stdout.len().min(64)])})
+               "body": body.chars().take(64).collect::<String>()})
     }
 }
 

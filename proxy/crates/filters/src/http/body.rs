@@ -51,13 +51,23 @@ pub struct LogSlot {
     /// Set once the request has its response (or was given up); empty: no line.
     line: Mutex<Option<(Box<Entry>, Arc<HttpConnectionManager>)>>,
     /// The stream's HTTP filters, told when the stream is over.
-    chain: Mutex<Option<ActiveChain>>,
+    chain: Mutex<ChainSlot>,
     /// Whether a filter of `chain` watches the body frames (saves the lock otherwise).
     observed: AtomicBool,
     /// `downstream_rq_rx_reset` and `downstream_rq_tx_reset` of the stream's HCM.
     resets: std::sync::OnceLock<[Counter; 2]>,
     /// The request's span, ended with the line.
     span: Mutex<Option<Box<ActiveSpan>>>,
+}
+
+/// Where the stream's filters wait between their calls.
+#[derive(Debug, Default)]
+struct ChainSlot {
+    chain: Option<ActiveChain>,
+    /// Lent to the encoders ([`LogSlot::take_chain`]).
+    lent: bool,
+    /// Request data that passed while they were lent.
+    missed: Vec<Bytes>,
 }
 
 impl LogSlot {
@@ -76,7 +86,7 @@ impl LogSlot {
             closes: AtomicBool::new(false),
             downstream_protocol_error: AtomicBool::new(false),
             line: Mutex::new(None),
-            chain: Mutex::new(None),
+            chain: Mutex::new(ChainSlot::default()),
             observed: AtomicBool::new(false),
             resets: std::sync::OnceLock::new(),
             span: Mutex::new(None),
@@ -201,14 +211,26 @@ impl LogSlot {
     }
 
     /// Keeps the stream's filters until the stream ends ([`ActiveChain::complete`]).
-    pub fn set_chain(&self, chain: ActiveChain) {
+    /// Request data that passed while the encoders had them is shown to them now,
+    /// in order, before any that follows.
+    pub fn set_chain(&self, mut chain: ActiveChain) {
         self.observed
             .store(chain.observes_body(), Ordering::Relaxed);
-        *self.chain.lock().unwrap_or_else(|e| e.into_inner()) = Some(chain);
+        let mut slot = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        for data in std::mem::take(&mut slot.missed) {
+            chain.observe_request_data(&data);
+        }
+        slot.lent = false;
+        slot.chain = Some(chain);
     }
 
+    /// Lends the stream's filters to the encoders, who give them back with
+    /// [`LogSlot::set_chain`].
     pub fn take_chain(&self) -> Option<ActiveChain> {
-        self.chain.lock().unwrap_or_else(|e| e.into_inner()).take()
+        let mut slot = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let chain = slot.chain.take();
+        slot.lent = chain.is_some();
+        chain
     }
 
     /// Lets the stream's body-watching filters see `call`.
@@ -218,9 +240,25 @@ impl LogSlot {
                 .chain
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
+                .chain
                 .as_mut()
         {
             call(chain);
+        }
+    }
+
+    /// Shows the body-watching filters request data on its way upstream. The request
+    /// body flows while the response's headers are encoded (a gRPC stream's next
+    /// message): what passes then is held for the filters' return, not lost.
+    fn observe_request_data(&self, data: &Bytes) {
+        if !self.observed.load(Ordering::Relaxed) || data.is_empty() {
+            return;
+        }
+        let slot = &mut *self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.chain.as_mut() {
+            Some(chain) => chain.observe_request_data(data),
+            None if slot.lent => slot.missed.push(data.clone()),
+            None => {}
         }
     }
 
@@ -232,8 +270,8 @@ impl LogSlot {
         use shunt_core::set_filter_state::{
             ORIGINAL_DST_LOCAL, ORIGINAL_DST_REMOTE, shared_address,
         };
-        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(chain) = chain.as_ref() else {
+        let slot = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(chain) = slot.chain.as_ref() else {
             return (None, None);
         };
         let state = &chain.ctx.info.filter_state;
@@ -250,8 +288,8 @@ impl LogSlot {
         cluster: &shunt_upstream::Cluster,
         downstream: hyper::Version,
     ) -> Option<shunt_upstream::http_pool::Alpn> {
-        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
-        let state = &chain.as_ref()?.ctx.info.filter_state;
+        let slot = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &slot.chain.as_ref()?.ctx.info.filter_state;
         if state.is_empty() {
             return None;
         }
@@ -288,6 +326,7 @@ impl Drop for LogSlot {
             .chain
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
+            .chain
             .take();
         if let Some((mut entry, hcm)) = line {
             entry.bytes_received = *self.received.get_mut();
@@ -317,7 +356,7 @@ impl shunt_upstream::http_pool::BodyObserver for LogSlot {
     }
 
     fn data(&self, data: &Bytes) {
-        self.observe(|chain| chain.observe_request_data(data));
+        self.observe_request_data(data);
     }
 
     fn ended(&self) {

@@ -369,3 +369,60 @@ fn per_route_configs_are_most_specific_first() {
     assert!(!routed.per_filter_config("g").unwrap().disabled);
     assert!(routed.per_filter_config("h").is_none());
 }
+
+/// Logs the request data it is shown.
+#[derive(Debug)]
+struct DataWatcher(Log);
+
+impl HttpFilterConfig for DataWatcher {
+    fn create(&self) -> Box<dyn HttpFilter> {
+        Box::new(DataWatcherStream(self.0.clone()))
+    }
+}
+
+struct DataWatcherStream(Log);
+
+impl HttpFilter for DataWatcherStream {
+    fn observes_body(&self) -> bool {
+        true
+    }
+
+    fn on_request_data(&mut self, data: &[u8], _ctx: &mut StreamCtx) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(data).into_owned());
+    }
+}
+
+/// A stream's request body goes on flowing while the encoders have its filters (a
+/// gRPC stream's next message during the response's headers): body-watching filters
+/// still see every frame, in order.
+#[test]
+fn request_data_sent_while_the_encoders_run_is_still_observed() {
+    use shunt_upstream::http_pool::BodyObserver as _;
+    let log = Log::default();
+    let filters = chain::FilterChain {
+        filters: vec![ConfiguredFilter {
+            name: Arc::from("watch"),
+            config: Arc::new(DataWatcher(log.clone())),
+            disabled: false,
+        }],
+    };
+    let addr = "10.0.0.1:80".parse().unwrap();
+    let connection = Arc::new(shunt_core::stream_info::Connection::new(addr, addr));
+    let info = shunt_core::stream_info::StreamInfo::new(connection);
+    let slot = crate::http::body::LogSlot::new();
+    slot.set_chain(chain::ActiveChain::new(
+        &filters,
+        StreamCtx::new(info, None),
+    ));
+    slot.data(&Bytes::from_static(b"one"));
+    let lent = slot.take_chain().expect("the chain is kept");
+    slot.data(&Bytes::from_static(b"two"));
+    slot.data(&Bytes::from_static(b"three"));
+    assert_eq!(taken(&log), ["one"], "nothing reaches a lent chain");
+    slot.set_chain(lent);
+    slot.data(&Bytes::from_static(b"four"));
+    assert_eq!(taken(&log), ["two", "three", "four"]);
+}
