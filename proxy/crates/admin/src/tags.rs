@@ -64,10 +64,12 @@ enum NameMatcher {
 
 /// Envoy's default tag extractors (`source/common/config/well_known_names.cc`) that
 /// apply to the stats shunt has, in Envoy's order: `(tag name, regex, substring hint)`.
+/// `\d` and `\w` are written out as the ASCII classes they are in Envoy's ECMAScript
+/// regexes: Unicode's took 1 MiB of compiled automata in every process, these 0.3.
 /// The Mongo and DynamoDB ones are left out with those filters.
 const DEFAULT_EXTRACTORS: &[(&str, &str, &str)] = &[
-    ("envoy.response_code", r"_rq(_(\d{3}))$", "_rq_"),
-    ("envoy.response_code_class", r"_rq_((\d))xx$", "_rq_"),
+    ("envoy.response_code", r"_rq(_([0-9]{3}))$", "_rq_"),
+    ("envoy.response_code_class", r"_rq_(([0-9]))xx$", "_rq_"),
     (
         "envoy.grpc_bridge_method",
         r"^cluster\.[^\.]+\.grpc\.[^\.]+\.(([^\.]+)\.)",
@@ -120,18 +122,18 @@ const DEFAULT_EXTRACTORS: &[(&str, &str, &str)] = &[
     ("envoy.http_conn_manager_prefix", r"^http\.(([^\.]+)\.)", ""),
     (
         "envoy.listener_address",
-        r"^listener\.((\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}_\d+|\[[_aAbBcCdDeEfF[:digit:]]+\]_\d+)\.)",
+        r"^listener\.(([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}_[0-9]+|\[[_aAbBcCdDeEfF[:digit:]]+\]_[0-9]+)\.)",
         "",
     ),
     ("envoy.virtual_host", r"^vhost\.(([^\.]+)\.)", ""),
     (
         "envoy.rds_route_config",
-        r"^http\.[^\.]+\.rds\.(([\w\-\.]+)\.)\w+?$",
+        r"^http\.[^\.]+\.rds\.(([0-9A-Za-z_\-\.]+)\.)[0-9A-Za-z_]+?$",
         ".rds.",
     ),
     (
         "envoy.worker_id",
-        r"^listener_manager\.((worker_\d+)\.)",
+        r"^listener_manager\.((worker_[0-9]+)\.)",
         "listener_manager.worker_",
     ),
 ];
