@@ -189,7 +189,7 @@ impl Manager {
         let shared: Arc<str> = version.as_str().into();
         let decoded: Result<Vec<Accepted>, (String, String)> = response
             .resources
-            .iter()
+            .into_iter()
             .map(|any| Accepted::new(kind, any, shared.clone()).map_err(|e| (String::new(), e)))
             .collect();
         let result = decoded.map_err(|e| vec![e]).and_then(|entries| {
@@ -256,8 +256,8 @@ impl Manager {
         let version = response.system_version_info.clone();
         let mut upserts = Vec::new();
         let mut errors = Vec::new();
-        for resource in &response.resources {
-            let Some(any) = &resource.resource else {
+        for mut resource in response.resources {
+            let Some(any) = resource.resource.take() else {
                 continue;
             };
             match Accepted::new(kind, any, resource.version.as_str().into()) {

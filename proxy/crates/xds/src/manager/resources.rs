@@ -45,19 +45,20 @@ where
     interned::intern(kind, len, digest, || T::decode(bytes))
 }
 
-/// The interned copy of `bytes` kept as they are (checked to decode).
+/// The interned copy of `bytes` kept as they are (checked to decode): the response's
+/// own buffer, moved, not copied.
 fn encoded<T: Kept + 'static>(
     key: (Kind, usize, u64),
-    bytes: &[u8],
+    bytes: Vec<u8>,
 ) -> Result<Arc<Encoded<T>>, prost::DecodeError> {
     let (kind, len, digest) = key;
-    interned::intern(kind, len, digest, || Encoded::with_digest(bytes, digest))
+    interned::intern(kind, len, digest, || Encoded::from_vec(bytes, digest))
 }
 
 impl Resource {
     /// Decodes `any` (whose bytes have `digest`), or shares the copy another manager of
     /// this process decoded from the same bytes ([`super::interned`]).
-    pub(super) fn decode(kind: TypeUrl, any: &Any, digest: u64) -> Result<Resource, String> {
+    pub(super) fn decode(kind: TypeUrl, any: Any, digest: u64) -> Result<Resource, String> {
         if any.type_url != kind.as_str() {
             return Err(format!(
                 "a {} response carries a resource of type {}",
@@ -65,7 +66,7 @@ impl Resource {
                 any.type_url
             ));
         }
-        let bytes = any.value.as_slice();
+        let bytes = any.value;
         let key = (Kind::Decoded(kind), bytes.len(), digest);
         let decoded = match kind {
             TypeUrl::Listener => encoded(key, bytes).map(Resource::Listener),
@@ -73,8 +74,8 @@ impl Resource {
             TypeUrl::ClusterLoadAssignment => encoded(key, bytes).map(Resource::Endpoints),
             TypeUrl::RouteConfiguration => encoded(key, bytes).map(Resource::Route),
             TypeUrl::Secret => encoded(key, bytes).map(Resource::Secret),
-            TypeUrl::NameTable => shared(key, bytes).map(Resource::NameTable),
-            TypeUrl::Workload => shared(key, bytes).map(Resource::Workload),
+            TypeUrl::NameTable => shared(key, &bytes).map(Resource::NameTable),
+            TypeUrl::Workload => shared(key, &bytes).map(Resource::Workload),
         };
         decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
     }
@@ -133,7 +134,7 @@ pub(super) struct Accepted {
 }
 
 impl Accepted {
-    pub(super) fn new(kind: TypeUrl, any: &Any, version: Arc<str>) -> Result<Accepted, String> {
+    pub(super) fn new(kind: TypeUrl, any: Any, version: Arc<str>) -> Result<Accepted, String> {
         let digest = xxhash_rust::xxh64::xxh64(&any.value, 0);
         Ok(Accepted {
             resource: Resource::decode(kind, any, digest)?,

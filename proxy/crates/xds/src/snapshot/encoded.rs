@@ -60,12 +60,20 @@ impl<T: Kept> Encoded<T> {
     /// [`Encoded::new`] when the caller (the xDS manager, at accept) already took the
     /// bytes' xxh64.
     pub fn with_digest(bytes: &[u8], digest: u64) -> Result<Self, prost::DecodeError> {
-        debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(bytes, 0));
-        let decoded = T::decode(bytes)?;
+        Self::from_vec(bytes.to_vec(), digest)
+    }
+
+    /// [`Encoded::with_digest`] keeping `bytes` themselves: a response's resource is
+    /// moved in, not copied (prost gives each one a buffer of its exact length), so no
+    /// copy of the whole push is made and freed among what stays.
+    pub fn from_vec(bytes: Vec<u8>, digest: u64) -> Result<Self, prost::DecodeError> {
+        debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(&bytes, 0));
+        let bytes = bytes.into_boxed_slice();
+        let decoded = T::decode(&*bytes)?;
         Ok(Encoded {
             name: decoded.name().into(),
             facts: decoded.facts(),
-            bytes: bytes.into(),
+            bytes,
             digest,
             message: PhantomData,
         })
