@@ -8,6 +8,10 @@
 //! The key is the type with the length and xxh64 digest of the resource's bytes (the
 //! name is part of the bytes): resources are immutable once accepted, so a pod's update
 //! of its copy is a new key and never changes what another pod holds.
+//!
+//! Only where compiled config is shared ([`shunt_core::interned::sharing_compiled`],
+//! node mode): a process of one proxy has no second manager to share with, and the
+//! table's entry per resource was a small block kept among its decode's freed ones.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -49,6 +53,9 @@ pub(super) fn intern<T, E>(
 where
     T: Send + Sync + 'static,
 {
+    if !shunt_core::interned::sharing_compiled() {
+        return make().map(Arc::new);
+    }
     let key = (kind, len, digest);
     if let Some(live) = lookup::<T>(&key) {
         return Ok(live);
@@ -118,6 +125,7 @@ mod tests {
 
     #[test]
     fn equal_keys_share_one_copy_until_the_last_holder_drops_it() {
+        shunt_core::interned::share_compiled();
         let (kind, len, digest) = key(1);
         let first = intern(kind, len, digest, || Ok::<_, ()>(String::from("one"))).unwrap();
         let second = intern(kind, len, digest, || -> Result<String, ()> {
@@ -144,6 +152,7 @@ mod tests {
 
     #[test]
     fn a_failed_make_interns_nothing() {
+        shunt_core::interned::share_compiled();
         let (kind, len, digest) = key(3);
         assert_eq!(
             intern::<String, _>(kind, len, digest, || Err("bad")),
