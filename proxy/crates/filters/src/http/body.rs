@@ -15,7 +15,7 @@ use hyper::body::{Body, Frame, SizeHint};
 
 use super::config::{HttpConnectionManager, StreamTimeouts};
 use super::filter::BodyTransform;
-use super::filter::chain::ActiveChain;
+use super::filter::chain::{ActiveChain, BUFFER_LIMIT};
 use super::timeouts::Timeout;
 use crate::tracers::active::ActiveSpan;
 use shunt_core::access_log::{Entry, ResponseFlag};
@@ -66,8 +66,11 @@ struct ChainSlot {
     chain: Option<ActiveChain>,
     /// Lent to the encoders ([`LogSlot::take_chain`]).
     lent: bool,
-    /// Request data that passed while they were lent.
+    /// Request data that passed while they were lent, up to [`BUFFER_LIMIT`] bytes
+    /// (an encoder that buffers a large response must not make the upload's bytes
+    /// stay with it).
     missed: Vec<Bytes>,
+    missed_bytes: usize,
 }
 
 impl LogSlot {
@@ -220,6 +223,7 @@ impl LogSlot {
         for data in std::mem::take(&mut slot.missed) {
             chain.observe_request_data(&data);
         }
+        slot.missed_bytes = 0;
         slot.lent = false;
         slot.chain = Some(chain);
     }
@@ -257,7 +261,10 @@ impl LogSlot {
         let slot = &mut *self.chain.lock().unwrap_or_else(|e| e.into_inner());
         match slot.chain.as_mut() {
             Some(chain) => chain.observe_request_data(data),
-            None if slot.lent => slot.missed.push(data.clone()),
+            None if slot.lent && slot.missed_bytes + data.len() <= BUFFER_LIMIT => {
+                slot.missed_bytes += data.len();
+                slot.missed.push(data.clone());
+            }
             None => {}
         }
     }

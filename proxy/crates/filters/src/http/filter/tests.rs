@@ -425,4 +425,11 @@ fn request_data_sent_while_the_encoders_run_is_still_observed() {
     slot.set_chain(lent);
     slot.data(&Bytes::from_static(b"four"));
     assert_eq!(taken(&log), ["two", "three", "four"]);
+    // What is held for a lent chain is bounded (by the buffer limit of HTTP filters).
+    let lent = slot.take_chain().expect("the chain is kept");
+    slot.data(&Bytes::from(vec![b'a'; chain::BUFFER_LIMIT]));
+    slot.data(&Bytes::from_static(b"over"));
+    slot.set_chain(lent);
+    let lengths: Vec<usize> = taken(&log).iter().map(String::len).collect();
+    assert_eq!(lengths, [chain::BUFFER_LIMIT]);
 }
