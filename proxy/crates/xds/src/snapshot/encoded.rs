@@ -54,18 +54,13 @@ impl<T: Kept> fmt::Debug for Encoded<T> {
 impl<T: Kept> Encoded<T> {
     /// `bytes` if they decode to a `T`.
     pub fn new(bytes: &[u8]) -> Result<Self, prost::DecodeError> {
-        Self::with_digest(bytes, xxhash_rust::xxh64::xxh64(bytes, 0))
+        Self::from_vec(bytes.to_vec(), xxhash_rust::xxh64::xxh64(bytes, 0))
     }
 
-    /// [`Encoded::new`] when the caller (the xDS manager, at accept) already took the
-    /// bytes' xxh64.
-    pub fn with_digest(bytes: &[u8], digest: u64) -> Result<Self, prost::DecodeError> {
-        Self::from_vec(bytes.to_vec(), digest)
-    }
-
-    /// [`Encoded::with_digest`] keeping `bytes` themselves: a response's resource is
-    /// moved in, not copied (prost gives each one a buffer of its exact length), so no
-    /// copy of the whole push is made and freed among what stays.
+    /// [`Encoded::new`] keeping `bytes` themselves, whose xxh64 the caller (the xDS
+    /// manager, at accept) already took: a response's resource is moved in, not copied
+    /// (prost gives each one a buffer of its exact length), so no copy of the whole
+    /// push is made and freed among what stays.
     pub fn from_vec(bytes: Vec<u8>, digest: u64) -> Result<Self, prost::DecodeError> {
         debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(&bytes, 0));
         let bytes = bytes.into_boxed_slice();
