@@ -108,7 +108,8 @@ impl<Resp: prost::Message + Default> Responses<Resp> {
     pub async fn message(&mut self) -> Result<Option<Resp>, Status> {
         loop {
             if let Some(bytes) = self.ready.pop_front() {
-                return Resp::decode(bytes.as_slice())
+                // Decoded from `Bytes`: a `bytes` field (crate::wire) is a slice of it.
+                return Resp::decode(Bytes::from(bytes))
                     .map(Some)
                     .map_err(|e| Status::internal(format!("decoding a response: {e}")));
             }

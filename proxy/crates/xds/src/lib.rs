@@ -24,6 +24,7 @@ pub mod snapshot;
 pub mod source;
 pub mod stream;
 pub mod type_url;
+pub mod wire;
 
 pub use manager::{Manager, interned_resources};
 pub use type_url::TypeUrl;

@@ -5,9 +5,7 @@
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -16,9 +14,9 @@ use tonic::transport::{Channel, Endpoint};
 
 use std::sync::Arc;
 
-use super::grpc;
 use super::local::{LocalServer, LocalServers, MessageStream};
 use super::source::{Stream, Target, Tls};
+use super::{grpc, wire};
 use shunt_upstream::backoff::Backoff;
 
 /// Full jitter: a random wait up to `500 ms * 2^attempt`, capped at 30 s, and at least a
@@ -44,11 +42,11 @@ pub enum Event {
     },
     Sotw {
         stream: usize,
-        response: DiscoveryResponse,
+        response: wire::DiscoveryResponse,
     },
     Delta {
         stream: usize,
-        response: DeltaDiscoveryResponse,
+        response: wire::DeltaDiscoveryResponse,
     },
     Disconnected {
         stream: usize,
@@ -129,13 +127,13 @@ async fn session(
     }
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
     if config.delta {
-        let wrap = |response| Event::Delta {
+        let wrap = |response: wire::DeltaDiscoveryResponse| Event::Delta {
             stream: index,
             response,
         };
         exchange(channel, delta_rx, config, path, wrap, events).await
     } else {
-        let wrap = |response| Event::Sotw {
+        let wrap = |response: wire::DiscoveryResponse| Event::Sotw {
             stream: index,
             response,
         };
@@ -184,7 +182,7 @@ async fn local_session(
             delivered = true;
             let event = Event::Delta {
                 stream: index,
-                response,
+                response: response.into(),
             };
             if events.send(event).is_err() {
                 break;
@@ -200,7 +198,7 @@ async fn local_session(
             delivered = true;
             let event = Event::Sotw {
                 stream: index,
-                response,
+                response: response.into(),
             };
             if events.send(event).is_err() {
                 break;

@@ -5,9 +5,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use envoy_types::pb::google::rpc::Status;
 use tokio::sync::mpsc;
 
@@ -17,6 +15,7 @@ use super::{INTERNAL, Manager};
 use crate::source::Stream;
 use crate::stream::{self, Outbound};
 use crate::type_url::TypeUrl;
+use crate::wire;
 use envoy_types::pb::envoy::config::core::v3::ConfigSource;
 use shunt_config::references::{SecretRef, SecretSource};
 
@@ -180,7 +179,7 @@ impl Manager {
         Some(kind)
     }
 
-    pub(super) fn on_sotw(&mut self, _stream: usize, response: DiscoveryResponse) {
+    pub(super) fn on_sotw(&mut self, _stream: usize, response: wire::DiscoveryResponse) {
         let Some(kind) = self.received(&response.type_url, &response.nonce) else {
             return;
         };
@@ -249,7 +248,7 @@ impl Manager {
         self.resubscribe(Some(kind));
     }
 
-    pub(super) fn on_delta(&mut self, _stream: usize, response: DeltaDiscoveryResponse) {
+    pub(super) fn on_delta(&mut self, _stream: usize, response: wire::DeltaDiscoveryResponse) {
         let Some(kind) = self.received(&response.type_url, &response.nonce) else {
             return;
         };

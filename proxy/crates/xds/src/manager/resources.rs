@@ -17,6 +17,8 @@ use prost::Message;
 use super::interned::{self, Kind};
 use crate::snapshot::{Encoded, Kept};
 use crate::type_url::TypeUrl;
+use crate::wire;
+use bytes::Bytes;
 use shunt_config::Tracked;
 use shunt_core::peer::workload_discovery::WorkloadResource;
 use shunt_dns::name_table::NameTable;
@@ -45,25 +47,27 @@ where
     interned::intern(kind, len, digest, || T::decode(bytes))
 }
 
-/// The interned copy of `bytes` kept as they are (checked to decode): the response's
-/// own buffer, moved, not copied.
+/// The interned copy of `bytes` kept as they are (checked to decode): copied out of the
+/// response's buffer, at their exact length, only if no live copy is.
 fn encoded<T: Kept + 'static>(
     key: (Kind, usize, u64),
-    bytes: Vec<u8>,
+    bytes: Bytes,
 ) -> Result<Arc<Encoded<T>>, prost::DecodeError> {
     let (kind, len, digest) = key;
-    interned::intern(kind, len, digest, || Encoded::from_vec(bytes, digest))
+    interned::intern(kind, len, digest, || {
+        Encoded::from_vec(Vec::from(bytes), digest)
+    })
 }
 
 impl Resource {
     /// Decodes `any` (whose bytes have `digest`), or shares the copy another manager of
     /// this process decoded from the same bytes ([`super::interned`]).
-    pub(super) fn decode(kind: TypeUrl, any: Any, digest: u64) -> Result<Resource, String> {
-        if any.type_url != kind.as_str() {
+    pub(super) fn decode(kind: TypeUrl, any: wire::Any, digest: u64) -> Result<Resource, String> {
+        let type_url = String::from_utf8_lossy(&any.type_url);
+        if type_url != kind.as_str() {
             return Err(format!(
-                "a {} response carries a resource of type {}",
+                "a {} response carries a resource of type {type_url}",
                 kind.short().to_uppercase(),
-                any.type_url
             ));
         }
         let bytes = any.value;
@@ -77,7 +81,7 @@ impl Resource {
             TypeUrl::NameTable => shared(key, &bytes).map(Resource::NameTable),
             TypeUrl::Workload => shared(key, &bytes).map(Resource::Workload),
         };
-        decoded.map_err(|e| format!("decoding {}: {e}", any.type_url))
+        decoded.map_err(|e| format!("decoding {type_url}: {e}"))
     }
 
     /// The name, shared with the accepted resource where it has one of its own: the
@@ -134,7 +138,11 @@ pub(super) struct Accepted {
 }
 
 impl Accepted {
-    pub(super) fn new(kind: TypeUrl, any: Any, version: Arc<str>) -> Result<Accepted, String> {
+    pub(super) fn new(
+        kind: TypeUrl,
+        any: wire::Any,
+        version: Arc<str>,
+    ) -> Result<Accepted, String> {
         let digest = xxhash_rust::xxh64::xxh64(&any.value, 0);
         Ok(Accepted {
             resource: Resource::decode(kind, any, digest)?,

@@ -58,9 +58,8 @@ impl<T: Kept> Encoded<T> {
     }
 
     /// [`Encoded::new`] keeping `bytes` themselves, whose xxh64 the caller (the xDS
-    /// manager, at accept) already took: a response's resource is moved in, not copied
-    /// (prost gives each one a buffer of its exact length), so no copy of the whole
-    /// push is made and freed among what stays.
+    /// manager, at accept) already took: the one copy of a resource out of its
+    /// response's buffer, at its exact length, is kept as it is.
     pub fn from_vec(bytes: Vec<u8>, digest: u64) -> Result<Self, prost::DecodeError> {
         debug_assert_eq!(digest, xxhash_rust::xxh64::xxh64(&bytes, 0));
         let bytes = bytes.into_boxed_slice();
