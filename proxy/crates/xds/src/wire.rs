@@ -5,7 +5,7 @@
 //! A full push is thousands of resources. Decoded as envoy-types' messages, each cost
 //! two allocations and a copy (its type URL and its bytes) before it was even looked
 //! up, and in node mode every pod after the first finds each resource already accepted
-//! by another pod ([`crate::manager::interned`]) and drops its copy. Here a resource
+//! by another pod (the manager's `interned` table) and drops its copy. Here a resource
 //! costs no allocation until it is kept, and one of its exact length then.
 //!
 //! The field numbers are Envoy's (`envoy/service/discovery/v3/discovery.proto`); fields
