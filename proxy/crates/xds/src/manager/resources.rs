@@ -63,11 +63,13 @@ impl Resource {
     /// Decodes `any` (whose bytes have `digest`), or shares the copy another manager of
     /// this process decoded from the same bytes ([`super::interned`]).
     pub(super) fn decode(kind: TypeUrl, any: wire::Any, digest: u64) -> Result<Resource, String> {
-        let type_url = String::from_utf8_lossy(&any.type_url);
-        if type_url != kind.as_str() {
+        // Compared as bytes: the type URL is only read as text for an error.
+        let type_url = || String::from_utf8_lossy(&any.type_url).into_owned();
+        if any.type_url != kind.as_str().as_bytes() {
             return Err(format!(
-                "a {} response carries a resource of type {type_url}",
+                "a {} response carries a resource of type {}",
                 kind.short().to_uppercase(),
+                type_url()
             ));
         }
         let bytes = any.value;
@@ -81,7 +83,7 @@ impl Resource {
             TypeUrl::NameTable => shared(key, &bytes).map(Resource::NameTable),
             TypeUrl::Workload => shared(key, &bytes).map(Resource::Workload),
         };
-        decoded.map_err(|e| format!("decoding {type_url}: {e}"))
+        decoded.map_err(|e| format!("decoding {}: {e}", type_url()))
     }
 
     /// The name, shared with the accepted resource where it has one of its own: the
