@@ -194,3 +194,35 @@ pub(super) fn with_endpoints_of(
     let digest = xxhash_rust::xxh64::xxh64(&both, 0);
     (endpoints, digest)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resource of another type than its response's is refused, named by its type URL;
+    /// one of the response's type is accepted with its name.
+    #[test]
+    fn a_resource_of_another_type_is_refused_by_its_type_url() {
+        let cluster = EnvoyCluster {
+            name: "outbound|80||a".into(),
+            ..Default::default()
+        };
+        let value = Bytes::from(cluster.encode_to_vec());
+        let any = |type_url: TypeUrl| wire::Any {
+            type_url: type_url.as_str().as_bytes().to_vec().into(),
+            value: value.clone(),
+        };
+        let version: Arc<str> = "1".into();
+        let err =
+            Accepted::new(TypeUrl::Cluster, any(TypeUrl::Listener), version.clone()).unwrap_err();
+        assert_eq!(
+            err,
+            format!(
+                "a CDS response carries a resource of type {}",
+                TypeUrl::Listener.as_str()
+            )
+        );
+        let accepted = Accepted::new(TypeUrl::Cluster, any(TypeUrl::Cluster), version).unwrap();
+        assert_eq!(accepted.resource.name(), "outbound|80||a");
+    }
+}
