@@ -510,9 +510,11 @@ fn compile_config(
     );
     config.lb_policy = lb_policy(cluster, kind, path, problems);
     let endpoints = endpoints(assignment, kind, path, pipes, problems);
+    // A CDS cluster's endpoints come over EDS (a warming one's check has none yet).
+    let endpoints_missing = source.index.is_some() && assignment.is_none();
     let (discovery, hosts) = discovery(
         cluster,
-        assignment.is_some(),
+        endpoints_missing,
         kind,
         &endpoints,
         path,
@@ -578,7 +580,7 @@ fn discovery_type(
 /// than one endpoint.
 fn discovery(
     cluster: &EnvoyCluster,
-    has_assignment: bool,
+    endpoints_missing: bool,
     kind: DiscoveryType,
     endpoints: &[(Endpoint, JsonPath)],
     path: &JsonPath,
@@ -598,7 +600,7 @@ fn discovery(
         }
         DiscoveryType::Eds => {
             let hosts = hosts(endpoints, kind, problems);
-            eds_cluster_config(cluster, has_assignment, path, problems);
+            eds_cluster_config(cluster, endpoints_missing, path, problems);
             return Some((Discovery::Eds, hosts));
         }
         DiscoveryType::StrictDns => Discovery::StrictDns {
@@ -722,10 +724,10 @@ fn hosts(
 }
 
 /// An EDS cluster's `eds_cluster_config`, checked: a static one gets no endpoints over
-/// EDS.
+/// EDS (`endpoints_missing`: static, without a `load_assignment`).
 fn eds_cluster_config(
     cluster: &EnvoyCluster,
-    has_assignment: bool,
+    endpoints_missing: bool,
     path: &JsonPath,
     problems: &mut Diagnostics,
 ) {
@@ -741,7 +743,7 @@ fn eds_cluster_config(
             "a config source needs ads, api_config_source or path_config_source",
         );
     }
-    if !has_assignment {
+    if endpoints_missing {
         problems.warning(
             path.field("eds_cluster_config"),
             "a static cluster gets no endpoints over EDS (only CDS clusters \

@@ -1041,6 +1041,40 @@ fn warming_resources_are_checked_when_asked_and_never_served() {
     assert!(snapshot.clusters.contains_key("a"));
 }
 
+/// A CDS cluster of type EDS gets its endpoints over EDS: its check while it warms
+/// (before they come) warns of nothing, while a static EDS cluster without a
+/// `load_assignment` is warned of, as it never gets any.
+#[test]
+fn a_warming_eds_cluster_is_not_warned_of_missing_endpoints() {
+    let cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster =
+        shunt_config::message_from_json(serde_json::json!({
+            "name": "w", "type": "EDS", "connect_timeout": "1s",
+            "eds_cluster_config": {"eds_config": {"ads": {}}, "service_name": "w"}
+        }))
+        .unwrap();
+    let warnings = |index: Option<usize>| {
+        let mut problems = Diagnostics::default();
+        let path = JsonPath::resource("clusters", "Cluster", index, "w");
+        let checked = cluster::validate(
+            cluster::Source::new(index, &cluster, 1),
+            &path,
+            &mut problems,
+        );
+        assert!(checked.is_some(), "{:?}", problems.errors);
+        problems
+            .warnings
+            .iter()
+            .map(|w| w.path.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(warnings(None), Vec::<String>::new(), "from CDS");
+    assert_eq!(
+        warnings(Some(0)),
+        ["static_resources.clusters[0].eds_cluster_config"],
+        "static"
+    );
+}
+
 /// A listener whose chains a `filter_chain_matcher` picks: chains without matches of
 /// their own are no overlap, and each connection runs the chain the matcher names.
 #[test]
