@@ -5,7 +5,7 @@
 //! of its own. Istio pushes every pod every service of the mesh; a pod talks to a few.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use shunt_core::stats::Store;
 
@@ -20,73 +20,71 @@ use super::compile::Prototype;
 #[derive(Clone, Default)]
 pub struct Clusters {
     by_name: HashMap<Arc<str>, Arc<Entry>, foldhash::fast::RandomState>,
+    /// The pod's stats store, where a deferred cluster's stats go when it is made: one
+    /// `Arc` for the map rather than one per cluster (entries move only between the
+    /// maps of one pod's snapshots).
+    stats: Option<Arc<Store>>,
 }
 
-/// One cluster: made, or made on first use from its shared compile.
+/// One cluster: made, or made on first use from its shared compile. Two words: a pod
+/// holds one per cluster of the mesh (Istio pushes them all), most never made.
 pub struct Entry {
-    /// The digest of the config it was compiled from (see `ClusterConfig::config_digest`),
-    /// known without making it.
-    digest: u64,
-    /// The name its stats go under, when not its own (`alt_stat_name`).
-    alt_stat_name: Option<Arc<str>>,
     made: OnceLock<Arc<Cluster>>,
-    /// What makes it, taken when it is made.
-    deferred: Mutex<Option<Deferred>>,
-}
-
-struct Deferred {
-    prototype: Arc<Prototype>,
-    /// The pod's stats store, one `Arc` for all its clusters.
-    stats: Arc<Store>,
+    /// What makes it (deferred): shared by every pod with the same cluster, kept for
+    /// its digest and stat name once the cluster is made.
+    prototype: Option<Arc<Prototype>>,
 }
 
 impl Entry {
     fn made(cluster: Arc<Cluster>) -> Arc<Entry> {
-        let alt = &cluster.stats.observability_name;
         Arc::new(Entry {
-            digest: cluster.config_digest,
-            alt_stat_name: (!alt.is_empty() && *alt != cluster.name).then(|| alt.clone()),
             made: OnceLock::from(cluster),
-            deferred: Mutex::new(None),
+            prototype: None,
         })
     }
 
-    pub(crate) fn deferred(prototype: Arc<Prototype>, stats: &Arc<Store>) -> Arc<Entry> {
+    pub(crate) fn deferred(prototype: Arc<Prototype>) -> Arc<Entry> {
         Arc::new(Entry {
-            digest: prototype.digest(),
-            alt_stat_name: prototype.alt_stat_name().cloned(),
             made: OnceLock::new(),
-            deferred: Mutex::new(Some(Deferred {
-                prototype,
-                stats: stats.clone(),
-            })),
+            prototype: Some(prototype),
         })
     }
 
+    /// The digest of the config it was compiled from (see `ClusterConfig::config_digest`),
+    /// known without making it.
     pub(crate) fn digest(&self) -> u64 {
-        self.digest
+        match (&self.prototype, self.made.get()) {
+            (Some(prototype), _) => prototype.digest(),
+            (None, Some(made)) => made.config_digest,
+            (None, None) => 0,
+        }
     }
 
-    /// The cluster, made now if it was not. `None` only if making it panicked (a bug):
-    /// the cluster is then unknown rather than the proxy down.
-    fn cluster(&self) -> Option<&Arc<Cluster>> {
+    /// The name its stats go under, when not its own (`alt_stat_name`).
+    fn alt_stat_name(&self) -> Option<&Arc<str>> {
+        if let Some(prototype) = &self.prototype {
+            return prototype.alt_stat_name();
+        }
+        let made = self.made.get()?;
+        let alt = &made.stats.observability_name;
+        (!alt.is_empty() && *alt != made.name).then_some(alt)
+    }
+
+    /// The cluster, made now (in the pod's `stats`) if it was not; a second caller
+    /// waits for the first to make it. `None` only without a store to make it in.
+    fn cluster(&self, stats: Option<&Arc<Store>>) -> Option<&Arc<Cluster>> {
         if let Some(made) = self.made.get() {
             return Some(made);
         }
-        // Held while it is made: a second caller waits, then finds it made.
-        let mut deferred = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(made) = self.made.get() {
-            return Some(made);
-        }
-        let Deferred { prototype, stats } = deferred.take()?;
-        Some(self.made.get_or_init(|| prototype.instantiate(&stats)))
+        let (prototype, stats) = (self.prototype.as_ref()?, stats?);
+        Some(self.made.get_or_init(|| prototype.instantiate(stats)))
     }
 }
 
 impl Clusters {
     /// The cluster `name`, made now if its creation was deferred.
     pub fn get(&self, name: &str) -> Option<&Arc<Cluster>> {
-        self.by_name.get(name)?.cluster()
+        self.by_name.get(name)?.cluster(self.stats.as_ref())
     }
 
     /// The cluster `name` if it is made, without making it (the admin API's listing:
@@ -111,7 +109,7 @@ impl Clusters {
 
     /// The digest of the config the cluster `name` was compiled from.
     pub fn digest_of(&self, name: &str) -> Option<u64> {
-        self.by_name.get(name).map(|e| e.digest)
+        self.by_name.get(name).map(|e| e.digest())
     }
 
     /// The clusters whose stats go under another name than their own
@@ -119,7 +117,7 @@ impl Clusters {
     pub fn alt_stat_names(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<str>)> {
         self.by_name
             .iter()
-            .filter_map(|(name, e)| Some((name, e.alt_stat_name.as_ref()?)))
+            .filter_map(|(name, e)| Some((name, e.alt_stat_name()?)))
     }
 
     pub fn len(&self) -> usize {
@@ -156,6 +154,13 @@ impl Clusters {
 
     pub(crate) fn insert_entry(&mut self, name: Arc<str>, entry: Arc<Entry>) {
         self.by_name.insert(name, entry);
+    }
+
+    /// Where the clusters not made yet will keep their stats (the pod's store).
+    pub(crate) fn set_stats(&mut self, stats: &Arc<Store>) {
+        if !self.stats.as_ref().is_some_and(|s| Arc::ptr_eq(s, stats)) {
+            self.stats = Some(stats.clone());
+        }
     }
 }
 

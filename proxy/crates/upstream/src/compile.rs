@@ -212,6 +212,8 @@ impl CompiledClusters {
             );
             return;
         }
+        // Where this map's deferred clusters, kept or new, are made.
+        self.clusters.set_stats(&pod.stats);
         // An unchanged cluster keeps its entry and the name it is under.
         let kept = previous
             .and_then(|p| p.entry(&cluster.name))
@@ -232,8 +234,7 @@ impl CompiledClusters {
         // Every pod's map holds the prototype's name, not a copy of its own.
         let name = prototype.name.clone();
         if pod.creation == Creation::Deferred && prototype.deferrable() {
-            let entry = Entry::deferred(prototype, &pod.stats);
-            self.clusters.insert_entry(name, entry);
+            self.clusters.insert_entry(name, Entry::deferred(prototype));
         } else {
             let made = prototype.instantiate(&pod.stats);
             self.fresh.push(made.clone());
