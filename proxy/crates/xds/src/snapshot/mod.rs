@@ -788,7 +788,10 @@ pub fn compile_with(
             "xDS-TP resource locators are not implemented; use lds_config / cds_config",
         );
     }
-    let resources = bootstrap.static_resources.clone().unwrap_or_default();
+    // Borrowed: every pod's compile of every update reads its bootstrap's resources.
+    let no_resources =
+        envoy_types::pb::envoy::config::bootstrap::v3::bootstrap::StaticResources::default();
+    let resources = bootstrap.static_resources.as_ref().unwrap_or(&no_resources);
     let node = local_node(bootstrap, previous);
     let health: HashSet<String> = shunt_config::health_ports::find(bootstrap)
         .into_iter()
