@@ -59,6 +59,23 @@ fn config_dump(pod: &Pod) -> Value {
     xds::config_dump_at(pod, xds::ADMIN)
 }
 
+/// `/config_dump?include_eds`'s endpoints: (cluster, version) of each.
+fn listed_endpoints(pod: &Pod) -> Vec<(String, String)> {
+    let (_, body) = admin(pod, "/config_dump?include_eds");
+    let dump: Value = serde_json::from_str(&body).expect("config_dump is JSON");
+    let eds = dump_section(&dump, "EndpointsConfigDump");
+    let configs = eds["dynamic_endpoint_configs"].as_array().cloned();
+    (configs.unwrap_or_default().iter())
+        .map(|c| {
+            let field = |v: &Value| v.as_str().unwrap_or_default().to_string();
+            (
+                field(&c["endpoint_config"]["cluster_name"]),
+                field(&c["version_info"]),
+            )
+        })
+        .collect()
+}
+
 fn drives_the_proxy(delta: bool) {
     let (dir, socket, server) = unix_server(if delta { "delta" } else { "sotw" });
     xds::serve_backend(&server, eds_cluster("backend", 1), ECHO_A, LISTEN_PORT);
@@ -207,6 +224,11 @@ fn drives_the_proxy(delta: bool) {
     let dump = config_dump(&pod);
     let warming = &dump_section(&dump, "ClustersConfigDump")["dynamic_warming_clusters"];
     assert_eq!(warming[0]["cluster"]["name"], "late", "{warming}");
+    // Rebuilt for clusters and listeners since: the endpoints are still EDS's last.
+    assert_eq!(
+        listed_endpoints(&pod),
+        [("backend".to_string(), "e2".to_string())]
+    );
     assert_eq!(
         xds::reach(&pod, local(LISTEN_PORT)),
         Reach::ClosedByProxy,
@@ -230,6 +252,8 @@ fn drives_the_proxy(delta: bool) {
     eventually("late warmed", &proxy, &server, || {
         reaches(&pod) == Some(ECHO_A)
     });
+    let listed = listed_endpoints(&pod);
+    assert!(listed.contains(&("late".into(), "e3".into())), "{listed:?}");
 
     // The control plane restarts: the client reconnects and resubscribes.
     let streams_before = server.requests().iter().map(|r| r.stream).max().unwrap();

@@ -758,13 +758,7 @@ impl Manager {
         if let Some(clusters) = self.types.get(&TypeUrl::Cluster) {
             dynamic.clusters_version = clusters.system_version.clone();
         }
-        if let Some(endpoints) = self.types.get(&TypeUrl::ClusterLoadAssignment) {
-            for entry in endpoints.resources.values() {
-                if let Resource::Endpoints(cla) = &entry.resource {
-                    dynamic.endpoints.push(entry.tracked(cla));
-                }
-            }
-        }
+        dynamic.endpoints = self.listed_endpoints();
         if let Some(routes) = self.types.get(&TypeUrl::RouteConfiguration) {
             for entry in routes.resources.values() {
                 if let Resource::Route(r) = &entry.resource {
@@ -780,6 +774,40 @@ impl Manager {
             }
         }
         dynamic
+    }
+
+    /// The accepted endpoints, as `/config_dump` lists them: the last rebuild's list
+    /// while it still names the very entries accepted. Checking that compares pointers
+    /// in this manager's own map; making the list touches (counts a reference to) every
+    /// endpoints resource, each shared with the other pods of a node: a cache miss per
+    /// service per rebuild, and a pod's start rebuilds for every type it gets.
+    fn listed_endpoints(&mut self) -> super::ListedEndpoints {
+        let Some(state) = self.types.get(&TypeUrl::ClusterLoadAssignment) else {
+            return Arc::default();
+        };
+        let accepted = || {
+            state
+                .resources
+                .values()
+                .filter_map(|entry| match &entry.resource {
+                    Resource::Endpoints(cla) => Some((entry, cla)),
+                    _ => None,
+                })
+        };
+        let listed = &self.endpoints_listed;
+        let same = listed.len() == state.resources.len()
+            && accepted()
+                .zip(listed.iter())
+                .all(|((entry, cla), tracked)| {
+                    Arc::ptr_eq(cla, &tracked.resource)
+                        && (tracked.version_info.as_ref())
+                            .is_some_and(|v| Arc::ptr_eq(v, &entry.version))
+                        && tracked.last_updated == entry.last_updated
+                });
+        if !same {
+            self.endpoints_listed = accepted().map(|(entry, cla)| entry.tracked(cla)).collect();
+        }
+        self.endpoints_listed.clone()
     }
 }
 

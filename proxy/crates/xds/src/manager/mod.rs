@@ -121,7 +121,21 @@ pub struct Manager {
     validating: bool,
     /// Where an accepted name table goes (the DNS proxy), when it is on.
     dns: Option<Arc<shunt_dns::Tables>>,
+    /// The accepted endpoints as the last rebuild listed them (see
+    /// [`Manager::listed_endpoints`]).
+    endpoints_listed: ListedEndpoints,
 }
+
+/// The accepted endpoints, as a snapshot lists them for `/config_dump`.
+type ListedEndpoints = Arc<
+    [Tracked<
+        Arc<
+            crate::snapshot::Encoded<
+                envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment,
+            >,
+        >,
+    >],
+>;
 
 impl Manager {
     /// Starts the streams of `plan` and the manager on the current runtime. Listener
@@ -207,6 +221,7 @@ impl Manager {
             ready: false,
             validating: false,
             dns,
+            endpoints_listed: Arc::default(),
         };
         tokio::spawn(manager.run(events));
         changes_rx

@@ -264,8 +264,9 @@ pub struct DynamicResources {
     pub clusters: Vec<Arc<DynamicCluster>>,
     /// Clusters waiting for their endpoints (Envoy's cluster warming): not served yet.
     pub warming_clusters: Vec<Tracked<Arc<Encoded<EnvoyCluster>>>>,
-    /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`).
-    pub endpoints: Vec<Tracked<Arc<Encoded<ClusterLoadAssignment>>>>,
+    /// The endpoints EDS delivered, by cluster (`/config_dump?include_eds`): shared by
+    /// the updates that do not change them.
+    pub endpoints: Arc<[Tracked<Arc<Encoded<ClusterLoadAssignment>>>]>,
     pub route_configs: Vec<Tracked<Arc<Encoded<RouteConfiguration>>>>,
     pub secrets: Vec<Tracked<Arc<Encoded<Secret>>>>,
     /// The last versions accepted over LDS and CDS.
