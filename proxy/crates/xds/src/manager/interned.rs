@@ -26,10 +26,10 @@ pub(super) enum Kind {
 type Key = (Kind, usize, u64);
 
 struct Table {
-    /// The live copies under each key: one while sharing works. More than one (each a
-    /// copy of the same bytes) would be a failure to share, which [`count`] shows.
-    /// foldhash: every pod looks up each resource of its pushes (digests need no SipHash).
-    entries: HashMap<Key, Vec<Weak<dyn Any + Send + Sync>>, foldhash::fast::FixedState>,
+    /// The copy under each key, held in the map itself: a copy is added only under the
+    /// lock and when none is live, so a key never has two. foldhash: every pod looks up
+    /// each resource of its pushes (digests need no SipHash).
+    entries: HashMap<Key, Weak<dyn Any + Send + Sync>, foldhash::fast::FixedState>,
     /// Entries when dead ones were last dropped: the next sweep waits until the table
     /// has doubled since.
     swept_at: usize,
@@ -68,9 +68,7 @@ where
         return Ok(live);
     }
     let erased: Arc<dyn Any + Send + Sync> = made.clone();
-    let copies = table.entries.entry(key).or_default();
-    copies.retain(|weak| weak.strong_count() > 0);
-    copies.push(Arc::downgrade(&erased));
+    table.entries.insert(key, Arc::downgrade(&erased));
     if table.entries.len() >= 2 * table.swept_at.max(64) {
         sweep(&mut table);
     }
@@ -82,32 +80,24 @@ fn lookup<T: Send + Sync + 'static>(key: &Key) -> Option<Arc<T>> {
     live_in(&table, key)
 }
 
-/// The first live copy under `key`.
+/// The live copy under `key`.
 fn live_in<T: Send + Sync + 'static>(table: &Table, key: &Key) -> Option<Arc<T>> {
-    table
-        .entries
-        .get(key)?
-        .iter()
-        .find_map(|weak| weak.upgrade()?.downcast::<T>().ok())
+    table.entries.get(key)?.upgrade()?.downcast::<T>().ok()
 }
 
-/// Drops the copies no one holds any more, and the keys left with none.
+/// Drops the copies no one holds any more.
 fn sweep(table: &mut Table) {
-    table.entries.retain(|_, copies| {
-        copies.retain(|weak| weak.strong_count() > 0);
-        !copies.is_empty()
-    });
+    table.entries.retain(|_, weak| weak.strong_count() > 0);
     table.swept_at = table.entries.len();
 }
 
-/// How many decoded copies of resources are alive in this process (held by some pod).
-/// A debug counter of copies, not of keys: two pods sharing a push count each resource
-/// once (twice if they failed to share), and the count returns to zero once no pod
-/// holds any.
+/// How many decoded copies of resources are alive in this process (held by some pod):
+/// two pods sharing a push count each resource once, and the count returns to zero
+/// once no pod holds any.
 pub fn count() -> usize {
     let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     sweep(&mut table);
-    table.entries.values().map(Vec::len).sum()
+    table.entries.len()
 }
 
 #[cfg(test)]
