@@ -105,11 +105,64 @@ pub(super) async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
+/// The clusters served before, walked in step with those served now (both in name
+/// order): one served as it was (the very resources, versions and endpoints) is the
+/// same `Arc`. A pod's start serves its clusters for its CDS, its EDS and its secrets:
+/// a new block per cluster each time, freed the next, and a snapshot compile that
+/// finds every cluster changed, where it skips the ones it shares with the last.
+struct Kept<'a> {
+    before: std::iter::Peekable<std::slice::Iter<'a, Arc<DynamicCluster>>>,
+}
+
+impl<'a> Kept<'a> {
+    fn new(before: &'a [Arc<DynamicCluster>]) -> Self {
+        Kept {
+            before: before.iter().peekable(),
+        }
+    }
+
+    /// `made`, or the cluster served before that is the same.
+    fn or_new(&mut self, made: DynamicCluster) -> Arc<DynamicCluster> {
+        while let Some(old) = self.before.peek() {
+            if Arc::ptr_eq(&old.tracked.resource, &made.tracked.resource) {
+                let old = self.before.next().expect("peeked");
+                if same(old, &made) {
+                    return old.clone();
+                }
+                break;
+            }
+            if old.name() >= made.name() {
+                break;
+            }
+            self.before.next();
+        }
+        Arc::new(made)
+    }
+}
+
+/// Whether two served clusters are the same in everything a snapshot reads of them.
+fn same(old: &DynamicCluster, new: &DynamicCluster) -> bool {
+    let ptr_eq = |a: &Option<Arc<str>>, b: &Option<Arc<str>>| match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+        (a, b) => a == b,
+    };
+    old.digest == new.digest
+        && old.tracked.last_updated == new.tracked.last_updated
+        && ptr_eq(&old.tracked.version_info, &new.tracked.version_info)
+        && match (&old.endpoints, &new.endpoints) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        }
+}
+
 impl Manager {
     /// Works out every CDS cluster afresh: active (EDS ones with their endpoints filled
     /// in) or warming, and until when.
     pub(super) fn serve_clusters(&mut self) {
         let mut served = ServedClusters::default();
+        // What was served before: a cluster served as it was keeps its `Arc`.
+        let before = self.served.take().map(|s| s.active).unwrap_or_default();
+        let mut kept = Kept::new(&before);
         let endpoints = self
             .types
             .get(&TypeUrl::ClusterLoadAssignment)
@@ -148,21 +201,19 @@ impl Manager {
                     served.warming.push(tracked);
                     continue;
                 }
-                let Some(service) = service else {
-                    served.active.push(Arc::new(DynamicCluster {
-                        tracked,
-                        endpoints: None,
-                        digest: entry.digest,
-                    }));
-                    continue;
+                let (endpoints, digest) = match service {
+                    Some(_) => with_endpoints_of(entry.digest, eds),
+                    None => (None, entry.digest),
                 };
-                let (endpoints, digest) = with_endpoints_of(entry.digest, eds);
-                (served.by_service).push(service.clone(), served.active.len(), entry.digest);
-                served.active.push(Arc::new(DynamicCluster {
+                if let Some(service) = service {
+                    (served.by_service).push(service.clone(), served.active.len(), entry.digest);
+                }
+                let made = DynamicCluster {
                     tracked,
                     endpoints,
                     digest,
-                }));
+                };
+                served.active.push(kept.or_new(made));
             }
         }
         served.by_service.seal();
@@ -264,7 +315,54 @@ impl Manager {
 
 #[cfg(test)]
 mod tests {
-    use super::ByService;
+    use super::*;
+
+    fn served(name: &str, version: &str, at: std::time::SystemTime) -> DynamicCluster {
+        let cluster = EnvoyCluster {
+            name: name.into(),
+            ..Default::default()
+        };
+        let cluster = Arc::new(Encoded::of(&cluster));
+        DynamicCluster {
+            digest: cluster.digest(),
+            endpoints: None,
+            tracked: Tracked {
+                resource: cluster,
+                version_info: Some(version.into()),
+                last_updated: at,
+            },
+        }
+    }
+
+    /// A cluster served again as it was is the same `Arc`; one whose version changed,
+    /// or that is new, is a new one; the walk in step survives a cluster added between.
+    #[test]
+    fn a_cluster_served_again_as_it_was_keeps_its_arc() {
+        let at = std::time::SystemTime::now();
+        let before: Vec<Arc<DynamicCluster>> = ["a", "b", "c"]
+            .into_iter()
+            .map(|n| Arc::new(served(n, "1", at)))
+            .collect();
+        let again = |old: &DynamicCluster| DynamicCluster {
+            tracked: old.tracked.clone(),
+            endpoints: old.endpoints.clone(),
+            digest: old.digest,
+        };
+        let mut kept = Kept::new(&before);
+        let a = kept.or_new(again(&before[0]));
+        let mut b = again(&before[1]);
+        b.tracked.version_info = Some("2".into());
+        let b = kept.or_new(b);
+        let added = kept.or_new(served("bb", "1", at));
+        let c = kept.or_new(again(&before[2]));
+        assert!(Arc::ptr_eq(&a, &before[0]));
+        assert!(!Arc::ptr_eq(&b, &before[1]), "another version");
+        assert_eq!(added.name(), "bb");
+        assert!(Arc::ptr_eq(&c, &before[2]));
+        // A cluster of the same name from other bytes is not the one served before.
+        let mut kept = Kept::new(&before);
+        assert!(!Arc::ptr_eq(&kept.or_new(served("a", "1", at)), &before[0]));
+    }
 
     #[test]
     fn by_service_finds_every_cluster_of_a_service_and_no_other() {
