@@ -104,11 +104,11 @@ pub fn compile_resource(selector: u8, bytes: &[u8]) {
                 endpoints: Some(endpoints.clone()),
                 digest,
             }));
-            dynamic.endpoints.push(Tracked {
+            dynamic.endpoints = Arc::new([Tracked {
                 resource: endpoints,
                 version_info: Some(Arc::from("fuzz")),
                 last_updated: SystemTime::UNIX_EPOCH,
-            });
+            }]);
         }
         _ => {
             let Ok(secret) = Encoded::<Secret>::new(bytes) else {

@@ -59,7 +59,7 @@ pub const CRATES: &[(&str, Layers)] = &[
     (
         "proxy/crates/xds/src",
         &[
-            &["snapshot", "grpc", "wire"],
+            &["snapshot", "wire", "grpc"],
             &["type_url", "source", "local", "stream", "manager"],
             &["lib"],
         ],
