@@ -56,7 +56,7 @@ pub struct Entry {
     pub upstream_cluster: Option<Arc<str>>,
     /// The upstream cluster's `metadata` (not logged: Istio's stats read its
     /// `istio.services`).
-    pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub upstream_cluster_metadata: Option<Arc<crate::interned::EncodedMetadata>>,
     pub upstream_host: Option<SocketAddr>,
     pub upstream_local_address: Option<SocketAddr>,
     pub bytes_received: u64,

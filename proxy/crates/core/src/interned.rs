@@ -5,16 +5,16 @@
 //!
 //! A value is found by a digest of its content and then compared, so a digest that
 //! misses (or collides) costs a copy, never a wrong value. Compiled config, which cannot
-//! be compared, is shared by the digest of its source instead ([`made_once`]). [`metadata_digest`] hashes
-//! Envoy metadata in key order: protobuf maps have no order of their own.
+//! be compared, is shared by the digest of its source instead ([`made_once`]). Envoy
+//! metadata is kept encoded ([`EncodedMetadata`]) with its maps in key order (protobuf
+//! maps have no order of their own), and shared by its bytes.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, Weak};
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
 type Key = (TypeId, u64);
 
@@ -156,57 +156,157 @@ fn sweep(table: &mut Table) {
     table.swept_at = table.entries.len();
 }
 
-/// The shared copy of `metadata`.
-pub fn metadata(metadata: &Metadata) -> Arc<Metadata> {
-    intern(metadata_digest(metadata), metadata)
+/// Envoy metadata as a process keeps it: its protobuf bytes, map keys in order, decoded
+/// on first use. Decoded, a cluster's `istio` metadata and each endpoint's are a score of
+/// blocks (a protobuf `Struct` is a hash map of boxed values): 2.2 KiB per service of a
+/// sidecar's heap, for the few clusters whose metadata anything reads (a request's
+/// stats or access log, the peer's workload). As bytes they are one block of about 150.
+/// Equal metadata have equal bytes, whatever the order its maps were decoded in: they
+/// are compared, hashed and shared by them.
+pub struct EncodedMetadata {
+    bytes: Box<[u8]>,
+    decoded: OnceLock<Metadata>,
 }
 
-/// A digest of `metadata` that equal metadata share, whatever the order of its maps.
-pub fn metadata_digest(metadata: &Metadata) -> u64 {
+impl EncodedMetadata {
+    pub fn new(metadata: &Metadata) -> Self {
+        EncodedMetadata {
+            bytes: canonical::metadata(metadata).into(),
+            decoded: OnceLock::new(),
+        }
+    }
+
+    /// What a holder's optional metadata decodes to.
+    pub fn of(metadata: &Option<Arc<EncodedMetadata>>) -> Option<&Metadata> {
+        metadata.as_deref().map(EncodedMetadata::decoded)
+    }
+
+    /// The metadata, decoded now if it was not.
+    pub fn decoded(&self) -> &Metadata {
+        use prost::Message;
+        // Bytes this process encoded: they decode.
+        self.decoded
+            .get_or_init(|| Metadata::decode(&*self.bytes).unwrap_or_default())
+    }
+}
+
+impl std::ops::Deref for EncodedMetadata {
+    type Target = Metadata;
+
+    fn deref(&self) -> &Metadata {
+        self.decoded()
+    }
+}
+
+impl Clone for EncodedMetadata {
+    fn clone(&self) -> Self {
+        EncodedMetadata {
+            bytes: self.bytes.clone(),
+            decoded: OnceLock::new(),
+        }
+    }
+}
+
+impl PartialEq for EncodedMetadata {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for EncodedMetadata {}
+
+impl std::fmt::Debug for EncodedMetadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.decoded().fmt(f)
+    }
+}
+
+/// The shared copy of `metadata`, encoded.
+pub fn metadata(metadata: &Metadata) -> Arc<EncodedMetadata> {
+    let encoded = EncodedMetadata::new(metadata);
     let mut hasher = DefaultHasher::new();
-    let mut filters: Vec<_> = metadata.filter_metadata.iter().collect();
-    filters.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    for (name, fields) in filters {
-        name.hash(&mut hasher);
-        hash_struct(fields, &mut hasher);
-    }
-    let mut typed: Vec<_> = metadata.typed_filter_metadata.iter().collect();
-    typed.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    for (name, any) in typed {
-        name.hash(&mut hasher);
-        any.type_url.hash(&mut hasher);
-        any.value.hash(&mut hasher);
-    }
-    hasher.finish()
+    encoded.bytes.hash(&mut hasher);
+    intern(hasher.finish(), &encoded)
 }
 
-fn hash_struct(fields: &Struct, hasher: &mut DefaultHasher) {
-    let mut sorted: Vec<_> = fields.fields.iter().collect();
-    sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    sorted.len().hash(hasher);
-    for (key, value) in sorted {
-        key.hash(hasher);
-        hash_value(value, hasher);
-    }
-}
+/// Protobuf's encoding of metadata with every map's keys in order (prost writes a map in
+/// its hash order, which differs between two decodes of the same bytes).
+mod canonical {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+    use prost::Message;
+    use prost::encoding::{WireType, encode_key, encode_varint};
 
-fn hash_value(value: &Value, hasher: &mut DefaultHasher) {
-    match &value.kind {
-        None => 0u8.hash(hasher),
-        Some(Kind::NullValue(_)) => 1u8.hash(hasher),
-        Some(Kind::NumberValue(n)) => (2u8, n.to_bits()).hash(hasher),
-        Some(Kind::StringValue(s)) => (3u8, s).hash(hasher),
-        Some(Kind::BoolValue(b)) => (4u8, b).hash(hasher),
-        Some(Kind::StructValue(s)) => {
-            5u8.hash(hasher);
-            hash_struct(s, hasher);
+    pub(super) fn metadata(metadata: &Metadata) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut filters: Vec<_> = metadata.filter_metadata.iter().collect();
+        filters.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (name, fields) in filters {
+            field(1, &entry(name, &structure(fields)), &mut out);
         }
-        Some(Kind::ListValue(list)) => {
-            (6u8, list.values.len()).hash(hasher);
-            for v in &list.values {
-                hash_value(v, hasher);
+        let mut typed: Vec<_> = metadata.typed_filter_metadata.iter().collect();
+        typed.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (name, any) in typed {
+            field(2, &entry(name, &any.encode_to_vec()), &mut out);
+        }
+        out
+    }
+
+    /// A length-delimited field.
+    fn field(number: u32, bytes: &[u8], out: &mut Vec<u8>) {
+        encode_key(number, WireType::LengthDelimited, out);
+        encode_varint(bytes.len() as u64, out);
+        out.extend_from_slice(bytes);
+    }
+
+    /// A map entry: its key (field 1) and its value's message (field 2).
+    fn entry(key: &str, value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        field(1, key.as_bytes(), &mut out);
+        field(2, value, &mut out);
+        out
+    }
+
+    fn structure(fields: &Struct) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut sorted: Vec<_> = fields.fields.iter().collect();
+        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (key, value) in sorted {
+            field(1, &entry(key, &self::value(value)), &mut out);
+        }
+        out
+    }
+
+    fn list(list: &ListValue) -> Vec<u8> {
+        let mut out = Vec::new();
+        for item in &list.values {
+            field(1, &value(item), &mut out);
+        }
+        out
+    }
+
+    /// A `Value`: its `kind`, a oneof, written even when it is the default.
+    fn value(value: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        match &value.kind {
+            None => {}
+            Some(Kind::NullValue(null)) => {
+                encode_key(1, WireType::Varint, &mut out);
+                encode_varint(*null as u64, &mut out);
             }
+            Some(Kind::NumberValue(number)) => {
+                encode_key(2, WireType::SixtyFourBit, &mut out);
+                out.extend_from_slice(&number.to_bits().to_le_bytes());
+            }
+            Some(Kind::StringValue(text)) => field(3, text.as_bytes(), &mut out),
+            Some(Kind::BoolValue(b)) => {
+                encode_key(4, WireType::Varint, &mut out);
+                encode_varint(u64::from(*b), &mut out);
+            }
+            Some(Kind::StructValue(fields)) => field(5, &structure(fields), &mut out),
+            Some(Kind::ListValue(items)) => field(6, &list(items), &mut out),
         }
+        out
     }
 }
 
@@ -225,10 +325,11 @@ mod tests {
             "istio": {"workload": "w;ns;w;v1;Kubernetes", "n": 1, "l": [true, null, {"a": "b"}]}}});
         // Decoded twice: two maps, each with its own order.
         let (a, b) = (metadata_of(json.clone()), metadata_of(json));
-        assert_eq!(metadata_digest(&a), metadata_digest(&b));
+        assert_eq!(EncodedMetadata::new(&a), EncodedMetadata::new(&b));
         let first = metadata(&a);
         let second = metadata(&b);
         assert!(Arc::ptr_eq(&first, &second));
+        assert_eq!(*first.decoded(), a, "decodes to what it was made of");
         let other = metadata(&metadata_of(serde_json::json!({"filter_metadata": {
             "istio": {"workload": "x"}}})));
         assert!(!Arc::ptr_eq(&first, &other));
@@ -238,6 +339,27 @@ mod tests {
             weak.upgrade().is_none(),
             "the table holds no strong reference"
         );
+    }
+
+    /// Metadata is kept encoded with its keys in order: two decodes of one document (two
+    /// hash maps, each in its own order) give the same bytes, which decode to it again.
+    #[test]
+    fn encoded_metadata_is_the_same_bytes_whatever_its_maps_order() {
+        let fields: serde_json::Map<String, serde_json::Value> = (0..16)
+            .map(|i| {
+                (
+                    format!("k{i}"),
+                    serde_json::json!({"n": i, "s": "v", "l": [i, {"x": false}]}),
+                )
+            })
+            .collect();
+        let json = serde_json::json!({"filter_metadata": {"a": fields.clone(), "b": fields}});
+        let decodes: Vec<Metadata> = (0..4).map(|_| metadata_of(json.clone())).collect();
+        let encoded: Vec<EncodedMetadata> = decodes.iter().map(EncodedMetadata::new).collect();
+        for (e, d) in encoded.iter().zip(&decodes) {
+            assert_eq!(*e, encoded[0]);
+            assert_eq!(e.decoded(), d);
+        }
     }
 
     #[test]

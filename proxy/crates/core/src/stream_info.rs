@@ -320,8 +320,8 @@ impl FilterState {
 #[derive(Debug, Clone, Default)]
 pub struct UpstreamInfo {
     pub cluster_name: Option<Arc<str>>,
-    pub cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
-    pub host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub cluster_metadata: Option<Arc<crate::interned::EncodedMetadata>>,
+    pub host_metadata: Option<Arc<crate::interned::EncodedMetadata>>,
     /// The upstream TLS session: the server's SANs as `peer_*`, ours as `local_uri_sans`.
     pub tls: Option<Tls>,
     pub filter_state: FilterState,
@@ -415,7 +415,7 @@ pub struct StreamInfo {
     pub response_code_details: Option<String>,
     pub response_flags: Vec<ResponseFlag>,
     pub upstream_cluster: Option<Arc<str>>,
-    pub upstream_cluster_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub upstream_cluster_metadata: Option<Arc<crate::interned::EncodedMetadata>>,
     pub upstream_host: Option<SocketAddr>,
     /// The upstream TLS session's URI SANs: the server's, and those of the certificate
     /// shunt presented (Istio's destination and source principals on the client side).

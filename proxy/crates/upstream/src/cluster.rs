@@ -111,7 +111,7 @@ pub struct ClusterConfig {
     /// `transport_socket` when it is `internal_upstream`: the metadata it passes.
     pub passthrough: Option<Arc<shunt_tls::internal_upstream::Passthrough>>,
     /// The cluster's `metadata` (for `internal_upstream`'s cluster sources).
-    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
     /// ORIGINAL_DST's `original_dst_lb_config.upstream_port_override`.
     pub port_override: Option<u16>,
     /// The ALPN protocol of the cluster's upstream metadata exchange filter
@@ -173,7 +173,7 @@ pub struct Cluster {
     pub transport_socket_matches: Arc<[shunt_tls::transport_socket::SocketMatch]>,
     /// See [`ClusterConfig::passthrough`].
     pub passthrough: Option<Arc<shunt_tls::internal_upstream::Passthrough>>,
-    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
     pub port_override: Option<u16>,
     /// See [`ClusterConfig::metadata_exchange`].
     pub metadata_exchange: Option<Arc<str>>,

@@ -253,7 +253,7 @@ struct Endpoint {
     socket_match: Option<Arc<shunt_tls::transport_socket::MatchMetadata>>,
     /// `envoy_internal_address` (then `host` is empty and `port` 0).
     internal: Option<super::internal::InternalAddress>,
-    metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
 }
 
 /// Compiles one cluster for a pod whose stats are in `stats`; the paths of endpoints

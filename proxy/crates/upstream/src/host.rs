@@ -33,7 +33,7 @@ pub struct Host {
     /// stand-in (see [`super::internal::InternalAddress::synthetic`]).
     pub internal: Option<Arc<super::internal::InternalAddress>>,
     /// The endpoint's metadata, for `internal_upstream`'s `passthrough_metadata`.
-    pub metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    pub metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
     health: AtomicU8,
     /// Upstream connections open now (LEAST_REQUEST's "active requests" for TCP).
     active: AtomicU32,
@@ -110,7 +110,7 @@ impl Host {
 
     pub fn with_metadata(
         mut self,
-        metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+        metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
     ) -> Self {
         self.metadata = metadata;
         self

@@ -7,6 +7,8 @@
 use std::io;
 use std::sync::Arc;
 
+use shunt_core::interned::EncodedMetadata;
+
 use super::Cluster;
 use super::cluster::UpstreamConnection;
 use super::host::Host;
@@ -98,7 +100,13 @@ pub async fn connect_with(
         }
         let metadata = passthrough
             .as_deref()
-            .map(|p| p.collect(cluster.metadata.as_deref(), host.metadata.as_deref()))
+            .map(|p| {
+                let (of_cluster, of_host) = (&cluster.metadata, &host.metadata);
+                p.collect(
+                    EncodedMetadata::of(of_cluster),
+                    EncodedMetadata::of(of_host),
+                )
+            })
             .unwrap_or_default();
         let dial = async { super::internal::connect(internal, metadata, filter_state) };
         let (pipe, guard) = cluster

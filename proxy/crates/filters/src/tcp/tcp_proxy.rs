@@ -117,7 +117,7 @@ fn report(entry: &mut Entry, connection: &Option<Arc<Connection>>, flag: Respons
 struct Connected {
     stream: TransportStream,
     active: Box<dyn Send>,
-    host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+    host_metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
     tls: Option<shunt_core::stream_info::Tls>,
 }
 
@@ -380,7 +380,7 @@ impl TcpProxy {
     async fn upstream_info(
         &self,
         cluster: &Arc<shunt_upstream::Cluster>,
-        host_metadata: Option<Arc<envoy_types::pb::envoy::config::core::v3::Metadata>>,
+        host_metadata: Option<Arc<shunt_core::interned::EncodedMetadata>>,
         tls: Option<shunt_core::stream_info::Tls>,
         upstream: TransportStream,
         connection: Option<Arc<shunt_core::stream_info::Connection>>,

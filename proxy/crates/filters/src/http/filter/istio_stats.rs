@@ -141,9 +141,7 @@ impl HttpFilter for Active {
         } else {
             shunt_core::istio_stats::downstream_principals(&info.connection)
         };
-        let service = info
-            .upstream_cluster_metadata
-            .as_deref()
+        let service = shunt_core::interned::EncodedMetadata::of(&info.upstream_cluster_metadata)
             .and_then(shunt_core::istio_stats::cluster_service);
         let obs = Observation {
             peer,

@@ -5,6 +5,7 @@
 //! never is: `istio_tcp_connections_opened_total` then, the byte counters and
 //! `istio_tcp_connections_closed_total` at close.
 
+use shunt_core::interned::EncodedMetadata;
 use std::sync::Arc;
 
 use envoy_types::pb::google::protobuf::Any;
@@ -93,10 +94,10 @@ impl Active {
             shunt_core::istio_stats::downstream_principals(connection)
         };
         let endpoint = upstream
-            .and_then(|u| u.host_metadata.as_deref())
+            .and_then(|u| EncodedMetadata::of(&u.host_metadata))
             .and_then(shunt_core::istio_stats::endpoint_workload);
         let service = upstream
-            .and_then(|u| u.cluster_metadata.as_deref())
+            .and_then(|u| EncodedMetadata::of(&u.cluster_metadata))
             .and_then(shunt_core::istio_stats::cluster_service);
         let obs = Observation {
             peer,
