@@ -34,6 +34,7 @@ pub const CRATES: &[(&str, Layers)] = &[
         "proxy/crates/core/src",
         &[
             &[
+                "proto",
                 "interned",
                 "stats",
                 "event",

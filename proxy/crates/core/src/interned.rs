@@ -232,79 +232,21 @@ pub fn metadata(metadata: &Metadata) -> Arc<EncodedMetadata> {
 /// Protobuf's encoding of metadata with every map's keys in order (prost writes a map in
 /// its hash order, which differs between two decodes of the same bytes).
 mod canonical {
+    use crate::proto::{encode_struct, map_entry};
     use envoy_types::pb::envoy::config::core::v3::Metadata;
-    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
     use prost::Message;
-    use prost::encoding::{WireType, encode_key, encode_varint};
 
     pub(super) fn metadata(metadata: &Metadata) -> Vec<u8> {
         let mut out = Vec::new();
         let mut filters: Vec<_> = metadata.filter_metadata.iter().collect();
         filters.sort_unstable_by(|a, b| a.0.cmp(b.0));
         for (name, fields) in filters {
-            field(1, &entry(name, &structure(fields)), &mut out);
+            map_entry(1, name, &encode_struct(fields), &mut out);
         }
         let mut typed: Vec<_> = metadata.typed_filter_metadata.iter().collect();
         typed.sort_unstable_by(|a, b| a.0.cmp(b.0));
         for (name, any) in typed {
-            field(2, &entry(name, &any.encode_to_vec()), &mut out);
-        }
-        out
-    }
-
-    /// A length-delimited field.
-    fn field(number: u32, bytes: &[u8], out: &mut Vec<u8>) {
-        encode_key(number, WireType::LengthDelimited, out);
-        encode_varint(bytes.len() as u64, out);
-        out.extend_from_slice(bytes);
-    }
-
-    /// A map entry: its key (field 1) and its value's message (field 2).
-    fn entry(key: &str, value: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        field(1, key.as_bytes(), &mut out);
-        field(2, value, &mut out);
-        out
-    }
-
-    fn structure(fields: &Struct) -> Vec<u8> {
-        let mut out = Vec::new();
-        let mut sorted: Vec<_> = fields.fields.iter().collect();
-        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        for (key, value) in sorted {
-            field(1, &entry(key, &self::value(value)), &mut out);
-        }
-        out
-    }
-
-    fn list(list: &ListValue) -> Vec<u8> {
-        let mut out = Vec::new();
-        for item in &list.values {
-            field(1, &value(item), &mut out);
-        }
-        out
-    }
-
-    /// A `Value`: its `kind`, a oneof, written even when it is the default.
-    fn value(value: &Value) -> Vec<u8> {
-        let mut out = Vec::new();
-        match &value.kind {
-            None => {}
-            Some(Kind::NullValue(null)) => {
-                encode_key(1, WireType::Varint, &mut out);
-                encode_varint(*null as u64, &mut out);
-            }
-            Some(Kind::NumberValue(number)) => {
-                encode_key(2, WireType::SixtyFourBit, &mut out);
-                out.extend_from_slice(&number.to_bits().to_le_bytes());
-            }
-            Some(Kind::StringValue(text)) => field(3, text.as_bytes(), &mut out),
-            Some(Kind::BoolValue(b)) => {
-                encode_key(4, WireType::Varint, &mut out);
-                encode_varint(u64::from(*b), &mut out);
-            }
-            Some(Kind::StructValue(fields)) => field(5, &structure(fields), &mut out),
-            Some(Kind::ListValue(items)) => field(6, &list(items), &mut out),
+            map_entry(2, name, &any.encode_to_vec(), &mut out);
         }
         out
     }

@@ -12,6 +12,7 @@ pub mod formatter;
 pub mod interned;
 pub mod istio_stats;
 pub mod peer;
+pub mod proto;
 pub mod set_filter_state;
 pub mod stats;
 pub mod stream_info;

@@ -14,8 +14,8 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Any, Struct, Value};
 use prost::Message;
 
-use super::proto::{STRUCT_TYPE_URL, encode_any, encode_struct};
 use super::{LocalNode, NodeMetadata};
+use crate::proto::{STRUCT_TYPE_URL, encode_any, encode_struct};
 
 /// The ALPN protocol that asks for the exchange.
 pub const PROTOCOL: &str = "istio-peer-exchange";

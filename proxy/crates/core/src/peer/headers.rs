@@ -9,8 +9,8 @@ use base64::engine::{DecodePaddingMode, general_purpose};
 use envoy_types::pb::google::protobuf::Struct;
 use prost::Message;
 
-use super::proto::encode_struct;
 use super::{NodeMetadata, Workload, WorkloadType};
+use crate::proto::encode_struct;
 
 pub use super::exchange::{METADATA_ID_KEY as METADATA_ID_HEADER, METADATA_KEY as METADATA_HEADER};
 

@@ -12,7 +12,6 @@
 pub mod exchange;
 pub mod filter_state;
 pub mod headers;
-pub mod proto;
 pub mod workload_discovery;
 
 pub use filter_state::PeerInfo;

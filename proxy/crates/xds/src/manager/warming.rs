@@ -142,13 +142,9 @@ impl<'a> Kept<'a> {
 
 /// Whether two served clusters are the same in everything a snapshot reads of them.
 fn same(old: &DynamicCluster, new: &DynamicCluster) -> bool {
-    let ptr_eq = |a: &Option<Arc<str>>, b: &Option<Arc<str>>| match (a, b) {
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-        (a, b) => a == b,
-    };
     old.digest == new.digest
         && old.tracked.last_updated == new.tracked.last_updated
-        && ptr_eq(&old.tracked.version_info, &new.tracked.version_info)
+        && old.tracked.version_info == new.tracked.version_info
         && match (&old.endpoints, &new.endpoints) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             (a, b) => a.is_none() && b.is_none(),

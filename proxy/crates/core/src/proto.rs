@@ -1,8 +1,9 @@
 //! `google.protobuf.Struct` and `Any` encoded as istio-proxy encodes them: protobuf's
 //! deterministic serialization, map entries in key order, each entry with its key and
 //! value written even when empty. prost writes the same message with map entries in hash
-//! order and empty values left out: equal to a parser, but not byte for byte, and the
-//! exchange's bytes are compared in tests against istio-proxy's.
+//! order and empty values left out: equal to a parser, but not byte for byte. The peer
+//! exchange's bytes are compared in tests against istio-proxy's, and metadata kept
+//! encoded (`interned::EncodedMetadata`) is compared and shared by its bytes.
 
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
@@ -17,12 +18,17 @@ pub fn encode_struct(value: &Struct) -> Vec<u8> {
     let mut keys: Vec<&String> = value.fields.keys().collect();
     keys.sort();
     for key in keys {
-        let mut entry = Vec::new();
-        bytes_field(1, key.as_bytes(), &mut entry);
-        bytes_field(2, &encode_value(&value.fields[key]), &mut entry);
-        bytes_field(1, &entry, &mut out);
+        map_entry(1, key, &encode_value(&value.fields[key]), &mut out);
     }
     out
+}
+
+/// An entry of the map field `tag`: its key (field 1) and its value's encoding (field 2).
+pub fn map_entry(tag: u32, key: &str, value: &[u8], out: &mut Vec<u8>) {
+    let mut entry = Vec::new();
+    bytes_field(1, key.as_bytes(), &mut entry);
+    bytes_field(2, value, &mut entry);
+    bytes_field(tag, &entry, out);
 }
 
 /// An `Any` holding `payload` as a `type_url` message (fields left out when empty, as
