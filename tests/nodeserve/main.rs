@@ -112,9 +112,10 @@ fn main() -> anyhow::Result<()> {
         }))
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.workers)
+        .worker_threads(1)
         .enable_all()
         .build()?;
+    shunt::event::workers::start(None, args.workers.max(1), shunt::memory::cache_this_thread)?;
     let options = NodeOptions {
         drain_time: Duration::from_secs(args.drain_time_s),
         fast_path: !args.no_fast_path,

@@ -144,7 +144,7 @@ pub fn run(args: &ProxyArgs, options: &shunt_config::Options) -> anyhow::Result<
         ready: Default::default(),
         flows: None,
     };
-    // With one worker this thread is the worker (`memory`: it caches its frees).
+    // This thread is the first worker (`memory`: it caches its frees).
     shunt_memory::cache_this_thread();
     let instance = ProxyInstance::start(runtime.handle(), inputs)?;
     if let Some(embedded) = &args.embedded {

@@ -24,6 +24,7 @@ mod validate;
 use std::time::Duration;
 
 use anyhow::Context;
+use shunt_core::event::workers;
 
 #[derive(clap::Args, Debug)]
 pub struct ProxyArgs {
@@ -247,45 +248,18 @@ fn drop_privileges(args: &ProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How many tasks a worker polls before it asks epoll for new events. tokio's default
-/// (61) picks up I/O in the middle of a burst of ready streams, so a downstream h2
-/// connection's responses leave in several sends spread over the burst, and each can
-/// find the client asleep and wake it. At 256 a worker mostly runs what is ready and
-/// then waits, as Envoy's (libevent) and haproxy's loops do: under `bench http`'s h2
-/// load the wake-ups shunt causes fall from 0.105 to 0.065 per request (haproxy's
-/// level) and its downstream sends from 0.155 to 0.13; 128 gave 0.07, 512 and 1024
-/// no fewer than 256. With two workers the wake-ups stay at 0.2 either way: there they
-/// come from streams finishing on the other worker.
-const EVENT_INTERVAL: u32 = 256;
-
-/// The runtime connections run on (Envoy's workers); 0 workers means one per CPU.
-/// One worker is one event loop on the thread that runs it, as an Envoy worker: the
-/// multi-threaded scheduler's cross-thread wake-ups and queues cost about a fifth of
-/// the CPU per HTTP request there (`cargo xtask bench http`).
+/// The data plane's workers (Envoy's; `event::workers`), 0 meaning one per CPU: the
+/// first is the runtime returned, which the calling thread drives with `block_on`, the
+/// others run on threads of their own. Every listener accepts on each worker.
 fn data_plane_runtime(concurrency: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     let workers = match concurrency {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    if workers == 1 {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .event_interval(EVENT_INTERVAL)
-            .enable_all()
-            .build()
-            .context("starting the data-plane runtime")?;
-        // The worker's connections hold their small writes to the end of its run of
-        // ready tasks (`event::deferred_write`).
-        runtime.spawn(shunt_core::event::deferred_write::flusher());
-        return Ok(runtime);
-    }
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .event_interval(EVENT_INTERVAL)
-        .thread_name("shunt-worker")
-        .on_thread_start(shunt_memory::cache_this_thread)
-        .enable_all()
-        .build()
-        .context("starting the data-plane runtime")
+    let runtime = workers::runtime().context("starting the data-plane runtime")?;
+    workers::start(Some(&runtime), workers - 1, shunt_memory::cache_this_thread)
+        .context("starting the data plane's workers")?;
+    Ok(runtime)
 }
 
 /// Envoy's main thread: the xDS streams, the compiles of their updates and the

@@ -68,7 +68,7 @@ pub fn run(args: &ProxyArgs) -> anyhow::Result<()> {
         ready: Default::default(),
         flows: None,
     };
-    // With one worker this thread is the worker (`memory`: it caches its frees).
+    // This thread is the first worker (`memory`: it caches its frees).
     shunt_memory::cache_this_thread();
     let instance = ProxyInstance::start(runtime.handle(), inputs)?;
     let result = runtime.block_on(serve(&instance, drain_time));

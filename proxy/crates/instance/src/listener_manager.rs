@@ -12,6 +12,7 @@ use tokio::task::AbortHandle;
 use crate::instance::Shared;
 use crate::local_reply::{self, LocalReply};
 use shunt_core::access_log::Direction;
+use shunt_core::event::workers;
 use shunt_xds::manager::ListenerChange;
 
 /// What a listening socket serves.
@@ -73,14 +74,20 @@ pub enum BoundEvent<'a> {
     Unbound(&'a str, SocketAddr),
 }
 
-/// One socket's accept loop.
+/// One socket's accept loops, one on each worker.
 struct AcceptLoop {
     serves: Serves,
     addr: SocketAddr,
     /// A second handle on the socket: `stop(refuse)` shuts it down at once (an aborted
     /// accept task drops its listener only when the runtime gets to it).
     control: std::net::TcpListener,
-    task: AbortHandle,
+    tasks: Vec<AbortHandle>,
+}
+
+impl AcceptLoop {
+    fn abort(&self) {
+        self.tasks.iter().for_each(AbortHandle::abort);
+    }
 }
 
 /// The sockets an instance accepts on.
@@ -105,11 +112,12 @@ impl ListenerManager {
         }
     }
 
-    /// Starts accepting on `socket` (on the current runtime).
+    /// Starts accepting on `socket`: on every worker (`event::workers`), as each Envoy
+    /// worker listens on every listener, each connection then served on the worker
+    /// that accepted it; on the current runtime in a process without workers.
     pub fn add(&mut self, socket: Socket) -> std::io::Result<()> {
         let control = socket.listener.try_clone()?;
-        let listener = TcpListener::from_std(socket.listener)?;
-        let addr = listener.local_addr().unwrap_or(socket.addr);
+        let addr = socket.listener.local_addr().unwrap_or(socket.addr);
         match &socket.serves {
             Serves::Listener { name, .. } => tracing::info!(listener = %name, %addr, "listening"),
             Serves::Passthrough(direction) => tracing::info!(%direction, %addr, "listening"),
@@ -118,18 +126,33 @@ impl ListenerManager {
         if let (Some(name), Some(on_bound)) = (socket.serves.name(), &self.on_bound) {
             on_bound(BoundEvent::Bound(name, addr));
         }
-        let task = tokio::spawn(accept_loop(
-            listener,
-            socket.serves.clone(),
-            addr,
-            self.shared.clone(),
-        ))
-        .abort_handle();
+        let workers = workers::handles();
+        let tasks = if workers.is_empty() {
+            let listener = TcpListener::from_std(socket.listener)?;
+            let serving = accept_loop(listener, socket.serves.clone(), addr, self.shared.clone());
+            vec![tokio::spawn(serving).abort_handle()]
+        } else {
+            let mut tasks = Vec::with_capacity(workers.len());
+            for worker in workers {
+                // The same socket in each worker's epoll: whichever is free takes the
+                // next connection, the others find nothing to accept.
+                let listener = socket.listener.try_clone()?;
+                let (serves, shared) = (socket.serves.clone(), self.shared.clone());
+                let task = worker.spawn(async move {
+                    match TcpListener::from_std(listener) {
+                        Ok(listener) => accept_loop(listener, serves, addr, shared).await,
+                        Err(err) => tracing::error!(serves = ?serves, %addr, %err, "a worker cannot accept on the socket"),
+                    }
+                });
+                tasks.push(task.abort_handle());
+            }
+            tasks
+        };
         self.loops.push(AcceptLoop {
             serves: socket.serves,
             addr: socket.addr,
             control,
-            task,
+            tasks,
         });
         Ok(())
     }
@@ -142,7 +165,7 @@ impl ListenerManager {
             self.loops.retain(|l| {
                 let gone = l.serves.name() == Some(name) && l.addr == *addr;
                 if gone {
-                    l.task.abort();
+                    l.abort();
                     tracing::info!(listener = %name, %addr, "listener removed: no longer accepting");
                 }
                 !gone
@@ -183,7 +206,7 @@ impl ListenerManager {
         self.loops.retain(|l| {
             let close = !inbound_only || l.serves.direction() == Direction::Inbound;
             if close {
-                l.task.abort();
+                l.abort();
                 tracing::info!(serves = ?l.serves, addr = %l.addr, "no longer accepting");
             }
             !close
@@ -195,7 +218,7 @@ impl ListenerManager {
     /// they stay open in whoever else holds them (an upgrade's new process).
     pub fn stop(&mut self, refuse: bool) {
         for l in self.loops.drain(..) {
-            l.task.abort();
+            l.abort();
             if refuse {
                 let _ = socket2::SockRef::from(&l.control).shutdown(std::net::Shutdown::Both);
             }

@@ -402,17 +402,25 @@ impl Pools {
 }
 
 impl HostPool {
-    /// An idle connection still open, newest first (the likeliest to be); those the
-    /// upstream closed are dropped.
+    /// An idle connection still open, newest first (the likeliest to be), opened on
+    /// this worker if one was (as Envoy's pools are per worker): another worker's
+    /// would be woken by that worker's event loop, one thread wake-up more each time.
+    /// Those the upstream closed are dropped.
     fn take_idle(&self) -> Option<(http1::Connection, Session)> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let mut cx = Context::from_waker(Waker::noop());
-        while let Some((mut connection, session)) = idle.connections.pop() {
+        let here = shunt_core::event::workers::current();
+        loop {
+            let connections = &mut idle.connections;
+            let at = connections
+                .iter()
+                .rposition(|(c, _)| c.worker() == here)
+                .or(connections.len().checked_sub(1))?;
+            let (mut connection, session) = connections.remove(at);
             if connection.poll_unusable(&mut cx).is_pending() {
                 return Some((connection, session));
             }
         }
-        None
     }
 
     /// A connection whose response was read to its end, back for the next request.

@@ -132,13 +132,20 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         resolv_conf: args.dns_resolv_conf.clone(),
         ..DnsOptions::default()
     });
+    // The node's main thread (Envoy's): enrollment, every pod's xDS and compiles. The
+    // pods' connections run on the workers, where their listeners accept.
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.concurrency.max(1))
+        .worker_threads(1)
         .thread_name("shunt-node")
-        .on_thread_start(shunt_memory::cache_this_thread)
         .enable_all()
         .build()
         .context("starting the node's runtime")?;
+    shunt_core::event::workers::start(
+        None,
+        args.concurrency.max(1),
+        shunt_memory::cache_this_thread,
+    )
+    .context("starting the node's workers")?;
     let options = NodeOptions {
         fast_path: !args.no_fast_path,
         dns,
@@ -267,7 +274,7 @@ pub struct ServeArgs {
     /// Namespaces whose pods fail open whatever --failure-policy says (comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub fail_open_namespaces: Vec<String>,
-    /// Worker threads of the runtime every pod's proxy shares.
+    /// Worker threads every pod's connections share (Envoy's `--concurrency`).
     #[arg(long, default_value_t = 2)]
     pub concurrency: usize,
     /// Log filter (`info`, `shunt=debug`, ...).

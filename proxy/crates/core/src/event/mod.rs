@@ -3,6 +3,7 @@
 
 pub mod counted;
 pub mod deferred_write;
+pub mod workers;
 pub mod write;
 
 use std::future::Future;

@@ -94,6 +94,8 @@ pub struct Connection {
     /// The request's bytes still to write, in order: head, data, chunk framing.
     queue: Vec<Bytes>,
     held: Held,
+    /// The worker whose event loop watches its socket (`event::workers`).
+    worker: Option<usize>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -125,7 +127,13 @@ impl Connection {
             write: BytesMut::new(),
             queue: Vec::new(),
             held,
+            worker: shunt_core::event::workers::current(),
         }
+    }
+
+    /// The worker it was opened on: its socket's events reach that worker first.
+    pub fn worker(&self) -> Option<usize> {
+        self.worker
     }
 
     /// Whether an idle connection can no longer carry a request: the upstream closed it

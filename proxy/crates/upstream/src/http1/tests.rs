@@ -467,3 +467,64 @@ async fn cookie_fields_go_as_one_line_joined_with_semicolons() {
     assert_eq!(cookies, ["cookie: a=1; b=2; c=3"], "{head}");
     assert!(head.contains("x-after: z\r\n"), "{head}");
 }
+
+#[test]
+fn each_worker_takes_back_the_connections_it_opened() {
+    use shunt_core::event::workers;
+    // The one test of this process that starts workers (once per process).
+    workers::start(None, 2, || {}).unwrap();
+    let peers = tokio::runtime::Runtime::new().unwrap();
+    // Each response's body is the client port of the connection it came on.
+    let (address, accepted) = peers.block_on(upstream(|mut stream| async move {
+        let port = stream.peer_addr().unwrap().port().to_string();
+        loop {
+            if read_request(&mut stream, 0).await.is_empty() {
+                return;
+            }
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", port.len());
+            if stream.write_all((head + &port).as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    }));
+    let (cluster, host) = cluster(address);
+    let here = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    fn on<T: Send + 'static>(
+        here: &tokio::runtime::Runtime,
+        worker: usize,
+        job: impl Future<Output = T> + Send + 'static,
+    ) -> T {
+        here.block_on(workers::handles()[worker].spawn(job))
+            .unwrap()
+    }
+    // One port a request went out on.
+    let port = |sender: Sender| async move {
+        let response = sender.send(get("/")).await.unwrap();
+        body_of(response.into_body()).await.0
+    };
+    // Both workers open a connection while the other's is taken.
+    let (first, opened) = (cluster.clone(), host.clone());
+    let held0 = on(&here, 0, async move { checkout(&first, &opened).await });
+    let (first, opened) = (cluster.clone(), host.clone());
+    let held1 = on(&here, 1, async move { checkout(&first, &opened).await });
+    assert!(!held0.reused() && !held1.reused());
+    // Worker 1's goes back last: the newest idle one.
+    let port0 = here.block_on(port(held0));
+    let port1 = here.block_on(port(held1));
+    assert_ne!(port0, port1);
+    for _ in 0..3 {
+        for (worker, opened_by) in [(0, &port0), (1, &port1)] {
+            let (cluster, host) = (cluster.clone(), host.clone());
+            let sender = on(
+                &here,
+                worker,
+                async move { checkout(&cluster, &host).await },
+            );
+            assert!(sender.reused());
+            assert_eq!(&here.block_on(port(sender)), opened_by, "worker {worker}");
+        }
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
