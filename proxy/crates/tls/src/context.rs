@@ -28,6 +28,7 @@ use super::secret::{
     self, Secret, SecretKind, TlsCertificate, ValidationContext, compile_certificate,
     compile_validation_context,
 };
+use super::stream::Tcp;
 use super::verifier::{DownstreamVerifier, UpstreamVerifier};
 use shunt_config::{Diagnostics, JsonPath};
 
@@ -593,10 +594,10 @@ impl DownstreamTls {
         &self,
         stream: TcpStream,
         secrets: &Secrets,
-    ) -> Result<tokio_rustls::server::TlsStream<TcpStream>, HandshakeError> {
+    ) -> Result<tokio_rustls::server::TlsStream<Tcp>, HandshakeError> {
         let configs = self.server_configs(secrets)?;
         let acceptor = rustls::server::Acceptor::default();
-        let start = tokio_rustls::LazyConfigAcceptor::new(acceptor, stream).await?;
+        let start = tokio_rustls::LazyConfigAcceptor::new(acceptor, Tcp::new(stream)).await?;
         // BoringSSL (Envoy) goes on without ALPN when the client offers none of ours;
         // rustls would fail the handshake. Istio's peers offer `istio-peer-exchange`
         // and `istio` to listeners that may list only h2 and http/1.1.
@@ -744,7 +745,7 @@ impl UpstreamTls {
         secrets: &Secrets,
         alpn: Option<&[String]>,
         fallback: Option<&str>,
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, HandshakeError> {
+    ) -> Result<tokio_rustls::client::TlsStream<Tcp>, HandshakeError> {
         let mut config = self.client_config(secrets)?;
         let offered: Option<Vec<Vec<u8>>> = match alpn.filter(|a| !a.is_empty()) {
             Some(list) => Some(list.iter().map(|p| p.as_bytes().to_vec()).collect()),
@@ -763,7 +764,7 @@ impl UpstreamTls {
             .clone()
             .unwrap_or_else(|| ServerName::IpAddress(host.ip().into()));
         Ok(tokio_rustls::TlsConnector::from(config)
-            .connect(name, stream)
+            .connect(name, Tcp::new(stream))
             .await?)
     }
 }

@@ -742,3 +742,63 @@ fn wildcard_dns_sans_cover_one_label() {
     assert!(san::dns_covers("Server.Test", "server.test"));
     assert!(!san::dns_covers("server.test", "other.test"));
 }
+
+#[tokio::test]
+async fn on_a_deferring_worker_a_sessions_records_leave_when_the_run_ends() {
+    // This test's thread becomes a worker that defers writes (`event::deferred_write`).
+    tokio::spawn(shunt_core::event::deferred_write::flusher());
+    tokio::task::yield_now().await;
+    let pki = Pki::new();
+    let server = downstream(json!({"common_tls_context": {
+        "tls_certificates": [certificate(&pki, "server")]}}))
+    .unwrap();
+    let client = upstream(json!({"sni": "server.test", "common_tls_context": {
+        "validation_context": {"trusted_ca": {"filename": pki.path("ca.pem")}}}}))
+    .unwrap();
+    let none = Secrets::new();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (served, called) = tokio::join!(
+        async {
+            server
+                .accept(listener.accept().await.unwrap().0, &none)
+                .await
+        },
+        async {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            client.connect(tcp, addr, &none, None, None).await
+        }
+    );
+    let (mut served, called) = (served.unwrap(), called.unwrap());
+    // The client's raw socket, read under its session: what has arrived so far.
+    let raw = called.get_ref().0.tcp();
+    let arrived = || {
+        let mut got = vec![0; 64 * 1024];
+        match raw.try_read(&mut got) {
+            Ok(n) => got.truncate(n),
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => got.clear(),
+            Err(err) => panic!("read: {err}"),
+        }
+        got
+    };
+    // The server's session tickets, sent after the handshake.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    arrived();
+    // A response's head, then its body: two records.
+    served.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+    served.write_all(b"body").await.unwrap();
+    served.flush().await.unwrap();
+    assert_eq!(arrived(), b"", "a record left before the run ended");
+    tokio::task::yield_now().await;
+    raw.readable().await.unwrap();
+    let records = arrived();
+    // Each: a 5-byte header, the text, its content type and a 16-byte tag.
+    let sizes = [19, 4].map(|text| 5 + text + 1 + 16);
+    assert_eq!(
+        records.len(),
+        sizes.iter().sum::<usize>(),
+        "both records at once"
+    );
+    assert_eq!(records[0], 0x17, "application data");
+    assert_eq!(records[sizes[0]], 0x17, "application data");
+}
