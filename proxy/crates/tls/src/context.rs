@@ -28,7 +28,7 @@ use super::secret::{
     self, Secret, SecretKind, TlsCertificate, ValidationContext, compile_certificate,
     compile_validation_context,
 };
-use super::stream::Tcp;
+use super::stream::TransportStream;
 use super::verifier::{DownstreamVerifier, UpstreamVerifier};
 use shunt_config::{Diagnostics, JsonPath};
 
@@ -594,10 +594,12 @@ impl DownstreamTls {
         &self,
         stream: TcpStream,
         secrets: &Secrets,
-    ) -> Result<tokio_rustls::server::TlsStream<Tcp>, HandshakeError> {
+    ) -> Result<tokio_rustls::server::TlsStream<TransportStream>, HandshakeError> {
         let configs = self.server_configs(secrets)?;
         let acceptor = rustls::server::Acceptor::default();
-        let start = tokio_rustls::LazyConfigAcceptor::new(acceptor, Tcp::new(stream)).await?;
+        let start =
+            tokio_rustls::LazyConfigAcceptor::new(acceptor, TransportStream::under_tls(stream))
+                .await?;
         // BoringSSL (Envoy) goes on without ALPN when the client offers none of ours;
         // rustls would fail the handshake. Istio's peers offer `istio-peer-exchange`
         // and `istio` to listeners that may list only h2 and http/1.1.
@@ -745,7 +747,7 @@ impl UpstreamTls {
         secrets: &Secrets,
         alpn: Option<&[String]>,
         fallback: Option<&str>,
-    ) -> Result<tokio_rustls::client::TlsStream<Tcp>, HandshakeError> {
+    ) -> Result<tokio_rustls::client::TlsStream<TransportStream>, HandshakeError> {
         let mut config = self.client_config(secrets)?;
         let offered: Option<Vec<Vec<u8>>> = match alpn.filter(|a| !a.is_empty()) {
             Some(list) => Some(list.iter().map(|p| p.as_bytes().to_vec()).collect()),
@@ -764,7 +766,7 @@ impl UpstreamTls {
             .clone()
             .unwrap_or_else(|| ServerName::IpAddress(host.ip().into()));
         Ok(tokio_rustls::TlsConnector::from(config)
-            .connect(name, Tcp::new(stream))
+            .connect(name, TransportStream::under_tls(stream))
             .await?)
     }
 }

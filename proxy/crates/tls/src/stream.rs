@@ -27,7 +27,8 @@ pub enum TransportStream {
     /// A raw stream whose writes leave at the end of the worker's run (HTTP's codecs:
     /// see `event::deferred_write`).
     Deferred(DeferredWrite),
-    Tls(Box<TlsStream<Tcp>>),
+    /// Over a raw or deferred stream (see [`TransportStream::under_tls`]).
+    Tls(Box<TlsStream<TransportStream>>),
     /// No socket underneath: bytes move within the process.
     InProcess(Box<dyn InProcessStream>),
 }
@@ -48,14 +49,14 @@ impl std::fmt::Debug for TransportStream {
     }
 }
 
-impl From<tokio_rustls::server::TlsStream<Tcp>> for TransportStream {
-    fn from(tls: tokio_rustls::server::TlsStream<Tcp>) -> Self {
+impl From<tokio_rustls::server::TlsStream<TransportStream>> for TransportStream {
+    fn from(tls: tokio_rustls::server::TlsStream<TransportStream>) -> Self {
         TransportStream::Tls(Box::new(TlsStream::Server(tls)))
     }
 }
 
-impl From<tokio_rustls::client::TlsStream<Tcp>> for TransportStream {
-    fn from(tls: tokio_rustls::client::TlsStream<Tcp>) -> Self {
+impl From<tokio_rustls::client::TlsStream<TransportStream>> for TransportStream {
+    fn from(tls: tokio_rustls::client::TlsStream<TransportStream>) -> Self {
         TransportStream::Tls(Box::new(TlsStream::Client(tls)))
     }
 }
@@ -78,12 +79,20 @@ impl TransportStream {
         }
     }
 
+    /// The socket under a TLS session: deferred on a worker that defers writes, as a raw
+    /// HTTP stream is, so a session's records wait for the end of the worker's run too
+    /// (a response's head and body, written one after the other, then leave in one send
+    /// instead of two, each of which could wake the peer).
+    pub fn under_tls(tcp: TcpStream) -> Self {
+        TransportStream::Raw(tcp).defer_writes()
+    }
+
     /// The TCP socket underneath; `None` in process.
     pub fn tcp(&self) -> Option<&TcpStream> {
         match self {
             TransportStream::Raw(tcp) => Some(tcp),
             TransportStream::Deferred(s) => Some(s.tcp()),
-            TransportStream::Tls(tls) => Some(tls.get_ref().0.tcp()),
+            TransportStream::Tls(tls) => tls.get_ref().0.tcp(),
             TransportStream::InProcess(_) => None,
         }
     }
@@ -251,97 +260,6 @@ impl AsyncWrite for TransportStream {
             TransportStream::Deferred(s) => Pin::new(s).poll_shutdown(cx),
             TransportStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             TransportStream::InProcess(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
-
-/// The TCP socket under a TLS session. On a worker that defers writes
-/// (`event::deferred_write`) its records wait for the end of the worker's run, as a raw
-/// HTTP stream's bytes do: a response's head and body, written one after the other,
-/// then leave in one send instead of two records in two, each of which could wake the
-/// peer.
-pub enum Tcp {
-    Raw(TcpStream),
-    Deferred(DeferredWrite),
-}
-
-impl Tcp {
-    pub fn new(tcp: TcpStream) -> Self {
-        if shunt_core::event::deferred_write::defers_here() {
-            Tcp::Deferred(DeferredWrite::new(tcp))
-        } else {
-            Tcp::Raw(tcp)
-        }
-    }
-
-    pub fn tcp(&self) -> &TcpStream {
-        match self {
-            Tcp::Raw(tcp) => tcp,
-            Tcp::Deferred(s) => s.tcp(),
-        }
-    }
-}
-
-impl std::fmt::Debug for Tcp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.tcp().fmt(f)
-    }
-}
-
-impl AsyncRead for Tcp {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Tcp::Raw(s) => Pin::new(s).poll_read(cx, buf),
-            Tcp::Deferred(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Tcp {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Tcp::Raw(s) => Pin::new(s).poll_write(cx, buf),
-            Tcp::Deferred(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Tcp::Raw(s) => shunt_core::event::write::poll_write_vectored(s, cx, bufs),
-            Tcp::Deferred(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Tcp::Raw(s) => s.is_write_vectored(),
-            Tcp::Deferred(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Tcp::Raw(s) => Pin::new(s).poll_flush(cx),
-            Tcp::Deferred(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Tcp::Raw(s) => Pin::new(s).poll_shutdown(cx),
-            Tcp::Deferred(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }

@@ -771,7 +771,7 @@ async fn on_a_deferring_worker_a_sessions_records_leave_when_the_run_ends() {
     );
     let (mut served, called) = (served.unwrap(), called.unwrap());
     // The client's raw socket, read under its session: what has arrived so far.
-    let raw = called.get_ref().0.tcp();
+    let raw = called.get_ref().0.tcp().unwrap();
     let arrived = || {
         let mut got = vec![0; 64 * 1024];
         match raw.try_read(&mut got) {

@@ -161,7 +161,7 @@ mod tests {
 
     /// A TLS client, the proxy's copy (TLS downstream, raw upstream) and a plain server.
     struct Proxied {
-        client: tokio_rustls::client::TlsStream<shunt_tls::stream::Tcp>,
+        client: tokio_rustls::client::TlsStream<shunt_tls::stream::TransportStream>,
         server: TcpStream,
         outcome: tokio::task::JoinHandle<Outcome>,
         _pki: Pki,
