@@ -126,28 +126,33 @@ impl ListenerManager {
         if let (Some(name), Some(on_bound)) = (socket.serves.name(), &self.on_bound) {
             on_bound(BoundEvent::Bound(name, addr));
         }
-        let workers = workers::handles();
-        let tasks = if workers.is_empty() {
-            let listener = TcpListener::from_std(socket.listener)?;
-            let serving = accept_loop(listener, socket.serves.clone(), addr, self.shared.clone());
-            vec![tokio::spawn(serving).abort_handle()]
-        } else {
-            let mut tasks = Vec::with_capacity(workers.len());
-            for worker in workers {
-                // The same socket in each worker's epoll: whichever is free takes the
-                // next connection, the others find nothing to accept.
-                let listener = socket.listener.try_clone()?;
-                let (serves, shared) = (socket.serves.clone(), self.shared.clone());
-                let task = worker.spawn(async move {
-                    match TcpListener::from_std(listener) {
-                        Ok(listener) => accept_loop(listener, serves, addr, shared).await,
-                        Err(err) => tracing::error!(serves = ?serves, %addr, %err, "a worker cannot accept on the socket"),
-                    }
-                });
-                tasks.push(task.abort_handle());
+        let current;
+        let workers = match workers::handles() {
+            [] => {
+                current = [tokio::runtime::Handle::current()];
+                &current[..]
             }
-            tasks
+            all => all,
         };
+        let mut tasks = Vec::with_capacity(workers.len());
+        for worker in workers {
+            // The same socket in each worker's epoll: whichever is free takes the next
+            // connection, the others find nothing to accept.
+            let registered = socket.listener.try_clone().and_then(|listener| {
+                let _in = worker.enter();
+                TcpListener::from_std(listener)
+            });
+            let listener = match registered {
+                Ok(listener) => listener,
+                Err(err) => {
+                    // Not half-started: the workers already accepting stop.
+                    tasks.iter().for_each(AbortHandle::abort);
+                    return Err(err);
+                }
+            };
+            let serving = accept_loop(listener, socket.serves.clone(), addr, self.shared.clone());
+            tasks.push(worker.spawn(serving).abort_handle());
+        }
         self.loops.push(AcceptLoop {
             serves: socket.serves,
             addr: socket.addr,
