@@ -836,27 +836,35 @@ fn a_flood_with_events_on_never_blocks_and_what_the_ring_cannot_hold_is_counted(
     let dropped_before = inspect_json(&capture)["events"]["dropped"]
         .as_u64()
         .unwrap();
-    let report = run_ok(
-        a.command(testapp_bin())
-            .uid(APP_UID)
-            .gid(APP_UID)
-            .arg("bench-connect")
-            .arg(local(APP_PORT).to_string())
-            .args([
-                "--duration-ms",
-                "2500",
-                "--concurrency",
-                "2",
-                "--payload",
-                "0",
-            ]),
-    );
-    let report: Value = serde_json::from_str(report.trim()).expect("bench-connect report");
-    let connections = report["connections"].as_u64().unwrap();
-    assert_eq!(report["errors"].as_u64().unwrap_or(0), 0, "{report}");
+    // Floods of 2.5 s until the ring is outgrown twice over: how many one flood makes
+    // depends on how busy the machine is.
+    let mut connections = 0;
+    for _ in 0..8 {
+        let report = run_ok(
+            a.command(testapp_bin())
+                .uid(APP_UID)
+                .gid(APP_UID)
+                .arg("bench-connect")
+                .arg(local(APP_PORT).to_string())
+                .args([
+                    "--duration-ms",
+                    "2500",
+                    "--concurrency",
+                    "2",
+                    "--payload",
+                    "0",
+                ]),
+        );
+        let report: Value = serde_json::from_str(report.trim()).expect("bench-connect report");
+        assert_eq!(report["errors"].as_u64().unwrap_or(0), 0, "{report}");
+        connections += report["connections"].as_u64().unwrap();
+        if connections > 2 * RING_RECORDS {
+            break;
+        }
+    }
     assert!(
         connections > RING_RECORDS,
-        "the flood must outgrow the ring: {report}"
+        "the flood must outgrow the ring: {connections} connections"
     );
     let after = capture.pod_counters(&a);
     let counted = after["skip_app_local"] - before.get("skip_app_local").copied().unwrap_or(0);
